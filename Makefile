@@ -1,0 +1,24 @@
+# Two commands do all set-up on a fresh machine: `make demo` runs the main job, `make test` the tests.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+.PHONY: install demo test lint bench
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -e '.[runtime,dev]'
+	rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/nereus plan examples/ppo_8b_h100.yaml --gpus 64
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/plan_search.py

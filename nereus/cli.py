@@ -1,0 +1,91 @@
+"""`nereus` command line: plan and estimate (more subcommands land with their features)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from nereus.spec.errors import InfeasibleError, SpecError
+
+
+def _load(args: argparse.Namespace):
+    from nereus.spec.job import load_job
+
+    job = load_job(args.job)
+    if getattr(args, "gpus", None):
+        job = job.with_gpus(args.gpus)
+    return job
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from nereus.cost.hardware import Hardware
+    from nereus.planner.explain import explain_text, result_json
+    from nereus.planner.search import search
+
+    job = _load(args)
+    result = search(Hardware(job.cluster), job)
+    if args.json:
+        print(json.dumps(result_json(job, result), indent=1))
+    else:
+        print(explain_text(job, result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result_json(job, result), indent=1))
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from nereus.cost.hardware import Hardware
+    from nereus.cost.plan_cost import estimate_plan
+    from nereus.planner.explain import estimate_text
+    from nereus.planner.layouts import plan_from_layout, read_plan_file
+
+    job = _load(args)
+    hw = Hardware(job.cluster)
+    if args.plan:
+        plan = read_plan_file(args.plan)
+    elif args.layout:
+        plan = plan_from_layout(hw, job, args.layout)
+    else:
+        raise SpecError("--plan", "give a plan file (as `nereus plan --json` writes) or, for a training-only "
+                                  "job, --layout tp=..,pp=..")
+    est = estimate_plan(hw, job, plan)
+    if args.json:
+        print(json.dumps({"plan": plan.to_dict(), **est.to_dict()}, indent=1))
+    else:
+        print("\n".join(estimate_text(job, est, {str(p.model_stage): p.gpus for p in plan.placements})))
+    return 0 if est.feasible else 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nereus", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="search a memory-feasible global plan and explain it")
+    p.add_argument("job", help="job spec (YAML)")
+    p.add_argument("--gpus", type=int, help="plan for this many GPUs instead of the spec's cluster size")
+    p.add_argument("--json", action="store_true", help="print JSON (plan, step_time_s, per-stage, memory)")
+    p.add_argument("--out", help="also write the JSON to this file")
+    p.set_defaults(func=cmd_plan)
+    e = sub.add_parser("estimate", help="predict step time and memory of a given plan")
+    e.add_argument("job", help="job spec (YAML)")
+    e.add_argument("--plan", help="plan file in the format `nereus plan --json` writes")
+    e.add_argument("--layout", help="training-only jobs: tp=..,pp=..[,dp=..,micro_batch_size=..,interleave=..]")
+    e.add_argument("--gpus", type=int, help="cluster size to assume")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_estimate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (SpecError, InfeasibleError) as err:
+        print(f"nereus: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

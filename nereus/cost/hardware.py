@@ -1,0 +1,99 @@
+"""Achieved-efficiency priors and the time of basic operations on one cluster (compute, HBM, links).
+
+The same priors apply to every model and layout (they are properties of the hardware and libraries, not
+of a job); calibration (``nereus.cost.calibration``) corrects them per term from measured step times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from nereus.spec.cluster import ClusterSpec
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Priors:
+    # Dense bf16 GEMMs of transformer shapes reach 70–80% of datasheet peak with cuBLAS on A100/H100
+    # (NVIDIA "Matrix Multiplication Background" user guide; Narayanan et al. 2021 report 52% of peak for
+    # the whole model at scale, GEMMs included with everything else).
+    gemm_efficiency: float = 0.75
+    # Streaming kernels (norms, activations, dropout, softmax, residual adds, decode weight/KV reads)
+    # achieve ~80% of HBM peak (STREAM-like triad measurements on A100/H100).
+    hbm_efficiency: float = 0.8
+    # NCCL bus bandwidth reaches ~75-85% of the link rate for large messages (nccl-tests on DGX A100/H100).
+    intra_link_efficiency: float = 0.8
+    inter_link_efficiency: float = 0.8
+    # Latency per ring step of a collective (alpha of the alpha-beta model), seconds.
+    intra_latency_s: float = 3e-6
+    inter_latency_s: float = 8e-6
+    # Fixed cost of one decode iteration of an inference engine: scheduling, sampling, launch (vLLM-like).
+    decode_step_overhead_s: float = 1e-3
+    # Device memory no model can use: CUDA context, NCCL buffers, allocator fragmentation.
+    reserved_bytes: float = 2 * GIB  # capped at 10% of a small device (see Hardware.usable_bytes)
+    # Fraction of free device memory an inference engine gives to its KV cache (vLLM's default 0.9).
+    kv_memory_fraction: float = 0.9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A cluster plus priors; every method returns seconds."""
+
+    cluster: ClusterSpec
+    priors: Priors = field(default_factory=Priors)
+
+    @property
+    def capacity_bytes(self) -> float:
+        return self.cluster.gpu.memory_bytes
+
+    def usable_bytes(self) -> float:
+        capacity = self.cluster.gpu.memory_bytes
+        return capacity - min(self.priors.reserved_bytes, 0.1 * capacity)
+
+    def compute_time(self, flops: float) -> float:
+        return flops / (self.cluster.gpu.peak_flops * self.priors.gemm_efficiency)
+
+    def hbm_time(self, nbytes: float) -> float:
+        return nbytes / (self.cluster.gpu.hbm_bytes_per_s * self.priors.hbm_efficiency)
+
+    def group_bandwidth(self, size: int, stride: int) -> tuple[float, float]:
+        """Bus bandwidth (bytes/s) and per-step latency of a group of ``size`` ranks ``stride`` GPUs apart.
+
+        Inside one node the group uses NVLink. Across nodes NCCL runs one ring per NIC, so a node's
+        members of the group together drive ``members_per_node`` NICs: bus bandwidth is that many
+        times one NIC's rate, capped by NVLink (NCCL's ring/tree algorithms; nccl-tests' busbw).
+        """
+        gpn = self.cluster.gpus_per_node
+        p = self.priors
+        intra = self.cluster.gpu.intra_node_bytes_per_s * p.intra_link_efficiency
+        span = size * stride
+        if span <= gpn:
+            return intra, p.intra_latency_s
+        members_per_node = max(1, gpn // stride) if stride < gpn else 1
+        inter = self.cluster.gpu.inter_node_bytes_per_s * p.inter_link_efficiency * members_per_node
+        return min(intra, inter), p.inter_latency_s
+
+    def all_reduce_time(self, nbytes: float, size: int, stride: int = 1) -> float:
+        """Ring all-reduce: 2(n−1)/n · bytes over the bus bandwidth, plus 2(n−1) latency steps
+        (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH")."""
+        if size <= 1:
+            return 0.0
+        bw, lat = self.group_bandwidth(size, stride)
+        return 2 * (size - 1) / size * nbytes / bw + 2 * (size - 1) * lat
+
+    def all_gather_time(self, nbytes: float, size: int, stride: int = 1) -> float:
+        """Ring all-gather (or reduce-scatter) of a ``nbytes`` total: (n−1)/n · bytes, n−1 latency steps."""
+        if size <= 1:
+            return 0.0
+        bw, lat = self.group_bandwidth(size, stride)
+        return (size - 1) / size * nbytes / bw + (size - 1) * lat
+
+    def p2p_time(self, nbytes: float, cross_node: bool) -> float:
+        gpu, p = self.cluster.gpu, self.priors
+        if cross_node:
+            return nbytes / (gpu.inter_node_bytes_per_s * p.inter_link_efficiency) + p.inter_latency_s
+        return nbytes / (gpu.intra_node_bytes_per_s * p.intra_link_efficiency) + p.intra_latency_s
+
+    def with_priors(self, **changes: float) -> Hardware:
+        return replace(self, priors=replace(self.priors, **changes))

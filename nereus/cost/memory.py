@@ -1,0 +1,99 @@
+"""Per-device memory of a model-stage: weights, gradients, optimizer state, activations, KV cache.
+
+Activation formulas are Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models" (arXiv 2205.05198), Table 2 and Sec. 4: per layer and micro-batch, with s = sequence length,
+b = micro-batch size, h = hidden, a = heads, t = tensor-parallel size, in bytes (16-bit activations):
+    no parallelism            s·b·h·(34 + 5·a·s/h)
+    tensor parallel           s·b·h·(10 + 24/t + 5·a·s/(h·t))
+    tensor + sequence par.    s·b·h·(34 + 5·a·s/h) / t
+    selective recompute       drops the 5·a·s/h term (attention scores are recomputed)
+    full recompute            2·s·b·h (the layer input only; /t with sequence parallelism)
+The 34 counts a GPT layer with a 4h GeLU MLP; the MLP part (19 of the 34: 2sbh input, 8sbh up-projection
+output, 8sbh GeLU output, sbh dropout mask) scales with ffn/(4h) and a SwiGLU MLP keeps three ffn-wide
+tensors instead of two. Flash attention (Dao et al. 2022) keeps no s×s scores, like selective recompute.
+"""
+
+from __future__ import annotations
+
+import math
+
+from nereus.spec.layout import Layout
+from nereus.spec.model import ModelArch
+
+BF16 = 2
+FP32 = 4
+# Mixed-precision Adam per parameter (Megatron-LM; Rajbhandari et al. 2020, ZeRO, Sec. 3.1):
+# fp32 master weights, first and second moments.
+OPTIMIZER_BYTES_PER_PARAM = 3 * FP32
+
+
+def mlp_activation_coeff(arch: ModelArch) -> float:
+    """Bytes per s·b·h the MLP stores: 19 for a 4h GeLU MLP (input 2, up output 2r, GeLU output 2r,
+    dropout mask 1; r = ffn/h), Korthikanti et al. 2022, Sec. 4.1. SwiGLU keeps its input, the fused
+    gate/up output (4r) and their product (2r)."""
+    r = arch.ffn_hidden / arch.hidden
+    if arch.mlp == "gelu":
+        return 2 + 2 * r + 2 * r + 1
+    return 2 + 6 * r
+
+
+def attention_activation_coeff(arch: ModelArch) -> float:
+    """Bytes per s·b·h the attention block and both layernorms store besides the s×s scores: 15 for
+    multi-head attention (QKV input 2, Q 2, K 2, V 2, projection input 2, dropout mask 1, layernorm
+    inputs 4). With grouped-query attention K and V shrink by kv_heads/heads."""
+    kv = arch.kv_heads / arch.heads
+    return 11 + 4 * kv
+
+
+def layer_activation_bytes(arch: ModelArch, layout: Layout, seq: int, mbs: int, attention: str) -> float:
+    """Activations one layer stores for backward, per micro-batch and device (Korthikanti et al. 2022)."""
+    s, b, h, t = seq, mbs, arch.hidden, layout.tp
+    sbh = s * b * h
+    scores = 5 * arch.heads * s / h if attention == "standard" else 0.0
+    if layout.recompute == "full":
+        return 2 * sbh / (t if layout.sequence_parallel else 1)
+    if layout.recompute == "selective":
+        scores = 0.0
+    per_layer = attention_activation_coeff(arch) + mlp_activation_coeff(arch)  # 34 for GPT
+    if layout.sequence_parallel or t == 1:
+        return sbh * (per_layer + scores) / t
+    # Without sequence parallelism the layernorm/dropout/residual tensors (10 of the 34) are replicated.
+    return sbh * (10 + (per_layer - 10) / t + scores / t)
+
+
+def stage_layers(arch: ModelArch, pp: int) -> int:
+    """Layers on the fullest pipeline stage (uneven splits put the remainder on early stages)."""
+    return math.ceil(arch.layers / pp)
+
+
+def stage_params(arch: ModelArch, layout: Layout, value_head: bool) -> float:
+    """Parameters on the fullest device: its layers' share plus embedding/head on the end stages.
+
+    With PP > 1 the embedding sits on the first stage and the head on the last; with tied embeddings the
+    last stage keeps its own copy (Megatron-LM). Norm weights are replicated over TP; we count them split.
+    """
+    layers = stage_layers(arch, layout.pp) * arch.layer_params()
+    emb = arch.embedding_params()
+    head = arch.hidden if value_head else arch.vocab * arch.hidden
+    ends = emb + head if layout.pp == 1 else max(emb, head)
+    if layout.pp == 1 and arch.tied_embeddings and not value_head:
+        ends = emb
+    return (layers + ends) / layout.tp
+
+
+def training_state_bytes(params: float, layout: Layout, grad_bytes: int) -> dict[str, float]:
+    """Weights (bf16), gradient buffers and Adam state per device; ZeRO-1 shards the optimizer over DP
+    (Rajbhandari et al. 2020, Sec. 5.1: P_os)."""
+    shard = layout.dp if layout.zero1 else 1
+    return {
+        "weights": params * BF16,
+        "gradients": params * grad_bytes,
+        "optimizer": params * OPTIMIZER_BYTES_PER_PARAM / shard,
+    }
+
+
+def logits_bytes(arch: ModelArch, tokens: float, tp: int, value_head: bool, with_grad: bool) -> float:
+    """fp32 logits of the vocabulary-parallel head (and their gradient in training)."""
+    if value_head:
+        return tokens * FP32 * (2 if with_grad else 1)
+    return tokens * arch.vocab / tp * FP32 * (2 if with_grad else 1)

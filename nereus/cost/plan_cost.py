@@ -1,0 +1,167 @@
+"""Cost of a whole plan: per-stage times, the step time, per-device memory at every phase."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nereus.cost.hardware import Hardware
+from nereus.cost.memory import BF16
+from nereus.cost.stages import StageCost, stage_cost
+from nereus.spec.errors import SpecError
+from nereus.spec.job import JobSpec
+from nereus.spec.layout import STAGES, Layout, ModelStage, Placement, Plan
+
+
+@dataclass
+class PlanEstimate:
+    step_time_s: float
+    phase_times: dict[str, float]  # generation, inference, training, weight_sync
+    costs: dict[str, StageCost]
+    stage_times: dict[str, float]  # per model-stage, calibrated
+    device_peak_bytes: list[float]
+    capacity_bytes: float
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violations
+
+    def to_dict(self) -> dict:
+        return {
+            "step_time_s": self.step_time_s,
+            "feasible": self.feasible,
+            "violations": self.violations,
+            "phase_times_s": self.phase_times,
+            "model_stages": {
+                name: {
+                    "layout": c.layout.to_dict(),
+                    "time_s": self.stage_times[name],
+                    "terms_s": c.terms,
+                    "memory_bytes": c.memory,
+                    "peak_bytes": c.peak_bytes,
+                    **({"detail": c.detail} if c.detail else {}),
+                }
+                for name, c in self.costs.items()
+            },
+            "device_peak_bytes": self.device_peak_bytes,
+            "capacity_bytes": self.capacity_bytes,
+        }
+
+
+def sync_time(hw: Hardware, job: JobSpec, train: Layout, gen: Layout, same_gpus: bool, cross_node: bool) -> float:
+    """Per-step copy of the actor's weights from its training layout to its generation layout.
+
+    Nothing moves when both use the same shards on the same GPUs. Otherwise every generation device
+    receives its shard (W/(tp·pp)) and the training devices together send dp_gen full copies, half of
+    each already in place when the two share GPUs; the time is the busier side over the link bandwidth
+    (NVLink inside a group's nodes, InfiniBand between groups). The transition graph (nereus.elastic)
+    schedules the exact transfers; this is its bandwidth bound.
+    """
+    if same_gpus and (train.tp, train.pp, train.dp) == (gen.tp, gen.pp, gen.dp):
+        return 0.0
+    weights = job.models["actor"].params() * BF16
+    recv = weights / (gen.tp * gen.pp) * (0.5 if same_gpus else 1.0)
+    send = gen.dp * weights * (0.5 if same_gpus else 1.0) / train.world
+    return hw.p2p_time(max(recv, send), cross_node=cross_node)
+
+
+def weight_sync_time(hw: Hardware, job: JobSpec, train: Placement, gen: Placement) -> float:
+    same = set(train.gpus) == set(gen.gpus)
+    nodes = {hw.cluster.node_of(x) for x in train.gpus}
+    cross = any(hw.cluster.node_of(x) not in nodes for x in gen.gpus) or (not same and hw.cluster.nodes > 1)
+    return sync_time(hw, job, train.layout, gen.layout, same, cross)
+
+
+def _components(placements: list[Placement]) -> list[list[Placement]]:
+    """Model-stages of one phase grouped by shared GPUs: groups run concurrently, members take turns."""
+    groups: list[tuple[set[int], list[Placement]]] = []
+    for p in placements:
+        gpus, members = set(p.gpus), [p]
+        for g in [g for g in groups if g[0] & gpus]:
+            groups.remove(g)
+            gpus |= g[0]
+            members += g[1]
+        groups.append((gpus, members))
+    return [m for _, m in groups]
+
+
+def resident_per_device(hw: Hardware, job: JobSpec, plan: Plan, costs: dict[str, StageCost]) -> list[float]:
+    """Memory held across the whole step on each device. Weights shared by two stages of one model with
+    the same shards on the same GPUs count once; training stages add gradients and optimizer state."""
+    resident = [0.0] * plan.num_gpus
+    seen_weights: set[tuple] = set()
+    for p in plan.placements:
+        c = costs[str(p.model_stage)]
+        key = (p.model_stage.model, p.layout.tp, p.layout.pp, p.layout.dp, p.gpus)
+        share = c.resident_bytes
+        if key in seen_weights:
+            share -= c.memory.get("weights", 0.0)
+        seen_weights.add(key)
+        for g in p.gpus:
+            resident[g] += share
+    return resident
+
+
+def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, float] | None = None) -> PlanEstimate:
+    """Predicted step time and per-device memory of ``plan``; violations list what does not fit."""
+    _check_covers(job, plan)
+    costs: dict[str, StageCost] = {}
+    for p in plan.placements:
+        if p.model_stage.stage != "generation":
+            costs[str(p.model_stage)] = _cost_or_error(hw, job, p)
+    partial = Plan(tuple(p for p in plan.placements if p.model_stage.stage != "generation"), plan.num_gpus)
+    resident = resident_per_device(hw, job, partial, costs)
+    for p in plan.placements:
+        if p.model_stage.stage == "generation":
+            others = max(resident[g] for g in p.gpus)
+            costs[str(p.model_stage)] = _cost_or_error(hw, job, p, others)
+    resident = resident_per_device(hw, job, plan, costs)
+    stage_times = {name: c.time(factors) for name, c in costs.items()}
+    phase_times, peak = {}, list(resident)
+    for stage in STAGES:
+        active = [p for p in plan.placements if p.model_stage.stage == stage]
+        phase_times[stage] = max((sum(stage_times[str(m.model_stage)] for m in comp)
+                                  for comp in _components(active)), default=0.0)
+        transient = [0.0] * plan.num_gpus
+        for p in active:
+            t = costs[str(p.model_stage)].transient_bytes
+            for g in p.gpus:
+                transient[g] = max(transient[g], t)
+        peak = [max(a, r + t) for a, r, t in zip(peak, resident, transient, strict=True)]
+    sync = 0.0
+    if job.algorithm.name != "train":
+        sync = weight_sync_time(hw, job, plan.placement(ModelStage("actor", "training")),
+                                plan.placement(ModelStage("actor", "generation")))
+        sync *= (factors or {}).get("sync", 1.0)
+    phase_times["weight_sync"] = sync
+    usable = hw.usable_bytes()
+    violations = [f"GPU {g}: needs {b / 1e9:.1f} GB, usable {usable / 1e9:.1f} GB "
+                  f"(capacity {hw.capacity_bytes / 1e9:.1f} GB less reserve)"
+                  for g, b in enumerate(peak) if b > usable]
+    return PlanEstimate(sum(phase_times.values()), phase_times, costs, stage_times, peak, hw.capacity_bytes,
+                        violations)
+
+
+def _cost_or_error(hw: Hardware, job: JobSpec, p: Placement, others: float = 0.0) -> StageCost:
+    arch = job.models[p.model_stage.model]
+    if arch.heads % p.layout.tp:
+        raise SpecError(f"plan.{p.model_stage}.layout.tp", f"{p.layout.tp} does not divide heads ({arch.heads})")
+    if p.layout.pp > arch.layers:
+        raise SpecError(f"plan.{p.model_stage}.layout.pp", f"{p.layout.pp} exceeds the {arch.layers} layers")
+    cost = stage_cost(hw, job, p.model_stage, p.layout, others)
+    if cost is None:
+        raise SpecError(f"plan.{p.model_stage}.layout",
+                        f"{p.layout.short()} cannot split the {job.sequences_per_step()} sequences of a step "
+                        f"(dp and micro_batch_size too large)")
+    return cost
+
+
+def _check_covers(job: JobSpec, plan: Plan) -> None:
+    need = {str(ms) for ms in job.model_stages()}
+    have = {str(p.model_stage) for p in plan.placements}
+    if need - have:
+        raise SpecError("plan.placements", f"missing model-stages {sorted(need - have)}")
+    if have - need:
+        raise SpecError("plan.placements", f"{sorted(have - need)} are not model-stages of this job")
+    if plan.num_gpus > job.cluster.num_gpus:
+        raise SpecError("plan.num_gpus", f"{plan.num_gpus} exceeds the cluster's {job.cluster.num_gpus} GPUs")

@@ -1,0 +1,298 @@
+"""Time and memory of one model-stage under one layout: generation, inference, training.
+
+Each cost is a sum of named terms (seconds) so calibration can correct each term by its own factor:
+``compute`` (GEMM and attention FLOPs), ``memory`` (HBM-bound kernels: norms, activations, decode weight
+and KV reads), ``tp_comm``, ``pp_comm``, ``dp_comm``, ``optimizer`` and ``overhead`` (fixed per-iteration
+costs of an inference engine). Pipeline bubbles scale the per-micro-batch terms, so they stay linear.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from nereus.cost.hardware import Hardware
+from nereus.cost.memory import (
+    BF16,
+    FP32,
+    layer_activation_bytes,
+    logits_bytes,
+    stage_layers,
+    stage_params,
+    training_state_bytes,
+)
+from nereus.spec.job import JobSpec, ResponseLength
+from nereus.spec.layout import Layout, ModelStage
+from nereus.spec.model import ModelArch
+
+TERMS = ("compute", "memory", "tp_comm", "pp_comm", "dp_comm", "optimizer", "overhead", "sync")
+# Each activation a kernel writes is read once by the next one: HBM traffic ≈ 2 × stored bytes.
+ELEMENTWISE_TRAFFIC = 2.0
+
+
+@dataclass
+class StageCost:
+    model_stage: ModelStage
+    layout: Layout
+    terms: dict[str, float]  # seconds per step, before calibration factors
+    resident_bytes: float  # held on the device for the whole step (weights, gradients, optimizer)
+    transient_bytes: float  # held only while the stage runs (activations, logits, KV cache)
+    memory: dict[str, float] = field(default_factory=dict)  # bytes per device by kind, fullest device
+    detail: dict[str, float] = field(default_factory=dict)
+
+    def time(self, factors: dict[str, float] | None = None) -> float:
+        """Seconds per step; ``factors`` correct terms by ``"<stage>.<term>"`` or by ``"<term>"``."""
+        if not factors:
+            return sum(self.terms.values())
+        stage = self.model_stage.stage
+        return sum(v * factors.get(f"{stage}.{k}", factors.get(k, 1.0)) for k, v in self.terms.items())
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.resident_bytes + self.transient_bytes
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """One forward pass of a layer stack over one micro-batch, per device."""
+
+    flops: float
+    hbm_bytes: float
+    tp_time: float
+
+
+def _attention_flops(arch: ModelArch, tokens: float, context: float, attention: str) -> float:
+    """QKᵀ and AV: 2·2·context·heads·head_dim FLOPs per token; causal flash kernels skip the masked half
+    (Dao et al. 2022), Megatron 2021's kernels computed the full square (Narayanan et al. 2021, Eq. 3)."""
+    full = 4 * tokens * context * arch.heads * arch.head_dim
+    return full / 2 if attention == "flash" else full
+
+
+@lru_cache(maxsize=65536)
+def _layer_pass(hw: Hardware, arch: ModelArch, layout: Layout, seq: int, mbs: int, attention: str) -> _Pass:
+    tokens = seq * mbs
+    # 2 FLOPs per multiply-accumulate per weight per token (Kaplan et al. 2020, Sec. 2.1).
+    flops = (2 * tokens * arch.layer_params() + _attention_flops(arch, tokens, seq, attention)) / layout.tp
+    no_recompute = Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel, recompute="none")
+    hbm = ELEMENTWISE_TRAFFIC * layer_activation_bytes(arch, no_recompute, seq, mbs, attention)
+    # Megatron TP: two all-reduces of the s·b·h activations per layer in forward (Shoeybi et al. 2019,
+    # Fig. 4); sequence parallelism turns each into an all-gather + reduce-scatter of the same volume.
+    tp_time = 2 * hw.all_reduce_time(tokens * arch.hidden * BF16, layout.tp)
+    return _Pass(flops, hbm, tp_time)
+
+
+def _tp_only(layout: Layout) -> Layout:
+    """The part of a layout a layer's forward pass depends on (a cache key)."""
+    return Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel, recompute="none")
+
+
+def _head_pass(hw: Hardware, arch: ModelArch, tp: int, tokens: float, value_head: bool) -> _Pass:
+    if value_head:
+        return _Pass(2 * tokens * arch.hidden, tokens * arch.hidden * BF16, 0.0)
+    flops = 2 * tokens * arch.hidden * arch.vocab / tp
+    hbm = 3 * logits_bytes(arch, tokens, tp, value_head, with_grad=False)  # logits, softmax in/out
+    # Vocabulary-parallel cross-entropy / log-prob: three small all-reduces (max, sum-exp, target logit).
+    tp_time = 3 * hw.all_reduce_time(tokens * FP32, tp)
+    return _Pass(flops, hbm, tp_time)
+
+
+def _p2p_time(hw: Hardware, arch: ModelArch, layout: Layout, tokens: float) -> float:
+    """Activations sent between pipeline stages; with TP each rank sends 1/t (Megatron's scatter/gather
+    optimisation, Narayanan et al. 2021, Sec. 4.1). Stages are tp·dp GPUs apart in rank order."""
+    if layout.pp == 1:
+        return 0.0
+    cross = layout.tp * layout.dp >= hw.cluster.gpus_per_node
+    return hw.p2p_time(tokens * arch.hidden * BF16 / layout.tp, cross)
+
+
+def _micro_batches(sequences: int, layout: Layout) -> int | None:
+    per_replica = math.ceil(sequences / layout.dp)
+    if sequences < layout.dp or per_replica < layout.micro_batch_size:
+        return None
+    return math.ceil(per_replica / layout.micro_batch_size)
+
+
+def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -> StageCost | None:
+    """One step of mini-batch updates; None when the layout cannot split the batch."""
+    arch, value_head = job.models[ms.model], job.has_value_head(ms.model)
+    alg, opts = job.algorithm, job.options
+    seq = _train_seq_len(job)
+    per_update = job.sequences_per_step() // alg.mini_batches
+    m = _micro_batches(per_update, layout)
+    if m is None:
+        return None
+    p, v, mbs = layout.pp, layout.interleave, layout.micro_batch_size
+    if v > 1 and (p == 1 or m % p or arch.layers % (p * v)):
+        return None  # the interleaved schedule needs m divisible by p and whole layer chunks (Megatron-LM)
+    tokens = seq * mbs
+    layers = stage_layers(arch, p)
+    one = _layer_pass(hw, arch, _tp_only(layout), seq, mbs, opts.attention)
+    head = _head_pass(hw, arch, layout.tp, tokens, value_head)
+    # Backward costs twice the forward GEMMs (input and weight gradients); full recompute adds a forward,
+    # selective recompute re-runs only the attention core (Korthikanti et al. 2022, Sec. 5).
+    attn = _attention_flops(arch, tokens, seq, opts.attention) / layout.tp
+    recompute_flops = {"full": one.flops, "selective": attn, "none": 0.0}[layout.recompute]
+    recompute_tp = one.tp_time if layout.recompute == "full" else 0.0
+    recompute_hbm = one.hbm_bytes if layout.recompute == "full" else 0.0
+    mb_layers = {
+        "compute": hw.compute_time(layers * (3 * one.flops + recompute_flops)),
+        "memory": hw.hbm_time(layers * (3 * one.hbm_bytes + recompute_hbm)),
+        "tp_comm": layers * (2 * one.tp_time + recompute_tp),
+        "pp_comm": 2 * v * _p2p_time(hw, arch, layout, tokens),
+    }
+    mb_head = {"compute": hw.compute_time(3 * head.flops), "memory": hw.hbm_time(2 * head.hbm_bytes),
+               "tp_comm": 2 * head.tp_time}
+    # 1F1B with v virtual stages: m·t + (p−1)/v·t, the head's stage setting the steady pace
+    # (Narayanan et al. 2021, Sec. 2.2, bubble fraction (p−1)/(v·m)).
+    bubble = (p - 1) / v
+    per_update_terms = {k: (m + bubble) * t for k, t in mb_layers.items()}
+    for k, t in mb_head.items():
+        per_update_terms[k] += m * t
+    params = stage_params(arch, layout, value_head)
+    per_update_terms["dp_comm"] = _grad_sync_time(hw, layout, params, opts.grad_bytes)
+    shard = layout.dp if layout.zero1 else 1
+    # Adam reads grad, master, m, v and writes master, m, v and the bf16 weight (Megatron optimizer).
+    per_update_terms["optimizer"] = hw.hbm_time(params * (FP32 + BF16 + 6 * FP32 / shard))
+    updates = alg.mini_batches * alg.epochs
+    terms = {k: updates * t for k, t in per_update_terms.items()}
+    state = training_state_bytes(params, layout, opts.grad_bytes)
+    # 1F1B keeps p micro-batches in flight on the first stage; interleaving adds (p−1)/(p·v) of them
+    # (Korthikanti et al. 2022, Sec. 4.2.3).
+    in_flight = 1.0 if p == 1 else min(m, p) * (1 + (p - 1) / (p * v) if v > 1 else 1.0)
+    acts = layers * in_flight * layer_activation_bytes(arch, layout, seq, mbs, opts.attention)
+    if layout.recompute == "full":  # the layer being recomputed holds its full activations
+        working = Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel, recompute="none")
+        acts += layer_activation_bytes(arch, working, seq, mbs, opts.attention)
+    logits = logits_bytes(arch, tokens, layout.tp, value_head, with_grad=True)
+    memory = {**state, "activations": acts, "logits": logits}
+    return StageCost(ms, layout, terms, sum(state.values()), acts + logits, memory,
+                     {"micro_batches": m, "bubble_fraction": bubble / m, "updates": updates})
+
+
+def _grad_sync_time(hw: Hardware, layout: Layout, params: float, grad_bytes: int) -> float:
+    """DP gradient all-reduce; with ZeRO-1 a reduce-scatter of gradients plus an all-gather of bf16
+    weights (Rajbhandari et al. 2020, Sec. 7.1: same volume as all-reduce for P_os)."""
+    if layout.dp == 1:
+        return 0.0
+    if layout.zero1:
+        return (hw.all_gather_time(params * grad_bytes, layout.dp, layout.tp)
+                + hw.all_gather_time(params * BF16, layout.dp, layout.tp))
+    return hw.all_reduce_time(params * grad_bytes, layout.dp, layout.tp)
+
+
+def _train_seq_len(job: JobSpec) -> int:
+    """Tokens per sequence in inference and training: packed prompt + mean response (verl's
+    remove-padding), or the fixed sequence length of a training-only job."""
+    wl = job.workload
+    if job.algorithm.name == "train":
+        return wl.sequence_length
+    return int(round(wl.prompt_length + wl.response.mean))
+
+
+def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -> StageCost | None:
+    """Forward pass over every sequence of the step (log-probs, values or scores)."""
+    arch, value_head = job.models[ms.model], job.has_value_head(ms.model)
+    seq = _train_seq_len(job)
+    m = _micro_batches(job.sequences_per_step(), layout)
+    if m is None:
+        return None
+    p, mbs = layout.pp, layout.micro_batch_size
+    tokens = seq * mbs
+    layers = stage_layers(arch, p)
+    one = _layer_pass(hw, arch, _tp_only(layout), seq, mbs, job.options.attention)
+    head = _head_pass(hw, arch, layout.tp, tokens, value_head)
+    fill = m + p - 1  # a forward-only pipeline (GPipe) fills and drains once
+    terms = {
+        "compute": fill * hw.compute_time(layers * one.flops) + m * hw.compute_time(head.flops),
+        "memory": fill * hw.hbm_time(layers * one.hbm_bytes) + m * hw.hbm_time(head.hbm_bytes),
+        "tp_comm": fill * layers * one.tp_time + m * head.tp_time,
+        "pp_comm": fill * _p2p_time(hw, arch, layout, tokens),
+    }
+    weights = stage_params(arch, layout, value_head) * BF16
+    working = Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel, recompute="none")
+    acts = 2 * layer_activation_bytes(arch, working, seq, mbs, job.options.attention)
+    logits = logits_bytes(arch, tokens, layout.tp, value_head, with_grad=True)  # logits + log-softmax
+    return StageCost(ms, layout, terms, weights, acts + logits,
+                     {"weights": weights, "activations": acts, "logits": logits}, {"micro_batches": m})
+
+
+def generation_cost(
+    hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout, others_resident: float = 0.0
+) -> StageCost | None:
+    """Rollout with a continuously batched, paged-KV inference engine (vLLM-like) per DP replica.
+
+    Prefill is compute-bound (2N FLOPs per prompt token plus attention). Each decode iteration reads the
+    weights once (W/tp per device; with PP the stages take turns, so still W/tp of time, Sec. 3.3 of
+    Pope et al. 2022, "Efficiently Scaling Transformer Inference") and the KV cache of every active
+    sequence, and costs max(memory, compute) by the roofline. The batch shrinks as responses finish,
+    so the longest response sets the number of iterations (design: generation). ``others_resident`` is
+    memory on the same devices held by colocated models, which the KV cache cannot use.
+    """
+    arch, wl = job.models[ms.model], job.workload
+    total = job.sequences_per_step()
+    if total < layout.dp:
+        return None
+    b = math.ceil(total / layout.dp)
+    tp, p = layout.tp, layout.pp
+    weights = stage_params(arch, layout, False) * BF16
+    kv_split = p * min(tp, arch.kv_heads)  # KV heads beyond TP are replicated
+    kv_token = arch.kv_bytes_per_token() / kv_split
+    budget = (hw.usable_bytes() - weights - others_resident) * hw.priors.kv_memory_fraction
+    min_kv = kv_token * (wl.prompt_length + wl.response.max)  # one sequence at full length must fit
+    if budget < min_kv:
+        need = min_kv / hw.priors.kv_memory_fraction
+        return StageCost(ms, layout, {"memory": math.inf}, weights, need, {"weights": weights, "kv_cache": need},
+                         {"infeasible": 1.0})
+    resp = wl.response
+    # Sequences that fit at once at their mean context; beyond that the engine queues them.
+    concurrent = max(1.0, budget / (kv_token * (wl.prompt_length + resp.mean)))
+    active = min(float(b), concurrent)
+    waves = b / active
+    terms = _decode_terms(hw, arch, layout, resp, wl.prompt_length, active, resp.longest(total))
+    terms = {k: waves * t for k, t in terms.items()}
+    prefill_tokens = b * wl.prompt_length
+    terms["compute"] += hw.compute_time(
+        (2 * prefill_tokens * arch.params() + arch.layers * _attention_flops(
+            arch, prefill_tokens, wl.prompt_length, "flash")) / (tp * p))
+    terms["tp_comm"] += 2 * arch.layers * hw.all_reduce_time(prefill_tokens * arch.hidden * BF16 / p, tp)
+    kv_used = min(budget, b * kv_token * (wl.prompt_length + resp.mean))
+    return StageCost(ms, layout, terms, weights, kv_used, {"weights": weights, "kv_cache": kv_used},
+                     {"batch_per_replica": b, "concurrent": active, "longest": resp.longest(total)})
+
+
+def _decode_terms(hw: Hardware, arch: ModelArch, layout: Layout, resp: ResponseLength, prompt: int,
+                  batch: float, longest: float) -> dict[str, float]:
+    """Sum the decode roofline over segments of the length distribution: in segment j the sequences
+    longer than the j-th quantile are still active."""
+    tp, p = layout.tp, layout.pp
+    weight_bytes = arch.params() * BF16 / tp
+    kv_token = arch.kv_bytes_per_token() / (p * min(tp, arch.kv_heads))
+    flops_token = 2 * arch.params() / (tp * p)
+    lengths = sorted(resp.quantiles(16)) + [longest]
+    terms = dict.fromkeys(("compute", "memory", "tp_comm", "pp_comm", "overhead"), 0.0)
+    done, n = 0.0, len(lengths) - 1
+    for j, end in enumerate(lengths):
+        steps = max(0.0, end - done)
+        if steps == 0:
+            continue
+        active = max(1.0, batch * (n - j) / n) if j < n else 1.0
+        context = prompt + (done + end) / 2
+        mem = steps * hw.hbm_time(weight_bytes + active * context * kv_token)
+        comp = steps * hw.compute_time(active * (flops_token + 4 * arch.layers * context * arch.hidden / (tp * p)))
+        terms["memory" if mem >= comp else "compute"] += max(mem, comp)
+        terms["tp_comm"] += steps * 2 * arch.layers * hw.all_reduce_time(active * arch.hidden * BF16, tp)
+        if p > 1:
+            terms["pp_comm"] += steps * p * hw.p2p_time(active / p * arch.hidden * BF16, cross_node=False)
+        terms["overhead"] += steps * hw.priors.decode_step_overhead_s
+        done = end
+    return terms
+
+
+def stage_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout,
+               others_resident: float = 0.0) -> StageCost | None:
+    if ms.stage == "training":
+        return training_cost(hw, job, ms, layout)
+    if ms.stage == "inference":
+        return inference_cost(hw, job, ms, layout)
+    return generation_cost(hw, job, ms, layout, others_resident)

@@ -1,0 +1,62 @@
+"""Plans given by the user: plan files, and a single layout for a training-only job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from nereus.cost.hardware import Hardware
+from nereus.cost.stages import stage_cost
+from nereus.planner.candidates import enumerate_layouts
+from nereus.spec.errors import SpecError
+from nereus.spec.job import JobSpec
+from nereus.spec.layout import Layout, Placement, Plan
+
+
+def read_plan_file(path: str | Path) -> Plan:
+    """A plan as ``nereus plan --json`` writes it (the ``plan`` member), or a bare plan object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SpecError(str(path), "plan file not found") from None
+    except json.JSONDecodeError as err:
+        raise SpecError(str(path), f"not valid JSON ({err.msg} at line {err.lineno})") from None
+    if isinstance(data, dict) and "plan" in data:
+        return Plan.from_dict(data["plan"], "plan")
+    return Plan.from_dict(data, "plan")
+
+
+def plan_from_layout(hw: Hardware, job: JobSpec, text: str) -> Plan:
+    """Place a training-only job's one model-stage on the first tp·pp·dp GPUs; fields left out
+    (dp, micro-batch size, interleaving, recompute when 'auto') are chosen as the planner would."""
+    stages = job.model_stages()
+    if len(stages) != 1:
+        raise SpecError("--layout", f"only for training-only jobs (this one has {len(stages)} model-stages); "
+                                    "give --plan FILE instead")
+    ms = stages[0]
+    given = Layout.parse_fields(text)
+    for key in ("tp", "pp"):
+        if key not in given:
+            raise SpecError(f"--layout.{key}", "required; for example --layout tp=8,pp=2")
+    tp, pp = int(given["tp"]), int(given["pp"])
+    n = job.cluster.num_gpus
+    dp = int(given.get("dp", n // (tp * pp)))
+    if tp * pp * dp > n or dp < 1:
+        raise SpecError("--layout", f"tp·pp·dp = {tp * pp * dp} does not fit the {n} GPUs of the cluster")
+    matches = [lay for lay in enumerate_layouts(job, ms, tp * pp * dp)
+               if (lay.tp, lay.pp, lay.dp) == (tp, pp, dp)
+               and all(getattr(lay, k) == v for k, v in given.items() if k not in ("tp", "pp", "dp"))]
+    if not matches:  # everything given explicitly, or outside what the search enumerates
+        matches = [Layout.from_dict({**given, "dp": dp}, "--layout")]
+    best, best_key = None, None
+    for lay in matches:
+        cost = stage_cost(hw, job, ms, lay)
+        if cost is None:
+            continue
+        key = (cost.peak_bytes > hw.usable_bytes(), cost.time())  # feasible first, then fastest
+        if best_key is None or key < best_key:
+            best, best_key = lay, key
+    if best is None:
+        raise SpecError("--layout", f"TP{tp}·PP{pp}·DP{dp} cannot split the batch of "
+                                    f"{job.sequences_per_step()} sequences")
+    return Plan((Placement(ms, best, tuple(range(best.world))),), n)

@@ -1,0 +1,233 @@
+"""The job spec: models, algorithm, workload, cluster and options, validated on load."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from statistics import NormalDist
+
+import yaml
+
+from nereus.spec.cluster import ClusterSpec, read_cluster
+from nereus.spec.errors import SpecError
+from nereus.spec.fields import Fields
+from nereus.spec.layout import RECOMPUTE, ModelStage
+from nereus.spec.model import ModelArch, read_arch
+
+ROLES = ("actor", "critic", "reference", "reward")
+ALGORITHMS = ("ppo", "grpo", "train")
+VALUE_HEAD_ROLES = ("critic", "reward")
+
+
+@lru_cache(maxsize=256)
+def _lognormal_quantiles(mean: float, longest: int, sigma: float, points: int) -> tuple[float, ...]:
+    if sigma == 0:
+        return (float(min(mean, longest)),) * points
+    mu = math.log(mean) - sigma**2 / 2  # so that E[len] = mean before clipping
+    normal = NormalDist()
+    return tuple(min(float(longest), math.exp(mu + sigma * normal.inv_cdf((i + 0.5) / points)))
+                 for i in range(points))
+
+
+@dataclass(frozen=True)
+class ResponseLength:
+    """Response lengths of one step: a log-normal with the given mean, clipped at ``max``.
+
+    Published runs show a long right tail that sets the generation time (shared/data/rl_length_dynamics.md:
+    Seer, TLT); a log-normal with sigma ≈ 0.6–1 reproduces "the last 10% take up to half the time".
+    """
+
+    mean: float
+    max: int
+    distribution: str = "lognormal"
+    sigma: float = 0.6
+
+    def quantiles(self, points: int = 64) -> tuple[float, ...]:
+        """``points`` equally weighted lengths (mid-quantiles), clipped at ``max``."""
+        return _lognormal_quantiles(self.mean, self.max, self.sigma if self.distribution != "fixed" else 0.0,
+                                    points)
+
+    def longest(self, count: int) -> float:
+        """Expected longest of ``count`` responses: the 1 − 1/(count+1) quantile, clipped at ``max``."""
+        if self.distribution == "fixed" or self.sigma == 0 or count <= 1:
+            return float(min(self.mean, self.max))
+        mu = math.log(self.mean) - self.sigma**2 / 2
+        z = NormalDist().inv_cdf(1 - 1 / (count + 1))
+        return min(float(self.max), math.exp(mu + self.sigma * z))
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts_per_step: int = 0
+    prompt_length: int = 0
+    response: ResponseLength | None = None
+    global_batch: int = 0  # training-only jobs: sequences per step
+    sequence_length: int = 0  # training-only jobs
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    models: tuple[str, ...]
+    samples_per_prompt: int = 1
+    mini_batches: int = 1  # optimizer updates per step (PPO mini-batches)
+    epochs: int = 1
+
+
+@dataclass(frozen=True)
+class Options:
+    recompute: str = "selective"  # or "auto": the planner chooses per layout
+    sequence_parallel: bool = True
+    zero1: bool = True
+    interleave: int | str = "auto"
+    micro_batch_size: int | str = "auto"
+    attention: str = "flash"  # "standard" materialises the s×s scores (Megatron 2021)
+    grad_bytes: int = 4  # fp32 gradient accumulation buffers (Megatron main_grad)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    models: dict[str, ModelArch]
+    algorithm: Algorithm
+    workload: Workload
+    cluster: ClusterSpec
+    options: Options
+
+    def model_stages(self) -> list[ModelStage]:
+        """Every model-stage the algorithm runs each step, in stage order."""
+        alg = self.algorithm
+        if alg.name == "train":
+            return [ModelStage(alg.models[0], "training")]
+        out = [ModelStage("actor", "generation")]
+        out += [ModelStage(m, "inference") for m in ("actor", "reference", "critic", "reward") if m in alg.models]
+        out += [ModelStage(m, "training") for m in ("actor", "critic") if m in alg.models]
+        return out
+
+    def has_value_head(self, model: str) -> bool:
+        return model in VALUE_HEAD_ROLES
+
+    def sequences_per_step(self) -> int:
+        if self.algorithm.name == "train":
+            return self.workload.global_batch
+        return self.workload.prompts_per_step * self.algorithm.samples_per_prompt
+
+    def with_gpus(self, total: int) -> JobSpec:
+        return replace(self, cluster=self.cluster.with_gpus(total))
+
+    def with_response(self, response: ResponseLength) -> JobSpec:
+        return replace(self, workload=replace(self.workload, response=response))
+
+
+def _read_response(f: Fields) -> ResponseLength:
+    mean = f.get("mean", float, minimum=1)
+    longest = f.get("max", int, minimum=1)
+    dist = f.get("distribution", str, "lognormal", choices=["lognormal", "fixed"])
+    sigma = f.get("sigma", float, 0.6, minimum=0, maximum=3)
+    f.finish()
+    if mean > longest:
+        raise SpecError(f.key_path("mean"), f"mean ({mean}) exceeds max ({longest}); lower mean or raise max")
+    return ResponseLength(mean, longest, dist, sigma)
+
+
+def _read_algorithm(f: Fields, models: dict[str, ModelArch]) -> Algorithm:
+    name = f.get("name", str, choices=ALGORITHMS)
+    # By default every defined role takes part (GRPO has no critic); a training-only job trains its model.
+    default = list(models)[:1] if name == "train" else [
+        m for m in ROLES if m in models and not (name == "grpo" and m == "critic")]
+    used = f.get("models", list, default)
+    for i, m in enumerate(used):
+        if m not in models:
+            raise SpecError(f"{f.key_path('models')}[{i}]", f"{m!r} is not defined under 'models' ({sorted(models)})")
+    if name == "train" and len(used) != 1:
+        raise SpecError(f.key_path("models"), "a training-only job trains exactly one model")
+    if name != "train":
+        for i, m in enumerate(used):
+            if m not in ROLES:
+                raise SpecError(f"{f.key_path('models')}[{i}]", f"{m!r} is not a role; choose from {list(ROLES)}")
+        if "actor" not in used:
+            raise SpecError(f.key_path("models"), f"{name} needs an 'actor'")
+        if name == "ppo" and "critic" not in used:
+            raise SpecError(f.key_path("models"), "ppo needs a 'critic' (GAE); use grpo for critic-free training")
+    alg = Algorithm(
+        name=name,
+        models=tuple(used),
+        samples_per_prompt=f.get("samples_per_prompt", int, 1 if name != "grpo" else 8, minimum=1),
+        mini_batches=f.get("mini_batches", int, 1, minimum=1),
+        epochs=f.get("epochs", int, 1, minimum=1),
+    )
+    f.finish()
+    return alg
+
+
+def _read_workload(f: Fields, alg: Algorithm) -> Workload:
+    if alg.name == "train":
+        wl = Workload(global_batch=f.get("global_batch", int, minimum=1),
+                      sequence_length=f.get("sequence_length", int, minimum=1))
+    else:
+        wl = Workload(prompts_per_step=f.get("prompts_per_step", int, minimum=1),
+                      prompt_length=f.get("prompt_length", int, minimum=1),
+                      response=_read_response(f.sub("response_length", required=True)))
+    f.finish()
+    sequences = wl.global_batch or wl.prompts_per_step * alg.samples_per_prompt
+    if sequences % alg.mini_batches:
+        raise SpecError("algorithm.mini_batches",
+                        f"{alg.mini_batches} does not divide the {sequences} sequences of a step")
+    return wl
+
+
+def _read_options(f: Fields) -> Options:
+    def auto_or_int(key: str) -> int | str:
+        value = f.get(key, (int, str), "auto")
+        if isinstance(value, str) and value != "auto":
+            raise SpecError(f.key_path(key), f"{value!r} is not allowed; give a positive integer or 'auto'")
+        if isinstance(value, int) and value < 1:
+            raise SpecError(f.key_path(key), f"{value} is out of range; must be >= 1 or 'auto'")
+        return value
+
+    opts = Options(
+        recompute=f.get("recompute", str, "selective", choices=[*RECOMPUTE, "auto"]),
+        sequence_parallel=f.get("sequence_parallel", bool, True),
+        zero1=f.get("zero1", bool, True),
+        interleave=auto_or_int("interleave"),
+        micro_batch_size=auto_or_int("micro_batch_size"),
+        attention=f.get("attention", str, "flash", choices=["flash", "standard"]),
+        grad_bytes=f.get("grad_bytes", int, 4, choices=[2, 4]),
+    )
+    f.finish()
+    return opts
+
+
+def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
+    root = Fields(data, "")
+    models_f = root.sub("models", required=True)
+    models = {}
+    for name in models_f.data:
+        models[str(name)] = read_arch(models_f.sub(str(name)), base_dir)
+    if not models:
+        raise SpecError("models", "define at least one model")
+    algorithm = _read_algorithm(root.sub("algorithm", required=True), models)
+    job = JobSpec(
+        name=root.get("name", str, "job"),
+        models={m: models[m] for m in algorithm.models},
+        algorithm=algorithm,
+        workload=_read_workload(root.sub("workload", required=True), algorithm),
+        cluster=read_cluster(root.sub("cluster", required=True)),
+        options=_read_options(root.sub("options")),
+    )
+    root.finish()
+    return job
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Read and validate a job spec; every error is a ``SpecError`` naming the key path."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(str(path), "job file not found") from None
+    except yaml.YAMLError as err:
+        raise SpecError(str(path), f"not valid YAML: {err}") from None
+    return job_from_dict(data, path.parent)

@@ -1,0 +1,169 @@
+"""Layouts and plans: plain typed values that the planner writes and the executor and simulator read.
+
+Rank order inside a model-stage's GPU list follows Megatron: tensor-parallel fastest, then data-parallel,
+then pipeline (``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``), so TP groups sit on neighbouring GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from nereus.spec.errors import SpecError
+from nereus.spec.fields import Fields
+
+STAGES = ("generation", "inference", "training")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, order=True)
+class ModelStage:
+    model: str
+    stage: str
+
+    def __str__(self) -> str:
+        return f"{self.model}/{self.stage}"
+
+    @staticmethod
+    def parse(text: str, where: str = "model_stage") -> ModelStage:
+        model, sep, stage = text.partition("/")
+        if not sep or not model or stage not in STAGES:
+            raise SpecError(where, f"{text!r} is not MODEL/STAGE with STAGE one of {list(STAGES)}")
+        return ModelStage(model, stage)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel layout of one model-stage."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 1
+    interleave: int = 1  # virtual pipeline stages per device (Narayanan et al. 2021, sec. 2.2.2)
+    recompute: str = "selective"
+    sequence_parallel: bool = True
+    zero1: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a rank; inverse of ``rank``."""
+        return rank // (self.tp * self.dp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def short(self) -> str:
+        text = f"TP{self.tp}·PP{self.pp}·DP{self.dp}"
+        if self.interleave > 1:
+            text += f"·v{self.interleave}"
+        return text + f" mbs{self.micro_batch_size}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(data: object, where: str = "layout") -> Layout:
+        f = Fields(data, where)
+        layout = Layout(
+            tp=f.get("tp", int, 1, minimum=1),
+            pp=f.get("pp", int, 1, minimum=1),
+            dp=f.get("dp", int, 1, minimum=1),
+            micro_batch_size=f.get("micro_batch_size", int, 1, minimum=1),
+            interleave=f.get("interleave", int, 1, minimum=1),
+            recompute=f.get("recompute", str, "selective", choices=RECOMPUTE),
+            sequence_parallel=f.get("sequence_parallel", bool, True),
+            zero1=f.get("zero1", bool, True),
+        )
+        f.finish()
+        return layout
+
+    @staticmethod
+    def parse_fields(text: str, where: str = "--layout") -> dict[str, object]:
+        """``tp=8,pp=2,dp=4[,micro_batch_size=1,...]`` as a dict, values typed."""
+        values: dict[str, object] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            value = value.strip()
+            if not sep:
+                raise SpecError(where, f"{part!r} is not KEY=VALUE (for example tp=8,pp=2,dp=4)")
+            if value in ("true", "false"):
+                values[key.strip()] = value == "true"
+            elif value.isdigit():
+                values[key.strip()] = int(value)
+            else:
+                values[key.strip()] = value
+        Layout.from_dict(values, where)  # validates keys and types
+        return values
+
+    @staticmethod
+    def parse(text: str, where: str = "--layout") -> Layout:
+        return Layout.from_dict(Layout.parse_fields(text, where), where)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One model-stage's layout and its ordered GPUs (``len(gpus) == layout.world``)."""
+
+    model_stage: ModelStage
+    layout: Layout
+    gpus: tuple[int, ...]
+
+    def to_dict(self) -> dict:
+        return {"model_stage": str(self.model_stage), "layout": self.layout.to_dict(), "gpus": list(self.gpus)}
+
+    @staticmethod
+    def from_dict(data: object, where: str) -> Placement:
+        f = Fields(data, where)
+        ms = ModelStage.parse(f.get("model_stage", str), f.key_path("model_stage"))
+        layout = Layout.from_dict(f.get("layout", dict), f.key_path("layout"))
+        gpus = f.get("gpus", list)
+        f.finish()
+        if not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus):
+            raise SpecError(f.key_path("gpus"), "must be a list of non-negative GPU indices")
+        if len(set(gpus)) != len(gpus):
+            raise SpecError(f.key_path("gpus"), "lists a GPU twice; each device holds one rank of a model-stage")
+        if len(gpus) != layout.world:
+            raise SpecError(f.key_path("gpus"), f"has {len(gpus)} GPUs but the layout needs tp·pp·dp = {layout.world}")
+        return Placement(ms, layout, tuple(gpus))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A layout and GPU set for every model-stage. Stages run in order generation → inference → training;
+    within a stage, model-stages on disjoint GPUs run concurrently and those sharing GPUs take turns."""
+
+    placements: tuple[Placement, ...]
+    num_gpus: int
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def placement(self, ms: ModelStage | str) -> Placement:
+        key = ModelStage.parse(ms) if isinstance(ms, str) else ms
+        for p in self.placements:
+            if p.model_stage == key:
+                return p
+        raise KeyError(str(key))
+
+    def model_stages(self) -> list[ModelStage]:
+        return [p.model_stage for p in self.placements]
+
+    def to_dict(self) -> dict:
+        return {"num_gpus": self.num_gpus, "placements": [p.to_dict() for p in self.placements]}
+
+    @staticmethod
+    def from_dict(data: object, where: str = "plan") -> Plan:
+        f = Fields(data, where)
+        num_gpus = f.get("num_gpus", int, minimum=1)
+        raw = f.get("placements", list)
+        f.finish()
+        placements = tuple(Placement.from_dict(p, f"{where}.placements[{i}]") for i, p in enumerate(raw))
+        seen = set()
+        for i, p in enumerate(placements):
+            if p.model_stage in seen:
+                raise SpecError(f"{where}.placements[{i}].model_stage", f"{p.model_stage} is placed twice")
+            seen.add(p.model_stage)
+            if max(p.gpus) >= num_gpus:
+                raise SpecError(f"{where}.placements[{i}].gpus", f"GPU {max(p.gpus)} is beyond num_gpus={num_gpus}")
+        return Plan(placements, num_gpus)

@@ -1,0 +1,131 @@
+"""Decoder architecture of one model: the fields the cost model and the runtime both read."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from nereus.spec.errors import SpecError
+from nereus.spec.fields import Fields
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """A Llama/Qwen2-style decoder (or a GPT-style one with a GeLU MLP, for published training data)."""
+
+    layers: int
+    hidden: int
+    ffn_hidden: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied_embeddings: bool = False
+    mlp: str = "swiglu"  # swiglu: gate, up, down matrices; gelu: up, down (GPT-2/3, Megatron)
+    qkv_bias: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: attention, MLP, two norms (biases of GPT-style MLPs too)."""
+        return self._layer_param_count
+
+    @cached_property
+    def _layer_param_count(self) -> int:
+        hd = self.head_dim
+        attn = self.hidden * (self.heads + 2 * self.kv_heads) * hd + self.heads * hd * self.hidden
+        if self.qkv_bias:
+            attn += (self.heads + 2 * self.kv_heads) * hd
+        mats = 3 if self.mlp == "swiglu" else 2
+        mlp = mats * self.hidden * self.ffn_hidden
+        if self.mlp == "gelu":
+            mlp += self.ffn_hidden + self.hidden + 3 * self.hidden  # biases of MLP and attention
+        return attn + mlp + 2 * self.hidden
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def params(self, value_head: bool = False) -> int:
+        """Total parameters; a value head (critic, reward) replaces the LM head by a hidden→1 projection."""
+        head = self.hidden if value_head else (0 if self.tied_embeddings else self.vocab * self.hidden)
+        return self.layers * self.layer_params() + self.embedding_params() + head + self.hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """KV cache per token: 2 (K and V) · layers · kv_heads · head_dim · bytes (design: memory)."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    def to_dict(self) -> dict:
+        return {
+            "layers": self.layers, "hidden": self.hidden, "ffn_hidden": self.ffn_hidden,
+            "heads": self.heads, "kv_heads": self.kv_heads, "vocab": self.vocab,
+            "tied_embeddings": self.tied_embeddings, "mlp": self.mlp, "qkv_bias": self.qkv_bias,
+        }
+
+
+# Published architectures (each from the model's HuggingFace config.json).
+PRESETS: dict[str, ModelArch] = {
+    "llama3-8b": ModelArch(32, 4096, 14336, 32, 8, 128256),
+    "llama3-70b": ModelArch(80, 8192, 28672, 64, 8, 128256),
+    "llama2-70b": ModelArch(80, 8192, 28672, 64, 8, 32000),
+    "qwen2.5-7b": ModelArch(28, 3584, 18944, 28, 4, 152064, qkv_bias=True),
+    "qwen2.5-0.5b": ModelArch(24, 896, 4864, 14, 2, 151936, tied_embeddings=True, qkv_bias=True),
+    "qwen2.5-32b": ModelArch(64, 5120, 27648, 40, 8, 152064, qkv_bias=True),
+}
+
+
+def arch_from_hf_config(path: Path, where: str) -> ModelArch:
+    """Map a HuggingFace Llama/Qwen2 ``config.json`` onto ``ModelArch``."""
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SpecError(where, f"file {str(path)!r} not found; give a path to a HuggingFace config.json") from None
+    except json.JSONDecodeError as err:
+        raise SpecError(where, f"{str(path)!r} is not valid JSON ({err.msg} at line {err.lineno})") from None
+    f = Fields(cfg, f"{where}<{path}>")
+    kind = str(cfg.get("model_type", "llama"))
+    if kind not in ("llama", "qwen2", "mistral"):
+        raise SpecError(f.key_path("model_type"), f"{kind!r} is not supported; use a llama or qwen2 config")
+    heads = f.get("num_attention_heads", int, minimum=1)
+    return ModelArch(
+        layers=f.get("num_hidden_layers", int, minimum=1),
+        hidden=f.get("hidden_size", int, minimum=1),
+        ffn_hidden=f.get("intermediate_size", int, minimum=1),
+        heads=heads,
+        kv_heads=f.get("num_key_value_heads", int, heads, minimum=1),
+        vocab=f.get("vocab_size", int, minimum=1),
+        tied_embeddings=f.get("tie_word_embeddings", bool, False),
+        qkv_bias=kind == "qwen2",
+    )
+
+
+def read_arch(f: Fields, base_dir: Path) -> ModelArch:
+    """A model entry: ``preset: NAME``, ``hf_config: PATH``, or the architecture fields themselves."""
+    if f.has("preset"):
+        name = f.get("preset", str, choices=sorted(PRESETS))
+        f.finish()
+        return PRESETS[name]
+    if f.has("hf_config"):
+        path = Path(f.get("hf_config", str))
+        f.finish()
+        return arch_from_hf_config(path if path.is_absolute() else base_dir / path, f.key_path("hf_config"))
+    heads = f.get("heads", int, minimum=1)
+    arch = ModelArch(
+        layers=f.get("layers", int, minimum=1),
+        hidden=f.get("hidden", int, minimum=1),
+        ffn_hidden=f.get("ffn_hidden", int, minimum=1),
+        heads=heads,
+        kv_heads=f.get("kv_heads", int, heads, minimum=1),
+        vocab=f.get("vocab", int, minimum=1),
+        tied_embeddings=f.get("tied_embeddings", bool, False),
+        mlp=f.get("mlp", str, "swiglu", choices=["swiglu", "gelu"]),
+        qkv_bias=f.get("qkv_bias", bool, False),
+    )
+    f.finish()
+    if arch.hidden % arch.heads:
+        raise SpecError(f.key_path("heads"), f"hidden ({arch.hidden}) must be divisible by heads ({arch.heads})")
+    if arch.heads % arch.kv_heads:
+        raise SpecError(f.key_path("kv_heads"), f"heads ({arch.heads}) must be divisible by kv_heads ({arch.kv_heads})")
+    return arch

@@ -1,0 +1,65 @@
+import json
+
+import pytest
+
+from nereus.cli import main
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_json_has_the_promised_fields(capsys, examples):
+    code, out, _ = run(capsys, "plan", str(examples / "ppo_8b_h100.yaml"), "--gpus", "1024", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["feasible"] and data["step_time_s"] > 0
+    assert len(data["device_peak_bytes"]) == 1024
+    assert all(0 < b <= 80e9 for b in data["device_peak_bytes"])
+    assert set(data["model_stages"]) >= {"actor/generation", "actor/training", "critic/training"}
+    assert all("time_s" in v and "layout" in v for v in data["model_stages"].values())
+    assert data["plan"]["num_gpus"] == 1024
+
+
+def test_estimate_reads_the_file_plan_writes(capsys, examples, tmp_path):
+    out_file = tmp_path / "plan.json"
+    code, out, _ = run(capsys, "plan", str(examples / "grpo_7b_h100.yaml"), "--json", "--out", str(out_file))
+    planned = json.loads(out)
+    code, out, _ = run(capsys, "estimate", str(examples / "grpo_7b_h100.yaml"), "--plan", str(out_file), "--json")
+    assert code == 0
+    assert json.loads(out)["step_time_s"] == pytest.approx(planned["step_time_s"])
+
+
+def test_estimate_training_job_from_a_layout(capsys, examples):
+    code, out, _ = run(capsys, "estimate", str(examples / "train_gpt_1t_a100.yaml"), "--layout", "tp=8,pp=64")
+    assert code == 0 and "gpt/training" in out and "TP8·PP64·DP6" in out
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["plan", "examples/ppo_70b_a100_one_node.yaml"], "actor/training: no layout fits: it needs at least"),
+    (["estimate", "examples/ppo_8b_h100.yaml", "--layout", "tp=2,pp=1"], "--layout: only for training-only jobs"),
+    (["estimate", "examples/train_gpt_1t_a100.yaml", "--layout", "tp=8"], r"--layout.pp: required"),
+    (["estimate", "examples/train_gpt_1t_a100.yaml", "--layout", "tp=8,pq=2"], "--layout.pq: unknown key"),
+    (["plan", "examples/ppo_8b_h100.yaml", "--gpus", "60"], "--gpus: 60 is not a multiple of gpus_per_node"),
+    (["estimate", "examples/ppo_8b_h100.yaml", "--plan", "missing.json"], "missing.json: plan file not found"),
+    (["plan", "no-such-job.yaml"], "no-such-job.yaml: job file not found"),
+])
+def test_bad_input_is_a_one_line_error_without_traceback(capsys, monkeypatch, argv, pattern):
+    from tests.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert "Traceback" not in err
+    assert pattern.replace("\\", "") in err or __import__("re").search(pattern, err)
+
+
+def test_plan_file_with_a_misspelled_key(capsys, examples, tmp_path):
+    bad = {"plan": {"num_gpus": 8, "placements": [
+        {"model_stage": "gpt/training", "layout": {"tp": 8, "ppp": 1}, "gpus": list(range(8))}]}}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    code, _, err = run(capsys, "estimate", str(examples / "train_gpt_1t_a100.yaml"), "--plan", str(path))
+    assert code == 2 and "plan.placements[0].layout.ppp: unknown key; did you mean 'pp'?" in err

@@ -1,0 +1,103 @@
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nereus.cost.hardware import Hardware
+from nereus.cost.memory import layer_activation_bytes
+from nereus.cost.stages import generation_cost, inference_cost, training_cost
+from nereus.spec import Layout, ModelStage, ResponseLength
+from nereus.spec.model import PRESETS, ModelArch
+from tests.helpers import gpt_training_job, ppo_job
+
+ACTOR_TRAIN, ACTOR_GEN = ModelStage("actor", "training"), ModelStage("actor", "generation")
+
+
+def test_korthikanti_activation_formulas_for_gpt():
+    """Per-layer activation bytes equal Korthikanti et al. 2022, Table 2, for a 4h GeLU GPT layer."""
+    arch = ModelArch(layers=1, hidden=4096, ffn_hidden=16384, heads=32, kv_heads=32, vocab=51200, mlp="gelu")
+    s, b, h, a, t = 2048, 1, 4096, 32, 8
+    sbh = s * b * h
+
+    def act(**kw):
+        return layer_activation_bytes(arch, Layout(**kw), s, b, "standard")
+
+    assert act(tp=1, recompute="none", sequence_parallel=False) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert act(tp=t, recompute="none", sequence_parallel=False) == pytest.approx(
+        sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert act(tp=t, recompute="none", sequence_parallel=True) == pytest.approx(sbh / t * (34 + 5 * a * s / h))
+    assert act(tp=t, recompute="selective", sequence_parallel=True) == pytest.approx(sbh * 34 / t)
+    assert act(tp=t, recompute="full", sequence_parallel=True) == pytest.approx(2 * sbh / t)
+
+
+def test_generation_time_is_set_by_the_longest_response():
+    job = ppo_job(8)
+    hw = Hardware(job.cluster)
+    layout = Layout(tp=2, dp=4, recompute="none", zero1=False)
+    short_tail = generation_cost(hw, job.with_response(ResponseLength(1024, 4096, sigma=0.3)), ACTOR_GEN, layout)
+    long_tail = generation_cost(hw, job.with_response(ResponseLength(1024, 16384, sigma=1.2)), ACTOR_GEN, layout)
+    # Same mean length, so the same tokens; a longer tail still takes longer.
+    assert long_tail.time() > 1.5 * short_tail.time()
+    assert long_tail.detail["longest"] > 2 * short_tail.detail["longest"]
+
+
+def test_pipeline_bubble_and_interleaving():
+    job = gpt_training_job(32, 4096, 32, 64, 8)
+    hw = Hardware(job.cluster)
+    ms = ModelStage("gpt", "training")
+    flat = training_cost(hw, job, ms, Layout(tp=1, pp=8, dp=1, recompute="full", sequence_parallel=False,
+                                             zero1=False))
+    inter = training_cost(hw, job, ms, Layout(tp=1, pp=8, dp=1, interleave=2, recompute="full",
+                                              sequence_parallel=False, zero1=False))
+    # (p - 1)/m with p = 8 and m = 64; interleaving halves it (Narayanan et al. 2021, Sec. 2.2).
+    assert flat.detail["bubble_fraction"] == pytest.approx(7 / 64)
+    assert inter.detail["bubble_fraction"] == pytest.approx(7 / 128)
+    assert inter.terms["compute"] < flat.terms["compute"]
+    assert inter.terms["pp_comm"] > flat.terms["pp_comm"]
+
+
+def test_recompute_trades_time_for_memory():
+    job = gpt_training_job(24, 2304, 24, 64, 8)
+    hw = Hardware(job.cluster)
+    ms = ModelStage("gpt", "training")
+    costs = {rc: training_cost(hw, job, ms, Layout(tp=2, pp=1, dp=4, recompute=rc, sequence_parallel=True,
+                                                   zero1=False)) for rc in ("none", "selective", "full")}
+    assert costs["none"].time() < costs["selective"].time() < costs["full"].time()
+    assert costs["none"].transient_bytes > costs["selective"].transient_bytes > costs["full"].transient_bytes
+
+
+def test_zero1_shards_optimizer_state_over_dp():
+    job = ppo_job(16)
+    hw = Hardware(job.cluster)
+    plain = training_cost(hw, job, ACTOR_TRAIN, Layout(tp=2, dp=8, zero1=False))
+    zero = training_cost(hw, job, ACTOR_TRAIN, Layout(tp=2, dp=8, zero1=True))
+    assert zero.memory["optimizer"] == pytest.approx(plain.memory["optimizer"] / 8)
+    assert zero.memory["weights"] == plain.memory["weights"]
+
+
+ARCH = st.sampled_from([PRESETS["llama3-8b"], PRESETS["qwen2.5-7b"], PRESETS["qwen2.5-0.5b"],
+                        ModelArch(48, 6144, 24576, 48, 48, 51200, tied_embeddings=True, mlp="gelu")])
+
+
+def _job_with(arch: ModelArch):
+    job = ppo_job(64)
+    return job.__class__(**{**job.__dict__, "models": {m: arch for m in job.models}})
+
+
+@given(arch=ARCH, stage=st.sampled_from(["generation", "inference", "training"]),
+       tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 4]), dp=st.sampled_from([1, 2, 4]),
+       mbs=st.sampled_from([1, 2]), recompute=st.sampled_from(["none", "selective", "full"]),
+       sp=st.booleans(), grow=st.sampled_from(["tp", "pp"]))
+def test_memory_never_increases_when_tp_or_pp_grows(arch, stage, tp, pp, dp, mbs, recompute, sp, grow):
+    job = _job_with(arch)
+    hw = Hardware(job.cluster)
+    ms = ModelStage("actor", stage)
+    fn = {"generation": generation_cost, "inference": inference_cost, "training": training_cost}[stage]
+    small = Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, recompute=recompute, sequence_parallel=sp)
+    big = Layout(**{**small.to_dict(), grow: 2 * getattr(small, grow)})
+    if arch.layers % big.pp or arch.heads % big.tp:  # only even splits of layers and heads are layouts
+        return
+    a, b = fn(hw, job, ms, small), fn(hw, job, ms, big)
+    assert a is not None and b is not None
+    assert b.peak_bytes <= a.peak_bytes * (1 + 1e-9) or math.isclose(b.peak_bytes, a.peak_bytes)

@@ -1,0 +1,67 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nereus.cost.hardware import Hardware
+from nereus.cost.plan_cost import estimate_plan
+from nereus.planner.search import compositions, search, set_partitions
+from nereus.spec import InfeasibleError, job_from_dict, load_job
+
+
+def test_set_partitions_and_compositions():
+    assert len(set_partitions(list("abcde"))) == 52  # Bell(5)
+    assert len(set_partitions(list("abc"))) == 5
+    assert compositions(4, 2) == [(1, 3), (2, 2), (3, 1)]
+
+
+def test_ppo_8b_at_1024_gpus_is_feasible_and_explained(examples):
+    job = load_job(examples / "ppo_8b_h100.yaml").with_gpus(1024)
+    hw = Hardware(job.cluster)
+    result = search(hw, job)
+    assert result.estimate.feasible
+    assert {str(p.model_stage) for p in result.plan.placements} == {str(m) for m in job.model_stages()}
+    for p in result.plan.placements:
+        assert len(p.gpus) == p.layout.world and max(p.gpus) < 1024
+        assert p.layout.tp <= job.cluster.gpus_per_node
+    again = estimate_plan(hw, job, result.plan)
+    assert again.step_time_s == pytest.approx(result.estimate.step_time_s)
+    assert max(again.device_peak_bytes) <= hw.usable_bytes()
+    assert result.runners_up and all(r.step_time_s >= result.estimate.step_time_s for r in result.runners_up)
+
+
+def test_70b_actor_on_one_a100_node_names_stage_memory_and_capacity(examples):
+    job = load_job(examples / "ppo_70b_a100_one_node.yaml")
+    with pytest.raises(InfeasibleError) as err:
+        search(Hardware(job.cluster), job)
+    assert err.value.model_stage == "actor/training"
+    assert err.value.needed_bytes > err.value.capacity_bytes == 80e9
+    assert "actor/training" in str(err.value) and "GB per device" in str(err.value) and "80.0 GB" in str(err.value)
+
+
+def test_more_gpus_never_predict_a_slower_step(examples):
+    job = load_job(examples / "grpo_7b_h100.yaml")
+    times = [search(Hardware(j.cluster), j).estimate.step_time_s for j in (job.with_gpus(n) for n in (16, 32, 64))]
+    assert times[0] >= times[1] >= times[2]
+
+
+@given(model=st.sampled_from(["qwen2.5-0.5b", "llama3-8b"]), gpus=st.sampled_from([4, 8, 16, 32]),
+       prompts=st.sampled_from([32, 128, 512]), mean=st.sampled_from([256, 1024, 4096]),
+       algorithm=st.sampled_from(["ppo", "grpo"]), memory=st.sampled_from([24, 40, 80]))
+def test_every_returned_plan_passes_its_feasibility_check(model, gpus, prompts, mean, algorithm, memory):
+    models = ["actor", "critic", "reference", "reward"] if algorithm == "ppo" else ["actor", "reference"]
+    job = job_from_dict({
+        "models": {m: {"preset": model} for m in models},
+        "algorithm": {"name": algorithm, "mini_batches": 2, "samples_per_prompt": 1 if algorithm == "ppo" else 4},
+        "workload": {"prompts_per_step": prompts, "prompt_length": 256,
+                     "response_length": {"mean": mean, "max": 4 * mean}},
+        "cluster": {"gpu": "H100", "memory_gb": memory, "nodes": max(1, gpus // 8), "gpus_per_node": min(8, gpus)},
+    })
+    hw = Hardware(job.cluster)
+    try:
+        result = search(hw, job)
+    except InfeasibleError as err:
+        assert err.needed_bytes > 0 and err.capacity_bytes == memory * 1e9
+        return
+    check = estimate_plan(hw, job, result.plan)
+    assert check.feasible, check.violations[:3]
+    assert check.step_time_s == pytest.approx(result.estimate.step_time_s)

@@ -1,0 +1,141 @@
+import json
+
+import pytest
+import yaml
+
+from nereus.spec import Layout, ModelStage, Placement, Plan, SpecError, job_from_dict, load_job
+from nereus.spec.cluster import gpu_presets
+from nereus.spec.model import PRESETS
+from tests.conftest import SHARED_DATA
+
+
+def base_spec() -> dict:
+    return yaml.safe_load((__import__("tests.conftest").conftest.EXAMPLES / "ppo_8b_h100.yaml").read_text())
+
+
+@pytest.mark.parametrize("name", ["ppo_8b_h100", "grpo_7b_h100", "ppo_tiny_cpu", "train_gpt_1t_a100",
+                                  "ppo_70b_a100_one_node"])
+def test_examples_load(examples, name):
+    job = load_job(examples / f"{name}.yaml")
+    assert job.model_stages()
+    assert job.cluster.num_gpus >= 1
+
+
+def test_ppo_and_grpo_model_stages(examples):
+    ppo = [str(ms) for ms in load_job(examples / "ppo_8b_h100.yaml").model_stages()]
+    assert ppo == ["actor/generation", "actor/inference", "reference/inference", "critic/inference",
+                   "reward/inference", "actor/training", "critic/training"]
+    grpo = [str(ms) for ms in load_job(examples / "grpo_7b_h100.yaml").model_stages()]
+    assert grpo == ["actor/generation", "actor/inference", "reference/inference", "actor/training"]
+    train = [str(ms) for ms in load_job(examples / "train_gpt_1t_a100.yaml").model_stages()]
+    assert train == ["gpt/training"]
+
+
+def test_misspelled_key_names_path_and_suggestion():
+    spec = base_spec()
+    spec["workload"]["prompt_lenght"] = spec["workload"].pop("prompt_length")
+    with pytest.raises(SpecError) as err:
+        job_from_dict(spec)
+    assert err.value.path in ("workload.prompt_length", "workload.prompt_lenght")
+    spec = base_spec()
+    spec["options"]["recomptue"] = "full"
+    with pytest.raises(SpecError, match=r"options\.recomptue: unknown key; did you mean 'recompute'"):
+        job_from_dict(spec)
+
+
+@pytest.mark.parametrize("path,value,pattern", [
+    (("cluster", "nodes"), 0, r"cluster\.nodes: 0 is out of range"),
+    (("options", "recompute"), "some", r"options\.recompute: 'some' is not allowed; choose one of"),
+    (("algorithm", "name"), "dpo", r"algorithm\.name: 'dpo' is not allowed"),
+    (("workload", "response_length"), {"mean": 9000, "max": 100}, r"workload\.response_length\.mean: .*exceeds max"),
+    (("cluster", "gpu"), "V100", r"cluster\.gpu: 'V100' is not allowed"),
+    (("models", "actor"), {"preset": "llama-9b"}, r"models\.actor\.preset"),
+    (("models", "critic"), {"layers": 2, "hidden": 64, "ffn_hidden": 128, "heads": 3, "vocab": 10},
+     r"models\.critic\.heads: hidden \(64\) must be divisible"),
+    (("algorithm", "mini_batches"), 3, r"algorithm\.mini_batches: 3 does not divide"),
+    (("options", "micro_batch_size"), "big", r"options\.micro_batch_size: 'big' is not allowed"),
+    (("workload", "prompts_per_step"), "many", r"workload\.prompts_per_step: expected an integer"),
+])
+def test_bad_values_name_the_key(path, value, pattern):
+    spec = base_spec()
+    spec[path[0]][path[1]] = value
+    with pytest.raises(SpecError, match=pattern):
+        job_from_dict(spec)
+
+
+def test_algorithm_model_checks():
+    spec = base_spec()
+    spec["algorithm"]["models"] = ["actor", "reference"]
+    with pytest.raises(SpecError, match=r"algorithm\.models: ppo needs a 'critic'"):
+        job_from_dict(spec)
+    spec["algorithm"]["models"] = ["actor", "judge"]
+    with pytest.raises(SpecError, match=r"algorithm\.models\[1\]: 'judge' is not defined"):
+        job_from_dict(spec)
+
+
+def test_missing_section_and_bad_yaml(tmp_path):
+    spec = base_spec()
+    del spec["cluster"]
+    with pytest.raises(SpecError, match="cluster: required section is missing"):
+        job_from_dict(spec)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_job(bad)
+    with pytest.raises(SpecError, match="job file not found"):
+        load_job(tmp_path / "missing.yaml")
+
+
+def test_hf_config_maps_onto_arch(tmp_path):
+    cfg = {"model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584, "intermediate_size": 18944,
+           "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = base_spec()
+    spec["models"]["actor"] = {"hf_config": str(tmp_path / "config.json")}
+    job = job_from_dict(spec)
+    assert job.models["actor"] == PRESETS["qwen2.5-7b"]
+    # Qwen2.5-7B has 7.6B parameters (model card).
+    assert 7.5e9 < job.models["actor"].params() < 7.7e9
+
+
+def test_preset_parameter_counts_match_published_sizes():
+    assert 8.0e9 < PRESETS["llama3-8b"].params() < 8.1e9  # 8.03B (Meta model card)
+    assert 70.4e9 < PRESETS["llama3-70b"].params() < 70.8e9  # 70.6B
+    assert 0.49e9 < PRESETS["qwen2.5-0.5b"].params() < 0.5e9  # 0.49B
+
+
+def test_hardware_presets_match_shared_data():
+    rows = [line.split(",") for line in (SHARED_DATA / "hardware.csv").read_text().splitlines()
+            if line and not line.startswith(("#", "gpu,"))]
+    presets = gpu_presets()
+    for name, tflops, hbm, mem, nvlink, ib in rows:
+        g = presets[name]
+        assert g.peak_flops == float(tflops) * 1e12
+        assert g.hbm_bytes_per_s == float(hbm) * 1e12
+        assert g.memory_bytes == float(mem) * 1e9
+        assert g.intra_node_bytes_per_s == float(nvlink) * 1e9 / 2
+        assert g.inter_node_bytes_per_s == float(ib) * 1e9 / 8
+
+
+def test_plan_round_trip_and_validation():
+    layout = Layout(tp=2, pp=2, dp=2, micro_batch_size=2, interleave=2, recompute="full")
+    plan = Plan((Placement(ModelStage("actor", "training"), layout, tuple(range(8))),), 8)
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan
+    assert layout.coords(layout.rank(1, 1, 0)) == (1, 1, 0)
+    bad = plan.to_dict()
+    bad["placements"][0]["gpus"] = [0, 1, 2]
+    with pytest.raises(SpecError, match=r"plan\.placements\[0\]\.gpus: has 3 GPUs but the layout needs"):
+        Plan.from_dict(bad)
+    bad = plan.to_dict()
+    bad["placements"][0]["layout"]["tpp"] = 2
+    with pytest.raises(SpecError, match=r"plan\.placements\[0\]\.layout\.tpp: unknown key; did you mean 'tp'"):
+        Plan.from_dict(bad)
+
+
+def test_layout_parse():
+    assert Layout.parse("tp=4,pp=2,dp=8,recompute=full") == Layout(tp=4, pp=2, dp=8, recompute="full")
+    with pytest.raises(SpecError, match=r"--layout: 'tp' is not KEY=VALUE"):
+        Layout.parse("tp")
+    with pytest.raises(SpecError, match=r"--layout\.tp: 0 is out of range"):
+        Layout.parse("tp=0")
