@@ -121,7 +121,14 @@ class JobSpec:
         return replace(self, workload=replace(self.workload, response=response))
 
 
-def _read_response(f: Fields) -> ResponseLength:
+def _read_response(f: Fields, base_dir: Path) -> ResponseLength:
+    if f.has("trace"):  # the lengths of one step of a trace (nereus.spec.trace)
+        from nereus.spec.trace import load_trace
+
+        path = Path(f.get("trace", str))
+        step = f.get("step", int, 0, minimum=0)
+        f.finish()
+        return load_trace(path if path.is_absolute() else base_dir / path).response_at(step)
     mean = f.get("mean", float, minimum=1)
     longest = f.get("max", int, minimum=1)
     dist = f.get("distribution", str, "lognormal", choices=["lognormal", "fixed"])
@@ -162,14 +169,14 @@ def _read_algorithm(f: Fields, models: dict[str, ModelArch]) -> Algorithm:
     return alg
 
 
-def _read_workload(f: Fields, alg: Algorithm) -> Workload:
+def _read_workload(f: Fields, alg: Algorithm, base_dir: Path) -> Workload:
     if alg.name == "train":
         wl = Workload(global_batch=f.get("global_batch", int, minimum=1),
                       sequence_length=f.get("sequence_length", int, minimum=1))
     else:
         wl = Workload(prompts_per_step=f.get("prompts_per_step", int, minimum=1),
                       prompt_length=f.get("prompt_length", int, minimum=1),
-                      response=_read_response(f.sub("response_length", required=True)))
+                      response=_read_response(f.sub("response_length", required=True), base_dir))
     f.finish()
     sequences = wl.global_batch or wl.prompts_per_step * alg.samples_per_prompt
     if sequences % alg.mini_batches:
@@ -213,7 +220,7 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         name=root.get("name", str, "job"),
         models={m: models[m] for m in algorithm.models},
         algorithm=algorithm,
-        workload=_read_workload(root.sub("workload", required=True), algorithm),
+        workload=_read_workload(root.sub("workload", required=True), algorithm, base_dir),
         cluster=read_cluster(root.sub("cluster", required=True)),
         options=_read_options(root.sub("options")),
     )

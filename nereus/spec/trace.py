@@ -1,0 +1,127 @@
+"""Traces: how a run's workload and cluster change over its steps (YAML or JSON).
+
+Schema (every key validated; errors name the key path)::
+
+    name: r1-zero-growth
+    source: "DeepSeek-AI 2025, DeepSeek-R1, Fig. 1b ..."   # required: where the numbers come from
+    steps: 1000
+    response_length:
+      sigma: 0.7                  # log-normal spread of one step's lengths (long tail)
+      points:                     # mean interpolates linearly between points; max is a context limit
+        - {step: 0, mean: 1500, max: 8192}      #   and holds until the next point (raised in stages)
+        - {step: 1000, mean: 12000, max: 32768}
+    gpus:                         # optional availability, each entry holds until the next
+      - {step: 0, gpus: 64}
+      - {step: 500, gpus: 1024}
+    failures:                     # optional: GPUs lost at a step (they stay lost)
+      - {step: 450, gpus: 8}
+"""
+
+from __future__ import annotations
+
+import json
+from bisect import bisect_right
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from nereus.spec.errors import SpecError
+from nereus.spec.fields import Fields
+from nereus.spec.job import ResponseLength
+
+
+@dataclass(frozen=True)
+class LengthPoint:
+    step: int
+    mean: float
+    max: int
+
+
+@dataclass(frozen=True)
+class Trace:
+    name: str
+    source: str
+    steps: int
+    sigma: float
+    points: tuple[LengthPoint, ...]
+    gpus: tuple[tuple[int, int], ...] = ()  # (step, available GPUs)
+    failures: tuple[tuple[int, int], ...] = ()  # (step, GPUs lost)
+
+    def response_at(self, step: int) -> ResponseLength:
+        pts = self.points
+        i = bisect_right([p.step for p in pts], step) - 1
+        if i < 0:
+            p = pts[0]
+            return ResponseLength(min(p.mean, p.max), p.max, "lognormal", self.sigma)
+        p = pts[i]
+        if i + 1 < len(pts):
+            q = pts[i + 1]
+            mean = p.mean + (q.mean - p.mean) * (step - p.step) / (q.step - p.step)
+        else:
+            mean = p.mean
+        return ResponseLength(min(mean, p.max), p.max, "lognormal", self.sigma)
+
+    def gpus_at(self, step: int, default: int) -> int:
+        """Available GPUs at ``step``: the schedule's entry, less every failure so far."""
+        avail = default
+        for s, n in self.gpus:
+            if s <= step:
+                avail = n
+        lost = sum(n for s, n in self.failures if s <= step)
+        return max(0, avail - lost)
+
+
+def trace_from_dict(data: object, where: str = "trace") -> Trace:
+    root = Fields(data, where)
+    steps = root.get("steps", int, minimum=1)
+    rl = root.sub("response_length", required=True)
+    sigma = rl.get("sigma", float, 0.6, minimum=0, maximum=3)
+    raw = rl.get("points", list)
+    rl.finish()
+    if not raw:
+        raise SpecError(rl.key_path("points"), "give at least one {step, mean, max} point")
+    points = []
+    for i, item in enumerate(raw):
+        f = Fields(item, f"{rl.key_path('points')}[{i}]")
+        p = LengthPoint(f.get("step", int, minimum=0), f.get("mean", float, minimum=1), f.get("max", int, minimum=1))
+        f.finish()
+        if points and p.step <= points[-1].step:
+            raise SpecError(f.key_path("step"), f"steps must increase (previous point is at {points[-1].step})")
+        points.append(p)
+    trace = Trace(
+        name=root.get("name", str, "trace"),
+        source=root.get("source", str),
+        steps=steps,
+        sigma=sigma,
+        points=tuple(points),
+        gpus=_step_list(root, "gpus"),
+        failures=_step_list(root, "failures"),
+    )
+    root.finish()
+    return trace
+
+
+def _step_list(root: Fields, key: str) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for i, item in enumerate(root.get(key, list, [])):
+        f = Fields(item, f"{root.key_path(key)}[{i}]")
+        entry = (f.get("step", int, minimum=0), f.get("gpus", int, minimum=0 if key == "failures" else 1))
+        f.finish()
+        if key == "gpus" and out and entry[0] <= out[-1][0]:
+            raise SpecError(f.key_path("step"), f"steps must increase (previous entry is at {out[-1][0]})")
+        out.append(entry)
+    return tuple(out)
+
+
+def load_trace(path: str | Path) -> Trace:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise SpecError(str(path), "trace file not found") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise SpecError(str(path), f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
+    return trace_from_dict(data, str(path))
