@@ -1,0 +1,118 @@
+"""HuggingFace Llama/Qwen2 checkpoints: ``config.json`` ↔ ``ModelConfig`` and safetensors ↔ tensors.
+
+Tensor names are the checkpoint's own, so loading a rank's shard reads only the global boxes that
+``nereus.spec.sharding.rank_tensors`` assigns it (``safe_open(...).get_slice``), never the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from nereus.runtime.model import ModelConfig
+from nereus.spec.model import ModelArch
+from nereus.spec.sharding import Box
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def config_from_hf(data: dict) -> ModelConfig:
+    """Map a Llama/Qwen2/Mistral ``config.json`` dict (transformers 4.x or 5.x spelling) to ``ModelConfig``."""
+    kind = data.get("model_type", "llama")
+    if kind not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"model_type {kind!r} is not supported; use a llama or qwen2 checkpoint")
+    heads = data["num_attention_heads"]
+    if data.get("head_dim") not in (None, data["hidden_size"] // heads):
+        raise ValueError("head_dim different from hidden_size / num_attention_heads is not supported")
+    if data.get("attention_bias") or data.get("mlp_bias"):
+        raise ValueError("attention_bias/mlp_bias checkpoints are not supported")
+    arch = ModelArch(
+        layers=data["num_hidden_layers"], hidden=data["hidden_size"], ffn_hidden=data["intermediate_size"],
+        heads=heads, kv_heads=data.get("num_key_value_heads") or heads, vocab=data["vocab_size"],
+        tied_embeddings=bool(data.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2",
+    )
+    rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", data.get("rope_theta", 10000.0))
+    rope.pop("type", None)
+    if rope.get("rope_type", "default") == "default":
+        rope = {}
+    eos = data.get("eos_token_id")
+    return ModelConfig(arch=arch, rope_theta=float(theta), rms_eps=float(data.get("rms_norm_eps", 1e-6)),
+                       rope_scaling=rope, value_head=data.get("num_labels") == 1 and _is_scorer(data),
+                       bos_token_id=data.get("bos_token_id"),
+                       eos_token_id=eos[0] if isinstance(eos, list) else eos)
+
+
+def _is_scorer(data: dict) -> bool:
+    return any(a.endswith("ForSequenceClassification") or a.endswith("ForTokenClassification")
+               for a in data.get("architectures") or [])
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """A ``config.json`` that transformers loads as LlamaForCausalLM / Qwen2ForCausalLM (or a scorer)."""
+    a = cfg.arch
+    kind = "qwen2" if a.qkv_bias else "llama"
+    head = "ForSequenceClassification" if cfg.value_head else "ForCausalLM"
+    rope = {"rope_type": "default", **cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    out = {
+        "architectures": [("Qwen2" if kind == "qwen2" else "Llama") + head], "model_type": kind,
+        "num_hidden_layers": a.layers, "hidden_size": a.hidden, "intermediate_size": a.ffn_hidden,
+        "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "vocab_size": a.vocab,
+        "tie_word_embeddings": a.tied_embeddings, "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta,
+        "rope_parameters": rope, "hidden_act": "silu", "torch_dtype": "float32",
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+    }
+    if cfg.value_head:
+        out["num_labels"] = 1
+    return out
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    return config_from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+
+def _files(path: Path) -> dict[str, Path]:
+    """Tensor name → the safetensors file holding it."""
+    if (path / INDEX).exists():
+        index = json.loads((path / INDEX).read_text())["weight_map"]
+        return {name: path / file for name, file in index.items()}
+    with safe_open(path / SINGLE, framework="pt") as f:
+        return dict.fromkeys(f.keys(), path / SINGLE)
+
+
+def load_boxes(path: str | Path, boxes: dict[str, Box], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Read exactly ``boxes`` (name → global box) from a checkpoint directory. A tied checkpoint has no
+    ``lm_head.weight``: a request for it reads ``model.embed_tokens.weight``."""
+    path = Path(path)
+    where = _files(path)
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in boxes:
+        source = name if name in where or name != "lm_head.weight" else "model.embed_tokens.weight"
+        if source not in where:
+            raise KeyError(f"{name} is not in the checkpoint at {path}")
+        by_file.setdefault(where[source], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                source = name if name in where else "model.embed_tokens.weight"
+                sl = f.get_slice(source)
+                index = tuple(slice(lo, hi) for lo, hi in boxes[name])
+                out[name] = sl[index].to(dtype).contiguous()
+    return out
+
+
+def save_checkpoint(path: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """Write a full checkpoint (``config.json`` + ``model.safetensors``) from whole tensors."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
+    data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    if cfg.arch.tied_embeddings:
+        data.pop("lm_head.weight", None)
+    save_file(data, str(path / SINGLE), metadata={"format": "pt"})

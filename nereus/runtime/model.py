@@ -1,0 +1,252 @@
+"""A Llama/Qwen2-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) in plain PyTorch.
+
+The math here knows nothing of parallelism. Module and parameter names follow HuggingFace checkpoints
+(``model.layers.3.self_attn.q_proj.weight``), so a model's ``state_dict`` keys are the tensor names of
+``nereus.spec.sharding``. A model may hold only part of the decoder (a pipeline stage): layers live in a
+``ModuleDict`` keyed by their global index, and the embedding, the final norm and the heads are present
+only where a stage keeps them. ``nereus.runtime.parallel`` applies TP/PP/DP to it from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nereus.spec.model import ModelArch
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture plus the numerics a checkpoint fixes (RoPE base and scaling, norm epsilon)."""
+
+    arch: ModelArch
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    rope_scaling: dict = field(default_factory=dict, hash=False)  # HF rope_parameters beyond the base
+    value_head: bool = False  # critic/reward: a hidden→1 ``score`` head replaces the LM head
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def with_value_head(self, value_head: bool = True) -> ModelConfig:
+        return replace(self, value_head=value_head)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of rotary embeddings (Su et al. 2021); ``llama3`` scaling as in Llama 3.1."""
+    d = cfg.arch.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d))
+    kind = cfg.rope_scaling.get("rope_type", "default")
+    if kind == "default":
+        return inv
+    if kind != "llama3":
+        raise ValueError(f"rope_type {kind!r} is not supported (default or llama3)")
+    s = cfg.rope_scaling
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen <= old / low) & (wavelen >= old / high)
+    return torch.where(is_mid, mid, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """cos/sin of shape [B, 1, T, head_dim] for integer ``positions`` [B, T]."""
+    freqs = positions[..., None].to(torch.float32) * inv_freq.to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class KVCache:
+    """Preallocated keys and values of one layer: [B, kv_heads, max_len, head_dim] each."""
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.shape[2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+@dataclass
+class Context:
+    """Per-call inputs every layer reads: rotary tables, an optional boolean attention mask
+    [B, 1, T, S] (True = attend; None = causal over the whole sequence), KV caches and their offset."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None = None
+    caches: dict[int, KVCache] | None = None
+    start: int = 0
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        a = cfg.arch
+        self.heads, self.kv_heads, self.head_dim = a.heads, a.kv_heads, a.head_dim  # TP sets local counts
+        self.q_proj = nn.Linear(a.hidden, a.heads * a.head_dim, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(a.hidden, a.kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(a.hidden, a.kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(a.heads * a.head_dim, a.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: Context, layer: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
+        if ctx.caches is not None:
+            k, v = ctx.caches[layer].update(k, v, ctx.start)
+        group = self.heads // self.kv_heads
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if ctx.mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        a = cfg.arch
+        self.gate_proj = nn.Linear(a.hidden, a.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(a.hidden, a.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(a.ffn_hidden, a.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.input_layernorm = RMSNorm(cfg.arch.hidden, cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.arch.hidden, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, self.index)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """``model.*`` of a checkpoint: embedding, layers, final norm (each possibly absent on a stage)."""
+
+    def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool) -> None:
+        super().__init__()
+        a = cfg.arch
+        self.embed_tokens = nn.Embedding(a.vocab, a.hidden) if first else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in layers})
+        self.norm = RMSNorm(a.hidden, cfg.rms_eps) if last else None
+
+
+class CausalLM(nn.Module):
+    """The whole decoder, or one pipeline stage of it (``layers``, ``first``, ``last``).
+
+    ``forward`` takes token ids on the first stage and hidden states elsewhere; it returns hidden states,
+    or on the last stage the LM-head logits [B, T, V] (vocabulary shard under TP) or values [B, T].
+    """
+
+    def __init__(self, cfg: ModelConfig, layers: range | None = None, first: bool = True,
+                 last: bool = True) -> None:
+        super().__init__()
+        a = cfg.arch
+        self.cfg = cfg
+        self.first, self.last = first, last
+        self.model = Decoder(cfg, range(a.layers) if layers is None else layers, first, last)
+        self.lm_head: nn.Linear | None = None
+        self.score: nn.Linear | None = None
+        if last and cfg.value_head:
+            self.score = nn.Linear(a.hidden, 1, bias=False)
+        elif last and not a.tied_embeddings:
+            self.lm_head = nn.Linear(a.hidden, a.vocab, bias=False)
+        self.tied_head: nn.Parameter | None = None  # tied weight copy on a last stage without embedding
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def head_weight(self) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        if self.tied_head is not None:
+            return self.tied_head
+        return self.model.embed_tokens.weight
+
+    def context(self, positions: torch.Tensor, dtype: torch.dtype, mask: torch.Tensor | None = None,
+                caches: dict[int, KVCache] | None = None, start: int = 0) -> Context:
+        cos, sin = rope_cos_sin(self.inv_freq, positions, dtype)
+        return Context(cos, sin, mask, caches, start)
+
+    def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, caches: dict[int, KVCache] | None = None,
+                start: int = 0) -> torch.Tensor:
+        h = self.model.embed_tokens(inputs) if self.first else inputs
+        if positions is None:
+            positions = torch.arange(start, start + h.shape[1], device=h.device).expand(h.shape[0], -1)
+        ctx = self.context(positions, h.dtype, mask, caches, start)
+        for layer in self.model.layers.values():
+            h = layer(h, ctx)
+        if not self.last:
+            return h
+        h = self.model.norm(h)
+        if self.score is not None:
+            return self.score(h).squeeze(-1)
+        return self.project(h)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """LM-head logits in fp32 (TP swaps in a vocabulary-parallel projection)."""
+        return F.linear(h, self.head_weight()).float()
+
+
+def build_model(cfg: ModelConfig, seed: int | None = None, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """The whole model, randomly initialised (normal(0, 0.02) like HF Llama) when ``seed`` is given."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+    model = CausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # near 1, not exactly, so tests see a misplaced norm
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model.to(dtype)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens) under full-vocabulary ``logits`` [..., V]."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
