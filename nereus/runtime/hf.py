@@ -18,6 +18,9 @@ from nereus.spec.model import ModelArch
 from nereus.spec.sharding import Box
 
 INDEX = "model.safetensors.index.json"
+# Local names that read another tensor: a tied checkpoint has no ``lm_head.weight``, and the last
+# pipeline stage's copy of a tied embedding (``tied_head``) is the embedding.
+ALIASES = {"lm_head.weight": "model.embed_tokens.weight", "tied_head": "model.embed_tokens.weight"}
 SINGLE = "model.safetensors"
 
 
@@ -86,24 +89,33 @@ def _files(path: Path) -> dict[str, Path]:
 
 
 def load_boxes(path: str | Path, boxes: dict[str, Box], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Read exactly ``boxes`` (name → global box) from a checkpoint directory. A tied checkpoint has no
-    ``lm_head.weight``: a request for it reads ``model.embed_tokens.weight``."""
+    """Read exactly ``boxes`` (name → global box) from a checkpoint directory (names in ``ALIASES`` read
+    their source when the checkpoint lacks them)."""
     path = Path(path)
     where = _files(path)
     out: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name in boxes:
-        source = name if name in where or name != "lm_head.weight" else "model.embed_tokens.weight"
+        source = name if name in where else ALIASES.get(name, name)
         if source not in where:
             raise KeyError(f"{name} is not in the checkpoint at {path}")
         by_file.setdefault(where[source], []).append(name)
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as f:
             for name in names:
-                source = name if name in where else "model.embed_tokens.weight"
+                source = name if name in where else ALIASES[name]
                 sl = f.get_slice(source)
                 index = tuple(slice(lo, hi) for lo, hi in boxes[name])
                 out[name] = sl[index].to(dtype).contiguous()
+    return out
+
+
+def slice_boxes(full: dict[str, torch.Tensor], boxes: dict[str, Box]) -> dict[str, torch.Tensor]:
+    """``boxes`` cut from whole tensors ``full`` (a reference model's state dict), ``ALIASES`` applied."""
+    out = {}
+    for name, box in boxes.items():
+        source = full[name] if name in full else full[ALIASES[name]]
+        out[name] = source.detach()[tuple(slice(lo, hi) for lo, hi in box)].clone()
     return out
 
 

@@ -1,0 +1,189 @@
+"""One rank's shard of a model under a layout, and the operations every layout supports: logits,
+log-probs of given tokens, values, and a training step with a caller-supplied loss and Adam.
+
+Every rank of the layout receives the whole batch and takes its DP replica's rows (the batch splits
+evenly over DP, then into micro-batches of ``layout.micro_batch_size``). Results are complete on the last
+pipeline stage of each replica (``is_output_rank``: TP rank 0 there returns them).
+
+The objective of a training step is the mean over all micro-batches of all replicas of
+``loss_fn(out, micro_batch)``, where ``out`` is the log-probabilities [b, T−1] of each next token (LM
+models) or the values [b, T] (value-head models) and ``micro_batch`` holds the batch's tensors cut to the
+same rows. A single process running the same micro-batches computes the same objective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from nereus.runtime.groups import ParallelGroups
+from nereus.runtime.memory import ActivationMeter, MemoryReport, tensor_bytes
+from nereus.runtime.model import CausalLM, ModelConfig, rope_inv_freq
+from nereus.runtime.parallel.dp import ShardedAdam, average_gradients, sum_gradients
+from nereus.runtime.parallel.pp import StageComm, build_stage, forward_only, train_pipeline
+from nereus.runtime.parallel.tp import (
+    apply_tp,
+    gather_vocab,
+    parallel_logprobs,
+    reduce_replicated_kv_grads,
+    vocab_range,
+)
+from nereus.spec.sharding import Box, model_tensors, rank_tensors, tp_box
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+
+
+def tied_head(cfg: ModelConfig) -> bool:
+    """Whether the last pipeline stage keeps a copy of the embedding as its LM head (pass this as
+    ``ParallelGroups(tied_embeddings=...)``)."""
+    return cfg.arch.tied_embeddings and not cfg.value_head
+
+
+def shard_boxes(cfg: ModelConfig, groups: ParallelGroups) -> dict[str, Box]:
+    """Global boxes this rank loads: ``rank_tensors`` plus, on the last stage of a tied model under PP,
+    ``tied_head`` (its copy of the embedding's vocabulary rows)."""
+    lay, arch = groups.layout, cfg.arch
+    boxes = rank_tensors(arch, lay, groups.rank, cfg.value_head)
+    if lay.pp > 1 and groups.last_stage and tied_head(cfg):
+        boxes["tied_head"] = tp_box(model_tensors(arch)[0], arch, lay.tp, groups.coords.tp)
+    return boxes
+
+
+class ShardedModel:
+    """The shard of ``cfg``'s model that rank ``groups.rank`` holds, loaded from ``tensors`` (name → the
+    local box of ``shard_boxes``, e.g. from ``hf.load_boxes``)."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, tensors: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, schedule: str = "1f1b") -> None:
+        if not groups.member:
+            raise ValueError("this rank is not part of the layout")
+        lay, c = groups.layout, groups.coords
+        self.cfg, self.groups, self.dtype, self.schedule = cfg, groups, dtype, schedule
+        model = build_stage(cfg, lay.pp, c.pp, device="meta")
+        apply_tp(model, groups.tp_group, lay.tp, c.tp)
+        model.to_empty(device=groups.device)
+        model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+        model.inv_freq = rope_inv_freq(cfg).to(groups.device)
+        self.model: CausalLM = model
+        self.vocab_start = vocab_range(cfg.arch, lay.tp, c.tp)[0]
+        self.optimizer: ShardedAdam | None = None
+        self.comm = StageComm(groups)
+        self.meter = ActivationMeter()
+        self.last_report: MemoryReport | None = None
+
+    # ----- batch handling -------------------------------------------------------------------------
+    @property
+    def is_output_rank(self) -> bool:
+        return self.groups.last_stage and self.groups.coords.tp == 0
+
+    def replica_rows(self, batch_size: int) -> slice:
+        dp, d = self.groups.layout.dp, self.groups.coords.dp
+        if batch_size % dp:
+            raise ValueError(f"batch of {batch_size} does not split over dp={dp}")
+        per = batch_size // dp
+        return slice(d * per, (d + 1) * per)
+
+    def micro_batches(self, batch: Batch) -> list[Batch]:
+        rows = self.replica_rows(len(batch["tokens"]))
+        mine = {k: v[rows].to(self.groups.device) for k, v in batch.items()}
+        n, mbs = len(mine["tokens"]), self.groups.layout.micro_batch_size
+        if n % mbs:
+            raise ValueError(f"{n} sequences per replica do not split into micro-batches of {mbs}")
+        return [{k: v[i: i + mbs] for k, v in mine.items()} for i in range(0, n, mbs)]
+
+    def _stage_fn(self, mbs: list[Batch]):
+        def run(x: torch.Tensor, i: int) -> torch.Tensor:
+            return self.model(x)
+        shape = lambda i: (*mbs[i]["tokens"].shape, self.cfg.arch.hidden)  # noqa: E731
+        return run, shape
+
+    # ----- forward operations ---------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> list[torch.Tensor]:
+        """Raw last-stage outputs per micro-batch (vocabulary-shard logits, or values); [] elsewhere."""
+        mbs = self.micro_batches(batch)
+        run, shape = self._stage_fn(mbs)
+        with self.meter.track(exclude=self.model.parameters()):
+            outs = forward_only(run, self.comm, [mb["tokens"] for mb in mbs], shape, self.dtype)
+        self._report("forward", activations=self.meter.peak)
+        return outs
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits [b, T, V] of this replica's rows (last stage), else None."""
+        outs = [gather_vocab(o, self.groups.tp_group) for o in self.forward({"tokens": tokens})]
+        return torch.cat(outs) if outs else None
+
+    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) [b, T−1] of this replica's rows (last stage), else None."""
+        outs = self.forward({"tokens": tokens})
+        mine = tokens[self.replica_rows(len(tokens))].to(self.groups.device)
+        if not outs:
+            return None
+        out = torch.cat(outs)
+        with torch.no_grad():
+            return parallel_logprobs(out[:, :-1], mine[:, 1:], self.vocab_start, self.groups.tp_group)
+
+    def values(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Value-head outputs [b, T] of this replica's rows (last stage), else None."""
+        if not self.cfg.value_head:
+            raise ValueError("values need a model with a value head (score.weight)")
+        outs = self.forward({"tokens": tokens})
+        return torch.cat(outs) if outs else None
+
+    # ----- training -------------------------------------------------------------------------------
+    def backward(self, batch: Batch, loss_fn: LossFn) -> list[float]:
+        """Gradients of the step's objective in every local parameter (TP, PP, tied copies and DP
+        reduced); returns this replica's micro-batch losses on the last stage."""
+        self.model.zero_grad(set_to_none=True)
+        mbs = self.micro_batches(batch)
+        run, shape = self._stage_fn(mbs)
+
+        def loss(y: torch.Tensor, i: int) -> torch.Tensor:
+            mb = mbs[i]
+            if not self.cfg.value_head:
+                y = parallel_logprobs(y[:, :-1], mb["tokens"][:, 1:], self.vocab_start, self.groups.tp_group)
+            return loss_fn(y, mb) / len(mbs)
+
+        with self.meter.track(exclude=self.model.parameters()):
+            losses = train_pipeline(run, self.comm, [mb["tokens"] for mb in mbs], shape, self.dtype, loss,
+                                    self.schedule)
+        self._activations = self.meter.peak
+        lay, c = self.groups.layout, self.groups.coords
+        reduce_replicated_kv_grads(self.model, self.groups.tp_group, lay.tp, c.tp)
+        tied = [p for p in (self.model.tied_head, self._embedding_weight()) if p is not None]
+        if self.groups.embed_group is not None and tied_head(self.cfg):
+            sum_gradients(tied, self.groups.embed_group)
+        average_gradients(list(self.model.parameters()), self.groups.dp_group)
+        return [x * len(mbs) for x in losses]
+
+    def _embedding_weight(self) -> torch.nn.Parameter | None:
+        emb = self.model.model.embed_tokens
+        return emb.weight if emb is not None and self.groups.layout.pp > 1 else None
+
+    def step(self, lr: float = 1e-3, **adam) -> None:
+        """One Adam step on the gradients of ``backward`` (state sharded over DP with ZeRO-1)."""
+        if self.optimizer is None:
+            self.optimizer = ShardedAdam(list(self.model.parameters()), self.groups.dp_group,
+                                         self.groups.layout.zero1, lr=lr, **adam)
+        self.optimizer.step()
+        self._report("train", activations=self._activations)
+
+    def train_step(self, batch: Batch, loss_fn: LossFn, lr: float = 1e-3) -> list[float]:
+        losses = self.backward(batch, loss_fn)
+        self.step(lr)
+        return losses
+
+    # ----- shards and memory ----------------------------------------------------------------------
+    def shards(self) -> dict[str, torch.Tensor]:
+        """Local parameters by checkpoint name (the tied-embedding copy ``tied_head`` excluded)."""
+        return {k: v for k, v in self.model.named_parameters() if k != "tied_head"}
+
+    def _report(self, op: str, activations: int = 0, kv_cache: int = 0) -> MemoryReport:
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        opt = self.optimizer.state_bytes() if self.optimizer is not None and op == "train" else 0
+        self.last_report = MemoryReport(op, tensor_bytes(params), tensor_bytes(grads) if op == "train" else 0,
+                                        opt, activations, kv_cache)
+        return self.last_report

@@ -1,0 +1,105 @@
+"""Process groups of one layout over a list of global ranks; several layouts' groups coexist.
+
+Every rank of the default (world) group must construct ``ParallelGroups`` with the same arguments, in the
+same order as every other rank, even ranks outside ``ranks``: torch.distributed creates each group
+collectively, and a rank that skips a creation makes the others hang (until ``timeout``).
+Rank order inside ``ranks`` is ``Layout.rank``: tensor-parallel fastest, then data-parallel, then pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nereus.spec.layout import Layout
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+def default_backend() -> str:
+    """NCCL when CUDA devices are present, gloo on CPU."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def local_device() -> torch.device:
+    """This process's device: ``cuda:LOCAL_RANK`` (or the rank modulo the device count) on GPUs, else CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
+    return torch.device("cuda", index % torch.cuda.device_count())
+
+
+@dataclass
+class Coords:
+    pp: int
+    dp: int
+    tp: int
+
+
+class ParallelGroups:
+    """TP, DP and PP groups (and, for tied embeddings under PP, first/last-stage groups) of one layout.
+
+    ``member`` is False on ranks outside ``ranks``; their group attributes are None.
+    """
+
+    def __init__(self, layout: Layout, ranks: list[int] | None = None, tied_embeddings: bool = False,
+                 timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        world = dist.get_world_size()
+        self.layout = layout
+        self.ranks = list(range(layout.world)) if ranks is None else list(ranks)
+        if len(self.ranks) != layout.world or len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"layout {layout.short()} needs {layout.world} distinct ranks, got {self.ranks}")
+        if max(self.ranks) >= world:
+            raise ValueError(f"ranks {self.ranks} exceed the world of {world}")
+        me = dist.get_rank()
+        self.member = me in self.ranks
+        self.rank = self.ranks.index(me) if self.member else -1  # rank inside the layout
+        pp, dp, tp = layout.coords(self.rank) if self.member else (-1, -1, -1)
+        self.coords = Coords(pp, dp, tp)
+        self.device = local_device()
+        self.tp_group = self._make("tp", timeout)
+        self.dp_group = self._make("dp", timeout)
+        self.pp_group = self._make("pp", timeout)
+        self.embed_group = self._make("embed", timeout) if tied_embeddings and layout.pp > 1 else None
+
+    def _members(self, kind: str) -> list[list[int]]:
+        lay, r = self.layout, self.ranks
+        if kind == "tp":
+            return [[r[lay.rank(p, d, t)] for t in range(lay.tp)] for p in range(lay.pp) for d in range(lay.dp)]
+        if kind == "dp":
+            return [[r[lay.rank(p, d, t)] for d in range(lay.dp)] for p in range(lay.pp) for t in range(lay.tp)]
+        if kind == "pp":
+            return [[r[lay.rank(p, d, t)] for p in range(lay.pp)] for d in range(lay.dp) for t in range(lay.tp)]
+        return [[r[lay.rank(0, d, t)], r[lay.rank(lay.pp - 1, d, t)]] for d in range(lay.dp) for t in range(lay.tp)]
+
+    def _make(self, kind: str, timeout: timedelta) -> dist.ProcessGroup | None:
+        mine = None
+        me = dist.get_rank()
+        for members in self._members(kind):
+            group = dist.new_group(members, timeout=timeout)  # collective over the whole world
+            if me in members:
+                mine = group
+        return mine
+
+    def pp_peer(self, stage: int) -> int:
+        """Global rank of pipeline stage ``stage`` with this rank's DP and TP coordinates."""
+        return self.ranks[self.layout.rank(stage, self.coords.dp, self.coords.tp)]
+
+    @property
+    def first_stage(self) -> bool:
+        return self.coords.pp == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.coords.pp == self.layout.pp - 1
+
+    def destroy(self) -> None:
+        """Release this layout's groups on this rank."""
+        for g in (self.tp_group, self.dp_group, self.pp_group, self.embed_group):
+            if g is not None:
+                dist.destroy_process_group(g)
+        self.tp_group = self.dp_group = self.pp_group = self.embed_group = None

@@ -1,0 +1,205 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) applied to a plain ``CausalLM`` from outside.
+
+q/k/v/gate/up become column-parallel (their output rows split), o/down row-parallel (their input columns
+split, outputs all-reduced), the embedding and LM head vocabulary-parallel. Every slice is the box that
+``nereus.spec.sharding.tp_box`` assigns, so shards match the transition graph's EMUs exactly, including
+uneven splits (remainder to the first ranks) that DTensor's chunked ``Shard`` placement cannot express.
+Attention reshapes by the local head counts. Log-probabilities come from the vocabulary shards without
+gathering the logits (a parallel log-softmax: max and sum-exp all-reduced over TP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nereus.runtime.model import CausalLM
+from nereus.spec.model import ModelArch
+from nereus.spec.sharding import TensorSpec, model_tensors, tp_box
+
+
+def _active(group: dist.ProcessGroup | None) -> bool:
+    return group is not None and dist.get_world_size(group) > 1
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; all-reduce of the input gradient backward (the input feeds every TP rank)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward; identity backward (the sum feeds a computation replicated on every TP rank)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return _CopyToTP.apply(x, group) if _active(group) else x
+
+
+def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group) if _active(group) else x
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer holding a column slice of the weight; partial outputs are summed over TP."""
+
+    def __init__(self, weight: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp(F.linear(x, self.weight), self.group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``[start, stop)`` of the embedding; tokens outside give zeros and the TP sum fills them in."""
+
+    def __init__(self, weight: torch.Tensor, start: int, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.start, self.stop, self.group = start, start + weight.shape[0], group
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outside = (tokens < self.start) | (tokens >= self.stop)
+        local = (tokens - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        return reduce_from_tp(out, self.group)
+
+
+def check_tp(arch: ModelArch, tp: int) -> None:
+    """TP must give each rank the KV heads its query heads read (whole GQA groups per rank)."""
+    if arch.heads < tp:
+        raise ValueError(f"tp={tp} exceeds the {arch.heads} attention heads")
+    group = arch.heads // arch.kv_heads
+    for r in range(tp):
+        q = _spec(arch, "q_proj.weight")
+        k = _spec(arch, "k_proj.weight")
+        (qlo, qhi), = tp_box(q, arch, tp, r)[:1]
+        (klo, khi), = tp_box(k, arch, tp, r)[:1]
+        hd = arch.head_dim
+        need = {h // group for h in range(qlo // hd, qhi // hd)}
+        if need != set(range(klo // hd, khi // hd)):
+            raise ValueError(f"tp={tp} splits {arch.heads} query heads and {arch.kv_heads} KV heads so that "
+                             f"rank {r} lacks the KV heads of its query heads; use tp dividing both, "
+                             f"or a multiple of kv_heads dividing heads")
+
+
+def _spec(arch: ModelArch, suffix: str) -> TensorSpec:
+    return next(t for t in model_tensors(arch) if t.name.endswith(suffix))
+
+
+def _slice(t: torch.Tensor, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    return t.detach()[tuple(slice(lo, hi) for lo, hi in box)].clone()
+
+
+def apply_tp(model: CausalLM, group: dist.ProcessGroup | None, tp: int, tp_rank: int) -> CausalLM:
+    """Shard ``model`` (whole-tensor weights) in place into TP rank ``tp_rank`` of ``tp``."""
+    arch = model.cfg.arch
+    if tp == 1:
+        return model
+    check_tp(arch, tp)
+    specs = {t.name: t for t in model_tensors(arch, model.cfg.value_head)}
+    params = dict(model.named_parameters())
+    model.tp_group = group
+    for name, spec in specs.items():
+        if name in params and spec.tp_dim is not None:
+            params[name].data = _slice(params[name], tp_box(spec, arch, tp, tp_rank))
+    for layer in model.model.layers.values():
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.heads = attn.q_proj.weight.shape[0] // arch.head_dim
+        attn.kv_heads = attn.k_proj.weight.shape[0] // arch.head_dim
+        attn.o_proj = RowParallelLinear(attn.o_proj.weight.data, group)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight.data, group)
+        for block in (attn, mlp):
+            block.register_forward_pre_hook(_copy_input_hook(group))
+    embed_box = tp_box(specs["model.embed_tokens.weight"], arch, tp, tp_rank)
+    if model.tied_head is not None:  # the last stage's copy of a tied embedding: same vocabulary rows
+        model.tied_head.data = _slice(model.tied_head, embed_box)
+    if model.model.embed_tokens is not None:
+        start = embed_box[0][0]
+        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens.weight.data, start, group)
+    if model.last and not model.cfg.value_head:
+        model.model.norm.register_forward_hook(lambda _m, _a, out: copy_to_tp(out, group))
+    return model
+
+
+def _copy_input_hook(group: dist.ProcessGroup | None):
+    def hook(_module: nn.Module, args: tuple) -> tuple:
+        return (copy_to_tp(args[0], group), *args[1:])
+    return hook
+
+
+def vocab_range(arch: ModelArch, tp: int, tp_rank: int) -> tuple[int, int]:
+    """Vocabulary rows ``[start, stop)`` of the embedding / LM head on TP rank ``tp_rank``."""
+    return tp_box(model_tensors(arch)[0], arch, tp, tp_rank)[0]
+
+
+def parallel_logprobs(logits: torch.Tensor, tokens: torch.Tensor, start: int,
+                      group: dist.ProcessGroup | None) -> torch.Tensor:
+    """log p(tokens) from a vocabulary shard ``logits`` [..., V_local] holding columns ``[start, ...)``."""
+    logits = logits.float()
+    peak = logits.detach().max(dim=-1).values
+    if _active(group):
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - peak[..., None]
+    sum_exp = reduce_from_tp(shifted.exp().sum(dim=-1), group)
+    local = tokens - start
+    inside = (local >= 0) & (local < logits.shape[-1])
+    picked = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1)[..., None]).squeeze(-1)
+    picked = reduce_from_tp(picked * inside, group)
+    return picked - sum_exp.log()
+
+
+def gather_vocab(logits: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Full-vocabulary logits from the shards of every TP rank (uneven shards padded for all_gather)."""
+    if not _active(group):
+        return logits
+    n = dist.get_world_size(group)
+    size = torch.tensor([logits.shape[-1]], device=logits.device)
+    sizes = [torch.zeros_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    widest = int(max(s.item() for s in sizes))
+    padded = F.pad(logits.detach().contiguous(), (0, widest - logits.shape[-1]))
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[..., : int(s.item())] for p, s in zip(parts, sizes, strict=True)], dim=-1)
+
+
+def reduce_replicated_kv_grads(model: CausalLM, group: dist.ProcessGroup | None, tp: int, tp_rank: int) -> None:
+    """When TP exceeds the KV heads, tp/kv_heads ranks hold the same K/V head and each computed only its
+    query heads' share of its gradient: sum the shares (over TP, each rank placed at its head's rows)."""
+    arch = model.cfg.arch
+    if not _active(group) or tp <= arch.kv_heads:
+        return
+    specs = {t.name: t for t in model_tensors(arch, model.cfg.value_head) if t.kv}
+    for name, p in model.named_parameters():
+        if name not in specs or p.grad is None:
+            continue
+        box = tp_box(specs[name], arch, tp, tp_rank)
+        full = torch.zeros(specs[name].shape, dtype=p.grad.dtype, device=p.grad.device)
+        index = tuple(slice(lo, hi) for lo, hi in box)
+        full[index] = p.grad
+        dist.all_reduce(full, group=group)
+        p.grad = full[index].clone()
