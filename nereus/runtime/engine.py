@@ -107,7 +107,7 @@ class ShardedModel:
         run, shape = self._stage_fn(mbs)
         with self.meter.track(exclude=self.model.parameters()):
             outs = forward_only(run, self.comm, [mb["tokens"] for mb in mbs], shape, self.dtype)
-        self._report("forward", activations=self.meter.peak)
+        self.record_memory("forward", activations=self.meter.peak)
         return outs
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -168,7 +168,7 @@ class ShardedModel:
             self.optimizer = ShardedAdam(list(self.model.parameters()), self.groups.dp_group,
                                          self.groups.layout.zero1, lr=lr, **adam)
         self.optimizer.step()
-        self._report("train", activations=self._activations)
+        self.record_memory("train", activations=self._activations)
 
     def train_step(self, batch: Batch, loss_fn: LossFn, lr: float = 1e-3) -> list[float]:
         losses = self.backward(batch, loss_fn)
@@ -180,7 +180,7 @@ class ShardedModel:
         """Local parameters by checkpoint name (the tied-embedding copy ``tied_head`` excluded)."""
         return {k: v for k, v in self.model.named_parameters() if k != "tied_head"}
 
-    def _report(self, op: str, activations: int = 0, kv_cache: int = 0) -> MemoryReport:
+    def record_memory(self, op: str, activations: int = 0, kv_cache: int = 0) -> MemoryReport:
         params = list(self.model.parameters())
         grads = [p.grad for p in params if p.grad is not None]
         opt = self.optimizer.state_bytes() if self.optimizer is not None and op == "train" else 0
