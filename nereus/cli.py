@@ -1,4 +1,4 @@
-"""`nereus` command line: plan and estimate (more subcommands land with their features)."""
+"""`nereus` command line: plan, estimate, simulate, report (more subcommands land with their features)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,48 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0 if est.feasible else 3
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from nereus.sim.baselines import POLICIES
+    from nereus.sim.run import simulate
+    from nereus.spec.trace import load_trace
+
+    if args.policy not in POLICIES:
+        raise SpecError("--policy", f"{args.policy!r} is not a policy; choose one of {list(POLICIES)}")
+    job = _load(args)
+    trace = load_trace(args.trace)
+    steps = args.steps or trace.steps
+    first = trace.gpus_at(0, job.cluster.num_gpus)
+    job = job.with_gpus(max([first, *(n for _, n in trace.gpus)]))
+
+    def progress(step: int, m, decision) -> None:
+        if not args.json and (step % max(1, steps // 20) == 0 or decision.action != "keep"):
+            note = f"  {decision.action}: {decision.reason}" if decision.action != "keep" else ""
+            print(f"[{step + 1:>5}/{steps}] step {m.step_time_s:8.2f} s  gpus {m.gpus:>5}{note}",
+                  file=sys.stderr)
+
+    record = simulate(job, trace, args.policy, args.seed, steps, initial_gpus=first, progress=progress)
+    if args.out:
+        record.save(args.out)
+    summary = record.summary()
+    if args.json:
+        print(json.dumps({"summary": summary, "decisions": [d for d in record.decisions if d["action"] != "keep"]},
+                         indent=1))
+    else:
+        for key, value in summary.items():
+            print(f"{key:<34} {value:.6g}" if isinstance(value, float) else f"{key:<34} {value}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from nereus.sim.report import write_report
+
+    outputs = write_report(args.runs, args.out)
+    print((Path(args.out) / "report.md").read_text())
+    for name, path in outputs.items():
+        print(f"{name}: {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nereus", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpus", type=int, help="cluster size to assume")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_estimate)
+    s = sub.add_parser("simulate", help="run a policy over a trace on the simulated cluster")
+    s.add_argument("trace", help="trace file (YAML or JSON; see docs/simulator.md)")
+    s.add_argument("--job", required=True, help="job spec (YAML)")
+    s.add_argument("--policy", default="nereus", help="nereus, nereus-nocal, fixed-dp, verl-like, "
+                                                      "openrlhf-like, realhf-like")
+    s.add_argument("--seed", type=int, default=0, help="fixes hidden efficiencies, noise and length draws")
+    s.add_argument("--steps", type=int, help="steps to run (default: the trace's)")
+    s.add_argument("--out", help="write the run record (JSON) here, for `nereus report`")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_simulate)
+    r = sub.add_parser("report", help="Markdown table, PNG plots and a Perfetto timeline of runs")
+    r.add_argument("runs", nargs="+", help="run files written by `nereus simulate --out`")
+    r.add_argument("--out", default="report", help="output folder")
+    r.set_defaults(func=cmd_report)
     return parser
 
 

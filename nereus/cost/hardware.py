@@ -26,8 +26,8 @@ class Priors:
     intra_link_efficiency: float = 0.8
     inter_link_efficiency: float = 0.8
     # Latency per ring step of a collective (alpha of the alpha-beta model), seconds.
-    intra_latency_s: float = 3e-6
-    inter_latency_s: float = 8e-6
+    intra_latency_s: float = 1e-6
+    inter_latency_s: float = 5e-6
     # Fixed cost of one decode iteration of an inference engine: scheduling, sampling, launch (vLLM-like).
     decode_step_overhead_s: float = 1e-3
     # Device memory no model can use: CUDA context, NCCL buffers, allocator fragmentation.

@@ -16,6 +16,7 @@ tensors instead of two. Flash attention (Dao et al. 2022) keeps no s×s scores, 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from nereus.spec.layout import Layout
 from nereus.spec.model import ModelArch
@@ -83,7 +84,10 @@ def stage_params(arch: ModelArch, layout: Layout, value_head: bool) -> float:
 
 def training_state_bytes(params: float, layout: Layout, grad_bytes: int) -> dict[str, float]:
     """Weights (bf16), gradient buffers and Adam state per device; ZeRO-1 shards the optimizer over DP
-    (Rajbhandari et al. 2020, Sec. 5.1: P_os)."""
+    (Rajbhandari et al. 2020, Sec. 5.1: P_os); FSDP / ZeRO-3 shards all three (P_os+g+p)."""
+    if layout.fsdp:
+        return {k: v / layout.dp for k, v in training_state_bytes(params, replace(layout, fsdp=False, zero1=False),
+                                                                  grad_bytes).items()}
     shard = layout.dp if layout.zero1 else 1
     return {
         "weights": params * BF16,

@@ -150,17 +150,21 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
     for k, t in mb_head.items():
         per_update_terms[k] += m * t
     params = stage_params(arch, layout, value_head)
-    per_update_terms["dp_comm"] = _grad_sync_time(hw, layout, params, opts.grad_bytes)
-    shard = layout.dp if layout.zero1 else 1
+    per_update_terms["dp_comm"] = _grad_sync_time(hw, layout, params, opts.grad_bytes, m)
+    shard = layout.dp if (layout.zero1 or layout.fsdp) else 1
+    if layout.fsdp:  # every state is sharded, so the update touches 1/dp of everything
+        params /= layout.dp
     # Adam reads grad, master, m, v and writes master, m, v and the bf16 weight (Megatron optimizer).
     per_update_terms["optimizer"] = hw.hbm_time(params * (FP32 + BF16 + 6 * FP32 / shard))
     updates = alg.mini_batches * alg.epochs
     terms = {k: updates * t for k, t in per_update_terms.items()}
-    state = training_state_bytes(params, layout, opts.grad_bytes)
+    state = training_state_bytes(stage_params(arch, layout, value_head), layout, opts.grad_bytes)
     # 1F1B keeps p micro-batches in flight on the first stage; interleaving adds (p−1)/(p·v) of them
     # (Korthikanti et al. 2022, Sec. 4.2.3).
     in_flight = 1.0 if p == 1 else min(m, p) * (1 + (p - 1) / (p * v) if v > 1 else 1.0)
     acts = layers * in_flight * layer_activation_bytes(arch, layout, seq, mbs, opts.attention)
+    if layout.fsdp:  # the layer in use and the prefetched next one are gathered in full
+        acts += 2 * arch.layer_params() / layout.tp * BF16
     if layout.recompute == "full":  # the layer being recomputed holds its full activations
         working = Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel, recompute="none")
         acts += layer_activation_bytes(arch, working, seq, mbs, opts.attention)
@@ -170,11 +174,16 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
                      {"micro_batches": m, "bubble_fraction": bubble / m, "updates": updates})
 
 
-def _grad_sync_time(hw: Hardware, layout: Layout, params: float, grad_bytes: int) -> float:
+def _grad_sync_time(hw: Hardware, layout: Layout, params: float, grad_bytes: int, micro_batches: int) -> float:
     """DP gradient all-reduce; with ZeRO-1 a reduce-scatter of gradients plus an all-gather of bf16
-    weights (Rajbhandari et al. 2020, Sec. 7.1: same volume as all-reduce for P_os)."""
+    weights (Rajbhandari et al. 2020, Sec. 7.1: same volume as all-reduce for P_os). FSDP / ZeRO-3
+    gathers the weights before each forward and backward and reduce-scatters gradients after each
+    backward, per micro-batch (Sec. 7.2.2: 1.5× the all-reduce volume per pass; Zhao et al. 2023, FSDP)."""
     if layout.dp == 1:
         return 0.0
+    if layout.fsdp:
+        return micro_batches * (2 * hw.all_gather_time(params * BF16, layout.dp, layout.tp)
+                                + hw.all_gather_time(params * grad_bytes, layout.dp, layout.tp))
     if layout.zero1:
         return (hw.all_gather_time(params * grad_bytes, layout.dp, layout.tp)
                 + hw.all_gather_time(params * BF16, layout.dp, layout.tp))
@@ -203,15 +212,19 @@ def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -
     one = _layer_pass(hw, arch, _tp_only(layout), seq, mbs, job.options.attention)
     head = _head_pass(hw, arch, layout.tp, tokens, value_head)
     fill = m + p - 1  # a forward-only pipeline (GPipe) fills and drains once
+    weights = stage_params(arch, layout, value_head) * BF16
     terms = {
         "compute": fill * hw.compute_time(layers * one.flops) + m * hw.compute_time(head.flops),
         "memory": fill * hw.hbm_time(layers * one.hbm_bytes) + m * hw.hbm_time(head.hbm_bytes),
         "tp_comm": fill * layers * one.tp_time + m * head.tp_time,
         "pp_comm": fill * _p2p_time(hw, arch, layout, tokens),
     }
-    weights = stage_params(arch, layout, value_head) * BF16
     working = Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel, recompute="none")
     acts = 2 * layer_activation_bytes(arch, working, seq, mbs, job.options.attention)
+    if layout.fsdp and layout.dp > 1:  # weights gathered layer by layer for every micro-batch
+        terms["dp_comm"] = m * hw.all_gather_time(weights, layout.dp, layout.tp)
+        acts += 2 * arch.layer_params() / layout.tp * BF16
+        weights /= layout.dp
     logits = logits_bytes(arch, tokens, layout.tp, value_head, with_grad=True)  # logits + log-softmax
     return StageCost(ms, layout, terms, weights, acts + logits,
                      {"weights": weights, "activations": acts, "logits": logits}, {"micro_batches": m})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from functools import lru_cache
 
 from nereus.cost.hardware import Hardware
@@ -63,12 +65,11 @@ def enumerate_layouts(job: JobSpec, ms: ModelStage, gpus: int) -> list[Layout]:
             else:
                 v_options = [1]
             stage_recomputes = recomputes if ms.stage == "training" else ("none",)
-            for mbs in mbs_options:
-                for v in v_options:
-                    for rc in stage_recomputes:
-                        layouts.append(Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, interleave=v,
-                                              recompute=rc, sequence_parallel=opts.sequence_parallel and tp > 1,
-                                              zero1=opts.zero1 and ms.stage == "training"))
+            fsdp_options = (False, True) if opts.fsdp == "auto" and dp > 1 else (bool(opts.fsdp) and dp > 1,)
+            for mbs, v, rc, fsdp in itertools.product(mbs_options, v_options, stage_recomputes, fsdp_options):
+                layouts.append(Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, interleave=v, recompute=rc,
+                                      sequence_parallel=opts.sequence_parallel and tp > 1,
+                                      zero1=opts.zero1 and ms.stage == "training" and not fsdp, fsdp=fsdp))
     return layouts
 
 
@@ -85,12 +86,20 @@ def pareto(costs: list[StageCost], factors: dict[str, float] | None) -> list[tup
 class CandidateTable:
     """Costed, Pareto-pruned layouts per (model-stage, GPU count), computed once per search."""
 
-    def __init__(self, hw: Hardware, job: JobSpec, factors: dict[str, float] | None = None) -> None:
+    def __init__(self, hw: Hardware, job: JobSpec, factors: dict[str, float] | None = None,
+                 layout_filter: Callable[[ModelStage, Layout], bool] | None = None) -> None:
         self.hw, self.job, self.factors = hw, job, factors
+        self.layout_filter = layout_filter
         self.evaluated = 0
         self._get = lru_cache(maxsize=None)(self._compute)
         self._gen = lru_cache(maxsize=None)(self._generation)
         self._alone: dict[tuple[ModelStage, int], list[StageCost]] = {}
+
+    def layouts(self, ms: ModelStage, gpus: int) -> list[Layout]:
+        layouts = enumerate_layouts(self.job, ms, gpus)
+        if self.layout_filter is None:
+            return layouts
+        return [lay for lay in layouts if self.layout_filter(ms, lay)]
 
     def get(self, ms: ModelStage, gpus: int) -> list[tuple[float, StageCost]]:
         return self._get(ms, gpus)
@@ -98,7 +107,7 @@ class CandidateTable:
     def _compute(self, ms: ModelStage, gpus: int) -> list[tuple[float, StageCost]]:
         usable = self.hw.usable_bytes()
         costs = []
-        for layout in enumerate_layouts(self.job, ms, gpus):
+        for layout in self.layouts(ms, gpus):
             self.evaluated += 1
             cost = stage_cost(self.hw, self.job, ms, layout)
             if cost is not None and cost.peak_bytes <= usable:
@@ -129,7 +138,7 @@ class CandidateTable:
         key = (ms, gpus)
         if key not in self._alone:
             self._alone[key] = []
-            for layout in enumerate_layouts(self.job, ms, gpus):
+            for layout in self.layouts(ms, gpus):
                 self.evaluated += 1
                 cost = stage_cost(self.hw, self.job, ms, layout)
                 if cost is not None:
@@ -139,7 +148,7 @@ class CandidateTable:
     def min_memory(self, ms: ModelStage, gpus: int) -> tuple[float, Layout | None]:
         """Smallest per-device peak over all layouts, feasible or not (for error messages)."""
         best: tuple[float, Layout | None] = (float("inf"), None)
-        for layout in enumerate_layouts(self.job, ms, gpus):
+        for layout in self.layouts(ms, gpus):
             cost = stage_cost(self.hw, self.job, ms, layout)
             if cost is not None and cost.peak_bytes < best[0]:
                 best = (cost.peak_bytes, layout)

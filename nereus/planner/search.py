@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -22,7 +23,7 @@ from nereus.cost.stages import StageCost
 from nereus.planner.candidates import CandidateTable
 from nereus.spec.errors import InfeasibleError
 from nereus.spec.job import JobSpec
-from nereus.spec.layout import STAGES, ModelStage, Placement, Plan
+from nereus.spec.layout import STAGES, Layout, ModelStage, Placement, Plan
 
 GIB = 2**30
 MAX_GROUP_SPLIT_UNITS = 16  # GPU-share resolution of a split between colocation groups
@@ -56,11 +57,19 @@ def compositions(total: int, parts: int) -> list[tuple[int, ...]]:
 
 
 def split_unit(num_gpus: int, gpus_per_node: int) -> int:
-    """GPUs per share of a split: whole nodes, at most MAX_GROUP_SPLIT_UNITS shares."""
-    if num_gpus <= gpus_per_node:
-        return max(1, num_gpus // MAX_GROUP_SPLIT_UNITS)
-    nodes = num_gpus // gpus_per_node
-    return gpus_per_node * max(1, math.ceil(nodes / MAX_GROUP_SPLIT_UNITS))
+    """GPUs per share of a split: a power of two giving at most MAX_GROUP_SPLIT_UNITS shares, whole
+    nodes once the cluster has that many nodes (small clusters may split a node, as OpenRLHF places a
+    reference model on two GPUs)."""
+    unit = 1
+    while num_gpus // unit > MAX_GROUP_SPLIT_UNITS:
+        unit *= 2
+    if unit > gpus_per_node:
+        unit = gpus_per_node * max(1, math.ceil(num_gpus // gpus_per_node / MAX_GROUP_SPLIT_UNITS))
+    return unit
+
+
+def _pow2_factor(n: int) -> int:
+    return n & -n
 
 
 @dataclass
@@ -252,17 +261,39 @@ class _SplitSearch:
         return best
 
 
-def search(hw: Hardware, job: JobSpec, factors: dict[str, float] | None = None, keep: int = 5) -> SearchResult:
+@dataclass(frozen=True)
+class Constraints:
+    """Restrictions a caller puts on the search (baseline policies use them to model other systems).
+
+    ``strategies``: allowed colocation strategies by name (``"colocated"``, ``"disaggregated"`` for one
+    group per unit, or a name as ``_strategy_name`` writes it); ``layout_filter``: layouts allowed per
+    model-stage."""
+
+    strategies: tuple[str, ...] | None = None
+    layout_filter: Callable[[ModelStage, Layout], bool] | None = None
+
+    def allows(self, partition: list[tuple[str, ...]], units: int) -> bool:
+        if self.strategies is None:
+            return True
+        name = _strategy_name(partition)
+        return name in self.strategies or ("disaggregated" in self.strategies and len(partition) == units)
+
+
+def search(hw: Hardware, job: JobSpec, factors: dict[str, float] | None = None, keep: int = 5,
+           constraints: Constraints | None = None) -> SearchResult:
     """The plan with the least predicted step time whose every device fits; raises InfeasibleError
     naming the model-stage that fits nowhere when none does."""
     start = time.perf_counter()
-    table = CandidateTable(hw, job, factors)
+    constraints = constraints or Constraints()
+    table = CandidateTable(hw, job, factors, constraints.layout_filter)
     units = placement_units(job)
     n = job.cluster.num_gpus
     splits = _SplitSearch(GroupEvaluator(table, units), _Combiner(job, hw, factors), n,
                           split_unit(n, job.cluster.gpus_per_node))
     coarse: list[tuple[Candidate, list[tuple[str, ...]]]] = []
     for partition in set_partitions(list(units)):
+        if not constraints.allows(partition, len(units)):
+            continue
         if len(partition) <= splits.shares and (cand := splits.coarse(partition)) is not None:
             coarse.append((cand, partition))
     coarse.sort(key=lambda cp: cp[0].step_time_s)
@@ -279,9 +310,11 @@ def search(hw: Hardware, job: JobSpec, factors: dict[str, float] | None = None, 
 
 
 def materialize(job: JobSpec, cand: Candidate) -> Plan:
-    """Contiguous, node-aligned GPU ranges per group, in the order of the partition."""
+    """Contiguous GPU ranges per group. Groups are laid out by decreasing power-of-two factor of their
+    size, so every group starts at a multiple of any TP degree it can use (TP divides the group size)
+    and no TP group straddles a node."""
     placements, start = [], 0
-    for g in cand.groups:
+    for g in sorted(cand.groups, key=lambda g: -_pow2_factor(g.gpus)):
         gpus = tuple(range(start, start + g.gpus))
         for ms, (_, cost) in g.chosen.items():
             placements.append(Placement(ms, cost.layout, gpus[: cost.layout.world]))

@@ -81,6 +81,7 @@ class Options:
     recompute: str = "selective"  # or "auto": the planner chooses per layout
     sequence_parallel: bool = True
     zero1: bool = True
+    fsdp: bool | str = False  # True, False or "auto" (the planner tries both)
     interleave: int | str = "auto"
     micro_batch_size: int | str = "auto"
     attention: str = "flash"  # "standard" materialises the s×s scores (Megatron 2021)
@@ -185,6 +186,13 @@ def _read_workload(f: Fields, alg: Algorithm, base_dir: Path) -> Workload:
     return wl
 
 
+def _bool_or_auto(f: Fields, key: str) -> bool | str:
+    value = f.get(key, (bool, str), False)
+    if isinstance(value, str) and value != "auto":
+        raise SpecError(f.key_path(key), f"{value!r} is not allowed; give true, false or 'auto'")
+    return value
+
+
 def _read_options(f: Fields) -> Options:
     def auto_or_int(key: str) -> int | str:
         value = f.get(key, (int, str), "auto")
@@ -198,6 +206,7 @@ def _read_options(f: Fields) -> Options:
         recompute=f.get("recompute", str, "selective", choices=[*RECOMPUTE, "auto"]),
         sequence_parallel=f.get("sequence_parallel", bool, True),
         zero1=f.get("zero1", bool, True),
+        fsdp=_bool_or_auto(f, "fsdp"),
         interleave=auto_or_int("interleave"),
         micro_batch_size=auto_or_int("micro_batch_size"),
         attention=f.get("attention", str, "flash", choices=["flash", "standard"]),

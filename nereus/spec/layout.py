@@ -43,6 +43,7 @@ class Layout:
     recompute: str = "selective"
     sequence_parallel: bool = True
     zero1: bool = True
+    fsdp: bool = False  # ZeRO-3 / FSDP: weights, gradients and optimizer state all sharded over DP
 
     @property
     def world(self) -> int:
@@ -59,6 +60,8 @@ class Layout:
         text = f"TP{self.tp}·PP{self.pp}·DP{self.dp}"
         if self.interleave > 1:
             text += f"·v{self.interleave}"
+        if self.fsdp:
+            text += " fsdp"
         return text + f" mbs{self.micro_batch_size}"
 
     def to_dict(self) -> dict:
@@ -76,6 +79,7 @@ class Layout:
             recompute=f.get("recompute", str, "selective", choices=RECOMPUTE),
             sequence_parallel=f.get("sequence_parallel", bool, True),
             zero1=f.get("zero1", bool, True),
+            fsdp=f.get("fsdp", bool, False),
         )
         f.finish()
         return layout

@@ -6,7 +6,15 @@ Tensor names follow HuggingFace Llama/Qwen2 checkpoints. Tensor parallelism foll
 their input columns, the embedding and LM head split the vocabulary; norms and the value head are
 replicated. When TP exceeds the KV heads, each KV head is replicated on tp/kv_heads consecutive ranks.
 Pipeline stages take contiguous layer ranges, the remainder going to the first stages; the embedding
-sits on the first stage, the final norm and the head on the last.
+sits on the first stage, the final norm and the head on the last. With ``interleave`` v > 1 the layers
+form pp·v chunks and chunk c sits on stage c mod pp (Megatron-LM's interleaved 1F1B, Narayanan et al.
+2021, Sec. 2.2.2; torch.distributed.pipelining's ScheduleInterleaved1F1B places stages the same way).
+
+ZeRO-1 optimizer state (fp32 master weights, Adam m and v) is sharded over data parallelism per tensor:
+each tensor-parallel shard is flattened row-major and split into dp near-equal contiguous ranges, as the
+distributed optimizers of DeepSpeed and Megatron-LM partition a flat buffer (Rajbhandari et al. 2020,
+Sec. 5.1). A range of a 2-D shard is a partial row, whole rows and a partial row, so a ZeRO shard is a
+set of up to three boxes: ``zero_shard`` gives them in global coordinates.
 """
 
 from __future__ import annotations
@@ -68,17 +76,27 @@ def model_tensors(arch: ModelArch, value_head: bool = False) -> list[TensorSpec]
     return out
 
 
-def tensor_stage(t: TensorSpec, arch: ModelArch, pp: int) -> int:
+def layer_stage(layers: int, pp: int, layer: int, interleave: int = 1) -> int:
+    """Pipeline stage of decoder layer ``layer``: contiguous ranges, or with ``interleave`` v the chunk
+    c of pp·v contiguous chunks on stage c mod pp."""
+    if not 0 <= layer < layers:
+        raise ValueError(f"layer {layer} beyond {layers} layers")
+    chunks = pp * interleave
+    base, extra = divmod(layers, chunks)
+    # Inverse of split_range: the first ``extra`` chunks have base+1 layers.
+    big = extra * (base + 1)
+    chunk = layer // (base + 1) if layer < big else extra + (layer - big) // base
+    return chunk % pp
+
+
+def tensor_stage(t: TensorSpec, arch: ModelArch, pp: int, interleave: int = 1) -> int:
     """Pipeline stage holding ``t``. Tied embeddings: the last stage uses the first stage's weight,
     which the runtime keeps in sync as Megatron-LM does; its canonical home is stage 0."""
     if t.position == "first":
         return 0
     if t.position == "last":
         return pp - 1
-    for stage in range(pp):
-        if t.layer in layer_range(arch.layers, pp, stage):
-            return stage
-    raise ValueError(f"layer {t.layer} beyond {arch.layers} layers")
+    return layer_stage(arch.layers, pp, t.layer, interleave)
 
 
 def tp_box(t: TensorSpec, arch: ModelArch, tp: int, tp_rank: int) -> Box:
@@ -109,5 +127,56 @@ def rank_tensors(arch: ModelArch, layout: Layout, rank: int, value_head: bool = 
     return {
         t.name: tp_box(t, arch, layout.tp, tp_rank)
         for t in model_tensors(arch, value_head)
-        if tensor_stage(t, arch, layout.pp) == pp_rank
+        if tensor_stage(t, arch, layout.pp, layout.interleave) == pp_rank
     }
+
+
+def box_volume(box: Box) -> int:
+    n = 1
+    for lo, hi in box:
+        n *= max(0, hi - lo)
+    return n
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes of one tensor, or None when they do not overlap."""
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def _flat_local(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
+    if lo >= hi:
+        return []
+    if len(shape) == 1:
+        return [((lo, hi),)]
+    inner = 1
+    for n in shape[1:]:
+        inner *= n
+    r0, o0 = divmod(lo, inner)
+    r1, o1 = divmod(hi, inner)
+    if r0 == r1:  # inside one row
+        return [((r0, r0 + 1), *b) for b in _flat_local(shape[1:], o0, o1)]
+    out: list[Box] = []
+    if o0:  # partial first row
+        out += [((r0, r0 + 1), *b) for b in _flat_local(shape[1:], o0, inner)]
+        r0 += 1
+    if r1 > r0:  # whole rows
+        out.append(((r0, r1), *((0, n) for n in shape[1:])))
+    if o1:  # partial last row
+        out += [((r1, r1 + 1), *b) for b in _flat_local(shape[1:], 0, o1)]
+    return out
+
+
+def flat_range_boxes(box: Box, lo: int, hi: int) -> tuple[Box, ...]:
+    """Elements ``lo:hi`` of ``box`` flattened row-major, as disjoint global boxes."""
+    shape = tuple(b - a for a, b in box)
+    return tuple(tuple((a + x0, a + x1) for (a, _), (x0, x1) in zip(box, local, strict=True))
+                 for local in _flat_local(shape, lo, hi))
+
+
+def zero_shard(box: Box, dp: int, dp_rank: int) -> tuple[Box, ...]:
+    """The part of a tensor-parallel shard ``box`` that ZeRO-1 rank ``dp_rank`` of ``dp`` owns (its
+    optimizer state): range ``dp_rank`` of the row-major flattened box split into dp near-equal ranges
+    (earlier ranks get the remainder). Empty when the box has fewer elements than dp."""
+    lo, hi = split_range(box_volume(box), dp, dp_rank)
+    return flat_range_boxes(box, lo, hi)

@@ -1,0 +1,174 @@
+"""The controller: observe → calibrate → re-plan → admit → transition (design: Controller).
+
+After every step it records the measured stage times, refits the cost model's correction factors,
+forecasts the workload of the coming ``horizon`` steps, and — when something changed enough to matter —
+asks the planner for the best plan under that forecast. It moves only when the predicted gain over the
+horizon beats the predicted transition cost by a margin and the new plan is faster per step by a
+minimum fraction (hysteresis), with a cooldown between optional moves. A plan predicted infeasible
+(memory) or one that uses lost GPUs is replaced whatever the cost.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from nereus.control.backend import ClusterState, Decision, StepMetrics
+from nereus.control.forecast import LengthForecaster, Schedule
+from nereus.cost.calibration import Calibrator
+from nereus.cost.hardware import Hardware
+from nereus.cost.plan_cost import estimate_plan
+from nereus.cost.transition import estimate_transition
+from nereus.planner.search import Constraints, search
+from nereus.spec.errors import InfeasibleError
+from nereus.spec.job import JobSpec, ResponseLength
+from nereus.spec.layout import Plan
+
+TransitionCost = Callable[[Hardware, JobSpec, Plan, Plan], float]
+
+
+def default_transition_cost(hw: Hardware, job: JobSpec, old: Plan, new: Plan) -> float:
+    return estimate_transition(hw, job, old, new).seconds
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    horizon: int = 50  # steps over which a transition must pay for itself
+    margin: float = 0.5  # admit when gain > cost · (1 + margin)
+    min_gain: float = 0.03  # hysteresis: the candidate must be ≥ 3% faster per step
+    cooldown: int = 5  # steps after a transition before the next optional one
+    replan_every: int = 25  # re-plan at least this often even if nothing seems to change
+    drift: float = 0.10  # re-plan when the forecast mean moved this much since the plan was chosen
+    calibrate: bool = True
+    fit_every: int = 5
+
+
+def usable_gpus(available: int, gpus_per_node: int) -> int:
+    """Whole nodes (or part of the one node of a small cluster) a plan can use."""
+    return available if available < gpus_per_node else available // gpus_per_node * gpus_per_node
+
+
+def observed_job(job: JobSpec, m: StepMetrics, sigma: float) -> JobSpec:
+    longest = max(1, math.ceil(m.response_max))
+    return job.with_response(ResponseLength(min(m.response_mean, longest), longest, "lognormal", sigma))
+
+
+class Controller:
+    name = "nereus"
+
+    def __init__(self, job: JobSpec, config: ControllerConfig | None = None, schedule: Schedule | None = None,
+                 total_steps: int | None = None, transition_cost: TransitionCost | None = None,
+                 constraints: Constraints | None = None) -> None:
+        self.job, self.config = job, config or ControllerConfig()
+        self.schedule = schedule or Schedule(default_max=job.workload.response.max)
+        self.total_steps = total_steps
+        self.transition_cost = transition_cost or default_transition_cost
+        self.constraints = constraints
+        self.hw = Hardware(job.cluster)
+        self.calibrator = Calibrator(self.hw)
+        sigma = job.workload.response.sigma if job.workload.response else 0.6
+        self.forecaster = LengthForecaster(sigma=sigma)
+        self.plan: Plan | None = None
+        self.factors: dict[str, float] = {}
+        self._basis: tuple[float, int, int, dict] = (0.0, 0, 0, {})  # mean, limit, gpus, factors of the plan
+        self._last_move = -10**9
+        self._last_plan_step = 0
+        self.log: list[Decision] = []
+
+    # -- planning -----------------------------------------------------------------------------------
+    def job_for(self, step: int, gpus: int) -> JobSpec:
+        """The job as forecast for ``step`` on ``gpus`` devices."""
+        limit = self.schedule.context_limit(step)
+        response = self.forecaster.response_at(step, limit) or replace(self.job.workload.response, max=limit)
+        if response.mean > limit:
+            response = replace(response, mean=float(limit))
+        return self.job.with_response(response).with_gpus(usable_gpus(gpus, self.job.cluster.gpus_per_node))
+
+    def initial_plan(self, num_gpus: int) -> Plan:
+        job = self.job_for(0, num_gpus)
+        self.plan = search(Hardware(job.cluster), job, None, constraints=self.constraints).plan
+        self._basis = (job.workload.response.mean, job.workload.response.max, job.cluster.num_gpus, {})
+        return self.plan
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def after_step(self, m: StepMetrics, cluster: ClusterState) -> Decision:
+        start = time.perf_counter()
+        decision = self._decide(m, cluster)
+        decision.overhead_s = time.perf_counter() - start
+        self.log.append(decision)
+        if decision.plan is not None:
+            self.plan = decision.plan
+        return decision
+
+    def _observe(self, m: StepMetrics) -> None:
+        self.forecaster.observe(m.step, m.response_mean)
+        if not self.config.calibrate:
+            return
+        measured = {k: v for k, v in m.stage_times_s.items() if v > 0}
+        if m.phase_times_s.get("weight_sync", 0) > 0:
+            measured["weight_sync"] = m.phase_times_s["weight_sync"]
+        job = observed_job(self.job, m, self.forecaster.sigma).with_gpus(
+            usable_gpus(max(self.plan.num_gpus, 1), self.job.cluster.gpus_per_node))
+        self.calibrator.observe(job, self.plan, measured)
+        if (m.step + 1) % self.config.fit_every == 0:
+            self.factors = self.calibrator.fit()
+
+    def _decide(self, m: StepMetrics, cluster: ClusterState) -> Decision:
+        assert self.plan is not None, "initial_plan() first"
+        self._observe(m)
+        cfg, step = self.config, m.step + 1
+        horizon = cfg.horizon if self.total_steps is None else max(0, min(cfg.horizon, self.total_steps - step))
+        gpus = usable_gpus(cluster.num_gpus, self.job.cluster.gpus_per_node)
+        job = self.job_for(step + horizon // 2, max(gpus, self.plan.num_gpus))
+        lost = self.plan.num_gpus > gpus
+        current = None if lost else estimate_plan(Hardware(job.cluster), job, self.plan, self.factors)
+        forced = lost or not current.feasible
+        if not (forced or self._should_replan(job, step, gpus)):
+            return Decision(m.step, "keep", "nothing changed enough to re-plan",
+                            current_s=current.step_time_s, horizon=horizon)
+        self._last_plan_step = step
+        target = self.job_for(step + horizon // 2, gpus)
+        try:
+            result = search(Hardware(target.cluster), target, self.factors, constraints=self.constraints)
+        except InfeasibleError as err:
+            reason = f"no feasible plan on {gpus} GPUs: {err}"
+            return Decision(m.step, "keep", reason, current_s=current.step_time_s if current else math.inf,
+                            horizon=horizon)
+        cand = result.plan
+        self._basis = (target.workload.response.mean, target.workload.response.max, gpus, dict(self.factors))
+        cost = self.transition_cost(self.hw, target, self.plan, cand)
+        cur_s = math.inf if current is None else current.step_time_s
+        if forced:
+            why = "the plan uses lost GPUs" if lost else f"the plan is predicted infeasible: {current.violations[0]}"
+            self._last_move = step
+            return Decision(m.step, "forced", why, cur_s, result.estimate.step_time_s, math.inf, cost, horizon,
+                            plan=cand)
+        return self._admit(m.step, horizon, cur_s, result.estimate.step_time_s, cost, cand)
+
+    def _admit(self, step: int, horizon: int, cur_s: float, cand_s: float, cost: float, cand: Plan) -> Decision:
+        cfg = self.config
+        gain = (cur_s - cand_s) * horizon
+        numbers = dict(current_s=cur_s, candidate_s=cand_s, gain_s=gain, cost_s=cost, horizon=horizon)
+        if cand == self.plan:
+            return Decision(step, "keep", "the current plan is still the best", **numbers)
+        if cand_s > cur_s * (1 - cfg.min_gain):
+            return Decision(step, "keep", f"candidate faster by under {cfg.min_gain:.0%} per step", **numbers)
+        if gain <= cost * (1 + cfg.margin):
+            return Decision(step, "keep", f"gain over {horizon} steps does not beat the transition cost "
+                                          f"by {cfg.margin:.0%}", **numbers)
+        if step + 1 - self._last_move < cfg.cooldown:
+            return Decision(step, "keep", f"cooldown: last transition {step + 1 - self._last_move} steps ago",
+                            **numbers)
+        self._last_move = step + 1
+        return Decision(step, "transition", "predicted gain beats the transition cost", **numbers, plan=cand)
+
+    def _should_replan(self, job: JobSpec, step: int, gpus: int) -> bool:
+        mean, limit, basis_gpus, factors = self._basis
+        resp = job.workload.response
+        if gpus != basis_gpus or resp.max != limit or step - self._last_plan_step >= self.config.replan_every:
+            return True
+        if abs(resp.mean / max(mean, 1.0) - 1) > self.config.drift:
+            return True
+        return any(abs(v / factors.get(k, 1.0) - 1) > self.config.drift for k, v in self.factors.items())

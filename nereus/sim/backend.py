@@ -1,0 +1,94 @@
+"""The simulator backend: steps and transitions on a virtual cluster with a hidden ground truth.
+
+Ground truth is the cost model with hidden per-term efficiencies (one factor per stage kind and term,
+log-normally spread around 1), per-step noise, and response lengths drawn per step from the trace's
+long-tailed distribution — so generation time follows the longest response actually drawn. The policy
+sees only the measured times, as on real hardware, and must calibrate to predict well.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from nereus.control.backend import ClusterState, StepMetrics, TransitionMetrics
+from nereus.cost.hardware import Hardware
+from nereus.cost.plan_cost import estimate_plan
+from nereus.cost.stages import TERMS
+from nereus.cost.transition import estimate_transition
+from nereus.spec.job import JobSpec, ResponseLength
+from nereus.spec.layout import STAGES, Plan
+from nereus.spec.trace import Trace
+
+
+@dataclass(frozen=True)
+class TruthConfig:
+    efficiency_spread: float = 0.25  # sigma of log hidden factors: most within 0.6–1.6× the model
+    noise: float = 0.03  # per-step multiplicative noise on every measured time
+    transition_spread: float = 0.3  # hidden factor on transition times
+
+
+def hidden_factors(seed: int, cfg: TruthConfig) -> dict[str, float]:
+    rng = np.random.default_rng(seed)
+    factors = {f"{s}.{t}": float(math.exp(rng.normal(0, cfg.efficiency_spread))) for s in STAGES for t in TERMS}
+    factors["sync"] = float(math.exp(rng.normal(0, cfg.efficiency_spread)))
+    factors["transition"] = float(math.exp(rng.normal(0, cfg.transition_spread)))
+    return factors
+
+
+class SimBackend:
+    """Runs a plan's steps against the hidden truth. Every random draw comes from a generator seeded by
+    (seed, step, purpose), so a seed reproduces a run and every policy sees the same lengths and noise
+    at the same step, whatever it did before."""
+
+    def __init__(self, job: JobSpec, trace: Trace, seed: int = 0, truth: TruthConfig | None = None,
+                 initial_gpus: int | None = None) -> None:
+        self.job, self.trace, self.truth = job, trace, truth or TruthConfig()
+        self.seed = seed
+        self.factors = hidden_factors(seed, self.truth)
+        self.initial_gpus = initial_gpus or job.cluster.num_gpus
+        self._max_gpus = max([self.initial_gpus, *(n for _, n in trace.gpus)])
+        self.full_job = job.with_gpus(self._max_gpus)
+        self.hw = Hardware(self.full_job.cluster)
+
+    def cluster(self, step: int) -> ClusterState:
+        now = self.trace.gpus_at(step, self.initial_gpus)
+        before = self.trace.gpus_at(step - 1, self.initial_gpus) if step > 0 else now
+        lost = sum(n for s, n in self.trace.failures if s == step)
+        return ClusterState(now, lost if now < before or lost else 0)
+
+    def _rng(self, step: int, purpose: int) -> np.random.Generator:
+        return np.random.default_rng((self.seed, step, purpose))
+
+    def draw_lengths(self, step: int) -> np.ndarray:
+        r = self.trace.response_at(step)
+        n = self.job.sequences_per_step()
+        mu = math.log(r.mean) - r.sigma**2 / 2
+        return np.minimum(self._rng(step, 0).lognormal(mu, r.sigma, size=n), r.max)
+
+    def run_step(self, plan: Plan, step: int) -> StepMetrics:
+        lengths = self.draw_lengths(step)
+        mean, longest = float(lengths.mean()), float(lengths.max())
+        r = self.trace.response_at(step)
+        # The drawn batch: its mean sets tokens, its longest response sets the rollout's iterations.
+        drawn = ResponseLength(mean, max(1, math.ceil(longest)), "lognormal", r.sigma)
+        est = estimate_plan(self.hw, self.full_job.with_response(drawn), plan, self.factors)
+        rng = self._rng(step, 1)
+        noise = {name: float(math.exp(rng.normal(0, self.truth.noise))) for name in sorted(est.stage_times)}
+        stage_times = {name: t * noise[name] for name, t in est.stage_times.items()}
+        phases = dict.fromkeys(STAGES, 0.0)
+        for name in stage_times:  # a phase takes as long as its noisiest member draws
+            stage = name.split("/")[1]
+            phases[stage] = max(phases[stage], est.phase_times[stage] * noise[name])
+        phases["weight_sync"] = est.phase_times["weight_sync"] * float(math.exp(rng.normal(0, self.truth.noise)))
+        tokens = float(self.job.sequences_per_step() * (self.job.workload.prompt_length + mean))
+        return StepMetrics(step, stage_times, phases, sum(phases.values()), mean, longest,
+                           self.job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus)
+
+    def apply_transition(self, old: Plan, new: Plan, step: int) -> TransitionMetrics:
+        est = estimate_transition(self.hw, self.full_job, old, new)
+        noise = float(math.exp(self._rng(step, 2).normal(0, self.truth.noise)))
+        actual = est.seconds * self.factors["transition"] * noise
+        return TransitionMetrics(actual, est.seconds, est.bytes_moved, {"moved": list(est.moved_model_stages)})

@@ -1,0 +1,135 @@
+"""Baseline policies, each described by what it models. They share the controller's interface so the
+simulator (and later the runtime) runs them the same way.
+
+- ``fixed-dp``: the planner's best plan for the first step's workload, then its TP/PP kept for the whole
+  run; only data parallelism follows the available GPUs (the paper's "fixed initial layout with DP
+  scaling").
+- ``verl-like``: a colocated hybrid engine — every model-stage on all GPUs, time-sharing them; training
+  and inference with FSDP (sharded data parallelism, no TP/PP: verl's default backend), the rollout
+  engine's TP chosen once at start; the actor's weights are resharded from training to generation every
+  step (verl, Sheng et al. 2024, "HybridFlow").
+- ``openrlhf-like``: disaggregated placement — the rollout engine, actor, critic, reference and reward
+  each on their own GPUs — with ZeRO-3 data-parallel training and inference (no TP/PP) and a weight
+  broadcast from the actor's training GPUs to the rollout engine every step (Hu et al. 2024, "OpenRLHF").
+- ``realhf-like``: the best plan of the full search space, found once at start for the first step's
+  workload and kept (ReaLHF, Mei et al. 2024, searches its plan before training); it moves only when
+  GPUs are lost or added, by a fresh search.
+
+All of them re-plan when the current plan no longer fits (memory) or GPUs are lost, as an operator
+would after an out-of-memory crash; such moves count as transitions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from nereus.control.backend import ClusterState, Decision, StepMetrics
+from nereus.control.controller import Controller, ControllerConfig, TransitionCost, usable_gpus
+from nereus.control.forecast import Schedule
+from nereus.cost.hardware import Hardware
+from nereus.cost.plan_cost import estimate_plan
+from nereus.planner.search import Constraints, search
+from nereus.spec.errors import InfeasibleError
+from nereus.spec.job import JobSpec
+from nereus.spec.layout import Layout, ModelStage, Plan
+
+
+class StaticPolicy:
+    """Keeps its plan; when the GPU count changes it re-searches, with TP/PP pinned (``pin_tp_pp``: only
+    DP follows) or freely (a fresh search, as after a restart); otherwise it moves only when forced."""
+
+    def __init__(self, name: str, job: JobSpec, constraints: Constraints | None, pin_tp_pp: bool,
+                 schedule: Schedule | None = None, transition_cost: TransitionCost | None = None) -> None:
+        self.name, self.job, self.pin_tp_pp = name, job, pin_tp_pp
+        # A controller with calibration off does the bookkeeping (forecast, feasibility, transition cost).
+        self.inner = Controller(job, ControllerConfig(calibrate=False), schedule, None, transition_cost, constraints)
+        self.base_constraints = constraints or Constraints()
+        self.pinned: dict[ModelStage, tuple[int, int]] = {}
+
+    def initial_plan(self, num_gpus: int) -> Plan:
+        plan = self.inner.initial_plan(num_gpus)
+        self.pinned = {p.model_stage: (p.layout.tp, p.layout.pp) for p in plan.placements}
+        return plan
+
+    def _constraints(self) -> Constraints:
+        if not self.pin_tp_pp:
+            return self.base_constraints
+        base = self.base_constraints.layout_filter
+
+        def keep_tp_pp(ms: ModelStage, layout: Layout) -> bool:
+            ok = (layout.tp, layout.pp) == self.pinned.get(ms, (layout.tp, layout.pp))
+            return ok and (base is None or base(ms, layout))
+
+        strategy = self.inner.plan.meta.get("strategy") if self.inner.plan else None
+        strategies = (strategy,) if strategy else self.base_constraints.strategies
+        return Constraints(strategies, keep_tp_pp)
+
+    def after_step(self, m: StepMetrics, cluster: ClusterState) -> Decision:
+        inner = self.inner
+        inner.forecaster.observe(m.step, m.response_mean)
+        gpus = usable_gpus(cluster.num_gpus, self.job.cluster.gpus_per_node)
+        step = m.step + 1
+        job = inner.job_for(step, max(gpus, inner.plan.num_gpus))
+        lost = inner.plan.num_gpus > gpus
+        current = None if lost else estimate_plan(Hardware(job.cluster), job, inner.plan)
+        grow = gpus != inner.plan.num_gpus
+        if not (lost or grow or not current.feasible):
+            d = Decision(m.step, "keep", "static layouts", current_s=current.step_time_s)
+            inner.log.append(d)
+            return d
+        target = inner.job_for(step, gpus)
+        constraints = self._constraints()
+        try:
+            result = search(Hardware(target.cluster), target, None, constraints=constraints)
+        except InfeasibleError:  # the pinned TP/PP no longer fits: an operator picks new layouts
+            result = search(Hardware(target.cluster), target, None, constraints=self.base_constraints)
+            self.pinned = {p.model_stage: (p.layout.tp, p.layout.pp) for p in result.plan.placements}
+        cost = inner.transition_cost(inner.hw, target, inner.plan, result.plan)
+        action = "transition" if current is not None and current.feasible else "forced"
+        reason = ("plan infeasible or GPUs lost" if action == "forced"
+                  else "GPU count changed: DP follows it" if self.pin_tp_pp else "GPU count changed: new search")
+        d = Decision(m.step, action, reason, current.step_time_s if current else math.inf,
+                     result.estimate.step_time_s, 0.0, cost, 0, plan=result.plan)
+        inner.log.append(d)
+        inner.plan = result.plan
+        return d
+
+    @property
+    def log(self) -> list[Decision]:
+        return self.inner.log
+
+
+def _sharded_data_parallel(ms: ModelStage, layout: Layout) -> bool:
+    """FSDP / ZeRO-3 data parallelism without TP or PP for every stage but the rollout engine."""
+    return ms.stage == "generation" or (layout.tp == 1 and layout.pp == 1 and (layout.fsdp or layout.dp == 1))
+
+
+def _with_fsdp(job: JobSpec) -> JobSpec:
+    return replace(job, options=replace(job.options, fsdp=True))
+
+
+def make_policy(name: str, job: JobSpec, schedule: Schedule | None = None, total_steps: int | None = None,
+                transition_cost: TransitionCost | None = None,
+                config: ControllerConfig | None = None):
+    """``nereus`` (adaptive, calibrated), ``nereus-nocal``, or a baseline by name."""
+    if name == "nereus":
+        return Controller(job, config, schedule, total_steps, transition_cost)
+    if name == "nereus-nocal":
+        cfg = ControllerConfig(**{**(config or ControllerConfig()).__dict__, "calibrate": False})
+        policy = Controller(job, cfg, schedule, total_steps, transition_cost)
+        policy.name = name
+        return policy
+    baselines = {
+        "fixed-dp": (job, None, True),
+        "verl-like": (_with_fsdp(job), Constraints(("colocated",), _sharded_data_parallel), True),
+        "openrlhf-like": (_with_fsdp(job), Constraints(("disaggregated",), _sharded_data_parallel), True),
+        "realhf-like": (job, None, False),
+    }
+    if name not in baselines:
+        raise ValueError(f"unknown policy {name!r}; choose one of {['nereus', 'nereus-nocal', *baselines]}")
+    base_job, constraints, pin_tp_pp = baselines[name]
+    return StaticPolicy(name, base_job, constraints, pin_tp_pp, schedule, transition_cost)
+
+
+POLICIES = ("nereus", "nereus-nocal", "fixed-dp", "verl-like", "openrlhf-like", "realhf-like")

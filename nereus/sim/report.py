@@ -1,0 +1,115 @@
+"""Render runs (simulated or real): a Markdown table, PNG plots and a Perfetto/Chrome trace timeline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from nereus.spec.errors import SpecError
+
+PHASES = ("generation", "inference", "training", "weight_sync")
+
+
+def load_run(path: str | Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SpecError(str(path), "run file not found") from None
+    except json.JSONDecodeError as err:
+        raise SpecError(str(path), f"not a run file: invalid JSON ({err.msg} at line {err.lineno})") from None
+    for key in ("policy", "steps", "summary"):
+        if key not in data:
+            raise SpecError(f"{path}.{key}", "missing: is this a file written by `nereus simulate --out`?")
+    return data
+
+
+def markdown_table(runs: list[dict]) -> str:
+    head = ("| policy | steps | mean step (s) | run time (h) | transitions | transition share | tokens/s "
+            "| controller overhead |")
+    rows = [head, "|" + "---|" * 8]
+    for r in runs:
+        s = r["summary"]
+        rows.append(f"| {r['policy']} | {s['steps']} | {s['mean_step_s']:.2f} | {s['run_s'] / 3600:.2f} | "
+                    f"{s['transitions']} | {100 * s['transition_share']:.3f}% | {s['tokens_per_s']:,.0f} | "
+                    f"{100 * s['controller_overhead_share']:.3f}% |")
+    return "\n".join(rows)
+
+
+def plot_runs(runs: list[dict], out_dir: Path) -> list[Path]:
+    """step_latency.png (transitions marked) and workload.png (GPUs and response length)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for r in runs:
+        steps = [s["step"] for s in r["steps"]]
+        line, = ax.plot(steps, [s["step_time_s"] for s in r["steps"]], lw=1, label=r["policy"])
+        moves = [s for s in r["steps"] if s["transition_s"] > 0]
+        ax.scatter([s["step"] for s in moves], [s["step_time_s"] for s in moves], marker="v", s=40,
+                   color=line.get_color(), zorder=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("step latency (s)")
+    ax.set_title("Step latency over the run (▼ = transition)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    latency = out_dir / "step_latency.png"
+    fig.tight_layout()
+    fig.savefig(latency, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    first = runs[0]["steps"]
+    steps = [s["step"] for s in first]
+    ax.plot(steps, [s["gpus"] for s in first], color="tab:blue", label="GPUs used")
+    ax.set_xlabel("step")
+    ax.set_ylabel("GPUs", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [s["response_mean"] for s in first], color="tab:orange", lw=1, label="mean response")
+    ax2.plot(steps, [s["response_max"] for s in first], color="tab:red", lw=0.6, alpha=0.6, label="longest")
+    ax2.set_ylabel("response length (tokens)", color="tab:orange")
+    ax2.legend(loc="upper left")
+    ax.set_title(f"Workload and GPUs ({runs[0]['policy']})")
+    workload = out_dir / "workload.png"
+    fig.tight_layout()
+    fig.savefig(workload, dpi=110)
+    plt.close(fig)
+    return [latency, workload]
+
+
+def timeline(runs: list[dict]) -> dict:
+    """Chrome/Perfetto trace: one process per run, a track for step phases and one for transitions."""
+    events = []
+    for pid, r in enumerate(runs, start=1):
+        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": r["policy"]}})
+        events.append({"ph": "M", "pid": pid, "tid": 1, "name": "thread_name", "args": {"name": "step phases"}})
+        events.append({"ph": "M", "pid": pid, "tid": 2, "name": "thread_name", "args": {"name": "transitions"}})
+        t = 0.0
+        for s in r["steps"]:
+            for phase in PHASES:
+                dur = s["phases"].get(phase, 0.0)
+                if dur > 0:
+                    events.append({"ph": "X", "pid": pid, "tid": 1, "ts": t * 1e6, "dur": dur * 1e6,
+                                   "name": phase, "args": {"step": s["step"], "gpus": s["gpus"]}})
+                    t += dur
+            if s["transition_s"] > 0:
+                events.append({"ph": "X", "pid": pid, "tid": 2, "ts": t * 1e6, "dur": s["transition_s"] * 1e6,
+                               "name": "transition", "args": {"after_step": s["step"], "strategy": s["strategy"]}})
+                t += s["transition_s"]
+            t += s.get("lost_s", 0.0)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_report(paths: list[str], out_dir: str | Path) -> dict[str, Path]:
+    runs = [load_run(p) for p in paths]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / "report.md"
+    pngs = plot_runs(runs, out)
+    lines = ["# Runs", "", markdown_table(runs), ""] + [f"![{p.stem}]({p.name})" for p in pngs]
+    table.write_text("\n".join(lines) + "\n")
+    trace = out / "timeline.json"
+    trace.write_text(json.dumps(timeline(runs)))
+    return {"markdown": table, "timeline": trace, **{p.stem: p for p in pngs}}

@@ -1,0 +1,102 @@
+"""Run a policy over a trace on a backend; the run record is what `nereus report` renders."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nereus.control.backend import Backend, StepMetrics
+from nereus.control.controller import ControllerConfig
+from nereus.control.forecast import Schedule
+from nereus.sim.backend import SimBackend, TruthConfig
+from nereus.sim.baselines import make_policy
+from nereus.spec.job import JobSpec
+from nereus.spec.layout import Plan
+from nereus.spec.trace import Trace
+
+
+@dataclass
+class RunRecord:
+    policy: str
+    job: str
+    trace: str
+    seed: int
+    steps: list[dict] = field(default_factory=list)
+    decisions: list[dict] = field(default_factory=list)
+    plans: list[dict] = field(default_factory=list)  # the plan in force from each step on
+    wall_s: float = 0.0
+
+    def summary(self) -> dict:
+        steps = self.steps
+        run_s = sum(s["step_time_s"] + s["transition_s"] + s["lost_s"] for s in steps)
+        trans = [s["transition_s"] for s in steps if s["transition_s"] > 0]
+        tokens = sum(s["tokens"] for s in steps)
+        gpu_s = sum((s["step_time_s"] + s["transition_s"]) * s["gpus"] for s in steps)
+        overheads = [d["overhead_s"] for d in self.decisions]
+        return {
+            "policy": self.policy, "steps": len(steps),
+            "mean_step_s": sum(s["step_time_s"] for s in steps) / max(1, len(steps)),
+            "run_s": run_s, "transitions": len(trans), "transition_s": sum(trans),
+            "transition_share": sum(trans) / run_s if run_s else 0.0,
+            "tokens_per_s": tokens / run_s if run_s else 0.0,
+            "tokens_per_gpu_s": tokens / gpu_s if gpu_s else 0.0,
+            "controller_overhead_s_per_step": sum(overheads) / max(1, len(overheads)),
+            "controller_overhead_share": sum(overheads) / run_s if run_s else 0.0,
+            "wall_s": self.wall_s,
+        }
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "job": self.job, "trace": self.trace, "seed": self.seed,
+                "summary": self.summary(), "steps": self.steps, "decisions": self.decisions, "plans": self.plans}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict()))
+
+
+def _record(m: StepMetrics, plan: Plan, transition_s: float, lost_s: float) -> dict:
+    return {"step": m.step, "step_time_s": m.step_time_s, "phases": m.phase_times_s, "gpus": plan.num_gpus,
+            "response_mean": m.response_mean, "response_max": m.response_max, "tokens": m.tokens,
+            "transition_s": transition_s, "lost_s": lost_s, "strategy": plan.meta.get("strategy", "")}
+
+
+def run_policy(policy, backend: Backend, steps: int, progress=None) -> RunRecord:
+    """Drive ``policy`` on ``backend`` for ``steps`` steps. A GPU loss aborts the step in flight: its
+    time is lost and the policy must move before the next step."""
+    start = time.perf_counter()
+    record = RunRecord(policy.name, "", "", 0)
+    plan = policy.initial_plan(backend.cluster(0).num_gpus)
+    record.plans.append({"step": 0, "plan": plan.to_dict(), "strategy": plan.meta.get("strategy")})
+    for step in range(steps):
+        m = backend.run_step(plan, step)
+        nxt = backend.cluster(step + 1)
+        lost_s = m.step_time_s if nxt.lost and nxt.num_gpus < plan.num_gpus else 0.0
+        decision = policy.after_step(m, nxt)
+        transition_s = 0.0
+        if decision.plan is not None and decision.plan != plan:
+            tm = backend.apply_transition(plan, decision.plan, step)
+            transition_s = tm.seconds
+            plan = decision.plan
+            record.plans.append({"step": step + 1, "plan": plan.to_dict(), "strategy": plan.meta.get("strategy")})
+        record.steps.append(_record(m, plan, transition_s, lost_s))
+        if decision.action != "keep":
+            record.decisions.append({**decision.to_dict(), "plan": None, "transition_s": transition_s})
+        else:
+            record.decisions.append({"step": decision.step, "action": "keep", "overhead_s": decision.overhead_s})
+        if progress is not None:
+            progress(step, m, decision)
+    record.wall_s = time.perf_counter() - start
+    return record
+
+
+def simulate(job: JobSpec, trace: Trace, policy_name: str, seed: int = 0, steps: int | None = None,
+             config: ControllerConfig | None = None, truth: TruthConfig | None = None,
+             initial_gpus: int | None = None, progress=None) -> RunRecord:
+    steps = steps or trace.steps
+    backend = SimBackend(job, trace, seed, truth, initial_gpus)
+    schedule = Schedule(trace)
+    policy = make_policy(policy_name, job, schedule, steps, config=config)
+    record = run_policy(policy, backend, steps, progress)
+    record.job, record.trace, record.seed = job.name, trace.name, seed
+    return record
