@@ -1,4 +1,5 @@
-"""`nereus` command line: plan, estimate, simulate, report (more subcommands land with their features)."""
+"""`nereus` command line: plan, estimate, transition, simulate, report (more subcommands land with their
+features)."""
 
 from __future__ import annotations
 
@@ -100,6 +101,47 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_plan_arg(flag: str, path: str):
+    from nereus.planner.layouts import read_plan_file
+
+    try:
+        return read_plan_file(path)
+    except SpecError as err:
+        raise SpecError(f"{flag} {err.path}", err.message) from None
+
+
+def cmd_transition(args: argparse.Namespace) -> int:
+    from nereus.cost.hardware import Hardware
+    from nereus.elastic.graph import TransitionOptions
+    from nereus.elastic.timeline import write_trace
+    from nereus.elastic.transition import change_lines, check_job_plans, plan_transition
+
+    job = _load(args)
+    old, new = _read_plan_arg("--from", args.from_plan), _read_plan_arg("--to", args.to_plan)
+    job = check_job_plans(job, old, new)
+    if args.chunk_mb <= 0:
+        raise SpecError("--chunk-mb", f"must be > 0, got {args.chunk_mb}")
+    if args.storage_gb_per_s <= 0:
+        raise SpecError("--storage-gb-per-s", f"must be > 0, got {args.storage_gb_per_s}")
+    options = TransitionOptions(chunk_bytes=int(args.chunk_mb * 2**20))
+    result = plan_transition(job, old, new, Hardware(job.cluster), options, args.storage_gb_per_s * 1e9)
+    changes = change_lines(old, new)
+    if args.json:
+        print(json.dumps({"job": job.name, "num_gpus": result.graph.num_gpus, "changes": changes,
+                          **result.report.to_dict()}, indent=1))
+    else:
+        c = job.cluster
+        print(f"Transition for '{job.name}' on {result.graph.num_gpus} x {c.gpu.name} "
+              f"({c.nodes} node(s) x {c.gpus_per_node})")
+        print("\n".join(changes))
+        print(result.report.text())
+    if args.timeline:
+        write_trace(args.timeline, result.graph, result.schedule)
+    if args.graph:
+        Path(args.graph).write_text(json.dumps(result.graph.to_dict()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nereus", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +172,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("runs", nargs="+", help="run files written by `nereus simulate --out`")
     r.add_argument("--out", default="report", help="output folder")
     r.set_defaults(func=cmd_report)
+    t = sub.add_parser("transition", help="plan the move from one plan to another: graph, schedule, cost, baselines")
+    t.add_argument("job", help="job spec (YAML)")
+    t.add_argument("--from", dest="from_plan", required=True, help="current plan file (as `nereus plan --json` writes)")
+    t.add_argument("--to", dest="to_plan", required=True, help="target plan file")
+    t.add_argument("--json", action="store_true", help="print JSON (times, bytes, memory per device, baselines)")
+    t.add_argument("--timeline", help="write the schedule as Chrome/Perfetto trace JSON to this file")
+    t.add_argument("--graph", help="write the transition graph (every operation and piece) as JSON to this file")
+    t.add_argument("--storage-gb-per-s", type=float, default=2.0,
+                   help="checkpoint baseline: shared-storage bandwidth per node (default 2)")
+    t.add_argument("--chunk-mb", type=float, default=256, help="transfer chunk (staging buffer) size (default 256)")
+    t.set_defaults(func=cmd_transition)
     return parser
 
 

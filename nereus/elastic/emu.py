@@ -1,0 +1,163 @@
+"""Elastic Model Units: the distributed state of one replica of one model-stage, as plain data.
+
+For every tensor of a model-stage — its weights, and for a training stage also the fp32 master weights
+with Adam's two moments (ZeRO-1 shards them over data parallelism) and the gradient buffers — an EMU
+lists the global shape, dtype and the shards as (device, global boxes). Where each shard lives is the
+contract of ``nereus.spec.sharding``, the same one the runtime builds its shards from.
+
+Coverage: a replica's weight shards cover each tensor once, up to identical copies on tensor-parallel
+ranks (norms, and K/V heads when TP exceeds the KV heads). With ZeRO-1 each replica owns 1/dp of the
+optimizer state; the replicas of a model-stage together cover it once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nereus.cost.memory import BF16, OPTIMIZER_BYTES_PER_PARAM
+from nereus.elastic.boxes import BoxSet, set_volume
+from nereus.spec.errors import SpecError
+from nereus.spec.job import JobSpec
+from nereus.spec.layout import Layout, ModelStage, Placement, Plan
+from nereus.spec.model import ModelArch
+from nereus.spec.sharding import TensorSpec, model_tensors, tensor_stage, tp_box, zero_shard
+
+
+@dataclass(frozen=True)
+class StateKind:
+    """One kind of per-tensor state. ``carries_data`` is False for gradient buffers: they are zeroed at
+    every step, so a transition frees and allocates them but moves nothing."""
+
+    name: str
+    dtype: str
+    bytes_per_element: int
+    components: tuple[str, ...]
+    carries_data: bool = True
+
+
+WEIGHTS = StateKind("weights", "bfloat16", BF16, ("weight",))
+# Mixed-precision Adam keeps three fp32 tensors per weight that share one shard layout (cost.memory).
+OPTIMIZER = StateKind("optimizer", "float32", OPTIMIZER_BYTES_PER_PARAM, ("master", "exp_avg", "exp_avg_sq"))
+
+
+def grads_kind(grad_bytes: int) -> StateKind:
+    return StateKind("grads", "float32" if grad_bytes == 4 else "bfloat16", grad_bytes, ("main_grad",), False)
+
+
+def placement_states(job: JobSpec, p: Placement) -> tuple[tuple[StateKind, bool], ...]:
+    """(state, sharded by ZeRO-1) held by a placement: weights always; training adds optimizer and grads."""
+    if p.model_stage.stage != "training":
+        return ((WEIGHTS, False),)
+    return ((WEIGHTS, False), (OPTIMIZER, p.layout.zero1), (grads_kind(job.options.grad_bytes), False))
+
+
+def state_boxes(spec: TensorSpec, arch: ModelArch, layout: Layout, zero: bool, tp_rank: int,
+                dp_rank: int) -> BoxSet:
+    """The boxes of ``spec`` a rank holds for one state: its TP shard, or that shard's ZeRO-1 part."""
+    box = tp_box(spec, arch, layout.tp, tp_rank)
+    return zero_shard(box, layout.dp, dp_rank) if zero else (box,)
+
+
+@dataclass(frozen=True)
+class Shard:
+    device: int
+    boxes: BoxSet
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "boxes": [list(map(list, b)) for b in self.boxes]}
+
+
+@dataclass(frozen=True)
+class TensorState:
+    name: str
+    state: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes_per_element: int
+    shards: tuple[Shard, ...]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "state": self.state, "shape": list(self.shape), "dtype": self.dtype,
+                "bytes_per_element": self.bytes_per_element, "shards": [s.to_dict() for s in self.shards]}
+
+
+@dataclass(frozen=True)
+class EMU:
+    model_stage: ModelStage
+    replica: int
+    layout: Layout
+    devices: tuple[int, ...]
+    tensors: tuple[TensorState, ...]
+
+    def bytes_per_device(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for t in self.tensors:
+            for s in t.shards:
+                out[s.device] = out.get(s.device, 0) + set_volume(s.boxes) * t.bytes_per_element
+        return out
+
+    def to_dict(self) -> dict:
+        return {"model_stage": str(self.model_stage), "replica": self.replica, "layout": self.layout.to_dict(),
+                "devices": list(self.devices), "tensors": [t.to_dict() for t in self.tensors]}
+
+
+def replica_devices(p: Placement, replica: int) -> tuple[int, ...]:
+    lay = p.layout
+    return tuple(p.gpus[lay.rank(s, replica, t)] for s in range(lay.pp) for t in range(lay.tp))
+
+
+def placement_emus(job: JobSpec, p: Placement) -> list[EMU]:
+    """One EMU per data-parallel replica of a placement, every tensor of every state listed."""
+    arch = job.models[p.model_stage.model]
+    lay = p.layout
+    specs = model_tensors(arch, job.has_value_head(p.model_stage.model))
+    stages = [tensor_stage(t, arch, lay.pp, lay.interleave) for t in specs]
+    emus = []
+    for r in range(lay.dp):
+        tensors = []
+        for kind, zero in placement_states(job, p):
+            for spec, s in zip(specs, stages, strict=True):
+                shards = tuple(Shard(p.gpus[lay.rank(s, r, t)], state_boxes(spec, arch, lay, zero, t, r))
+                               for t in range(lay.tp))
+                tensors.append(TensorState(spec.name, kind.name, spec.shape, kind.dtype, kind.bytes_per_element,
+                                           tuple(sh for sh in shards if sh.boxes)))
+        emus.append(EMU(p.model_stage, r, lay, replica_devices(p, r), tuple(tensors)))
+    return emus
+
+
+def build_emus(job: JobSpec, plan: Plan) -> list[EMU]:
+    """Every EMU of a plan (per tensor: use for small jobs, tests and a worker's own shards; the graph
+    builder works on groups of identically sharded tensors instead)."""
+    check_plan(job, plan)
+    return [e for p in plan.placements for e in placement_emus(job, p)]
+
+
+def device_buffers(job: JobSpec, plan: Plan) -> dict[int, dict[tuple[str, str, str], set[BoxSet]]]:
+    """Per device, the distinct buffers held: (model, state, tensor) → box sets. Two model-stages of one
+    model holding the same shard on one device share it, as the cost model counts them once."""
+    out: dict[int, dict[tuple[str, str, str], set[BoxSet]]] = {}
+    for emu in build_emus(job, plan):
+        for t in emu.tensors:
+            for s in t.shards:
+                out.setdefault(s.device, {}).setdefault((emu.model_stage.model, t.state, t.name), set()).add(s.boxes)
+    return out
+
+
+def check_plan(job: JobSpec, plan: Plan, where: str = "plan") -> None:
+    """Refuse a plan whose layouts the sharding contract cannot place, naming the field."""
+    for i, p in enumerate(plan.placements):
+        path = f"{where}.placements[{i}]"
+        model = p.model_stage.model
+        if model not in job.models:
+            raise SpecError(f"{path}.model_stage", f"model {model!r} is not in the job ({sorted(job.models)})")
+        arch, lay = job.models[model], p.layout
+        if arch.heads % lay.tp:
+            raise SpecError(f"{path}.layout.tp", f"{lay.tp} does not divide the {arch.heads} attention heads")
+        if lay.tp > arch.kv_heads and lay.tp % arch.kv_heads:
+            raise SpecError(f"{path}.layout.tp", f"{lay.tp} exceeds the {arch.kv_heads} KV heads and is not a "
+                                                 "multiple of them")
+        if lay.pp * lay.interleave > arch.layers:
+            raise SpecError(f"{path}.layout.pp", f"pp·interleave = {lay.pp * lay.interleave} exceeds the "
+                                                 f"{arch.layers} layers")
+        if max(p.gpus) >= job.cluster.num_gpus:
+            raise SpecError(f"{path}.gpus", f"GPU {max(p.gpus)} is beyond the cluster's {job.cluster.num_gpus} GPUs")

@@ -1,0 +1,238 @@
+"""Where each destination box of a transition comes from: kept in place, copied on its own device, or
+received from devices that hold it — by box intersection, per model state and device situation.
+
+A device's *situation* for one model state is the list of (placement, stage, tp rank, dp rank) it holds
+in the old plan and in the new one. Devices in the same situation (most DP replicas) need the same
+pieces from the same kind of source, so each situation is solved once; only the choice of the source
+device (``assign``) is per device.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+from nereus.elastic.boxes import BoxSet, bounding, intersect_sets, set_volume, subtract
+from nereus.elastic.emu import StateKind
+from nereus.elastic.groups import ModelGroups, Pipeline, TensorGroup, class_boxes, class_tp_box
+from nereus.spec.layout import Placement
+from nereus.spec.sharding import Box, intersect
+
+Slot = tuple[int, int, int, int | None]  # (holder index, pp stage, tp rank, dp rank or None)
+Alt = tuple[int, tuple[int, ...], int | None]  # (holder index, tp ranks holding it, dp rank or None: any)
+SourceKey = tuple[tuple[int, int, tuple[int, ...], int | None], ...]  # Alts with the stage resolved
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A placement holding one state of one model (``zero``: sharded by ZeRO-1 over its DP ranks)."""
+
+    index: int  # position in its plan's placements
+    placement: Placement
+    zero: bool
+
+    @property
+    def pipeline(self) -> Pipeline:
+        return (self.placement.layout.pp, self.placement.layout.interleave)
+
+    def device(self, stage: int, dp_rank: int, tp_rank: int) -> int:
+        return self.placement.gpus[self.placement.layout.rank(stage, dp_rank, tp_rank)]
+
+
+def device_slots(holders: list[Holder]) -> dict[int, tuple[Slot, ...]]:
+    slots: dict[int, list[Slot]] = {}
+    for hi, h in enumerate(holders):
+        lay = h.placement.layout
+        for rank, g in enumerate(h.placement.gpus):
+            s, r, t = lay.coords(rank)
+            slots.setdefault(g, []).append((hi, s, t, r if h.zero else None))
+    return {g: tuple(v) for g, v in slots.items()}
+
+
+class Partition:
+    """The distinct cells one old holder splits a tensor class into, indexed for box queries: cells of
+    one tensor-parallel shard are ordered along dimension 0 (ZeRO ranges are row-major)."""
+
+    def __init__(self, holder_index: int, h: Holder, cls: tuple, groups: ModelGroups):
+        lay = h.placement.layout
+        cells: dict[BoxSet, tuple[list[int], int | None]] = {}
+        for t in range(lay.tp):
+            for r in (range(lay.dp) if h.zero else (None,)):
+                bs = class_boxes(cls, groups.arch, lay.tp, t, h.zero, lay.dp, r or 0)
+                if bs:
+                    cells.setdefault(bs, ([], r))[0].append(t)
+        self.bands: list[tuple[Box, list[int], list[int], list[tuple[BoxSet, Alt]]]] = []
+        by_band: dict[Box, list[tuple[BoxSet, Alt]]] = {}
+        for bs, (ts, r) in cells.items():
+            band = class_tp_box(cls, groups.arch, lay.tp, ts[0])
+            by_band.setdefault(band, []).append((bs, (holder_index, tuple(ts), r)))
+        for band, items in by_band.items():
+            items.sort(key=lambda it: bounding(it[0])[0])
+            self.bands.append((band, [bounding(b)[0][0] for b, _ in items], [bounding(b)[0][1] for b, _ in items],
+                               items))
+
+    def query(self, region: list[Box]) -> list[tuple[BoxSet, Alt]]:
+        """Each cell meeting ``region`` with the part of the region inside it."""
+        out = []
+        bb = bounding(tuple(region))
+        lo, hi = bb[0]
+        for band, starts, ends, items in self.bands:
+            if intersect(band, bb) is None:
+                continue
+            i = bisect_right(ends, lo)
+            while i < len(items) and starts[i] < hi:
+                piece = intersect_sets(tuple(region), items[i][0])
+                if piece:
+                    out.append((piece, items[i][1]))
+                i += 1
+        return out
+
+    def containing(self, piece: BoxSet) -> Alt | None:
+        """The cell holding all of ``piece``, if one does."""
+        hits = self.query(list(piece))
+        if len(hits) == 1 and set_volume(hits[0][0]) == set_volume(piece):
+            return hits[0][1]
+        return None
+
+
+@dataclass
+class Situation:
+    """What a device in one situation holds and needs for one model state (group-level, exact).
+    Shared by every device in the situation: treat as read-only."""
+
+    new: list[tuple[TensorGroup, BoxSet]] = field(default_factory=list)
+    old: list[tuple[TensorGroup, BoxSet]] = field(default_factory=list)
+    retained: list[tuple[TensorGroup, BoxSet]] = field(default_factory=list)
+    # (group, piece, source buffer, destination buffer): re-sliced on the device itself
+    local: list[tuple[TensorGroup, BoxSet, BoxSet, BoxSet]] = field(default_factory=list)
+    # per source key, (group, piece, destination buffer) to receive from a device holding that key's cells
+    needs: dict[SourceKey, tuple[tuple[TensorGroup, BoxSet, BoxSet], ...]] = field(default_factory=dict)
+    new_bytes: int = 0
+    old_bytes: int = 0
+    retained_bytes: int = 0
+    local_bytes: int = 0
+    need_bytes: dict[SourceKey, int] = field(default_factory=dict)
+    created: tuple[tuple[TensorGroup, BoxSet], ...] = ()  # new buffers not kept: allocated
+    dropped: tuple[tuple[TensorGroup, BoxSet], ...] = ()  # old buffers not kept: freed
+
+
+class StateGeometry:
+    """Solves situations for one (model, state): old holders → new holders."""
+
+    def __init__(self, groups: ModelGroups, kind: StateKind, old: list[Holder], new: list[Holder]):
+        self.groups, self.kind, self.old, self.new = groups, kind, old, new
+        # The coarsest old split cuts what must be received into the fewest pieces (so the fewest
+        # messages); finer holders still serve a piece when one of their cells holds it whole. Ties go to
+        # the holder with more devices.
+        self.primary = min(range(len(old)), key=lambda i: (old[i].placement.layout.tp,
+                                                           -len(old[i].placement.gpus), i)) if old else None
+        self._partitions: dict[tuple[int, tuple], Partition] = {}
+        self._cache: dict[tuple, tuple] = {}
+        self._slots: dict[tuple, list] = {}
+        self._skeys: dict[tuple, SourceKey] = {}
+
+    def partition(self, hi: int, cls: tuple) -> Partition:
+        key = (hi, cls)
+        if key not in self._partitions:
+            self._partitions[key] = Partition(hi, self.old[hi], cls, self.groups)
+        return self._partitions[key]
+
+    def _slot_buffers(self, holders: list[Holder], slot: Slot) -> list[tuple[TensorGroup, BoxSet, int]]:
+        """(group, boxes, bytes) a slot holds; cached, since every replica in a slot position repeats it."""
+        key = (holders is self.old, slot)
+        if key not in self._slots:
+            hi, s, t, r = slot
+            h = holders[hi]
+            lay = h.placement.layout
+            per_class: dict[tuple, tuple[BoxSet, int]] = {}
+            out = []
+            for g in self.groups.at_stage(h.pipeline, s):
+                if g.cls not in per_class:
+                    bs = class_boxes(g.cls, self.groups.arch, lay.tp, t, h.zero, lay.dp, r or 0)
+                    per_class[g.cls] = (bs, set_volume(bs) * self.kind.bytes_per_element)
+                bs, size = per_class[g.cls]
+                if bs:
+                    out.append((g, bs, size * g.count))
+            self._slots[key] = out
+        return self._slots[key]
+
+    def _holdings(self, holders: list[Holder], slots: tuple[Slot, ...]) -> dict[TensorGroup, dict[BoxSet, int]]:
+        out: dict[TensorGroup, dict[BoxSet, int]] = {}
+        for slot in slots:
+            for g, bs, size in self._slot_buffers(holders, slot):
+                out.setdefault(g, {})[bs] = size
+        return out
+
+    def solve(self, old_slots: tuple[Slot, ...], new_slots: tuple[Slot, ...]) -> Situation:
+        sit = Situation()
+        old_h, new_h = self._holdings(self.old, old_slots), self._holdings(self.new, new_slots)
+        for g, sets in old_h.items():
+            for bs, size in sets.items():
+                sit.old.append((g, bs))
+                sit.old_bytes += size
+        needs: dict[SourceKey, list] = {}
+        created = []
+        for g, sets in new_h.items():
+            olds = old_h.get(g, {})
+            for bs, size in sets.items():
+                sit.new.append((g, bs))
+                sit.new_bytes += size
+                if bs in olds:
+                    sit.retained.append((g, bs))
+                    sit.retained_bytes += size
+                    continue
+                created.append((g, bs))
+                if self.kind.carries_data:
+                    self._place(sit, needs, g, bs, tuple(olds))
+        sit.needs = {k: tuple(v) for k, v in needs.items()}
+        sit.created = tuple(created)
+        kept = {(g, bs) for g, bs in sit.retained}
+        sit.dropped = tuple(x for x in sit.old if x not in kept)
+        return sit
+
+    def _place(self, sit: Situation, needs: dict, g: TensorGroup, dest: BoxSet, local: tuple[BoxSet, ...]) -> None:
+        cls = g.cls
+        key = (cls, dest, local)
+        if key not in self._cache:
+            self._cache[key] = self._pieces(cls, dest, local)
+        local_pieces, remote = self._cache[key]
+        scale = g.count * self.kind.bytes_per_element
+        for piece, src, vol in local_pieces:
+            sit.local.append((g, piece, src, dest))
+            sit.local_bytes += vol * scale
+        for piece, alts, vol in remote:
+            skey = self._source_key(alts, g)
+            needs.setdefault(skey, []).append((g, piece, dest))
+            sit.need_bytes[skey] = sit.need_bytes.get(skey, 0) + vol * scale
+
+    def _source_key(self, alts: tuple[Alt, ...], g: TensorGroup) -> SourceKey:
+        """The alternatives with each holder's stage for this group resolved (groups differ in stage)."""
+        key = (alts, tuple(g.stages[self.old[hi].pipeline] for hi, _, _ in alts))
+        if key not in self._skeys:
+            self._skeys[key] = tuple(sorted((hi, s, ts, r) for (hi, ts, r), s in zip(alts, key[1], strict=True)))
+        return self._skeys[key]
+
+    def _pieces(self, cls: tuple, dest: BoxSet, local: tuple[BoxSet, ...]) -> tuple[list, list]:
+        """Cut ``dest`` into local pieces (each inside one buffer this device holds) and remote pieces
+        (each inside a cell of the primary split), with every old cell that holds a remote piece whole."""
+        region = list(dest)
+        local_pieces = []
+        for src in sorted(local, key=lambda bs: -set_volume(intersect_sets(dest, bs))):
+            inside = intersect_sets(tuple(region), src)
+            if inside:
+                local_pieces.append((inside, src, set_volume(inside)))
+                for box in src:
+                    region = [p for x in region for p in subtract(x, box)]
+        remote = []
+        if region:
+            if self.primary is None:
+                raise ValueError("no old holder for a state that must be received")
+            for piece, alt in self.partition(self.primary, cls).query(region):
+                alts = [alt]
+                for hi in range(len(self.old)):
+                    if hi != self.primary:
+                        other = self.partition(hi, cls).containing(piece)
+                        if other is not None:
+                            alts.append(other)
+                remote.append((piece, tuple(alts), set_volume(piece)))
+        return local_pieces, remote

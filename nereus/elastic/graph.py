@@ -1,0 +1,364 @@
+"""The transition graph between two plans of a job: every model and stage at once, as plain data.
+
+Operations (``Op.kind``):
+  free_early  drop buffers that carry no state (gradient buffers, zeroed every step) or whose bytes sit
+              safely in host memory (after ``offload``), to make room before the new buffers arrive
+  offload     copy old buffers to host memory over PCIe — the memory detour, used only on a device where
+              old and new state do not fit together; the old layout can be restored from host until commit
+  alloc       allocate a device's new buffers of one model state (those not kept in place)
+  keep        a new buffer equal to an old one on the same device: reused, nothing moves
+  copy        local re-slice from an old buffer on the same device (or from its host copy)
+  send        one device's pieces of one model state from a source device, chunked through bounded
+              staging buffers; ``from_host`` when the source's bytes sit in its host memory
+  group       create the new layout's process groups (ahead of the move, off the critical path)
+  commit      the commit point: before it every old buffer is intact (or recoverable from host), after
+              it the new layout is complete and the old one is released
+  free        release old buffers (after commit)
+  drop_host   release the host copies of a detour (after commit)
+  alloc_grads allocate the new gradient buffers (after commit, once old buffers are gone)
+Data edges run alloc → copy/send → commit; memory edges run free_early → alloc and free → alloc_grads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from nereus.cost.hardware import Hardware
+from nereus.elastic.assign import Assigner, Choice, Need
+from nereus.elastic.emu import check_plan, placement_states
+from nereus.elastic.errors import TransitionMemoryError
+from nereus.elastic.geometry import Holder, Situation, SourceKey, StateGeometry, device_slots
+from nereus.elastic.groups import ModelGroups, TensorGroup
+from nereus.spec.errors import SpecError
+from nereus.spec.job import JobSpec
+from nereus.spec.layout import Plan
+
+MIB = 2**20
+GIB = 2**30
+# Default chunk: staging buffers of 256 MiB at each end of a transfer are 0.3% of an 80 GB device, and
+# large enough that per-chunk latency (~10 µs, Hardware priors) costs < 0.1% at 50 GB/s.
+DEFAULT_CHUNK_BYTES = 256 * MIB
+# Host memory a device may fill with detour copies: a DGX A100 has 1–2 TB of system memory for 8 GPUs,
+# a DGX H100 2 TB (NVIDIA DGX datasheets); 128 GiB per GPU leaves room for the rest of the host.
+DEFAULT_HOST_BYTES_PER_DEVICE = 128 * GIB
+
+
+@dataclass(frozen=True)
+class TransitionOptions:
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    host_bytes_per_device: float = DEFAULT_HOST_BYTES_PER_DEVICE
+    # Process groups are created ahead of the move while the old layout still runs (issue 6), so by
+    # default they cost nothing on the critical path; set this to charge each new layout's groups.
+    group_setup_s: float = 0.0
+
+
+@dataclass(slots=True)
+class Op:
+    id: int
+    kind: str
+    device: int  # the device acted on; for a send, the source
+    peer: int = -1  # send: the destination
+    bytes: int = 0
+    model: str = ""
+    state: str = ""
+    # keep/alloc/free/offload: ((group, buffer boxes), ...); copy: ((group, piece, source, destination), ...)
+    pieces: tuple = ()
+    # send: (model, state, ((group, piece, destination buffer), ...)) per model state; the sender reads each
+    # piece from any old buffer of that tensor that holds it whole. Tuples are shared with the situations.
+    parts: tuple = ()
+    deps: tuple[int, ...] = ()
+    from_host: bool = False
+    chunks: int = 1
+    staging: int = 0  # bytes of staging buffer at each GPU end while the op runs
+    precommit: bool = True
+    detail: str = ""
+
+    def all_pieces(self) -> tuple:
+        """The op's pieces as one flat tuple (a send keeps them as shared parts)."""
+        if self.parts:
+            return tuple(p for _, _, part in self.parts for p in part)
+        return self.pieces
+
+    def to_dict(self) -> dict:
+        d = {"id": self.id, "kind": self.kind, "device": self.device, "bytes": self.bytes, "deps": list(self.deps),
+             "precommit": self.precommit}
+        if self.peer >= 0:
+            d["peer"] = self.peer
+        if self.model:
+            d["model"], d["state"] = self.model, self.state
+        if self.parts:
+            d["parts"] = [{"model": m, "state": st, "pieces": [_piece_json(p) for p in part]}
+                          for m, st, part in self.parts]
+        elif self.pieces:
+            d["pieces"] = [_piece_json(p) for p in self.pieces]
+        if self.kind == "send":
+            d.update(from_host=self.from_host, chunks=self.chunks, staging=self.staging)
+        if self.detail:
+            d["detail"] = self.detail
+        return d
+
+
+def _piece_json(piece: tuple) -> list:
+    """(group, boxes, ...) as [group id, boxes, ...] with every box set as nested lists."""
+    return [piece[0].id, *[[list(map(list, b)) for b in bs] for bs in piece[1:]]]
+
+
+@dataclass
+class Bundle:
+    """One device's buffers of one model state, old and new (the unit of alloc/free/offload)."""
+
+    device: int
+    model: str
+    state: str
+    carries_data: bool
+    situation: Situation
+    offloaded: bool = False
+
+    @property
+    def alloc_bytes(self) -> int:
+        return self.situation.new_bytes - self.situation.retained_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.situation.old_bytes - self.situation.retained_bytes
+
+
+@dataclass
+class TransitionGraph:
+    ops: list[Op]
+    commit: int
+    groups: list[TensorGroup]
+    num_gpus: int
+    gpus_per_node: int
+    capacity_bytes: float  # usable per device (capacity less the runtime's reserve)
+    old_bytes: list[int]  # resident per device before and after
+    new_bytes: list[int]
+    lower_bound_bytes: int  # bytes that must reach a device that does not hold them
+    bytes_sent: int
+    detour_bytes: int  # over PCIe: offloads plus copies back from host
+    detours: list[dict]
+    chunk_bytes: int
+    group_setup_s: float = 0.0
+    # (device, model, state, old bytes, new bytes, kept bytes) per device and model state; and the bytes
+    # and tensor count of one full copy of each data-carrying model state ("actor/weights"): the
+    # baselines are costed from these.
+    bundles: list[tuple[int, str, str, int, int, int]] = field(default_factory=list)
+    state_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    recv_bytes: list[int] = field(default_factory=list)  # per device, received over links
+    recv_far_bytes: list[int] = field(default_factory=list)  # of which no holder sits on its node
+    sole_send_bytes: list[int] = field(default_factory=list)  # sent by a device that alone holds it
+    sole_send_far_bytes: list[int] = field(default_factory=list)
+    local_copy_bytes: list[int] = field(default_factory=list)
+
+    def count(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for op in self.ops:
+            out[op.kind] = out.get(op.kind, 0) + 1
+        return out
+
+    def to_dict(self) -> dict:
+        return {"num_gpus": self.num_gpus, "commit": self.commit, "chunk_bytes": self.chunk_bytes,
+                "capacity_bytes": self.capacity_bytes, "lower_bound_bytes": self.lower_bound_bytes,
+                "bytes_sent": self.bytes_sent, "detour_bytes": self.detour_bytes, "detours": self.detours,
+                "groups": [g.to_dict() for g in self.groups], "ops": [op.to_dict() for op in self.ops]}
+
+
+def _holders(job: JobSpec, plan: Plan) -> dict[tuple[str, str], list[Holder]]:
+    out: dict[tuple[str, str], list[Holder]] = {}
+    for i, p in enumerate(plan.placements):
+        for kind, zero in placement_states(job, p):
+            out.setdefault((p.model_stage.model, kind.name), []).append(Holder(i, p, zero))
+    return out
+
+
+def _state_kinds(job: JobSpec, old: Plan, new: Plan) -> dict[str, object]:
+    kinds = {}
+    for plan in (old, new):
+        for p in plan.placements:
+            for kind, _ in placement_states(job, p):
+                kinds[kind.name] = kind
+    return kinds
+
+
+class _Builder:
+    def __init__(self, job: JobSpec, old: Plan, new: Plan, hw: Hardware, options: TransitionOptions):
+        self.job, self.old, self.new, self.hw, self.opt = job, old, new, hw, options
+        self.n = max(old.num_gpus, new.num_gpus)
+        self.gpn = job.cluster.gpus_per_node
+        self.usable = hw.usable_bytes()
+        self.groups: list[TensorGroup] = []
+        self.bundles: dict[tuple[int, str, str], Bundle] = {}
+        self.holders_old = _holders(job, old)
+        self.holders_new = _holders(job, new)
+        self.geometry: dict[tuple[str, str], StateGeometry] = {}
+        self._candidates: dict[tuple, list[int]] = {}
+
+    def model_groups(self) -> dict[str, ModelGroups]:
+        out = {}
+        for model, arch in self.job.models.items():
+            pipes = [(p.layout.pp, p.layout.interleave) for plan in (self.old, self.new)
+                     for p in plan.placements if p.model_stage.model == model]
+            if pipes:
+                out[model] = ModelGroups(model, arch, self.job.has_value_head(model), pipes, len(self.groups))
+                self.groups += out[model].groups
+        return out
+
+    def situations(self) -> None:
+        kinds = _state_kinds(self.job, self.old, self.new)
+        for model, mg in self.model_groups().items():
+            for name, kind in kinds.items():
+                old = self.holders_old.get((model, name), [])
+                new = self.holders_new.get((model, name), [])
+                if not old and not new:
+                    continue
+                if new and not old and kind.carries_data:
+                    where = next(i for i, p in enumerate(self.new.placements) if p.model_stage.model == model)
+                    raise SpecError(f"to.placements[{where}]", f"{model}'s {name} has no source: the old plan "
+                                                                f"holds no {name} of {model}")
+                geo = StateGeometry(mg, kind, old, new)
+                self.geometry[(model, name)] = geo
+                old_slots, new_slots = device_slots(old), device_slots(new)
+                solved: dict[tuple, Situation] = {}
+                for g in sorted(set(old_slots) | set(new_slots)):
+                    key = (old_slots.get(g, ()), new_slots.get(g, ()))
+                    if key not in solved:
+                        solved[key] = geo.solve(*key)
+                    self.bundles[(g, model, name)] = Bundle(g, model, name, kind.carries_data, solved[key])
+
+    def candidates(self, key: SourceKey, model: str, state: str) -> list[int]:
+        """Devices holding the cells of ``key`` in the old plan (cached: many devices share a key)."""
+        k = (key, model, state)
+        if k not in self._candidates:
+            self._candidates[k] = self._holders_of(key, model, state)
+        return self._candidates[k]
+
+    def _holders_of(self, key: SourceKey, model: str, state: str) -> list[int]:
+        holders = self.geometry[(model, state)].old
+        devices = set()
+        for hi, s, ts, r in key:
+            h = holders[hi]
+            for rr in (range(h.placement.layout.dp) if r is None else (r,)):
+                for t in ts:
+                    devices.add(h.device(s, rr, t))
+        return sorted(devices)
+
+    def per_device(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Resident bytes before and after, bytes freed early (grads) and allocated before commit."""
+        old, new, early, alloc = ([0] * self.n for _ in range(4))
+        for (g, _, _), b in self.bundles.items():
+            old[g] += b.situation.old_bytes
+            new[g] += b.situation.new_bytes
+            if b.carries_data:
+                alloc[g] += b.alloc_bytes
+            else:
+                early[g] += b.free_bytes
+        return old, new, early, alloc
+
+    def plan_memory(self) -> set[tuple[int, str, str]]:
+        """Check every device before, during and after; pick memory detours where old and new state
+        do not fit together. Returns the bundles to offload."""
+        old, new, early, alloc = self.per_device()
+        busy = self.transfer_devices()
+        offload: set[tuple[int, str, str]] = set()
+        for g in range(self.n):
+            if old[g] > self.usable:
+                raise TransitionMemoryError(g, old[g], self.usable, "the old plan itself")
+            if new[g] > self.usable:
+                raise TransitionMemoryError(g, new[g], self.usable, "the new plan's state")
+            staging = self.opt.chunk_bytes if g in busy else 0
+            need = old[g] - early[g] + alloc[g] + staging
+            if need <= self.usable:
+                continue
+            movable = sorted((b for (d, _, _), b in self.bundles.items() if d == g and b.carries_data
+                              and b.free_bytes > 0), key=lambda b: -b.free_bytes)
+            host = 0
+            for b in movable:
+                if need <= self.usable:
+                    break
+                offload.add((g, b.model, b.state))
+                b.offloaded = True
+                need -= b.free_bytes
+                host += b.free_bytes
+            if need > self.usable:
+                raise TransitionMemoryError(g, need, self.usable, "the new state beside what it keeps, with one "
+                                                                  "chunk of staging (even after moving every old "
+                                                                  "buffer it can to host memory)")
+            if host > self.opt.host_bytes_per_device:
+                raise TransitionMemoryError(g, host, self.opt.host_bytes_per_device, "host memory for the old "
+                                                                                     "buffers moved off the GPU")
+        return offload
+
+    def transfer_devices(self) -> set[int]:
+        busy = set()
+        for (g, model, name), b in self.bundles.items():
+            for key in b.situation.needs:
+                busy.add(g)
+                busy.update(self.candidates(key, model, name))
+        return busy
+
+    def needs(self) -> list[Need]:
+        return [Need(g, model, name, key, pieces, b.situation.need_bytes[key])
+                for (g, model, name), b in self.bundles.items() for key, pieces in b.situation.needs.items()]
+
+
+def build_graph(job: JobSpec, old: Plan, new: Plan, hw: Hardware | None = None,
+                options: TransitionOptions | None = None) -> TransitionGraph:
+    """The transition graph from plan ``old`` to plan ``new`` of ``job`` (all model-stages at once).
+
+    Raises ``SpecError`` for plans the job cannot hold and ``TransitionMemoryError`` naming the device,
+    the bytes needed and the capacity when the new state cannot fit even with chunking and detours.
+    """
+    from nereus.elastic.ops import emit_ops  # the op emission lives beside the builder
+
+    hw = hw or Hardware(job.cluster)
+    options = options or TransitionOptions()
+    if options.chunk_bytes < 1:
+        raise SpecError("chunk_bytes", f"must be >= 1, got {options.chunk_bytes}")
+    n = max(old.num_gpus, new.num_gpus)
+    if n > job.cluster.num_gpus:
+        raise SpecError("plan.num_gpus", f"{n} GPUs exceed the job's cluster of {job.cluster.num_gpus}; "
+                                         f"give the job a cluster that large")
+    check_plan(job, old, "from")
+    check_plan(job, new, "to")
+    b = _Builder(job, old, new, hw, options)
+    b.situations()
+    offloaded = b.plan_memory()
+    assigner = Assigner(b.gpn, b.candidates, offloaded, b.n)
+    needs = b.needs()
+    choices = assigner.assign(needs)
+    graph = emit_ops(b, choices)
+    _bandwidth_inputs(b, graph, needs)
+    return graph
+
+
+def _bandwidth_inputs(b: _Builder, graph: TransitionGraph, needs: list[Need]) -> None:
+    """Per device, what any schedule must carry: bytes to receive (and the part no holder on its node
+    has), bytes only one device holds and must send, bytes to copy locally."""
+    recv, far, sole, sole_far, local = ([0] * b.n for _ in range(5))
+    nodes_of: dict[tuple, tuple[set[int], int]] = {}
+    for need in needs:
+        k = (need.key, need.model, need.state)
+        if k not in nodes_of:
+            cands = b.candidates(*k)
+            nodes_of[k] = ({c // b.gpn for c in cands}, cands[0] if len(cands) == 1 else -1)
+        nodes, only = nodes_of[k]
+        node = need.dst // b.gpn
+        recv[need.dst] += need.bytes
+        if node not in nodes:
+            far[need.dst] += need.bytes
+        if only >= 0:
+            sole[only] += need.bytes
+            if only // b.gpn != node:
+                sole_far[only] += need.bytes
+    for (g, _, _), bundle in b.bundles.items():
+        local[g] += bundle.situation.local_bytes
+    graph.recv_bytes, graph.recv_far_bytes = recv, far
+    graph.sole_send_bytes, graph.sole_send_far_bytes, graph.local_copy_bytes = sole, sole_far, local
+
+
+def chunk_count(nbytes: int, chunk: int) -> int:
+    return max(1, math.ceil(nbytes / chunk))
+
+
+__all__ = ["Bundle", "Choice", "Op", "TransitionGraph", "TransitionOptions", "build_graph", "chunk_count"]

