@@ -40,17 +40,19 @@ def pp_degrees(job: JobSpec, ms: ModelStage, gpus_per_replica_limit: int) -> lis
 
 
 def enumerate_layouts(job: JobSpec, ms: ModelStage, gpus: int) -> list[Layout]:
-    """Every layout of ``ms`` using exactly ``gpus`` devices that the options allow."""
+    """Every layout of ``ms`` on ``gpus`` devices that the options allow. A layout uses as many of them as
+    its TP·PP divides, and fewer when the step has fewer sequences than data-parallel replicas (the
+    rest of the group's GPUs then sit out this model-stage)."""
     opts = job.options
     seqs = job.sequences_per_step() // (job.algorithm.mini_batches if ms.stage == "training" else 1)
     recomputes = RECOMPUTE if opts.recompute == "auto" else (opts.recompute,)
     layouts = []
     for tp in tp_degrees(job, ms.model, gpus):
         for pp in pp_degrees(job, ms, gpus // tp):
-            if gpus % (tp * pp):
+            if gpus % (tp * pp) and gpus > tp * pp * seqs:
                 continue
-            dp = gpus // (tp * pp)
-            if dp > seqs:
+            dp = min(gpus // (tp * pp), seqs)
+            if dp < 1:
                 continue
             if ms.stage == "generation":
                 layouts.append(Layout(tp=tp, pp=pp, dp=dp, recompute="none", zero1=False))

@@ -333,7 +333,11 @@ def _infeasible(table: CandidateTable, job: JobSpec, n: int) -> InfeasibleError:
         if worst is None or need / usable > worst[1] / usable:
             worst = (ms, need, layout)
     ms, need, layout = worst
-    detail = f"best layout {layout.short()} on all {n} GPUs" if layout else "no layout splits the batch"
+    if layout is None:
+        return InfeasibleError(str(ms), 0.0, table.hw.capacity_bytes,
+                               f"no layout splits the step's {job.sequences_per_step()} sequences; raise "
+                               "workload.prompts_per_step or lower algorithm.mini_batches")
+    detail = f"best layout {layout.short()} on {layout.world} of {n} GPUs"
     if need <= usable:
         detail += "; it fits alone but not beside the job's other models: add GPUs or drop a model"
     return InfeasibleError(str(ms), need + table.hw.priors.reserved_bytes, table.hw.capacity_bytes, detail)

@@ -21,8 +21,9 @@ class InfeasibleError(ValueError):
         self.model_stage = model_stage
         self.needed_bytes = needed_bytes
         self.capacity_bytes = capacity_bytes
-        msg = (
-            f"{model_stage}: no layout fits: it needs at least {needed_bytes / 1e9:.1f} GB per device, "
-            f"capacity is {capacity_bytes / 1e9:.1f} GB"
-        )
-        super().__init__(msg + (f" ({detail})" if detail else ""))
+        if needed_bytes > 0:
+            msg = (f"{model_stage}: no layout fits: it needs at least {needed_bytes / 1e9:.1f} GB per device, "
+                   f"capacity is {capacity_bytes / 1e9:.1f} GB" + (f" ({detail})" if detail else ""))
+        else:
+            msg = f"{model_stage}: {detail}"
+        super().__init__(msg)
