@@ -71,6 +71,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+def _up(x: torch.Tensor) -> torch.Tensor:
+    """16-bit tensors in fp32 for reductions; fp32/fp64 unchanged."""
+    return x.float() if x.element_size() < 4 else x
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """y = w · x / rms(x) in fp32 (as HF), keeping only x and 1/rms for backward (x/rms is recomputed)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        h = _up(x)
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (h * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        xhat = _up(x) * rstd
+        g = _up(grad)
+        dw = (g * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        dxhat = g * _up(weight)
+        dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+        return dx.to(x.dtype), dw, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
@@ -78,9 +104,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
 class KVCache:
@@ -131,14 +155,29 @@ class Attention(nn.Module):
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         if ctx.caches is not None:
             k, v = ctx.caches[layer].update(k, v, ctx.start)
-        group = self.heads // self.kv_heads
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        gqa = self.heads != self.kv_heads  # SDPA reads each KV head for its query group, no copies
         if ctx.mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) · up, keeping only gate and up for backward (silu is recomputed, as Megatron-LM's fused
+    SwiGLU does): three ffn-wide tensors per layer instead of four."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        return grad * up * sig * (1 + gate * (1 - sig)), grad * silu
 
 
 class MLP(nn.Module):
@@ -150,7 +189,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(a.ffn_hidden, a.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_SwiGLU.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
