@@ -53,22 +53,22 @@ def _check_member(cfg, groups: ParallelGroups, schedule: str) -> None:
     if cfg.value_head:
         got = sm.values(b["tokens"])
         if got is not None:
-            torch.testing.assert_close(got, ref["fwd"]["values"][rows], **TOL, msg=_msg(where))
+            torch.testing.assert_close(got.cpu(), ref["fwd"]["values"][rows], **TOL, msg=_msg(where))
     else:
         logits, logp = sm.logits(b["tokens"]), sm.logprobs(b["tokens"])
         assert (logits is None) == (not groups.last_stage)
         if logits is not None:
-            torch.testing.assert_close(logits, ref["fwd"]["logits"][rows], **TOL, msg=_msg(where))
-            torch.testing.assert_close(logp, ref["fwd"]["logprobs"][rows], **TOL, msg=_msg(where))
+            torch.testing.assert_close(logits.cpu(), ref["fwd"]["logits"][rows], **TOL, msg=_msg(where))
+            torch.testing.assert_close(logp.cpu(), ref["fwd"]["logprobs"][rows], **TOL, msg=_msg(where))
     sm.backward(b, policy_loss)
     for name, p in sm.model.named_parameters():
         src = "model.embed_tokens.weight" if name == "tied_head" else name
         want = _cut(ref["grad"][src], boxes[name])
-        torch.testing.assert_close(p.grad, want, **TOL, msg=_msg(f"grad {name} {where}"))
+        torch.testing.assert_close(p.grad.cpu(), want, **TOL, msg=_msg(f"grad {name} {where}"))
     sm.step(lr=LR, eps=ADAM_EPS)
     for name, p in sm.model.named_parameters():
         src = "model.embed_tokens.weight" if name == "tied_head" else name
-        torch.testing.assert_close(p.detach(), _cut(ref["stepped"][src], boxes[name]), **TOL,
+        torch.testing.assert_close(p.detach().cpu(), _cut(ref["stepped"][src], boxes[name]), **TOL,
                                    msg=_msg(f"weights {name} {where}"))
 
 
