@@ -3,12 +3,14 @@
 Pieces already on the destination device never get here (``geometry`` keeps or copies them locally).
 For the rest: a holder on the destination's node first (NVLink is ~9× an InfiniBand NIC on H100 nodes,
 shared/data/hardware.csv), else any holder; among equals the least-loaded sender's link gets the piece.
-The pieces are assigned as a whole, largest first, to the least-loaded candidate (the LPT rule for
-min-max load, Graham 1969, "Bounds on multiprocessing timing anomalies": within 4/3 of the optimal
-maximum load), so load spreads across source replicas instead of piling onto the first holder found.
+The pieces are assigned as a whole to the least-loaded candidate: pieces with the fewest holders first
+(their load is forced; the rest must steer around it), larger pieces first among equals (the LPT rule
+for min-max load, Graham 1969, "Bounds on multiprocessing timing anomalies"), so load spreads across
+source replicas instead of piling onto the first holder found.
 Holders whose old buffers were moved to host memory to make room (a memory detour) are used only when
 no holder on a GPU remains. A destination keeps drawing from a source it already uses while that source
-is within one piece of the least-loaded candidate, so pieces coalesce into few messages per peer pair.
+is within ``affinity_bytes`` (one transfer chunk) of the least-loaded candidate, so small pieces coalesce
+into few messages per peer pair while large ones still go where the load is lowest.
 """
 
 from __future__ import annotations
@@ -39,68 +41,72 @@ class Choice:
 
 
 class Assigner:
-    def __init__(self, gpus_per_node: int, candidates, offloaded: set[tuple[int, str, str]], num_gpus: int):
+    def __init__(self, gpus_per_node: int, candidates, offloaded: set[tuple[int, str, str]], num_gpus: int,
+                 affinity_bytes: int):
         """``candidates(key, model, state)`` lists the devices holding a key's cells in the old plan."""
         self.gpn = gpus_per_node
+        self.affinity = affinity_bytes
         self.candidates = candidates
         self.offloaded = offloaded
         self.nv_out = [0] * num_gpus
         self.ib_out = [0] * num_gpus
-        self._by_node: dict[tuple, dict[int, list[int]]] = {}
-        self._heaps: dict[tuple, list[list[int]]] = {}
-        self._host: dict[tuple, list[int]] = {}
-        self._members: dict[tuple, set[int]] = {}
         self.used: dict[int, set[int]] = {}  # destination → sources it draws from
 
-    def _split(self, key: SourceKey, model: str, state: str) -> tuple:
-        k = (key, model, state)
-        if k not in self._by_node:
-            on_gpu, on_host = [], []
-            for c in self.candidates(key, model, state):
-                (on_host if (c, model, state) in self.offloaded else on_gpu).append(c)
-            by_node: dict[int, list[int]] = {}
-            for c in on_gpu:
-                by_node.setdefault(c // self.gpn, []).append(c)
-            self._by_node[k] = by_node
-            self._heaps[k] = [[self.ib_out[c], c] for c in on_gpu]
-            heapq.heapify(self._heaps[k])
-            self._members[k] = set(on_gpu)
-            self._host[k] = on_host
-        return k
-
     def _pick(self, need: Need, cands: list[int], load: list[int]) -> int:
-        """Least-loaded candidate, or one the destination already draws from if within one piece of it."""
+        """Least-loaded candidate, or one the destination already draws from if nearly as lightly loaded."""
         best = min(cands, key=lambda c: (load[c], c))
         used = self.used.get(need.dst, ())
-        near = [c for c in cands if c in used and load[c] - load[best] <= need.bytes]
+        near = [c for c in cands if c in used and load[c] - load[best] <= min(need.bytes, self.affinity)]
         return min(near, key=lambda c: (load[c], c)) if near else best
 
-    def choose(self, need: Need) -> Choice:
-        k = self._split(need.key, need.model, need.state)
-        node = need.dst // self.gpn
-        near = [c for c in self._by_node[k].get(node, ()) if c != need.dst]
-        if near:
-            src = self._pick(need, near, self.nv_out)
-            self.nv_out[src] += need.bytes
-            return self._chosen(need, src, False)
-        used = [c for c in self.used.get(need.dst, ()) if c in self._members[k]]
-        heap = self._heaps[k]
-        while heap:
+    def _remote(self, need: Need, heap: list[list[int]], members: set[int]) -> int:
+        """Least NIC-loaded holder (lazy heap: loads only grow, stale entries are refreshed on top)."""
+        used = [c for c in self.used.get(need.dst, ()) if c in members]
+        while True:
             load, c = heap[0]
-            if load != self.ib_out[c]:  # stale entry: another key loaded this device since
-                heapq.heapreplace(heap, [self.ib_out[c], c])
-                continue
-            mate = min(used, key=lambda u: (self.ib_out[u], u)) if used else -1
-            if mate >= 0 and mate != c and self.ib_out[mate] - load <= need.bytes:
-                self.ib_out[mate] += need.bytes
-                heapq.heappush(heap, [self.ib_out[mate], mate])  # its older entry is now stale
-                return self._chosen(need, mate, False)
-            self.ib_out[c] += need.bytes
+            if load == self.ib_out[c]:
+                break
             heapq.heapreplace(heap, [self.ib_out[c], c])
-            return self._chosen(need, c, False)
-        hosts = [c for c in self._host[k] if c != need.dst]
+        mate = min(used, key=lambda u: (self.ib_out[u], u)) if used else -1
+        if mate >= 0 and mate != c and self.ib_out[mate] - load <= min(need.bytes, self.affinity):
+            self.ib_out[mate] += need.bytes
+            heapq.heappush(heap, [self.ib_out[mate], mate])  # its older entry is now stale
+            return mate
+        self.ib_out[c] += need.bytes
+        heapq.heapreplace(heap, [self.ib_out[c], c])
+        return c
+
+    def _assign_key(self, k: tuple, needs: list[Need], out: list[Choice]) -> None:
+        cands = self.candidates(*k)
+        model, state = k[1], k[2]
+        if self.offloaded:
+            on_gpu = [c for c in cands if (c, model, state) not in self.offloaded]
+            on_host = [c for c in cands if (c, model, state) in self.offloaded]
+        else:
+            on_gpu, on_host = cands, []
+        by_node: dict[int, list[int]] = {}
+        for c in on_gpu:
+            by_node.setdefault(c // self.gpn, []).append(c)
+        heap = [[self.ib_out[c], c] for c in on_gpu]
+        heapq.heapify(heap)
+        members = set(on_gpu)
+        for need in sorted(needs, key=lambda n: (-n.bytes, n.dst)):
+            node = need.dst // self.gpn
+            near = [c for c in by_node.get(node, ()) if c != need.dst]
+            if near:
+                src = self._pick(need, near, self.nv_out)
+                self.nv_out[src] += need.bytes
+                out.append(self._chosen(need, src, False))
+            elif heap:
+                out.append(self._chosen(need, self._remote(need, heap, members), False))
+            else:
+                out.append(self._from_host(need, on_host))
+
+    def _from_host(self, need: Need, hosts: list[int]) -> Choice:
+        hosts = [c for c in hosts if c != need.dst]
         if not hosts:
             raise ValueError(f"no holder for a piece of {need.model} {need.state} needed by GPU {need.dst}")
+        node = need.dst // self.gpn
         same = [c for c in hosts if c // self.gpn == node]
         src = min(same or hosts, key=lambda c: (self.ib_out[c], c))
         if not same:
@@ -112,4 +118,13 @@ class Assigner:
         return Choice(need, src, from_host)
 
     def assign(self, needs: list[Need]) -> list[Choice]:
-        return [self.choose(n) for n in sorted(needs, key=lambda n: (-n.bytes, n.dst))]
+        """Key by key: the least flexible first (fewest holders: their load is forced, so the others must
+        steer clear of those devices), then the largest; inside a key the largest piece first."""
+        by_key: dict[tuple, list[Need]] = {}
+        for n in needs:
+            by_key.setdefault((n.key, n.model, n.state), []).append(n)
+        order = sorted(by_key, key=lambda k: (len(self.candidates(*k)), -sum(n.bytes for n in by_key[k])))
+        out: list[Choice] = []
+        for k in order:
+            self._assign_key(k, by_key[k], out)
+        return out

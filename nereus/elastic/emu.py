@@ -7,7 +7,8 @@ contract of ``nereus.spec.sharding``, the same one the runtime builds its shards
 
 Coverage: a replica's weight shards cover each tensor once, up to identical copies on tensor-parallel
 ranks (norms, and K/V heads when TP exceeds the KV heads). With ZeRO-1 each replica owns 1/dp of the
-optimizer state; the replicas of a model-stage together cover it once.
+optimizer state (``sharding.zero_shards``); the replicas of a model-stage together cover it once. With
+FSDP (``Layout.fsdp``, ZeRO-3) weights and gradient buffers are sharded the same way.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from nereus.elastic.boxes import BoxSet, set_volume
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
-from nereus.spec.model import ModelArch
-from nereus.spec.sharding import TensorSpec, model_tensors, tensor_stage, tp_box, zero_shard
+from nereus.spec.sharding import model_tensors, tensor_stage, tp_box, zero_shards
 
 
 @dataclass(frozen=True)
@@ -45,17 +45,12 @@ def grads_kind(grad_bytes: int) -> StateKind:
 
 
 def placement_states(job: JobSpec, p: Placement) -> tuple[tuple[StateKind, bool], ...]:
-    """(state, sharded by ZeRO-1) held by a placement: weights always; training adds optimizer and grads."""
+    """(state, sharded over DP) held by a placement: weights always (sharded under FSDP); training adds
+    the optimizer state (sharded under ZeRO-1 or FSDP) and gradient buffers (sharded under FSDP)."""
+    lay = p.layout
     if p.model_stage.stage != "training":
-        return ((WEIGHTS, False),)
-    return ((WEIGHTS, False), (OPTIMIZER, p.layout.zero1), (grads_kind(job.options.grad_bytes), False))
-
-
-def state_boxes(spec: TensorSpec, arch: ModelArch, layout: Layout, zero: bool, tp_rank: int,
-                dp_rank: int) -> BoxSet:
-    """The boxes of ``spec`` a rank holds for one state: its TP shard, or that shard's ZeRO-1 part."""
-    box = tp_box(spec, arch, layout.tp, tp_rank)
-    return zero_shard(box, layout.dp, dp_rank) if zero else (box,)
+        return ((WEIGHTS, lay.fsdp),)
+    return ((WEIGHTS, lay.fsdp), (OPTIMIZER, lay.zero1 or lay.fsdp), (grads_kind(job.options.grad_bytes), lay.fsdp))
 
 
 @dataclass(frozen=True)
@@ -108,17 +103,19 @@ def replica_devices(p: Placement, replica: int) -> tuple[int, ...]:
 
 def placement_emus(job: JobSpec, p: Placement) -> list[EMU]:
     """One EMU per data-parallel replica of a placement, every tensor of every state listed."""
-    arch = job.models[p.model_stage.model]
+    model = p.model_stage.model
+    arch, value_head = job.models[model], job.has_value_head(model)
     lay = p.layout
-    specs = model_tensors(arch, job.has_value_head(p.model_stage.model))
+    specs = model_tensors(arch, value_head)
     stages = [tensor_stage(t, arch, lay.pp, lay.interleave) for t in specs]
     emus = []
     for r in range(lay.dp):
+        parts = {(s, t): zero_shards(arch, lay, s, t, r, value_head) for s in range(lay.pp) for t in range(lay.tp)}
         tensors = []
-        for kind, zero in placement_states(job, p):
+        for kind, sharded in placement_states(job, p):
             for spec, s in zip(specs, stages, strict=True):
-                shards = tuple(Shard(p.gpus[lay.rank(s, r, t)], state_boxes(spec, arch, lay, zero, t, r))
-                               for t in range(lay.tp))
+                shards = tuple(Shard(p.gpus[lay.rank(s, r, t)], parts[(s, t)].get(spec.name, ()) if sharded
+                                     else (tp_box(spec, arch, lay.tp, t),)) for t in range(lay.tp))
                 tensors.append(TensorState(spec.name, kind.name, spec.shape, kind.dtype, kind.bytes_per_element,
                                            tuple(sh for sh in shards if sh.boxes)))
         emus.append(EMU(p.model_stage, r, lay, replica_devices(p, r), tuple(tensors)))

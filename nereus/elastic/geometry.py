@@ -16,7 +16,7 @@ from nereus.elastic.boxes import BoxSet, bounding, intersect_sets, set_volume, s
 from nereus.elastic.emu import StateKind
 from nereus.elastic.groups import ModelGroups, Pipeline, TensorGroup, class_boxes, class_tp_box
 from nereus.spec.layout import Placement
-from nereus.spec.sharding import Box, intersect
+from nereus.spec.sharding import Box, box_volume, flat_range_boxes, intersect, split_range
 
 Slot = tuple[int, int, int, int | None]  # (holder index, pp stage, tp rank, dp rank or None)
 Alt = tuple[int, tuple[int, ...], int | None]  # (holder index, tp ranks holding it, dp rank or None: any)
@@ -25,7 +25,8 @@ SourceKey = tuple[tuple[int, int, tuple[int, ...], int | None], ...]  # Alts wit
 
 @dataclass(frozen=True)
 class Holder:
-    """A placement holding one state of one model (``zero``: sharded by ZeRO-1 over its DP ranks)."""
+    """A placement holding one state of one model (``zero``: sharded over its DP ranks by the flat-buffer
+    split of ``sharding.zero_shards``, as ZeRO-1 shards the optimizer and FSDP every state)."""
 
     index: int  # position in its plan's placements
     placement: Placement
@@ -49,23 +50,78 @@ def device_slots(holders: list[Holder]) -> dict[int, tuple[Slot, ...]]:
     return {g: tuple(v) for g, v in slots.items()}
 
 
-class Partition:
-    """The distinct cells one old holder splits a tensor class into, indexed for box queries: cells of
-    one tensor-parallel shard are ordered along dimension 0 (ZeRO ranges are row-major)."""
+class RankBuffers:
+    """Offsets of the tensors (singleton groups, checkpoint order) in the flat buffer of each rank of a
+    DP-sharded holder, and each DP rank's part of them (``sharding.zero_shards``, per group)."""
 
-    def __init__(self, holder_index: int, h: Holder, cls: tuple, groups: ModelGroups):
+    def __init__(self, h: Holder, groups: ModelGroups):
+        self.h, self.groups = h, groups
+        self._ranks: dict[tuple[int, int], tuple[list[TensorGroup], list[Box], list[int], list[int]]] = {}
+
+    def rank(self, s: int, t: int) -> tuple[list[TensorGroup], list[Box], list[int], list[int]]:
+        """(groups, their TP boxes, start offsets, DP range starts) of rank (stage s, TP rank t)."""
+        if (s, t) not in self._ranks:
+            lay = self.h.placement.layout
+            gs = list(self.groups.at_stage(self.h.pipeline, s))
+            boxes = [class_tp_box(g.cls, self.groups.arch, lay.tp, t) for g in gs]
+            offsets, total = [], 0
+            for b in boxes:
+                offsets.append(total)
+                total += box_volume(b)
+            starts = [split_range(total, lay.dp, r)[0] for r in range(lay.dp)] + [total]
+            self._ranks[(s, t)] = (gs, boxes, offsets, starts)
+        return self._ranks[(s, t)]
+
+    def part(self, s: int, t: int, r: int) -> list[tuple[TensorGroup, BoxSet]]:
+        """What DP rank r of rank (s, t) owns: (group, boxes) of every tensor its range touches."""
+        gs, boxes, offsets, starts = self.rank(s, t)
+        lo, hi = starts[r], starts[r + 1]
+        out = []
+        i = max(0, bisect_right(offsets, lo) - 1)
+        while i < len(gs) and offsets[i] < hi:
+            n = box_volume(boxes[i])
+            a, b = max(lo, offsets[i]), min(hi, offsets[i] + n)
+            if a < b:
+                out.append((gs[i], flat_range_boxes(boxes[i], a - offsets[i], b - offsets[i])))
+            i += 1
+        return out
+
+    def cells(self, g: TensorGroup) -> list[tuple[BoxSet, int, int]]:
+        """(boxes, tp rank, dp rank) of every DP part of tensor ``g`` over all TP ranks."""
+        s = g.stages[self.h.pipeline]
+        out = []
+        for t in range(self.h.placement.layout.tp):
+            gs, boxes, offsets, starts = self.rank(s, t)
+            i = gs.index(g)
+            o, n = offsets[i], box_volume(boxes[i])
+            r = bisect_right(starts, o) - 1
+            while r < len(starts) - 1 and starts[r] < o + n:
+                a, b = max(starts[r], o), min(starts[r + 1], o + n)
+                if a < b:
+                    out.append((flat_range_boxes(boxes[i], a - o, b - o), t, r))
+                r += 1
+        return out
+
+
+class Partition:
+    """The distinct cells one old holder splits a tensor (class) into, indexed for box queries: cells of
+    one tensor-parallel shard are ordered along dimension 0 (flat-buffer ranges are row-major)."""
+
+    def __init__(self, holder_index: int, h: Holder, g: TensorGroup, groups: ModelGroups,
+                 buffers: RankBuffers | None):
         lay = h.placement.layout
         cells: dict[BoxSet, tuple[list[int], int | None]] = {}
-        for t in range(lay.tp):
-            for r in (range(lay.dp) if h.zero else (None,)):
-                bs = class_boxes(cls, groups.arch, lay.tp, t, h.zero, lay.dp, r or 0)
-                if bs:
-                    cells.setdefault(bs, ([], r))[0].append(t)
-        self.bands: list[tuple[Box, list[int], list[int], list[tuple[BoxSet, Alt]]]] = []
+        if buffers is not None:
+            for bs, t, r in buffers.cells(g):
+                cells.setdefault(bs, ([], r))[0].append(t)
+        else:
+            for t in range(lay.tp):
+                cells.setdefault(class_boxes(g.cls, groups.arch, lay.tp, t), ([], None))[0].append(t)
         by_band: dict[Box, list[tuple[BoxSet, Alt]]] = {}
         for bs, (ts, r) in cells.items():
-            band = class_tp_box(cls, groups.arch, lay.tp, ts[0])
+            band = class_tp_box(g.cls, groups.arch, lay.tp, ts[0])
             by_band.setdefault(band, []).append((bs, (holder_index, tuple(ts), r)))
+        self.bands: list[tuple[Box, list[int], list[int], list[tuple[BoxSet, Alt]]]] = []
         for band, items in by_band.items():
             items.sort(key=lambda it: bounding(it[0])[0])
             self.bands.append((band, [bounding(b)[0][0] for b, _ in items], [bounding(b)[0][1] for b, _ in items],
@@ -126,33 +182,38 @@ class StateGeometry:
         # the holder with more devices.
         self.primary = min(range(len(old)), key=lambda i: (old[i].placement.layout.tp,
                                                            -len(old[i].placement.gpus), i)) if old else None
-        self._partitions: dict[tuple[int, tuple], Partition] = {}
+        self._partitions: dict[tuple[int, object], Partition] = {}
         self._cache: dict[tuple, tuple] = {}
         self._slots: dict[tuple, list] = {}
         self._skeys: dict[tuple, SourceKey] = {}
+        self._buffers = {(which, i): RankBuffers(h, groups) for which, hs in (("old", old), ("new", new))
+                         for i, h in enumerate(hs) if h.zero}
+        # Unsharded holders place every tensor of a box class alike; sharded ones each tensor apart.
+        self.per_tensor = any(h.zero for h in old)
 
-    def partition(self, hi: int, cls: tuple) -> Partition:
-        key = (hi, cls)
+    def partition(self, hi: int, g: TensorGroup) -> Partition:
+        key = (hi, g.id if self.old[hi].zero else g.cls)
         if key not in self._partitions:
-            self._partitions[key] = Partition(hi, self.old[hi], cls, self.groups)
+            self._partitions[key] = Partition(hi, self.old[hi], g, self.groups, self._buffers.get(("old", hi)))
         return self._partitions[key]
 
     def _slot_buffers(self, holders: list[Holder], slot: Slot) -> list[tuple[TensorGroup, BoxSet, int]]:
         """(group, boxes, bytes) a slot holds; cached, since every replica in a slot position repeats it."""
-        key = (holders is self.old, slot)
+        which = "old" if holders is self.old else "new"
+        key = (which, slot)
         if key not in self._slots:
             hi, s, t, r = slot
             h = holders[hi]
-            lay = h.placement.layout
-            per_class: dict[tuple, tuple[BoxSet, int]] = {}
-            out = []
-            for g in self.groups.at_stage(h.pipeline, s):
-                if g.cls not in per_class:
-                    bs = class_boxes(g.cls, self.groups.arch, lay.tp, t, h.zero, lay.dp, r or 0)
-                    per_class[g.cls] = (bs, set_volume(bs) * self.kind.bytes_per_element)
-                bs, size = per_class[g.cls]
-                if bs:
-                    out.append((g, bs, size * g.count))
+            bpe = self.kind.bytes_per_element
+            if h.zero:
+                parts = self._buffers[(which, hi)].part(s, t, r)
+                out = [(g, bs, set_volume(bs) * bpe * g.count) for g, bs in parts]
+            else:
+                lay = h.placement.layout
+                out = []
+                for g in self.groups.at_stage(h.pipeline, s):
+                    bs = class_boxes(g.cls, self.groups.arch, lay.tp, t)
+                    out.append((g, bs, set_volume(bs) * bpe * g.count))
             self._slots[key] = out
         return self._slots[key]
 
@@ -191,10 +252,9 @@ class StateGeometry:
         return sit
 
     def _place(self, sit: Situation, needs: dict, g: TensorGroup, dest: BoxSet, local: tuple[BoxSet, ...]) -> None:
-        cls = g.cls
-        key = (cls, dest, local)
+        key = (g.id if self.per_tensor else g.cls, dest, local)
         if key not in self._cache:
-            self._cache[key] = self._pieces(cls, dest, local)
+            self._cache[key] = self._pieces(g, dest, local)
         local_pieces, remote = self._cache[key]
         scale = g.count * self.kind.bytes_per_element
         for piece, src, vol in local_pieces:
@@ -206,13 +266,14 @@ class StateGeometry:
             sit.need_bytes[skey] = sit.need_bytes.get(skey, 0) + vol * scale
 
     def _source_key(self, alts: tuple[Alt, ...], g: TensorGroup) -> SourceKey:
-        """The alternatives with each holder's stage for this group resolved (groups differ in stage)."""
-        key = (alts, tuple(g.stages[self.old[hi].pipeline] for hi, _, _ in alts))
+        """The alternatives with each holder's stage for this group resolved (groups differ in stage).
+        Cached by identity: ``alts`` tuples live in ``self._cache`` for the builder's lifetime."""
+        key = (id(alts), g.id)
         if key not in self._skeys:
-            self._skeys[key] = tuple(sorted((hi, s, ts, r) for (hi, ts, r), s in zip(alts, key[1], strict=True)))
+            self._skeys[key] = tuple(sorted((hi, g.stages[self.old[hi].pipeline], ts, r) for hi, ts, r in alts))
         return self._skeys[key]
 
-    def _pieces(self, cls: tuple, dest: BoxSet, local: tuple[BoxSet, ...]) -> tuple[list, list]:
+    def _pieces(self, g: TensorGroup, dest: BoxSet, local: tuple[BoxSet, ...]) -> tuple[list, list]:
         """Cut ``dest`` into local pieces (each inside one buffer this device holds) and remote pieces
         (each inside a cell of the primary split), with every old cell that holds a remote piece whole."""
         region = list(dest)
@@ -227,11 +288,11 @@ class StateGeometry:
         if region:
             if self.primary is None:
                 raise ValueError("no old holder for a state that must be received")
-            for piece, alt in self.partition(self.primary, cls).query(region):
+            for piece, alt in self.partition(self.primary, g).query(region):
                 alts = [alt]
                 for hi in range(len(self.old)):
                     if hi != self.primary:
-                        other = self.partition(hi, cls).containing(piece)
+                        other = self.partition(hi, g).containing(piece)
                         if other is not None:
                             alts.append(other)
                 remote.append((piece, tuple(alts), set_volume(piece)))

@@ -147,9 +147,9 @@ class TransitionGraph:
     state_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)
     recv_bytes: list[int] = field(default_factory=list)  # per device, received over links
     recv_far_bytes: list[int] = field(default_factory=list)  # of which no holder sits on its node
-    sole_send_bytes: list[int] = field(default_factory=list)  # sent by a device that alone holds it
-    sole_send_far_bytes: list[int] = field(default_factory=list)
     local_copy_bytes: list[int] = field(default_factory=list)
+    # per set of old holders: (devices in it, bytes only it can send, of which bound for other nodes)
+    source_sets: list[tuple[int, int, int]] = field(default_factory=list)
 
     def count(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -194,19 +194,18 @@ class _Builder:
         self.geometry: dict[tuple[str, str], StateGeometry] = {}
         self._candidates: dict[tuple, list[int]] = {}
 
-    def model_groups(self) -> dict[str, ModelGroups]:
-        out = {}
-        for model, arch in self.job.models.items():
-            pipes = [(p.layout.pp, p.layout.interleave) for plan in (self.old, self.new)
-                     for p in plan.placements if p.model_stage.model == model]
-            if pipes:
-                out[model] = ModelGroups(model, arch, self.job.has_value_head(model), pipes, len(self.groups))
-                self.groups += out[model].groups
-        return out
+    def state_groups(self, model: str, old: list[Holder], new: list[Holder]) -> ModelGroups:
+        """Groups of one model state, cut only by the pipelines of the placements that hold it (the
+        optimizer follows the training layouts alone, so its groups are coarser than the weights')."""
+        pipes = [h.pipeline for h in old + new]
+        mg = ModelGroups(model, self.job.models[model], self.job.has_value_head(model), pipes, len(self.groups),
+                         singletons=any(h.zero for h in old + new))
+        self.groups += mg.groups
+        return mg
 
     def situations(self) -> None:
         kinds = _state_kinds(self.job, self.old, self.new)
-        for model, mg in self.model_groups().items():
+        for model in self.job.models:
             for name, kind in kinds.items():
                 old = self.holders_old.get((model, name), [])
                 new = self.holders_new.get((model, name), [])
@@ -216,7 +215,7 @@ class _Builder:
                     where = next(i for i, p in enumerate(self.new.placements) if p.model_stage.model == model)
                     raise SpecError(f"to.placements[{where}]", f"{model}'s {name} has no source: the old plan "
                                                                 f"holds no {name} of {model}")
-                geo = StateGeometry(mg, kind, old, new)
+                geo = StateGeometry(self.state_groups(model, old, new), kind, old, new)
                 self.geometry[(model, name)] = geo
                 old_slots, new_slots = device_slots(old), device_slots(new)
                 solved: dict[tuple, Situation] = {}
@@ -290,11 +289,15 @@ class _Builder:
         return offload
 
     def transfer_devices(self) -> set[int]:
-        busy = set()
+        """Devices that may send or receive: they need room for a chunk of staging."""
+        busy: set[int] = set()
+        keys = set()
         for (g, model, name), b in self.bundles.items():
-            for key in b.situation.needs:
+            if b.situation.needs:
                 busy.add(g)
-                busy.update(self.candidates(key, model, name))
+                keys.update((key, model, name) for key in b.situation.needs)
+        for k in keys:
+            busy.update(self.candidates(*k))
         return busy
 
     def needs(self) -> list[Need]:
@@ -324,7 +327,7 @@ def build_graph(job: JobSpec, old: Plan, new: Plan, hw: Hardware | None = None,
     b = _Builder(job, old, new, hw, options)
     b.situations()
     offloaded = b.plan_memory()
-    assigner = Assigner(b.gpn, b.candidates, offloaded, b.n)
+    assigner = Assigner(b.gpn, b.candidates, offloaded, b.n, options.chunk_bytes)
     needs = b.needs()
     choices = assigner.assign(needs)
     graph = emit_ops(b, choices)
@@ -333,28 +336,55 @@ def build_graph(job: JobSpec, old: Plan, new: Plan, hw: Hardware | None = None,
 
 
 def _bandwidth_inputs(b: _Builder, graph: TransitionGraph, needs: list[Need]) -> None:
-    """Per device, what any schedule must carry: bytes to receive (and the part no holder on its node
-    has), bytes only one device holds and must send, bytes to copy locally."""
-    recv, far, sole, sole_far, local = ([0] * b.n for _ in range(5))
-    nodes_of: dict[tuple, tuple[set[int], int]] = {}
+    """What any schedule must carry: per device, bytes to receive (and the part no holder on its node
+    has) and bytes to copy locally; per set of holders, bytes only they hold (and the part bound for
+    nodes where none of them sits)."""
+    recv, far, local = ([0] * b.n for _ in range(3))
+    sources: dict[tuple, list[int]] = {}
+    nodes_of: dict[tuple, set[int]] = {}
     for need in needs:
         k = (need.key, need.model, need.state)
         if k not in nodes_of:
-            cands = b.candidates(*k)
-            nodes_of[k] = ({c // b.gpn for c in cands}, cands[0] if len(cands) == 1 else -1)
-        nodes, only = nodes_of[k]
-        node = need.dst // b.gpn
+            nodes_of[k] = {c // b.gpn for c in b.candidates(*k)}
+            sources[k] = [0, 0]
         recv[need.dst] += need.bytes
-        if node not in nodes:
+        sources[k][0] += need.bytes
+        if need.dst // b.gpn not in nodes_of[k]:
             far[need.dst] += need.bytes
-        if only >= 0:
-            sole[only] += need.bytes
-            if only // b.gpn != node:
-                sole_far[only] += need.bytes
+            sources[k][1] += need.bytes
+    merged: dict[tuple[int, ...], list[int]] = {}  # keys with the same holder set add up
+    for k, (total, far_bytes) in sources.items():
+        entry = merged.setdefault(tuple(b.candidates(*k)), [0, 0])
+        entry[0] += total
+        entry[1] += far_bytes
     for (g, _, _), bundle in b.bundles.items():
         local[g] += bundle.situation.local_bytes
-    graph.recv_bytes, graph.recv_far_bytes = recv, far
-    graph.sole_send_bytes, graph.sole_send_far_bytes, graph.local_copy_bytes = sole, sole_far, local
+    graph.recv_bytes, graph.recv_far_bytes, graph.local_copy_bytes = recv, far, local
+    graph.source_sets = _nested_source_sets(merged)
+
+
+# Holder sets up to this size are checked against each other; larger ones (replicated state, held by
+# many devices) never bound the time, and comparing them would cost O(sets² · size).
+SMALL_SOURCE_SET = 64
+
+
+def _nested_source_sets(merged: dict[tuple[int, ...], list[int]]) -> list[tuple[int, int, int]]:
+    """For each small holder set S, the bytes of every key whose holders all lie in S: S's links must
+    carry them all, whichever of its devices sends each piece."""
+    small = [(frozenset(devs), tot) for devs, tot in merged.items() if len(devs) <= SMALL_SOURCE_SET]
+    by_first: dict[int, list[tuple[frozenset, list[int]]]] = {}
+    for s, tot in small:
+        by_first.setdefault(min(s), []).append((s, tot))
+    out = []
+    for s, _ in small:
+        total = far_bytes = 0
+        for d in s:  # a subset of S has its smallest device in S
+            for other, (t, f) in by_first.get(d, ()):
+                if other <= s:
+                    total += t
+                    far_bytes += f
+        out.append((len(s), total, far_bytes))
+    return out
 
 
 def chunk_count(nbytes: int, chunk: int) -> int:

@@ -1,7 +1,8 @@
 """Groups of identically sharded tensors: the unit the transition graph works on.
 
-Two tensors of a model belong to one group when every layout of both plans gives them the same boxes
-(same shape, split dimension, head rule) on the same pipeline stage. An 8B Llama's 291 weights fall into
+Two tensors of a model belong to one group (per model state) when every layout holding that state in
+either plan gives them the same boxes (same shape, split dimension, head rule) on the same pipeline
+stage. An 8B Llama's 291 weights fall into
 a few dozen groups (q/k·v/o/gate·up/down/norms per run of layers that share stages), so the graph is
 built per group and per device situation instead of per tensor and device, and stays exact: a piece of
 a group applies the same box to every member tensor.
@@ -14,7 +15,7 @@ from functools import lru_cache
 
 from nereus.elastic.boxes import BoxSet
 from nereus.spec.model import ModelArch
-from nereus.spec.sharding import Box, TensorSpec, model_tensors, tensor_stage, tp_box, zero_shard
+from nereus.spec.sharding import Box, TensorSpec, model_tensors, tensor_stage, tp_box
 
 Pipeline = tuple[int, int]  # (pp, interleave): all a tensor's stage depends on
 
@@ -33,10 +34,7 @@ class TensorGroup:
     spec: TensorSpec  # the first member; every member has the same boxes under every layout
     stages: dict[Pipeline, int]
     cls: tuple = ()  # box_class(spec), kept to avoid recomputing it
-
-    @property
-    def count(self) -> int:
-        return len(self.names)
+    count: int = 0  # len(names)
 
     @property
     def elements(self) -> int:
@@ -52,17 +50,21 @@ class TensorGroup:
 class ModelGroups:
     """The groups of one model for a set of pipelines (every (pp, interleave) either plan uses)."""
 
-    def __init__(self, model: str, arch: ModelArch, value_head: bool, pipelines: list[Pipeline], first_id: int):
+    def __init__(self, model: str, arch: ModelArch, value_head: bool, pipelines: list[Pipeline], first_id: int,
+                 singletons: bool = False):
+        """``singletons``: one group per tensor, for states sharded over DP by a flat buffer (ZeRO, FSDP),
+        where each tensor's part depends on its offset in the buffer. Groups are in checkpoint order."""
         self.model, self.arch = model, arch
         self.pipelines = sorted(set(pipelines))
         keyed: dict[tuple, list[TensorSpec]] = {}
         for spec in model_tensors(arch, value_head):
             stages = tuple(tensor_stage(spec, arch, pp, v) for pp, v in self.pipelines)
-            keyed.setdefault((box_class(spec), stages), []).append(spec)
+            keyed.setdefault((box_class(spec), stages, spec.name if singletons else ""), []).append(spec)
         self.groups: list[TensorGroup] = []
-        for i, ((_, stages), specs) in enumerate(keyed.items()):
+        for i, ((_, stages, _), specs) in enumerate(keyed.items()):
             self.groups.append(TensorGroup(first_id + i, model, tuple(s.name for s in specs), specs[0],
-                                           dict(zip(self.pipelines, stages, strict=True)), box_class(specs[0])))
+                                           dict(zip(self.pipelines, stages, strict=True)), box_class(specs[0]),
+                                           len(specs)))
         self._at: dict[tuple[Pipeline, int], tuple[TensorGroup, ...]] = {}
         for g in self.groups:
             for pipe, s in g.stages.items():
@@ -71,11 +73,6 @@ class ModelGroups:
 
     def at_stage(self, pipeline: Pipeline, stage: int) -> tuple[TensorGroup, ...]:
         return self._at.get((pipeline, stage), ())
-
-    def boxes(self, g: TensorGroup, tp: int, tp_rank: int, zero: bool = False, dp: int = 1,
-              dp_rank: int = 0) -> BoxSet:
-        return class_boxes(g.cls, self.arch, tp, tp_rank, zero, dp, dp_rank)
-
 
 def _canonical(cls: tuple) -> TensorSpec:
     """A tensor of class ``cls``: ``tp_box`` reads only the shape, split dimension, KV flag and the
@@ -90,7 +87,6 @@ def class_tp_box(cls: tuple, arch: ModelArch, tp: int, tp_rank: int) -> Box:
 
 
 @lru_cache(maxsize=1 << 18)
-def class_boxes(cls: tuple, arch: ModelArch, tp: int, tp_rank: int, zero: bool, dp: int, dp_rank: int) -> BoxSet:
-    """The boxes a rank holds of any tensor of class ``cls`` (shared by every group of the class)."""
-    box = class_tp_box(cls, arch, tp, tp_rank)
-    return zero_shard(box, dp, dp_rank) if zero else (box,)
+def class_boxes(cls: tuple, arch: ModelArch, tp: int, tp_rank: int) -> BoxSet:
+    """The boxes a rank holds of any tensor of class ``cls`` unsharded over DP (shared by the class)."""
+    return (class_tp_box(cls, arch, tp, tp_rank),)

@@ -3,7 +3,9 @@ and what the controller and simulator call for the cost of moving from one plan 
 
 from __future__ import annotations
 
+import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from nereus.cost.hardware import Hardware
@@ -16,16 +18,19 @@ from nereus.spec.layout import Placement, Plan
 
 
 def bandwidth_bound(graph: TransitionGraph, links: Links) -> float:
-    """Seconds no schedule of these bytes can beat: per device, what it must receive (over its NIC when
-    no node-mate holds it, else over NVLink and NIC together), what it alone holds and must send
-    (without store-and-forward relays), and its local re-slicing at HBM speed."""
+    """Seconds no schedule of direct transfers (no store-and-forward relays) can beat.
+
+    Per device: what it must receive, over its NIC when no node-mate holds it, else over NVLink and NIC
+    together; and its local re-slicing at HBM speed. Per set of old holders: the bytes only they hold
+    must leave through their own links, over the NICs for receivers on nodes where none of them sits.
+    """
     both = links.ib + links.nvlink
     best = 0.0
     for d in range(graph.num_gpus):
-        t = max(graph.recv_far_bytes[d] / links.ib, graph.recv_bytes[d] / both,
-                graph.sole_send_far_bytes[d] / links.ib, graph.sole_send_bytes[d] / both,
-                2 * graph.local_copy_bytes[d] / links.hbm)
-        best = max(best, t)
+        best = max(best, graph.recv_far_bytes[d] / links.ib, graph.recv_bytes[d] / both,
+                   2 * graph.local_copy_bytes[d] / links.hbm)
+    for count, total, far in graph.source_sets:
+        best = max(best, far / (count * links.ib), total / (count * both))
     return best
 
 
@@ -73,8 +78,9 @@ class TransitionReport:
         lines = [
             f"predicted {_secs(self.predicted_s)}  (bandwidth bound {_secs(self.bandwidth_bound_s)}, "
             f"{ratio:.2f}x; commit at {_secs(self.commit_s)})",
-            f"bytes sent {self.bytes_sent / gb:.2f} GB = owner-change lower bound {self.lower_bound_bytes / gb:.2f} GB; "
-            f"kept in place {self.bytes_kept / gb:.2f} GB, re-sliced locally {self.bytes_copied / gb:.2f} GB",
+            f"bytes sent {self.bytes_sent / gb:.2f} GB {'=' if self.bytes_sent == self.lower_bound_bytes else '>'} "
+            f"owner-change lower bound {self.lower_bound_bytes / gb:.2f} GB; kept in place "
+            f"{self.bytes_kept / gb:.2f} GB, re-sliced locally {self.bytes_copied / gb:.2f} GB",
             f"peak memory {peak / gb:.2f} GB on GPU {dev} (usable {self.capacity_bytes / gb:.2f} GB)",
             "operations: " + ", ".join(f"{k} {v}" for k, v in sorted(self.ops.items())),
         ]
@@ -94,6 +100,20 @@ def _secs(t: float) -> str:
     return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.3f} s"
 
 
+@contextmanager
+def no_cyclic_gc():
+    """Pause Python's cyclic garbage collector: building a graph allocates ~10⁵ small acyclic tuples,
+    and the collector's passes over them cost ~30% of the build (measured on the 1,024-GPU benchmark).
+    Reference counting still frees everything; the collector resumes afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 @dataclass
 class Transition:
     graph: TransitionGraph
@@ -106,11 +126,12 @@ def plan_transition(job: JobSpec, old: Plan, new: Plan, hw: Hardware | None = No
                     storage_bytes_per_s: float = DEFAULT_STORAGE_BYTES_PER_S) -> Transition:
     """Build and schedule the transition from ``old`` to ``new``; report its cost and the baselines'."""
     hw = hw or Hardware(job.cluster)
-    t0 = time.perf_counter()
-    graph = build_graph(job, old, new, hw, options)
-    t1 = time.perf_counter()
-    sched = schedule_graph(graph, hw)
-    t2 = time.perf_counter()
+    with no_cyclic_gc():
+        t0 = time.perf_counter()
+        graph = build_graph(job, old, new, hw, options)
+        t1 = time.perf_counter()
+        sched = schedule_graph(graph, hw)
+        t2 = time.perf_counter()
     links = Links.of(hw)
     kept = sum(op.bytes for op in graph.ops if op.kind == "keep")
     copied = sum(op.bytes for op in graph.ops if op.kind == "copy")

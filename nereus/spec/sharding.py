@@ -10,11 +10,14 @@ sits on the first stage, the final norm and the head on the last. With ``interle
 form pp·v chunks and chunk c sits on stage c mod pp (Megatron-LM's interleaved 1F1B, Narayanan et al.
 2021, Sec. 2.2.2; torch.distributed.pipelining's ScheduleInterleaved1F1B places stages the same way).
 
-ZeRO-1 optimizer state (fp32 master weights, Adam m and v) is sharded over data parallelism per tensor:
-each tensor-parallel shard is flattened row-major and split into dp near-equal contiguous ranges, as the
-distributed optimizers of DeepSpeed and Megatron-LM partition a flat buffer (Rajbhandari et al. 2020,
-Sec. 5.1). A range of a 2-D shard is a partial row, whole rows and a partial row, so a ZeRO shard is a
-set of up to three boxes: ``zero_shard`` gives them in global coordinates.
+ZeRO-1 optimizer state (fp32 master weights, Adam m and v) is sharded over data parallelism as the
+distributed optimizers of Megatron-LM and DeepSpeed do (Rajbhandari et al. 2020, Sec. 5.1): the tensors
+a rank holds, in checkpoint order, are flattened row-major and concatenated, and the flat buffer is split
+into dp near-equal contiguous ranges (``split_range``). A range cuts a 2-D tensor into a partial row,
+whole rows and a partial row, so a rank's part of a tensor is a set of up to three boxes
+(``zero_shards``). With ``Layout.fsdp`` (ZeRO-3) the weights and gradient buffers are sharded the same
+way. The runtime's ``ShardedAdam`` concatenates its parameters the same way (module order, which is
+checkpoint order for Llama-style models without QKV biases or a tied-embedding copy on the last stage).
 """
 
 from __future__ import annotations
@@ -174,9 +177,25 @@ def flat_range_boxes(box: Box, lo: int, hi: int) -> tuple[Box, ...]:
                  for local in _flat_local(shape, lo, hi))
 
 
-def zero_shard(box: Box, dp: int, dp_rank: int) -> tuple[Box, ...]:
-    """The part of a tensor-parallel shard ``box`` that ZeRO-1 rank ``dp_rank`` of ``dp`` owns (its
-    optimizer state): range ``dp_rank`` of the row-major flattened box split into dp near-equal ranges
-    (earlier ranks get the remainder). Empty when the box has fewer elements than dp."""
-    lo, hi = split_range(box_volume(box), dp, dp_rank)
-    return flat_range_boxes(box, lo, hi)
+def rank_order(arch: ModelArch, layout: Layout, stage: int, tp_rank: int,
+               value_head: bool = False) -> list[tuple[str, Box]]:
+    """The tensors pipeline stage ``stage``, TP rank ``tp_rank`` holds, in checkpoint order, with boxes."""
+    return [(t.name, tp_box(t, arch, layout.tp, tp_rank)) for t in model_tensors(arch, value_head)
+            if tensor_stage(t, arch, layout.pp, layout.interleave) == stage]
+
+
+def zero_shards(arch: ModelArch, layout: Layout, stage: int, tp_rank: int, dp_rank: int,
+                value_head: bool = False) -> dict[str, tuple[Box, ...]]:
+    """ZeRO part of DP rank ``dp_rank``: its range of the flat buffer of the rank's tensors (checkpoint
+    order, each flattened row-major), as boxes per tensor it touches (tensors outside left out)."""
+    order = rank_order(arch, layout, stage, tp_rank, value_head)
+    total = sum(box_volume(b) for _, b in order)
+    lo, hi = split_range(total, layout.dp, dp_rank)
+    out, offset = {}, 0
+    for name, box in order:
+        n = box_volume(box)
+        a, b = max(lo, offset), min(hi, offset + n)
+        if a < b:
+            out[name] = flat_range_boxes(box, a - offset, b - offset)
+        offset += n
+    return out
