@@ -39,8 +39,8 @@ class ControllerConfig:
     margin: float = 0.5  # admit when gain > cost · (1 + margin)
     min_gain: float = 0.03  # hysteresis: the candidate must be ≥ 3% faster per step
     cooldown: int = 5  # steps after a transition before the next optional one
-    replan_every: int = 25  # re-plan at least this often even if nothing seems to change
-    drift: float = 0.10  # re-plan when the forecast mean moved this much since the plan was chosen
+    replan_every: int = 50  # re-plan at least this often even if nothing seems to change
+    drift: float = 0.15  # re-plan when the forecast mean moved this much since the plan was chosen
     calibrate: bool = True
     fit_every: int = 5
 

@@ -205,7 +205,7 @@ class _Combiner:
         return step + self._sync[key], self._sync[key]
 
 
-REFINED_STRATEGIES = 3  # coarse winners refined at full GPU-share resolution
+REFINED_STRATEGIES = 2  # coarse winners refined at full GPU-share resolution
 
 
 class _SplitSearch:
@@ -242,7 +242,7 @@ class _SplitSearch:
     def refine(self, partition: list[tuple[str, ...]], start: Candidate) -> Candidate:
         """Move one or two shares between two groups while the step gets faster."""
         best = start
-        for _ in range(64):
+        for _ in range(16):
             improved = None
             split = best.split
             for i, j in itertools.permutations(range(len(split)), 2):
