@@ -3,6 +3,9 @@
 Pieces already on the destination device never get here (``geometry`` keeps or copies them locally).
 For the rest: a holder on the destination's node first (NVLink is ~9× an InfiniBand NIC on H100 nodes,
 shared/data/hardware.csv), else any holder; among equals the least-loaded sender's link gets the piece.
+Once the NVLink ports of a node-local transfer are so loaded that an off-node holder over InfiniBand
+would finish the piece sooner (counting both ends' queued bytes), the piece spills to InfiniBand: the
+two links of a device then work in parallel, as the bandwidth bound assumes.
 The pieces are assigned as a whole to the least-loaded candidate: pieces with the fewest holders first
 (their load is forced; the rest must steer around it), larger pieces first among equals (the LPT rule
 for min-max load, Graham 1969, "Bounds on multiprocessing timing anomalies"), so load spreads across
@@ -42,38 +45,46 @@ class Choice:
 
 class Assigner:
     def __init__(self, gpus_per_node: int, candidates, offloaded: set[tuple[int, str, str]], num_gpus: int,
-                 affinity_bytes: int):
+                 affinity_bytes: int, nvlink_bytes_per_s: float, ib_bytes_per_s: float):
         """``candidates(key, model, state)`` lists the devices holding a key's cells in the old plan."""
         self.gpn = gpus_per_node
         self.affinity = affinity_bytes
         self.candidates = candidates
         self.offloaded = offloaded
+        self.nv, self.ib = nvlink_bytes_per_s, ib_bytes_per_s
         self.nv_out = [0] * num_gpus
         self.ib_out = [0] * num_gpus
+        self.nv_in = [0] * num_gpus
+        self.ib_in = [0] * num_gpus
         self.used: dict[int, set[int]] = {}  # destination → sources it draws from
 
     def _pick(self, need: Need, cands: list[int], load: list[int]) -> int:
         """Least-loaded candidate, or one the destination already draws from if nearly as lightly loaded."""
         best = min(cands, key=lambda c: (load[c], c))
         used = self.used.get(need.dst, ())
-        near = [c for c in cands if c in used and load[c] - load[best] <= min(need.bytes, self.affinity)]
+        near = [c for c in cands if c in used and load[c] - load[best] <= self.affinity]
         return min(near, key=lambda c: (load[c], c)) if near else best
 
-    def _remote(self, need: Need, heap: list[list[int]], members: set[int]) -> int:
-        """Least NIC-loaded holder (lazy heap: loads only grow, stale entries are refreshed on top)."""
-        used = [c for c in self.used.get(need.dst, ()) if c in members]
-        while True:
-            load, c = heap[0]
-            if load == self.ib_out[c]:
+    def _far(self, need: Need, heap: list[list[int]], members: set[int]) -> int:
+        """The least NIC-loaded holder off the destination's node, or -1 (lazy heap: loads only grow, a
+        stale entry is refreshed when it reaches the top; node-mates are set aside and put back)."""
+        node = need.dst // self.gpn
+        aside, c = [], -1
+        while heap:
+            load, d = heap[0]
+            if load != self.ib_out[d]:
+                heapq.heapreplace(heap, [self.ib_out[d], d])
+            elif d // self.gpn == node:
+                aside.append(heapq.heappop(heap))
+            else:
+                c = d
                 break
-            heapq.heapreplace(heap, [self.ib_out[c], c])
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        used = [u for u in self.used.get(need.dst, ()) if u in members and u // self.gpn != node]
         mate = min(used, key=lambda u: (self.ib_out[u], u)) if used else -1
-        if mate >= 0 and mate != c and self.ib_out[mate] - load <= min(need.bytes, self.affinity):
-            self.ib_out[mate] += need.bytes
-            heapq.heappush(heap, [self.ib_out[mate], mate])  # its older entry is now stale
+        if mate >= 0 and (c < 0 or self.ib_out[mate] - self.ib_out[c] <= self.affinity):
             return mate
-        self.ib_out[c] += need.bytes
-        heapq.heapreplace(heap, [self.ib_out[c], c])
         return c
 
     def _assign_key(self, k: tuple, needs: list[Need], out: list[Choice]) -> None:
@@ -91,14 +102,24 @@ class Assigner:
         heapq.heapify(heap)
         members = set(on_gpu)
         for need in sorted(needs, key=lambda n: (-n.bytes, n.dst)):
-            node = need.dst // self.gpn
-            near = [c for c in by_node.get(node, ()) if c != need.dst]
-            if near:
-                src = self._pick(need, near, self.nv_out)
-                self.nv_out[src] += need.bytes
+            near = [c for c in by_node.get(need.dst // self.gpn, ()) if c != need.dst]
+            src = self._pick(need, near, self.nv_out) if near else -1
+            far = self._far(need, heap, members) if heap and len(near) < len(members) else -1
+            b = need.bytes
+            if src >= 0 and far >= 0:
+                t_near = max(self.nv_out[src] + b, self.nv_in[need.dst] + b) / self.nv
+                t_far = max(self.ib_out[far] + b, self.ib_in[need.dst] + b) / self.ib
+                if t_far < t_near:
+                    src = -1
+            if src >= 0:
+                self.nv_out[src] += b
+                self.nv_in[need.dst] += b
                 out.append(self._chosen(need, src, False))
-            elif heap:
-                out.append(self._chosen(need, self._remote(need, heap, members), False))
+            elif far >= 0:
+                self.ib_out[far] += b
+                self.ib_in[need.dst] += b
+                heapq.heappush(heap, [self.ib_out[far], far])  # its older entry is now stale
+                out.append(self._chosen(need, far, False))
             else:
                 out.append(self._from_host(need, on_host))
 

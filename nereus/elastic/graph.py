@@ -313,6 +313,7 @@ def build_graph(job: JobSpec, old: Plan, new: Plan, hw: Hardware | None = None,
     the bytes needed and the capacity when the new state cannot fit even with chunking and detours.
     """
     from nereus.elastic.ops import emit_ops  # the op emission lives beside the builder
+    from nereus.elastic.schedule import Links  # the scheduler's link model, for the assigner's costs
 
     hw = hw or Hardware(job.cluster)
     options = options or TransitionOptions()
@@ -327,7 +328,8 @@ def build_graph(job: JobSpec, old: Plan, new: Plan, hw: Hardware | None = None,
     b = _Builder(job, old, new, hw, options)
     b.situations()
     offloaded = b.plan_memory()
-    assigner = Assigner(b.gpn, b.candidates, offloaded, b.n, options.chunk_bytes)
+    links = Links.of(hw)
+    assigner = Assigner(b.gpn, b.candidates, offloaded, b.n, options.chunk_bytes, links.nvlink, links.ib)
     needs = b.needs()
     choices = assigner.assign(needs)
     graph = emit_ops(b, choices)
