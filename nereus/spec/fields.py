@@ -71,6 +71,14 @@ class Fields:
             raise SpecError(where, f"{value!r} is out of range; must be <= {maximum}")
         return value
 
+    def get_list(self, key: str, item_kind: type, default: Any = _MISSING) -> list:
+        """A list whose every item has ``item_kind``; errors name the offending index."""
+        items = self.get(key, list, default)
+        for i, item in enumerate(items):
+            if not isinstance(item, item_kind) or isinstance(item, bool) and item_kind is not bool:
+                raise SpecError(f"{self.key_path(key)}[{i}]", f"expected {_kind_name(item_kind)}, got {item!r}")
+        return items
+
     def sub(self, key: str, required: bool = False) -> Fields:
         self._read.add(key)
         if required and key not in self.data:
