@@ -67,19 +67,28 @@ def stage_layers(arch: ModelArch, pp: int) -> int:
     return math.ceil(arch.layers / pp)
 
 
+def layer_params_per_rank(arch: ModelArch, tp: int) -> float:
+    """One layer's parameters on one tensor-parallel rank: the split matrices (and biases) over TP, the
+    two norm weights replicated, and K/V replicated beyond the KV-head count (nereus.spec.sharding)."""
+    norms = 2 * arch.hidden
+    kv = 2 * arch.kv_heads * arch.head_dim * (arch.hidden + (1 if arch.qkv_bias else 0))
+    rest = arch.layer_params() - norms - kv
+    return rest / tp + kv / min(tp, arch.kv_heads) + norms
+
+
 def stage_params(arch: ModelArch, layout: Layout, value_head: bool) -> float:
     """Parameters on the fullest device: its layers' share plus embedding/head on the end stages.
 
     With PP > 1 the embedding sits on the first stage and the head on the last; with tied embeddings the
-    last stage keeps its own copy (Megatron-LM). Norm weights are replicated over TP; we count them split.
+    last stage keeps its own copy (Megatron-LM). The final norm and a value head are replicated over TP.
     """
-    layers = stage_layers(arch, layout.pp) * arch.layer_params()
-    emb = arch.embedding_params()
-    head = arch.hidden if value_head else arch.vocab * arch.hidden
+    layers = stage_layers(arch, layout.pp) * layer_params_per_rank(arch, layout.tp)
+    emb = arch.embedding_params() / layout.tp
+    head = arch.hidden if value_head else arch.vocab * arch.hidden / layout.tp
     ends = emb + head if layout.pp == 1 else max(emb, head)
     if layout.pp == 1 and arch.tied_embeddings and not value_head:
         ends = emb
-    return (layers + ends) / layout.tp
+    return layers + ends + arch.hidden
 
 
 def training_state_bytes(params: float, layout: Layout, grad_bytes: int) -> dict[str, float]:
