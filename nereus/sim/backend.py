@@ -45,7 +45,8 @@ class SimBackend:
 
     def __init__(self, job: JobSpec, trace: Trace, seed: int = 0, truth: TruthConfig | None = None,
                  initial_gpus: int | None = None) -> None:
-        self.job, self.trace, self.truth = job, trace, truth or TruthConfig()
+        self.job, self.truth = job, truth or TruthConfig()
+        self.trace = trace.with_sampled_failures(seed)
         self.seed = seed
         self.factors = hidden_factors(seed, self.truth)
         self.initial_gpus = initial_gpus or job.cluster.num_gpus

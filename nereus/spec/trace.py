@@ -15,13 +15,17 @@ Schema (every key validated; errors name the key path)::
       - {step: 500, gpus: 1024}
     failures:                     # optional: GPUs lost at a step (they stay lost)
       - {step: 450, gpus: 8}
+    failure_rate:                 # optional: random losses, drawn per step from the simulation's seed
+      per_1000_steps: 4           #   expected failures per 1,000 steps
+      gpus: 8                     #   GPUs lost per failure (a node)
 """
 
 from __future__ import annotations
 
 import json
+import random
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -47,6 +51,17 @@ class Trace:
     points: tuple[LengthPoint, ...]
     gpus: tuple[tuple[int, int], ...] = ()  # (step, available GPUs)
     failures: tuple[tuple[int, int], ...] = ()  # (step, GPUs lost)
+    failure_rate: tuple[float, int] = (0.0, 0)  # (expected failures per 1,000 steps, GPUs each)
+
+    def with_sampled_failures(self, seed: int) -> Trace:
+        """The trace with its random failures drawn (seeded), added to the explicit ones."""
+        rate, gpus = self.failure_rate
+        if rate <= 0:
+            return self
+        rng = random.Random(f"{seed}:failures:{self.name}")
+        drawn = tuple((s, gpus) for s in range(1, self.steps) if rng.random() < rate / 1000)
+        merged = tuple(sorted(self.failures + drawn))
+        return replace(self, failures=merged, failure_rate=(0.0, 0))
 
     def response_at(self, step: int) -> ResponseLength:
         pts = self.points
@@ -97,9 +112,20 @@ def trace_from_dict(data: object, where: str = "trace") -> Trace:
         points=tuple(points),
         gpus=_step_list(root, "gpus"),
         failures=_step_list(root, "failures"),
+        failure_rate=_failure_rate(root),
     )
     root.finish()
     return trace
+
+
+def _failure_rate(root: Fields) -> tuple[float, int]:
+    if not root.has("failure_rate"):
+        root.get("failure_rate", dict, None)
+        return (0.0, 0)
+    f = root.sub("failure_rate")
+    rate = (f.get("per_1000_steps", float, minimum=0, maximum=1000), f.get("gpus", int, minimum=1))
+    f.finish()
+    return rate
 
 
 def _step_list(root: Fields, key: str) -> tuple[tuple[int, int], ...]:

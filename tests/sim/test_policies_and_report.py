@@ -59,3 +59,24 @@ def test_simulate_and_report_cli(tmp_path, capsys):
     assert "| nereus |" in outputs["markdown"].read_text()
     assert main(["simulate", str(t), "--job", str(EXAMPLES / "ppo_tiny_cpu.yaml"), "--policy", "magic"]) == 2
     assert "--policy: 'magic' is not a policy" in capsys.readouterr().err
+
+
+def test_failure_rates_are_drawn_per_seed_and_merged_with_explicit_failures():
+    base = trace(200, failures=[{"step": 7, "gpus": 8}])
+    t = base.__class__(**{**base.__dict__, "failure_rate": (50.0, 8)})
+    a, b, c = t.with_sampled_failures(1), t.with_sampled_failures(1), t.with_sampled_failures(2)
+    assert a.failures == b.failures != c.failures
+    assert (7, 8) in a.failures and len(a.failures) > 2
+    assert a.with_sampled_failures(5) is a  # drawn once
+
+
+def test_checkpoint_restart_loses_more_than_live_recovery():
+    from nereus.sim.run import Recovery
+
+    job = small_job(32)
+    tr = trace(40, gpus=[{"step": 0, "gpus": 32}], failures=[{"step": 25, "gpus": 8}])
+    live = simulate(job, tr, "nereus", seed=2, steps=40, recovery=Recovery("live")).summary()
+    restart = simulate(job, tr, "nereus", seed=2, steps=40,
+                       recovery=Recovery("restart", checkpoint_every=10, restart_s=120)).summary()
+    assert live["failures"] == restart["failures"] == 1
+    assert restart["lost_s"] > 120 + live["lost_s"]
