@@ -48,4 +48,6 @@ def set_contains(outer: BoxSet, inner: BoxSet) -> bool:
 
 
 def bounding(boxes: BoxSet) -> Box:
+    if len(boxes) == 1:
+        return boxes[0]
     return tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))

@@ -20,7 +20,7 @@ from nereus.elastic.boxes import BoxSet, set_volume
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
-from nereus.spec.sharding import model_tensors, tensor_stage, tp_box, zero_shards
+from nereus.spec.sharding import box_volume, model_tensors, tensor_stage, tp_box, zero_shards
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,11 @@ class EMU:
                 "devices": list(self.devices), "tensors": [t.to_dict() for t in self.tensors]}
 
 
+def _nonempty(box: tuple) -> tuple:
+    """A TP shard as a box set; empty when a dimension has fewer elements than TP ranks."""
+    return (box,) if box_volume(box) else ()
+
+
 def replica_devices(p: Placement, replica: int) -> tuple[int, ...]:
     lay = p.layout
     return tuple(p.gpus[lay.rank(s, replica, t)] for s in range(lay.pp) for t in range(lay.tp))
@@ -115,7 +120,7 @@ def placement_emus(job: JobSpec, p: Placement) -> list[EMU]:
         for kind, sharded in placement_states(job, p):
             for spec, s in zip(specs, stages, strict=True):
                 shards = tuple(Shard(p.gpus[lay.rank(s, r, t)], parts[(s, t)].get(spec.name, ()) if sharded
-                                     else (tp_box(spec, arch, lay.tp, t),)) for t in range(lay.tp))
+                                     else _nonempty(tp_box(spec, arch, lay.tp, t))) for t in range(lay.tp))
                 tensors.append(TensorState(spec.name, kind.name, spec.shape, kind.dtype, kind.bytes_per_element,
                                            tuple(sh for sh in shards if sh.boxes)))
         emus.append(EMU(p.model_stage, r, lay, replica_devices(p, r), tuple(tensors)))

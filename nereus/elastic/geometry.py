@@ -12,7 +12,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
-from nereus.elastic.boxes import BoxSet, bounding, intersect_sets, set_volume, subtract
+from nereus.elastic.boxes import BoxSet, bounding, intersect_sets, set_contains, set_volume, subtract
 from nereus.elastic.emu import StateKind
 from nereus.elastic.groups import ModelGroups, Pipeline, TensorGroup, class_boxes, class_tp_box
 from nereus.spec.layout import Placement
@@ -104,23 +104,39 @@ class RankBuffers:
 
 
 class Partition:
-    """The distinct cells one old holder splits a tensor (class) into, indexed for box queries: cells of
-    one tensor-parallel shard are ordered along dimension 0 (flat-buffer ranges are row-major)."""
+    """The cells one old holder splits a tensor (class) into, indexed for box queries.
+
+    A TP-replicated tensor (norms, shared K/V heads) is held by several TP ranks; unsharded they hold the
+    same box (one cell, several ranks), but a flat-buffer DP split cuts each rank's copy at its own
+    offsets, so their cells overlap. The cover therefore uses the cells of the lowest TP rank of each
+    distinct TP box (disjoint, ordered along dimension 0); the other ranks' cells are alternatives for
+    any piece one of them holds whole.
+    """
 
     def __init__(self, holder_index: int, h: Holder, g: TensorGroup, groups: ModelGroups,
                  buffers: RankBuffers | None):
         lay = h.placement.layout
-        cells: dict[BoxSet, tuple[list[int], int | None]] = {}
+        cells: dict[tuple[BoxSet, int | None], list[int]] = {}  # (boxes, dp rank) → TP ranks holding them
         if buffers is not None:
             for bs, t, r in buffers.cells(g):
-                cells.setdefault(bs, ([], r))[0].append(t)
+                cells.setdefault((bs, r), []).append(t)
         else:
             for t in range(lay.tp):
-                cells.setdefault(class_boxes(g.cls, groups.arch, lay.tp, t), ([], None))[0].append(t)
+                bs = class_boxes(g.cls, groups.arch, lay.tp, t)
+                if set_volume(bs):
+                    cells.setdefault((bs, None), []).append(t)
+        first: dict[Box, int] = {}
+        for t in range(lay.tp):
+            first.setdefault(class_tp_box(g.cls, groups.arch, lay.tp, t), t)
         by_band: dict[Box, list[tuple[BoxSet, Alt]]] = {}
-        for bs, (ts, r) in cells.items():
+        self.extra: list[tuple[BoxSet, Alt]] = []
+        for (bs, r), ts in cells.items():
             band = class_tp_box(g.cls, groups.arch, lay.tp, ts[0])
-            by_band.setdefault(band, []).append((bs, (holder_index, tuple(ts), r)))
+            alt = (holder_index, tuple(ts), r)
+            if first[band] in ts:
+                by_band.setdefault(band, []).append((bs, alt))
+            else:
+                self.extra.append((bs, alt))
         self.bands: list[tuple[Box, list[int], list[int], list[tuple[BoxSet, Alt]]]] = []
         for band, items in by_band.items():
             items.sort(key=lambda it: bounding(it[0])[0])
@@ -128,7 +144,7 @@ class Partition:
                                items))
 
     def query(self, region: list[Box]) -> list[tuple[BoxSet, Alt]]:
-        """Each cell meeting ``region`` with the part of the region inside it."""
+        """Each cover cell meeting ``region`` with the part of the region inside it (disjoint parts)."""
         out = []
         bb = bounding(tuple(region))
         lo, hi = bb[0]
@@ -143,12 +159,14 @@ class Partition:
                 i += 1
         return out
 
-    def containing(self, piece: BoxSet) -> Alt | None:
-        """The cell holding all of ``piece``, if one does."""
+    def containing(self, piece: BoxSet) -> list[Alt]:
+        """Every cell (cover or alternative) holding all of ``piece``."""
+        out = []
         hits = self.query(list(piece))
         if len(hits) == 1 and set_volume(hits[0][0]) == set_volume(piece):
-            return hits[0][1]
-        return None
+            out.append(hits[0][1])
+        out += [alt for bs, alt in self.extra if set_contains(bs, piece)]
+        return out
 
 
 @dataclass
@@ -213,7 +231,9 @@ class StateGeometry:
                 out = []
                 for g in self.groups.at_stage(h.pipeline, s):
                     bs = class_boxes(g.cls, self.groups.arch, lay.tp, t)
-                    out.append((g, bs, set_volume(bs) * bpe * g.count))
+                    size = set_volume(bs) * bpe * g.count
+                    if size:  # a dimension smaller than TP leaves some ranks nothing
+                        out.append((g, bs, size))
             self._slots[key] = out
         return self._slots[key]
 
@@ -288,12 +308,11 @@ class StateGeometry:
         if region:
             if self.primary is None:
                 raise ValueError("no old holder for a state that must be received")
-            for piece, alt in self.partition(self.primary, g).query(region):
-                alts = [alt]
+            primary = self.partition(self.primary, g)
+            for piece, alt in primary.query(region):
+                alts = [alt] + [a for bs, a in primary.extra if set_contains(bs, piece)]
                 for hi in range(len(self.old)):
                     if hi != self.primary:
-                        other = self.partition(hi, g).containing(piece)
-                        if other is not None:
-                            alts.append(other)
+                        alts += self.partition(hi, g).containing(piece)
                 remote.append((piece, tuple(alts), set_volume(piece)))
         return local_pieces, remote

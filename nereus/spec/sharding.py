@@ -137,14 +137,22 @@ def rank_tensors(arch: ModelArch, layout: Layout, rank: int, value_head: bool = 
 def box_volume(box: Box) -> int:
     n = 1
     for lo, hi in box:
-        n *= max(0, hi - lo)
+        if hi <= lo:
+            return 0
+        n *= hi - lo
     return n
 
 
 def intersect(a: Box, b: Box) -> Box | None:
     """The common part of two boxes of one tensor, or None when they do not overlap."""
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
-    return out if all(lo < hi for lo, hi in out) else None
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):  # noqa: B905 (same rank by construction; hot path)
+        lo = a0 if a0 > b0 else b0
+        hi = a1 if a1 < b1 else b1
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
 
 
 def _flat_local(shape: tuple[int, ...], lo: int, hi: int) -> list[Box]:
