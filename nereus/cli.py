@@ -1,10 +1,11 @@
-"""`nereus` command line: plan, estimate, transition, simulate, report (more subcommands land with their
-features)."""
+"""`nereus` command line: plan, estimate, transition, simulate, report, profile (more subcommands land with
+their features)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -142,6 +143,40 @@ def cmd_transition(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    if args.workers < 2:
+        raise SpecError("--workers", f"must be >= 2 (collectives need two workers), got {args.workers}")
+    if not args.memory_gb > 0:
+        raise SpecError("--memory-gb", f"must be > 0, got {args.memory_gb}")
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise SpecError("--out", f"folder {Path(args.out).resolve().parent} does not exist")
+    try:
+        import torch.multiprocessing as mp
+
+        from nereus.runtime import profile
+    except ImportError as err:
+        raise SpecError("profile", f"needs the runtime's dependencies ({err.name} is missing); "
+                                   "install them with: pip install -e '.[runtime]'") from None
+    print(f"nereus profile: measuring on {args.workers} local worker processes ...", file=sys.stderr)
+    if profile.load_average() > 0.5 * (os.cpu_count() or 1):
+        print(f"nereus profile: note: load average {profile.load_average():.1f} on {os.cpu_count()} CPUs; other "
+              "processes will lower the figures", file=sys.stderr)
+    try:
+        result = profile.measure(args.workers, args.memory_gb)
+    except mp.ProcessException as err:
+        last = [line for line in str(err).splitlines() if line.strip()][-1:] or ["no message"]
+        raise SpecError("profile", f"a worker failed: {last[0].strip()}") from None
+    text = result.to_yaml()
+    print(text, end="")
+    if args.out:
+        try:
+            Path(args.out).write_text(text)
+        except OSError as err:
+            raise SpecError("--out", f"cannot write {args.out}: {err.strerror}") from None
+        print(f"nereus profile: wrote {args.out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nereus", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -183,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint baseline: shared-storage bandwidth per node (default 2)")
     t.add_argument("--chunk-mb", type=float, default=256, help="transfer chunk (staging buffer) size (default 256)")
     t.set_defaults(func=cmd_transition)
+    f = sub.add_parser("profile", help="measure this machine's cpu-local hardware profile (FLOP/s, memory "
+                                       "bandwidth, gloo collectives) as a job spec's cluster section")
+    f.add_argument("--workers", type=int, default=4, help="local worker processes, one thread each (default 4)")
+    f.add_argument("--memory-gb", type=float, default=4.0,
+                   help="memory budget per worker written as gpu.memory_gb (configured, not measured; default 4)")
+    f.add_argument("--out", help="also write the YAML to this file (a job includes it as cluster: {profile: FILE})")
+    f.set_defaults(func=cmd_profile)
     return parser
 
 

@@ -38,10 +38,18 @@ class Priors:
 
 @dataclass(frozen=True)
 class Hardware:
-    """A cluster plus priors; every method returns seconds."""
+    """A cluster plus priors; every method returns seconds.
+
+    Without explicit ``priors`` the defaults apply, overridden by the cluster spec's ``priors:`` (for
+    instance a measured ``nereus profile``, whose figures are achieved rates: efficiencies 1.0).
+    """
 
     cluster: ClusterSpec
-    priors: Priors = field(default_factory=Priors)
+    priors: Priors = field(default=None)  # type: ignore[assignment]  # None -> Priors() + cluster's overrides
+
+    def __post_init__(self) -> None:
+        if self.priors is None:
+            object.__setattr__(self, "priors", replace(Priors(), **dict(self.cluster.priors)))
 
     @property
     def capacity_bytes(self) -> float:

@@ -24,10 +24,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world: int, port: int, timeout_s: float, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world: int, port: int, timeout_s: float, args: tuple,
+           backend: str | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    backend = default_backend()
+    backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
@@ -37,9 +38,10 @@ def _entry(rank: int, fn: Callable, world: int, port: int, timeout_s: float, arg
         dist.destroy_process_group()
 
 
-def run_world(fn: Callable, world: int, *args: object, timeout_s: float = 120.0) -> None:
+def run_world(fn: Callable, world: int, *args: object, timeout_s: float = 120.0, backend: str | None = None) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` forked ranks with an initialised default group; an
-    exception on any rank raises here (and ends the others)."""
+    exception on any rank raises here (and ends the others). ``backend`` forces one (``"gloo"`` keeps a
+    CPU-only world on a CUDA machine); by default NCCL with CUDA, else gloo."""
     method = "spawn" if torch.cuda.is_available() else "fork"  # CUDA cannot be used in forked children
-    mp.start_processes(_entry, args=(fn, world, free_port(), timeout_s, args), nprocs=world,
+    mp.start_processes(_entry, args=(fn, world, free_port(), timeout_s, args, backend), nprocs=world,
                        start_method=method, join=True)

@@ -1,16 +1,36 @@
-"""Cluster description: GPU figures (presets from datasheets, or custom) and node shape."""
+"""Cluster description: GPU figures (presets from datasheets, a custom mapping, or a measured profile
+file), optional overrides of the cost model's hardware priors, and node shape."""
 
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
+
+import yaml
 
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import Fields
 
 GB = 1e9
+GIB = 1024**3
+
+# ``priors:`` keys of a cluster section: spec key -> (field of ``nereus.cost.hardware.Priors``, unit scale,
+# minimum, maximum). Efficiencies are fractions of the figures under ``gpu:`` (1.0 when those figures are
+# measured achieved rates, as ``nereus profile`` writes them).
+PRIOR_KEYS: dict[str, tuple[str, float, float, float | None]] = {
+    "gemm_efficiency": ("gemm_efficiency", 1.0, 1e-6, 1.0),
+    "hbm_efficiency": ("hbm_efficiency", 1.0, 1e-6, 1.0),
+    "intra_link_efficiency": ("intra_link_efficiency", 1.0, 1e-6, 1.0),
+    "inter_link_efficiency": ("inter_link_efficiency", 1.0, 1e-6, 1.0),
+    "intra_latency_s": ("intra_latency_s", 1.0, 0.0, None),
+    "inter_latency_s": ("inter_latency_s", 1.0, 0.0, None),
+    "decode_step_overhead_s": ("decode_step_overhead_s", 1.0, 0.0, None),
+    "reserved_gib": ("reserved_bytes", GIB, 0.0, None),
+    "kv_memory_fraction": ("kv_memory_fraction", 1.0, 1e-6, 1.0),
+}
 
 
 @dataclass(frozen=True)
@@ -52,6 +72,8 @@ class ClusterSpec:
     gpu: GpuSpec
     nodes: int
     gpus_per_node: int
+    # Overrides of the cost model's priors as (Priors field, value in SI units); empty: the defaults.
+    priors: tuple[tuple[str, float], ...] = field(default=())
 
     @property
     def num_gpus(self) -> int:
@@ -78,13 +100,58 @@ class ClusterSpec:
                     "inter_node_gb_per_s": g.inter_node_bytes_per_s / GB},
             "nodes": self.nodes,
             "gpus_per_node": self.gpus_per_node,
+            **({"priors": _priors_to_spec(self.priors)} if self.priors else {}),
         }
 
 
-def read_cluster(f: Fields) -> ClusterSpec:
-    """``gpu: NAME`` (a preset) or ``gpu: {name, peak_tflops, ...}``; overrides per figure are allowed."""
+def _priors_to_spec(priors: tuple[tuple[str, float], ...]) -> dict[str, float]:
+    by_field = {attr: (key, scale) for key, (attr, scale, _, _) in PRIOR_KEYS.items()}
+    return {by_field[attr][0]: value / by_field[attr][1] for attr, value in priors}
+
+
+def _read_priors(f: Fields) -> dict[str, float]:
+    """``priors: {gemm_efficiency: .., intra_latency_s: .., ...}`` -> {Priors field: value in SI units}."""
+    out = {}
+    for key, (attr, scale, low, high) in PRIOR_KEYS.items():
+        value = f.get(key, float, None, minimum=low, maximum=high)
+        if value is not None:
+            out[attr] = value * scale
+    f.finish()
+    return out
+
+
+def read_profile(path: Path, where: str = "profile") -> ClusterSpec:
+    """A cluster section kept in its own YAML file (``nereus profile --out`` writes one); errors name
+    ``where``, the file and the key inside it."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(where, f"profile file not found: {path}") from None
+    except (OSError, yaml.YAMLError) as err:
+        raise SpecError(where, f"cannot read profile {path}: {err}") from None
+    if isinstance(data, dict) and "profile" in data:
+        raise SpecError(f"{where} ({path}) profile", "a profile file cannot name another profile")
+    try:
+        return read_cluster(Fields(data, ""))
+    except SpecError as err:
+        raise SpecError(f"{where} ({path}) {err.path}".rstrip(), err.message) from None
+
+
+def read_cluster(f: Fields, base_dir: Path | None = None) -> ClusterSpec:
+    """``gpu: NAME`` (a preset) or ``gpu: {name, peak_tflops, ...}``; overrides per figure are allowed.
+
+    ``profile: FILE`` (relative to ``base_dir``, the job file's folder) reads a cluster section from a file
+    such as ``nereus profile`` writes; keys given here override the file's (``priors`` key by key).
+    """
     presets = gpu_presets()
-    if isinstance(f.data.get("gpu"), dict):
+    base = None
+    profile = f.get("profile", str, None)
+    if profile is not None:
+        base = read_profile((base_dir or Path(".")) / profile, f.key_path("profile"))
+    if base is not None and f.data.get("gpu") is None:
+        f.get("gpu", (str, dict), None)
+        gpu = base.gpu
+    elif isinstance(f.data.get("gpu"), dict):
         g = f.sub("gpu")
         gpu = GpuSpec(
             name=g.get("name", str, "custom"),
@@ -106,10 +173,13 @@ def read_cluster(f: Fields) -> ClusterSpec:
         value = f.get(key, float, None, minimum=1e-6)
         if value is not None:
             gpu = replace(gpu, **{attr: value * scale})
+    priors = dict(base.priors) if base is not None else {}
+    priors.update(_read_priors(f.sub("priors")))
     cluster = ClusterSpec(
         gpu=gpu,
-        nodes=f.get("nodes", int, 1, minimum=1),
-        gpus_per_node=f.get("gpus_per_node", int, 8, minimum=1),
+        nodes=f.get("nodes", int, base.nodes if base is not None else 1, minimum=1),
+        gpus_per_node=f.get("gpus_per_node", int, base.gpus_per_node if base is not None else 8, minimum=1),
+        priors=tuple(sorted(priors.items())),
     )
     f.finish()
     return cluster

@@ -230,7 +230,7 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         models={m: models[m] for m in algorithm.models},
         algorithm=algorithm,
         workload=_read_workload(root.sub("workload", required=True), algorithm, base_dir),
-        cluster=read_cluster(root.sub("cluster", required=True)),
+        cluster=read_cluster(root.sub("cluster", required=True), base_dir),
         options=_read_options(root.sub("options")),
     )
     root.finish()
