@@ -10,7 +10,8 @@ again):
   is spread over every node holding the state, loading is per node.
 * ``gather_scatter``: one rank per model state gathers a full copy, then sends every device its new
   shards (what a single-controller reshard does without peer-to-peer routing). The rank receives over
-  its NVLink and NIC at once, as if its node-mates held a replica's share (generous), then sends.
+  its NVLink and NIC at once, as if its node-mates held a replica's share (generous), then sends; each
+  message to or from it pays one link latency, as the transition's chunks do.
 * ``broadcast``: per-tensor broadcast from one source replica (OpenRLHF's weight sync to its vLLM
   engines): each tensor in turn goes in full to every device that needs any part of it over a
   pipelined ring (bandwidth-optimal: each link carries the tensor once, Thakur et al. 2005), at the
@@ -62,11 +63,14 @@ def gather_scatter_time(graph: TransitionGraph, links: Links) -> float:
         root = next((g for g in holders if g not in roots), holders[0])
         full = graph.state_bytes[key][0]
         node = root // gpn
-        gather = full / (links.ib + links.nvlink)
+        holders = {g for g, old, _, _ in rows if old and g != root}
         sent = [(g, new - kept) for g, _, new, kept in rows if g != root and new > kept]
+        multi_node = any(g // gpn != node for g in holders | {g for g, _ in sent})
+        latency = links.inter_latency_s if multi_node else links.intra_latency_s
+        gather = full / (links.ib + links.nvlink) + len(holders) * latency  # one message per holder
         total = sum(b for _, b in sent)
         far = sum(b for g, b in sent if g // gpn != node)
-        scatter = max(far / links.ib, total / (links.ib + links.nvlink))
+        scatter = max(far / links.ib, total / (links.ib + links.nvlink)) + len(sent) * latency
         roots[root] += gather + scatter
     return max(roots.values(), default=0.0)
 

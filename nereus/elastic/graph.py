@@ -258,14 +258,14 @@ class _Builder:
         """Check every device before, during and after; pick memory detours where old and new state
         do not fit together. Returns the bundles to offload."""
         old, new, early, alloc = self.per_device()
-        busy = self.transfer_devices()
+        busy = self.transfer_bytes()
         offload: set[tuple[int, str, str]] = set()
         for g in range(self.n):
             if old[g] > self.usable:
                 raise TransitionMemoryError(g, old[g], self.usable, "the old plan itself")
             if new[g] > self.usable:
                 raise TransitionMemoryError(g, new[g], self.usable, "the new plan's state")
-            staging = self.opt.chunk_bytes if g in busy else 0
+            staging = min(self.opt.chunk_bytes, busy.get(g, 0))
             need = old[g] - early[g] + alloc[g] + staging
             if need <= self.usable:
                 continue
@@ -288,17 +288,23 @@ class _Builder:
                                                                                      "buffers moved off the GPU")
         return offload
 
-    def transfer_devices(self) -> set[int]:
-        """Devices that may send or receive: they need room for a chunk of staging."""
-        busy: set[int] = set()
-        keys = set()
+    def transfer_bytes(self) -> dict[int, int]:
+        """Per device that may send or receive, the most bytes one of its transfers can carry (all it
+        receives, or all its candidate keys could ask of it): its staging never exceeds that."""
+        most: dict[int, int] = {}
+        per_key: dict[tuple, int] = {}
         for (g, model, name), b in self.bundles.items():
             if b.situation.needs:
-                busy.add(g)
-                keys.update((key, model, name) for key in b.situation.needs)
-        for k in keys:
-            busy.update(self.candidates(*k))
-        return busy
+                most[g] = most.get(g, 0) + sum(b.situation.need_bytes.values())
+                for key, nbytes in b.situation.need_bytes.items():
+                    per_key[(key, model, name)] = per_key.get((key, model, name), 0) + nbytes
+        sources: dict[int, int] = {}
+        for k, nbytes in per_key.items():
+            for c in self.candidates(*k):
+                sources[c] = sources.get(c, 0) + nbytes
+        for c, nbytes in sources.items():
+            most[c] = max(most.get(c, 0), nbytes)
+        return most
 
     def needs(self) -> list[Need]:
         return [Need(g, model, name, key, pieces, b.situation.need_bytes[key])
