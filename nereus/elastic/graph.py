@@ -5,11 +5,11 @@ Operations (``Op.kind``):
               safely in host memory (after ``offload``), to make room before the new buffers arrive
   offload     copy old buffers to host memory over PCIe — the memory detour, used only on a device where
               old and new state do not fit together; the old layout can be restored from host until commit
-  alloc       allocate a device's new buffers of one model state (those not kept in place)
-  keep        a new buffer equal to an old one on the same device: reused, nothing moves
-  copy        local re-slice from an old buffer on the same device (or from its host copy)
-  send        one device's pieces of one model state from a source device, chunked through bounded
-              staging buffers; ``from_host`` when the source's bytes sit in its host memory
+  alloc       allocate a device's new buffers (those not kept in place), every model state at once
+  keep        new buffers equal to old ones on the same device: reused, nothing moves
+  copy        local re-slices from old buffers on the same device (or from their host copy)
+  send        the pieces one device receives from one source device, every model state coalesced,
+              chunked through bounded staging buffers; ``from_host`` when they sit in host memory
   group       create the new layout's process groups (ahead of the move, off the critical path)
   commit      the commit point: before it every old buffer is intact (or recoverable from host), after
               it the new layout is complete and the old one is released
@@ -62,10 +62,12 @@ class Op:
     bytes: int = 0
     model: str = ""
     state: str = ""
-    # keep/alloc/free/offload: ((group, buffer boxes), ...); copy: ((group, piece, source, destination), ...)
-    pieces: tuple = ()
-    # send: (model, state, ((group, piece, destination buffer), ...)) per model state; the sender reads each
-    # piece from any old buffer of that tensor that holds it whole. Tuples are shared with the situations.
+    # (model, state, pieces) per model state the op touches; pieces are, by kind:
+    #   keep, alloc, alloc_grads, free, free_early, offload, drop_host: (group, buffer boxes)
+    #   copy: (group, piece, source buffer, destination buffer)
+    #   send: (group, piece, destination buffer); the sender reads each piece from any old buffer of that
+    #         tensor that holds it whole.
+    # The piece tuples are shared with the situations that produced them: treat as read-only.
     parts: tuple = ()
     deps: tuple[int, ...] = ()
     from_host: bool = False
@@ -75,10 +77,8 @@ class Op:
     detail: str = ""
 
     def all_pieces(self) -> tuple:
-        """The op's pieces as one flat tuple (a send keeps them as shared parts)."""
-        if self.parts:
-            return tuple(p for _, _, part in self.parts for p in part)
-        return self.pieces
+        """The op's pieces as one flat tuple, over all its model states."""
+        return tuple(p for _, _, part in self.parts for p in part)
 
     def to_dict(self) -> dict:
         d = {"id": self.id, "kind": self.kind, "device": self.device, "bytes": self.bytes, "deps": list(self.deps),
@@ -90,8 +90,6 @@ class Op:
         if self.parts:
             d["parts"] = [{"model": m, "state": st, "pieces": [_piece_json(p) for p in part]}
                           for m, st, part in self.parts]
-        elif self.pieces:
-            d["pieces"] = [_piece_json(p) for p in self.pieces]
         if self.kind == "send":
             d.update(from_host=self.from_host, chunks=self.chunks, staging=self.staging)
         if self.detail:
@@ -106,7 +104,8 @@ def _piece_json(piece: tuple) -> list:
 
 @dataclass
 class Bundle:
-    """One device's buffers of one model state, old and new (the unit of alloc/free/offload)."""
+    """One device's buffers of one model state, old and new (the unit of offload; allocs and frees
+    gather a device's bundles)."""
 
     device: int
     model: str

@@ -13,55 +13,79 @@ if TYPE_CHECKING:
 BundleKey = tuple[int, str, str]
 
 
+def _joined(parts: list[tuple[str, str, tuple]]) -> tuple[str, str]:
+    """Op-level labels of the model states an op touches ("actor+critic", "optimizer+weights")."""
+    return "+".join(sorted({m for m, _, _ in parts})), "+".join(sorted({st for _, st, _ in parts}))
+
+
 class _Emitter:
+    """One op per device for each kind of buffer work (its parts name the model states), so an
+    executor allocates, keeps, re-slices and frees a device's buffers in one step each."""
+
     def __init__(self, b: _Builder):
         self.b = b
         self.ops: list[Op] = []
         self.early: dict[int, list[int]] = {}
         self.offload: dict[BundleKey, int] = {}
-        self.alloc: dict[BundleKey, int] = {}
+        self.alloc: dict[int, int] = {}
         self.frees: dict[int, list[int]] = {}
         self.detours: list[dict] = []
         self.detour_bytes = 0
+        self.by_device: dict[int, list[Bundle]] = {}
+        for (g, _, _), bun in b.bundles.items():
+            self.by_device.setdefault(g, []).append(bun)
 
     def add(self, kind: str, device: int, **kw) -> Op:
         op = Op(len(self.ops), kind, device, **kw)
         self.ops.append(op)
         return op
 
+    def add_parts(self, kind: str, device: int, parts: list[tuple[str, str, tuple]], nbytes: int, **kw) -> Op | None:
+        if not parts:
+            return None
+        model, state = _joined(parts)
+        return self.add(kind, device, bytes=nbytes, model=model, state=state, parts=tuple(parts), **kw)
+
     def early_frees(self) -> None:
-        for key, bun in self.b.bundles.items():
-            g, model, state = key
-            if not bun.carries_data and bun.free_bytes > 0:
-                op = self.add("free_early", g, bytes=bun.free_bytes, model=model, state=state,
-                              detail="gradient buffers hold no state between steps")
+        for g, buns in self.by_device.items():
+            grads = [b for b in buns if not b.carries_data and b.free_bytes > 0]
+            op = self.add_parts("free_early", g, [(b.model, b.state, b.situation.dropped) for b in grads],
+                                sum(b.free_bytes for b in grads), detail="gradient buffers hold no state between steps")
+            if op is not None:
                 self.early.setdefault(g, []).append(op.id)
-            if bun.offloaded:
-                off = self.add("offload", g, bytes=bun.free_bytes, model=model, state=state,
-                               pieces=_dropped(bun), detail="memory detour: old buffers to host memory")
-                self.offload[key] = off.id
-                op = self.add("free_early", g, bytes=bun.free_bytes, model=model, state=state, deps=(off.id,),
-                              detail="restorable from host memory until commit")
-                self.early.setdefault(g, []).append(op.id)
-                self.detours.append({"device": g, "model": model, "state": state, "bytes": bun.free_bytes,
-                                     "reason": "old and new state do not fit together on this device"})
-                self.detour_bytes += bun.free_bytes
+            for bun in buns:
+                if bun.offloaded:
+                    self._detour(g, bun)
+
+    def _detour(self, g: int, bun: Bundle) -> None:
+        parts = [(bun.model, bun.state, bun.situation.dropped)]
+        off = self.add_parts("offload", g, parts, bun.free_bytes, detail="memory detour: old buffers to host memory")
+        self.offload[(g, bun.model, bun.state)] = off.id
+        op = self.add_parts("free_early", g, parts, bun.free_bytes, deps=(off.id,),
+                            detail="restorable from host memory until commit")
+        self.early.setdefault(g, []).append(op.id)
+        self.detours.append({"device": g, "model": bun.model, "state": bun.state, "bytes": bun.free_bytes,
+                             "reason": "old and new state do not fit together on this device"})
+        self.detour_bytes += bun.free_bytes
 
     def allocs_keeps_copies(self) -> None:
-        for key, bun in self.b.bundles.items():
-            g, model, state = key
-            sit = bun.situation
-            if bun.carries_data and bun.alloc_bytes > 0:
-                self.alloc[key] = self.add("alloc", g, bytes=bun.alloc_bytes, model=model, state=state,
-                                           pieces=_created(bun), deps=tuple(self.early.get(g, ()))).id
-            if sit.retained:
-                self.add("keep", g, bytes=sit.retained_bytes, model=model, state=state, pieces=tuple(sit.retained))
-            if sit.local:
-                deps = (self.alloc[key],) + ((self.offload[key],) if bun.offloaded else ())
-                self.add("copy", g, bytes=sit.local_bytes, model=model, state=state, pieces=tuple(sit.local),
-                         deps=deps, from_host=bun.offloaded)
-                if bun.offloaded:
-                    self.detour_bytes += sit.local_bytes
+        for g, buns in self.by_device.items():
+            data = [b for b in buns if b.carries_data]
+            op = self.add_parts("alloc", g, [(b.model, b.state, b.situation.created) for b in data if b.alloc_bytes],
+                                sum(b.alloc_bytes for b in data), deps=tuple(self.early.get(g, ())))
+            if op is not None:
+                self.alloc[g] = op.id
+            self.add_parts("keep", g, [(b.model, b.state, tuple(b.situation.retained)) for b in buns
+                                       if b.situation.retained], sum(b.situation.retained_bytes for b in buns))
+            for host in (False, True):
+                local = [b for b in data if b.situation.local and b.offloaded == host]
+                if not local:
+                    continue
+                deps = (self.alloc[g],) + tuple(self.offload[(g, b.model, b.state)] for b in local if host)
+                op = self.add_parts("copy", g, [(b.model, b.state, tuple(b.situation.local)) for b in local],
+                                    sum(b.situation.local_bytes for b in local), deps=deps, from_host=host)
+                if op is not None and host:
+                    self.detour_bytes += op.bytes
 
     def sends(self, choices: list[Choice]) -> int:
         """One send per (source, destination) pair: every model state's pieces coalesced, as the executor
@@ -75,7 +99,7 @@ class _Emitter:
         chunk = self.b.opt.chunk_bytes
         sent = 0
         for (src, dst, host), (nbytes, parts, states) in sorted(merged.items()):
-            deps = tuple(self.alloc[(dst, m, st)] for m, st in sorted(states))
+            deps = (self.alloc[dst],)
             if host:
                 deps += tuple(self.offload[(src, m, st)] for m, st in sorted(states) if (src, m, st) in self.offload)
             model = "+".join(sorted({m for m, _ in states}))
@@ -97,29 +121,21 @@ class _Emitter:
 
     def commit_and_release(self) -> int:
         commit = self.add("commit", -1, deps=tuple(op.id for op in self.ops)).id
-        for key, bun in self.b.bundles.items():
-            g, model, state = key
-            if bun.carries_data and bun.free_bytes > 0 and not bun.offloaded:
-                op = self.add("free", g, bytes=bun.free_bytes, model=model, state=state, pieces=_dropped(bun),
-                              deps=(commit,), precommit=False)
-                self.frees.setdefault(g, []).append(op.id)
-            if bun.offloaded:
-                self.add("drop_host", g, bytes=bun.free_bytes, model=model, state=state, deps=(commit,),
-                         precommit=False)
-        for key, bun in self.b.bundles.items():
-            g, model, state = key
-            if not bun.carries_data and bun.alloc_bytes > 0:
-                self.add("alloc_grads", g, bytes=bun.alloc_bytes, model=model, state=state, pieces=_created(bun),
-                         deps=(commit, *self.frees.get(g, ())), precommit=False)
+        for g, buns in self.by_device.items():
+            freed = [b for b in buns if b.carries_data and b.free_bytes > 0 and not b.offloaded]
+            op = self.add_parts("free", g, [(b.model, b.state, b.situation.dropped) for b in freed],
+                                sum(b.free_bytes for b in freed), deps=(commit,), precommit=False)
+            if op is not None:
+                self.frees[g] = [op.id]
+            hosted = [b for b in buns if b.offloaded]
+            self.add_parts("drop_host", g, [(b.model, b.state, b.situation.dropped) for b in hosted],
+                           sum(b.free_bytes for b in hosted), deps=(commit,), precommit=False)
+        for g, buns in self.by_device.items():
+            grads = [b for b in buns if not b.carries_data and b.alloc_bytes > 0]
+            self.add_parts("alloc_grads", g, [(b.model, b.state, b.situation.created) for b in grads],
+                           sum(b.alloc_bytes for b in grads), deps=(commit, *self.frees.get(g, ())),
+                           precommit=False)
         return commit
-
-
-def _created(bun: Bundle) -> tuple:
-    return bun.situation.created
-
-
-def _dropped(bun: Bundle) -> tuple:
-    return bun.situation.dropped
 
 
 def emit_ops(b: _Builder, choices: list[Choice]) -> TransitionGraph:

@@ -119,11 +119,13 @@ class _Coverage:
         sent = 0
         for op in self.graph.ops:
             if op.kind == "keep":
-                for g, bs in op.pieces:
-                    self.record(op.id, op.device, op.model, op.state, g, bs, bs, write=False)
+                for m, st, part in op.parts:
+                    for g, bs in part:
+                        self.record(op.id, op.device, m, st, g, bs, bs, write=False)
             elif op.kind == "copy":
-                for g, piece, src, dest in op.pieces:
-                    self.record(op.id, op.device, op.model, op.state, g, piece, dest, src_boxes=src)
+                for m, st, part in op.parts:
+                    for g, piece, src, dest in part:
+                        self.record(op.id, op.device, m, st, g, piece, dest, src_boxes=src)
             elif op.kind == "send":
                 nbytes = sum(self.record(op.id, op.peer, m, st, g, piece, dest, source=op.device)
                              for m, st, part in op.parts for g, piece, dest in part)
@@ -136,8 +138,8 @@ class _Coverage:
 
     def _check_buffers(self) -> None:
         grads = grads_kind(2).name
-        allocated = {(op.device, op.model) for op in self.graph.ops if op.kind in ("alloc_grads", "keep")
-                     and op.state == grads}
+        allocated = {(op.device, m) for op in self.graph.ops if op.kind in ("alloc_grads", "keep")
+                     for m, st, _ in op.parts if st == grads}
         for key, sets in self.new.items():
             d, m, st, name = key
             if st == grads:
@@ -175,7 +177,7 @@ def check_commit(graph: TransitionGraph) -> list[str]:
     if len(commits) != 1 or commits[0].id != graph.commit:
         return [f"expected one commit op (graph.commit = {graph.commit}), found {[op.id for op in commits]}"]
     before = set(graph.ops[graph.commit].deps)
-    offloads = {op.id: (op.device, op.model, op.state) for op in graph.ops if op.kind == "offload"}
+    offloads = {op.id: (op.device, m, st) for op in graph.ops if op.kind == "offload" for m, st, _ in op.parts}
     for op in graph.ops:
         if op.id == graph.commit:
             continue
@@ -186,11 +188,12 @@ def check_commit(graph: TransitionGraph) -> list[str]:
             problems.append(f"op {op.id} ({op.kind}) is after the commit but does not depend on it")
         if op.precommit and op.kind in ("free", "drop_host", "alloc_grads"):
             problems.append(f"op {op.id} ({op.kind}) before the commit would break the old layout")
-        if op.kind == "free_early" and op.state != "grads":
-            backed = [offloads.get(d) for d in op.deps]
-            if (op.device, op.model, op.state) not in backed:
-                problems.append(f"op {op.id}: frees {op.model} {op.state} on GPU {op.device} before the commit "
-                                "without a copy in host memory")
+        if op.kind == "free_early":
+            backed = {offloads.get(d) for d in op.deps}
+            for m, st, _ in op.parts:
+                if st != "grads" and (op.device, m, st) not in backed:
+                    problems.append(f"op {op.id}: frees {m} {st} on GPU {op.device} before the commit without a "
+                                    "copy in host memory")
     return problems
 
 

@@ -94,11 +94,13 @@ def brute_force_coverage(job, new: Plan, graph) -> list[str]:
 
     for op in graph.ops:
         if op.kind == "keep":
-            for g, bs in op.pieces:
-                add(op.device, op.model, op.state, g, bs, bs)
+            for m, st, part in op.parts:
+                for g, bs in part:
+                    add(op.device, m, st, g, bs, bs)
         elif op.kind == "copy":
-            for g, piece, _, dest in op.pieces:
-                add(op.device, op.model, op.state, g, piece, dest)
+            for m, st, part in op.parts:
+                for g, piece, _, dest in part:
+                    add(op.device, m, st, g, piece, dest)
         elif op.kind == "send":
             for m, st, part in op.parts:
                 for g, piece, dest in part:

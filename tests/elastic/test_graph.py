@@ -175,11 +175,12 @@ def test_verify_catches_a_send_of_what_the_destination_holds(sound):
     job, old, new, graph, _, _ = sound
     bad = copy.deepcopy(graph)
     op = _first(bad, "copy")
-    g, piece, src, dest = op.pieces[0]
+    m, st, part = op.parts[0]
+    g, piece, src, dest = part[0]
     # Replace the local copy by a send of the same piece from another device.
-    op.pieces = op.pieces[1:]
+    op.parts = ((m, st, part[1:]),) + op.parts[1:]
     bad.ops.append(_clone_send(_first(bad, "send"), len(bad.ops), (op.device + 1) % 8, op.device,
-                               (("actor", op.state, ((g, piece, dest),)),)))
+                               ((m, st, ((g, piece, dest),)),)))
     assert any("already holds it" in p for p in verify_transition(job, old, new, bad))
 
 
