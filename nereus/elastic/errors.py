@@ -18,6 +18,14 @@ class TransitionMemoryError(InfeasibleError):
         self.needed_bytes = needed_bytes
         self.capacity_bytes = capacity_bytes
         self.what = what
-        ValueError.__init__(self, f"GPU {device}: the transition needs {needed_bytes / 1e9:.2f} GB for {what}, "
-                                  f"capacity is {capacity_bytes / 1e9:.2f} GB (usable: device memory less the "
+        ValueError.__init__(self, f"GPU {device}: the transition needs {human_bytes(needed_bytes)} for {what}, "
+                                  f"capacity is {human_bytes(capacity_bytes)} (usable: device memory less the "
                                   f"runtime's reserve)")
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in GB, MB or kB (decimal, as the rest of nereus reports memory), or plain bytes."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} bytes"
