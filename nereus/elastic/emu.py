@@ -112,7 +112,7 @@ def placement_emus(job: JobSpec, p: Placement) -> list[EMU]:
     arch, value_head = job.models[model], job.has_value_head(model)
     lay = p.layout
     specs = model_tensors(arch, value_head)
-    stages = [tensor_stage(t, arch, lay.pp, lay.interleave) for t in specs]
+    stages = [tensor_stage(t, arch, lay.pp) for t in specs]
     emus = []
     for r in range(lay.dp):
         parts = {(s, t): zero_shards(arch, lay, s, t, r, value_head) for s in range(lay.pp) for t in range(lay.tp)}

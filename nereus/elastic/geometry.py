@@ -34,7 +34,7 @@ class Holder:
 
     @property
     def pipeline(self) -> Pipeline:
-        return (self.placement.layout.pp, self.placement.layout.interleave)
+        return self.placement.layout.pp
 
     def device(self, stage: int, dp_rank: int, tp_rank: int) -> int:
         return self.placement.gpus[self.placement.layout.rank(stage, dp_rank, tp_rank)]

@@ -17,7 +17,7 @@ from nereus.elastic.boxes import BoxSet
 from nereus.spec.model import ModelArch
 from nereus.spec.sharding import Box, TensorSpec, model_tensors, tensor_stage, tp_box
 
-Pipeline = tuple[int, int]  # (pp, interleave): all a tensor's stage depends on
+Pipeline = int  # the PP degree: all a tensor's stage depends on (interleaving does not move layers)
 
 
 def box_class(spec: TensorSpec) -> tuple:
@@ -58,7 +58,7 @@ class ModelGroups:
         self.pipelines = sorted(set(pipelines))
         keyed: dict[tuple, list[TensorSpec]] = {}
         for spec in model_tensors(arch, value_head):
-            stages = tuple(tensor_stage(spec, arch, pp, v) for pp, v in self.pipelines)
+            stages = tuple(tensor_stage(spec, arch, pp) for pp in self.pipelines)
             keyed.setdefault((box_class(spec), stages, spec.name if singletons else ""), []).append(spec)
         self.groups: list[TensorGroup] = []
         for i, ((_, stages, _), specs) in enumerate(keyed.items()):

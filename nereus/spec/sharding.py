@@ -6,9 +6,8 @@ Tensor names follow HuggingFace Llama/Qwen2 checkpoints. Tensor parallelism foll
 their input columns, the embedding and LM head split the vocabulary; norms and the value head are
 replicated. When TP exceeds the KV heads, each KV head is replicated on tp/kv_heads consecutive ranks.
 Pipeline stages take contiguous layer ranges, the remainder going to the first stages; the embedding
-sits on the first stage, the final norm and the head on the last. With ``interleave`` v > 1 the layers
-form pp·v chunks and chunk c sits on stage c mod pp (Megatron-LM's interleaved 1F1B, Narayanan et al.
-2021, Sec. 2.2.2; torch.distributed.pipelining's ScheduleInterleaved1F1B places stages the same way).
+sits on the first stage, the final norm and the head on the last. ``Layout.interleave`` changes the
+pipeline schedule only: placement stays contiguous layer ranges, as the runtime builds its stages.
 
 ZeRO-1 optimizer state (fp32 master weights, Adam m and v) is sharded over data parallelism as the
 distributed optimizers of Megatron-LM and DeepSpeed do (Rajbhandari et al. 2020, Sec. 5.1): the tensors
@@ -79,27 +78,17 @@ def model_tensors(arch: ModelArch, value_head: bool = False) -> list[TensorSpec]
     return out
 
 
-def layer_stage(layers: int, pp: int, layer: int, interleave: int = 1) -> int:
-    """Pipeline stage of decoder layer ``layer``: contiguous ranges, or with ``interleave`` v the chunk
-    c of pp·v contiguous chunks on stage c mod pp."""
-    if not 0 <= layer < layers:
-        raise ValueError(f"layer {layer} beyond {layers} layers")
-    chunks = pp * interleave
-    base, extra = divmod(layers, chunks)
-    # Inverse of split_range: the first ``extra`` chunks have base+1 layers.
-    big = extra * (base + 1)
-    chunk = layer // (base + 1) if layer < big else extra + (layer - big) // base
-    return chunk % pp
-
-
-def tensor_stage(t: TensorSpec, arch: ModelArch, pp: int, interleave: int = 1) -> int:
+def tensor_stage(t: TensorSpec, arch: ModelArch, pp: int) -> int:
     """Pipeline stage holding ``t``. Tied embeddings: the last stage uses the first stage's weight,
     which the runtime keeps in sync as Megatron-LM does; its canonical home is stage 0."""
     if t.position == "first":
         return 0
     if t.position == "last":
         return pp - 1
-    return layer_stage(arch.layers, pp, t.layer, interleave)
+    for stage in range(pp):
+        if t.layer in layer_range(arch.layers, pp, stage):
+            return stage
+    raise ValueError(f"layer {t.layer} beyond {arch.layers} layers")
 
 
 def tp_box(t: TensorSpec, arch: ModelArch, tp: int, tp_rank: int) -> Box:
@@ -130,7 +119,7 @@ def rank_tensors(arch: ModelArch, layout: Layout, rank: int, value_head: bool = 
     return {
         t.name: tp_box(t, arch, layout.tp, tp_rank)
         for t in model_tensors(arch, value_head)
-        if tensor_stage(t, arch, layout.pp, layout.interleave) == pp_rank
+        if tensor_stage(t, arch, layout.pp) == pp_rank
     }
 
 
@@ -189,7 +178,7 @@ def rank_order(arch: ModelArch, layout: Layout, stage: int, tp_rank: int,
                value_head: bool = False) -> list[tuple[str, Box]]:
     """The tensors pipeline stage ``stage``, TP rank ``tp_rank`` holds, in checkpoint order, with boxes."""
     return [(t.name, tp_box(t, arch, layout.tp, tp_rank)) for t in model_tensors(arch, value_head)
-            if tensor_stage(t, arch, layout.pp, layout.interleave) == stage]
+            if tensor_stage(t, arch, layout.pp) == stage]
 
 
 def zero_shards(arch: ModelArch, layout: Layout, stage: int, tp_rank: int, dp_rank: int,
