@@ -8,6 +8,21 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
+
+@pytest.fixture(scope="session")
+def ray_runtime():
+    """One local Ray instance and one 4-worker runtime for the whole session (runtime and RL tests)."""
+    ray = pytest.importorskip("ray")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    from nereus.runtime.workers import Runtime
+
+    (ROOT / ".tmp").mkdir(exist_ok=True)
+    runtime = Runtime(4, temp_dir=ROOT / ".tmp" / "ray", timeout_s=60)
+    yield runtime
+    runtime.shutdown()
+    ray.shutdown()
+
+
 settings.register_profile("ci", deadline=None, max_examples=60)
 settings.register_profile("dev", deadline=None, max_examples=30)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")

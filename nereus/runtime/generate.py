@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.engine import ShardedModel
-from nereus.runtime.model import KVCache
+from nereus.runtime.model import KVCache, logprobs_from_logits
 from nereus.runtime.parallel.pp import forward_only
 from nereus.runtime.parallel.tp import gather_vocab
 
@@ -91,6 +91,25 @@ class _Stepper:
 @torch.no_grad()
 def generate(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams) -> list[list[int]] | None:
     """New tokens per prompt of this rank's replica (EOS included when reached), on every rank."""
+    tokens, _ = _generate(sm, prompts, params)
+    return _trim(tokens, params.eos_token_id)
+
+
+@torch.no_grad()
+def generate_with_logprobs(sm: ShardedModel, prompts: list[list[int]],
+                           params: SamplingParams) -> list[tuple[list[int], list[float]]] | None:
+    """New tokens per prompt and, for each, log p(token) under the model's unscaled distribution
+    (log-softmax of the full-vocabulary logits, no temperature or top-p) — the behaviour log-probs PPO's
+    ratio needs. Complete on the last pipeline stage, None elsewhere."""
+    tokens, logps = _generate(sm, prompts, params)
+    if logps is None:
+        return None
+    rows = _trim(tokens, params.eos_token_id)
+    return [(row, logps[i, : len(row)].tolist()) for i, row in enumerate(rows)]
+
+
+def _generate(sm: ShardedModel, prompts: list[list[int]],
+              params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
     if sm.cfg.value_head:
         raise ValueError("generation needs a model with an LM head")
     mine = prompts[sm.replica_rows(len(prompts))]
@@ -106,10 +125,13 @@ def generate(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams)
     last_pos = positions[:, -1]
     finished = torch.zeros(b, dtype=torch.bool)
     out: list[torch.Tensor] = []
+    logps: list[torch.Tensor] = []
     for t in range(params.max_new_tokens):
         new = _next_tokens(sm, logits, params, gen, b)
         new = torch.where(finished, torch.full_like(new, params.pad_token_id), new)
         out.append(new)
+        if logits is not None:
+            logps.append(logprobs_from_logits(logits, new.to(logits.device)).cpu())
         if params.eos_token_id is not None:
             finished |= new == params.eos_token_id
         if bool(finished.all()) or t == params.max_new_tokens - 1:
@@ -118,7 +140,7 @@ def generate(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams)
         last_pos = last_pos + 1
         logits = step(new[:, None], last_pos[:, None], keys[:, None, None, : p + t + 1], p + t)
     sm.record_memory("generate", kv_cache=step.kv_bytes())
-    return _trim(torch.stack(out, dim=1), params.eos_token_id)
+    return torch.stack(out, dim=1), torch.stack(logps, dim=1) if logps else None
 
 
 def _next_tokens(sm: ShardedModel, logits: torch.Tensor | None, params: SamplingParams,

@@ -65,13 +65,15 @@ class Worker:
 
     def call(self, key: str, op: str, *args: object, **kwargs: object) -> object:
         """Run ``op`` on this worker's shard of ``key``; None on workers outside the layout."""
-        from nereus.runtime.generate import generate
+        from nereus.runtime.generate import generate, generate_with_logprobs
 
         sm = self.models.get(key)
         if sm is None:
             return None
         if op == "generate":
             out = generate(sm, *args, **kwargs)
+        elif op == "generate_with_logprobs":
+            out = generate_with_logprobs(sm, *args, **kwargs)
         elif op == "memory":
             return asdict(sm.last_report) if sm.last_report else None
         elif op == "boxes":
@@ -81,6 +83,12 @@ class Worker:
         if not sm.is_output_rank:
             return None
         return sm.groups.coords.dp, out
+
+    def apply(self, key: str, fn: object, *args: object) -> object:
+        """``fn(shard, *args)`` on this worker's shard of ``key`` (None outside the layout); callers use it
+        for operations the runtime does not name, such as reading or writing shards and optimizer state."""
+        sm = self.models.get(key)
+        return None if sm is None else fn(sm, *args)
 
     def release(self, key: str) -> None:
         self.models.pop(key, None)
@@ -135,6 +143,17 @@ class Runtime:
 
     def generate(self, key: str, prompts: list[list[int]], params: object) -> list[list[int]]:
         return [row for part in self._run(key, "generate", prompts, params) for row in part]
+
+    def generate_with_logprobs(self, key: str, prompts: list[list[int]],
+                               params: object) -> list[tuple[list[int], list[float]]]:
+        """New tokens and their sampling-time log-probs per prompt (``generate.generate_with_logprobs``)."""
+        return [row for part in self._run(key, "generate_with_logprobs", prompts, params) for row in part]
+
+    def apply(self, key: str, fn: object, *args: object) -> list:
+        """``fn(shard, *args)`` on every worker of ``key``'s layout (all together, as collectives need);
+        results in layout rank order. ``fn`` must be importable or picklable by value."""
+        _, ranks = self.layouts[key]
+        return ray.get([self.workers[r].apply.remote(key, fn, *args) for r in ranks])
 
     def memory(self, key: str) -> list[dict | None]:
         """The last operation's memory report of every worker of ``key``'s layout, in layout rank order."""

@@ -15,6 +15,7 @@ from nereus.spec.errors import SpecError
 from nereus.spec.fields import Fields
 from nereus.spec.layout import RECOMPUTE, ModelStage
 from nereus.spec.model import ModelArch, read_arch
+from nereus.spec.run import RunSpec, read_run
 
 ROLES = ("actor", "critic", "reference", "reward")
 ALGORITHMS = ("ppo", "grpo", "train")
@@ -96,6 +97,7 @@ class JobSpec:
     workload: Workload
     cluster: ClusterSpec
     options: Options
+    run: RunSpec | None = None  # the optional `run:` section (nereus run)
 
     def model_stages(self) -> list[ModelStage]:
         """Every model-stage the algorithm runs each step, in stage order."""
@@ -233,6 +235,10 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         cluster=read_cluster(root.sub("cluster", required=True), base_dir),
         options=_read_options(root.sub("options")),
     )
+    if root.has("run"):
+        if algorithm.name == "train":
+            raise SpecError("run", "`nereus run` runs RL jobs (ppo, grpo); this is a training-only job")
+        job = replace(job, run=read_run(root.sub("run"), job.model_stages(), job.workload.response.max))
     root.finish()
     return job
 

@@ -1,0 +1,147 @@
+"""Prompt datasets in verl's format (Parquet or JSONL rows with ``prompt``, ``data_source`` and
+``reward_model.ground_truth``), a character tokenizer for the built-in task, and validation whose errors
+name the file, the row and the field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+PAD, BOS, EOS = 0, 1, 2
+ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*=:<>,.?"
+
+
+class DataError(ValueError):
+    """A data file problem; the message names the file, the row (0-based) and the field."""
+
+    def __init__(self, path: str | Path, row: int | None, field: str | None, message: str) -> None:
+        where = str(path)
+        if row is not None:
+            where += f": row {row}"
+        if field is not None:
+            where += f": field '{field}'"
+        super().__init__(f"{where}: {message}")
+
+
+class CharTokenizer:
+    """One token per character of ``ALPHABET`` after three specials (pad 0, bos 1, eos 2). Real jobs use
+    the model's tokenizer; the built-in task needs no download."""
+
+    def __init__(self, alphabet: str = ALPHABET) -> None:
+        self.alphabet = alphabet
+        self.index = {c: i + 3 for i, c in enumerate(alphabet)}
+        self.pad_token_id, self.bos_token_id, self.eos_token_id = PAD, BOS, EOS
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.alphabet) + 3
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; raises KeyError naming a character outside the alphabet."""
+        out = []
+        for c in text:
+            if c not in self.index:
+                raise KeyError(f"character {c!r} is not in the tokenizer's alphabet {self.alphabet!r}")
+            out.append(self.index[c])
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of ``ids`` without specials; ids past the alphabet (a model's vocabulary may be larger)
+        decode as U+FFFD so they never match an answer."""
+        return "".join(self.alphabet[i - 3] if i - 3 < len(self.alphabet) else "\ufffd" for i in ids if i >= 3)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The chat template of this tokenizer: BOS, then the messages' contents in order."""
+        return [BOS] + [t for m in messages for t in self.encode(m["content"])]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    ground_truth: str
+    data_source: str
+    index: int  # row in its file
+
+
+def _messages(value: object) -> list[dict]:
+    """verl's ``prompt`` is a list of chat messages; a bare string is accepted as one user message."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ValueError("expected a non-empty list of chat messages or a string")
+    for m in value:
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise ValueError(f"expected messages like {{'role': 'user', 'content': '...'}}, got {m!r}")
+    return value
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows of a ``.jsonl`` or ``.parquet`` file as dicts."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(path, None, None, "file not found")
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DataError(path, None, None, "reading Parquet needs pyarrow (pip install pyarrow)") from None
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as err:  # pyarrow raises several types for a damaged file
+            raise DataError(path, None, None, f"not a readable Parquet file: {err}") from None
+    if path.suffix not in (".jsonl", ".json"):
+        raise DataError(path, None, None, "expected a .jsonl or .parquet file")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(path, i, None, f"not valid JSON: {err.msg} (column {err.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(path, i, None, f"expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def load_prompts(path: str | Path, tokenizer: CharTokenizer, max_prompt_length: int) -> list[Prompt]:
+    """Validated, tokenised prompts of a verl-format file; any bad row raises ``DataError``."""
+    out = []
+    for i, row in enumerate(read_rows(path)):
+        for key in ("prompt", "reward_model"):
+            if key not in row or row[key] is None:
+                raise DataError(path, i, key, "required field is missing")
+        try:
+            ids = tokenizer.prompt_ids(_messages(row["prompt"]))
+        except (ValueError, KeyError) as err:
+            raise DataError(path, i, "prompt", str(err).strip('"')) from None
+        if len(ids) > max_prompt_length:
+            raise DataError(path, i, "prompt", f"{len(ids)} tokens exceed the maximum prompt length "
+                                               f"{max_prompt_length} (run.max_prompt_length)")
+        rm = row["reward_model"]
+        truth = rm.get("ground_truth") if isinstance(rm, dict) else None
+        if not isinstance(truth, str | int | float) or isinstance(truth, bool):
+            raise DataError(path, i, "reward_model.ground_truth", f"expected a string, got {truth!r}")
+        source = row.get("data_source", "unknown")
+        if not isinstance(source, str):
+            raise DataError(path, i, "data_source", f"expected a string, got {source!r}")
+        out.append(Prompt(tuple(ids), str(truth), source, i))
+    if not out:
+        raise DataError(path, None, None, "no rows")
+    return out
+
+
+def write_rows(path: str | Path, rows: list[dict]) -> Path:
+    """Write rows as JSONL or Parquet (by suffix)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

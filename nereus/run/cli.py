@@ -1,0 +1,48 @@
+"""The `nereus run` subcommand (registered by nereus/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from nereus.spec.errors import SpecError
+    from nereus.spec.job import load_job
+
+    job = load_job(args.job)
+    if job.run is None:
+        raise SpecError("run", f"{args.job} has no `run:` section; see docs/rl.md and examples/ppo_tiny.yaml")
+    try:
+        from nereus.rl.data import DataError
+        from nereus.run.job import RLJob
+    except ImportError as err:
+        raise SpecError("run", f"needs the runtime's dependencies ({err.name} is missing); "
+                               "install them with: pip install -e '.[runtime]'") from None
+    try:
+        rl = RLJob(job, out_dir=args.out, workers=args.workers)
+    except DataError as err:
+        raise SpecError("run.data", str(err)) from None
+    print(f"nereus run: {job.name} ({job.algorithm.name}, {job.run.steps} steps) on {rl.run.workers} local "
+          f"workers; output in {rl.dir}", file=sys.stderr)
+    for p in rl.placed:
+        print(f"  {p.model + '/' + p.stage:<22} {p.layout.short():<22} workers {list(p.ranks)}", file=sys.stderr)
+    try:
+        summary = rl.execute(resume=args.resume)
+    finally:
+        rl.release()
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("run", help="run an RL job (PPO/GRPO) on local workers: metrics, checkpoints, --resume")
+    r.add_argument("job", help="job spec (YAML) with a `run:` section")
+    r.add_argument("--workers", type=int, help="local worker processes (default: run.workers, 4)")
+    r.add_argument("--out", type=Path, help="output folder (default: run.checkpoint.dir)")
+    r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output folder")
+    r.add_argument("--json", action="store_true", help="print the summary as JSON")
+    r.set_defaults(func=cmd_run)

@@ -1,0 +1,191 @@
+"""The PPO/GRPO step on the runtime, each model-stage under its own layout (verl's dataflow):
+
+generation (actor) → inference (actor old log-probs, reference log-probs, critic values, reward-model
+scores + rule-based reward) → advantages (GAE for PPO, group-normalised for GRPO) → training (critic:
+clipped value loss; actor: clipped policy loss with a KL penalty in the reward or a KL loss), ``epochs``
+× ``mini_batches`` optimizer updates → weight sync from each trained model's training layout to its other
+layouts.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+
+from nereus.rl.core import gae, grpo_advantages, kl_estimate, masked_mean, masked_whiten, token_rewards
+from nereus.rl.data import EOS, PAD, CharTokenizer, Prompt
+from nereus.rl.task import rule_reward
+from nereus.run import remote
+from nereus.run.rollout import Rollout, mini_batches, pack
+from nereus.run.setup import Placed
+from nereus.runtime.generate import SamplingParams
+from nereus.spec.job import JobSpec
+
+
+class Stepper:
+    """Runs steps of ``job`` on runtime ``rt`` whose models are loaded under ``placed``."""
+
+    def __init__(self, job: JobSpec, rt: object, placed: list[Placed], tok: CharTokenizer,
+                 train: list[Prompt]) -> None:
+        self.job, self.rt, self.tok, self.train = job, rt, tok, train
+        self.run, self.alg = job.run, job.algorithm
+        self.key = {(p.model, p.stage): p.key for p in placed}
+        self.placed = placed
+        self.timing: dict[str, float] = {}
+
+    @contextmanager
+    def timer(self, name: str):
+        t0 = time.perf_counter()
+        yield
+        self.timing[f"timing_s/{name}"] = self.timing.get(f"timing_s/{name}", 0.0) + time.perf_counter() - t0
+
+    def has(self, model: str) -> bool:
+        return model in self.alg.models
+
+    # ----- data ---------------------------------------------------------------------------------------
+    def prompts(self, step: int) -> list[Prompt]:
+        """The step's prompts: consecutive slices of a seeded permutation per epoch (so a resumed run
+        draws the same prompts as an uninterrupted one)."""
+        per = self.job.workload.prompts_per_step
+        out = []
+        for i in range(step * per, (step + 1) * per):
+            epoch, pos = divmod(i, len(self.train))
+            order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(self.run.seed + epoch))
+            out.append(self.train[int(order[pos])])
+        return out
+
+    # ----- stages -------------------------------------------------------------------------------------
+    def generate(self, step: int, prompts: list[Prompt]) -> tuple[Rollout, list[Prompt]]:
+        n = self.alg.samples_per_prompt
+        rows = [p for p in prompts for _ in range(n)]
+        limit = self.run.max_response_length(step, self.job.workload.response.max)
+        params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
+                                eos_token_id=EOS, pad_token_id=PAD, seed=self.run.seed * 100_003 + step)
+        with self.timer("gen"):
+            out = self.rt.generate_with_logprobs(self.key["actor", "generation"], [list(p.ids) for p in rows],
+                                                 params)
+        return pack([list(p.ids) for p in rows], [r for r, _ in out], [lp for _, lp in out], EOS), rows
+
+    def infer(self, roll: Rollout, rows: list[Prompt]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        with self.timer("old_log_prob"):
+            out["old_logp"] = roll.response_frame(self.rt.logprobs(self.key["actor", "inference"], roll.tokens))
+        if self.has("reference"):
+            with self.timer("ref"):
+                out["ref_logp"] = roll.response_frame(self.rt.logprobs(self.key["reference", "inference"],
+                                                                       roll.tokens))
+        if self.has("critic"):
+            with self.timer("values"):
+                out["values"] = roll.response_frame(self.rt.values(self.key["critic", "inference"], roll.tokens))
+        with self.timer("reward"):
+            out.update(self.score(roll, rows))
+        return out
+
+    def score(self, roll: Rollout, rows: list[Prompt]) -> dict[str, torch.Tensor]:
+        """Rule-based reward on the decoded response plus ``reward_model_coef`` × the reward model's score
+        at the last token (verl's reward manager adds them the same way)."""
+        out = {}
+        responses = roll.tokens.tolist()
+        rule = torch.zeros(len(rows))
+        if self.run.rule_reward != "none":
+            for i, p in enumerate(rows):
+                start, n = int(roll.prompt_len[i]), int(roll.response_len[i])
+                text = self.tok.decode([t for t in responses[i][start: start + n] if t != EOS])
+                rule[i] = rule_reward(self.run.rule_reward, text, p.ground_truth, bool(roll.finished[i]))
+            out["rule"] = rule
+        total = rule.clone()
+        if self.has("reward"):
+            rm = self.rt.values(self.key["reward", "inference"], roll.tokens)
+            out["rm"] = rm[torch.arange(len(rows)), roll.last]
+            total = total + self.run.reward_model_coef * out["rm"]
+        out["score"] = total
+        return out
+
+    def advantages(self, roll: Rollout, rows: list[Prompt], inf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        r, mask = self.run, roll.mask
+        with self.timer("adv"):
+            if self.alg.name == "grpo":
+                ids = {p.index: i for i, p in enumerate(dict.fromkeys(rows))}
+                groups = torch.tensor([ids[p.index] for p in rows])
+                return {"adv": grpo_advantages(inf["score"], groups, mask)}
+            kl = None
+            if r.kl_coef and not r.use_kl_loss and "ref_logp" in inf:
+                kl = kl_estimate(inf["old_logp"], inf["ref_logp"], r.kl_penalty)
+            rewards = token_rewards(inf["score"], mask, kl, r.kl_coef)
+            adv, ret = gae(rewards, inf["values"], mask, r.gamma, r.lam)
+            return {"adv": masked_whiten(adv, mask), "returns": ret, "rewards": rewards}
+
+    def update(self, model: str, batch: dict[str, torch.Tensor], loss_fn: object, lr: float,
+               step: int) -> list[dict[str, float]]:
+        """``epochs`` × ``mini_batches`` optimizer steps on ``model``'s training layout."""
+        key = self.key[model, "training"]
+        gen = torch.Generator().manual_seed(self.run.seed * 7_919 + step)
+        for _ in range(self.alg.epochs):
+            for mb in mini_batches(batch, self.alg.mini_batches, gen):
+                self.rt.train_step(key, mb, loss_fn, lr)
+        return [s for part in self.rt.apply(key, remote.drain_stats) if part for s in part]
+
+    def sync(self) -> None:
+        """Interim weight sync (see ``remote``): whole tensors from the training layout to the others."""
+        with self.timer("sync_weights"):
+            for model in ("actor", "critic"):
+                if not self.has(model):
+                    continue
+                src = self.key[model, "training"]
+                targets = {p.key for p in self.placed if p.model == model and p.key != src}
+                if targets:
+                    state = remote.assemble(self.rt.apply(src, remote.read_shards))
+                    for t in sorted(targets):
+                        self.rt.apply(t, remote.write_weights, state)
+
+    # ----- one step -----------------------------------------------------------------------------------
+    def step(self, step: int) -> dict[str, float]:
+        self.timing = {}
+        t0 = time.perf_counter()
+        rows_p = self.prompts(step)
+        roll, rows = self.generate(step, rows_p)
+        inf = self.infer(roll, rows)
+        adv = self.advantages(roll, rows, inf)
+        r, mask = self.run, roll.mask
+        stats: dict[str, list[dict[str, float]]] = {}
+        if self.has("critic"):
+            with self.timer("update_critic"):
+                batch = {"tokens": roll.tokens, "index": roll.index, "mask": mask, "old_values": inf["values"],
+                         "returns": adv["returns"]}
+                stats["critic"] = self.update("critic", batch, partial(remote.critic_loss, clip=r.value_clip),
+                                              r.critic_lr, step)
+        with self.timer("update_actor"):
+            batch = {"tokens": roll.tokens, "index": roll.index, "mask": mask, "old_logp": inf["old_logp"],
+                     "adv": adv["adv"]}
+            kl_coef = r.kl_loss_coef if r.use_kl_loss and "ref_logp" in inf else 0.0
+            if kl_coef:
+                batch["ref_logp"] = inf["ref_logp"]
+            loss = partial(remote.actor_loss, clip_low=r.clip_ratio, clip_high=r.clip_ratio_high,
+                           kl_loss_coef=kl_coef, kl_loss_type=r.kl_loss_type)
+            stats["actor"] = self.update("actor", batch, loss, r.actor_lr, step)
+        self.sync()
+        self.timing["timing_s/step"] = time.perf_counter() - t0
+        return self.metrics(step, roll, inf, adv, stats)
+
+    def metrics(self, step: int, roll: Rollout, inf: dict, adv: dict, stats: dict) -> dict[str, float]:
+        """verl's metric names (``critic/score/mean``, ``actor/pg_loss``, ``response_length/mean``...)."""
+        from nereus.run.report import step_metrics
+
+        return step_metrics(self, step, roll, inf, adv, stats)
+
+
+def weighted(stats: list[dict[str, float]], name: str) -> float:
+    """Token-weighted mean of one statistic over micro-batches."""
+    tokens = sum(s["tokens"] for s in stats)
+    return sum(s[name] * s["tokens"] for s in stats) / max(tokens, 1.0)
+
+
+def masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    sel = x[mask.bool()]
+    if sel.numel() == 0:
+        return {f"{prefix}/mean": 0.0}
+    return {f"{prefix}/mean": float(masked_mean(x, mask)), f"{prefix}/max": float(sel.max()),
+            f"{prefix}/min": float(sel.min())}

@@ -1,0 +1,176 @@
+"""``nereus run``: set up (data, warm-start, layouts, workers), run the steps with metrics and periodic
+checkpoints, evaluate held-out accuracy, resume from the latest checkpoint.
+
+A checkpoint ``<dir>/step_<N>/`` holds every trained model as an HF checkpoint (``config.json`` +
+``model.safetensors``, layout-independent) and its Adam state per worker of its training layout as
+safetensors (``optim/<model>/rank<r>.safetensors``: fp32 master shard, moments, step count; no pickle),
+plus ``state.json``. The initial weights (warm-start) live in ``<dir>/init/``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from nereus.rl.data import EOS, PAD, CharTokenizer, Prompt
+from nereus.rl.task import exact_match
+from nereus.run import remote
+from nereus.run.driver import Stepper
+from nereus.run.metrics import MetricsLog, Progress
+from nereus.run.setup import TRAINED, check_batches, datasets, model_configs, place
+from nereus.run.warmstart import initial_checkpoints
+from nereus.runtime.generate import SamplingParams
+from nereus.runtime.hf import save_checkpoint
+from nereus.spec.errors import SpecError
+from nereus.spec.job import JobSpec
+
+
+class RLJob:
+    def __init__(self, job: JobSpec, runtime: object | None = None, out_dir: str | Path | None = None,
+                 quiet: bool = False, workers: int | None = None) -> None:
+        if job.run is None:
+            raise SpecError("run", "`nereus run` needs a `run:` section (see docs/rl.md)")
+        if workers:
+            job = replace(job, run=replace(job.run, workers=workers))
+        self.job, self.run, self.quiet = job, job.run, quiet
+        self.dir = Path(out_dir or job.run.checkpoint_dir)
+        self.tok = CharTokenizer()
+        self.cfgs = model_configs(job, self.tok)
+        self.placed = place(job)
+        check_batches(job, self.placed, job.run.data.val_size)
+        self.train, self.val = datasets(job, self.tok, self.dir)
+        self._own_runtime = runtime is None
+        self.rt = runtime
+        self.state: dict = {}
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    # ----- models -------------------------------------------------------------------------------------
+    def _start(self, source: dict[str, Path]) -> None:
+        if self.rt is None:
+            from nereus.runtime.workers import Runtime
+
+            self.rt = Runtime(self.run.workers)
+        loaded = set()
+        for p in self.placed:
+            if p.key not in loaded:
+                self.rt.load(p.key, self.cfgs[p.model], p.layout, list(p.ranks), checkpoint=source[p.model])
+                loaded.add(p.key)
+        self.stepper = Stepper(self.job, self.rt, self.placed, self.tok, self.train)
+
+    def release(self) -> None:
+        if self.rt is None:
+            return
+        for key in {p.key for p in self.placed}:
+            self.rt.release(key)
+        if self._own_runtime:
+            self.rt.shutdown()
+
+    def evaluate(self, prompts: list[Prompt]) -> float:
+        """Exact-match accuracy of greedy responses on ``prompts`` at the final response-length limit."""
+        gen = next(p for p in self.placed if p.stage == "generation")
+        ids = [list(p.ids) for p in prompts]
+        pad = (-len(ids)) % gen.layout.dp
+        params = SamplingParams(max_new_tokens=self.job.workload.response.max, temperature=0.0,
+                                eos_token_id=EOS, pad_token_id=PAD)
+        out = self.rt.generate(gen.key, ids + ids[:1] * pad, params)[: len(ids)]
+        hits = [exact_match(self.tok.decode([t for t in r if t != EOS]), p.ground_truth, bool(r) and r[-1] == EOS)
+                for p, r in zip(prompts, out, strict=True)]
+        return sum(hits) / len(hits)
+
+    # ----- checkpoints --------------------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        """Write ``step_<step>`` (after ``step`` steps) and point ``latest`` at it."""
+        path = self.dir / f"step_{step}"
+        for model in TRAINED:
+            if model not in self.job.algorithm.models:
+                continue
+            key = next(p.key for p in self.placed if p.model == model and p.stage == "training")
+            save_checkpoint(path / model, self.cfgs[model], remote.assemble(self.rt.apply(key, remote.read_shards)))
+            for rank, st in zip(next(p.ranks for p in self.placed if p.key == key),
+                                self.rt.apply(key, remote.read_optimizer), strict=True):
+                if st is not None:
+                    (path / "optim" / model).mkdir(parents=True, exist_ok=True)
+                    save_file(st, str(path / "optim" / model / f"rank{rank}.safetensors"))
+        (path / "state.json").write_text(json.dumps({**self.state, "step": step}, indent=1))
+        (self.dir / "latest").write_text(str(step))
+        return path
+
+    def _restore(self) -> int:
+        latest = self.dir / "latest"
+        if not latest.exists():
+            raise SpecError("--resume", f"no checkpoint under {self.dir} (no 'latest' file)")
+        step = int(latest.read_text())
+        path = self.dir / f"step_{step}"
+        self.state = json.loads((path / "state.json").read_text())
+        source = {m: (path / m if m in TRAINED else self.dir / "init" / m) for m in self.job.algorithm.models}
+        self._start(source)
+        lr = {"actor": self.run.actor_lr, "critic": self.run.critic_lr}
+        for p in self.placed:
+            folder = path / "optim" / p.model
+            if p.stage == "training" and folder.exists():
+                import ray
+
+                ray.get([self.rt.workers[w].apply.remote(p.key, remote.write_optimizer,
+                                                         load_file(str(folder / f"rank{w}.safetensors")), lr[p.model])
+                         for w in p.ranks])
+        self._trim_metrics(step)
+        return step
+
+    def _trim_metrics(self, step: int) -> None:
+        path = self.dir / "metrics.jsonl"
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            path.write_text("".join(line + "\n" for line in keep))
+
+    # ----- the run ------------------------------------------------------------------------------------
+    def _fresh(self) -> None:
+        # one thread: the workers share the same cores, and oversubscribed BLAS threads slow tiny models ~10x
+        torch.set_num_threads(1)
+        t0 = time.perf_counter()
+        losses = initial_checkpoints(self.dir / "init", {m: self.cfgs[m] for m in self.job.algorithm.models},
+                                     self.train, self.tok, self.run.warmstart, self.run.seed)
+        self.say(f"warm-start: {time.perf_counter() - t0:.1f}s, " +
+                 ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in losses.items()))
+        self._start({m: self.dir / "init" / m for m in self.job.algorithm.models})
+        acc = self.evaluate(self.val)
+        self.state = {"warmstart_accuracy": acc, **losses}
+        self.say(f"held-out accuracy after warm-start: {100 * acc:.1f}% ({len(self.val)} prompts)")
+
+    def execute(self, resume: bool = False) -> dict:
+        """Run the job to ``run.steps``; returns the summary (accuracies, metrics of the last step)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        start = self._restore() if resume else 0
+        if not resume:
+            self._fresh()
+        log = MetricsLog(self.dir / "metrics.jsonl", resume, quiet=self.quiet)
+        bar = Progress(self.run.steps, start, quiet=self.quiet)
+        last: dict[str, float] = {}
+        try:
+            for step in range(start, self.run.steps):
+                last = self.stepper.step(step)
+                done = step + 1
+                if done % self.run.eval_every == 0 or done == self.run.steps:
+                    last["val/accuracy"] = self.evaluate(self.val)
+                log.log(done, last)
+                bar.update(done)
+                every = self.run.checkpoint_every
+                if (every and done % every == 0) or done == self.run.steps:
+                    self.save(done)
+        finally:
+            log.close()
+        summary = {"warmstart_accuracy": self.state.get("warmstart_accuracy"),
+                   "final_accuracy": last.get("val/accuracy"), "last": last}
+        if summary["final_accuracy"] is not None and summary["warmstart_accuracy"] is not None:
+            w, f = summary["warmstart_accuracy"], summary["final_accuracy"]
+            self.say(f"\nheld-out accuracy: warm-start {100 * w:.1f}% -> final {100 * f:.1f}% "
+                     f"({100 * (f - w):+.1f} points)")
+        return summary

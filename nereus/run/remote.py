@@ -1,0 +1,121 @@
+"""Functions that run on the workers through ``Runtime.apply``: read a layout's shards, write whole weights
+into another layout's shards, read and write the Adam state, and the PPO/GRPO losses with their statistics.
+
+Weight sync is interim: the actor's training shards are gathered to the driver as whole tensors and
+every worker of the generation layout cuts its boxes from them (``hf.slice_boxes``, the same box
+arithmetic that loads checkpoints). It is exact and moves the whole model through the driver; the
+transition graph's box-to-box transfers (nereus/elastic) replace it when their executor lands.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nereus.rl.core import clipped_policy_loss, clipped_value_loss, kl_estimate, masked_mean
+from nereus.runtime.engine import ShardedModel, shard_boxes
+from nereus.runtime.hf import slice_boxes
+from nereus.runtime.parallel.dp import ShardedAdam
+
+# Per-micro-batch loss statistics, appended by the loss functions on the worker and drained by the driver.
+_STATS: list[dict[str, float]] = []
+
+
+def read_shards(sm: ShardedModel) -> dict[str, tuple[tuple, torch.Tensor]] | None:
+    """name → (global box, local tensor) on DP replica 0 (other replicas hold copies), else None."""
+    if sm.groups.coords.dp != 0:
+        return None
+    boxes = shard_boxes(sm.cfg, sm.groups)
+    return {k: (tuple(boxes[k]), v.detach().clone()) for k, v in sm.shards().items()}
+
+
+def assemble(parts: list[dict | None]) -> dict[str, torch.Tensor]:
+    """Whole tensors from the boxes of ``read_shards`` (every element covered once per replica)."""
+    shapes: dict[str, list[int]] = {}
+    for part in filter(None, parts):
+        for name, (box, _) in part.items():
+            shape = shapes.setdefault(name, [0] * len(box))
+            for d, (_, hi) in enumerate(box):
+                shape[d] = max(shape[d], hi)
+    full = {name: torch.empty(shape) for name, shape in shapes.items()}
+    for part in filter(None, parts):
+        for name, (box, t) in part.items():
+            full[name][tuple(slice(lo, hi) for lo, hi in box)] = t
+    return full
+
+
+@torch.no_grad()
+def write_weights(sm: ShardedModel, state: dict[str, torch.Tensor]) -> bool:
+    """Overwrite this rank's shard with its boxes of whole ``state`` (no optimizer state is touched)."""
+    tensors = slice_boxes(state, shard_boxes(sm.cfg, sm.groups))
+    sm.model.load_state_dict({k: v.to(sm.dtype) for k, v in tensors.items()}, strict=True)
+    return True
+
+
+def read_optimizer(sm: ShardedModel) -> dict[str, torch.Tensor] | None:
+    """This rank's Adam state (fp32 master shard, moments, step count), or None before the first step."""
+    opt = sm.optimizer
+    if opt is None or not opt.opt.state:
+        return None
+    st = opt.opt.state[opt.master]
+    return {"master": opt.master.detach().clone(), "exp_avg": st["exp_avg"].clone(),
+            "exp_avg_sq": st["exp_avg_sq"].clone(), "step": torch.as_tensor(st["step"]).float().reshape(1)}
+
+
+@torch.no_grad()
+def write_optimizer(sm: ShardedModel, state: dict[str, torch.Tensor], lr: float) -> bool:
+    """Restore what ``read_optimizer`` returned on the same rank of the same layout."""
+    if sm.optimizer is None:
+        sm.optimizer = ShardedAdam(list(sm.model.parameters()), sm.groups.dp_group, sm.groups.layout.zero1, lr=lr)
+    opt = sm.optimizer
+    if state["master"].shape != opt.master.shape:
+        raise ValueError(f"optimizer shard of {tuple(state['master'].shape)} does not fit this layout's "
+                         f"{tuple(opt.master.shape)}: resume under the layout the checkpoint was written with")
+    opt.master.copy_(state["master"])
+    opt.opt.state[opt.master] = {"step": torch.tensor(float(state["step"][0])),
+                                 "exp_avg": state["exp_avg"].clone(), "exp_avg_sq": state["exp_avg_sq"].clone()}
+    return True
+
+
+def drain_stats(sm: ShardedModel) -> list[dict[str, float]] | None:
+    """The loss statistics recorded since the last drain, from the output rank (TP rank 0, last stage)."""
+    out = list(_STATS)
+    _STATS.clear()
+    return out if sm.is_output_rank else None
+
+
+def _response(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per response token [b, R] from the model's per-position output (log-probs [b, T−1] or values
+    [b, T]) at the batch's ``index`` positions."""
+    return out.gather(1, mb["index"])
+
+
+def actor_loss(out: torch.Tensor, mb: dict[str, torch.Tensor], clip_low: float, clip_high: float | None,
+               kl_loss_coef: float, kl_loss_type: str) -> torch.Tensor:
+    """PPO clipped surrogate (Schulman et al. 2017) plus, for GRPO, β·KL(π‖π_ref) as a loss (Shao et al.
+    2024, eq. 3). ``mb["weight"]`` is mask · (mini-batch rows / mini-batch response tokens), so summing
+    weight·loss over rows and dividing by the micro-batch's rows gives, after the engine's mean over
+    micro-batches and replicas, the token mean over the whole mini-batch under any layout."""
+    logp, mask, weight = _response(out, mb), mb["mask"], mb["weight"]
+    pg, clipped = clipped_policy_loss(logp, mb["old_logp"], mb["adv"], clip_low, clip_high)
+    loss = pg
+    kl = torch.zeros_like(pg)
+    if kl_loss_coef and "ref_logp" in mb:
+        kl = kl_estimate(logp, mb["ref_logp"], kl_loss_type)
+        loss = pg + kl_loss_coef * kl
+    with torch.no_grad():
+        n = float(mask.sum())
+        _STATS.append({"tokens": n, "pg_loss": float(masked_mean(pg, mask)),
+                       "pg_clipfrac": float(masked_mean(clipped, mask)),
+                       "ppo_kl": float(masked_mean(mb["old_logp"] - logp, mask)),
+                       "kl_loss": float(masked_mean(kl, mask))})
+    return (loss * weight).sum() / len(logp)
+
+
+def critic_loss(out: torch.Tensor, mb: dict[str, torch.Tensor], clip: float) -> torch.Tensor:
+    """Clipped value loss towards the GAE returns, token mean over the mini-batch (as ``actor_loss``)."""
+    values, mask = _response(out, mb), mb["mask"]
+    loss, clipped = clipped_value_loss(values, mb["old_values"], mb["returns"], clip)
+    with torch.no_grad():
+        _STATS.append({"tokens": float(mask.sum()), "vf_loss": float(masked_mean(loss, mask)),
+                       "vf_clipfrac": float(masked_mean(clipped, mask))})
+    return (loss * mb["weight"]).sum() / len(values)

@@ -1,0 +1,75 @@
+"""From prompts and generated responses to the tensors every later stage reads.
+
+Sequences are packed prompt-first and right-padded: ``[prompt, response, pad...]``. A causal model never
+attends from a real token to the padding after it and positions start at 0, so the training pass sees
+exactly what generation saw (which left-pads prompts and masks the padding instead). ``index[b, j]`` is
+the position in the [B, T−1] log-prob frame whose next token is response token j, ``mask[b, j]`` 1 for
+the response's real tokens (EOS included, padding not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nereus.rl.data import PAD
+
+
+@dataclass
+class Rollout:
+    tokens: torch.Tensor  # [B, T] long
+    index: torch.Tensor  # [B, R] long
+    mask: torch.Tensor  # [B, R] float
+    gen_logp: torch.Tensor  # [B, R] log-probs recorded while generating
+    prompt_len: torch.Tensor  # [B]
+    response_len: torch.Tensor  # [B]
+    finished: torch.Tensor  # [B] bool: ended with EOS
+
+    @property
+    def last(self) -> torch.Tensor:
+        """Position of each sequence's last token in [B, T] (the reward model's score position)."""
+        return self.prompt_len + self.response_len - 1
+
+    def response_frame(self, per_position: torch.Tensor) -> torch.Tensor:
+        """[B, R] of a per-position tensor ([B, T−1] log-probs or [B, T] values) at ``index``."""
+        return per_position.gather(1, self.index) * self.mask
+
+
+def pack(prompts: list[list[int]], responses: list[list[int]], logps: list[list[float]] | None,
+         eos: int) -> Rollout:
+    """Pack prompt/response pairs (``logps`` per response token, or None) into a ``Rollout``."""
+    b = len(prompts)
+    width = max(1, max(len(r) for r in responses))
+    total = max(len(p) + max(1, len(r)) for p, r in zip(prompts, responses, strict=True))
+    tokens = torch.full((b, total), PAD, dtype=torch.long)
+    index = torch.zeros(b, width, dtype=torch.long)
+    mask = torch.zeros(b, width)
+    gen_logp = torch.zeros(b, width)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        seq = list(p) + list(r)
+        tokens[i, : len(seq)] = torch.tensor(seq)
+        n = len(r)
+        index[i] = (torch.arange(width) + len(p) - 1).clamp(max=total - 2)
+        mask[i, :n] = 1.0
+        if logps is not None and n:
+            gen_logp[i, :n] = torch.tensor(logps[i][:n])
+    plen = torch.tensor([len(p) for p in prompts])
+    rlen = torch.tensor([len(r) for r in responses])
+    finished = torch.tensor([bool(r) and r[-1] == eos for r in responses])
+    return Rollout(tokens, index, mask, gen_logp, plen, rlen, finished)
+
+
+def mini_batches(batch: dict[str, torch.Tensor], count: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    """``count`` shuffled mini-batches of equal size, each with ``weight`` = mask · rows / tokens so that the
+    losses are token means over the mini-batch (see ``remote.actor_loss``)."""
+    n = len(batch["tokens"])
+    order = torch.randperm(n, generator=gen)
+    size = n // count
+    out = []
+    for k in range(count):
+        rows = order[k * size: (k + 1) * size]
+        mb = {key: v[rows] for key, v in batch.items()}
+        mb["weight"] = mb["mask"] * size / mb["mask"].sum().clamp(min=1)
+        out.append(mb)
+    return out

@@ -1,0 +1,104 @@
+"""What a run needs before its first step: model configs, the layout and workers of every model-stage
+(fixed in the job's ``run.layouts`` or chosen by the planner), the runtime keys that share a layout, and
+the datasets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from nereus.rl.data import CharTokenizer, Prompt, load_prompts, write_rows
+from nereus.rl.task import reverse_rows
+from nereus.runtime.model import ModelConfig
+from nereus.runtime.parallel.tp import check_tp
+from nereus.spec.errors import SpecError
+from nereus.spec.job import JobSpec
+from nereus.spec.layout import Layout
+
+TRAINED = ("actor", "critic")
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One model-stage's layout, the workers it runs on and the runtime key holding its shards."""
+
+    model: str
+    stage: str
+    layout: Layout
+    ranks: tuple[int, ...]
+    key: str
+
+
+def model_configs(job: JobSpec, tok: CharTokenizer) -> dict[str, ModelConfig]:
+    out = {}
+    for name, arch in job.models.items():
+        if arch.vocab < tok.vocab_size:
+            raise SpecError(f"models.{name}.vocab", f"{arch.vocab} is smaller than the tokenizer's "
+                                                    f"{tok.vocab_size} tokens")
+        cfg = ModelConfig(arch, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        out[name] = cfg.with_value_head() if job.has_value_head(name) else cfg
+    return out
+
+
+def _planned(job: JobSpec) -> dict[str, tuple[Layout, tuple[int, ...]]]:
+    """The planner's layouts for the model-stages the job leaves open, on ``run.workers`` devices."""
+    from nereus.cost.hardware import Hardware
+    from nereus.planner.search import search
+
+    sized = job.with_gpus(job.run.workers)
+    plan = search(Hardware(sized.cluster), sized).plan
+    return {str(p.model_stage): (p.layout, tuple(p.gpus)) for p in plan.placements}
+
+
+def place(job: JobSpec) -> list[Placed]:
+    """Every model-stage's placement. Model-stages of one model with the same layout and workers share a
+    runtime key (one copy of the weights); a model's training key holds the weights the others follow."""
+    run = job.run
+    stages = job.model_stages()
+    planned = _planned(job) if any(str(ms) not in run.layouts for ms in stages) else {}
+    out: list[Placed] = []
+    keys: dict[tuple, str] = {}
+    for ms in sorted(stages, key=lambda m: m.stage != "training"):
+        name = str(ms)
+        if name in run.layouts:
+            layout, ranks = run.layouts[name], run.ranks.get(name, tuple(range(run.layouts[name].world)))
+        else:
+            layout, ranks = planned[name]
+        layout = replace(layout, recompute="none", sequence_parallel=False, interleave=1)
+        try:
+            check_tp(job.models[ms.model], layout.tp)
+        except ValueError as err:
+            raise SpecError(f"run.layouts.{name}", str(err)) from None
+        ident = (ms.model, layout, ranks)
+        key = keys.setdefault(ident, name)
+        out.append(Placed(ms.model, ms.stage, layout, tuple(ranks), key))
+    return out
+
+
+def check_batches(job: JobSpec, placed: list[Placed], val_size: int) -> None:
+    """Each stage's batch must split over its DP replicas and micro-batches (and mini-batches)."""
+    n = job.sequences_per_step()
+    mini = n // job.algorithm.mini_batches
+    for p in placed:
+        size = mini if p.stage == "training" else n
+        per = p.layout.dp * (p.layout.micro_batch_size if p.stage != "generation" else 1)
+        if size % per:
+            what = "mini-batch" if p.stage == "training" else "batch"
+            raise SpecError(f"run.layouts.{p.model}/{p.stage}",
+                            f"the {what} of {size} sequences does not split into dp={p.layout.dp} x "
+                            f"micro_batch_size={p.layout.micro_batch_size}")
+
+
+def datasets(job: JobSpec, tok: CharTokenizer, root: Path) -> tuple[list[Prompt], list[Prompt]]:
+    """Training and held-out prompts: the job's files, or the built-in task written to ``root/data``."""
+    d, limit = job.run.data, job.workload.prompt_length
+    if d.train:
+        train = load_prompts(d.train, tok, limit)
+        val = load_prompts(d.val, tok, limit) if d.val else train[: min(len(train), d.val_size)]
+        return train, val
+    val_rows = reverse_rows(d.val_size, job.run.seed + 10_000, d.max_digits)
+    held = {r["reward_model"]["ground_truth"][::-1] for r in val_rows}
+    train_rows = reverse_rows(d.train_size, job.run.seed, d.max_digits, exclude=held)
+    train = load_prompts(write_rows(root / "data" / "train.jsonl", train_rows), tok, limit)
+    val = load_prompts(write_rows(root / "data" / "val.jsonl", val_rows), tok, limit)
+    return train, val

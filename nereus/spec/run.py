@@ -1,0 +1,149 @@
+"""The optional ``run:`` section of a job spec: what ``nereus run`` needs beyond planning — data, steps,
+learning rates, PPO/GRPO coefficients, the response-length curriculum, checkpoints and fixed layouts.
+Names follow verl's config where one exists (``clip_ratio``, ``kl_loss_coef``, ``lam``...)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nereus.spec.errors import SpecError
+from nereus.spec.fields import Fields
+from nereus.spec.layout import Layout, ModelStage
+
+RULES = ("exact_match", "digit_match", "none")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    train: str | None = None  # a verl-format .jsonl/.parquet file; None: the built-in task
+    val: str | None = None
+    train_size: int = 2000  # built-in task only
+    val_size: int = 200
+    max_digits: int = 6
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """Supervised warm-start of a randomly initialised actor (and reward model) on the built-in task."""
+
+    actor_steps: int = 0
+    reward_steps: int = 0
+    batch: int = 64
+    lr: float = 3e-3
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    seed: int = 0
+    steps: int = 20
+    workers: int = 4
+    data: DataSpec = field(default_factory=DataSpec)
+    warmstart: WarmStart = field(default_factory=WarmStart)
+    curriculum: tuple[tuple[int, int], ...] = ()  # (from step, max response length)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    actor_lr: float = 1e-3
+    critic_lr: float = 1e-3
+    clip_ratio: float = 0.2
+    clip_ratio_high: float | None = None
+    value_clip: float = 0.5
+    gamma: float = 1.0
+    lam: float = 1.0
+    use_kl_loss: bool = False  # GRPO: KL as a loss term; PPO: KL as a reward penalty
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "k3"
+    kl_coef: float = 0.0  # in-reward KL penalty (PPO)
+    kl_penalty: str = "k1"
+    rule_reward: str = "exact_match"
+    reward_model_coef: float = 0.0
+    eval_every: int = 5
+    checkpoint_dir: str = "runs/job"
+    checkpoint_every: int = 0  # 0: only at the end
+    layouts: dict[str, Layout] = field(default_factory=dict)  # model-stage -> layout ('search': the planner)
+    ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def max_response_length(self, step: int, final: int) -> int:
+        """The curriculum's limit at ``step`` (the workload's ``response_length.max`` without one)."""
+        limit = final
+        for start, length in self.curriculum:
+            if step >= start:
+                limit = length
+        return limit
+
+
+def _curriculum(f: Fields, final: int) -> tuple[tuple[int, int], ...]:
+    where = f.key_path("curriculum")
+    items = f.get("curriculum", list, [])
+    out = []
+    for i, item in enumerate(items):
+        g = Fields(item, f"{where}[{i}]")
+        out.append((g.get("step", int, minimum=0), g.get("max_response_length", int, minimum=1, maximum=final)))
+        g.finish()
+    if out and out[0][0] != 0:
+        raise SpecError(f"{where}[0].step", "the curriculum must start at step 0")
+    if any(b[0] <= a[0] for a, b in zip(out, out[1:], strict=False)):
+        raise SpecError(where, "steps must increase")
+    return tuple(out)
+
+
+def _layouts(f: Fields, stages: list[ModelStage]) -> tuple[dict[str, Layout], dict[str, tuple[int, ...]]]:
+    known = {str(ms) for ms in stages}
+    layouts, ranks = {}, {}
+    for key in f.data:
+        where = f.key_path(str(key))
+        if key not in known:
+            raise SpecError(where, f"not a model-stage of this job; choose from {sorted(known)}")
+        g = f.sub(str(key)) if isinstance(f.data[key], dict) else None
+        text = g.get("layout", str) if g else f.get(str(key), str)
+        layouts[key] = Layout.parse(text, where)
+        if g is not None:
+            rk = g.get("ranks", list, list(range(layouts[key].world)))
+            if len(rk) != layouts[key].world or len(set(rk)) != len(rk):
+                raise SpecError(f"{where}.ranks", f"give {layouts[key].world} distinct worker ranks")
+            ranks[key] = tuple(int(r) for r in rk)
+            g.finish()
+    f.finish()
+    return layouts, ranks
+
+
+def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpec:
+    d, w = f.sub("data"), f.sub("warmstart")
+    data = DataSpec(train=d.get("train", str, None), val=d.get("val", str, None),
+                    train_size=d.get("train_size", int, 2000, minimum=1),
+                    val_size=d.get("val_size", int, 200, minimum=1),
+                    max_digits=d.get("max_digits", int, 6, minimum=1, maximum=30))
+    d.finish()
+    warm = WarmStart(actor_steps=w.get("actor_steps", int, 0, minimum=0),
+                     reward_steps=w.get("reward_steps", int, 0, minimum=0),
+                     batch=w.get("batch", int, 64, minimum=1), lr=w.get("lr", float, 3e-3, minimum=0))
+    w.finish()
+    layouts, ranks = _layouts(f.sub("layouts"), stages)
+    ckpt = f.sub("checkpoint")
+    spec = RunSpec(
+        seed=f.get("seed", int, 0), steps=f.get("steps", int, 20, minimum=1),
+        workers=f.get("workers", int, 4, minimum=1), data=data, warmstart=warm,
+        curriculum=_curriculum(f, final_response),
+        temperature=f.get("temperature", float, 1.0, minimum=0), top_p=f.get("top_p", float, 1.0, minimum=0),
+        actor_lr=f.get("actor_lr", float, 1e-3, minimum=0), critic_lr=f.get("critic_lr", float, 1e-3, minimum=0),
+        clip_ratio=f.get("clip_ratio", float, 0.2, minimum=0),
+        clip_ratio_high=f.get("clip_ratio_high", float, None, minimum=0),
+        value_clip=f.get("value_clip", float, 0.5, minimum=0),
+        gamma=f.get("gamma", float, 1.0, minimum=0, maximum=1), lam=f.get("lam", float, 1.0, minimum=0, maximum=1),
+        use_kl_loss=f.get("use_kl_loss", bool, False), kl_loss_coef=f.get("kl_loss_coef", float, 0.001, minimum=0),
+        kl_loss_type=f.get("kl_loss_type", str, "k3", choices=KL_KINDS),
+        kl_coef=f.get("kl_coef", float, 0.0, minimum=0), kl_penalty=f.get("kl_penalty", str, "k1", choices=KL_KINDS),
+        rule_reward=f.get("rule_reward", str, "exact_match", choices=RULES),
+        reward_model_coef=f.get("reward_model_coef", float, 0.0, minimum=0),
+        eval_every=f.get("eval_every", int, 5, minimum=1),
+        checkpoint_dir=ckpt.get("dir", str, "runs/job"), checkpoint_every=ckpt.get("every", int, 0, minimum=0),
+        layouts=layouts, ranks=ranks)
+    ckpt.finish()
+    f.finish()
+    for key, rk in spec.ranks.items():
+        if max(rk) >= spec.workers:
+            raise SpecError(f"{f.key_path('layouts')}.{key}.ranks", f"ranks must be below workers ({spec.workers})")
+    for key, lay in spec.layouts.items():
+        if key not in spec.ranks and lay.world > spec.workers:
+            raise SpecError(f"{f.key_path('layouts')}.{key}", f"{lay.world} ranks exceed workers ({spec.workers})")
+    return spec

@@ -1,0 +1,39 @@
+"""Small PPO and GRPO job specs for the RL tests (seconds per step on four workers)."""
+
+from __future__ import annotations
+
+from nereus.spec.job import JobSpec, job_from_dict
+
+ARCH = {"layers": 2, "hidden": 32, "ffn_hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 64}
+
+
+def tiny_job(algorithm: str, out_dir: str, steps: int = 3, **run: object) -> JobSpec:
+    ppo = algorithm == "ppo"
+    models = ["actor", "critic", "reference", "reward"] if ppo else ["actor", "reference"]
+    layouts = {
+        "actor/generation": {"layout": "dp=2", "ranks": [0, 1]},
+        "actor/inference": {"layout": "tp=2,micro_batch_size=4", "ranks": [2, 3]},
+        "reference/inference": {"layout": "pp=2,micro_batch_size=2", "ranks": [1, 0]},
+        "actor/training": {"layout": "pp=2,dp=2,micro_batch_size=1", "ranks": [0, 1, 2, 3]},
+    }
+    if ppo:
+        layouts |= {"critic/inference": {"layout": "dp=2,micro_batch_size=4", "ranks": [2, 3]},
+                    "reward/inference": {"layout": "tp=2,micro_batch_size=8", "ranks": [0, 3]},
+                    "critic/training": {"layout": "tp=2,dp=2,micro_batch_size=2", "ranks": [3, 2, 1, 0]}}
+    spec = {
+        "name": f"{algorithm}-test",
+        "models": {m: dict(ARCH) for m in models},
+        "algorithm": {"name": algorithm, "samples_per_prompt": 2 if ppo else 4, "mini_batches": 2},
+        "workload": {"prompts_per_step": 4 if ppo else 2, "prompt_length": 10,
+                     "response_length": {"mean": 3, "max": 4}},
+        "cluster": {"gpu": "H100", "nodes": 1, "gpus_per_node": 4},
+        "run": {"seed": 3, "steps": steps, "workers": 4, "eval_every": 2,
+                "data": {"train_size": 40, "val_size": 6, "max_digits": 3},
+                "warmstart": {"actor_steps": 80, "reward_steps": 5, "batch": 16},
+                "curriculum": [{"step": 0, "max_response_length": 3}, {"step": 2, "max_response_length": 4}],
+                "kl_coef": 0.01 if ppo else 0.0, "use_kl_loss": not ppo, "reward_model_coef": 0.5 if ppo else 0.0,
+                # partial credit gives a barely warm-started policy non-zero group advantages
+                "rule_reward": "exact_match" if ppo else "digit_match",
+                "checkpoint": {"dir": out_dir, "every": 2}, "layouts": layouts, **run},
+    }
+    return job_from_dict(spec)

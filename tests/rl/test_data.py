@@ -1,0 +1,108 @@
+"""Prompt files in verl's format (JSONL and Parquet), errors that name file, row and field, the built-in
+task and its rule-based rewards, and the job spec's `run:` section."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nereus.rl.data import CharTokenizer, DataError, load_prompts, write_rows
+from nereus.rl.task import digit_match, exact_match, reverse_rows
+from nereus.spec.errors import SpecError
+from nereus.spec.job import job_from_dict
+from tests.rl.jobs import tiny_job
+
+TOK = CharTokenizer()
+
+
+def _row(content="rev:12=", truth="21") -> dict:
+    return {"data_source": "t", "prompt": [{"role": "user", "content": content}],
+            "reward_model": {"style": "rule", "ground_truth": truth}}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_round_trip(tmp_path, suffix):
+    rows = reverse_rows(20, seed=1, max_digits=4)
+    prompts = load_prompts(write_rows(tmp_path / f"p{suffix}", rows), TOK, 16)
+    assert len(prompts) == 20
+    p = prompts[3]
+    assert TOK.decode(list(p.ids)) == rows[3]["prompt"][0]["content"]
+    assert p.ids[0] == TOK.bos_token_id
+    assert p.ground_truth == rows[3]["reward_model"]["ground_truth"]
+    assert p.data_source == "nereus/reverse" and p.index == 3
+
+
+def test_task_rows_are_distinct_and_exclusion_holds():
+    val = reverse_rows(30, seed=2, max_digits=3)
+    held = {r["reward_model"]["ground_truth"][::-1] for r in val}
+    train = reverse_rows(100, seed=3, max_digits=3, exclude=held)
+    digits = [r["prompt"][0]["content"][4:-1] for r in train]
+    assert len(set(digits)) == 100 and not held & set(digits)
+    assert all(r["reward_model"]["ground_truth"] == d[::-1] for r, d in zip(train, digits, strict=True))
+
+
+def test_rewards():
+    assert exact_match("321", "321", True) == 1.0
+    assert exact_match("321", "321", False) == 0.0  # cut off before EOS
+    assert exact_match("32", "321", True) == 0.0
+    assert digit_match("3x1", "321", True) == pytest.approx(2 / 3)
+    assert digit_match("3214", "321", True) == pytest.approx(3 / 4)  # an extra character costs
+
+
+@pytest.mark.parametrize(("line", "field", "text"), [
+    ("{not json", None, "not valid JSON"),
+    (json.dumps({"reward_model": {"ground_truth": "1"}}), "prompt", "missing"),
+    (json.dumps(_row() | {"reward_model": {"style": "rule"}}), "reward_model.ground_truth", "expected a string"),
+    (json.dumps(_row(content="rev:" + "1" * 30 + "=")), "prompt", "exceed the maximum prompt length 16"),
+    (json.dumps(_row(content="REV")), "prompt", "not in the tokenizer's alphabet"),
+    (json.dumps(_row() | {"prompt": []}), "prompt", "non-empty list"),
+    (json.dumps(_row() | {"data_source": 3}), "data_source", "expected a string"),
+])
+def test_bad_rows_name_file_row_and_field(tmp_path, line, field, text):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(_row()) + "\n" + line + "\n")
+    with pytest.raises(DataError) as err:
+        load_prompts(path, TOK, 16)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}: row 1") and text in msg
+    if field:
+        assert f"field '{field}'" in msg
+
+
+def test_bad_parquet_and_missing_file(tmp_path):
+    broken = tmp_path / "x.parquet"
+    broken.write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match="x.parquet: not a readable Parquet file"):
+        load_prompts(broken, TOK, 16)
+    with pytest.raises(DataError, match="file not found"):
+        load_prompts(tmp_path / "none.jsonl", TOK, 16)
+    bad = write_rows(tmp_path / "y.parquet", [_row(), _row(truth=None)])
+    with pytest.raises(DataError, match=r"y.parquet: row 1: field 'reward_model.ground_truth'"):
+        load_prompts(bad, TOK, 16)
+
+
+def test_run_section(tmp_path):
+    job = tiny_job("ppo", str(tmp_path))
+    run = job.run
+    assert run.steps == 3 and run.layouts["actor/training"].pp == 2 and run.ranks["critic/training"] == (3, 2, 1, 0)
+    assert [run.max_response_length(s, 4) for s in range(4)] == [3, 3, 4, 4]
+    assert job.algorithm.name == "ppo" and job.workload.response.max == 4
+
+
+@pytest.mark.parametrize(("patch", "path"), [
+    ({"stepz": 3}, "run.stepz"),
+    ({"layouts": {"critic/generation": "tp=1"}}, "run.layouts.critic/generation"),
+    ({"layouts": {"actor/training": {"layout": "tp=2", "ranks": [0]}}}, "run.layouts.actor/training.ranks"),
+    ({"curriculum": [{"step": 1, "max_response_length": 2}]}, "run.curriculum[0].step"),
+    ({"curriculum": [{"step": 0, "max_response_length": 9}]}, "run.curriculum[0].max_response_length"),
+    ({"kl_loss_type": "k9"}, "run.kl_loss_type"),
+])
+def test_run_section_errors_name_the_key(tmp_path, patch, path):
+    spec = {"models": {"actor": {"preset": "llama3-8b"}, "critic": {"preset": "llama3-8b"}},
+            "algorithm": {"name": "ppo"},
+            "workload": {"prompts_per_step": 4, "prompt_length": 8, "response_length": {"mean": 3, "max": 4}},
+            "cluster": {"gpu": "H100", "nodes": 1, "gpus_per_node": 4}, "run": patch}
+    with pytest.raises(SpecError) as err:
+        job_from_dict(spec)
+    assert err.value.path == path
