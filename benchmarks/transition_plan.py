@@ -20,7 +20,7 @@ from pathlib import Path
 from nereus.cost.hardware import Hardware
 from nereus.elastic.transition import no_cyclic_gc, plan_transition
 from nereus.planner.search import materialize, search
-from nereus.spec import Layout, ModelStage, Placement, Plan, load_job
+from nereus.spec import JobSpec, Layout, ModelStage, Placement, Plan, load_job
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ def one(stage: str, gpus: range | list[int], num_gpus: int, **layout) -> Plan:
     return Plan((Placement(ModelStage.parse(stage), Layout(**layout), tuple(gpus)),), num_gpus)
 
 
-def actor_sync_plans(job) -> tuple[Plan, Plan, Plan, Plan, str]:
+def actor_sync_plans(job: JobSpec) -> tuple[Plan, Plan, Plan, Plan, str]:
     """The planner's actor training and generation layouts at 64 GPUs, as weight moves both ways."""
     plan = search(Hardware(job.cluster), job).plan
     train, gen = plan.placement("actor/training"), plan.placement("actor/generation")
@@ -44,7 +44,7 @@ def actor_sync_plans(job) -> tuple[Plan, Plan, Plan, Plan, str]:
     return (*t2g, *g2t, label)
 
 
-def cases(base) -> list[tuple[str, object, Plan, Plan]]:
+def cases(base: JobSpec) -> list[tuple[str, JobSpec, Plan, Plan]]:
     j64, j128, j512, j1024 = (base.with_gpus(n) for n in (64, 128, 512, 1024))
     out = [
         ("TP 2→4 (actor training, 64 GPUs)", j64, one("actor/training", range(64), 64, tp=2, pp=4, dp=8),
@@ -62,7 +62,7 @@ def cases(base) -> list[tuple[str, object, Plan, Plan]]:
     return out
 
 
-def report_cases(base, storage: float) -> None:
+def report_cases(base: JobSpec, storage: float) -> None:
     print(f"{'transition':<62} {'predicted':>10} {'bound':>9} {'ratio':>6} {'GB sent':>9} "
           f"{'ckpt x':>8} {'gather x':>9} {'bcast x':>8}")
     for name, job, old, new in cases(base):
@@ -75,7 +75,7 @@ def report_cases(base, storage: float) -> None:
               + (f"  detours {r.detour_bytes / 1e9:.1f} GB" if r.detours else ""), flush=True)
 
 
-def timing(base, repeats: int) -> None:
+def timing(base: JobSpec, repeats: int) -> None:
     j512, j1024 = base.with_gpus(512), base.with_gpus(1024)
     hw = Hardware(j1024.cluster)
     best = search(hw, j1024)

@@ -19,6 +19,7 @@ into few messages per peer pair while large ones still go where the load is lowe
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nereus.elastic.geometry import SourceKey
@@ -44,7 +45,8 @@ class Choice:
 
 
 class Assigner:
-    def __init__(self, gpus_per_node: int, candidates, offloaded: set[tuple[int, str, str]], num_gpus: int,
+    def __init__(self, gpus_per_node: int, candidates: Callable[[SourceKey, str, str], list[int]],
+                 offloaded: set[tuple[int, str, str]], num_gpus: int,
                  affinity_bytes: int, nvlink_bytes_per_s: float, ib_bytes_per_s: float):
         """``candidates(key, model, state)`` lists the devices holding a key's cells in the old plan."""
         self.gpn = gpus_per_node

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -101,7 +102,7 @@ def _secs(t: float) -> str:
 
 
 @contextmanager
-def no_cyclic_gc():
+def no_cyclic_gc() -> Iterator[None]:
     """Pause Python's cyclic garbage collector: building a graph allocates ~10⁵ small acyclic tuples,
     and the collector's passes over them cost ~30% of the build (measured on the 1,024-GPU benchmark).
     Reference counting still frees everything; the collector resumes afterwards."""

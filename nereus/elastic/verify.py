@@ -23,6 +23,7 @@ from nereus.cost.hardware import Hardware
 from nereus.elastic.boxes import BoxSet, intersect_sets, set_contains, set_volume, subtract
 from nereus.elastic.emu import OPTIMIZER, WEIGHTS, build_emus, grads_kind
 from nereus.elastic.graph import TransitionGraph
+from nereus.elastic.groups import TensorGroup
 from nereus.elastic.schedule import Links, Schedule, memory_effects, op_timing
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
@@ -90,7 +91,8 @@ class _Coverage:
         self.problems: list[str] = []
         self.bpe = {k.name: k.bytes_per_element for k in (WEIGHTS, OPTIMIZER, grads_kind(job.options.grad_bytes))}
 
-    def record(self, op_id: int, device: int, model: str, state: str, group, piece: BoxSet, dest: BoxSet,
+    def record(self, op_id: int, device: int, model: str, state: str, group: TensorGroup, piece: BoxSet,
+               dest: BoxSet,
                source: int | None = None, src_boxes: BoxSet | None = None, write: bool = True) -> int:
         for name in group.names:
             key = (device, model, state, name)
