@@ -35,7 +35,9 @@ def placements(draw, arch: dict, num_gpus: int) -> tuple[dict, list[int]]:
     dp = draw(st.integers(1, num_gpus // (tp * pp)))
     v = draw(st.sampled_from([v for v in (1, 2) if v == 1 or (pp > 1 and arch["layers"] % (pp * v) == 0)]))
     gpus = draw(st.permutations(list(range(num_gpus))))[: tp * pp * dp]
-    return {"tp": tp, "pp": pp, "dp": dp, "interleave": v, "zero1": draw(st.booleans())}, list(gpus)
+    sharding = draw(st.sampled_from(["none", "zero1", "fsdp"]))
+    return ({"tp": tp, "pp": pp, "dp": dp, "interleave": v, "zero1": sharding == "zero1", "fsdp": sharding == "fsdp"},
+            list(gpus))
 
 
 @st.composite
