@@ -27,10 +27,6 @@ def subtract(a: Box, b: Box) -> list[Box]:
     return out
 
 
-def subtract_set(parts: list[Box], b: Box) -> list[Box]:
-    return [piece for p in parts for piece in subtract(p, b)]
-
-
 def intersect_sets(a: BoxSet, b: BoxSet) -> BoxSet:
     """Common part of two box sets (each made of disjoint boxes, so the result is disjoint too)."""
     out = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from nereus.elastic.assign import Choice
-from nereus.elastic.graph import Op, TransitionGraph
+from nereus.elastic.graph import Op, TransitionGraph, chunk_count
 
 if TYPE_CHECKING:
     from nereus.elastic.graph import Bundle, _Builder
@@ -105,7 +105,7 @@ class _Emitter:
             model = "+".join(sorted({m for m, _ in states}))
             state = "+".join(sorted({st for _, st in states}))
             self.add("send", src, peer=dst, bytes=nbytes, model=model, state=state, parts=tuple(parts), deps=deps,
-                     from_host=host, chunks=-(-nbytes // chunk), staging=min(nbytes, chunk))
+                     from_host=host, chunks=chunk_count(nbytes, chunk), staging=min(nbytes, chunk))
             sent += nbytes
         return sent
 
