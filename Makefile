@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/nereus plan examples/ppo_8b_h100.yaml --gpus 64
+	$(BIN)/nereus run examples/ppo_tiny.yaml --out runs/demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,4 +1,4 @@
-"""`nereus` command line: plan, estimate, transition, simulate, report, profile (more subcommands land with
+"""`nereus` command line: plan, estimate, transition, simulate, report, run, profile (more subcommands land with
 their features)."""
 
 from __future__ import annotations
@@ -225,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory budget per worker written as gpu.memory_gb (configured, not measured; default 4)")
     f.add_argument("--out", help="also write the YAML to this file (a job includes it as cluster: {profile: FILE})")
     f.set_defaults(func=cmd_profile)
+    from nereus.run.cli import add_parser as add_run_parser  # argparse only; torch loads when it runs
+
+    add_run_parser(sub)
     return parser
 
 

@@ -119,7 +119,7 @@ def load_prompts(path: str | Path, tokenizer: CharTokenizer, max_prompt_length: 
             raise DataError(path, i, "prompt", str(err).strip('"')) from None
         if len(ids) > max_prompt_length:
             raise DataError(path, i, "prompt", f"{len(ids)} tokens exceed the maximum prompt length "
-                                               f"{max_prompt_length} (run.max_prompt_length)")
+                                               f"{max_prompt_length} (workload.prompt_length)")
         rm = row["reward_model"]
         truth = rm.get("ground_truth") if isinstance(rm, dict) else None
         if not isinstance(truth, str | int | float) or isinstance(truth, bool):

@@ -50,15 +50,27 @@ def _planned(job: JobSpec) -> dict[str, tuple[Layout, tuple[int, ...]]]:
     return {str(p.model_stage): (p.layout, tuple(p.gpus)) for p in plan.placements}
 
 
+def _shared_key(placed: list[Placed], model: str, stage: str, layout: Layout, ranks: tuple[int, ...]) -> str | None:
+    """An existing key this model-stage can use: same model, workers and parallelism; inference also needs
+    the same micro-batch size (generation does not micro-batch). ZeRO-1 only matters to the optimizer."""
+    for p in placed:
+        same = (p.model, p.ranks, p.layout.tp, p.layout.pp, p.layout.dp) == (model, ranks, layout.tp, layout.pp,
+                                                                             layout.dp)
+        if same and stage != "training" and (stage == "generation" or p.layout.micro_batch_size ==
+                                              layout.micro_batch_size):
+            return p.key
+    return None
+
+
 def place(job: JobSpec) -> list[Placed]:
-    """Every model-stage's placement. Model-stages of one model with the same layout and workers share a
-    runtime key (one copy of the weights); a model's training key holds the weights the others follow."""
+    """Every model-stage's placement, training first. Model-stages of one model that can share a copy of
+    the weights share a runtime key; a model's training key holds the weights its other keys follow."""
     run = job.run
     stages = job.model_stages()
     planned = _planned(job) if any(str(ms) not in run.layouts for ms in stages) else {}
+    order = {"training": 0, "inference": 1, "generation": 2}
     out: list[Placed] = []
-    keys: dict[tuple, str] = {}
-    for ms in sorted(stages, key=lambda m: m.stage != "training"):
+    for ms in sorted(stages, key=lambda m: order[m.stage]):
         name = str(ms)
         if name in run.layouts:
             layout, ranks = run.layouts[name], run.ranks.get(name, tuple(range(run.layouts[name].world)))
@@ -69,9 +81,9 @@ def place(job: JobSpec) -> list[Placed]:
             check_tp(job.models[ms.model], layout.tp)
         except ValueError as err:
             raise SpecError(f"run.layouts.{name}", str(err)) from None
-        ident = (ms.model, layout, ranks)
-        key = keys.setdefault(ident, name)
-        out.append(Placed(ms.model, ms.stage, layout, tuple(ranks), key))
+        ranks = tuple(ranks)
+        key = _shared_key(out, ms.model, ms.stage, layout, ranks) or name
+        out.append(Placed(ms.model, ms.stage, layout, ranks, key))
     return out
 
 

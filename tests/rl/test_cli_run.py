@@ -1,0 +1,49 @@
+"""`nereus run` refuses bad input before starting workers: errors name the file, row and field, or the
+job spec's key path."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from nereus.cli import main
+from tests.conftest import EXAMPLES
+
+
+def _job(tmp_path, **run) -> str:
+    spec = yaml.safe_load((EXAMPLES / "ppo_tiny.yaml").read_text())
+    spec["run"].update(run)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+def test_malformed_data_file_names_file_row_and_field(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    good = {"prompt": [{"role": "user", "content": "rev:12="}], "reward_model": {"ground_truth": "21"}}
+    data.write_text(json.dumps(good) + "\n" + json.dumps({**good, "reward_model": {}}) + "\n")
+    assert main(["run", _job(tmp_path, data={"train": str(data)}), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"{data}: row 1: field 'reward_model.ground_truth'" in err
+
+
+def test_too_long_prompt(tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    row = {"prompt": [{"role": "user", "content": "rev:" + "3" * 20 + "="}], "reward_model": {"ground_truth": "1"}}
+    data.write_text(json.dumps(row) + "\n")
+    assert main(["run", _job(tmp_path, data={"train": str(data)}), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"{data}: row 0: field 'prompt': 26 tokens exceed the maximum prompt length 16" in err
+
+
+def test_batch_that_does_not_split_names_the_layout(tmp_path, capsys):
+    job = _job(tmp_path, layouts={"actor/training": {"layout": "dp=3", "ranks": [0, 1, 2]}})
+    assert main(["run", job, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "run.layouts.actor/training: the mini-batch of 64 sequences does not split into dp=3" in err
+
+
+def test_job_without_run_section(capsys):
+    assert main(["run", str(EXAMPLES / "ppo_8b_h100.yaml")]) == 2
+    assert "has no `run:` section" in capsys.readouterr().err
