@@ -17,20 +17,16 @@ from dataclasses import dataclass, replace
 
 from nereus.control.backend import ClusterState, Decision, StepMetrics
 from nereus.control.forecast import LengthForecaster, Schedule
+from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.calibration import Calibrator
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
-from nereus.cost.transition import estimate_transition
 from nereus.planner.search import Constraints, search
 from nereus.spec.errors import InfeasibleError
 from nereus.spec.job import JobSpec, ResponseLength
 from nereus.spec.layout import Plan
 
 TransitionCost = Callable[[Hardware, JobSpec, Plan, Plan], float]
-
-
-def default_transition_cost(hw: Hardware, job: JobSpec, old: Plan, new: Plan) -> float:
-    return estimate_transition(hw, job, old, new).seconds
 
 
 @dataclass(frozen=True)
@@ -64,7 +60,7 @@ class Controller:
         self.job, self.config = job, config or ControllerConfig()
         self.schedule = schedule or Schedule(default_max=job.workload.response.max)
         self.total_steps = total_steps
-        self.transition_cost = transition_cost or default_transition_cost
+        self.transition_cost = transition_cost or TransitionCoster()
         self.constraints = constraints
         self.hw = Hardware(job.cluster)
         self.calibrator = Calibrator(self.hw)
@@ -138,29 +134,36 @@ class Controller:
                             horizon=horizon)
         cand = result.plan
         self._basis = (target.workload.response.mean, target.workload.response.max, gpus, dict(self.factors))
-        cost = self.transition_cost(self.hw, target, self.plan, cand)
         cur_s = math.inf if current is None else current.step_time_s
         if forced:
             why = "the plan uses lost GPUs" if lost else f"the plan is predicted infeasible: {current.violations[0]}"
             self._last_move = step
+            cost = self.transition_cost(self.hw, target, self.plan, cand)
             return Decision(m.step, "forced", why, cur_s, result.estimate.step_time_s, math.inf, cost, horizon,
                             plan=cand)
-        return self._admit(m.step, horizon, cur_s, result.estimate.step_time_s, cost, cand)
+        return self._admit(m.step, horizon, cur_s, result.estimate.step_time_s, cand, target)
 
-    def _admit(self, step: int, horizon: int, cur_s: float, cand_s: float, cost: float, cand: Plan) -> Decision:
+    def _admit(self, step: int, horizon: int, cur_s: float, cand_s: float, cand: Plan, job: JobSpec) -> Decision:
+        """Cheap tests first; the transition graph is built only for a candidate that passes them."""
         cfg = self.config
         gain = (cur_s - cand_s) * horizon
-        numbers = dict(current_s=cur_s, candidate_s=cand_s, gain_s=gain, cost_s=cost, horizon=horizon)
+        quick = getattr(self.transition_cost, "quick", self.transition_cost)(self.hw, job, self.plan, cand) \
+            if cand != self.plan else 0.0
+        numbers = dict(current_s=cur_s, candidate_s=cand_s, gain_s=gain, cost_s=quick, horizon=horizon)
         if cand == self.plan:
             return Decision(step, "keep", "the current plan is still the best", **numbers)
         if cand_s > cur_s * (1 - cfg.min_gain):
             return Decision(step, "keep", f"candidate faster by under {cfg.min_gain:.0%} per step", **numbers)
-        if gain <= cost * (1 + cfg.margin):
-            return Decision(step, "keep", f"gain over {horizon} steps does not beat the transition cost "
-                                          f"by {cfg.margin:.0%}", **numbers)
         if step + 1 - self._last_move < cfg.cooldown:
             return Decision(step, "keep", f"cooldown: last transition {step + 1 - self._last_move} steps ago",
                             **numbers)
+        if gain <= quick * (1 + cfg.margin):
+            return Decision(step, "keep", f"gain over {horizon} steps does not beat the estimated transition "
+                                          f"cost by {cfg.margin:.0%}", **numbers)
+        numbers["cost_s"] = cost = self.transition_cost(self.hw, job, self.plan, cand)
+        if gain <= cost * (1 + cfg.margin):
+            return Decision(step, "keep", f"gain over {horizon} steps does not beat the scheduled transition "
+                                          f"cost by {cfg.margin:.0%}", **numbers)
         self._last_move = step + 1
         return Decision(step, "transition", "predicted gain beats the transition cost", **numbers, plan=cand)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nereus.control.backend import ClusterState, StepMetrics, TransitionMetrics
+from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import TERMS
@@ -44,10 +45,11 @@ class SimBackend:
     at the same step, whatever it did before."""
 
     def __init__(self, job: JobSpec, trace: Trace, seed: int = 0, truth: TruthConfig | None = None,
-                 initial_gpus: int | None = None) -> None:
+                 initial_gpus: int | None = None, coster: TransitionCoster | None = None) -> None:
         self.job, self.truth = job, truth or TruthConfig()
         self.trace = trace.with_sampled_failures(seed)
         self.seed = seed
+        self.coster = coster or TransitionCoster()
         self.factors = hidden_factors(seed, self.truth)
         self.initial_gpus = initial_gpus or job.cluster.num_gpus
         self._max_gpus = max([self.initial_gpus, *(n for _, n in trace.gpus)])
@@ -89,7 +91,11 @@ class SimBackend:
                            self.job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus)
 
     def apply_transition(self, old: Plan, new: Plan, step: int) -> TransitionMetrics:
+        """The transition graph's schedule (shared, cached, with the controller's) under the hidden factor."""
         est = estimate_transition(self.hw, self.full_job, old, new)
+        predicted = self.coster(self.hw, self.full_job, old, new)
+        if not math.isfinite(predicted):  # no live move fits: the sim charges the quick estimate instead
+            predicted = est.seconds
         noise = float(math.exp(self._rng(step, 2).normal(0, self.truth.noise)))
-        actual = est.seconds * self.factors["transition"] * noise
-        return TransitionMetrics(actual, est.seconds, est.bytes_moved, {"moved": list(est.moved_model_stages)})
+        actual = predicted * self.factors["transition"] * noise
+        return TransitionMetrics(actual, predicted, est.bytes_moved, {"moved": list(est.moved_model_stages)})

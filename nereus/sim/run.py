@@ -10,6 +10,7 @@ from pathlib import Path
 from nereus.control.backend import Backend, StepMetrics
 from nereus.control.controller import ControllerConfig
 from nereus.control.forecast import Schedule
+from nereus.control.transition_cost import TransitionCoster
 from nereus.sim.backend import SimBackend, TruthConfig
 from nereus.sim.baselines import make_policy
 from nereus.spec.job import JobSpec
@@ -131,9 +132,10 @@ def simulate(job: JobSpec, trace: Trace, policy_name: str, seed: int = 0, steps:
              config: ControllerConfig | None = None, truth: TruthConfig | None = None,
              initial_gpus: int | None = None, progress=None, recovery: Recovery | None = None) -> RunRecord:
     steps = steps or trace.steps
-    backend = SimBackend(job, trace, seed, truth, initial_gpus)
+    coster = TransitionCoster()  # one cache for the policy's decisions and the backend's truth
+    backend = SimBackend(job, trace, seed, truth, initial_gpus, coster)
     schedule = Schedule(trace)
-    policy = make_policy(policy_name, job, schedule, steps, config=config)
+    policy = make_policy(policy_name, job, schedule, steps, coster, config)
     record = run_policy(policy, backend, steps, progress, recovery)
     record.job, record.trace, record.seed = job.name, trace.name, seed
     return record

@@ -45,13 +45,14 @@ def test_forecaster_extrapolates_a_linear_trend():
 
 def test_admission_never_takes_a_move_whose_gain_is_below_its_cost():
     job = small_job()
-    ctl = Controller(job, ControllerConfig(margin=0.0, min_gain=0.0, cooldown=0), Schedule(default_max=2048))
+    ctl = Controller(job, ControllerConfig(margin=0.0, min_gain=0.0, cooldown=0), Schedule(default_max=2048),
+                     transition_cost=lambda hw, j, a, b: 10.5)
     ctl.initial_plan(16)
     other = ctl.plan  # the numbers below decide, not the plan
-    keep = ctl._admit(3, horizon=10, cur_s=10.0, cand_s=9.0, cost=10.5, cand=_other_plan(ctl))
+    keep = ctl._admit(3, horizon=10, cur_s=10.0, cand_s=9.0, cand=_other_plan(ctl), job=job)
     assert keep.action == "keep" and keep.gain_s < keep.cost_s
-    move = ctl._admit(3, horizon=10, cur_s=10.0, cand_s=8.0, cost=10.5, cand=_other_plan(ctl))
-    assert move.action == "transition" and move.gain_s > move.cost_s
+    move = ctl._admit(3, horizon=10, cur_s=10.0, cand_s=8.0, cand=_other_plan(ctl), job=job)
+    assert move.action == "transition" and move.gain_s > move.cost_s == 10.5
     assert other is ctl.plan
 
 
