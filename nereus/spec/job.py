@@ -147,7 +147,7 @@ def _read_algorithm(f: Fields, models: dict[str, ModelArch]) -> Algorithm:
     # By default every defined role takes part (GRPO has no critic); a training-only job trains its model.
     default = list(models)[:1] if name == "train" else [
         m for m in ROLES if m in models and not (name == "grpo" and m == "critic")]
-    used = f.get("models", list, default)
+    used = f.get_list("models", str, default)
     for i, m in enumerate(used):
         if m not in models:
             raise SpecError(f"{f.key_path('models')}[{i}]", f"{m!r} is not defined under 'models' ({sorted(models)})")
