@@ -106,12 +106,16 @@ class Assigner:
         for need in sorted(needs, key=lambda n: (-n.bytes, n.dst)):
             near = [c for c in by_node.get(need.dst // self.gpn, ()) if c != need.dst]
             src = self._pick(need, near, self.nv_out) if near else -1
-            far = self._far(need, heap, members) if heap and len(near) < len(members) else -1
             b = need.bytes
-            if src >= 0 and far >= 0:
-                t_near = max(self.nv_out[src] + b, self.nv_in[need.dst] + b) / self.nv
-                t_far = max(self.ib_out[far] + b, self.ib_in[need.dst] + b) / self.ib
-                if t_far < t_near:
+            far = -1
+            if heap and len(near) < len(members):
+                t_near = max(self.nv_out[src] + b, self.nv_in[need.dst] + b) / self.nv if src >= 0 else 0.0
+                # An off-node holder can only win if the destination's NIC alone beats the NVLink queue.
+                if src < 0 or (self.ib_in[need.dst] + b) / self.ib < t_near:
+                    far = self._far(need, heap, members)
+                if src >= 0 and far >= 0 and max(self.ib_out[far] + b, self.ib_in[need.dst] + b) / self.ib >= t_near:
+                    far = -1  # NVLink finishes no later: stay on the node
+                if far >= 0:
                     src = -1
             if src >= 0:
                 self.nv_out[src] += b

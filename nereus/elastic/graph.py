@@ -192,6 +192,7 @@ class _Builder:
         self.holders_new = _holders(job, new)
         self.geometry: dict[tuple[str, str], StateGeometry] = {}
         self._candidates: dict[tuple, list[int]] = {}
+        self._per_device: tuple[list[int], list[int], list[int], list[int]] | None = None
 
     def state_groups(self, model: str, old: list[Holder], new: list[Holder]) -> ModelGroups:
         """Groups of one model state, cut only by the pipelines of the placements that hold it (the
@@ -242,7 +243,13 @@ class _Builder:
         return sorted(devices)
 
     def per_device(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        """Resident bytes before and after, bytes freed early (grads) and allocated before commit."""
+        """Resident bytes before and after, bytes freed early (grads) and allocated before commit
+        (computed once: the bundles do not change after ``situations``)."""
+        if self._per_device is None:
+            self._per_device = self._sum_per_device()
+        return self._per_device
+
+    def _sum_per_device(self) -> tuple[list[int], list[int], list[int], list[int]]:
         old, new, early, alloc = ([0] * self.n for _ in range(4))
         for (g, _, _), b in self.bundles.items():
             old[g] += b.situation.old_bytes
@@ -257,14 +264,16 @@ class _Builder:
         """Check every device before, during and after; pick memory detours where old and new state
         do not fit together. Returns the bundles to offload."""
         old, new, early, alloc = self.per_device()
-        busy = self.transfer_bytes()
+        chunk = self.opt.chunk_bytes
+        tight = any(old[g] - early[g] + alloc[g] + chunk > self.usable for g in range(self.n))
+        busy = self.transfer_bytes() if tight else {}  # exact staging reserves only where memory is tight
         offload: set[tuple[int, str, str]] = set()
         for g in range(self.n):
             if old[g] > self.usable:
                 raise TransitionMemoryError(g, old[g], self.usable, "the old plan itself")
             if new[g] > self.usable:
                 raise TransitionMemoryError(g, new[g], self.usable, "the new plan's state")
-            staging = min(self.opt.chunk_bytes, busy.get(g, 0))
+            staging = min(chunk, busy.get(g, 0)) if tight else chunk
             need = old[g] - early[g] + alloc[g] + staging
             if need <= self.usable:
                 continue
