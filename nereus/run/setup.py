@@ -82,6 +82,9 @@ def place(job: JobSpec) -> list[Placed]:
         except ValueError as err:
             raise SpecError(f"run.layouts.{name}", str(err)) from None
         ranks = tuple(ranks)
+        if max(ranks) >= run.workers:
+            raise SpecError(f"run.layouts.{name}", f"uses worker {max(ranks)} but the run has {run.workers} "
+                                                   "workers (run.workers or --workers)")
         key = _shared_key(out, ms.model, ms.stage, layout, ranks) or name
         out.append(Placed(ms.model, ms.stage, layout, ranks, key))
     return out

@@ -47,3 +47,8 @@ def test_batch_that_does_not_split_names_the_layout(tmp_path, capsys):
 def test_job_without_run_section(capsys):
     assert main(["run", str(EXAMPLES / "ppo_8b_h100.yaml")]) == 2
     assert "has no `run:` section" in capsys.readouterr().err
+
+
+def test_fewer_workers_than_the_layouts_use(tmp_path, capsys):
+    assert main(["run", _job(tmp_path), "--workers", "2", "--out", str(tmp_path / "o")]) == 2
+    assert "uses worker 3 but the run has 2 workers" in capsys.readouterr().err
