@@ -43,7 +43,7 @@ class RLJob:
         self.tok = CharTokenizer()
         self.cfgs = model_configs(job, self.tok)
         self.placed = place(job)
-        check_batches(job, self.placed, job.run.data.val_size)
+        check_batches(job, self.placed)
         self.train, self.val = datasets(job, self.tok, self.dir)
         self._own_runtime = runtime is None
         self.rt = runtime

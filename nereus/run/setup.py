@@ -90,7 +90,7 @@ def place(job: JobSpec) -> list[Placed]:
     return out
 
 
-def check_batches(job: JobSpec, placed: list[Placed], val_size: int) -> None:
+def check_batches(job: JobSpec, placed: list[Placed]) -> None:
     """Each stage's batch must split over its DP replicas and micro-batches (and mini-batches)."""
     n = job.sequences_per_step()
     mini = n // job.algorithm.mini_batches
@@ -109,8 +109,14 @@ def datasets(job: JobSpec, tok: CharTokenizer, root: Path) -> tuple[list[Prompt]
     d, limit = job.run.data, job.workload.prompt_length
     if d.train:
         train = load_prompts(d.train, tok, limit)
-        val = load_prompts(d.val, tok, limit) if d.val else train[: min(len(train), d.val_size)]
-        return train, val
+        if d.val:
+            return train, load_prompts(d.val, tok, limit)
+        # no validation file: hold out the last rows (at most a tenth) so accuracy is on unseen prompts
+        k = min(d.val_size, len(train) // 10)
+        if k < 1:
+            raise SpecError("run.data.val", f"{d.train} has {len(train)} rows: too few to hold out validation "
+                                            "prompts; give a val file")
+        return train[:-k], train[-k:]
     val_rows = reverse_rows(d.val_size, job.run.seed + 10_000, d.max_digits)
     held = {r["reward_model"]["ground_truth"][::-1] for r in val_rows}
     train_rows = reverse_rows(d.train_size, job.run.seed, d.max_digits, exclude=held)

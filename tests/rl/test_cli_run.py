@@ -52,3 +52,16 @@ def test_job_without_run_section(capsys):
 def test_fewer_workers_than_the_layouts_use(tmp_path, capsys):
     assert main(["run", _job(tmp_path), "--workers", "2", "--out", str(tmp_path / "o")]) == 2
     assert "uses worker 3 but the run has 2 workers" in capsys.readouterr().err
+
+
+def test_train_file_without_val_holds_out_its_last_rows(tmp_path):
+    from nereus.rl.data import CharTokenizer, write_rows
+    from nereus.rl.task import reverse_rows
+    from nereus.run.setup import datasets
+    from nereus.spec.job import load_job
+
+    data = write_rows(tmp_path / "train.parquet", reverse_rows(50, seed=0, max_digits=4))
+    job = load_job(_job(tmp_path, data={"train": str(data), "val_size": 20}))
+    train, val = datasets(job, CharTokenizer(), tmp_path)
+    assert len(train) == 45 and len(val) == 5  # at most a tenth is held out
+    assert not {p.ids for p in train} & {p.ids for p in val}
