@@ -98,10 +98,10 @@ def _layouts(f: Fields, stages: list[ModelStage]) -> tuple[dict[str, Layout], di
         text = g.get("layout", str) if g else f.get(str(key), str)
         layouts[key] = Layout.parse(text, where)
         if g is not None:
-            rk = g.get("ranks", list, list(range(layouts[key].world)))
-            if len(rk) != layouts[key].world or len(set(rk)) != len(rk):
-                raise SpecError(f"{where}.ranks", f"give {layouts[key].world} distinct worker ranks")
-            ranks[key] = tuple(int(r) for r in rk)
+            rk = g.get_list("ranks", int, list(range(layouts[key].world)))
+            if len(rk) != layouts[key].world or len(set(rk)) != len(rk) or min(rk, default=0) < 0:
+                raise SpecError(f"{where}.ranks", f"give {layouts[key].world} distinct worker ranks (>= 0)")
+            ranks[key] = tuple(rk)
             g.finish()
     f.finish()
     return layouts, ranks
