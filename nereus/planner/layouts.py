@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from nereus.cost.hardware import Hardware
 from nereus.cost.stages import stage_cost
 from nereus.planner.candidates import enumerate_layouts
 from nereus.spec.errors import SpecError
+from nereus.spec.fields import read_json_file
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, Placement, Plan
 
 
 def read_plan_file(path: str | Path) -> Plan:
     """A plan as ``nereus plan --json`` writes it (the ``plan`` member), or a bare plan object."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise SpecError(str(path), "plan file not found") from None
-    except json.JSONDecodeError as err:
-        raise SpecError(str(path), f"not valid JSON ({err.msg} at line {err.lineno})") from None
+    data = read_json_file(path, "plan")
     if isinstance(data, dict) and "plan" in data:
         return Plan.from_dict(data["plan"], "plan")
     return Plan.from_dict(data, "plan")

@@ -6,19 +6,15 @@ import json
 from pathlib import Path
 
 from nereus.spec.errors import SpecError
+from nereus.spec.fields import read_json_file
 
 PHASES = ("generation", "inference", "training", "weight_sync")
 
 
 def load_run(path: str | Path) -> dict:
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise SpecError(str(path), "run file not found") from None
-    except json.JSONDecodeError as err:
-        raise SpecError(str(path), f"not a run file: invalid JSON ({err.msg} at line {err.lineno})") from None
+    data = read_json_file(path, "run")
     for key in ("policy", "steps", "summary"):
-        if key not in data:
+        if not isinstance(data, dict) or key not in data:
             raise SpecError(f"{path}.{key}", "missing: is this a file written by `nereus simulate --out`?")
     return data
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from nereus.spec.errors import SpecError
@@ -16,6 +18,17 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     names = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
              dict: "a mapping", list: "a list"}
     return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def read_json_file(path: str | Path, kind: str) -> Any:
+    """The JSON in ``path``; a missing or malformed file is a SpecError naming it and the line."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SpecError(str(path), f"{kind} file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        where = f" ({err.msg} at line {err.lineno})" if isinstance(err, json.JSONDecodeError) else ""
+        raise SpecError(str(path), f"not a valid {kind} file: invalid JSON{where}") from None
 
 
 class Fields:
