@@ -11,6 +11,7 @@ initial weights of the other three models, written as HF checkpoints the workers
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,14 +28,25 @@ def _pad_right(seqs: list[list[int]]) -> torch.Tensor:
     return out
 
 
-def sft(model: CausalLM, data: list[Prompt], tok: CharTokenizer, steps: int, batch: int, lr: float,
-        seed: int) -> float:
-    """``steps`` Adam steps of answer-token cross-entropy; returns the last loss."""
+def _adam_loop(model: CausalLM, data: list[Prompt], steps: int, batch: int, lr: float, seed: int,
+               batch_loss: Callable[[list[Prompt], random.Random], torch.Tensor]) -> float:
+    """``steps`` Adam steps on random batches of ``data``; returns the last loss."""
     rng = random.Random(seed)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     loss = torch.tensor(0.0)
     for _ in range(steps):
-        rows = rng.sample(data, min(batch, len(data)))
+        loss = batch_loss(rng.sample(data, min(batch, len(data))), rng)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return float(loss.detach())
+
+
+def sft(model: CausalLM, data: list[Prompt], tok: CharTokenizer, steps: int, batch: int, lr: float,
+        seed: int) -> float:
+    """``steps`` Adam steps of answer-token cross-entropy; returns the last loss."""
+
+    def batch_loss(rows: list[Prompt], rng: random.Random) -> torch.Tensor:
         seqs = [list(p.ids) + tok.encode(p.ground_truth) + [EOS] for p in rows]
         x = _pad_right(seqs)
         target = x[:, 1:].clone()
@@ -42,12 +54,10 @@ def sft(model: CausalLM, data: list[Prompt], tok: CharTokenizer, steps: int, bat
             target[i, : len(p.ids) - 1] = -100
         target[target == PAD] = -100
         logits = model(x)[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                                  ignore_index=-100)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return float(loss.detach())
+
+    return _adam_loop(model, data, steps, batch, lr, seed, batch_loss)
 
 
 def _corrupt(answer: str, rng: random.Random) -> str:
@@ -65,22 +75,17 @@ def _corrupt(answer: str, rng: random.Random) -> str:
 def train_verifier(model: CausalLM, data: list[Prompt], tok: CharTokenizer, steps: int, batch: int, lr: float,
                    seed: int) -> float:
     """Regress the score at the last token to 1 for correct answers, 0 for corrupted ones."""
-    rng = random.Random(seed)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    loss = torch.tensor(0.0)
-    for _ in range(steps):
-        rows = rng.sample(data, min(batch, len(data)))
+
+    def batch_loss(rows: list[Prompt], rng: random.Random) -> torch.Tensor:
         labels = [rng.random() < 0.5 for _ in rows]
         seqs = [list(p.ids) + tok.encode(p.ground_truth if ok else _corrupt(p.ground_truth, rng)) + [EOS]
                 for p, ok in zip(rows, labels, strict=True)]
         values = model(_pad_right(seqs))
         last = torch.tensor([len(s) - 1 for s in seqs])
         score = values[torch.arange(len(seqs)), last]
-        loss = ((score - torch.tensor(labels, dtype=torch.float32)) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return float(loss.detach())
+        return ((score - torch.tensor(labels, dtype=torch.float32)) ** 2).mean()
+
+    return _adam_loop(model, data, steps, batch, lr, seed, batch_loss)
 
 
 def value_model_from(actor: CausalLM, cfg: ModelConfig) -> CausalLM:
