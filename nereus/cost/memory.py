@@ -91,15 +91,15 @@ def stage_params(arch: ModelArch, layout: Layout, value_head: bool) -> float:
     return layers + ends + arch.hidden
 
 
-def training_state_bytes(params: float, layout: Layout, grad_bytes: int) -> dict[str, float]:
+def training_state_bytes(params: float, layout: Layout, grad_bytes: int, weight_bytes: int = BF16) -> dict[str, float]:
     """Weights (bf16), gradient buffers and Adam state per device; ZeRO-1 shards the optimizer over DP
     (Rajbhandari et al. 2020, Sec. 5.1: P_os); FSDP / ZeRO-3 shards all three (P_os+g+p)."""
     if layout.fsdp:
         return {k: v / layout.dp for k, v in training_state_bytes(params, replace(layout, fsdp=False, zero1=False),
-                                                                  grad_bytes).items()}
+                                                                  grad_bytes, weight_bytes).items()}
     shard = layout.dp if layout.zero1 else 1
     return {
-        "weights": params * BF16,
+        "weights": params * weight_bytes,
         "gradients": params * grad_bytes,
         "optimizer": params * OPTIMIZER_BYTES_PER_PARAM / shard,
     }

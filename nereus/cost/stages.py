@@ -158,7 +158,8 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
     per_update_terms["optimizer"] = hw.hbm_time(params * (FP32 + BF16 + 6 * FP32 / shard))
     updates = alg.mini_batches * alg.epochs
     terms = {k: updates * t for k, t in per_update_terms.items()}
-    state = training_state_bytes(stage_params(arch, layout, value_head), layout, opts.grad_bytes)
+    state = training_state_bytes(stage_params(arch, layout, value_head), layout, opts.grad_bytes,
+                                 opts.weight_bytes)
     # 1F1B keeps p micro-batches in flight on the first stage; interleaving adds (p−1)/(p·v) of them
     # (Korthikanti et al. 2022, Sec. 4.2.3).
     in_flight = 1.0 if p == 1 else min(m, p) * (1 + (p - 1) / (p * v) if v > 1 else 1.0)
@@ -212,7 +213,7 @@ def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -
     one = _layer_pass(hw, arch, _tp_only(layout), seq, mbs, job.options.attention)
     head = _head_pass(hw, arch, layout.tp, tokens, value_head)
     fill = m + p - 1  # a forward-only pipeline (GPipe) fills and drains once
-    weights = stage_params(arch, layout, value_head) * BF16
+    weights = stage_params(arch, layout, value_head) * job.options.weight_bytes
     terms = {
         "compute": fill * hw.compute_time(layers * one.flops) + m * hw.compute_time(head.flops),
         "memory": fill * hw.hbm_time(layers * one.hbm_bytes) + m * hw.hbm_time(head.hbm_bytes),
@@ -248,7 +249,7 @@ def generation_cost(
         return None
     b = math.ceil(total / layout.dp)
     tp, p = layout.tp, layout.pp
-    weights = stage_params(arch, layout, False) * BF16
+    weights = stage_params(arch, layout, False) * job.options.weight_bytes
     kv_split = p * min(tp, arch.kv_heads)  # KV heads beyond TP are replicated
     kv_token = arch.kv_bytes_per_token() / kv_split
     budget = (hw.usable_bytes() - weights - others_resident) * hw.priors.kv_memory_fraction

@@ -40,6 +40,11 @@ WEIGHTS = StateKind("weights", "bfloat16", BF16, ("weight",))
 OPTIMIZER = StateKind("optimizer", "float32", OPTIMIZER_BYTES_PER_PARAM, ("master", "exp_avg", "exp_avg_sq"))
 
 
+def weights_kind(weight_bytes: int) -> StateKind:
+    """Weights as the job computes in them (``options.weight_bytes``: bf16 on GPUs, fp32 on CPU workers)."""
+    return WEIGHTS if weight_bytes == BF16 else StateKind("weights", "float32", weight_bytes, ("weight",))
+
+
 def grads_kind(grad_bytes: int) -> StateKind:
     return StateKind("grads", "float32" if grad_bytes == 4 else "bfloat16", grad_bytes, ("main_grad",), False)
 
@@ -48,9 +53,10 @@ def placement_states(job: JobSpec, p: Placement) -> tuple[tuple[StateKind, bool]
     """(state, sharded over DP) held by a placement: weights always (sharded under FSDP); training adds
     the optimizer state (sharded under ZeRO-1 or FSDP) and gradient buffers (sharded under FSDP)."""
     lay = p.layout
+    weights = weights_kind(job.options.weight_bytes)
     if p.model_stage.stage != "training":
-        return ((WEIGHTS, lay.fsdp),)
-    return ((WEIGHTS, lay.fsdp), (OPTIMIZER, lay.zero1 or lay.fsdp), (grads_kind(job.options.grad_bytes), lay.fsdp))
+        return ((weights, lay.fsdp),)
+    return ((weights, lay.fsdp), (OPTIMIZER, lay.zero1 or lay.fsdp), (grads_kind(job.options.grad_bytes), lay.fsdp))
 
 
 @dataclass(frozen=True)

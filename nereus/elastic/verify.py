@@ -21,7 +21,7 @@ from collections import defaultdict
 
 from nereus.cost.hardware import Hardware
 from nereus.elastic.boxes import BoxSet, intersect_sets, set_contains, set_volume, subtract
-from nereus.elastic.emu import OPTIMIZER, WEIGHTS, build_emus, grads_kind
+from nereus.elastic.emu import OPTIMIZER, build_emus, grads_kind, weights_kind
 from nereus.elastic.graph import TransitionGraph
 from nereus.elastic.groups import TensorGroup
 from nereus.elastic.schedule import Links, Schedule, memory_effects, op_timing
@@ -89,7 +89,8 @@ class _Coverage:
         self.new, self.new_sizes = _buffers(job, new)
         self.got: dict[tuple, list[BoxSet]] = defaultdict(list)
         self.problems: list[str] = []
-        self.bpe = {k.name: k.bytes_per_element for k in (WEIGHTS, OPTIMIZER, grads_kind(job.options.grad_bytes))}
+        self.bpe = {k.name: k.bytes_per_element for k in (weights_kind(job.options.weight_bytes), OPTIMIZER,
+                                                           grads_kind(job.options.grad_bytes))}
 
     def record(self, op_id: int, device: int, model: str, state: str, group: TensorGroup, piece: BoxSet,
                dest: BoxSet,

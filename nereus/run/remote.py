@@ -14,7 +14,6 @@ import torch
 from nereus.rl.core import clipped_policy_loss, clipped_value_loss, kl_estimate, masked_mean
 from nereus.runtime.engine import ShardedModel, shard_boxes
 from nereus.runtime.hf import slice_boxes
-from nereus.runtime.parallel.dp import ShardedAdam
 
 # Per-micro-batch loss statistics, appended by the loss functions on the worker and drained by the driver.
 _STATS: list[dict[str, float]] = []
@@ -52,27 +51,29 @@ def write_weights(sm: ShardedModel, state: dict[str, torch.Tensor]) -> bool:
 
 
 def read_optimizer(sm: ShardedModel) -> dict[str, torch.Tensor] | None:
-    """This rank's Adam state (fp32 master shard, moments, step count), or None before the first step."""
+    """This rank's Adam state (fp32 master range of the flat buffer, moments, step count), or None before
+    the first step."""
     opt = sm.optimizer
-    if opt is None or not opt.opt.state:
+    moments = opt.moments() if opt is not None else None
+    if moments is None:
         return None
-    st = opt.opt.state[opt.master]
-    return {"master": opt.master.detach().clone(), "exp_avg": st["exp_avg"].clone(),
-            "exp_avg_sq": st["exp_avg_sq"].clone(), "step": torch.as_tensor(st["step"]).float().reshape(1)}
+    avg, sq, step = moments
+    cat = lambda ts: torch.cat(ts) if ts else torch.zeros(0)  # noqa: E731
+    return {"master": opt.flat_master().clone(), "exp_avg": cat(avg), "exp_avg_sq": cat(sq),
+            "step": torch.tensor([step])}
 
 
 @torch.no_grad()
 def write_optimizer(sm: ShardedModel, state: dict[str, torch.Tensor], lr: float) -> bool:
     """Restore what ``read_optimizer`` returned on the same rank of the same layout."""
-    if sm.optimizer is None:
-        sm.optimizer = ShardedAdam(list(sm.model.parameters()), sm.groups.dp_group, sm.groups.layout.zero1, lr=lr)
-    opt = sm.optimizer
-    if state["master"].shape != opt.master.shape:
+    opt = sm.optimizer or sm.make_optimizer(lr, init_master=False)
+    if state["master"].numel() != opt.hi - opt.lo:
         raise ValueError(f"optimizer shard of {tuple(state['master'].shape)} does not fit this layout's "
-                         f"{tuple(opt.master.shape)}: resume under the layout the checkpoint was written with")
-    opt.master.copy_(state["master"])
-    opt.opt.state[opt.master] = {"step": torch.tensor(float(state["step"][0])),
-                                 "exp_avg": state["exp_avg"].clone(), "exp_avg_sq": state["exp_avg_sq"].clone()}
+                         f"{opt.hi - opt.lo} elements: resume under the layout the checkpoint was written with")
+    sizes = [b - a for _, a, b in opt.segments]
+    split = lambda t: [x.clone() for x in torch.split(t.float(), sizes)]  # noqa: E731
+    opt.install_state(split(state["master"]), split(state["exp_avg"]), split(state["exp_avg_sq"]),
+                      float(state["step"][0]))
     return True
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from nereus.runtime.groups import ParallelGroups
 from nereus.runtime.memory import ActivationMeter, MemoryReport, tensor_bytes
@@ -29,7 +30,7 @@ from nereus.runtime.parallel.tp import (
     reduce_replicated_kv_grads,
     vocab_range,
 )
-from nereus.spec.sharding import Box, model_tensors, rank_tensors, tp_box
+from nereus.spec.sharding import Box, model_tensors, rank_order, rank_tensors, tp_box
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
@@ -53,18 +54,22 @@ def shard_boxes(cfg: ModelConfig, groups: ParallelGroups) -> dict[str, Box]:
 
 class ShardedModel:
     """The shard of ``cfg``'s model that rank ``groups.rank`` holds, loaded from ``tensors`` (name → the
-    local box of ``shard_boxes``, e.g. from ``hf.load_boxes``)."""
+    local box of ``shard_boxes``, e.g. from ``hf.load_boxes``; with ``assign`` they become the parameters
+    themselves)."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, schedule: str = "1f1b") -> None:
+                 dtype: torch.dtype = torch.float32, schedule: str = "1f1b", assign: bool = False) -> None:
         if not groups.member:
             raise ValueError("this rank is not part of the layout")
         lay, c = groups.layout, groups.coords
         self.cfg, self.groups, self.dtype, self.schedule = cfg, groups, dtype, schedule
         model = build_stage(cfg, lay.pp, c.pp, device="meta")
         apply_tp(model, groups.tp_group, lay.tp, c.tp)
-        model.to_empty(device=groups.device)
-        model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+        if assign:  # adopt the given tensors as the parameters (a transition's new buffers): no copy
+            model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True, assign=True)
+        else:
+            model.to_empty(device=groups.device)
+            model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
         model.inv_freq = rope_inv_freq(cfg).to(groups.device)
         self.model: CausalLM = model
         self.vocab_start = vocab_range(cfg.arch, lay.tp, c.tp)[0]
@@ -162,13 +167,41 @@ class ShardedModel:
         emb = self.model.model.embed_tokens
         return emb.weight if emb is not None and self.groups.layout.pp > 1 else None
 
+    def optimizer_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters Adam updates, in the contract's flat order (``sharding.rank_order``). The last
+        stage's ``tied_head`` is not among them: it follows the embedding (``sync_tied_head``)."""
+        named = self.shards()
+        lay, c = self.groups.layout, self.groups.coords
+        order = [n for n, _ in rank_order(self.cfg.arch, lay, c.pp, c.tp, self.cfg.value_head)]
+        if sorted(order) != sorted(named):
+            raise RuntimeError(f"stage {c.pp} holds {sorted(named)}, the contract says {sorted(order)}")
+        return [(n, named[n]) for n in order]
+
+    def make_optimizer(self, lr: float = 1e-3, init_master: bool = True, **adam) -> ShardedAdam:
+        self.optimizer = ShardedAdam(self.optimizer_params(), self.groups.dp_group, self.groups.layout.zero1,
+                                     lr=lr, init_master=init_master, **adam)
+        return self.optimizer
+
     def step(self, lr: float = 1e-3, **adam) -> None:
         """One Adam step on the gradients of ``backward`` (state sharded over DP with ZeRO-1)."""
         if self.optimizer is None:
-            self.optimizer = ShardedAdam(list(self.model.parameters()), self.groups.dp_group,
-                                         self.groups.layout.zero1, lr=lr, **adam)
+            self.make_optimizer(lr, **adam)
+        self.optimizer.set_lr(lr)
         self.optimizer.step()
+        self.sync_tied_head()
         self.record_memory("train", activations=self._activations)
+
+    @torch.no_grad()
+    def sync_tied_head(self) -> None:
+        """Copy the first stage's updated embedding rows to the last stage's ``tied_head`` (both got the
+        same summed gradient; one optimizer state, the embedding's, keeps the contract's flat buffer)."""
+        group = self.groups.embed_group
+        if group is None or not tied_head(self.cfg):
+            return
+        src = self.groups.pp_peer(0)
+        target = self.model.tied_head if self.groups.last_stage else self._embedding_weight()
+        if target is not None:
+            dist.broadcast(target.data, src=src, group=group)
 
     def train_step(self, batch: Batch, loss_fn: LossFn, lr: float = 1e-3) -> list[float]:
         losses = self.backward(batch, loss_fn)

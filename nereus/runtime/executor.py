@@ -1,152 +1,368 @@
-"""Execute a transition graph's weight moves inside one torch.distributed world (issue 6, first piece).
+"""Execute a transition graph on the ranks of one torch.distributed world (graph device ``d`` = rank ``d``).
 
 ``nereus.elastic.build_graph`` plans the move of every model state between two plans as operations per
-device: ``keep`` (a new buffer equal to an old one on the same device), ``copy`` (a local re-slice of old
-buffers), ``send`` (the pieces one device receives from one source, coalesced) and ``commit``. Graph
-device ``d`` is global rank ``d`` of the default group here. Every rank calls ``execute_weights`` with the
-same graph: it reads the operations it takes part in, packs the pieces of each ``send`` into one flat
-buffer per (source, destination) pair, exchanges all of them with one
-``torch.distributed.batch_isend_irecv`` call, re-slices what is local, and returns its new shards (the
-boxes ``rank_tensors`` assigns under the new layout). ``transition_model`` then installs them in a
-``ShardedModel`` built for the new layout.
+device: ``keep`` (a new buffer equal to an old one: handed over, not copied), ``copy`` (a local re-slice),
+``send`` (the pieces one device receives from one source, every model state coalesced, chunked), ``free``
+(after the commit point). Every rank calls ``execute`` with the same graph and its own ``Holdings``:
 
-Only the weights of one model-stage move here: optimizer state, chunking, host detours, rollback and
-memory accounting are later parts of issue 6.
+1. *prepare*: resolve every piece this rank reads or writes against its buffers, then vote (all ranks,
+   over a control group) — a rank that cannot follow the graph aborts the transition before anything moves;
+2. *allocate* the new buffers the graph does not keep, *copy* the local pieces;
+3. *transfer* in rounds: each send is cut at box boundaries (rows) into chunks of at most the graph's
+   ``chunk_bytes``; a round gives each rank at most one outgoing and one incoming chunk (the graph's one
+   egress and one ingress port per device), packed byte-exact into one staging buffer per transfer and
+   exchanged with one ``batch_isend_irecv`` over a dedicated transfer group, with a timeout;
+4. *check* that every new buffer was written whole; the caller installs the new layout and calls
+   ``commit_vote``: only when every rank succeeded does anyone drop the old buffers.
+
+Before the commit vote nothing old is modified (kept buffers are shared read-only, new buffers are fresh),
+so any failure — an exception, a peer that never sends (the wait times out) — leaves every rank able to go
+on training on the old layout (rollback = drop the new buffers). Peak memory is accounted as the bytes of
+the distinct storages alive (old, new, staging) at every phase, comparable with the graph's schedule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from nereus.elastic.graph import TransitionGraph
-from nereus.runtime.engine import ShardedModel, shard_boxes, tied_head
-from nereus.runtime.groups import ParallelGroups
-from nereus.runtime.model import ModelConfig
+from nereus.runtime.holdings import (
+    WEIGHTS,
+    Buffer,
+    BufferKey,
+    Holdings,
+    TransitionExecutionError,
+    extent,
+    storage_bytes,
+)
 from nereus.spec.sharding import Box, box_volume
 
-WEIGHTS = "weights"
-Entry = tuple[str, Box]  # (tensor name, global box of one piece)
+DATA_STATES = ("weights", "optimizer")  # gradient buffers carry nothing across a step boundary
+ALIGN = 8  # bytes: every entry starts aligned in the byte stream so it can be viewed as its dtype
+Entry = tuple[str, str, str, Box, tuple[Box, ...]]  # (model, state, tensor, piece, destination buffer)
 
 
-class TransitionExecutionError(RuntimeError):
-    """The graph and the shards a rank holds disagree (a piece outside a buffer, a buffer left unfilled)."""
+class TransferComm:
+    """The groups a transition talks over: ``transfer`` (point-to-point, the world's backend) and
+    ``control`` (gloo, for the votes). Created once by every rank; ``renew`` replaces the transfer group
+    after a failed transition, whose unmatched messages may still sit in it."""
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.timeout = timedelta(seconds=timeout_s)
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=4 * timeout_s + 30))
+        self.transfer = dist.new_group(timeout=self.timeout)
+
+    def renew(self) -> None:
+        self.transfer = dist.new_group(timeout=self.timeout)
+
+    def vote(self, error: str) -> str:
+        """"" when every rank's ``error`` is "" (collective over the control group), else every failing
+        rank's error, so each rank reports the same cause."""
+        flag = torch.tensor([0 if error else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.control)
+        if flag.item():
+            return ""
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error, group=self.control)
+        return "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
 
 
-def _index(box: Box, origin: Box) -> tuple[slice, ...]:
-    """``box`` (global coordinates) as slices of a tensor holding ``origin``."""
-    out = []
-    for (lo, hi), (o_lo, o_hi) in zip(box, origin, strict=True):
-        if lo < o_lo or hi > o_hi:
-            raise TransitionExecutionError(f"box {box} is outside the buffer {origin}")
-        out.append(slice(lo - o_lo, hi - o_lo))
-    return tuple(out)
+@dataclass
+class Measured:
+    """What one rank measured during a transition (bytes are payload; peak is live storage bytes)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied: int = 0
+    bytes_kept: int = 0
+    rounds: int = 0
+    peak_bytes: int = 0
+    start_bytes: int = 0
+    end_bytes: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
 
 
-def _parts(op, model: str) -> Iterator[tuple]:
-    """The weight pieces of ``model`` an operation carries."""
-    for m, state, part in op.parts:
-        if m == model and state == WEIGHTS:
-            yield from part
+@dataclass
+class NewBuffers:
+    """What a rank needs after the transition: buffer key → component dtypes (one for weights)."""
+
+    needs: dict[BufferKey, tuple[torch.dtype, ...]]
+    device: torch.device = torch.device("cpu")
 
 
-def _single(boxes: tuple[Box, ...], where: str) -> Box:
-    if len(boxes) != 1:
-        raise TransitionExecutionError(f"{where}: weight buffers are one box each, got {boxes}")
-    return boxes[0]
+def _parts(op) -> list[tuple[str, str, tuple]]:
+    return [(m, st, part) for m, st, part in op.parts if st in DATA_STATES]
 
 
-def send_entries(op, model: str) -> list[Entry]:
-    """The (tensor, box) pieces of a ``send`` op in the order both ends pack them."""
-    return [(name, box) for group, piece, _dest in _parts(op, model) for name in group.names for box in piece]
+def send_entries(op) -> list[Entry]:
+    """The pieces of a ``send`` op in the order both ends pack them."""
+    return [(m, st, name, box, dest) for m, st, part in _parts(op) for group, piece, dest in part
+            for name in group.names for box in piece]
 
 
-def execute_weights(graph: TransitionGraph, model: str, old: dict[str, torch.Tensor] | None,
-                    old_boxes: dict[str, Box] | None, new_boxes: dict[str, Box] | None,
-                    dtype: torch.dtype = torch.float32,
-                    device: torch.device | None = None) -> dict[str, torch.Tensor] | None:
-    """Move this rank's part of ``model``'s weights as ``graph`` says.
+def element_bytes(model_dtypes: dict[str, torch.dtype], model: str, state: str) -> int:
+    """Bytes per element of a state on the wire: all components of it."""
+    if state == WEIGHTS:
+        return torch.empty(0, dtype=model_dtypes[model]).element_size()
+    return 3 * 4  # fp32 master, exp_avg, exp_avg_sq
 
-    ``old``/``old_boxes``: this rank's shards and their global boxes under the old layout (None when the
-    rank holds none); ``new_boxes``: the boxes it holds under the new layout (None when none). Returns the
-    new shards by name (None when the rank is outside the new layout). Collective over the default group
-    only in that every rank taking part in a ``send`` must call it.
-    """
-    me = dist.get_rank()
-    old, old_boxes = old or {}, old_boxes or {}
-    device = device or torch.device("cpu")
-    new = {name: torch.empty(tuple(hi - lo for lo, hi in box), dtype=dtype, device=device)
-           for name, box in (new_boxes or {}).items()}
-    written = dict.fromkeys(new, 0)
 
-    def put(name: str, box: Box, value: torch.Tensor) -> None:
-        if name not in new:
-            raise TransitionExecutionError(f"rank {me}: the graph writes {name}, which the new layout does not "
-                                           "place here")
-        new[name][_index(box, new_boxes[name])] = value
-        written[name] += box_volume(box)
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
-    def take(name: str, box: Box) -> torch.Tensor:
-        if name not in old:
-            raise TransitionExecutionError(f"rank {me}: the graph reads {name}, which the old layout does not "
-                                           "place here")
-        return old[name][_index(box, old_boxes[name])]
 
-    sends, recvs = [], []
+def _split_rows(box: Box, rows: int) -> list[Box]:
+    """``box`` cut along its first dimension into blocks of at most ``rows`` rows (each again a box)."""
+    lo, hi = box[0]
+    return [((a, min(a + rows, hi)), *box[1:]) for a in range(lo, hi, rows)]
+
+
+def chunk_entries(entries: list[Entry], sizes: dict[tuple[str, str], int], chunk: int) -> list[list[Entry]]:
+    """Entries cut at row boundaries and packed greedily into chunks of at most ``chunk`` bytes (a single
+    row larger than a chunk travels alone). Deterministic, so both ends agree."""
+    out: list[list[Entry]] = [[]]
+    used = 0
+    for m, st, name, box, dest in entries:
+        per_row = sizes[(m, st)] * box_volume(box) // max(1, box[0][1] - box[0][0])
+        for sub in _split_rows(box, max(1, chunk // max(1, per_row))):
+            n = _align(sizes[(m, st)] * box_volume(sub))
+            if out[-1] and used + n > chunk:
+                out.append([])
+                used = 0
+            out[-1].append((m, st, name, sub, dest))
+            used += n
+    return [c for c in out if c]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int
+    dst: int
+    entries: tuple[Entry, ...]
+    nbytes: int
+
+
+def plan_rounds(graph: TransitionGraph, model_dtypes: dict[str, torch.dtype]) -> list[list[Transfer]]:
+    """Every chunk of every send, in rounds where a rank sends at most one chunk and receives at most one
+    (list scheduling in the graph's op order; the same on every rank)."""
+    sizes = {}
+    next_send: dict[int, int] = {}
+    next_recv: dict[int, int] = {}
+    rounds: list[list[Transfer]] = []
     for op in graph.ops:
-        if op.kind == "keep" and op.device == me:
-            for group, bufs in _parts(op, model):
-                box = _single(bufs, "keep")
-                for name in group.names:
-                    put(name, box, take(name, box))
-        elif op.kind == "copy" and op.device == me:
-            for group, piece, _src, _dest in _parts(op, model):
-                for name in group.names:
-                    for box in piece:
-                        put(name, box, take(name, box))
-        elif op.kind == "send" and me in (op.device, op.peer) and op.device != op.peer:
-            entries = send_entries(op, model)
-            if not entries:
-                continue
-            if op.device == me:
-                flat = torch.cat([take(n, b).reshape(-1) for n, b in entries]).to(dtype).contiguous()
-                sends.append(dist.P2POp(dist.isend, flat, op.peer))
-            else:
-                flat = torch.empty(sum(box_volume(b) for _, b in entries), dtype=dtype, device=device)
-                recvs.append((dist.P2POp(dist.irecv, flat, op.device), entries))
-    p2p = sends + [r for r, _ in recvs]
-    if p2p:
-        for work in dist.batch_isend_irecv(p2p):
-            work.wait()
-    for recv, entries in recvs:
+        if op.kind != "send" or op.device == op.peer:
+            continue
+        entries = send_entries(op)
+        for m, st, *_ in entries:
+            sizes.setdefault((m, st), element_bytes(model_dtypes, m, st))
+        for chunk in chunk_entries(entries, sizes, graph.chunk_bytes):
+            nbytes = sum(_align(sizes[(m, st)] * box_volume(b)) for m, st, _, b, _ in chunk)
+            r = max(next_send.get(op.device, 0), next_recv.get(op.peer, 0))
+            while len(rounds) <= r:
+                rounds.append([])
+            rounds[r].append(Transfer(op.device, op.peer, tuple(chunk), nbytes))
+            next_send[op.device] = next_recv[op.peer] = r + 1
+    return rounds
+
+
+FAULTS = ("prepare", "transfer", "install")  # where a test may inject a failure on one rank
+
+
+class Execution:
+    """One rank's part of one transition (see the module docstring). ``run`` returns what ``install``
+    built from the new buffers once every rank voted to commit; otherwise it raises
+    ``TransitionExecutionError`` on every rank and the old buffers are untouched."""
+
+    def __init__(self, graph: TransitionGraph, old: Holdings, new: NewBuffers, comm: TransferComm,
+                 model_dtypes: dict[str, torch.dtype], fault: str | None = None,
+                 resident: list[torch.Tensor] | None = None) -> None:
+        self.graph, self.old, self.new, self.comm = graph, old, new, comm
+        self.dtypes, self.fault = model_dtypes, fault
+        self.resident = list(resident or [])  # other tensors alive throughout (counted in the peak)
+        self.me = dist.get_rank()
+        self.out = Holdings()
+        self.measured = Measured()
+        self._staging: list[torch.Tensor] = []
+
+    # ----- bookkeeping ----------------------------------------------------------------------------
+    def _sample(self) -> int:
+        tensors = [c for h in (self.old, self.out) for b in h.buffers.values() for c in b.comps]
+        live = storage_bytes(tensors + self.resident + self._staging)
+        self.measured.peak_bytes = max(self.measured.peak_bytes, live)
+        return live
+
+    def _timed(self, phase: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.measured.seconds[phase] = self.measured.seconds.get(phase, 0.0) + now - t0
+        return now
+
+    def _inject(self, phase: str) -> None:
+        if self.fault == phase:
+            raise TransitionExecutionError(f"rank {self.me}: injected failure in phase {phase!r}")
+
+    # ----- phases ---------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Hand kept buffers over and check every piece this rank touches resolves to a buffer."""
+        if self.graph.detours:
+            raise TransitionExecutionError("memory detours through host memory are not executed yet: the graph "
+                                           f"needs {len(self.graph.detours)}")
+        for op in self.graph.ops:
+            if op.kind == "keep" and op.device == self.me:
+                for m, st, part in _parts(op):
+                    for group, bufs in part:
+                        for name in group.names:
+                            key = (m, st, name, tuple(bufs))
+                            if key not in self.new.needs:
+                                raise TransitionExecutionError(f"rank {self.me}: the graph keeps {key}, which the "
+                                                               "new layout does not place here")
+                            src = self.old.get(key)
+                            self.out.buffers[key] = Buffer(src.boxes, src.comps, written=src.numel)
+                            self.measured.bytes_kept += sum(c.nbytes for c in src.comps)
+            elif op.kind == "copy" and op.device == self.me:
+                for m, st, part in _parts(op):
+                    for group, piece, _src, dest in part:
+                        for name in group.names:
+                            self._check_dest((m, st, name, tuple(dest)))
+                            for box in piece:
+                                self.old.find(m, st, name, box)
+        for rnd in plan_rounds(self.graph, self.dtypes):
+            for t in rnd:
+                for m, st, name, box, dest in t.entries:
+                    if t.src == self.me:
+                        self.old.find(m, st, name, box)
+                    if t.dst == self.me:
+                        self._check_dest((m, st, name, tuple(dest)))
+        self._inject("prepare")
+
+    def _check_dest(self, key: BufferKey) -> None:
+        if key not in self.new.needs:
+            raise TransitionExecutionError(f"rank {self.me}: the graph writes {key}, which the new layout does not "
+                                           "place here")
+
+    def allocate_and_copy(self) -> None:
+        for key, dtypes in self.new.needs.items():
+            if key not in self.out.buffers:
+                n = sum(box_volume(b) for b in key[3])
+                self.out.buffers[key] = Buffer(key[3], tuple(torch.empty(n, dtype=d, device=self.new.device)
+                                                             for d in dtypes))
+        self._sample()
+        for op in self.graph.ops:
+            if op.kind == "copy" and op.device == self.me:
+                for m, st, part in _parts(op):
+                    for group, piece, _src, dest in part:
+                        for name in group.names:
+                            buf = self.out.get((m, st, name, tuple(dest)))
+                            for box in piece:
+                                for d, s in zip(buf.view(box), self.old.find(m, st, name, box), strict=True):
+                                    d.copy_(s)
+                                    self.measured.bytes_copied += s.nbytes
+                                buf.written += box_volume(box)
+
+    def _pack(self, t: Transfer) -> torch.Tensor:
+        flat = torch.empty(t.nbytes, dtype=torch.uint8, device=self.new.device)
         offset = 0
-        for name, box in entries:
-            n = box_volume(box)
-            put(name, box, recv.tensor[offset: offset + n].view(tuple(hi - lo for lo, hi in box)))
-            offset += n
-    for name, box in (new_boxes or {}).items():
-        if written[name] != box_volume(box):
-            raise TransitionExecutionError(f"rank {me}: {name} {box}: the graph wrote {written[name]} of "
-                                           f"{box_volume(box)} elements")
-    return new if new_boxes is not None else None
+        for m, st, name, box, _dest in t.entries:
+            start = offset
+            for src in self.old.find(m, st, name, box):
+                n = src.numel() * src.element_size()
+                flat[offset: offset + n].view(src.dtype).view(src.shape).copy_(src)
+                offset += n
+            offset = start + _align(offset - start)
+        return flat
+
+    def _unpack(self, t: Transfer, flat: torch.Tensor) -> None:
+        offset = 0
+        for m, st, name, box, dest in t.entries:
+            start = offset
+            buf = self.out.get((m, st, name, tuple(dest)))
+            for d in buf.view(box):
+                n = d.numel() * d.element_size()
+                d.copy_(flat[offset: offset + n].view(d.dtype).view(d.shape))
+                offset += n
+            buf.written += box_volume(box)
+            offset = start + _align(offset - start)
+
+    def transfer(self) -> None:
+        for rnd in plan_rounds(self.graph, self.dtypes):
+            mine = [t for t in rnd if self.me in (t.src, t.dst)]
+            if not mine:
+                continue
+            self._inject("transfer")
+            ops, recvs = [], []
+            for t in mine:
+                if t.src == self.me:
+                    self._staging.append(self._pack(t))
+                    ops.append(dist.P2POp(dist.isend, self._staging[-1], t.dst, group=self.comm.transfer))
+                    self.measured.bytes_sent += t.nbytes
+                else:
+                    self._staging.append(torch.empty(t.nbytes, dtype=torch.uint8, device=self.new.device))
+                    ops.append(dist.P2POp(dist.irecv, self._staging[-1], t.src, group=self.comm.transfer))
+                    recvs.append((t, self._staging[-1]))
+                    self.measured.bytes_received += t.nbytes
+            self._sample()
+            for work in dist.batch_isend_irecv(ops):
+                work.wait(self.comm.timeout)
+            for t, flat in recvs:
+                self._unpack(t, flat)
+            self._staging.clear()
+            self.measured.rounds += 1
+
+    def check_written(self) -> None:
+        for key, buf in self.out.buffers.items():
+            if buf.written != buf.numel:
+                raise TransitionExecutionError(f"rank {self.me}: {key} got {buf.written} of {buf.numel} elements")
+
+    # ----- the whole transition -------------------------------------------------------------------
+    def run(self, install):
+        """Prepare, vote, move, check, ``install(new_holdings)``, vote to commit. Returns install's result."""
+        m = self.measured
+        m.start_bytes = self._sample()
+        t0 = time.perf_counter()
+        err = ""
+        try:
+            self.prepare()
+        except Exception as exc:  # noqa: BLE001 - any failure must reach the vote, not hang the others
+            err = f"{type(exc).__name__}: {exc}"
+        t0 = self._timed("prepare", t0)
+        m.error = self.comm.vote(err)
+        if m.error:
+            self.out = Holdings()
+            raise TransitionExecutionError(f"transition aborted before any transfer: {m.error}")
+        result = None
+        try:
+            self.allocate_and_copy()
+            t0 = self._timed("copy", t0)
+            self.transfer()
+            t0 = self._timed("transfer", t0)
+            self.check_written()
+            result = install(self.out)
+            self._inject("install")
+        except Exception as exc:  # noqa: BLE001
+            err = f"{type(exc).__name__}: {exc}"
+        t0 = self._timed("install", t0)
+        self._staging.clear()
+        m.error = self.comm.vote(err)
+        self._timed("commit_vote", t0)
+        if m.error:
+            self.out = Holdings()
+            raise TransitionExecutionError(f"transition rolled back, the old layout stays: {m.error}")
+        return result
+
+    def finish(self) -> None:
+        """After commit, once the caller dropped the old layout: the resident bytes now."""
+        self.old = Holdings()
+        self.measured.end_bytes = self._sample()
 
 
-def transition_model(cfg: ModelConfig, graph: TransitionGraph, model: str, old: ShardedModel | None,
-                     new_groups: ParallelGroups, dtype: torch.dtype = torch.float32,
-                     schedule: str = "1f1b") -> ShardedModel | None:
-    """``old`` (this rank's shard under the old layout, None outside it) moved to the layout of
-    ``new_groups`` (created by every rank beforehand, as ``ParallelGroups`` requires): the new shard, or
-    None on ranks outside the new layout. Every rank passes the same ``dtype`` (the shards' dtype)."""
-    for lay in ([old.groups.layout] if old is not None else []) + [new_groups.layout]:
-        if tied_head(cfg) and lay.pp > 1:
-            raise ValueError("this executor does not move a tied embedding's last-stage copy (tied_head) yet")
-    old_shards = old.shards() if old is not None else None
-    old_boxes = shard_boxes(cfg, old.groups) if old is not None else None
-    new_boxes = shard_boxes(cfg, new_groups) if new_groups.member else None
-    with torch.no_grad():
-        tensors = execute_weights(graph, model, old_shards, old_boxes, new_boxes, dtype, new_groups.device)
-    if tensors is None:
-        return None
-    return ShardedModel(cfg, new_groups, tensors, dtype=dtype, schedule=schedule)
+def new_tensor(buf: Buffer, box: Box) -> torch.Tensor:
+    """A weight buffer's data shaped as its (single) box."""
+    return buf.comps[0].view(extent(box))

@@ -80,7 +80,9 @@ class ParallelGroups:
         mine = None
         me = dist.get_rank()
         for members in self._members(kind):
-            group = dist.new_group(members, timeout=timeout)  # collective over the whole world
+            # collective over the whole world; unsorted, so a rank's place in the group is its coordinate
+            # (TP shards gather in TP order, ZeRO ranges follow the DP coordinate as the contract says)
+            group = dist.new_group(members, timeout=timeout, sort_ranks=False)
             if me in members:
                 mine = group
         return mine

@@ -87,6 +87,7 @@ class Options:
     micro_batch_size: int | str = "auto"
     attention: str = "flash"  # "standard" materialises the s×s scores (Megatron 2021)
     grad_bytes: int = 4  # fp32 gradient accumulation buffers (Megatron main_grad)
+    weight_bytes: int = 2  # bf16 weights on GPUs; 4 where the runtime computes in fp32 (CPU workers)
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,7 @@ def _read_options(f: Fields) -> Options:
         micro_batch_size=auto_or_int("micro_batch_size"),
         attention=f.get("attention", str, "flash", choices=["flash", "standard"]),
         grad_bytes=f.get("grad_bytes", int, 4, choices=[2, 4]),
+        weight_bytes=f.get("weight_bytes", int, 2, choices=[2, 4]),
     )
     f.finish()
     return opts
