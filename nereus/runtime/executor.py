@@ -56,9 +56,23 @@ class TransferComm:
         self.timeout = timedelta(seconds=timeout_s)
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=4 * timeout_s + 30))
         self.transfer = dist.new_group(timeout=self.timeout)
+        self.abandoned: list = []
 
     def renew(self) -> None:
+        self.abandoned.append(self.transfer)
         self.transfer = dist.new_group(timeout=self.timeout)
+
+    def wait(self, works: list) -> None:
+        """Wait for point-to-point work, each at most the transfer timeout (a peer that failed never
+        sends). Work given up on is kept alive, with its buffers, so the backend never writes into freed
+        memory."""
+        for i, w in enumerate(works):
+            try:
+                w.wait(self.timeout)
+            except Exception as exc:
+                self.abandoned.extend(works[i:])
+                raise TransitionExecutionError(f"a transfer did not complete within {self.timeout.total_seconds():g}"
+                                               f" s (a peer failed or hangs): {str(exc)[:200]}") from None
 
     def vote(self, error: str) -> str:
         """"" when every rank's ``error`` is "" (collective over the control group), else every failing
@@ -309,8 +323,7 @@ class Execution:
                     recvs.append((t, self._staging[-1]))
                     self.measured.bytes_received += t.nbytes
             self._sample()
-            for work in dist.batch_isend_irecv(ops):
-                work.wait(self.comm.timeout)
+            self.comm.wait(dist.batch_isend_irecv(ops))
             for t, flat in recvs:
                 self._unpack(t, flat)
             self._staging.clear()
@@ -342,8 +355,17 @@ class Execution:
             self.allocate_and_copy()
             t0 = self._timed("copy", t0)
             self.transfer()
-            t0 = self._timed("transfer", t0)
             self.check_written()
+        except Exception as exc:  # noqa: BLE001
+            err = f"{type(exc).__name__}: {exc}"
+        t0 = self._timed("transfer", t0)
+        self._staging.clear()
+        # every rank has its new buffers before anyone installs: installing talks over the new groups
+        m.error = self.comm.vote(err)
+        if m.error:
+            self.out = Holdings()
+            raise TransitionExecutionError(f"transition rolled back, the old layout stays: {m.error}")
+        try:
             result = install(self.out)
             self._inject("install")
         except Exception as exc:  # noqa: BLE001

@@ -107,7 +107,25 @@ def _adam_facts(old: dict[str, ShardedModel], specs: list[KeySpec], comm: Transf
     return out
 
 
-def _install(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict[str, tuple], schedule: str):
+def _fill_tied_heads(models: list[ShardedModel], comm: TransferComm) -> None:
+    """Each first pipeline stage sends its (new) embedding rows to its last stage's ``tied_head``:
+    point to point with the transfer timeout, so a failed peer cannot hang the install."""
+    ops = []
+    for sm in models:
+        g = sm.groups
+        if g.embed_group is None or not (sm.cfg.arch.tied_embeddings and not sm.cfg.value_head):
+            continue
+        if g.first_stage:
+            ops.append(dist.P2POp(dist.isend, sm.model.model.embed_tokens.weight.data, g.pp_peer(g.layout.pp - 1),
+                                  group=comm.transfer))
+        if g.last_stage:
+            ops.append(dist.P2POp(dist.irecv, sm.model.tied_head.data, g.pp_peer(0), group=comm.transfer))
+    if ops:
+        comm.wait(dist.batch_isend_irecv(ops))
+
+
+def _install(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict[str, tuple], schedule: str,
+             comm: TransferComm):
     def install(h: Holdings) -> dict[str, ShardedModel]:
         models = {}
         for s in specs:
@@ -127,8 +145,7 @@ def _install(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict
                 opt.install_state([b.comps[0] for b in bufs], [b.comps[1] for b in bufs],
                                   [b.comps[2] for b in bufs], step)
             models[s.key] = sm
-        for sm in models.values():  # same key order on every rank: the broadcasts pair up
-            sm.sync_tied_head()
+        _fill_tied_heads(list(models.values()), comm)
         return models
     return install
 
@@ -150,7 +167,7 @@ def transition_keys(graph: TransitionGraph, old: dict[str, ShardedModel], old_sp
     resident = [sm.model.tied_head for sm in old.values() if sm.model.tied_head is not None]
     device = next((g.device for g in new_groups.values()), torch.device("cpu"))
     ex = Execution(graph, held, NewBuffers(new_needs(new_specs, new_groups), device), comm, dtypes, fault, resident)
-    models = ex.run(_install(new_specs, new_groups, adam, schedule))
+    models = ex.run(_install(new_specs, new_groups, adam, schedule, comm))
     ex.resident = [sm.model.tied_head for sm in models.values() if sm.model.tied_head is not None]
     ex.finish()
     return models, ex.measured
