@@ -129,17 +129,13 @@ class Stepper:
         return [s for part in self.rt.apply(key, remote.drain_stats) if part for s in part]
 
     def sync(self) -> None:
-        """Interim weight sync (see ``remote``): whole tensors from the training layout to the others."""
+        """Each trained model's new weights from its training layout to its other layouts, by the live
+        transition executor (``Runtime.sync_weights``): shards that coincide on a worker are shared, the
+        rest move point to point between workers."""
         with self.timer("sync_weights"):
             for model in ("actor", "critic"):
-                if not self.has(model):
-                    continue
-                src = self.key[model, "training"]
-                targets = {p.key for p in self.placed if p.model == model and p.key != src}
-                if targets:
-                    state = remote.assemble(self.rt.apply(src, remote.read_shards))
-                    for t in sorted(targets):
-                        self.rt.apply(t, remote.write_weights, state)
+                if self.has(model):
+                    self.rt.sync_weights(model, self.job)
 
     # ----- one step -----------------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:

@@ -1,10 +1,6 @@
-"""Functions that run on the workers through ``Runtime.apply``: read a layout's shards, write whole weights
-into another layout's shards, read and write the Adam state, and the PPO/GRPO losses with their statistics.
-
-Weight sync is interim: the actor's training shards are gathered to the driver as whole tensors and
-every worker of the generation layout cuts its boxes from them (``hf.slice_boxes``, the same box
-arithmetic that loads checkpoints). It is exact and moves the whole model through the driver; the
-transition graph's box-to-box transfers (nereus/elastic) replace it when their executor lands.
+"""Functions that run on the workers through ``Runtime.apply``: read a layout's shards (checkpoints), read
+and write the Adam state, and the PPO/GRPO losses with their statistics. Weights move between layouts
+through the live transition executor (``Runtime.sync_weights``, ``Runtime.transition``), not through here.
 """
 
 from __future__ import annotations
@@ -13,7 +9,6 @@ import torch
 
 from nereus.rl.core import clipped_policy_loss, clipped_value_loss, kl_estimate, masked_mean
 from nereus.runtime.engine import ShardedModel, shard_boxes
-from nereus.runtime.hf import slice_boxes
 
 # Per-micro-batch loss statistics, appended by the loss functions on the worker and drained by the driver.
 _STATS: list[dict[str, float]] = []
@@ -40,14 +35,6 @@ def assemble(parts: list[dict | None]) -> dict[str, torch.Tensor]:
         for name, (box, t) in part.items():
             full[name][tuple(slice(lo, hi) for lo, hi in box)] = t
     return full
-
-
-@torch.no_grad()
-def write_weights(sm: ShardedModel, state: dict[str, torch.Tensor]) -> bool:
-    """Overwrite this rank's shard with its boxes of whole ``state`` (no optimizer state is touched)."""
-    tensors = slice_boxes(state, shard_boxes(sm.cfg, sm.groups))
-    sm.model.load_state_dict({k: v.to(sm.dtype) for k, v in tensors.items()}, strict=True)
-    return True
 
 
 def read_optimizer(sm: ShardedModel) -> dict[str, torch.Tensor] | None:

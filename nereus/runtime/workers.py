@@ -16,6 +16,7 @@ from pathlib import Path
 import ray
 import torch
 
+from nereus.runtime.live import KeySpec
 from nereus.runtime.model import ModelConfig
 from nereus.spec.layout import Layout
 
@@ -62,6 +63,58 @@ class Worker:
         tensors = load_boxes(checkpoint, boxes) if checkpoint else slice_boxes(state, boxes)
         self.models[key] = ShardedModel(cfg, groups, tensors, getattr(torch, dtype), schedule)
         return True
+
+    def init_comm(self, timeout_s: float) -> bool:
+        from nereus.runtime.executor import TransferComm
+
+        self.comm = TransferComm(timeout_s)
+        return True
+
+    def prepare_groups(self, specs: list) -> bool:
+        """The process groups of every key of a coming transition, created ahead (collective: every
+        worker, same order); a key whose layout and workers do not change keeps its groups."""
+        from nereus.runtime.engine import tied_head
+        from nereus.runtime.groups import ParallelGroups
+
+        self.pending = {}
+        for s in specs:
+            cur = self.groups.get(s.key)
+            if cur is not None and (cur.layout, tuple(cur.ranks)) == (s.layout, tuple(s.ranks)):
+                self.pending[s.key] = cur
+            else:
+                self.pending[s.key] = ParallelGroups(s.layout, list(s.ranks), tied_embeddings=tied_head(s.cfg))
+        return True
+
+    def transition(self, graph: object, old_specs: list, new_specs: list, fault: str | None = None,
+                   sources: list | None = None) -> dict:
+        """Replace the keys of ``old_specs`` by ``new_specs``, state moved as ``graph`` plans (groups from
+        ``prepare_groups``) from the keys of ``sources`` (default ``old_specs``; a weight sync reads the
+        training key only). On failure every worker keeps its old shards and reports the error."""
+        import time
+
+        from nereus.runtime.live import transition_keys
+
+        t0 = time.perf_counter()
+        sources = old_specs if sources is None else sources
+        old = {s.key: self.models[s.key] for s in sources if s.key in self.models}
+        pending, self.pending = self.pending, {}
+        try:
+            models, measured = transition_keys(graph, old, sources, new_specs, pending, self.comm, fault)
+        except Exception as exc:  # noqa: BLE001 - reported to the driver; the old layout stays
+            for key, g in pending.items():
+                if g is not self.groups.get(key):
+                    g.destroy()
+            self.comm.renew()
+            return {"ok": False, "error": str(exc), "wall_s": time.perf_counter() - t0}
+        keep = {id(g) for g in pending.values()}
+        for s in old_specs:
+            self.models.pop(s.key, None)
+            g = self.groups.pop(s.key, None)
+            if g is not None and id(g) not in keep:
+                g.destroy()
+        self.models.update(models)
+        self.groups.update(pending)
+        return {"ok": True, "error": "", "wall_s": time.perf_counter() - t0, "measured": measured.to_dict()}
 
     def call(self, key: str, op: str, *args: object, **kwargs: object) -> object:
         """Run ``op`` on this worker's shard of ``key``; None on workers outside the layout."""
@@ -115,17 +168,72 @@ class Runtime:
         self.workers = [Worker.options(**opts).remote(r, world) for r in range(world)]
         master, port = ray.get(self.workers[0].address.remote())
         self.backend = ray.get([w.init_dist.remote(master, port, timeout_s) for w in self.workers])[0]
+        ray.get([w.init_comm.remote(min(timeout_s, 120.0)) for w in self.workers])
         self.layouts: dict[str, tuple[Layout, list[int]]] = {}
+        self.specs: dict[str, KeySpec] = {}  # what each key holds, for transitions
+        self._graphs: dict[tuple, object] = {}
 
     def load(self, key: str, cfg: ModelConfig, layout: Layout, ranks: list[int] | None = None,
              checkpoint: str | Path | None = None, state: dict | None = None, dtype: str = "float32",
-             schedule: str = "1f1b") -> None:
+             schedule: str = "1f1b", model: str | None = None, stage: str | None = None) -> None:
         """Place ``cfg``'s model under ``layout`` on workers ``ranks`` (default the first ``layout.world``),
-        each reading its boxes from an HF ``checkpoint`` directory or cutting them from whole ``state``."""
+        each reading its boxes from an HF ``checkpoint`` directory or cutting them from whole ``state``.
+        ``model``/``stage`` name what the key holds in a plan (default: from a key "model/stage")."""
         ranks = list(range(layout.world)) if ranks is None else list(ranks)
         ckpt = str(checkpoint) if checkpoint else None
         ray.get([w.load.remote(key, cfg, layout, ranks, ckpt, state, dtype, schedule) for w in self.workers])
         self.layouts[key] = (layout, ranks)
+        head, _, tail = key.partition("/")
+        self.specs[key] = KeySpec(key, model or head, stage or tail or "inference", cfg, layout, tuple(ranks), dtype)
+
+    # ----- live transitions -----------------------------------------------------------------------
+    def transition(self, new_specs: list[KeySpec], job: object, fault: tuple[str, int] | None = None) -> dict:
+        """Move the keys of ``new_specs`` (all currently loaded) to their new layouts and workers, weights and
+        Adam state, following the transition graph; other keys are untouched. Returns the per-worker
+        measurements; raises ``TransitionExecutionError`` (every worker still on the old layout) on failure.
+        ``fault`` = (phase, worker) injects a failure, for tests."""
+        from nereus.runtime.holdings import TransitionExecutionError
+
+        old_specs = [self.specs[s.key] for s in new_specs]
+        graph = self._graph(job, old_specs, new_specs)
+        ray.get([w.prepare_groups.remote(new_specs) for w in self.workers])
+        results = ray.get([w.transition.remote(graph, old_specs, new_specs, fault[0] if fault and fault[1] == r
+                                               else None) for r, w in enumerate(self.workers)])
+        if not all(r["ok"] for r in results):
+            raise TransitionExecutionError(next(r["error"] for r in results if not r["ok"]))
+        for s in new_specs:
+            self.specs[s.key] = s
+            self.layouts[s.key] = (s.layout, list(s.ranks))
+        return {"wall_s": max(r["wall_s"] for r in results), "workers": [r["measured"] for r in results],
+                "graph": graph}
+
+    def sync_weights(self, model: str, job: object) -> dict:
+        """The training key's weights to every other key of ``model`` (the per-step training → generation
+        and inference sync), through the same executor: boxes that coincide on a device become one shared
+        tensor, the rest move point to point."""
+        train = next(s for s in self.specs.values() if s.model == model and s.training)
+        others = [s for s in self.specs.values() if s.model == model and not s.training]
+        if not others:
+            return {"wall_s": 0.0}
+        graph = self._graph(job, [train], [train, *others])
+        ray.get([w.prepare_groups.remote([train, *others]) for w in self.workers])
+        results = ray.get([w.transition.remote(graph, [train, *others], [train, *others], None, [train])
+                           for w in self.workers])
+        if not all(r["ok"] for r in results):
+            from nereus.runtime.holdings import TransitionExecutionError
+
+            raise TransitionExecutionError(next(r["error"] for r in results if not r["ok"]))
+        return {"wall_s": max(r["wall_s"] for r in results), "workers": [r["measured"] for r in results]}
+
+    def _graph(self, job: object, old: list[KeySpec], new: list[KeySpec]) -> object:
+        from nereus.elastic.graph import build_graph
+        from nereus.runtime.live import plan_of
+
+        key = (tuple(old), tuple(new))
+        if key not in self._graphs:
+            world = len(self.workers)
+            self._graphs[key] = build_graph(job.with_gpus(world), plan_of(old, world), plan_of(new, world))
+        return self._graphs[key]
 
     def _run(self, key: str, op: str, *args: object, **kwargs: object) -> list:
         _, ranks = self.layouts[key]
@@ -167,6 +275,7 @@ class Runtime:
     def release(self, key: str) -> None:
         ray.get([w.release.remote(key) for w in self.workers])
         self.layouts.pop(key, None)
+        self.specs.pop(key, None)
 
     def shutdown(self) -> None:
         for w in self.workers:

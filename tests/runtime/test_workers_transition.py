@@ -1,0 +1,54 @@
+"""Live transitions on the Ray workers: the actor's per-step training → generation weight sync, a layout
+change of both stages at once while training continues, and a failed transition that leaves the job on
+its old layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nereus.runtime.holdings import TransitionExecutionError
+from tests.runtime.live_common import ACTOR, initial_state, job, lay, make_batch, spec
+
+pytestmark = pytest.mark.distributed
+TOL = {"rtol": 1e-4, "atol": 2e-5}
+
+
+def loss(out, mb):  # module level: Ray ships it by reference
+    return -(out * mb["adv"][:, 1:]).mean() + 0.1 * (out**2).mean()
+
+
+def test_sync_transition_and_rollback_on_ray_workers(ray_runtime):
+    rt, j = ray_runtime, job()
+    state = initial_state("actor")
+    train, gen = spec("actor", lay(tp=2, dp=2), [0, 1, 2, 3]), spec("actor", lay(dp=2), [2, 3], stage="generation")
+    rt.load(train.key, ACTOR, train.layout, list(train.ranks), state=state)
+    rt.load(gen.key, ACTOR, gen.layout, list(gen.ranks), state=state)
+    try:
+        tokens = make_batch(ACTOR, 0)["tokens"]
+        rt.train_step(train.key, make_batch(ACTOR, 1), loss, lr=1e-2)
+        stale = rt.logprobs(gen.key, tokens)
+        fresh = rt.logprobs(train.key, tokens)
+        assert not torch.allclose(stale, fresh)  # training moved the weights
+        out = rt.sync_weights("actor", j)
+        assert out["wall_s"] > 0
+        torch.testing.assert_close(rt.logprobs(gen.key, tokens), fresh, **TOL)
+
+        # both stages change layout and workers at once; Adam state moves with the training stage
+        new = [spec("actor", lay(pp=2, dp=2), [3, 2, 1, 0]), spec("actor", lay(tp=4), [0, 1, 2, 3],
+                                                                   stage="generation")]
+        with pytest.raises(TransitionExecutionError, match="injected failure"):
+            rt.transition(new, j, fault=("prepare", 2))
+        torch.testing.assert_close(rt.logprobs(train.key, tokens), fresh, **TOL)  # still the old layout
+        assert rt.layouts[train.key][0] == train.layout
+        result = rt.transition(new, j)
+        assert rt.layouts[train.key][0] == new[0].layout
+        assert sum(w["bytes_received"] for w in result["workers"]) > 0
+        torch.testing.assert_close(rt.logprobs(train.key, tokens), fresh, **TOL)
+        torch.testing.assert_close(rt.logprobs(gen.key, tokens), fresh, **TOL)
+        rt.train_step(train.key, make_batch(ACTOR, 2), loss, lr=1e-2)
+        rt.sync_weights("actor", j)
+        torch.testing.assert_close(rt.logprobs(gen.key, tokens), rt.logprobs(train.key, tokens), **TOL)
+    finally:
+        rt.release(train.key)
+        rt.release(gen.key)
