@@ -15,9 +15,8 @@ a rank holds, in checkpoint order, are flattened row-major and concatenated, and
 into dp near-equal contiguous ranges (``split_range``). A range cuts a 2-D tensor into a partial row,
 whole rows and a partial row, so a rank's part of a tensor is a set of up to three boxes
 (``zero_shards``). With ``Layout.fsdp`` (ZeRO-3) the weights and gradient buffers are sharded the same
-way. The runtime's ``ShardedAdam`` concatenates its parameters in module order, which is this order for
-Llama-style models; with QKV biases (module order: each bias after its weight) or a tied-embedding copy
-on the last stage (``tied_head``, first in its buffer) the two differ.
+way. The runtime's ``ShardedAdam`` concatenates its parameters in this order; the last stage's copy of a
+tied embedding (``tied_head``) is not in it: it follows the embedding's updated rows.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The ZeRO contract matches the runtime: ``ShardedAdam`` concatenates a rank's parameters in module
-order, which must be ``sharding.rank_order`` (checkpoint order, TP boxes) for the EMUs of optimizer
-state to describe what the runtime holds. Skipped without torch (planning installs do not need it)."""
+"""The runtime's stage modules hold the contract's tensors with the contract's TP boxes, in checkpoint order
+for Llama-style models (``ShardedModel.optimizer_params`` orders by ``sharding.rank_order`` explicitly, so
+ZeRO ranges match for every model; tests/runtime/test_live_transition.py checks the optimizer state
+itself). Skipped without torch (planning installs do not need it)."""
 
 from __future__ import annotations
 
