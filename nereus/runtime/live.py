@@ -171,3 +171,17 @@ def transition_keys(graph: TransitionGraph, old: dict[str, ShardedModel], old_sp
     ex.resident = [sm.model.tied_head for sm in models.values() if sm.model.tied_head is not None]
     ex.finish()
     return models, ex.measured
+
+
+def rebuild(sm: ShardedModel, groups: ParallelGroups) -> ShardedModel:
+    """``sm`` on new process groups of the same layout (after the world was re-formed): the same
+    parameter tensors adopted, the same Adam segments, moments and step count handed over."""
+    tensors = {name: p.data for name, p in sm.model.named_parameters()}
+    new = ShardedModel(sm.cfg, groups, tensors, dtype=sm.dtype, schedule=sm.schedule, assign=True)
+    old = sm.optimizer
+    if old is not None:
+        old.ensure_state()
+        opt = new.make_optimizer(init_master=False, **old.hyper)
+        avg, sq, step = old.moments() if old.moments() else ([], [], None)
+        opt.install_state(old.master, avg, sq, step)
+    return new

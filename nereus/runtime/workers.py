@@ -64,6 +64,31 @@ class Worker:
         self.models[key] = ShardedModel(cfg, groups, tensors, getattr(torch, dtype), schedule)
         return True
 
+    def reinit(self, master: str, port: int, world: int, timeout_s: float) -> bool:
+        """Leave the current world (every group with it) and join one of ``world`` workers, keeping this
+        worker's shards in memory; ``regroup`` then rebuilds them on the new world's groups."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.world, self.groups, self.pending = world, {}, {}
+        self.init_dist(master, port, timeout_s)
+        return self.init_comm(min(timeout_s, 120.0))
+
+    def regroup(self, specs: list) -> bool:
+        """Every key's groups in the new world (collective, same order everywhere), and its shard rebuilt
+        around the same tensors: parameters adopted, Adam's segments and moments handed over."""
+        from nereus.runtime.engine import tied_head
+        from nereus.runtime.groups import ParallelGroups
+        from nereus.runtime.live import rebuild
+
+        for s in specs:
+            g = ParallelGroups(s.layout, list(s.ranks), tied_embeddings=tied_head(s.cfg))
+            self.groups[s.key] = g
+            if s.key in self.models:
+                self.models[s.key] = rebuild(self.models[s.key], g)
+        return True
+
     def init_comm(self, timeout_s: float) -> bool:
         from nereus.runtime.executor import TransferComm
 
@@ -154,7 +179,7 @@ class Runtime:
     """``world`` workers (Ray actors) in one process group; ``load`` places a model under a layout."""
 
     def __init__(self, world: int, address: str | None = None, temp_dir: str | Path | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, max_workers: int | None = None) -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         gpu = torch.cuda.is_available()
         if not ray.is_initialized():
@@ -162,10 +187,11 @@ class Runtime:
                 ray.init(address=address)
             else:
                 root = Path(temp_dir or Path.cwd() / ".tmp" / "ray").absolute()
-                ray.init(num_cpus=max(world, os.cpu_count() or 1), include_dashboard=False,
+                ray.init(num_cpus=max(world, max_workers or 0, os.cpu_count() or 1), include_dashboard=False,
                          _temp_dir=str(root), _node_ip_address="127.0.0.1", log_to_driver=False)
-        opts = {"num_gpus": 1} if gpu else {"num_cpus": 1}
-        self.workers = [Worker.options(**opts).remote(r, world) for r in range(world)]
+        self.timeout_s = timeout_s
+        self.worker_options = {"num_gpus": 1} if gpu else {"num_cpus": 1}
+        self.workers = [Worker.options(**self.worker_options).remote(r, world) for r in range(world)]
         master, port = ray.get(self.workers[0].address.remote())
         self.backend = ray.get([w.init_dist.remote(master, port, timeout_s) for w in self.workers])[0]
         ray.get([w.init_comm.remote(min(timeout_s, 120.0)) for w in self.workers])
@@ -224,6 +250,30 @@ class Runtime:
 
             raise TransitionExecutionError(next(r["error"] for r in results if not r["ok"]))
         return {"wall_s": max(r["wall_s"] for r in results), "workers": [r["measured"] for r in results]}
+
+    def resize(self, n: int) -> None:
+        """Grow or shrink to ``n`` workers without losing state: new Ray actors join (or the highest-ranked
+        ones, which must hold nothing — transition off them first — are stopped), every worker joins a
+        fresh torch.distributed world of ``n`` and rebuilds its shards on new groups around the same
+        tensors. Workers keep their ranks."""
+        cur = len(self.workers)
+        if n == cur:
+            return
+        if n < 1:
+            raise ValueError(f"cannot resize to {n} workers")
+        busy = sorted({s.key for s in self.specs.values() if max(s.ranks) >= n})
+        if busy:
+            raise ValueError(f"workers {n}..{cur - 1} still hold {busy}: transition off them before shrinking")
+        if n < cur:
+            for w in self.workers[n:]:
+                ray.kill(w)
+            self.workers = self.workers[:n]
+        else:
+            self.workers += [Worker.options(**self.worker_options).remote(r, n) for r in range(cur, n)]
+        master, port = ray.get(self.workers[0].address.remote())
+        ray.get([w.reinit.remote(master, port, n, self.timeout_s) for w in self.workers])
+        ray.get([w.regroup.remote(list(self.specs.values())) for w in self.workers])
+        self._graphs.clear()
 
     def _graph(self, job: object, old: list[KeySpec], new: list[KeySpec]) -> object:
         from nereus.elastic.graph import build_graph

@@ -52,3 +52,31 @@ def test_sync_transition_and_rollback_on_ray_workers(ray_runtime):
     finally:
         rt.release(train.key)
         rt.release(gen.key)
+
+
+def test_workers_leave_and_join_without_losing_state(ray_runtime):
+    """Shrink 4 → 3 workers (after moving off the last one) and grow back to 4: every worker re-forms the
+    torch.distributed world, shards and Adam state stay in memory, training goes on."""
+    rt, j = ray_runtime, job()
+    train = spec("actor", lay(tp=2, dp=2), [0, 1, 2, 3])
+    rt.load(train.key, ACTOR, train.layout, list(train.ranks), state=initial_state("actor"))
+    try:
+        tokens = make_batch(ACTOR, 0)["tokens"]
+        rt.train_step(train.key, make_batch(ACTOR, 1), loss, lr=1e-2)
+        want = rt.logprobs(train.key, tokens)
+        with pytest.raises(ValueError, match="transition off them"):
+            rt.resize(3)
+        rt.transition([spec("actor", lay(tp=2), [2, 0])], j)
+        rt.resize(3)
+        assert len(rt.workers) == 3
+        torch.testing.assert_close(rt.logprobs(train.key, tokens), want, **TOL)
+        rt.train_step(train.key, make_batch(ACTOR, 2), loss, lr=1e-2)
+        stepped = rt.logprobs(train.key, tokens)
+        rt.resize(4)
+        torch.testing.assert_close(rt.logprobs(train.key, tokens), stepped, **TOL)
+        rt.transition([spec("actor", lay(pp=2, dp=2), [0, 1, 2, 3])], j)
+        torch.testing.assert_close(rt.logprobs(train.key, tokens), stepped, **TOL)
+        rt.train_step(train.key, make_batch(ACTOR, 3), loss, lr=1e-2)
+    finally:
+        rt.resize(4)
+        rt.release(train.key)
