@@ -271,7 +271,7 @@ def _transitions(rank: int, world: int, arch, graphs, state, repeats: int, tmp: 
 # ----- report ------------------------------------------------------------------------------------------
 def summarise(rec: dict, report, links: dict, state_bytes: int) -> dict:
     """One row: the measured times, the graph's figures and the ratios the goals are stated in."""
-    per_rank = [max(m["bytes_sent"], m["bytes_received"]) for m in rec.pop("measured")]
+    per_rank = [max(m["bytes_sent"], m["bytes_received"]) for m in rec["measured"]]  # kept: the JSON has all
     bound = max(per_rank) / links["p2p_bytes_per_s"]
     # the same bytes at the contended all-pairs rate: what 4 ranks sharing 2 cores' loopback can do at once
     bound_ap = max(per_rank) / links["all_pairs_bytes_per_s"]
@@ -300,7 +300,8 @@ def print_table(rows: list[dict], links: dict) -> None:
     print("bound: max over ranks of max(bytes sent, received) / p2p rate; g.bnd: the graph's own bound; "
           "ex/apb: exec over that bound at the all-pairs rate")
     for r in rows:
-        print(f"  {r['label']}: exec phases " + ", ".join(f"{k} {v:.3f}s" for k, v in r["exec_phases_s"].items()))
+        phases = ", ".join(f"{k} {v:.3f}s" for k, v in r["exec_phases_s"].items())
+        print(f"  {r['label']}: exec phases (max over ranks) {phases}")
 
 
 def summary_line(rows: list[dict]) -> str:
@@ -323,7 +324,7 @@ def main() -> None:
     arch = SMALL if a.small else FULL
     os.makedirs(".tmp", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="transition_runtime_", dir=".tmp")
-    t_start = time.perf_counter()
+    t_start, load0 = time.perf_counter(), os.getloadavg()
     try:
         log(f"model {arch.params() / 1e6:.1f}M params; probing links")
         run_world(_probe, WORLD, (4 if a.small else 64) << 20, os.path.join(tmp, "links.json"), timeout_s=600)
@@ -348,11 +349,13 @@ def main() -> None:
     print_table(rows, links)
     print(summary_line(rows))
     total = time.perf_counter() - t_start
-    print(f"benchmark wall time {total:.1f}s")
+    # the machine may be shared: 4 ranks on few cores turn other load straight into transfer time
+    load = (load0, os.getloadavg())
+    print(f"benchmark wall time {total:.1f}s; load average (1/5/15 min) at start {load[0]}, at end {load[1]}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"params": arch.params(), "world": WORLD, "repeats": a.repeats, "links": links,
-                       "wall_s": total, "transitions": rows}, f, indent=1)
+                       "wall_s": total, "load_average": load, "transitions": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
