@@ -30,6 +30,12 @@ class Priors:
     inter_latency_s: float = 5e-6
     # Fixed cost of one decode iteration of an inference engine: scheduling, sampling, launch (vLLM-like).
     decode_step_overhead_s: float = 1e-3
+    # Fixed cost of one micro-batch pass of one pipeline stage (Python dispatch, kernel launches): hidden by
+    # asynchronous launches on GPUs (0 by default), a few ms on CPU workers, where small micro-batches
+    # cost more than their FLOPs (``nereus profile`` jobs set it under ``priors:``).
+    micro_batch_overhead_s: float = 0.0
+    # CPU cores the workers share (the CPU runtime's local workers); 0: every device is its own (GPUs).
+    host_cores: float = 0.0
     # Device memory no model can use: CUDA context, NCCL buffers, allocator fragmentation.
     reserved_bytes: float = 2 * GIB  # capped at 10% of a small device (see Hardware.usable_bytes)
     # Fraction of free device memory an inference engine gives to its KV cache (vLLM's default 0.9).

@@ -120,8 +120,9 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
     phase_times, peak = {}, list(resident)
     for stage in STAGES:
         active = [p for p in plan.placements if p.model_stage.stage == stage]
-        phase_times[stage] = max((sum(stage_times[str(m.model_stage)] for m in comp)
-                                  for comp in _components(active)), default=0.0)
+        groups = [sum(stage_times[str(m.model_stage)] for m in comp) for comp in _components(active)]
+        agg = max if job.options.concurrent_stages else sum  # see Options.concurrent_stages
+        phase_times[stage] = agg(groups) if groups else 0.0
         transient = [0.0] * plan.num_gpus
         for p in active:
             t = costs[str(p.model_stage)].transient_bytes

@@ -113,6 +113,16 @@ def _micro_batches(sequences: int, layout: Layout) -> int | None:
     return math.ceil(per_replica / layout.micro_batch_size)
 
 
+def _shared_host(hw: Hardware, layout: Layout, terms: dict[str, float]) -> dict[str, float]:
+    """Workers sharing ``priors.host_cores`` CPU cores (CPU runtime): with more workers busy than cores, each
+    runs its compute, memory traffic and per-pass overhead that many times slower. 0: dedicated devices."""
+    cores = hw.priors.host_cores
+    slow = layout.world / cores if cores and layout.world > cores else 1.0
+    if slow == 1.0:
+        return terms
+    return {k: v * slow if k in ("compute", "memory", "overhead") else v for k, v in terms.items()}
+
+
 def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -> StageCost | None:
     """One step of mini-batch updates; None when the layout cannot split the batch."""
     arch, value_head = job.models[ms.model], job.has_value_head(ms.model)
@@ -158,6 +168,8 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
     per_update_terms["optimizer"] = hw.hbm_time(params * (FP32 + BF16 + 6 * FP32 / shard))
     updates = alg.mini_batches * alg.epochs
     terms = {k: updates * t for k, t in per_update_terms.items()}
+    # forward and backward of every micro-batch on every stage of the pipeline schedule
+    terms["overhead"] = terms.get("overhead", 0.0) + updates * 2 * (m + p - 1) * hw.priors.micro_batch_overhead_s
     state = training_state_bytes(stage_params(arch, layout, value_head), layout, opts.grad_bytes,
                                  opts.weight_bytes)
     # 1F1B keeps p micro-batches in flight on the first stage; interleaving adds (p−1)/(p·v) of them
@@ -171,6 +183,7 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
         acts += layer_activation_bytes(arch, working, seq, mbs, opts.attention)
     logits = logits_bytes(arch, tokens, layout.tp, value_head, with_grad=True)
     memory = {**state, "activations": acts, "logits": logits}
+    terms = _shared_host(hw, layout, terms)
     return StageCost(ms, layout, terms, sum(state.values()), acts + logits, memory,
                      {"micro_batches": m, "bubble_fraction": bubble / m, "updates": updates})
 
@@ -219,6 +232,7 @@ def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -
         "memory": fill * hw.hbm_time(layers * one.hbm_bytes) + m * hw.hbm_time(head.hbm_bytes),
         "tp_comm": fill * layers * one.tp_time + m * head.tp_time,
         "pp_comm": fill * _p2p_time(hw, arch, layout, tokens),
+        "overhead": fill * hw.priors.micro_batch_overhead_s,
     }
     working = Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel, recompute="none")
     acts = 2 * layer_activation_bytes(arch, working, seq, mbs, job.options.attention)
@@ -227,6 +241,7 @@ def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -
         acts += 2 * arch.layer_params() / layout.tp * BF16
         weights /= layout.dp
     logits = logits_bytes(arch, tokens, layout.tp, value_head, with_grad=True)  # logits + log-softmax
+    terms = _shared_host(hw, layout, terms)
     return StageCost(ms, layout, terms, weights, acts + logits,
                      {"weights": weights, "activations": acts, "logits": logits}, {"micro_batches": m})
 
@@ -271,6 +286,7 @@ def generation_cost(
             arch, prefill_tokens, wl.prompt_length, "flash")) / (tp * p))
     terms["tp_comm"] += 2 * arch.layers * hw.all_reduce_time(prefill_tokens * arch.hidden * BF16 / p, tp)
     kv_used = min(budget, b * kv_token * (wl.prompt_length + resp.mean))
+    terms = _shared_host(hw, layout, terms)
     return StageCost(ms, layout, terms, weights, kv_used, {"weights": weights, "kv_cache": kv_used},
                      {"batch_per_replica": b, "concurrent": active, "longest": resp.longest(total)})
 

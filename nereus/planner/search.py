@@ -193,7 +193,9 @@ class _Combiner:
         self._sync: dict[tuple, float] = {}
 
     def __call__(self, groups: list[GroupChoice]) -> tuple[float, float]:
-        step = sum(max(g.phase_times[s] for g in groups) for s in STAGES)
+        # groups on disjoint GPUs run a phase concurrently, unless the runtime runs stages one at a time
+        agg = max if self.job.options.concurrent_stages else sum
+        step = sum(agg(g.phase_times[s] for g in groups) for s in STAGES)
         if not self.rl:
             return step, 0.0
         tg = next(g for g in groups if ACTOR_TRAIN in g.chosen)

@@ -25,8 +25,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         rl = RLJob(job, out_dir=args.out, workers=args.workers)
     except DataError as err:
         raise SpecError("run.data", str(err)) from None
-    print(f"nereus run: {job.name} ({job.algorithm.name}, {job.run.steps} steps) on {rl.run.workers} local "
-          f"workers; output in {rl.dir}", file=sys.stderr)
+    workers = f"{rl.run.workers} local workers"
+    if rl.run.adapt is not None:
+        workers = (f"{rl.run.adapt.workers_at(0, rl.run.workers)} local workers (up to {rl.run.max_workers}), "
+                   "layouts chosen and changed by the controller")
+    print(f"nereus run: {job.name} ({job.algorithm.name}, {job.run.steps} steps) on {workers}; output in {rl.dir}",
+          file=sys.stderr)
     for p in rl.placed:
         print(f"  {p.model + '/' + p.stage:<22} {p.layout.short():<22} workers {list(p.ranks)}", file=sys.stderr)
     try:
@@ -38,6 +42,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    """Ask a running adaptive job to grow or shrink: it reads the request at its next step boundary."""
+    from nereus.spec.errors import SpecError
+
+    if args.workers < 1:
+        raise SpecError("workers", f"must be at least 1, got {args.workers}")
+    if not args.dir.is_dir():
+        raise SpecError("--dir", f"{args.dir} is not a run's output folder (run.checkpoint.dir or --out)")
+    request = args.dir / "scale.json"
+    tmp = request.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"workers": args.workers}))
+    tmp.replace(request)  # atomic: the job never reads half a file
+    print(f"asked the job in {args.dir} to run on {args.workers} workers (applied at its next step boundary)")
+    return 0
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("run", help="run an RL job (PPO/GRPO) on local workers: metrics, checkpoints, --resume")
     r.add_argument("job", help="job spec (YAML) with a `run:` section")
@@ -46,3 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output folder")
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     r.set_defaults(func=cmd_run)
+    c = sub.add_parser("scale", help="grow or shrink a running adaptive job (run.adapt) to N workers")
+    c.add_argument("workers", type=int, help="the number of workers the job should run on")
+    c.add_argument("--dir", type=Path, required=True, help="the running job's output folder")
+    c.set_defaults(func=cmd_scale)

@@ -23,7 +23,7 @@ from nereus.rl.task import exact_match
 from nereus.run import remote
 from nereus.run.driver import Stepper
 from nereus.run.metrics import MetricsLog, Progress
-from nereus.run.setup import TRAINED, check_batches, datasets, model_configs, place
+from nereus.run.setup import TRAINED, Placed, check_batches, datasets, model_configs, place
 from nereus.run.warmstart import initial_checkpoints
 from nereus.runtime.generate import SamplingParams
 from nereus.runtime.hf import save_checkpoint
@@ -42,7 +42,13 @@ class RLJob:
         self.dir = Path(out_dir or job.run.checkpoint_dir)
         self.tok = CharTokenizer()
         self.cfgs = model_configs(job, self.tok)
-        self.placed = place(job)
+        self.adaptive = None
+        if self.run.adapt is not None:  # the controller picks (and later changes) every layout
+            from nereus.run.adaptive import initial_placement
+
+            self.ctrl, self.plan, self.placed = initial_placement(job)
+        else:
+            self.placed = place(job)
         check_batches(job, self.placed)
         self.train, self.val = datasets(job, self.tok, self.dir)
         self._own_runtime = runtime is None
@@ -58,13 +64,19 @@ class RLJob:
         if self.rt is None:
             from nereus.runtime.workers import Runtime
 
-            self.rt = Runtime(self.run.workers)
+            start = self.run.adapt.workers_at(0, self.run.workers) if self.run.adapt else self.run.workers
+            self.rt = Runtime(start, max_workers=self.run.max_workers)
         loaded = set()
         for p in self.placed:
             if p.key not in loaded:
                 self.rt.load(p.key, self.cfgs[p.model], p.layout, list(p.ranks), checkpoint=source[p.model])
                 loaded.add(p.key)
         self.stepper = Stepper(self.job, self.rt, self.placed, self.tok, self.train)
+
+    def replace_placed(self, placed: list[Placed]) -> None:
+        """After a live transition: the layouts and workers every model-stage now runs on."""
+        self.placed = placed
+        self.stepper.placed = placed
 
     def release(self) -> None:
         if self.rt is None:
@@ -154,9 +166,15 @@ class RLJob:
         log = MetricsLog(self.dir / "metrics.jsonl", resume, quiet=self.quiet)
         bar = Progress(self.run.steps, start, quiet=self.quiet)
         last: dict[str, float] = {}
+        if self.run.adapt is not None:
+            from nereus.run.adaptive import AdaptiveLoop
+
+            self.adaptive = AdaptiveLoop(self, self.ctrl, self.plan)
         try:
             for step in range(start, self.run.steps):
                 last = self.stepper.step(step)
+                if self.adaptive is not None:
+                    last.update(self.adaptive.after_step(step, last))
                 done = step + 1
                 if done % self.run.eval_every == 0 or done == self.run.steps:
                     last["val/accuracy"] = self.evaluate(self.val)
@@ -167,8 +185,15 @@ class RLJob:
                     self.save(done)
         finally:
             log.close()
+            adapt = self.adaptive.close() if self.adaptive is not None else None
         summary = {"warmstart_accuracy": self.state.get("warmstart_accuracy"),
                    "final_accuracy": last.get("val/accuracy"), "last": last}
+        if adapt is not None:
+            summary["adaptation"] = adapt
+            self.say(f"\nlive transitions: {adapt['transitions']} ({adapt['transition_s']:.2f} s, "
+                     f"{100 * adapt['transition_share']:.2f}% of the run); controller overhead "
+                     f"{100 * adapt['controller_overhead_share']:.2f}% of run time; `nereus report "
+                     f"{self.dir / 'run_record.json'}` renders the run")
         if summary["final_accuracy"] is not None and summary["warmstart_accuracy"] is not None:
             w, f = summary["warmstart_accuracy"], summary["final_accuracy"]
             self.say(f"\nheld-out accuracy: warm-start {100 * w:.1f}% -> final {100 * f:.1f}% "

@@ -34,7 +34,8 @@ class MetricsLog:
         self.file.flush()
         if self.tb is not None:
             for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
         if not self.quiet:
             shown = "  ".join(f"{k.split('/', 1)[-1] if k.startswith('val') else k}={metrics[k]:.4g}"
                               for k in CONSOLE if k in metrics)

@@ -90,6 +90,35 @@ def place(job: JobSpec) -> list[Placed]:
     return out
 
 
+def placed_from_plan(plan) -> list[Placed]:
+    """A controller's plan as runtime placements: one key per model-stage, named after it (keys stay the
+    same across transitions; buffers that coincide on a worker are shared by the executor anyway)."""
+    order = {"training": 0, "inference": 1, "generation": 2}
+    # the runtime has no sequence parallelism or recompute: where the filter let them through they change
+    # nothing (inference and generation, or TP 1)
+    return [Placed(p.model_stage.model, p.model_stage.stage,
+                   replace(p.layout, recompute="none", sequence_parallel=False, interleave=1), tuple(p.gpus),
+                   str(p.model_stage))
+            for p in sorted(plan.placements, key=lambda p: (order[p.model_stage.stage], str(p.model_stage)))]
+
+
+def runtime_layout_ok(job: JobSpec, stage: str, layout: Layout, model: str) -> bool:
+    """What the CPU runtime can run: no interleaving or FSDP, no recompute or sequence parallelism in
+    training (elsewhere they change nothing); TP that
+    splits whole heads; batches that split over DP and micro-batches (``check_batches``)."""
+    if layout.interleave != 1 or layout.fsdp or (stage == "training" and (
+            layout.recompute != "none" or (layout.sequence_parallel and layout.tp > 1))):
+        return False
+    try:
+        check_tp(job.models[model], layout.tp)
+    except ValueError:
+        return False
+    n = job.sequences_per_step()
+    size = n // job.algorithm.mini_batches if stage == "training" else n
+    per = layout.dp * (layout.micro_batch_size if stage != "generation" else 1)
+    return size % per == 0
+
+
 def check_batches(job: JobSpec, placed: list[Placed]) -> None:
     """Each stage's batch must split over its DP replicas and micro-batches (and mini-batches)."""
     n = job.sequences_per_step()

@@ -43,6 +43,9 @@ from nereus.runtime.holdings import (
 from nereus.spec.sharding import Box, box_volume
 
 DATA_STATES = ("weights", "optimizer")  # gradient buffers carry nothing across a step boundary
+# entries of at least this many bytes travel as their own messages, straight between old and new buffers;
+# smaller ones (norms, biases, row fragments of ZeRO ranges) are packed into one message per transfer
+DIRECT_BYTES = 1 << 16
 ALIGN = 8  # bytes: every entry starts aligned in the byte stream so it can be viewed as its dtype
 Entry = tuple[str, str, str, Box, tuple[Box, ...]]  # (model, state, tensor, piece, destination buffer)
 
@@ -281,10 +284,17 @@ class Execution:
                                     self.measured.bytes_copied += s.nbytes
                                 buf.written += box_volume(box)
 
-    def _pack(self, t: Transfer) -> torch.Tensor:
-        flat = torch.empty(t.nbytes, dtype=torch.uint8, device=self.new.device)
+    def _direct(self, entry: Entry) -> bool:
+        """Whether an entry travels as its own messages (one per component), straight out of the old buffer
+        and into the new one, rather than packed with the small ones. Both ends decide alike from sizes."""
+        m, st, _, box, _ = entry
+        return element_bytes(self.dtypes, m, st) * box_volume(box) >= DIRECT_BYTES
+
+    def _pack(self, entries: list[Entry]) -> torch.Tensor:
+        flat = torch.empty(sum(_align(element_bytes(self.dtypes, m, st) * box_volume(b)) for m, st, _, b, _ in entries),
+                           dtype=torch.uint8, device=self.new.device)
         offset = 0
-        for m, st, name, box, _dest in t.entries:
+        for m, st, name, box, _dest in entries:
             start = offset
             for src in self.old.find(m, st, name, box):
                 n = src.numel() * src.element_size()
@@ -293,9 +303,9 @@ class Execution:
             offset = start + _align(offset - start)
         return flat
 
-    def _unpack(self, t: Transfer, flat: torch.Tensor) -> None:
+    def _unpack(self, entries: list[Entry], flat: torch.Tensor) -> None:
         offset = 0
-        for m, st, name, box, dest in t.entries:
+        for m, st, name, box, dest in entries:
             start = offset
             buf = self.out.get((m, st, name, tuple(dest)))
             for d in buf.view(box):
@@ -305,27 +315,59 @@ class Execution:
             buf.written += box_volume(box)
             offset = start + _align(offset - start)
 
+    def _post(self, t: Transfer, ops: list, landing: list) -> None:
+        """This rank's messages of one transfer: the packed small entries (tag 0), then each large entry's
+        components (tags 1, 2, ...), sent from the old buffers and received into the new ones where
+        contiguous (no staging copy), through a temporary otherwise."""
+        small = [e for e in t.entries if not self._direct(e)]
+        large = [e for e in t.entries if self._direct(e)]
+        sending = t.src == self.me
+        group, peer = self.comm.transfer, t.dst if sending else t.src
+        op = dist.isend if sending else dist.irecv
+        if small:
+            flat = self._pack(small) if sending else torch.empty(
+                sum(_align(element_bytes(self.dtypes, m, st) * box_volume(b)) for m, st, _, b, _ in small),
+                dtype=torch.uint8, device=self.new.device)
+            self._staging.append(flat)
+            ops.append(dist.P2POp(op, flat, peer, group=group, tag=0))
+            if not sending:
+                landing.append((small, flat))
+        tag = 1
+        for m, st, name, box, dest in large:
+            views = self.old.find(m, st, name, box) if sending else self.out.get((m, st, name, tuple(dest))).view(box)
+            for v in views:
+                wire = v if v.is_contiguous() else (v.contiguous() if sending else torch.empty(v.shape, dtype=v.dtype,
+                                                                                               device=v.device))
+                if wire is not v:
+                    self._staging.append(wire)
+                ops.append(dist.P2POp(op, wire, peer, group=group, tag=tag))
+                if not sending:
+                    landing.append((v, wire))
+                tag += 1
+            if not sending:
+                self.out.get((m, st, name, tuple(dest))).written += box_volume(box)
+        nbytes = sum(element_bytes(self.dtypes, m, st) * box_volume(b) for m, st, _, b, _ in t.entries)
+        if sending:
+            self.measured.bytes_sent += nbytes
+        else:
+            self.measured.bytes_received += nbytes
+
     def transfer(self) -> None:
         for rnd in plan_rounds(self.graph, self.dtypes):
             mine = [t for t in rnd if self.me in (t.src, t.dst)]
             if not mine:
                 continue
             self._inject("transfer")
-            ops, recvs = [], []
+            ops, landing = [], []
             for t in mine:
-                if t.src == self.me:
-                    self._staging.append(self._pack(t))
-                    ops.append(dist.P2POp(dist.isend, self._staging[-1], t.dst, group=self.comm.transfer))
-                    self.measured.bytes_sent += t.nbytes
-                else:
-                    self._staging.append(torch.empty(t.nbytes, dtype=torch.uint8, device=self.new.device))
-                    ops.append(dist.P2POp(dist.irecv, self._staging[-1], t.src, group=self.comm.transfer))
-                    recvs.append((t, self._staging[-1]))
-                    self.measured.bytes_received += t.nbytes
+                self._post(t, ops, landing)
             self._sample()
             self.comm.wait(dist.batch_isend_irecv(ops))
-            for t, flat in recvs:
-                self._unpack(t, flat)
+            for dest, got in landing:
+                if isinstance(dest, list):
+                    self._unpack(dest, got)
+                elif got is not dest:
+                    dest.copy_(got)
             self._staging.clear()
             self.measured.rounds += 1
 

@@ -88,6 +88,9 @@ class Options:
     attention: str = "flash"  # "standard" materialises the s×s scores (Megatron 2021)
     grad_bytes: int = 4  # fp32 gradient accumulation buffers (Megatron main_grad)
     weight_bytes: int = 2  # bf16 weights on GPUs; 4 where the runtime computes in fp32 (CPU workers)
+    # model-stages of one phase on disjoint GPUs run at the same time; False where the runtime runs them
+    # one after another (the CPU runtime's driver does, docs/rl.md)
+    concurrent_stages: bool = True
 
 
 @dataclass(frozen=True)
@@ -215,6 +218,7 @@ def _read_options(f: Fields) -> Options:
         attention=f.get("attention", str, "flash", choices=["flash", "standard"]),
         grad_bytes=f.get("grad_bytes", int, 4, choices=[2, 4]),
         weight_bytes=f.get("weight_bytes", int, 2, choices=[2, 4]),
+        concurrent_stages=f.get("concurrent_stages", bool, True),
     )
     f.finish()
     return opts

@@ -34,6 +34,28 @@ class WarmStart:
 
 
 @dataclass(frozen=True)
+class AdaptSpec:
+    """``run.adapt``: the controller chooses and changes the layouts while the job runs (issue 8).
+    ``availability``: (from step, workers) — Ray workers that join or leave; the rest tune the controller
+    (``nereus.control.ControllerConfig``)."""
+
+    availability: tuple[tuple[int, int], ...] = ()
+    horizon: int = 30
+    cooldown: int = 5
+    min_gain: float = 0.03
+    margin: float = 0.5
+    replan_every: int = 25
+    fit_every: int = 5
+
+    def workers_at(self, step: int, default: int) -> int:
+        out = default
+        for start, n in self.availability:
+            if step >= start:
+                out = n
+        return out
+
+
+@dataclass(frozen=True)
 class RunSpec:
     seed: int = 0
     steps: int = 20
@@ -62,6 +84,11 @@ class RunSpec:
     checkpoint_every: int = 0  # 0: only at the end
     layouts: dict[str, Layout] = field(default_factory=dict)  # model-stage -> layout ('search': the planner)
     ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    adapt: AdaptSpec | None = None
+
+    @property
+    def max_workers(self) -> int:
+        return max([self.workers] + [n for _, n in (self.adapt.availability if self.adapt else ())])
 
     def max_response_length(self, step: int, final: int) -> int:
         """The curriculum's limit at ``step`` (the workload's ``response_length.max`` without one)."""
@@ -85,6 +112,27 @@ def _curriculum(f: Fields, final: int) -> tuple[tuple[int, int], ...]:
     if any(b[0] <= a[0] for a, b in zip(out, out[1:], strict=False)):
         raise SpecError(where, "steps must increase")
     return tuple(out)
+
+
+def _adapt(f: Fields) -> AdaptSpec | None:
+    if not f.has("adapt"):
+        return None
+    a = f.sub("adapt")
+    where = a.key_path("availability")
+    avail = []
+    for i, item in enumerate(a.get("availability", list, [])):
+        g = Fields(item, f"{where}[{i}]")
+        avail.append((g.get("step", int, minimum=0), g.get("workers", int, minimum=1, maximum=64)))
+        g.finish()
+    if any(b[0] <= a_[0] for a_, b in zip(avail, avail[1:], strict=False)):
+        raise SpecError(where, "steps must increase")
+    spec = AdaptSpec(availability=tuple(avail), horizon=a.get("horizon", int, 30, minimum=1),
+                     cooldown=a.get("cooldown", int, 5, minimum=0), min_gain=a.get("min_gain", float, 0.03, minimum=0),
+                     margin=a.get("margin", float, 0.5, minimum=0),
+                     replan_every=a.get("replan_every", int, 25, minimum=1),
+                     fit_every=a.get("fit_every", int, 5, minimum=1))
+    a.finish()
+    return spec
 
 
 def _layouts(f: Fields, stages: list[ModelStage]) -> tuple[dict[str, Layout], dict[str, tuple[int, ...]]]:
@@ -137,7 +185,10 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         reward_model_coef=f.get("reward_model_coef", float, 0.0, minimum=0),
         eval_every=f.get("eval_every", int, 5, minimum=1),
         checkpoint_dir=ckpt.get("dir", str, "runs/job"), checkpoint_every=ckpt.get("every", int, 0, minimum=0),
-        layouts=layouts, ranks=ranks)
+        layouts=layouts, ranks=ranks, adapt=_adapt(f))
+    if spec.adapt is not None and layouts:
+        raise SpecError(f.key_path("layouts"), "with run.adapt the controller chooses every layout: remove "
+                                               "run.layouts (or run.adapt to keep them fixed)")
     ckpt.finish()
     f.finish()
     for key, rk in spec.ranks.items():

@@ -12,7 +12,7 @@ from tests.conftest import EXAMPLES
 
 
 def _job(tmp_path, **run) -> str:
-    spec = yaml.safe_load((EXAMPLES / "ppo_tiny.yaml").read_text())
+    spec = yaml.safe_load((EXAMPLES / "ppo_tiny_fixed.yaml").read_text())
     spec["run"].update(run)
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))

@@ -15,6 +15,7 @@ import itertools
 import pytest
 import torch.distributed as dist
 
+from nereus.runtime import executor
 from nereus.runtime.executor import TransferComm
 from nereus.runtime.launch import run_world
 from nereus.runtime.live import KeySpec, transition_keys
@@ -139,5 +140,9 @@ def _many_body(rank: int, world: int, graph) -> None:
     dist.barrier()
 
 
-def test_four_models_and_two_stages_move_in_one_graph():
+@pytest.mark.parametrize("direct_bytes", [1 << 16, 64], ids=["packed", "direct"])
+def test_four_models_and_two_stages_move_in_one_graph(direct_bytes, monkeypatch):
+    """``direct``: (almost) every piece travels as its own message straight between buffers, through a
+    temporary where a piece is not contiguous; ``packed``: small pieces share one message."""
+    monkeypatch.setattr(executor, "DIRECT_BYTES", direct_bytes)  # the forked ranks inherit it
     run_world(_many_body, WORLD, graph_between(OLD, NEW), timeout_s=120.0, backend="gloo")

@@ -1,0 +1,67 @@
+"""`nereus run` under the controller (run.adapt) on the Ray workers: `nereus scale` asks a running job to
+shrink and to grow; it changes its worker count within two steps, moving every model's weights and Adam
+state live, and training goes on. The run writes the decision log, the per-step `nereus/*` metrics and a
+run record that `nereus report` renders."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from nereus.cli import main
+from nereus.run.driver import Stepper
+from nereus.spec.job import load_job
+from tests.conftest import EXAMPLES
+
+pytestmark = pytest.mark.distributed
+STEPS = 7
+REQUESTS = {1: 1, 4: 2}  # after step k (0-based), `nereus scale N` asks for N workers
+
+
+def _job(tmp_path) -> str:
+    spec = yaml.safe_load((EXAMPLES / "ppo_tiny.yaml").read_text())
+    spec["run"].update(steps=STEPS, eval_every=STEPS, warmstart={"actor_steps": 20, "reward_steps": 20},
+                       data={"train_size": 200, "val_size": 16}, checkpoint={"dir": str(tmp_path / "run")})
+    spec["run"]["adapt"] = {"availability": [{"step": 0, "workers": 2}], "cooldown": 0, "horizon": 20,
+                            "fit_every": 2}
+    spec["workload"]["prompts_per_step"] = 8
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+def test_scale_moves_a_running_job_live(ray_runtime, tmp_path, monkeypatch, capsys):
+    from nereus.run.job import RLJob
+
+    out = tmp_path / "run"
+    real_step = Stepper.step
+
+    def step_then_request(self, step):
+        metrics = real_step(self, step)
+        if step in REQUESTS:  # what a user's `nereus scale N --dir RUN` does while the job runs
+            assert main(["scale", str(REQUESTS[step]), "--dir", str(out)]) == 0
+        return metrics
+
+    monkeypatch.setattr(Stepper, "step", step_then_request)
+    rl = RLJob(load_job(_job(tmp_path)), runtime=ray_runtime, quiet=True)
+    try:
+        summary = rl.execute()
+    finally:
+        rl.release()
+        ray_runtime.resize(4)  # the session's runtime, as other tests expect it
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    workers = [r["nereus/workers"] for r in rows]
+    assert workers[3] == 1.0  # asked after the 2nd step: on one worker from the 4th on (within two steps)
+    assert workers[-1] == 2.0
+    moved = [r for r in rows if r["nereus/transition_s"] > 0]
+    assert len(moved) >= 2, [r["nereus/plan"] for r in rows]
+    assert all("actor/training" in r["nereus/plan"] for r in rows)
+    assert all(r[k] > 0 for r in rows for k in r if k.startswith("nereus/predicted_s/"))
+    decisions = [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()]
+    assert {d["action"] for d in decisions} >= {"forced", "keep"}
+    assert summary["adaptation"]["transitions"] == len(moved)
+    assert summary["final_accuracy"] is not None
+    assert main(["report", str(out / "run_record.json"), "--out", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "report.md").exists()
