@@ -265,13 +265,17 @@ class Execution:
             raise TransitionExecutionError(f"rank {self.me}: the graph writes {key}, which the new layout does not "
                                            "place here")
 
-    def allocate_and_copy(self) -> None:
+    def allocate(self) -> None:
         for key, dtypes in self.new.needs.items():
             if key not in self.out.buffers:
                 n = sum(box_volume(b) for b in key[3])
                 self.out.buffers[key] = Buffer(key[3], tuple(torch.empty(n, dtype=d, device=self.new.device)
                                                              for d in dtypes))
         self._sample()
+
+    def local_copies(self) -> None:
+        """The graph's ``copy`` ops of this rank (run while the first transfers are in flight)."""
+        t0 = time.perf_counter()
         for op in self.graph.ops:
             if op.kind == "copy" and op.device == self.me:
                 for m, st, part in _parts(op):
@@ -283,6 +287,7 @@ class Execution:
                                     d.copy_(s)
                                     self.measured.bytes_copied += s.nbytes
                                 buf.written += box_volume(box)
+        self._timed("copy", t0)
 
     def _direct(self, entry: Entry) -> bool:
         """Whether an entry travels as its own messages (one per component), straight out of the old buffer
@@ -353,6 +358,9 @@ class Execution:
             self.measured.bytes_received += nbytes
 
     def transfer(self) -> None:
+        """The rounds of point-to-point transfers; the local copies run once the first round is posted, so
+        they overlap with it (the backend moves the bytes on its own threads)."""
+        copied = False
         for rnd in plan_rounds(self.graph, self.dtypes):
             mine = [t for t in rnd if self.me in (t.src, t.dst)]
             if not mine:
@@ -362,7 +370,11 @@ class Execution:
             for t in mine:
                 self._post(t, ops, landing)
             self._sample()
-            self.comm.wait(dist.batch_isend_irecv(ops))
+            works = dist.batch_isend_irecv(ops)
+            if not copied:
+                self.local_copies()
+                copied = True
+            self.comm.wait(works)
             for dest, got in landing:
                 if isinstance(dest, list):
                     self._unpack(dest, got)
@@ -370,6 +382,8 @@ class Execution:
                     dest.copy_(got)
             self._staging.clear()
             self.measured.rounds += 1
+        if not copied:
+            self.local_copies()
 
     def check_written(self) -> None:
         for key, buf in self.out.buffers.items():
@@ -394,16 +408,16 @@ class Execution:
             raise TransitionExecutionError(f"transition aborted before any transfer: {m.error}")
         result = None
         try:
-            self.allocate_and_copy()
-            t0 = self._timed("copy", t0)
-            self.transfer()
+            self.allocate()
+            self.transfer()  # the local copies run inside, overlapped with the first round
             self.check_written()
         except Exception as exc:  # noqa: BLE001
             err = f"{type(exc).__name__}: {exc}"
-        t0 = self._timed("transfer", t0)
+        t0 = self._timed("move", t0)
         self._staging.clear()
         # every rank has its new buffers before anyone installs: installing talks over the new groups
         m.error = self.comm.vote(err)
+        t0 = self._timed("data_vote", t0)
         if m.error:
             self.out = Holdings()
             raise TransitionExecutionError(f"transition rolled back, the old layout stays: {m.error}")
