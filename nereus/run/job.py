@@ -4,7 +4,8 @@ checkpoints, evaluate held-out accuracy, resume from the latest checkpoint.
 A checkpoint ``<dir>/step_<N>/`` holds every trained model as an HF checkpoint (``config.json`` +
 ``model.safetensors``, layout-independent) and its Adam state per worker of its training layout as
 safetensors (``optim/<model>/rank<r>.safetensors``: fp32 master shard, moments, step count; no pickle),
-plus ``state.json``. The initial weights (warm-start) live in ``<dir>/init/``.
+plus ``state.json``, and last ``MANIFEST.json`` (every file's size and SHA-256: ``--resume`` refuses a
+truncated or corrupted checkpoint by name). The initial weights (warm-start) live in ``<dir>/init/``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from nereus.rl.data import EOS, PAD, CharTokenizer, Prompt
 from nereus.rl.task import exact_match
 from nereus.run import remote
 from nereus.run.driver import Stepper
+from nereus.run.manifest import verify_manifest, write_manifest
 from nereus.run.metrics import MetricsLog, Progress
 from nereus.run.setup import TRAINED, Placed, check_batches, datasets, model_configs, place
 from nereus.run.warmstart import initial_checkpoints
@@ -64,7 +66,10 @@ class RLJob:
         if self.rt is None:
             from nereus.runtime.workers import Runtime
 
-            start = self.run.adapt.workers_at(0, self.run.workers) if self.run.adapt else self.run.workers
+            start = self.run.workers
+            if self.run.adapt:  # the workers available at first, and at least those the plan uses (resume)
+                start = max(self.run.adapt.workers_at(0, self.run.workers),
+                            1 + max(r for p in self.placed for r in p.ranks))
             self.rt = Runtime(start, max_workers=self.run.max_workers)
         loaded = set()
         for p in self.placed:
@@ -112,7 +117,10 @@ class RLJob:
                 if st is not None:
                     (path / "optim" / model).mkdir(parents=True, exist_ok=True)
                     save_file(st, str(path / "optim" / model / f"rank{rank}.safetensors"))
+        if self.adaptive is not None:  # the plan in force: a resumed run starts on it (optimizer files per rank)
+            self.state["plan"] = self.adaptive.plan.to_dict()
         (path / "state.json").write_text(json.dumps({**self.state, "step": step}, indent=1))
+        write_manifest(path)  # last: a checkpoint with a manifest is complete
         (self.dir / "latest").write_text(str(step))
         return path
 
@@ -122,7 +130,16 @@ class RLJob:
             raise SpecError("--resume", f"no checkpoint under {self.dir} (no 'latest' file)")
         step = int(latest.read_text())
         path = self.dir / f"step_{step}"
+        verify_manifest(path)
+        verify_manifest(self.dir / "init")
         self.state = json.loads((path / "state.json").read_text())
+        if self.run.adapt is not None and "plan" in self.state:
+            from nereus.run.setup import placed_from_plan
+            from nereus.spec.layout import Plan
+
+            self.plan = Plan.from_dict(self.state["plan"], f"{path / 'state.json'}.plan")
+            self.ctrl.plan = self.plan
+            self.placed = placed_from_plan(self.plan)
         source = {m: (path / m if m in TRAINED else self.dir / "init" / m) for m in self.job.algorithm.models}
         self._start(source)
         lr = {"actor": self.run.actor_lr, "critic": self.run.critic_lr}
@@ -150,6 +167,7 @@ class RLJob:
         t0 = time.perf_counter()
         losses = initial_checkpoints(self.dir / "init", {m: self.cfgs[m] for m in self.job.algorithm.models},
                                      self.train, self.tok, self.run.warmstart, self.run.seed)
+        write_manifest(self.dir / "init")
         self.say(f"warm-start: {time.perf_counter() - t0:.1f}s, " +
                  ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in losses.items()))
         self._start({m: self.dir / "init" / m for m in self.job.algorithm.models})

@@ -65,3 +65,18 @@ def test_scale_moves_a_running_job_live(ray_runtime, tmp_path, monkeypatch, caps
     assert summary["final_accuracy"] is not None
     assert main(["report", str(out / "run_record.json"), "--out", str(tmp_path / "report")]) == 0
     assert (tmp_path / "report" / "report.md").exists()
+    state = json.loads((out / f"step_{STEPS}" / "state.json").read_text())
+    assert "plan" in state  # a resumed run starts on the plan in force, whose ranks hold the optimizer files
+
+    # resume for two more steps: the plan in force at the checkpoint, its Adam state restored per rank
+    monkeypatch.setattr(Stepper, "step", real_step)
+    job = load_job(_job(tmp_path))
+    job = job.__class__(**{**job.__dict__, "run": job.run.__class__(**{**job.run.__dict__, "steps": STEPS + 2})})
+    rl = RLJob(job, runtime=ray_runtime, quiet=True)
+    try:
+        rl.execute(resume=True)
+    finally:
+        rl.release()
+        ray_runtime.resize(4)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 3))
