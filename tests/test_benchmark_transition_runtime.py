@@ -28,5 +28,6 @@ def test_small_run_writes_all_figures(tmp_path: Path) -> None:
         assert row["dcp_equal"] and row["gs_equal"], row["label"]
         for key in ("exec_s", "dcp_s", "gs_s", "predicted_s", "bandwidth_bound_s", "graph_bandwidth_bound_s"):
             assert row[key] > 0, (row["label"], key)
-        assert set(row["exec_phases_s"]) >= {"prepare", "copy", "transfer", "install", "commit_vote"}
+        assert set(row["exec_phases_s"]) >= {"prepare", "copy", "move", "data_vote", "install", "commit_vote"}
+        assert row["shared_link_bound_s"] > 0
     assert not list((ROOT / ".tmp").glob("transition_runtime_*/t*")), "DCP files were left behind"
