@@ -9,6 +9,12 @@ The factors solve a non-negative least-squares problem on relative errors, with 
 
 solved exactly with the Lawson–Hanson active-set algorithm on the ridge-augmented system
 (Lawson & Hanson 1974, "Solving Least Squares Problems", ch. 23, algorithm NNLS).
+
+Per-term factors are identifiable only from measurements of different layouts: one layout's terms scale
+together (compute, memory and overhead of one pass are proportional across its steps), so the columns are
+nearly collinear and the fit would split the error among them arbitrarily. While a stage kind has been
+measured under fewer than ``min_layouts`` distinct layouts, its terms share one factor (a scale of that
+stage kind's prediction); with more, each term gets its own.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ class Calibrator:
     hw: Hardware
     ridge: float = 1e-4
     max_rows: int = 512  # recent measurements kept; older ones age out as the job changes
-    _rows: list[tuple[dict[str, float], float]] = field(default_factory=list)
+    min_layouts: int = 2  # distinct layouts of a stage kind before its terms get factors of their own
+    _rows: list[tuple[dict[str, float], float, tuple]] = field(default_factory=list)
     factors: dict[str, float] = field(default_factory=dict)
 
     def observe(self, job: JobSpec, plan: Plan, measured_s: dict[str, float]) -> None:
@@ -41,7 +48,7 @@ class Calibrator:
             if name == "weight_sync":
                 raw = est.phase_times["weight_sync"]
                 if raw > 0:
-                    self._rows.append(({"sync": raw}, seconds))
+                    self._rows.append(({"sync": raw}, seconds, ("sync",)))
                 continue
             if name not in est.costs:
                 raise SpecError(f"measured.{name}", f"not a model-stage of this plan ({sorted(est.costs)})")
@@ -49,23 +56,31 @@ class Calibrator:
             stage = cost.model_stage.stage
             if not np.isfinite(cost.time()):
                 continue  # a layout the model deems infeasible tells nothing about the terms
-            self._rows.append(({f"{stage}.{k}": v for k, v in cost.terms.items() if v > 0}, seconds))
+            lay = cost.layout
+            signature = (stage, lay.tp, lay.pp, lay.dp, lay.micro_batch_size, lay.interleave, lay.recompute)
+            self._rows.append(({f"{stage}.{k}": v for k, v in cost.terms.items() if v > 0}, seconds, signature))
         del self._rows[: max(0, len(self._rows) - self.max_rows)]
 
     def fit(self) -> dict[str, float]:
         if not self._rows:
             return {}
-        keys = sorted({k for terms, _ in self._rows for k in terms})
-        col = {k: i for i, k in enumerate(keys)}
-        a = np.zeros((len(self._rows), len(keys)))
-        y = np.zeros(len(self._rows))
-        for r, (terms, seconds) in enumerate(self._rows):
+        keys = sorted({k for terms, _, _ in self._rows for k in terms})
+        layouts: dict[str, set] = {}
+        for _, _, sig in self._rows:
+            layouts.setdefault(sig[0], set()).add(sig)
+        # a stage kind seen under too few layouts: one shared column (see the module docstring)
+        group = {k: k if len(layouts.get(k.split(".")[0], ())) >= self.min_layouts else k.split(".")[0] + ".*"
+                 for k in keys}
+        cols = sorted(set(group.values()))
+        col = {c: i for i, c in enumerate(cols)}
+        a = np.zeros((len(self._rows), len(cols)))
+        y = np.ones(len(self._rows))
+        for r, (terms, seconds, _) in enumerate(self._rows):
             for k, v in terms.items():
-                a[r, col[k]] = v / seconds  # relative error rows
-            y[r] = 1.0
+                a[r, col[group[k]]] += v / seconds  # relative error rows
         lam = np.sqrt(self.ridge * len(self._rows))  # the ridge pulls towards the prior factor 1
-        c = nnls(np.vstack([a, lam * np.eye(len(keys))]), np.concatenate([y, lam * np.ones(len(keys))]))
-        self.factors = {k: float(c[col[k]]) for k in keys}
+        c = nnls(np.vstack([a, lam * np.eye(len(cols))]), np.concatenate([y, lam * np.ones(len(cols))]))
+        self.factors = {k: float(c[col[group[k]]]) for k in keys}
         return self.factors
 
     def predict(self, job: JobSpec, plan: Plan) -> PlanEstimate:
@@ -74,7 +89,7 @@ class Calibrator:
     def relative_errors(self) -> list[float]:
         """Fitted relative error of every recorded row (for reports)."""
         return [sum(v * self.factors.get(k, 1.0) for k, v in terms.items()) / seconds - 1
-                for terms, seconds in self._rows]
+                for terms, seconds, _ in self._rows]
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
