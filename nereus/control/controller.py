@@ -174,7 +174,7 @@ class Controller:
             return True
         if abs(resp.mean / max(mean, 1.0) - 1) > self.config.drift:
             return True
-        # relative change of each factor since the plan was chosen (a factor NNLS fitted to 0 is compared
-        # absolutely, against the prior 1)
-        return any(abs(v - factors.get(k, 1.0)) > self.config.drift * max(abs(factors.get(k, 1.0)), 1e-9)
-                   if factors.get(k, 1.0) else abs(v - 1.0) > self.config.drift for k, v in self.factors.items())
+        # relative change of each factor since the plan was chosen; a factor NNLS had fitted to 0 then is
+        # measured against the prior 1 instead
+        return any(abs(v - ref) > self.config.drift * max(abs(ref), 1e-9)
+                   for k, v in self.factors.items() for ref in [factors.get(k, 1.0) or 1.0])

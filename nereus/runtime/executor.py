@@ -129,7 +129,7 @@ def send_entries(op) -> list[Entry]:
 def element_bytes(model_dtypes: dict[str, torch.dtype], model: str, state: str) -> int:
     """Bytes per element of a state on the wire: all components of it."""
     if state == WEIGHTS:
-        return torch.empty(0, dtype=model_dtypes[model]).element_size()
+        return model_dtypes[model].itemsize
     return 3 * 4  # fp32 master, exp_avg, exp_avg_sq
 
 
@@ -191,13 +191,11 @@ def plan_rounds(graph: TransitionGraph, model_dtypes: dict[str, torch.dtype]) ->
     return rounds
 
 
-FAULTS = ("prepare", "transfer", "install")  # where a test may inject a failure on one rank
-
-
 class Execution:
     """One rank's part of one transition (see the module docstring). ``run`` returns what ``install``
     built from the new buffers once every rank voted to commit; otherwise it raises
-    ``TransitionExecutionError`` on every rank and the old buffers are untouched."""
+    ``TransitionExecutionError`` on every rank and the old buffers are untouched. ``fault`` ("prepare",
+    "transfer" or "install") makes this rank fail in that phase, for tests."""
 
     def __init__(self, graph: TransitionGraph, old: Holdings, new: NewBuffers, comm: TransferComm,
                  model_dtypes: dict[str, torch.dtype], fault: str | None = None,
@@ -206,6 +204,7 @@ class Execution:
         self.dtypes, self.fault = model_dtypes, fault
         self.resident = list(resident or [])  # other tensors alive throughout (counted in the peak)
         self.me = dist.get_rank()
+        self.rounds = plan_rounds(graph, model_dtypes)  # the same on every rank; prepare and transfer use it
         self.out = Holdings()
         self.measured = Measured()
         self._staging: list[torch.Tensor] = []
@@ -251,7 +250,7 @@ class Execution:
                             self._check_dest((m, st, name, tuple(dest)))
                             for box in piece:
                                 self.old.find(m, st, name, box)
-        for rnd in plan_rounds(self.graph, self.dtypes):
+        for rnd in self.rounds:
             for t in rnd:
                 for m, st, name, box, dest in t.entries:
                     if t.src == self.me:
@@ -289,15 +288,21 @@ class Execution:
                                 buf.written += box_volume(box)
         self._timed("copy", t0)
 
+    def _bytes(self, entry: Entry) -> int:
+        m, st, _, box, _ = entry
+        return element_bytes(self.dtypes, m, st) * box_volume(box)
+
     def _direct(self, entry: Entry) -> bool:
         """Whether an entry travels as its own messages (one per component), straight out of the old buffer
         and into the new one, rather than packed with the small ones. Both ends decide alike from sizes."""
-        m, st, _, box, _ = entry
-        return element_bytes(self.dtypes, m, st) * box_volume(box) >= DIRECT_BYTES
+        return self._bytes(entry) >= DIRECT_BYTES
+
+    def _staging_buffer(self, entries: list[Entry]) -> torch.Tensor:
+        """Bytes for packed entries, each starting ``ALIGN``-aligned (both ends size it alike)."""
+        return torch.empty(sum(_align(self._bytes(e)) for e in entries), dtype=torch.uint8, device=self.new.device)
 
     def _pack(self, entries: list[Entry]) -> torch.Tensor:
-        flat = torch.empty(sum(_align(element_bytes(self.dtypes, m, st) * box_volume(b)) for m, st, _, b, _ in entries),
-                           dtype=torch.uint8, device=self.new.device)
+        flat = self._staging_buffer(entries)
         offset = 0
         for m, st, name, box, _dest in entries:
             start = offset
@@ -330,9 +335,7 @@ class Execution:
         group, peer = self.comm.transfer, t.dst if sending else t.src
         op = dist.isend if sending else dist.irecv
         if small:
-            flat = self._pack(small) if sending else torch.empty(
-                sum(_align(element_bytes(self.dtypes, m, st) * box_volume(b)) for m, st, _, b, _ in small),
-                dtype=torch.uint8, device=self.new.device)
+            flat = self._pack(small) if sending else self._staging_buffer(small)
             self._staging.append(flat)
             ops.append(dist.P2POp(op, flat, peer, group=group, tag=0))
             if not sending:
@@ -351,7 +354,7 @@ class Execution:
                 tag += 1
             if not sending:
                 self.out.get((m, st, name, tuple(dest))).written += box_volume(box)
-        nbytes = sum(element_bytes(self.dtypes, m, st) * box_volume(b) for m, st, _, b, _ in t.entries)
+        nbytes = sum(self._bytes(e) for e in t.entries)
         if sending:
             self.measured.bytes_sent += nbytes
         else:
@@ -361,7 +364,7 @@ class Execution:
         """The rounds of point-to-point transfers; the local copies run once the first round is posted, so
         they overlap with it (the backend moves the bytes on its own threads)."""
         copied = False
-        for rnd in plan_rounds(self.graph, self.dtypes):
+        for rnd in self.rounds:
             mine = [t for t in rnd if self.me in (t.src, t.dst)]
             if not mine:
                 continue

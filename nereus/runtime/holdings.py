@@ -10,13 +10,12 @@ nothing is copied to build the view, and a kept buffer is handed to the new layo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from nereus.runtime.engine import ShardedModel, tied_head
-from nereus.runtime.parallel.dp import ShardedAdam
-from nereus.spec.sharding import Box, box_volume, flat_range_boxes, rank_order, rank_tensors
+from nereus.runtime.engine import ShardedModel
+from nereus.spec.sharding import Box, box_volume, rank_tensors, zero_shards
 
 WEIGHTS, OPTIMIZER = "weights", "optimizer"
 BufferKey = tuple[str, str, str, tuple[Box, ...]]  # (model, state, tensor name, box set)
@@ -40,6 +39,10 @@ def index_in(box: Box, origin: Box) -> tuple[slice, ...]:
     return tuple(out)
 
 
+def inside(piece: Box, box: Box) -> bool:
+    return all(lo >= b_lo and hi <= b_hi for (lo, hi), (b_lo, b_hi) in zip(piece, box, strict=True))
+
+
 @dataclass
 class Buffer:
     boxes: tuple[Box, ...]
@@ -55,7 +58,7 @@ class Buffer:
         offset = 0
         for box in self.boxes:
             n = box_volume(box)
-            if all(lo >= b_lo and hi <= b_hi for (lo, hi), (b_lo, b_hi) in zip(piece, box, strict=True)):
+            if inside(piece, box):
                 where = index_in(piece, box)
                 return [c[offset: offset + n].view(extent(box))[where] for c in self.comps]
             offset += n
@@ -67,16 +70,17 @@ class Holdings:
 
     def __init__(self) -> None:
         self.buffers: dict[BufferKey, Buffer] = {}
+        self._by_tensor: dict[tuple[str, str, str], list[Buffer]] = {}  # for ``find``, in insertion order
 
     def add(self, key: BufferKey, buf: Buffer) -> None:
-        self.buffers.setdefault(key, buf)  # identical copies (DP replicas of two stages) serve alike
+        if key not in self.buffers:  # identical copies (DP replicas of two stages) serve alike
+            self.buffers[key] = buf
+            self._by_tensor.setdefault(key[:3], []).append(buf)
 
     def find(self, model: str, state: str, name: str, piece: Box) -> list[torch.Tensor]:
         """Any buffer of the tensor that holds ``piece`` whole (the graph's rule for sources)."""
-        for (m, st, n, boxes), buf in self.buffers.items():
-            if (m, st, n) == (model, state, name) and any(
-                    all(lo >= b_lo and hi <= b_hi for (lo, hi), (b_lo, b_hi) in zip(piece, b, strict=True))
-                    for b in boxes):
+        for buf in self._by_tensor.get((model, state, name), ()):
+            if any(inside(piece, b) for b in buf.boxes):
                 return buf.view(piece)
         raise TransitionExecutionError(f"no buffer of {model}/{state} {name} holds {piece}")
 
@@ -85,9 +89,6 @@ class Holdings:
             return self.buffers[key]
         except KeyError:
             raise TransitionExecutionError(f"the new layout places no buffer {key} on this rank") from None
-
-    def storage_bytes(self) -> int:
-        return storage_bytes(c for b in self.buffers.values() for c in b.comps)
 
 
 def storage_bytes(tensors) -> int:
@@ -99,22 +100,27 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def weight_boxes(sm_cfg, groups) -> dict[str, Box]:
+def weight_boxes(cfg, groups) -> dict[str, Box]:
     """The contract's boxes of a rank (``rank_tensors``): the last stage's ``tied_head`` is left out,
     as it follows the embedding (``ShardedModel.sync_tied_head``)."""
-    return rank_tensors(sm_cfg.arch, groups.layout, groups.rank, sm_cfg.value_head)
+    return rank_tensors(cfg.arch, groups.layout, groups.rank, cfg.value_head)
 
 
-def optimizer_segment_boxes(cfg, groups, opt: ShardedAdam) -> list[tuple[str, tuple[Box, ...]]]:
-    """(tensor, box set) of each of ``opt``'s segments: its range of the tensor's flattened TP box."""
-    c = groups.coords
-    boxes = dict(rank_order(cfg.arch, groups.layout, c.pp, c.tp, cfg.value_head))
-    return [(opt.names[i], flat_range_boxes(boxes[opt.names[i]], a, b)) for i, a, b in opt.segments]
+def optimizer_boxes(cfg, groups) -> list[tuple[str, tuple[Box, ...]]]:
+    """(tensor, box set) of each optimizer segment a rank holds under a layout, in checkpoint order: its
+    ZeRO range of the contract's flat buffer (``sharding.zero_shards``; the whole buffer without ZeRO-1),
+    which is what ``ShardedAdam`` keeps."""
+    lay, c = groups.layout, groups.coords
+    if not lay.zero1:
+        lay, dp_rank = replace(lay, dp=1), 0
+    else:
+        dp_rank = c.dp
+    return list(zero_shards(cfg.arch, lay, c.pp, c.tp, dp_rank, cfg.value_head).items())
 
 
 def holdings_of(model: str, sm: ShardedModel, into: Holdings | None = None) -> Holdings:
     """Views of ``sm``'s weights and, once Adam has stepped, its optimizer segments."""
-    out = into or Holdings()
+    out = into if into is not None else Holdings()
     boxes = weight_boxes(sm.cfg, sm.groups)
     for name, p in sm.shards().items():
         out.add((model, WEIGHTS, name, (boxes[name],)), Buffer((boxes[name],), (p.data.view(-1),)))
@@ -122,11 +128,6 @@ def holdings_of(model: str, sm: ShardedModel, into: Holdings | None = None) -> H
     moments = opt.moments() if opt is not None else None
     if moments is not None:
         avg, sq, _ = moments
-        for (name, bset), m, a, s in zip(optimizer_segment_boxes(sm.cfg, sm.groups, opt), opt.master, avg, sq,
-                                         strict=True):
+        for (name, bset), m, a, s in zip(optimizer_boxes(sm.cfg, sm.groups), opt.master, avg, sq, strict=True):
             out.add((model, OPTIMIZER, name, bset), Buffer(bset, (m.data, a, s)))
     return out
-
-
-def has_tied_head(sm: ShardedModel) -> bool:
-    return tied_head(sm.cfg) and sm.groups.layout.pp > 1 and sm.groups.last_stage

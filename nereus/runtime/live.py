@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.elastic.graph import TransitionGraph
-from nereus.runtime.engine import ShardedModel, shard_boxes
+from nereus.runtime.engine import ShardedModel, shard_boxes, tied_head
 from nereus.runtime.executor import Execution, Measured, NewBuffers, TransferComm, new_tensor
 from nereus.runtime.groups import ParallelGroups
 from nereus.runtime.holdings import (
@@ -28,11 +28,11 @@ from nereus.runtime.holdings import (
     Holdings,
     extent,
     holdings_of,
+    optimizer_boxes,
     weight_boxes,
 )
 from nereus.runtime.model import ModelConfig
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
-from nereus.spec.sharding import Box, box_volume, flat_range_boxes, rank_order, split_range
 
 
 @dataclass(frozen=True)
@@ -54,23 +54,6 @@ class KeySpec:
 
 def plan_of(specs: list[KeySpec], world: int) -> Plan:
     return Plan(tuple(Placement(ModelStage(s.model, s.stage), s.layout, tuple(s.ranks)) for s in specs), world)
-
-
-def optimizer_boxes(cfg: ModelConfig, groups: ParallelGroups) -> list[tuple[str, tuple[Box, ...]]]:
-    """(tensor, box set) of each optimizer segment a rank holds under a layout: its ZeRO range of the
-    contract's flat buffer (``sharding.zero_shards``; the whole buffer without ZeRO-1), tensor by tensor."""
-    lay, c = groups.layout, groups.coords
-    order = rank_order(cfg.arch, lay, c.pp, c.tp, cfg.value_head)
-    parts, index = (lay.dp, c.dp) if lay.zero1 else (1, 0)
-    lo, hi = split_range(sum(box_volume(b) for _, b in order), parts, index)
-    out, offset = [], 0
-    for name, box in order:
-        n = box_volume(box)
-        a, b = max(lo, offset), min(hi, offset + n)
-        if a < b:
-            out.append((name, flat_range_boxes(box, a - offset, b - offset)))
-        offset += n
-    return out
 
 
 def new_needs(specs: list[KeySpec], groups: dict[str, ParallelGroups]) -> dict[BufferKey, tuple[torch.dtype, ...]]:
@@ -113,7 +96,7 @@ def _fill_tied_heads(models: list[ShardedModel], comm: TransferComm) -> None:
     ops = []
     for sm in models:
         g = sm.groups
-        if g.embed_group is None or not (sm.cfg.arch.tied_embeddings and not sm.cfg.value_head):
+        if g.embed_group is None or not tied_head(sm.cfg):
             continue
         if g.first_stage:
             ops.append(dist.P2POp(dist.isend, sm.model.model.embed_tokens.weight.data, g.pp_peer(g.layout.pp - 1),
@@ -134,8 +117,8 @@ def _install(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict
                 continue
             tensors = {name: new_tensor(h.get((s.model, WEIGHTS, name, (box,))), box)
                        for name, box in weight_boxes(s.cfg, g).items()}
-            if "tied_head" in shard_boxes(s.cfg, g):  # filled from the embedding below (sync_tied_head)
-                box = shard_boxes(s.cfg, g)["tied_head"]
+            box = shard_boxes(s.cfg, g).get("tied_head")
+            if box is not None:  # filled from the first stage's embedding below (_fill_tied_heads)
                 tensors["tied_head"] = torch.empty(extent(box), dtype=getattr(torch, s.dtype), device=g.device)
             sm = ShardedModel(s.cfg, g, tensors, dtype=getattr(torch, s.dtype), schedule=schedule, assign=True)
             if s.training and s.model in adam:
@@ -182,6 +165,6 @@ def rebuild(sm: ShardedModel, groups: ParallelGroups) -> ShardedModel:
     if old is not None:
         old.ensure_state()
         opt = new.make_optimizer(init_master=False, **old.hyper)
-        avg, sq, step = old.moments() if old.moments() else ([], [], None)
+        avg, sq, step = old.moments() or ([], [], None)
         opt.install_state(old.master, avg, sq, step)
     return new

@@ -218,38 +218,36 @@ class Runtime:
         Adam state, following the transition graph; other keys are untouched. Returns the per-worker
         measurements; raises ``TransitionExecutionError`` (every worker still on the old layout) on failure.
         ``fault`` = (phase, worker) injects a failure, for tests."""
-        from nereus.runtime.holdings import TransitionExecutionError
-
         old_specs = [self.specs[s.key] for s in new_specs]
-        graph = self._graph(job, old_specs, new_specs)
-        ray.get([w.prepare_groups.remote(new_specs) for w in self.workers])
-        results = ray.get([w.transition.remote(graph, old_specs, new_specs, fault[0] if fault and fault[1] == r
-                                               else None) for r, w in enumerate(self.workers)])
-        if not all(r["ok"] for r in results):
-            raise TransitionExecutionError(next(r["error"] for r in results if not r["ok"]))
+        out = self._move(job, old_specs, new_specs, old_specs, fault)
         for s in new_specs:
             self.specs[s.key] = s
             self.layouts[s.key] = (s.layout, list(s.ranks))
-        return {"wall_s": max(r["wall_s"] for r in results), "workers": [r["measured"] for r in results],
-                "graph": graph}
+        return out
 
     def sync_weights(self, model: str, job: object) -> dict:
         """The training key's weights to every other key of ``model`` (the per-step training → generation
         and inference sync), through the same executor: boxes that coincide on a device become one shared
         tensor, the rest move point to point."""
         train = next(s for s in self.specs.values() if s.model == model and s.training)
-        others = [s for s in self.specs.values() if s.model == model and not s.training]
-        if not others:
-            return {"wall_s": 0.0}
-        graph = self._graph(job, [train], [train, *others])
-        ray.get([w.prepare_groups.remote([train, *others]) for w in self.workers])
-        results = ray.get([w.transition.remote(graph, [train, *others], [train, *others], None, [train])
-                           for w in self.workers])
-        if not all(r["ok"] for r in results):
-            from nereus.runtime.holdings import TransitionExecutionError
+        keys = [train] + [s for s in self.specs.values() if s.model == model and not s.training]
+        return self._move(job, keys, keys, [train]) if len(keys) > 1 else {"wall_s": 0.0}
 
+    def _move(self, job: object, old_specs: list[KeySpec], new_specs: list[KeySpec], sources: list[KeySpec],
+              fault: tuple[str, int] | None = None) -> dict:
+        """Groups ahead, then every worker replaces the keys of ``old_specs`` by ``new_specs``, state read from
+        the keys of ``sources``, as the (cached) graph between the two says."""
+        from nereus.runtime.holdings import TransitionExecutionError
+
+        graph = self._graph(job, sources, new_specs)
+        ray.get([w.prepare_groups.remote(new_specs) for w in self.workers])
+        results = ray.get([w.transition.remote(graph, old_specs, new_specs,
+                                               fault[0] if fault and fault[1] == r else None, sources)
+                           for r, w in enumerate(self.workers)])
+        if not all(r["ok"] for r in results):
             raise TransitionExecutionError(next(r["error"] for r in results if not r["ok"]))
-        return {"wall_s": max(r["wall_s"] for r in results), "workers": [r["measured"] for r in results]}
+        return {"wall_s": max(r["wall_s"] for r in results), "workers": [r["measured"] for r in results],
+                "graph": graph}
 
     def resize(self, n: int) -> None:
         """Grow or shrink to ``n`` workers without losing state: new Ray actors join (or the highest-ranked

@@ -33,6 +33,15 @@ class WarmStart:
     lr: float = 3e-3
 
 
+def value_at(schedule: tuple[tuple[int, int], ...], step: int, default: int) -> int:
+    """The value a (from step, value) schedule with increasing steps gives at ``step``."""
+    out = default
+    for start, value in schedule:
+        if step >= start:
+            out = value
+    return out
+
+
 @dataclass(frozen=True)
 class AdaptSpec:
     """``run.adapt``: the controller chooses and changes the layouts while the job runs (issue 8).
@@ -48,11 +57,7 @@ class AdaptSpec:
     fit_every: int = 5
 
     def workers_at(self, step: int, default: int) -> int:
-        out = default
-        for start, n in self.availability:
-            if step >= start:
-                out = n
-        return out
+        return value_at(self.availability, step, default)
 
 
 @dataclass(frozen=True)
@@ -92,41 +97,35 @@ class RunSpec:
 
     def max_response_length(self, step: int, final: int) -> int:
         """The curriculum's limit at ``step`` (the workload's ``response_length.max`` without one)."""
-        limit = final
-        for start, length in self.curriculum:
-            if step >= start:
-                limit = length
-        return limit
+        return value_at(self.curriculum, step, final)
 
 
-def _curriculum(f: Fields, final: int) -> tuple[tuple[int, int], ...]:
-    where = f.key_path("curriculum")
-    items = f.get("curriculum", list, [])
+def _schedule(f: Fields, key: str, value: str, minimum: int, maximum: int) -> tuple[tuple[int, int], ...]:
+    """``key: [{step: S, <value>: V}, ...]`` with increasing steps, as (S, V) pairs."""
+    where = f.key_path(key)
     out = []
-    for i, item in enumerate(items):
+    for i, item in enumerate(f.get(key, list, [])):
         g = Fields(item, f"{where}[{i}]")
-        out.append((g.get("step", int, minimum=0), g.get("max_response_length", int, minimum=1, maximum=final)))
+        out.append((g.get("step", int, minimum=0), g.get(value, int, minimum=minimum, maximum=maximum)))
         g.finish()
-    if out and out[0][0] != 0:
-        raise SpecError(f"{where}[0].step", "the curriculum must start at step 0")
     if any(b[0] <= a[0] for a, b in zip(out, out[1:], strict=False)):
         raise SpecError(where, "steps must increase")
     return tuple(out)
+
+
+def _curriculum(f: Fields, final: int) -> tuple[tuple[int, int], ...]:
+    out = _schedule(f, "curriculum", "max_response_length", 1, final)
+    if out and out[0][0] != 0:
+        raise SpecError(f"{f.key_path('curriculum')}[0].step", "the curriculum must start at step 0")
+    return out
 
 
 def _adapt(f: Fields) -> AdaptSpec | None:
     if not f.has("adapt"):
         return None
     a = f.sub("adapt")
-    where = a.key_path("availability")
-    avail = []
-    for i, item in enumerate(a.get("availability", list, [])):
-        g = Fields(item, f"{where}[{i}]")
-        avail.append((g.get("step", int, minimum=0), g.get("workers", int, minimum=1, maximum=64)))
-        g.finish()
-    if any(b[0] <= a_[0] for a_, b in zip(avail, avail[1:], strict=False)):
-        raise SpecError(where, "steps must increase")
-    spec = AdaptSpec(availability=tuple(avail), horizon=a.get("horizon", int, 30, minimum=1),
+    avail = _schedule(a, "availability", "workers", 1, 64)
+    spec = AdaptSpec(availability=avail, horizon=a.get("horizon", int, 30, minimum=1),
                      cooldown=a.get("cooldown", int, 5, minimum=0), min_gain=a.get("min_gain", float, 0.03, minimum=0),
                      margin=a.get("margin", float, 0.5, minimum=0),
                      replan_every=a.get("replan_every", int, 25, minimum=1),
