@@ -23,6 +23,8 @@ the distinct storages alive (old, new, staging) at every phase, comparable with 
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -222,6 +224,8 @@ class Execution:
         return now
 
     def _inject(self, phase: str) -> None:
+        if self.fault == "die" and phase == "transfer":  # a worker lost mid-transition (recovery tests)
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.fault == phase:
             raise TransitionExecutionError(f"rank {self.me}: injected failure in phase {phase!r}")
 

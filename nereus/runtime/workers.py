@@ -9,6 +9,8 @@ creates groups goes to all workers, because torch.distributed creates each group
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -16,12 +18,20 @@ from pathlib import Path
 import ray
 import torch
 
+from nereus.runtime.failover import FailoverMixin
 from nereus.runtime.live import KeySpec
 from nereus.runtime.model import ModelConfig
+from nereus.runtime.raylocal import start_local_ray
 from nereus.spec.layout import Layout
 
 
-@ray.remote
+class WorldAborted(RuntimeError):
+    """The driver aborted this worker's world (a peer was lost); the call in flight was abandoned."""
+
+
+# Calls run one at a time, in order ("default" group); ``abort`` and ``pid`` answer from their own thread
+# even while a call is blocked in a collective with a lost peer.
+@ray.remote(concurrency_groups={"control": 1})
 class Worker:
     """One device: holds the shards of every loaded model-stage, keyed by name."""
 
@@ -30,6 +40,60 @@ class Worker:
         self.rank, self.world = rank, world
         self.models: dict[str, object] = {}
         self.groups: dict[str, object] = {}
+        self._abort = threading.Event()
+        self._stuck: list[threading.Thread] = []  # calls abandoned by ``abort``, still blocked
+        self._die_in: str | None = None
+
+    # ----- failure handling -----------------------------------------------------------------------
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def abort(self) -> bool:
+        """Give up the call in flight (blocked on a lost peer): it returns ``WorldAborted`` at once and
+        the world is re-formed by ``reinit``."""
+        self._abort.set()
+        return True
+
+    @ray.method(concurrency_group="control")
+    def die_in(self, op: str) -> bool:
+        """Fault injection for tests and benchmarks: SIGKILL this process in the middle of the next ``op``
+        call (``train_step``: after its backward pass, before the optimizer step; ``transition``: after
+        the prepare vote, while the transfers run)."""
+        self._die_in = op
+        return True
+
+    def _guarded(self, fn, *args: object) -> object:
+        """``fn(*args)`` on a helper thread, so that ``abort`` can release this worker from a collective
+        that will never complete; a gloo collective cannot be interrupted, so the thread is abandoned (it
+        fails once ``reinit`` destroys its world) and never touches state the recovery rebuilds."""
+        if self._abort.is_set():
+            raise WorldAborted("this worker's world was aborted; re-form it (Runtime.recover)")
+        out: dict = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                out["value"] = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                out["error"] = exc
+            finally:
+                done.set()
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        while not done.wait(0.05):
+            if self._abort.is_set():
+                self._stuck.append(t)
+                raise WorldAborted("a peer was lost; the call in flight was abandoned")
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+    def _maybe_die(self, op: str) -> None:
+        if self._die_in == op:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def address(self) -> tuple[str, int]:
         from nereus.runtime.launch import free_port
@@ -64,16 +128,41 @@ class Worker:
         self.models[key] = ShardedModel(cfg, groups, tensors, getattr(torch, dtype), schedule)
         return True
 
-    def reinit(self, master: str, port: int, world: int, timeout_s: float) -> bool:
-        """Leave the current world (every group with it) and join one of ``world`` workers, keeping this
-        worker's shards in memory; ``regroup`` then rebuilds them on the new world's groups."""
+    def reinit(self, master: str, port: int, world: int, timeout_s: float, rank: int | None = None) -> bool:
+        """Leave the current world (every group with it) and join one of ``world`` workers as ``rank``
+        (default: the same), keeping this worker's shards in memory; ``regroup`` then rebuilds them on the
+        new world's groups. Calls abandoned by ``abort`` fail once their world is gone."""
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        for t in self._stuck:
+            t.join(timeout=2.0)  # it fails once its world is destroyed; never wait long on it
+        self._stuck = [t for t in self._stuck if t.is_alive()]
+        self._abort.clear()
         self.world, self.groups, self.pending = world, {}, {}
+        self.rank = self.rank if rank is None else rank
         self.init_dist(master, port, timeout_s)
         return self.init_comm(min(timeout_s, 120.0))
+
+    def state_image(self, key_model: dict[str, str], optimizer_for: list[str], weights_dp0_only: bool) -> dict:
+        """A copy of this worker's state of the keys in ``key_model`` (``recovery.state_image``); as a
+        return value it lives in Ray's object store, owned by the driver: a host-memory snapshot that
+        outlives this process."""
+        from nereus.runtime.recovery import state_image
+
+        return state_image(self.models, key_model, set(optimizer_for), weights_dp0_only)
+
+    def restore(self, specs: list, images: dict[str, list]) -> bool:
+        """Replace every key by ``specs`` (groups from ``prepare_groups`` in the re-formed world), each
+        buffer filled from ``images`` (model → object refs of state images, in preference order)."""
+        from nereus.runtime.recovery import restore_state
+
+        pending, self.pending = self.pending, {}
+        fetched = {m: ray.get(refs) for m, refs in images.items()}
+        models = restore_state(specs, pending, fetched, self.comm)
+        self.models, self.groups = models, dict(pending)
+        return True
 
     def regroup(self, specs: list) -> bool:
         """Every key's groups in the new world (collective, same order everywhere), and its shard rebuilt
@@ -115,12 +204,18 @@ class Worker:
         """Replace the keys of ``old_specs`` by ``new_specs``, state moved as ``graph`` plans (groups from
         ``prepare_groups``) from the keys of ``sources`` (default ``old_specs``; a weight sync reads the
         training key only). On failure every worker keeps its old shards and reports the error."""
+        return self._guarded(self._transition, graph, old_specs, new_specs, fault, sources)
+
+    def _transition(self, graph: object, old_specs: list, new_specs: list, fault: str | None,
+                    sources: list | None) -> dict:
         import time
 
         from nereus.runtime.live import transition_keys
 
         t0 = time.perf_counter()
         sources = old_specs if sources is None else sources
+        if self._die_in == "transition":
+            fault = "die"
         old = {s.key: self.models[s.key] for s in sources if s.key in self.models}
         pending, self.pending = self.pending, {}
         try:
@@ -143,11 +238,17 @@ class Worker:
 
     def call(self, key: str, op: str, *args: object, **kwargs: object) -> object:
         """Run ``op`` on this worker's shard of ``key``; None on workers outside the layout."""
+        return self._guarded(self._call, key, op, args, kwargs)
+
+    def _call(self, key: str, op: str, args: tuple, kwargs: dict) -> object:
         from nereus.runtime.generate import generate, generate_with_logprobs
 
         sm = self.models.get(key)
         if sm is None:
             return None
+        if op == "train_step" and self._die_in == "train_step":
+            sm.backward(*args[:2])
+            self._maybe_die("train_step")
         if op == "generate":
             out = generate(sm, *args, **kwargs)
         elif op == "generate_with_logprobs":
@@ -166,7 +267,7 @@ class Worker:
         """``fn(shard, *args)`` on this worker's shard of ``key`` (None outside the layout); callers use it
         for operations the runtime does not name, such as reading or writing shards and optimizer state."""
         sm = self.models.get(key)
-        return None if sm is None else fn(sm, *args)
+        return None if sm is None else self._guarded(fn, sm, *args)
 
     def release(self, key: str) -> None:
         self.models.pop(key, None)
@@ -175,8 +276,9 @@ class Worker:
             groups.destroy()
 
 
-class Runtime:
-    """``world`` workers (Ray actors) in one process group; ``load`` places a model under a layout."""
+class Runtime(FailoverMixin):
+    """``world`` workers (Ray actors) in one process group; ``load`` places a model under a layout. A lost
+    worker raises ``WorkerLostError``; ``recover`` continues on the survivors (``failover``)."""
 
     def __init__(self, world: int, address: str | None = None, temp_dir: str | Path | None = None,
                  timeout_s: float = 600.0, max_workers: int | None = None) -> None:
@@ -187,8 +289,7 @@ class Runtime:
                 ray.init(address=address)
             else:
                 root = Path(temp_dir or Path.cwd() / ".tmp" / "ray").absolute()
-                ray.init(num_cpus=max(world, max_workers or 0, os.cpu_count() or 1), include_dashboard=False,
-                         _temp_dir=str(root), _node_ip_address="127.0.0.1", log_to_driver=False)
+                start_local_ray(max(world, max_workers or 0, os.cpu_count() or 1), root)
         self.timeout_s = timeout_s
         self.worker_options = {"num_gpus": 1} if gpu else {"num_cpus": 1}
         self.workers = [Worker.options(**self.worker_options).remote(r, world) for r in range(world)]
@@ -198,6 +299,7 @@ class Runtime:
         self.layouts: dict[str, tuple[Layout, list[int]]] = {}
         self.specs: dict[str, KeySpec] = {}  # what each key holds, for transitions
         self._graphs: dict[tuple, object] = {}
+        self._init_failover()
 
     def load(self, key: str, cfg: ModelConfig, layout: Layout, ranks: list[int] | None = None,
              checkpoint: str | Path | None = None, state: dict | None = None, dtype: str = "float32",
@@ -241,9 +343,9 @@ class Runtime:
 
         graph = self._graph(job, sources, new_specs)
         ray.get([w.prepare_groups.remote(new_specs) for w in self.workers])
-        results = ray.get([w.transition.remote(graph, old_specs, new_specs,
-                                               fault[0] if fault and fault[1] == r else None, sources)
-                           for r, w in enumerate(self.workers)])
+        results = self._get([w.transition.remote(graph, old_specs, new_specs,
+                                                 fault[0] if fault and fault[1] == r else None, sources)
+                             for r, w in enumerate(self.workers)])
         if not all(r["ok"] for r in results):
             raise TransitionExecutionError(next(r["error"] for r in results if not r["ok"]))
         return {"wall_s": max(r["wall_s"] for r in results), "workers": [r["measured"] for r in results],
@@ -285,7 +387,9 @@ class Runtime:
 
     def _run(self, key: str, op: str, *args: object, **kwargs: object) -> list:
         _, ranks = self.layouts[key]
-        results = ray.get([self.workers[r].call.remote(key, op, *args, **kwargs) for r in ranks])
+        if op == "train_step":
+            self.dirty.add(self.specs[key].model)
+        results = self._get([self.workers[r].call.remote(key, op, *args, **kwargs) for r in ranks])
         return [out for _, out in sorted(r for r in results if r is not None)]
 
     def logprobs(self, key: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -309,7 +413,7 @@ class Runtime:
         """``fn(shard, *args)`` on every worker of ``key``'s layout (all together, as collectives need);
         results in layout rank order. ``fn`` must be importable or picklable by value."""
         _, ranks = self.layouts[key]
-        return ray.get([self.workers[r].apply.remote(key, fn, *args) for r in ranks])
+        return self._get([self.workers[r].apply.remote(key, fn, *args) for r in ranks])
 
     def memory(self, key: str) -> list[dict | None]:
         """The last operation's memory report of every worker of ``key``'s layout, in layout rank order."""

@@ -1,0 +1,145 @@
+"""Recovery from lost workers, the driver side (mixed into ``workers.Runtime``): detection, host-memory
+snapshots, and the re-formed world the job continues on.
+
+*Detection*: every call the runtime waits for is collected as it completes; an actor that died, or a
+collective that failed, makes the runtime ping every worker on its control thread (which answers even
+while its call is blocked on the lost peer) and raise ``WorkerLostError`` naming the lost ranks.
+
+*Snapshots*: ``snapshot`` copies each trained model's weights (one data-parallel replica) and Adam state,
+and once each frozen model's weights, into Ray's object store as return values the driver owns — host
+memory that outlives any worker process (not a lost node: disk checkpoints cover that).
+
+*Recovery* (``recover``): the survivors abandon the call in flight, re-form a world of their own, and
+load the layouts the caller chooses for them; each buffer is filled from the survivors' live state where
+it is unchanged since the snapshot (data-parallel replicas of what the lost worker held), else from the
+snapshot. The job is then at the snapshot's step, and redoes the steps after it — at most the step in
+flight when snapshots are taken every step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import ray
+
+
+class WorkerLostError(RuntimeError):
+    """One or more workers died; ``Runtime.recover`` continues on the survivors."""
+
+    def __init__(self, lost: list[int], cause: str) -> None:
+        super().__init__(f"lost worker(s) {lost}: {cause}")
+        self.lost = lost
+
+
+class FailoverMixin:
+    """Needs ``workers``, ``specs``, ``layouts``, ``timeout_s``, ``_graphs`` from ``Runtime``."""
+
+    def _init_failover(self) -> None:
+        self.dirty: set[str] = set()  # models whose state changed since the last snapshot
+        self.snapshots: dict[str, list] = {}  # model → one state-image ref per worker
+        self.snapshot_step: int | None = None
+
+    # ----- detection ------------------------------------------------------------------------------
+    def lost_workers(self, timeout_s: float = 10.0) -> list[int]:
+        """Ranks whose actor is dead or does not answer on its control thread within ``timeout_s``."""
+        pings = [w.pid.remote() for w in self.workers]
+        lost = []
+        for rank, ref in enumerate(pings):
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                lost.append(rank)
+        return lost
+
+    def _get(self, refs: list) -> list:
+        """``ray.get(refs)``, but a lost worker raises ``WorkerLostError`` as soon as it shows (a dead
+        actor, or a survivor's collective failing) instead of waiting on survivors blocked on it."""
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerLostError(self.lost_workers() or ["?"], type(exc).__name__) from None
+            except ray.exceptions.RayTaskError as exc:
+                lost = self.lost_workers()
+                if lost:
+                    raise WorkerLostError(lost, str(exc).splitlines()[-1][:200]) from None
+                raise
+        return ray.get(refs)
+
+    # ----- snapshots ------------------------------------------------------------------------------
+    def snapshot(self, step: int) -> float:
+        """Copy the state a lost worker could take with it (trained models every call, frozen ones once)
+        to host memory, labelled ``step``; returns the seconds it took."""
+        t0 = time.perf_counter()
+        trained = {s.model for s in self.specs.values() if s.training}
+        refs = {}
+        for model in sorted({s.model for s in self.specs.values()}):
+            if model not in trained and model in self.snapshots:
+                continue  # frozen: its first snapshot stays valid
+            keys = {s.key: s.model for s in self.specs.values()
+                    if s.model == model and (s.training or model not in trained)}
+            opt = [model] if model in trained else []
+            refs[model] = [w.state_image.remote(keys, opt, True) for w in self.workers]
+        self._get([r for rs in refs.values() for r in rs])  # complete before the step that follows changes state
+        self.snapshots.update(refs)
+        self.dirty.clear()
+        self.snapshot_step = step
+        return time.perf_counter() - t0
+
+    # ----- recovery -------------------------------------------------------------------------------
+    def recover(self, place: Callable[[int], list], lost: list[int] | None = None) -> dict:
+        """Continue on the surviving workers: abandon the call in flight, re-form the world, and load
+        ``place(n)`` (the ``KeySpec`` of every key for ``n`` survivors, ranks 0..n-1) from live replicas and
+        the snapshot. Returns what it did and how long each part took; the state is the snapshot's step's
+        (``resume_step``)."""
+        from nereus.runtime.recovery import StateLostError
+
+        t0 = time.perf_counter()
+        lost = sorted(lost if lost is not None else self.lost_workers())
+        if not lost:
+            raise ValueError("no worker is lost: nothing to recover")
+        survivors = [w for r, w in enumerate(self.workers) if r not in lost]
+        if not survivors:
+            raise StateLostError("every worker is lost: restart from a disk checkpoint (nereus run --resume)")
+        missing = sorted(m for m in self.dirty if m not in self.snapshots)
+        if missing:
+            raise StateLostError(f"{missing} changed since the job started and no snapshot holds them: take "
+                                 "snapshots (run.snapshot_every) to survive a lost worker")
+        dirty = set(self.dirty)
+        ray.get([w.abort.remote() for w in survivors])
+        for r in lost:
+            ray.kill(self.workers[r])  # a hung (not dead) worker must not come back into the new world
+        n = len(survivors)
+        self.workers = survivors
+        master, port = ray.get(survivors[0].address.remote())
+        ray.get([w.reinit.remote(master, port, n, self.timeout_s, i) for i, w in enumerate(survivors)])
+        t_world = time.perf_counter()
+        new_specs = list(place(n))
+        images = self._recovery_images(survivors, dirty)
+        ray.get([w.prepare_groups.remote(new_specs) for w in survivors])
+        self._get([w.restore.remote(new_specs, images) for w in survivors])
+        self.specs = {s.key: s for s in new_specs}
+        self.layouts = {s.key: (s.layout, list(s.ranks)) for s in new_specs}
+        self._graphs.clear()
+        self.dirty.clear()
+        t1 = time.perf_counter()
+        return {"lost": lost, "workers": n, "resume_step": self.snapshot_step, "wall_s": t1 - t0,
+                "seconds": {"world": t_world - t0, "restore": t1 - t_world},
+                "live_state": sorted({s.model for s in new_specs} - dirty), "snapshot_only": sorted(dirty)}
+
+    def _recovery_images(self, survivors: list, dirty: set[str]) -> dict[str, list]:
+        """Per model, state images in preference order: the survivors' live state of models unchanged
+        since the snapshot, then the snapshot."""
+        trained = {s.model for s in self.specs.values() if s.training}
+        images: dict[str, list] = {}
+        for model in sorted({s.model for s in self.specs.values()}):
+            live = []
+            if model not in dirty:
+                keys = {s.key: s.model for s in self.specs.values() if s.model == model}
+                opt = [model] if model in trained else []
+                live = [w.state_image.remote(keys, opt, False) for w in survivors]
+            images[model] = live + self.snapshots.get(model, [])
+        return images
