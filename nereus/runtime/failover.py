@@ -114,7 +114,7 @@ class FailoverMixin:
             ray.kill(self.workers[r])  # a hung (not dead) worker must not come back into the new world
         n = len(survivors)
         self.workers = survivors
-        master, port = ray.get(survivors[0].address.remote())
+        master, port = self._rendezvous()
         ray.get([w.reinit.remote(master, port, n, self.timeout_s, i) for i, w in enumerate(survivors)])
         t_world = time.perf_counter()
         new_specs = list(place(n))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import uuid
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -105,11 +106,16 @@ class Worker:
 
         from nereus.runtime.groups import default_backend, local_device
 
-        os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port), LOCAL_RANK="0")
         backend = default_backend()
         if backend == "nccl":
             torch.cuda.set_device(local_device())
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world,
+        if master.startswith("file://"):  # one host: a file rendezvous, so no TCP store listens on any interface
+            init = master
+        else:
+            os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
+            init = "env://"
+        os.environ["LOCAL_RANK"] = "0"
+        dist.init_process_group(backend, init_method=init, rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=timeout_s))
         return backend
 
@@ -284,6 +290,7 @@ class Runtime(FailoverMixin):
                  timeout_s: float = 600.0, max_workers: int | None = None) -> None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         gpu = torch.cuda.is_available()
+        self._store_dir = None if address else Path(temp_dir or Path.cwd() / ".tmp" / "ray").absolute() / "rendezvous"
         if not ray.is_initialized():
             if address:
                 ray.init(address=address)
@@ -293,13 +300,21 @@ class Runtime(FailoverMixin):
         self.timeout_s = timeout_s
         self.worker_options = {"num_gpus": 1} if gpu else {"num_cpus": 1}
         self.workers = [Worker.options(**self.worker_options).remote(r, world) for r in range(world)]
-        master, port = ray.get(self.workers[0].address.remote())
+        master, port = self._rendezvous()
         self.backend = ray.get([w.init_dist.remote(master, port, timeout_s) for w in self.workers])[0]
         ray.get([w.init_comm.remote(min(timeout_s, 120.0)) for w in self.workers])
         self.layouts: dict[str, tuple[Layout, list[int]]] = {}
         self.specs: dict[str, KeySpec] = {}  # what each key holds, for transitions
         self._graphs: dict[tuple, object] = {}
         self._init_failover()
+
+    def _rendezvous(self) -> tuple[str, int]:
+        """Where a new world meets: a fresh file under Ray's temp folder when Ray is local (nothing listens),
+        else a free port on worker 0's host."""
+        if self._store_dir is not None:
+            self._store_dir.mkdir(parents=True, exist_ok=True)
+            return f"file://{self._store_dir / f'world-{uuid.uuid4().hex}'}", 0
+        return ray.get(self.workers[0].address.remote())
 
     def load(self, key: str, cfg: ModelConfig, layout: Layout, ranks: list[int] | None = None,
              checkpoint: str | Path | None = None, state: dict | None = None, dtype: str = "float32",
@@ -370,7 +385,7 @@ class Runtime(FailoverMixin):
             self.workers = self.workers[:n]
         else:
             self.workers += [Worker.options(**self.worker_options).remote(r, n) for r in range(cur, n)]
-        master, port = ray.get(self.workers[0].address.remote())
+        master, port = self._rendezvous()
         ray.get([w.reinit.remote(master, port, n, self.timeout_s) for w in self.workers])
         ray.get([w.regroup.remote(list(self.specs.values())) for w in self.workers])
         self._graphs.clear()
