@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 
 from nereus.control.backend import ClusterState, Decision, StepMetrics, TransitionMetrics
 from nereus.control.controller import Controller, ControllerConfig, observed_job
@@ -39,6 +40,17 @@ STAGE_TIMERS = {"actor/generation": "gen", "actor/inference": "old_log_prob", "r
 PHASE_OF = {"generation": "generation", "inference": "inference", "training": "training"}
 
 
+def survivor_plan(ctrl: Controller, workers: int, step: int) -> Plan:
+    """The plan a job continues on after losing workers: the planner's best for the ``workers`` left, the
+    curriculum's length at ``step``, the layouts the runtime runs and the calibration so far."""
+    from nereus.planner.search import search
+
+    job = ctrl.job_for(step, workers)
+    plan = search(Hardware(job.cluster), job, ctrl.factors or None, constraints=ctrl.constraints).plan
+    ctrl.plan = plan
+    return plan
+
+
 class CurriculumSchedule:
     """What the job announces in advance (``control.forecast.Schedule``'s interface): the curriculum's
     maximum response length and the availability schedule."""
@@ -54,9 +66,15 @@ class CurriculumSchedule:
 
 
 def controller_for(job: JobSpec) -> Controller:
+    """The controller of an adaptive run; for a fixed run (no ``run.adapt``) the one that re-plans it onto
+    survivors, on the options the CPU runtime runs (no recompute, sequence parallelism, FSDP, interleaving)."""
     a = job.run.adapt
-    cfg = ControllerConfig(horizon=a.horizon, margin=a.margin, min_gain=a.min_gain, cooldown=a.cooldown,
-                           replan_every=a.replan_every, fit_every=a.fit_every)
+    if a is None:
+        job = replace(job, options=replace(job.options, recompute="none", sequence_parallel=False, fsdp=False,
+                                           interleave=1))
+    cfg = ControllerConfig() if a is None else ControllerConfig(
+        horizon=a.horizon, margin=a.margin, min_gain=a.min_gain, cooldown=a.cooldown,
+        replan_every=a.replan_every, fit_every=a.fit_every)
     allowed = Constraints(layout_filter=lambda ms, lay: runtime_layout_ok(job, ms.stage, lay, ms.model))
     return Controller(job, cfg, schedule=CurriculumSchedule(job), total_steps=job.run.steps, constraints=allowed)
 
@@ -147,6 +165,7 @@ class AdaptiveLoop:
         self.record.plans.append({"step": 0, "plan": plan.to_dict(), "strategy": plan.meta.get("strategy")})
         self.decisions = (rl.dir / "decisions.jsonl").open("a")
         self.t0 = time.perf_counter()
+        self.lost_s = 0.0  # recovery time not yet booked to a step record
 
     def after_step(self, step: int, metrics: dict) -> dict:
         """Observe, decide, maybe transition; returns the metrics the step adds."""
@@ -175,9 +194,21 @@ class AdaptiveLoop:
         self.record.steps.append({"step": step, "step_time_s": m.step_time_s, "phases": m.phase_times_s,
                                   "gpus": len(rt.workers), "response_mean": m.response_mean,
                                   "response_max": m.response_max, "tokens": m.tokens, "transition_s": transition_s,
-                                  "lost_s": 0.0, "strategy": self.plan.meta.get("strategy", "")})
+                                  "lost_s": self.lost_s, "strategy": self.plan.meta.get("strategy", "")})
         self.record.decisions.append(_decision_record(decision, transition_s))
+        self.lost_s = 0.0
         return extra
+
+    def replanned(self, plan: Plan, step: int, recovery_s: float) -> None:
+        """After a lost worker: the survivors' plan is in force from ``step`` on, at a cost of ``recovery_s``."""
+        self.plan = plan
+        self.record.plans.append({"step": step, "plan": plan.to_dict(), "strategy": plan.meta.get("strategy")})
+        entry = {"step": step, "action": "recover", "reason": "lost worker(s)", "plan": plan.to_dict(),
+                 "transition_s": recovery_s}
+        self.decisions.write(json.dumps(entry) + "\n")
+        self.decisions.flush()
+        self.record.decisions.append(entry)
+        self.lost_s += recovery_s
 
     def close(self) -> dict:
         self.decisions.close()

@@ -27,6 +27,7 @@ from nereus.run.manifest import verify_manifest, write_manifest
 from nereus.run.metrics import MetricsLog, Progress
 from nereus.run.setup import TRAINED, Placed, check_batches, datasets, model_configs, place
 from nereus.run.warmstart import initial_checkpoints
+from nereus.runtime.failover import WorkerLostError
 from nereus.runtime.generate import SamplingParams
 from nereus.runtime.hf import save_checkpoint
 from nereus.spec.errors import SpecError
@@ -56,6 +57,9 @@ class RLJob:
         self._own_runtime = runtime is None
         self.rt = runtime
         self.state: dict = {}
+        self.recovered: dict | None = None  # metrics the step after a recovery adds
+        self.recoveries: list[dict] = []
+        self.snapshot_s = 0.0
 
     def say(self, text: str) -> None:
         if not self.quiet:
@@ -77,11 +81,13 @@ class RLJob:
                 self.rt.load(p.key, self.cfgs[p.model], p.layout, list(p.ranks), checkpoint=source[p.model])
                 loaded.add(p.key)
         self.stepper = Stepper(self.job, self.rt, self.placed, self.tok, self.train)
+        self.rt.forget_snapshots()  # a runtime handed in may hold another job's
 
     def replace_placed(self, placed: list[Placed]) -> None:
         """After a live transition: the layouts and workers every model-stage now runs on."""
         self.placed = placed
         self.stepper.placed = placed
+        self.stepper.key = {(p.model, p.stage): p.key for p in placed}
 
     def release(self) -> None:
         if self.rt is None:
@@ -161,6 +167,64 @@ class RLJob:
             path.write_text("".join(line + "\n" for line in keep))
 
     # ----- the run ------------------------------------------------------------------------------------
+    def _step(self, step: int, log: MetricsLog, bar: Progress) -> dict[str, float]:
+        """One step, its adaptation, evaluation, metrics and checkpoint."""
+        last = self.stepper.step(step)
+        last["nereus/snapshot_s"], self.snapshot_s = self.snapshot_s, 0.0
+        if self.recovered is not None:
+            last.update(self.recovered)
+            self.recovered = None
+        if self.adaptive is not None:
+            last.update(self.adaptive.after_step(step, last))
+        done = step + 1
+        if done % self.run.eval_every == 0 or done == self.run.steps:
+            last["val/accuracy"] = self.evaluate(self.val)
+        log.log(done, last)
+        bar.update(done)
+        every = self.run.checkpoint_every
+        if (every and done % every == 0) or done == self.run.steps:
+            self.save(done)
+        return last
+
+    def recover(self, err: WorkerLostError, step: int, lost_work_s: float = 0.0) -> int:
+        """Continue on the surviving workers after ``err``: the planner's plan for them, state from live
+        replicas and the snapshot (``Runtime.recover``); returns the step to redo from. ``lost_work_s``: the
+        time the failed step ran before the loss showed."""
+        from nereus.run.adaptive import controller_for, survivor_plan
+        from nereus.run.setup import placed_from_plan
+
+        if not self.run.snapshot_every:
+            raise SpecError("run.checkpoint.snapshot_every", f"{err}; without host-memory snapshots the run cannot "
+                            "continue: set snapshot_every ≥ 1, or resume from the last checkpoint (--resume)") from err
+        self.say(f"\n  step {step + 1}: {err}; recovering on the survivors")
+        ctrl = self.adaptive.ctrl if self.adaptive is not None else controller_for(self.job)
+        plan: dict = {}
+
+        def place(n: int) -> list:
+            from nereus.runtime.live import KeySpec
+
+            plan["plan"] = survivor_plan(ctrl, n, self.rt.snapshot_step)
+            plan["placed"] = placed_from_plan(plan["plan"])
+            return [KeySpec(p.key, p.model, p.stage, self.cfgs[p.model], p.layout, p.ranks) for p in plan["placed"]]
+
+        out = self.rt.recover(place, err.lost)
+        self.replace_placed(plan["placed"])
+        for key in {p.key for p in self.placed}:  # loss statistics of the abandoned step
+            self.rt.apply(key, remote.drain_stats)
+        if self.adaptive is not None:
+            self.adaptive.replanned(plan["plan"], out["resume_step"], out["wall_s"])
+        from nereus.run.adaptive import plan_text
+
+        live, snap = ", ".join(out["live_state"]) or "none", ", ".join(out["snapshot_only"]) or "none"
+        self.say(f"  recovered in {out['wall_s']:.2f} s on {out['workers']} workers (live state: {live}; "
+                 f"from the snapshot: {snap}); redoing from step {out['resume_step'] + 1}\n"
+                 f"    plan: {plan_text(plan['plan'])}")
+        self.recoveries.append({"step": step, "lost_work_s": lost_work_s,
+                                **{k: v for k, v in out.items() if k != "seconds"}, **out["seconds"]})
+        self.recovered = {"nereus/recovery_s": out["wall_s"], "nereus/lost_work_s": lost_work_s,
+                          "nereus/lost_workers": float(len(out["lost"]))}
+        return out["resume_step"]
+
     def _fresh(self) -> None:
         # one thread: the workers share the same cores, and oversubscribed BLAS threads slow tiny models ~10x
         torch.set_num_threads(1)
@@ -189,23 +253,24 @@ class RLJob:
 
             self.adaptive = AdaptiveLoop(self, self.ctrl, self.plan)
         try:
-            for step in range(start, self.run.steps):
-                last = self.stepper.step(step)
-                if self.adaptive is not None:
-                    last.update(self.adaptive.after_step(step, last))
-                done = step + 1
-                if done % self.run.eval_every == 0 or done == self.run.steps:
-                    last["val/accuracy"] = self.evaluate(self.val)
-                log.log(done, last)
-                bar.update(done)
-                every = self.run.checkpoint_every
-                if (every and done % every == 0) or done == self.run.steps:
-                    self.save(done)
+            step = start
+            while step < self.run.steps:
+                every = self.run.snapshot_every
+                if every and step % every == 0 and self.rt.latest_snapshot_step != step:
+                    self.snapshot_s = self.rt.snapshot(step)
+                t_step = time.perf_counter()
+                try:
+                    last = self._step(step, log, bar)
+                except WorkerLostError as err:
+                    step = self.recover(err, step, time.perf_counter() - t_step)
+                    log.rewind(step)  # steps after the snapshot are redone, and logged again
+                    continue
+                step += 1
         finally:
             log.close()
             adapt = self.adaptive.close() if self.adaptive is not None else None
         summary = {"warmstart_accuracy": self.state.get("warmstart_accuracy"),
-                   "final_accuracy": last.get("val/accuracy"), "last": last}
+                   "final_accuracy": last.get("val/accuracy"), "last": last, "recoveries": self.recoveries}
         if adapt is not None:
             summary["adaptation"] = adapt
             self.say(f"\nlive transitions: {adapt['transitions']} ({adapt['transition_s']:.2f} s, "

@@ -41,6 +41,14 @@ class MetricsLog:
                               for k in CONSOLE if k in metrics)
             self.stream.write(f"\rstep {step}: {shown}\n")
 
+    def rewind(self, step: int) -> None:
+        """Drop the lines after ``step`` steps (they are about to be redone)."""
+        self.file.flush()
+        lines = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        self.file.close()
+        self.path.write_text("".join(ln + "\n" for ln in lines))
+        self.file = self.path.open("a")
+
     def close(self) -> None:
         self.file.close()
         if self.tb is not None:

@@ -36,9 +36,10 @@ class FailoverMixin:
     """Needs ``workers``, ``specs``, ``layouts``, ``timeout_s``, ``_graphs`` from ``Runtime``."""
 
     def _init_failover(self) -> None:
-        self.dirty: set[str] = set()  # models whose state changed since the last snapshot
-        self.snapshots: dict[str, list] = {}  # model → one state-image ref per worker
+        self.dirty: set[str] = set()  # models whose state changed since the newest snapshot
+        self.snapshots: dict[str, list] = {}  # model → one state-image ref per worker (complete)
         self.snapshot_step: int | None = None
+        self._pending: tuple[int, dict[str, list]] | None = None  # (step, refs) of a snapshot being taken
 
     # ----- detection ------------------------------------------------------------------------------
     def lost_workers(self, timeout_s: float = 10.0) -> list[int]:
@@ -70,24 +71,57 @@ class FailoverMixin:
         return ray.get(refs)
 
     # ----- snapshots ------------------------------------------------------------------------------
+    def forget_snapshots(self) -> None:
+        self.snapshots, self.snapshot_step, self._pending = {}, None, None
+        self.dirty.clear()
+
     def snapshot(self, step: int) -> float:
         """Copy the state a lost worker could take with it (trained models every call, frozen ones once)
-        to host memory, labelled ``step``; returns the seconds it took."""
+        to host memory, labelled ``step``; returns the seconds the driver spent. The copies are taken by
+        each worker before its next call (calls run in order), while the driver goes on; the snapshot counts
+        once every copy is in (at the next snapshot, or at a recovery if they all made it)."""
         t0 = time.perf_counter()
+        self._promote(self._pending, wait=True)
         trained = {s.model for s in self.specs.values() if s.training}
-        refs = {}
-        for model in sorted({s.model for s in self.specs.values()}):
-            if model not in trained and model in self.snapshots:
-                continue  # frozen: its first snapshot stays valid
-            keys = {s.key: s.model for s in self.specs.values()
-                    if s.model == model and (s.training or model not in trained)}
-            opt = [model] if model in trained else []
-            refs[model] = [w.state_image.remote(keys, opt, True) for w in self.workers]
-        self._get([r for rs in refs.values() for r in rs])  # complete before the step that follows changes state
-        self.snapshots.update(refs)
+        models = [m for m in sorted({s.model for s in self.specs.values()}) if m in trained or m not in self.snapshots]
+        if models:
+            keys = {m: {s.key: m for s in self.specs.values() if s.model == m and (s.training or m not in trained)}
+                    for m in models}
+            opt = [m for m in models if m in trained]
+            per_worker = [w.state_images.options(num_returns=len(models)).remote(models, keys, opt)
+                          for w in self.workers]
+            if len(models) == 1:
+                per_worker = [[r] for r in per_worker]
+            self._pending = (step, {m: [refs[i] for refs in per_worker] for i, m in enumerate(models)})
         self.dirty.clear()
-        self.snapshot_step = step
         return time.perf_counter() - t0
+
+    @property
+    def latest_snapshot_step(self) -> int | None:
+        """The step of the newest snapshot taken or being taken."""
+        return self._pending[0] if self._pending else self.snapshot_step
+
+    def _promote(self, pending: tuple | None, wait: bool) -> bool:
+        """Make a pending snapshot the one recovery uses, once each of its copies is in (``wait``: block
+        for them; else only if they all already made it)."""
+        if pending is None:
+            return False
+        self._pending = None
+        step, refs = pending
+        flat = [r for rs in refs.values() for r in rs]
+        if wait:
+            self._get(flat)
+        else:
+            ready, _ = ray.wait(flat, num_returns=len(flat), timeout=5.0)
+            try:
+                ray.get(ready)
+            except ray.exceptions.RayError:
+                return False
+            if len(ready) < len(flat):
+                return False
+        self.snapshots.update(refs)
+        self.snapshot_step = step
+        return True
 
     # ----- recovery -------------------------------------------------------------------------------
     def recover(self, place: Callable[[int], list], lost: list[int] | None = None) -> dict:
@@ -104,6 +138,10 @@ class FailoverMixin:
         survivors = [w for r, w in enumerate(self.workers) if r not in lost]
         if not survivors:
             raise StateLostError("every worker is lost: restart from a disk checkpoint (nereus run --resume)")
+        if self._pending is not None and not self._promote(self._pending, wait=False):
+            # the newest snapshot is incomplete (its worker died first): the one before it, from which
+            # every trained model has changed since
+            self.dirty |= {s.model for s in self.specs.values() if s.training}
         missing = sorted(m for m in self.dirty if m not in self.snapshots)
         if missing:
             raise StateLostError(f"{missing} changed since the job started and no snapshot holds them: take "

@@ -159,6 +159,12 @@ class Worker:
 
         return state_image(self.models, key_model, set(optimizer_for), weights_dp0_only)
 
+    def state_images(self, models: list[str], keys: dict[str, dict[str, str]], optimizer_for: list[str]):
+        """``state_image`` of each of ``models`` (its keys in ``keys``), one return value each (a snapshot:
+        data-parallel replica 0's weights, every rank's optimizer state)."""
+        images = tuple(self.state_image(keys[m], optimizer_for, True) for m in models)
+        return images if len(images) > 1 else images[0]
+
     def restore(self, specs: list, images: dict[str, list]) -> bool:
         """Replace every key by ``specs`` (groups from ``prepare_groups`` in the re-formed world), each
         buffer filled from ``images`` (model → object refs of state images, in preference order)."""

@@ -87,6 +87,7 @@ class RunSpec:
     eval_every: int = 5
     checkpoint_dir: str = "runs/job"
     checkpoint_every: int = 0  # 0: only at the end
+    snapshot_every: int = 1  # host-memory snapshots for recovery from a lost worker (0: none)
     layouts: dict[str, Layout] = field(default_factory=dict)  # model-stage -> layout ('search': the planner)
     ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     adapt: AdaptSpec | None = None
@@ -184,6 +185,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         reward_model_coef=f.get("reward_model_coef", float, 0.0, minimum=0),
         eval_every=f.get("eval_every", int, 5, minimum=1),
         checkpoint_dir=ckpt.get("dir", str, "runs/job"), checkpoint_every=ckpt.get("every", int, 0, minimum=0),
+        snapshot_every=ckpt.get("snapshot_every", int, 1, minimum=0),
         layouts=layouts, ranks=ranks, adapt=_adapt(f))
     if spec.adapt is not None and layouts:
         raise SpecError(f.key_path("layouts"), "with run.adapt the controller chooses every layout: remove "

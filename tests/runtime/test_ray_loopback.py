@@ -1,4 +1,4 @@
-"""Every TCP socket that Ray's processes (and the runtime's workers) listen on is a loopback address (127.0.0.0/8 or ::1).
+"""Every TCP socket that Ray's processes (and the runtime's workers) listen on is loopback (127.0.0.0/8, ::1).
 
 Uses the session's Ray instance when one is running (the ``ray_runtime`` fixture of tests/conftest.py, started
 by ``Runtime``), else starts one with ``raylocal.start_local_ray`` and shuts it down afterwards.

@@ -1,0 +1,191 @@
+"""Recovery from a lost worker versus checkpoint-restart, for the same RL job, measured in one run.
+
+The job is ``examples/ppo_tiny_fixed.yaml`` (PPO, four models, every model-stage under a fixed layout on 4
+Ray workers, the actor's training at DP = 2), shortened for a benchmark. Twice, from the same warm start,
+worker 1 is SIGKILLed in the middle of step ``--lose-at`` (after its backward pass in the step's first
+optimizer update):
+
+* ``nereus``: host-memory snapshots every step (``run.checkpoint.snapshot_every: 1``); the job detects the
+  loss, re-plans onto the three survivors, restores the step's starting state from live replicas and the
+  snapshot, and redoes the step (``RLJob.recover``);
+* ``restart`` (what verl and OpenRLHF do): disk checkpoints every ``--checkpoint-every`` steps and no
+  snapshots; the job dies, then a new runtime of 4 workers starts, loads the latest checkpoint
+  (``nereus run --resume``'s path) and replays the steps from it up to and including the lost one.
+
+Both pay the lost work of the failed step. Printed: each part, the totals, their ratio, and the ratio
+without the replay (a failure just after a checkpoint), plus the snapshots' cost per step. On a real
+cluster a restart also waits for the scheduler, containers and inference engines (minutes: see
+``nereus.sim.run.Recovery.restart_s``); here it only pays what this machine measures.
+
+    .venv/bin/python benchmarks/recovery.py [--steps 6] [--lose-at 3] [--checkpoint-every 2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nereus.run.driver import Stepper  # noqa: E402
+from nereus.run.job import RLJob  # noqa: E402
+from nereus.runtime.failover import WorkerLostError  # noqa: E402
+from nereus.spec.errors import SpecError  # noqa: E402
+from nereus.spec.job import job_from_dict  # noqa: E402
+
+LOST_WORKER = 1
+
+
+def make_job(out: Path, steps: int, snapshot_every: int, checkpoint_every: int, small: bool):
+    spec = yaml.safe_load((ROOT / "examples" / "ppo_tiny_fixed.yaml").read_text())
+    spec["name"] = "recovery-bench"
+    spec["run"].update(steps=steps, eval_every=10**6, data={"train_size": 400, "val_size": 8, "max_digits": 4},
+                       warmstart={"actor_steps": 20 if small else 60, "reward_steps": 20 if small else 60,
+                                  "batch": 32, "lr": 0.003},
+                       checkpoint={"dir": str(out), "every": checkpoint_every, "snapshot_every": snapshot_every})
+    return job_from_dict(spec)
+
+
+class LoseWorker:
+    """Arms ``die_in("train_step")`` on a worker before the first optimizer update of one step."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.fired = step, False
+        self.real = Stepper.update
+
+    def __enter__(self) -> LoseWorker:
+        bench = self
+
+        def update(stepper, model, batch, loss_fn, lr, step):
+            if step == bench.step and not bench.fired:
+                bench.fired = True
+                bench.t_kill_armed = time.perf_counter()
+                stepper.rt.workers[LOST_WORKER].die_in.remote("train_step")
+            return bench.real(stepper, model, batch, loss_fn, lr, step)
+
+        Stepper.update = update
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Stepper.update = self.real
+
+
+def run_nereus(args, out: Path) -> dict:
+    job = make_job(out, args.steps, 1, 0, args.small)
+    rl = RLJob(job, quiet=True)
+    with LoseWorker(args.lose_at):
+        summary = rl.execute()
+    rl.rt.shutdown()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    before = [r["timing_s/step"] for r in rows[1:args.lose_at]]  # the first step warms up
+    [rec] = summary["recoveries"]
+    redo = rows[args.lose_at]["timing_s/step"]
+    steps = [r["timing_s/step"] for i, r in enumerate(rows) if i != args.lose_at]
+    snaps = [r["nereus/snapshot_s"] for r in rows]
+    return {"lost_work_s": rec["lost_work_s"], "world_s": rec["world"], "restore_s": rec["restore"],
+            "recover_s": rec["wall_s"], "redo_s": redo, "total_s": rec["lost_work_s"] + rec["wall_s"] + redo,
+            "step_s": statistics.median(steps), "snapshot_s": statistics.median(snaps),
+            "steps_before_loss_s": before,
+            "live_state": rec["live_state"], "snapshot_only": rec["snapshot_only"], "workers_after": rec["workers"]}
+
+
+def run_restart(args, out: Path) -> dict:
+    import ray
+
+    from nereus.runtime.workers import Runtime
+
+    job = make_job(out, args.steps, 0, args.checkpoint_every, args.small)
+    rl = RLJob(job, quiet=True)
+    t_step = None
+    times: list[float] = []
+    real_step = Stepper.step
+
+    def timed_step(stepper, step):
+        out = real_step(stepper, step)
+        times.append(out["timing_s/step"])
+        return out
+
+    Stepper.step = timed_step
+    with LoseWorker(args.lose_at) as lose:
+        try:
+            rl.execute()
+            raise RuntimeError("the worker loss did not happen")
+        except SpecError as err:  # no snapshots: the job stops, naming --resume
+            if not isinstance(err.__cause__, WorkerLostError):
+                raise
+        t_step = lose.t_kill_armed
+    Stepper.step = real_step
+    lost_work = time.perf_counter() - t_step  # the failed step until the job gave up
+    t0 = time.perf_counter()
+    for w in rl.rt.workers:  # the whole job goes down
+        ray.kill(w)
+    rt = Runtime(4, max_workers=4)
+    t_world = time.perf_counter()
+    job2 = replace(job, run=replace(job.run, steps=args.lose_at + 1))
+    rl2 = RLJob(job2, runtime=rt, out_dir=out, quiet=True)
+    resumed_at = rl2._restore()
+    t_loaded = time.perf_counter()
+    for step in range(resumed_at, args.lose_at + 1):
+        rl2.stepper.step(step)
+    t1 = time.perf_counter()
+    rt.shutdown()
+    return {"lost_work_s": lost_work, "relaunch_s": t_world - t0, "load_s": t_loaded - t_world,
+            "replay_steps": args.lose_at - resumed_at, "replay_and_redo_s": t1 - t_loaded,
+            "total_s": lost_work + (t1 - t0), "checkpoint_step": resumed_at,
+            "steps_before_loss_s": times[1:args.lose_at]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--lose-at", type=int, default=3, help="0-based step in which worker 1 is killed")
+    ap.add_argument("--checkpoint-every", type=int, default=2)
+    ap.add_argument("--small", action="store_true", help="a smaller job, for smoke tests")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not 0 < args.lose_at < args.steps:
+        ap.error("--lose-at must be within the run (after its first step)")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    tmp = Path(tempfile.mkdtemp(prefix="nereus-recovery-", dir=ROOT / ".tmp" if (ROOT / ".tmp").exists() else None))
+    try:
+        print(f"job: examples/ppo_tiny_fixed.yaml, {args.steps} steps, worker {LOST_WORKER} of 4 killed in step "
+              f"{args.lose_at + 1}", flush=True)
+        ner = run_nereus(args, tmp / "nereus")
+        print(f"nereus : lost work {ner['lost_work_s']:.2f} s + recover {ner['recover_s']:.2f} s (re-form world "
+              f"{ner['world_s']:.2f} s, restore {ner['restore_s']:.2f} s) + redo step {ner['redo_s']:.2f} s = "
+              f"{ner['total_s']:.2f} s; live state {ner['live_state']}, from the snapshot {ner['snapshot_only']}, "
+              f"{ner['workers_after']} workers after", flush=True)
+        rst = run_restart(args, tmp / "restart")
+        print(f"restart: lost work {rst['lost_work_s']:.2f} s + relaunch {rst['relaunch_s']:.2f} s + load checkpoint "
+              f"(step {rst['checkpoint_step']}) {rst['load_s']:.2f} s + replay {rst['replay_steps']} step(s) and redo "
+              f"{rst['replay_and_redo_s']:.2f} s = {rst['total_s']:.2f} s", flush=True)
+        redo_one = rst["replay_and_redo_s"] / (rst["replay_steps"] + 1)  # the restarted job's step, same layouts
+        no_replay = rst["lost_work_s"] + rst["relaunch_s"] + rst["load_s"] + redo_one
+        print(f"ratio restart/nereus: {rst['total_s'] / ner['total_s']:.2f}x as measured; "
+              f"{no_replay / ner['total_s']:.2f}x for a failure just after a checkpoint (no replay)")
+        with_snap = statistics.median(ner["steps_before_loss_s"])
+        without = statistics.median(rst["steps_before_loss_s"])
+        print(f"snapshots: {ner['snapshot_s'] * 1e3:.1f} ms of driver time per step; median step before the loss "
+              f"{with_snap:.3f} s with snapshots vs {without:.3f} s without (ratio {with_snap / without:.3f}, "
+              f"same layouts, steps 2..{args.lose_at})")
+        if args.json:
+            args.json.write_text(json.dumps({"nereus": ner, "restart": rst, "no_replay_restart_s": no_replay},
+                                            indent=1))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""`nereus run` loses a worker in the middle of a step (issue 9): the job re-plans onto the three
+survivors, restores the step's starting state from live replicas and the host-memory snapshot, redoes the
+step and finishes the run — one line per step in the metrics, a complete checkpoint at the end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nereus.run.driver import Stepper
+from nereus.run.job import RLJob
+from nereus.run.manifest import verify_manifest
+from tests.rl.jobs import tiny_job
+
+pytestmark = pytest.mark.distributed
+LOSE_AT = 1  # 0-based step whose first optimizer update loses worker 1
+
+
+def test_run_continues_after_losing_a_worker_mid_step(ray_runtime, tmp_path, monkeypatch):
+    real_update = Stepper.update
+    armed = []
+
+    def update_losing_a_worker(self, model, batch, loss_fn, lr, step):
+        if step == LOSE_AT and not armed:
+            armed.append(model)
+            self.rt.workers[1].die_in.remote("train_step")  # SIGKILL after its backward pass
+        return real_update(self, model, batch, loss_fn, lr, step)
+
+    monkeypatch.setattr(Stepper, "update", update_losing_a_worker)
+    rl = RLJob(tiny_job("ppo", str(tmp_path / "run"), steps=3), runtime=ray_runtime, quiet=True)
+    try:
+        summary = rl.execute()
+    finally:
+        rl.release()
+        ray_runtime.resize(4)  # the session's runtime, as other tests expect it
+    assert armed == ["critic"]  # the critic updates first: the worker died in the critic's training step
+    [rec] = summary["recoveries"]
+    assert rec["lost"] == [1] and rec["workers"] == 3 and rec["resume_step"] == LOSE_AT
+    assert rec["snapshot_only"] == ["critic"]  # its state changed in the lost step; the others were intact
+    assert set(rec["live_state"]) == {"actor", "reference", "reward"}
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[LOSE_AT]["nereus/recovery_s"] > 0 and "nereus/recovery_s" not in rows[0]
+    assert all(r["nereus/snapshot_s"] > 0 for r in rows)
+    assert max(r for p in rl.placed for r in p.ranks) <= 2  # on the three survivors
+    verify_manifest(tmp_path / "run" / "step_3")
