@@ -96,7 +96,7 @@ def run_nereus(args, out: Path) -> dict:
     return {"lost_work_s": rec["lost_work_s"], "world_s": rec["world"], "restore_s": rec["restore"],
             "recover_s": rec["wall_s"], "redo_s": redo, "total_s": rec["lost_work_s"] + rec["wall_s"] + redo,
             "step_s": statistics.median(steps), "snapshot_s": statistics.median(snaps),
-            "steps_before_loss_s": before,
+            "steps_before_loss_s": before, "steps_after_s": [r["timing_s/step"] for r in rows[args.lose_at + 1:]],
             "live_state": rec["live_state"], "snapshot_only": rec["snapshot_only"], "workers_after": rec["workers"]}
 
 
@@ -165,7 +165,8 @@ def main() -> int:
         print(f"nereus : lost work {ner['lost_work_s']:.2f} s + recover {ner['recover_s']:.2f} s (re-form world "
               f"{ner['world_s']:.2f} s, restore {ner['restore_s']:.2f} s) + redo step {ner['redo_s']:.2f} s = "
               f"{ner['total_s']:.2f} s; live state {ner['live_state']}, from the snapshot {ner['snapshot_only']}, "
-              f"{ner['workers_after']} workers after", flush=True)
+              f"{ner['workers_after']} workers after (later steps there: "
+              f"{', '.join(f'{t:.2f}' for t in ner['steps_after_s']) or '-'} s)", flush=True)
         rst = run_restart(args, tmp / "restart")
         print(f"restart: lost work {rst['lost_work_s']:.2f} s + relaunch {rst['relaunch_s']:.2f} s + load checkpoint "
               f"(step {rst['checkpoint_step']}) {rst['load_s']:.2f} s + replay {rst['replay_steps']} step(s) and redo "
