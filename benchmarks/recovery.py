@@ -50,6 +50,7 @@ LOST_WORKER = 1
 def make_job(out: Path, steps: int, snapshot_every: int, checkpoint_every: int, small: bool):
     spec = yaml.safe_load((ROOT / "examples" / "ppo_tiny_fixed.yaml").read_text())
     spec["name"] = "recovery-bench"
+    spec["cluster"]["profile"] = str(ROOT / "examples" / spec["cluster"]["profile"])  # relative to the example
     spec["run"].update(steps=steps, eval_every=10**6, data={"train_size": 400, "val_size": 8, "max_digits": 4},
                        warmstart={"actor_steps": 20 if small else 60, "reward_steps": 20 if small else 60,
                                   "batch": 32, "lr": 0.003},

@@ -67,11 +67,12 @@ class CurriculumSchedule:
 
 def controller_for(job: JobSpec) -> Controller:
     """The controller of an adaptive run; for a fixed run (no ``run.adapt``) the one that re-plans it onto
-    survivors, on the options the CPU runtime runs (no recompute, sequence parallelism, FSDP, interleaving)."""
+    survivors, on the options the runtime runs (no recompute, sequence parallelism, FSDP, interleaving; the
+    driver runs model-stages one after another)."""
     a = job.run.adapt
     if a is None:
         job = replace(job, options=replace(job.options, recompute="none", sequence_parallel=False, fsdp=False,
-                                           interleave=1))
+                                           interleave=1, concurrent_stages=False))
     cfg = ControllerConfig() if a is None else ControllerConfig(
         horizon=a.horizon, margin=a.margin, min_gain=a.min_gain, cooldown=a.cooldown,
         replan_every=a.replan_every, fit_every=a.fit_every)
@@ -204,7 +205,7 @@ class AdaptiveLoop:
         self.plan = plan
         self.record.plans.append({"step": step, "plan": plan.to_dict(), "strategy": plan.meta.get("strategy")})
         entry = {"step": step, "action": "recover", "reason": "lost worker(s)", "plan": plan.to_dict(),
-                 "transition_s": recovery_s}
+                 "transition_s": recovery_s, "overhead_s": 0.0}
         self.decisions.write(json.dumps(entry) + "\n")
         self.decisions.flush()
         self.record.decisions.append(entry)

@@ -203,12 +203,16 @@ class RLJob:
         def place(n: int) -> list:
             from nereus.runtime.live import KeySpec
 
+            if self.adaptive is not None:  # no more than the availability schedule grants
+                n = min(n, self.adaptive.backend.available(self.rt.snapshot_step))
             plan["plan"] = survivor_plan(ctrl, n, self.rt.snapshot_step)
             plan["placed"] = placed_from_plan(plan["plan"])
             return [KeySpec(p.key, p.model, p.stage, self.cfgs[p.model], p.layout, p.ranks) for p in plan["placed"]]
 
         out = self.rt.recover(place, err.lost)
         self.replace_placed(plan["placed"])
+        if plan["plan"].num_gpus < len(self.rt.workers) and self.adaptive is not None:
+            self.rt.resize(plan["plan"].num_gpus)  # survivors beyond what the schedule grants leave
         for key in {p.key for p in self.placed}:  # loss statistics of the abandoned step
             self.rt.apply(key, remote.drain_stats)
         if self.adaptive is not None:

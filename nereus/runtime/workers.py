@@ -288,6 +288,16 @@ class Worker:
             groups.destroy()
 
 
+def _world_job(job: object, world: int) -> object:
+    """The job on the runtime's ``world`` devices; a count that is not whole nodes (survivors of a lost
+    worker) counts as one node of that many."""
+    from dataclasses import replace
+
+    if world <= job.cluster.gpus_per_node or world % job.cluster.gpus_per_node == 0:
+        return job.with_gpus(world)
+    return replace(job, cluster=replace(job.cluster, nodes=1, gpus_per_node=world))
+
+
 class Runtime(FailoverMixin):
     """``world`` workers (Ray actors) in one process group; ``load`` places a model under a layout. A lost
     worker raises ``WorkerLostError``; ``recover`` continues on the survivors (``failover``)."""
@@ -403,7 +413,7 @@ class Runtime(FailoverMixin):
         key = (tuple(old), tuple(new))
         if key not in self._graphs:
             world = len(self.workers)
-            self._graphs[key] = build_graph(job.with_gpus(world), plan_of(old, world), plan_of(new, world))
+            self._graphs[key] = build_graph(_world_job(job, world), plan_of(old, world), plan_of(new, world))
         return self._graphs[key]
 
     def _run(self, key: str, op: str, *args: object, **kwargs: object) -> list:
