@@ -14,6 +14,7 @@ from tests.conftest import EXAMPLES
 def _job(tmp_path, **run) -> str:
     spec = yaml.safe_load((EXAMPLES / "ppo_tiny_fixed.yaml").read_text())
     spec["run"].update(run)
+    spec["cluster"]["profile"] = str(EXAMPLES / spec["cluster"]["profile"])  # relative to the example
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(spec))
     return str(path)

@@ -22,7 +22,7 @@ COMMON = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/upd
           "actor/entropy", "rollout/logprob_diff_max", "curriculum/max_response_length")
 PPO_ONLY = ("critic/vf_loss", "critic/values/mean", "critic/returns/mean", "timing_s/update_critic",
             "timing_s/values", "reward_model/score/mean")
-TIMING = ("timing_s/", "perf/throughput")
+TIMING = ("timing_s/", "perf/throughput", "nereus/snapshot_s")
 
 
 def _lines(path) -> list[dict]:
