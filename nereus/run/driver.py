@@ -35,6 +35,7 @@ class Stepper:
         self.key = {(p.model, p.stage): p.key for p in placed}
         self.placed = placed
         self.timing: dict[str, float] = {}
+        self.grad_norms: dict[str, float] = {}  # model → mean global gradient norm of the last step
 
     @contextmanager
     def timer(self, name: str):
@@ -125,7 +126,10 @@ class Stepper:
         gen = torch.Generator().manual_seed(self.run.seed * 7_919 + step)
         for _ in range(self.alg.epochs):
             for mb in mini_batches(batch, self.alg.mini_batches, gen):
-                self.rt.train_step(key, mb, loss_fn, lr)
+                self.rt.train_step(key, mb, loss_fn, lr, self.run.grad_clip or None)
+        norms = [x for part in self.rt.apply(key, remote.drain_grad_norms) if part for x in part]
+        if norms:  # verl's actor/grad_norm, critic/grad_norm: the mean over the step's updates
+            self.grad_norms[model] = sum(norms) / len(norms)
         return [s for part in self.rt.apply(key, remote.drain_stats) if part for s in part]
 
     def sync(self) -> None:
@@ -139,7 +143,7 @@ class Stepper:
 
     # ----- one step -----------------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
-        self.timing = {}
+        self.timing, self.grad_norms = {}, {}
         t0 = time.perf_counter()
         rows_p = self.prompts(step)
         roll, rows = self.generate(step, rows_p)

@@ -71,6 +71,13 @@ def drain_stats(sm: ShardedModel) -> list[dict[str, float]] | None:
     return out if sm.is_output_rank else None
 
 
+def drain_grad_norms(sm: ShardedModel) -> list[float] | None:
+    """The global gradient norms (before clipping) of the steps since the last drain, from the output rank
+    (every rank computed the same ones)."""
+    out, sm.grad_norms = list(sm.grad_norms), []
+    return out if sm.is_output_rank else None
+
+
 def _response(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per response token [b, R] from the model's per-position output (log-probs [b, T−1] or values
     [b, T]) at the batch's ``index`` positions."""

@@ -46,6 +46,7 @@ def step_metrics(st: object, step: int, roll: Rollout, inf: dict, adv: dict, sta
         m["actor/kl"] = float(masked_mean(kl_estimate(inf["old_logp"], inf["ref_logp"], r.kl_loss_type), mask))
     diff = ((roll.gen_logp - inf["old_logp"]).abs() * mask)
     m["rollout/logprob_diff_max"] = float(diff.max())
+    m.update({f"{model}/grad_norm": norm for model, norm in st.grad_norms.items()})
     m.update(st.timing)
     tokens = int(roll.prompt_len.sum() + roll.response_len.sum())
     m["perf/total_num_tokens"] = float(tokens)

@@ -74,6 +74,7 @@ class ShardedModel:
         self.model: CausalLM = model
         self.vocab_start = vocab_range(cfg.arch, lay.tp, c.tp)[0]
         self.optimizer: ShardedAdam | None = None
+        self.grad_norms: list[float] = []  # global gradient norms before clipping, drained by the caller
         self.comm = StageComm(groups)
         self.meter = ActivationMeter()
         self.last_report: MemoryReport | None = None
@@ -182,8 +183,43 @@ class ShardedModel:
                                      lr=lr, init_master=init_master, **adam)
         return self.optimizer
 
-    def step(self, lr: float = 1e-3, **adam) -> None:
-        """One Adam step on the gradients of ``backward`` (state sharded over DP with ZeRO-1)."""
+    def _tp_multiplicity(self) -> dict[str, int]:
+        """Per local tensor, how many ranks of this rank's TP group hold the same box (replicated norms and
+        KV heads count once in a global norm)."""
+        lay, c = self.groups.layout, self.groups.coords
+        boxes = [rank_tensors(self.cfg.arch, lay, lay.rank(c.pp, c.dp, t), self.cfg.value_head) for t in range(lay.tp)]
+        mine = boxes[c.tp]
+        return {name: sum(b.get(name) == box for b in boxes) for name, box in mine.items()}
+
+    @torch.no_grad()
+    def clip_gradients(self, max_norm: float) -> float:
+        """Scale the step's gradients so that their global L2 norm — over the whole model, every element
+        once: TP shards and PP stages summed, TP-replicated tensors and the tied head's copy counted once —
+        is at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule); returns the norm before.
+        After ``backward`` the gradients are DP-averaged, so every replica computes the same norm."""
+        if not hasattr(self, "_multiplicity"):
+            self._multiplicity = self._tp_multiplicity()
+        params = self.optimizer_params()
+        sq = torch.zeros((), dtype=torch.float64)
+        for name, p in params:
+            if p.grad is not None:
+                sq += p.grad.double().pow(2).sum() / self._multiplicity[name]
+        for group in (self.groups.tp_group, self.groups.pp_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(sq, group=group)
+        norm = float(sq.sqrt())
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1.0:
+            for _, p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def step(self, lr: float = 1e-3, max_grad_norm: float | None = None, **adam) -> None:
+        """One Adam step on the gradients of ``backward`` (state sharded over DP with ZeRO-1), after clipping
+        their global norm to ``max_grad_norm`` when given (``grad_norms`` records the norm before)."""
+        if max_grad_norm:
+            self.grad_norms.append(self.clip_gradients(max_grad_norm))
         if self.optimizer is None:
             self.make_optimizer(lr, **adam)
         self.optimizer.set_lr(lr)
@@ -203,9 +239,10 @@ class ShardedModel:
         if target is not None:
             dist.broadcast(target.data, src=src, group=group)
 
-    def train_step(self, batch: Batch, loss_fn: LossFn, lr: float = 1e-3) -> list[float]:
+    def train_step(self, batch: Batch, loss_fn: LossFn, lr: float = 1e-3,
+                   max_grad_norm: float | None = None) -> list[float]:
         losses = self.backward(batch, loss_fn)
-        self.step(lr)
+        self.step(lr, max_grad_norm)
         return losses
 
     # ----- shards and memory ----------------------------------------------------------------------

@@ -429,8 +429,10 @@ class Runtime(FailoverMixin):
     def values(self, key: str, tokens: torch.Tensor) -> torch.Tensor:
         return torch.cat(self._run(key, "values", tokens))
 
-    def train_step(self, key: str, batch: dict, loss_fn: object, lr: float = 1e-3) -> list[float]:
-        return [x for part in self._run(key, "train_step", batch, loss_fn, lr) for x in part]
+    def train_step(self, key: str, batch: dict, loss_fn: object, lr: float = 1e-3,
+                   max_grad_norm: float | None = None) -> list[float]:
+        """One optimizer step; ``max_grad_norm`` clips the global gradient norm first (``ShardedModel.step``)."""
+        return [x for part in self._run(key, "train_step", batch, loss_fn, lr, max_grad_norm) for x in part]
 
     def generate(self, key: str, prompts: list[list[int]], params: object) -> list[list[int]]:
         return [row for part in self._run(key, "generate", prompts, params) for row in part]

@@ -68,6 +68,8 @@ def reference(cfg: ModelConfig, mbs: int = 1) -> dict[str, dict[str, torch.Tenso
             y = torch.log_softmax(y, -1)[:, :-1].gather(-1, mb["tokens"][:, 1:, None]).squeeze(-1)
         (policy_loss(y, mb) / n).backward()
     out["grad"] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    # what torch.nn.utils.clip_grad_norm_ measures (a tied embedding is one parameter, counted once)
+    out["grad_norm"] = torch.stack([g.double().pow(2).sum() for g in out["grad"].values()]).sum().sqrt()
     torch.optim.Adam(model.parameters(), lr=LR, eps=ADAM_EPS, foreach=False).step()
     out["stepped"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return out

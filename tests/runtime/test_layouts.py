@@ -65,11 +65,30 @@ def _check_member(cfg, groups: ParallelGroups, schedule: str) -> None:
         src = "model.embed_tokens.weight" if name == "tied_head" else name
         want = _cut(ref["grad"][src], boxes[name])
         torch.testing.assert_close(p.grad.cpu(), want, **TOL, msg=_msg(f"grad {name} {where}"))
+    _check_clipping(sm, ref, boxes, where)
     sm.step(lr=LR, eps=ADAM_EPS)
     for name, p in sm.model.named_parameters():
         src = "model.embed_tokens.weight" if name == "tied_head" else name
         torch.testing.assert_close(p.detach().cpu(), _cut(ref["stepped"][src], boxes[name]), **TOL,
                                    msg=_msg(f"weights {name} {where}"))
+
+
+def _check_clipping(sm: ShardedModel, ref: dict, boxes: dict, where: str) -> None:
+    """The global gradient norm equals the single model's (every element once), and clipping to half of
+    it scales every local gradient as ``clip_grad_norm_`` scales the reference's; gradients restored."""
+    saved = {n: p.grad.clone() for n, p in sm.model.named_parameters()}
+    norm = sm.clip_gradients(1e9)  # far above the norm: measures, scales nothing
+    torch.testing.assert_close(torch.tensor(norm, dtype=torch.float64), ref["grad_norm"], rtol=1e-5, atol=0,
+                               msg=_msg(f"grad norm {where}"))
+    sm.clip_gradients(norm / 2)
+    scale = (norm / 2) / (norm + 1e-6)
+    for name, p in sm.model.named_parameters():
+        if name == "tied_head":
+            continue  # follows the embedding after the step; not an optimizer parameter
+        want = _cut(ref["grad"][name], boxes[name]) * scale
+        torch.testing.assert_close(p.grad.cpu(), want, **TOL, msg=_msg(f"clipped grad {name} {where}"))
+    for n, p in sm.model.named_parameters():
+        p.grad = saved[n]
 
 
 def _all_layouts_body(rank: int, world: int) -> None:
