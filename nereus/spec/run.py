@@ -73,7 +73,7 @@ class RunSpec:
     actor_lr: float = 1e-3
     critic_lr: float = 1e-3
     clip_ratio: float = 0.2
-    grad_clip: float = 1.0  # global gradient-norm clipping of actor and critic updates (verl's default); 0: off
+    grad_clip: float = 0.0  # global gradient-norm clipping of actor and critic updates (verl: 1.0); 0: off
     clip_ratio_high: float | None = None
     value_clip: float = 0.5
     gamma: float = 1.0
@@ -176,7 +176,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         temperature=f.get("temperature", float, 1.0, minimum=0), top_p=f.get("top_p", float, 1.0, minimum=0),
         actor_lr=f.get("actor_lr", float, 1e-3, minimum=0), critic_lr=f.get("critic_lr", float, 1e-3, minimum=0),
         clip_ratio=f.get("clip_ratio", float, 0.2, minimum=0),
-        grad_clip=f.get("grad_clip", float, 1.0, minimum=0),
+        grad_clip=f.get("grad_clip", float, 0.0, minimum=0),
         clip_ratio_high=f.get("clip_ratio_high", float, None, minimum=0),
         value_clip=f.get("value_clip", float, 0.5, minimum=0),
         gamma=f.get("gamma", float, 1.0, minimum=0, maximum=1), lam=f.get("lam", float, 1.0, minimum=0, maximum=1),
