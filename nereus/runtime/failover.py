@@ -62,13 +62,25 @@ class FailoverMixin:
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayActorError as exc:
+                self._in_flight = pending  # answered by ``recover`` once the survivors let go
                 raise WorkerLostError(self.lost_workers() or ["?"], type(exc).__name__) from None
             except ray.exceptions.RayTaskError as exc:
                 lost = self.lost_workers()
                 if lost:
+                    self._in_flight = pending
                     raise WorkerLostError(lost, str(exc).splitlines()[-1][:200]) from None
                 raise
         return ray.get(refs)
+
+    def _settle_in_flight(self) -> None:
+        """Collect the abandoned calls' results (errors, once ``abort`` released them), so Ray does not
+        report them as unhandled."""
+        for ref in getattr(self, "_in_flight", []):
+            try:
+                ray.get(ref, timeout=10.0)
+            except Exception:  # noqa: BLE001 - WorldAborted, a gloo error or the dead actor: all expected
+                pass
+        self._in_flight = []
 
     # ----- snapshots ------------------------------------------------------------------------------
     def forget_snapshots(self) -> None:
@@ -148,6 +160,7 @@ class FailoverMixin:
                                  "snapshots (run.snapshot_every) to survive a lost worker")
         dirty = set(self.dirty)
         ray.get([w.abort.remote() for w in survivors])
+        self._settle_in_flight()
         for r in lost:
             ray.kill(self.workers[r])  # a hung (not dead) worker must not come back into the new world
         n = len(survivors)
