@@ -127,8 +127,8 @@ class Stepper:
         for _ in range(self.alg.epochs):
             for mb in mini_batches(batch, self.alg.mini_batches, gen):
                 self.rt.train_step(key, mb, loss_fn, lr, self.run.grad_clip or None)
-        norms = [x for part in self.rt.apply(key, remote.drain_grad_norms) if part for x in part]
-        if norms:  # verl's actor/grad_norm, critic/grad_norm: the mean over the step's updates
+        if self.run.grad_clip:  # norms are measured while clipping: verl's actor/grad_norm, critic/grad_norm
+            norms = [x for part in self.rt.apply(key, remote.drain_grad_norms) if part for x in part]
             self.grad_norms[model] = sum(norms) / len(norms)
         return [s for part in self.rt.apply(key, remote.drain_stats) if part for s in part]
 

@@ -190,8 +190,9 @@ class RLJob:
         """Continue on the surviving workers after ``err``: the planner's plan for them, state from live
         replicas and the snapshot (``Runtime.recover``); returns the step to redo from. ``lost_work_s``: the
         time the failed step ran before the loss showed."""
-        from nereus.run.adaptive import controller_for, survivor_plan
+        from nereus.run.adaptive import controller_for, plan_text, survivor_plan
         from nereus.run.setup import placed_from_plan
+        from nereus.runtime.live import KeySpec
 
         if not self.run.snapshot_every:
             raise SpecError("run.checkpoint.snapshot_every", f"{err}; without host-memory snapshots the run cannot "
@@ -201,8 +202,6 @@ class RLJob:
         plan: dict = {}
 
         def place(n: int) -> list:
-            from nereus.runtime.live import KeySpec
-
             if self.adaptive is not None:  # no more than the availability schedule grants
                 n = min(n, self.adaptive.backend.available(self.rt.snapshot_step))
             plan["plan"] = survivor_plan(ctrl, n, self.rt.snapshot_step)
@@ -217,8 +216,6 @@ class RLJob:
             self.rt.apply(key, remote.drain_stats)
         if self.adaptive is not None:
             self.adaptive.replanned(plan["plan"], out["resume_step"], out["wall_s"])
-        from nereus.run.adaptive import plan_text
-
         live, snap = ", ".join(out["live_state"]) or "none", ", ".join(out["snapshot_only"]) or "none"
         self.say(f"  recovered in {out['wall_s']:.2f} s on {out['workers']} workers (live state: {live}; "
                  f"from the snapshot: {snap}); redoing from step {out['resume_step'] + 1}\n"

@@ -14,6 +14,7 @@ same rows. A single process running the same micro-batches computes the same obj
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -183,6 +184,7 @@ class ShardedModel:
                                      lr=lr, init_master=init_master, **adam)
         return self.optimizer
 
+    @cached_property
     def _tp_multiplicity(self) -> dict[str, int]:
         """Per local tensor, how many ranks of this rank's TP group hold the same box (replicated norms and
         KV heads count once in a global norm)."""
@@ -197,13 +199,11 @@ class ShardedModel:
         once: TP shards and PP stages summed, TP-replicated tensors and the tied head's copy counted once —
         is at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule); returns the norm before.
         After ``backward`` the gradients are DP-averaged, so every replica computes the same norm."""
-        if not hasattr(self, "_multiplicity"):
-            self._multiplicity = self._tp_multiplicity()
         params = self.optimizer_params()
         sq = torch.zeros((), dtype=torch.float64)
         for name, p in params:
             if p.grad is not None:
-                sq += p.grad.double().pow(2).sum() / self._multiplicity[name]
+                sq += p.grad.double().pow(2).sum() / self._tp_multiplicity[name]
         for group in (self.groups.tp_group, self.groups.pp_group):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)

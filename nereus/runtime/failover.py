@@ -40,6 +40,17 @@ class FailoverMixin:
         self.snapshots: dict[str, list] = {}  # model → one state-image ref per worker (complete)
         self.snapshot_step: int | None = None
         self._pending: tuple[int, dict[str, list]] | None = None  # (step, refs) of a snapshot being taken
+        self._in_flight: list = []  # calls still out when a loss showed, collected by ``recover``
+
+    def _models(self) -> list[str]:
+        return sorted({s.model for s in self.specs.values()})
+
+    def _trained_models(self) -> set[str]:
+        return {s.model for s in self.specs.values() if s.training}
+
+    def _keys_of(self, model: str, training_only: bool = False) -> dict[str, str]:
+        """key → model for ``model``'s keys (only its training key with ``training_only``)."""
+        return {s.key: model for s in self.specs.values() if s.model == model and (s.training or not training_only)}
 
     # ----- detection ------------------------------------------------------------------------------
     def lost_workers(self, timeout_s: float = 10.0) -> list[int]:
@@ -75,7 +86,7 @@ class FailoverMixin:
     def _settle_in_flight(self) -> None:
         """Collect the abandoned calls' results (errors, once ``abort`` released them), so Ray does not
         report them as unhandled."""
-        for ref in getattr(self, "_in_flight", []):
+        for ref in self._in_flight:
             try:
                 ray.get(ref, timeout=10.0)
             except Exception:  # noqa: BLE001 - WorldAborted, a gloo error or the dead actor: all expected
@@ -94,11 +105,10 @@ class FailoverMixin:
         once every copy is in (at the next snapshot, or at a recovery if they all made it)."""
         t0 = time.perf_counter()
         self._promote(self._pending, wait=True)
-        trained = {s.model for s in self.specs.values() if s.training}
-        models = [m for m in sorted({s.model for s in self.specs.values()}) if m in trained or m not in self.snapshots]
-        if models:
-            keys = {m: {s.key: m for s in self.specs.values() if s.model == m and (s.training or m not in trained)}
-                    for m in models}
+        trained = self._trained_models()
+        models = [m for m in self._models() if m in trained or m not in self.snapshots]
+        if models:  # a trained model's training key holds what its other keys follow
+            keys = {m: self._keys_of(m, training_only=m in trained) for m in models}
             opt = [m for m in models if m in trained]
             per_worker = [w.state_images.options(num_returns=len(models)).remote(models, keys, opt)
                           for w in self.workers]
@@ -153,11 +163,11 @@ class FailoverMixin:
         if self._pending is not None and not self._promote(self._pending, wait=False):
             # the newest snapshot is incomplete (its worker died first): the one before it, from which
             # every trained model has changed since
-            self.dirty |= {s.model for s in self.specs.values() if s.training}
+            self.dirty |= self._trained_models()
         missing = sorted(m for m in self.dirty if m not in self.snapshots)
         if missing:
             raise StateLostError(f"{missing} changed since the job started and no snapshot holds them: take "
-                                 "snapshots (run.snapshot_every) to survive a lost worker")
+                                 "snapshots (run.checkpoint.snapshot_every) to survive a lost worker")
         dirty = set(self.dirty)
         ray.get([w.abort.remote() for w in survivors])
         self._settle_in_flight()
@@ -184,13 +194,12 @@ class FailoverMixin:
     def _recovery_images(self, survivors: list, dirty: set[str]) -> dict[str, list]:
         """Per model, state images in preference order: the survivors' live state of models unchanged
         since the snapshot, then the snapshot."""
-        trained = {s.model for s in self.specs.values() if s.training}
+        trained = self._trained_models()
         images: dict[str, list] = {}
-        for model in sorted({s.model for s in self.specs.values()}):
+        for model in self._models():
             live = []
             if model not in dirty:
-                keys = {s.key: s.model for s in self.specs.values() if s.model == model}
                 opt = [model] if model in trained else []
-                live = [w.state_image.remote(keys, opt, False) for w in survivors]
+                live = [w.state_image.remote(self._keys_of(model), opt, False) for w in survivors]
             images[model] = live + self.snapshots.get(model, [])
         return images

@@ -77,9 +77,13 @@ class Holdings:
             self.buffers[key] = buf
             self._by_tensor.setdefault(key[:3], []).append(buf)
 
+    def of_tensor(self, model: str, state: str, name: str) -> list[Buffer]:
+        """Every buffer of one tensor's state, in the order they were added."""
+        return self._by_tensor.get((model, state, name), [])
+
     def find(self, model: str, state: str, name: str, piece: Box) -> list[torch.Tensor]:
         """Any buffer of the tensor that holds ``piece`` whole (the graph's rule for sources)."""
-        for buf in self._by_tensor.get((model, state, name), ()):
+        for buf in self.of_tensor(model, state, name):
             if any(inside(piece, b) for b in buf.boxes):
                 return buf.view(piece)
         raise TransitionExecutionError(f"no buffer of {model}/{state} {name} holds {piece}")

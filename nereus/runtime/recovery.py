@@ -2,11 +2,12 @@
 boxes, and the rebuild of a new layout's shards from whatever still holds the state.
 
 A *state image* is one worker's state of some models as the transition graph names it — buffer key
-(model, state, tensor, box set) → components (``holdings``) — plus each trained model's Adam facts
-(hyper-parameters, step count). It is self-describing: the boxes say what it holds whatever layout the
-driver believes is in force, so an image taken on a worker that finished a transition the others did not
-still serves. Images travel as Ray objects (a worker's return value, owned by the driver, so it survives
-the worker), which is where snapshots live: host memory outside every worker process.
+(model, state, tensor, box set) → components (``Holdings``), packed into one byte array — plus each
+trained model's Adam facts (hyper-parameters, step count). It is self-describing: the boxes say what it
+holds whatever layout the driver believes is in force, so an image taken on a worker that finished a
+transition the others did not still serves. Images travel as Ray objects (a worker's return value,
+owned by the driver, so it survives the worker), which is where snapshots live: host memory outside
+every worker process.
 
 ``restore_state`` fills each buffer a rank's new keys need from a list of images in preference order —
 live images of surviving workers first (data-parallel replicas of what the lost worker held), then the
@@ -31,10 +32,10 @@ from nereus.runtime.holdings import (
     Holdings,
     extent,
     holdings_of,
+    index_in,
 )
-from nereus.spec.sharding import Box, box_volume
+from nereus.spec.sharding import box_volume, intersect
 
-Image = dict  # {"buffers": {BufferKey: tuple[Tensor, ...]}, "adam": {model: (hyper, step)}}
 Packed = dict  # {"meta": [(BufferKey, ((dtype name, numel), ...))], "data": uint8 ndarray, "adam": ...}
 
 
@@ -43,7 +44,7 @@ class StateLostError(RuntimeError):
 
 
 def state_image(models: dict[str, ShardedModel], key_model: dict[str, str], optimizer_for: set[str],
-                weights_dp0_only: bool = False) -> Image:
+                weights_dp0_only: bool = False) -> Packed:
     """Copies of the weights (and, for models in ``optimizer_for``, the Adam state) of the keys in
     ``key_model`` (key → model) this worker holds. With ``weights_dp0_only`` only data-parallel replica 0
     contributes weights (the other replicas hold the same values)."""
@@ -77,12 +78,12 @@ def pack(buffers: dict[BufferKey, tuple[torch.Tensor, ...]], adam: dict) -> Pack
     return {"meta": meta, "data": data, "adam": adam}
 
 
-def unpack(packed: Packed) -> Image:
-    """The image's components as (read-only) tensors over the packed bytes, no copy."""
+def unpack(packed: Packed) -> Holdings:
+    """The image's buffers as (read-only) tensors over the packed bytes, no copy."""
     with warnings.catch_warnings():  # Ray hands out the stored array read-only; it is only read here
         warnings.simplefilter("ignore", UserWarning)
         data = torch.from_numpy(packed["data"])
-    buffers, offset = {}, 0
+    held, offset = Holdings(), 0
     for key, comps in packed["meta"]:
         out = []
         for dtype_name, numel in comps:
@@ -90,16 +91,11 @@ def unpack(packed: Packed) -> Image:
             n = numel * dtype.itemsize
             out.append(data[offset: offset + n].view(dtype))
             offset += n
-        buffers[key] = tuple(out)
-    return {"buffers": buffers, "adam": packed["adam"]}
+        held.add(key, Buffer(key[3], tuple(out)))
+    return held
 
 
-def intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(lo1, lo2), min(hi1, hi2)) for (lo1, hi1), (lo2, hi2) in zip(a, b, strict=True))
-    return out if all(lo < hi for lo, hi in out) else None
-
-
-def fill(key: BufferKey, dtypes: tuple[torch.dtype, ...], images: list[Image], device: torch.device) -> Buffer:
+def fill(key: BufferKey, dtypes: tuple[torch.dtype, ...], images: list[Holdings], device: torch.device) -> Buffer:
     """A new buffer for ``key`` filled from the images' buffers of the same tensor and state (the first
     image to hold an element wins); raises ``StateLostError`` naming what no image covers."""
     model, state, name, bset = key
@@ -107,17 +103,13 @@ def fill(key: BufferKey, dtypes: tuple[torch.dtype, ...], images: list[Image], d
                                 for d in dtypes))
     masks = [torch.zeros(extent(b), dtype=torch.bool) for b in bset]
     for image in images:
-        for (m, st, n, src_boxes), comps in image["buffers"].items():
-            if (m, st, n) != (model, state, name):
-                continue
-            src = Buffer(src_boxes, comps)
+        for src in image.of_tensor(model, state, name):
             for box, mask in zip(bset, masks, strict=True):
-                for sbox in src_boxes:
+                for sbox in src.boxes:
                     piece = intersect(box, sbox)
                     if piece is None:
                         continue
-                    rel = tuple(slice(lo - b_lo, hi - b_lo) for (lo, hi), (b_lo, _) in zip(piece, box, strict=True))
-                    todo = ~mask[rel]
+                    todo = ~mask[index_in(piece, box)]
                     if not todo.any():
                         continue
                     whole = bool(todo.all())
@@ -126,11 +118,11 @@ def fill(key: BufferKey, dtypes: tuple[torch.dtype, ...], images: list[Image], d
                             dst.copy_(s)
                         else:
                             dst[todo] = s[todo].to(dst.dtype)
-                    mask[rel] = True
+                    mask[index_in(piece, box)] = True
     missing = [b for b, m in zip(bset, masks, strict=True) if not bool(m.all())]
     if missing:
         raise StateLostError(f"no surviving worker or snapshot holds {model}/{state} {name} {missing[0]}: "
-                             f"take snapshots (run.snapshot_every) or keep data-parallel replicas")
+                             f"take snapshots (run.checkpoint.snapshot_every) or keep data-parallel replicas")
     return target
 
 
@@ -140,16 +132,16 @@ def restore_state(specs: list, groups: dict[str, ParallelGroups], images: dict[s
     in preference order). Collective over the world (tied heads move point to point)."""
     from nereus.runtime.live import _install, new_needs
 
-    images = {m: [unpack(p) for p in packed] for m, packed in images.items()}
     adam: dict[str, tuple] = {}
-    for model, imgs in images.items():
-        facts = next((im["adam"][model] for im in imgs if model in im["adam"]), None)
+    for model, packs in images.items():
+        facts = next((p["adam"][model] for p in packs if model in p["adam"]), None)
         if facts is not None:
             adam[model] = facts
+    unpacked = {m: [unpack(p) for p in packs] for m, packs in images.items()}
     held = Holdings()
     device = next((g.device for g in groups.values()), torch.device("cpu"))
     for key, dtypes in new_needs(specs, groups).items():
         if key[1] == OPTIMIZER and key[0] not in adam:
             continue  # the optimizer has not stepped yet: nothing to restore
-        held.add(key, fill(key, dtypes, images.get(key[0], []), device))
+        held.add(key, fill(key, dtypes, unpacked.get(key[0], []), device))
     return _install(specs, groups, adam, schedule, comm)(held)

@@ -92,10 +92,6 @@ class Worker:
             raise out["error"]
         return out["value"]
 
-    def _maybe_die(self, op: str) -> None:
-        if self._die_in == op:
-            os.kill(os.getpid(), signal.SIGKILL)
-
     def address(self) -> tuple[str, int]:
         from nereus.runtime.launch import free_port
 
@@ -258,9 +254,9 @@ class Worker:
         sm = self.models.get(key)
         if sm is None:
             return None
-        if op == "train_step" and self._die_in == "train_step":
+        if op == "train_step" and self._die_in == "train_step":  # fault injection (``die_in``)
             sm.backward(*args[:2])
-            self._maybe_die("train_step")
+            os.kill(os.getpid(), signal.SIGKILL)
         if op == "generate":
             out = generate(sm, *args, **kwargs)
         elif op == "generate_with_logprobs":
