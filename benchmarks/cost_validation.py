@@ -3,7 +3,8 @@
     python benchmarks/cost_validation.py
 """
 
-from nereus.cost.published import HELD_OUT, held_out_prediction, narayanan_rows, row_tflops
+from nereus.cost.published import HELD_OUT, narayanan_rows
+from nereus.planner.published import held_out_prediction, row_tflops
 
 
 def main() -> None:

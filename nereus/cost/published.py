@@ -1,7 +1,8 @@
 """Published training measurements the cost model is checked against, and helpers to rebuild them.
 
-``narayanan2021_table1.csv`` is a copy of ``shared/data/narayanan2021_table1.csv`` (it cites its source).
-The held-out checks below were not used to set any prior.
+``narayanan2021_table1.csv`` (package data; its header cites the paper) holds Table 1 of Narayanan et al.
+2021. The held-out cases below were not used to set any prior. The predictions at a published layout
+(``nereus.planner.published``) complete that layout as the planner would, so they live a layer up.
 """
 
 from __future__ import annotations
@@ -9,9 +10,6 @@ from __future__ import annotations
 import csv
 from importlib import resources
 
-from nereus.cost.hardware import Hardware
-from nereus.cost.plan_cost import estimate_plan
-from nereus.planner.layouts import plan_from_layout
 from nereus.spec.job import JobSpec, job_from_dict
 
 SEQ, VOCAB = 2048, 51200
@@ -65,32 +63,3 @@ def narayanan_rows() -> list[dict]:
 def row_job(row: dict) -> JobSpec:
     return gpt_training_job(int(row["layers"]), int(row["hidden_size"]), int(row["attention_heads"]),
                             int(row["global_batch"]), int(row["gpus"]))
-
-
-def predicted_step_time(job: JobSpec, layout: str) -> float:
-    """Step time of ``job`` under the given TP/PP(/DP), micro-batching chosen as the planner would."""
-    hw = Hardware(job.cluster)
-    est = estimate_plan(hw, job, plan_from_layout(hw, job, layout))
-    if not est.feasible:
-        raise ValueError(f"{layout} does not fit: {est.violations[0]}")
-    return est.step_time_s
-
-
-def row_tflops(row: dict) -> float:
-    """Predicted per-GPU TFLOP/s (Eq. 3 FLOPs) of one Table 1 row at its published TP/PP."""
-    t = predicted_step_time(row_job(row), f"tp={row['tensor_parallel']},pp={row['pipeline_parallel']}")
-    flops = hardware_flops(int(row["layers"]), int(row["hidden_size"]), int(row["global_batch"]))
-    return flops / t / int(row["gpus"]) / 1e12
-
-
-def held_out_prediction(case: dict) -> tuple[str, float, float]:
-    """(metric, predicted, published) for one held-out case."""
-    job = gpt_training_job(case["layers"], case["hidden"], case["heads"], case["batch"], case["gpus"],
-                           **case["options"])
-    t = predicted_step_time(job, case["layout"])
-    peak = job.cluster.gpu.peak_flops
-    if "mfu" in case:
-        mfu = model_flops(case["layers"], case["hidden"], case["batch"]) / t / case["gpus"] / peak
-        return "MFU", mfu, case["mfu"]
-    tflops = hardware_flops(case["layers"], case["hidden"], case["batch"]) / t / case["gpus"] / 1e12
-    return "TFLOP/s", tflops, case["tflops"]
