@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nereus.sim.run import Recovery, simulate
+from nereus.control.loop import Recovery
+from nereus.sim.run import simulate
 from nereus.spec import load_job
 from nereus.spec.trace import load_trace
 

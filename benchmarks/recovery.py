@@ -15,7 +15,7 @@ optimizer update):
 Both pay the lost work of the failed step. Printed: each part, the totals, their ratio, and the ratio
 without the replay (a failure just after a checkpoint), plus the snapshots' cost per step. On a real
 cluster a restart also waits for the scheduler, containers and inference engines (minutes: see
-``nereus.sim.run.Recovery.restart_s``); here it only pays what this machine measures.
+``nereus.control.loop.Recovery.restart_s``); here it only pays what this machine measures.
 
     .venv/bin/python benchmarks/recovery.py [--steps 6] [--lose-at 3] [--checkpoint-every 2] [--json PATH]
 """

@@ -1,11 +1,13 @@
-"""What the controller exchanges with a backend (the Ray runtime or the simulator): plain values.
+"""What the control loop exchanges with a backend (the Ray runtime or the simulator): plain values.
 
-A backend runs steps of a plan and applies transitions; the controller (or a baseline policy) sees
-only what a real job could measure.
+A backend runs steps of a plan, applies transitions and recovers from lost devices; the policy (the
+controller or a baseline) sees only what a real job could measure. ``control.loop`` drives both
+backends through this protocol; neither backend is imported here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Protocol
 
@@ -24,6 +26,7 @@ class StepMetrics:
     tokens: float  # prompt + response tokens processed this step
     peak_bytes: float = 0.0  # memory high-water mark over devices
     gpus: int = 0  # devices the plan ran on
+    detail: dict = field(default_factory=dict)  # backend-specific measurements (the RL job's metric line)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -40,15 +43,45 @@ class TransitionMetrics:
 @dataclass(frozen=True)
 class ClusterState:
     num_gpus: int  # devices available now (a plan may use them all)
-    lost: int = 0  # devices lost since the previous step
+    lost: int = 0  # devices lost (failed, not released by schedule) since the previous step
+
+
+class WorkersLost(Exception):  # noqa: N818 -- an event the loop handles, not a programming error
+    """Raised by ``Backend.run_step`` when devices died while the step ran; the loop then asks the policy
+    for a plan on the survivors and the backend to recover onto it."""
+
+    def __init__(self, lost: list[int], elapsed_s: float, reason: str = "") -> None:
+        super().__init__(reason or f"lost worker(s) {lost}")
+        self.lost, self.elapsed_s = list(lost), elapsed_s
+
+
+@dataclass
+class RecoveryMetrics:
+    """What a recovery from lost devices did: the step to redo from, the plan in force, its cost."""
+
+    resume_step: int
+    plan: Plan
+    seconds: float
+    detail: dict = field(default_factory=dict)
+
+
+SurvivorPlanner = Callable[[int, int], Plan]  # (devices left, step) -> the plan to continue on
 
 
 class Backend(Protocol):
+    """A backend reports lost devices between steps through ``cluster`` (the simulator's failure traces)
+    or, when they die while a step runs, by raising ``WorkersLost`` from ``run_step``; a backend that raises
+    it also implements ``recover`` (the runtime)."""
+
     def cluster(self, step: int) -> ClusterState: ...
 
     def run_step(self, plan: Plan, step: int) -> StepMetrics: ...
 
     def apply_transition(self, old: Plan, new: Plan, step: int) -> TransitionMetrics: ...
+
+
+class RecoveringBackend(Backend, Protocol):
+    def recover(self, lost: WorkersLost, plan_for: SurvivorPlanner) -> RecoveryMetrics: ...
 
 
 @dataclass
@@ -65,9 +98,13 @@ class Decision:
     horizon: int = 0
     overhead_s: float = 0.0  # wall time the policy itself took for this step
     plan: Plan | None = None  # the plan to move to ("transition"/"forced")
+    # the calibrated model's time per model-stage for the step just measured, before this step's refit
+    # (``ControllerConfig.predict_measured``): what a run reports next to the measured times
+    predicted_stage_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "plan"}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name != "plan" and (f.name != "predicted_stage_s" or self.predicted_stage_s)}
         if self.plan is not None:
             out["plan"] = self.plan.to_dict()
             out["strategy"] = self.plan.meta.get("strategy")
@@ -79,4 +116,8 @@ class Policy(Protocol):
 
     def initial_plan(self, num_gpus: int) -> Plan: ...
 
+    def resume(self, plan: Plan) -> None: ...  # continue from ``plan`` (a resumed run)
+
     def after_step(self, metrics: StepMetrics, cluster: ClusterState) -> Decision: ...
+
+    def survivor_plan(self, num_gpus: int, step: int) -> Plan: ...  # after devices were lost mid-step

@@ -39,6 +39,7 @@ class ControllerConfig:
     drift: float = 0.15  # re-plan when the forecast mean moved this much since the plan was chosen
     calibrate: bool = True
     fit_every: int = 5
+    predict_measured: bool = False  # report the model's stage times for each measured step (Decision)
 
 
 def usable_gpus(available: int, gpus_per_node: int) -> int:
@@ -88,15 +89,34 @@ class Controller:
         self._basis = (job.workload.response.mean, job.workload.response.max, job.cluster.num_gpus, {})
         return self.plan
 
+    def resume(self, plan: Plan) -> None:
+        """Continue a resumed run from the plan its checkpoint was written under."""
+        self.plan = plan
+
+    def survivor_plan(self, num_gpus: int, step: int) -> Plan:
+        """The plan to continue on after devices died mid-step: the planner's best for the ``num_gpus``
+        left, the forecast workload at ``step`` and the calibration so far. Forced: no admission test."""
+        job = self.job_for(step, num_gpus)
+        self.plan = search(Hardware(job.cluster), job, self.factors or None, constraints=self.constraints).plan
+        return self.plan
+
     # -- the loop -----------------------------------------------------------------------------------
     def after_step(self, m: StepMetrics, cluster: ClusterState) -> Decision:
         start = time.perf_counter()
+        predicted = self.predict_measured(m) if self.config.predict_measured else {}
         decision = self._decide(m, cluster)
+        decision.predicted_stage_s = predicted
         decision.overhead_s = time.perf_counter() - start
         self.log.append(decision)
         if decision.plan is not None:
             self.plan = decision.plan
         return decision
+
+    def predict_measured(self, m: StepMetrics) -> dict[str, float]:
+        """The calibrated model's stage times for the step's observed workload on the current plan."""
+        job = observed_job(self.job, m, self.forecaster.sigma).with_gpus(max(self.plan.num_gpus, 1))
+        est = estimate_plan(Hardware(job.cluster), job, self.plan, self.factors)
+        return {str(ms): est.stage_times[str(ms)] for ms in est.costs}
 
     def _observe(self, m: StepMetrics) -> None:
         self.forecaster.observe(m.step, m.response_mean)

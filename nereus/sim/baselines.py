@@ -29,7 +29,7 @@ from nereus.control.controller import Controller, ControllerConfig, TransitionCo
 from nereus.control.forecast import Schedule
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
-from nereus.planner.search import Constraints, search
+from nereus.planner.search import Constraints, SearchResult, search
 from nereus.spec.errors import InfeasibleError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage, Plan
@@ -79,12 +79,7 @@ class StaticPolicy:
             inner.log.append(d)
             return d
         target = inner.job_for(step, gpus)
-        constraints = self._constraints()
-        try:
-            result = search(Hardware(target.cluster), target, None, constraints=constraints)
-        except InfeasibleError:  # the pinned TP/PP no longer fits: an operator picks new layouts
-            result = search(Hardware(target.cluster), target, None, constraints=self.base_constraints)
-            self.pinned = {p.model_stage: (p.layout.tp, p.layout.pp) for p in result.plan.placements}
+        result = self._search(target)
         cost = inner.transition_cost(inner.hw, target, inner.plan, result.plan)
         action = "transition" if current is not None and current.feasible else "forced"
         reason = ("plan infeasible or GPUs lost" if action == "forced"
@@ -94,6 +89,23 @@ class StaticPolicy:
         inner.log.append(d)
         inner.plan = result.plan
         return d
+
+    def _search(self, target: JobSpec) -> SearchResult:
+        try:
+            return search(Hardware(target.cluster), target, None, constraints=self._constraints())
+        except InfeasibleError:  # the pinned TP/PP no longer fits: an operator picks new layouts
+            result = search(Hardware(target.cluster), target, None, constraints=self.base_constraints)
+            self.pinned = {p.model_stage: (p.layout.tp, p.layout.pp) for p in result.plan.placements}
+            return result
+
+    def resume(self, plan: Plan) -> None:
+        self.inner.plan = plan
+        self.pinned = {p.model_stage: (p.layout.tp, p.layout.pp) for p in plan.placements}
+
+    def survivor_plan(self, num_gpus: int, step: int) -> Plan:
+        """After devices died mid-step: the same re-search as after a loss between steps."""
+        self.inner.plan = self._search(self.inner.job_for(step, num_gpus)).plan
+        return self.inner.plan
 
     @property
     def log(self) -> list[Decision]:

@@ -7,10 +7,11 @@ from hypothesis import strategies as st
 from nereus.control.backend import ClusterState
 from nereus.control.controller import Controller, ControllerConfig
 from nereus.control.forecast import LengthForecaster, Schedule
+from nereus.control.loop import Observer, run_policy
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.sim.backend import SimBackend
-from nereus.sim.run import run_policy, simulate
+from nereus.sim.run import simulate
 from nereus.spec import job_from_dict
 from nereus.spec.trace import trace_from_dict
 
@@ -77,7 +78,11 @@ def test_controller_decisions_pay_off_and_plans_stay_feasible(seed, grow, memory
     ctl = Controller(job, ControllerConfig(horizon=20, cooldown=2, replan_every=10), Schedule(tr), 40)
     checked = []
 
-    def check(step, m, decision):
+    class Check(Observer):
+        def step_done(self, outcome):
+            check(outcome.metrics.step, outcome.decision)
+
+    def check(step, decision):
         if decision.action == "transition":
             assert decision.gain_s > decision.cost_s
         cluster = backend.cluster(step + 1)
@@ -88,7 +93,7 @@ def test_controller_decisions_pay_off_and_plans_stay_feasible(seed, grow, memory
             assert est.feasible, (step, decision.action, decision.reason, est.violations[:1])
         checked.append(step)
 
-    run_policy(ctl, backend, 40, progress=check)
+    run_policy(ctl, backend, 40, observer=Check())
     assert len(checked) == 40
 
 

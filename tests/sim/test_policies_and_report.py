@@ -71,7 +71,7 @@ def test_failure_rates_are_drawn_per_seed_and_merged_with_explicit_failures():
 
 
 def test_checkpoint_restart_loses_more_than_live_recovery():
-    from nereus.sim.run import Recovery
+    from nereus.control.loop import Recovery
 
     job = small_job(32)
     tr = trace(40, gpus=[{"step": 0, "gpus": 32}], failures=[{"step": 25, "gpus": 8}])

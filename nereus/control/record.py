@@ -1,0 +1,75 @@
+"""The record of a run, simulated or real: one entry per step, per decision and per plan in force.
+
+``nereus report`` renders it whichever backend produced it; ``control.loop`` fills it. It lives in
+control/ so that neither backend depends on the other for it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nereus.control.backend import Decision, StepMetrics
+from nereus.spec.layout import Plan
+
+
+@dataclass
+class RunRecord:
+    policy: str
+    job: str
+    trace: str
+    seed: int
+    steps: list[dict] = field(default_factory=list)
+    decisions: list[dict] = field(default_factory=list)
+    plans: list[dict] = field(default_factory=list)  # the plan in force from each step on
+    wall_s: float = 0.0
+
+    def add_plan(self, step: int, plan: Plan) -> None:
+        self.plans.append({"step": step, "plan": plan.to_dict(), "strategy": plan.meta.get("strategy")})
+
+    def add_step(self, m: StepMetrics, gpus: int, strategy: str, transition_s: float, lost_s: float) -> None:
+        self.steps.append({"step": m.step, "step_time_s": m.step_time_s, "phases": m.phase_times_s, "gpus": gpus,
+                           "response_mean": m.response_mean, "response_max": m.response_max, "tokens": m.tokens,
+                           "transition_s": transition_s, "lost_s": lost_s, "strategy": strategy})
+
+    def add_decision(self, d: Decision, transition_s: float) -> None:
+        """A move in full (without the plan, which ``plans`` holds); a keep as its step and overhead."""
+        if d.action == "keep":
+            self.decisions.append({"step": d.step, "action": "keep", "overhead_s": d.overhead_s})
+        else:
+            self.decisions.append({**d.to_dict(), "plan": None, "transition_s": transition_s})
+
+    def add_recovery(self, step: int, plan: Plan, seconds: float, reason: str) -> None:
+        """Devices died mid-step: the survivors' plan is in force from ``step`` on."""
+        self.add_plan(step, plan)
+        self.decisions.append({"step": step, "action": "recover", "reason": reason, "plan": None,
+                               "transition_s": seconds, "overhead_s": 0.0})
+
+    def summary(self) -> dict:
+        steps = self.steps
+        run_s = sum(s["step_time_s"] + s["transition_s"] + s["lost_s"] for s in steps)
+        trans = [s["transition_s"] for s in steps if s["transition_s"] > 0]
+        tokens = sum(s["tokens"] for s in steps)
+        gpu_s = sum((s["step_time_s"] + s["transition_s"]) * s["gpus"] for s in steps)
+        overheads = [d["overhead_s"] for d in self.decisions]
+        return {
+            "policy": self.policy, "steps": len(steps),
+            "mean_step_s": sum(s["step_time_s"] for s in steps) / max(1, len(steps)),
+            "run_s": run_s, "transitions": len(trans), "transition_s": sum(trans),
+            "transition_share": sum(trans) / run_s if run_s else 0.0,
+            "tokens_per_s": tokens / run_s if run_s else 0.0,
+            "tokens_per_gpu_s": tokens / gpu_s if gpu_s else 0.0,
+            "failures": sum(1 for s in steps if s["lost_s"] > 0),
+            "lost_s": sum(s["lost_s"] for s in steps),
+            "controller_overhead_s_per_step": sum(overheads) / max(1, len(overheads)),
+            "controller_overhead_share": sum(overheads) / run_s if run_s else 0.0,
+            "wall_s": self.wall_s,
+        }
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "job": self.job, "trace": self.trace, "seed": self.seed,
+                "summary": self.summary(), "steps": self.steps, "decisions": self.decisions, "plans": self.plans}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict()))
