@@ -6,7 +6,6 @@ from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
 @pytest.fixture(scope="session")

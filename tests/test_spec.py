@@ -6,7 +6,6 @@ import yaml
 from nereus.spec import Layout, ModelStage, Placement, Plan, SpecError, job_from_dict, load_job
 from nereus.spec.cluster import gpu_presets
 from nereus.spec.model import PRESETS
-from tests.conftest import SHARED_DATA
 
 
 def base_spec() -> dict:
@@ -104,17 +103,29 @@ def test_preset_parameter_counts_match_published_sizes():
     assert 0.49e9 < PRESETS["qwen2.5-0.5b"].params() < 0.5e9  # 0.49B
 
 
-def test_hardware_presets_match_shared_data():
-    rows = [line.split(",") for line in (SHARED_DATA / "hardware.csv").read_text().splitlines()
-            if line and not line.startswith(("#", "gpu,"))]
+# Datasheet figures, dense BF16 (NVIDIA A100 / H100 / H200 SXM datasheets; the spec sheets' "BF16" for
+# H100/H200 is the 2:4-sparse 1,979 TFLOP/s, half of it dense), NVLink as the per-GPU bidirectional total,
+# one NIC per GPU: ConnectX-6 HDR 200 Gb/s (A100 systems), ConnectX-7 NDR 400 Gb/s (H100/H200 systems).
+DATASHEETS = {  # name: (TFLOP/s, HBM TB/s, HBM GB, NVLink GB/s bidirectional, NIC Gb/s)
+    "A100-SXM-80GB": (312, 2.039, 80, 600, 200),
+    "H100-SXM-80GB": (989.4, 3.35, 80, 900, 400),
+    "H200-SXM-141GB": (989.4, 4.8, 141, 900, 400),
+}
+
+
+def test_hardware_presets_match_datasheets():
     presets = gpu_presets()
-    for name, tflops, hbm, mem, nvlink, ib in rows:
+    for name, (tflops, hbm, mem, nvlink, nic) in DATASHEETS.items():
         g = presets[name]
-        assert g.peak_flops == float(tflops) * 1e12
-        assert g.hbm_bytes_per_s == float(hbm) * 1e12
-        assert g.memory_bytes == float(mem) * 1e9
-        assert g.intra_node_bytes_per_s == float(nvlink) * 1e9 / 2
-        assert g.inter_node_bytes_per_s == float(ib) * 1e9 / 8
+        assert g.peak_flops == tflops * 1e12
+        assert g.hbm_bytes_per_s == hbm * 1e12
+        assert g.memory_bytes == mem * 1e9
+        assert g.intra_node_bytes_per_s == nvlink * 1e9 / 2  # one direction
+        assert g.inter_node_bytes_per_s == nic * 1e9 / 8  # bits to bytes
+        family = name.split("-")[0]
+        assert presets[family] is g and presets[f"{family}-{mem}GB"] is g
+    # every row of the packaged table is one of these (a new row needs its datasheet here too)
+    assert {g.name for g in presets.values()} == set(DATASHEETS)
 
 
 def test_plan_round_trip_and_validation():

@@ -49,7 +49,7 @@ class GpuSpec:
 
 @lru_cache(maxsize=1)
 def gpu_presets() -> dict[str, GpuSpec]:
-    """Presets from ``hardware.csv`` (a copy of ``shared/data/hardware.csv``; it cites the datasheets)."""
+    """Presets from ``hardware.csv`` (package data; its header cites the datasheets)."""
     text = resources.files("nereus.spec").joinpath("hardware.csv").read_text()
     rows = csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))
     presets = {}

@@ -32,7 +32,7 @@ import yaml
 
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import Fields
-from nereus.spec.job import ResponseLength
+from nereus.spec.response import ResponseLength
 
 
 @dataclass(frozen=True)
