@@ -10,9 +10,13 @@ References: PPO — Schulman et al. 2017, "Proximal Policy Optimization Algorith
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
 import torch
 
-KL_KINDS = ("k1", "k2", "k3")
+from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -78,18 +82,39 @@ def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor, mask: torch.Tens
     return adv[:, None] * mask
 
 
+def kl_k1(log_ratio: torch.Tensor) -> torch.Tensor:
+    """log r: unbiased, but negative on some tokens."""
+    return log_ratio
+
+
+def kl_k2(log_ratio: torch.Tensor) -> torch.Tensor:
+    """½(log r)²: biased, low variance, never negative."""
+    return 0.5 * log_ratio**2
+
+
+def kl_k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """(1/r − 1) + log r: unbiased and never negative (GRPO's KL loss, Shao et al. 2024 eq. 4); clamped to
+    [−10, 10] as in verl, so one outlier token cannot dominate."""
+    return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-10, 10)
+
+
+def _registry(names: tuple[str, ...], functions: dict[str, Callable]) -> Mapping[str, Callable]:
+    """A read-only name -> function table; every name the spec accepts must have exactly one function."""
+    if set(names) != set(functions):
+        raise RuntimeError(f"registry {sorted(functions)} does not match the spec's names {list(names)}")
+    return MappingProxyType({name: functions[name] for name in names})
+
+
+# Functions of the log-ratio log(π/π_ref), under the names spec validation accepts (nereus.spec.algorithms).
+KL_ESTIMATORS = _registry(KL_KINDS, {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3})
+
+
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(π‖π_ref) from samples of π (Schulman 2020): k1 = log r, k2 = ½(log r)²,
-    k3 = (1/r − 1) + log r with r = π/π_ref — k3 is unbiased and never negative (GRPO's KL loss, Shao et
-    al. 2024 eq. 4). k3 is clamped to [−10, 10] as in verl, so one outlier token cannot dominate."""
-    log_ratio = logp - ref_logp
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio**2
-    if kind == "k3":
-        return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-10, 10)
-    raise ValueError(f"unknown KL estimator {kind!r}; choose one of {list(KL_KINDS)}")
+    """Per-token estimate of KL(π‖π_ref) from samples of π (Schulman 2020) with r = π/π_ref, by the
+    estimator registered as ``kind`` in ``KL_ESTIMATORS``."""
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {list(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[kind](logp - ref_logp)
 
 
 def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
@@ -103,6 +128,49 @@ def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | N
     if kl is not None and kl_coef:
         rewards = rewards - kl_coef * kl * mask
     return rewards
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an advantage estimator may read from one step; [B] per response, [B, R] per token."""
+
+    scores: torch.Tensor  # [B] sequence scores (rule + reward model)
+    mask: torch.Tensor  # [B, R]
+    groups: torch.Tensor  # [B] index of each response's prompt (GRPO's groups)
+    old_logp: torch.Tensor  # [B, R] the rollout policy's log-probs
+    values: torch.Tensor | None = None  # [B, R] critic values; None without a critic
+    ref_logp: torch.Tensor | None = None  # [B, R] reference log-probs when the KL is a reward penalty
+    kl_penalty: str = "k1"  # KL estimator of the reward penalty
+    kl_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 1.0
+
+
+def gae_estimator(x: AdvantageInputs) -> dict[str, torch.Tensor]:
+    """PPO's advantages: per-token rewards (score on the last token, minus the KL penalty when one is
+    set), GAE over the critic's values, advantages whitened over the batch; the returns are the critic's
+    targets."""
+    if x.values is None:
+        raise ValueError("the gae advantage estimator needs critic values")
+    kl = kl_estimate(x.old_logp, x.ref_logp, x.kl_penalty) if x.kl_coef and x.ref_logp is not None else None
+    rewards = token_rewards(x.scores, x.mask, kl, x.kl_coef)
+    adv, returns = gae(rewards, x.values, x.mask, x.gamma, x.lam)
+    return {"adv": masked_whiten(adv, x.mask), "returns": returns, "rewards": rewards}
+
+
+def grpo_estimator(x: AdvantageInputs) -> dict[str, torch.Tensor]:
+    """GRPO's advantages: scores normalised within each prompt's group (no critic, no reward penalty)."""
+    return {"adv": grpo_advantages(x.scores, x.groups, x.mask)}
+
+
+ADVANTAGE_ESTIMATOR_FNS = _registry(ADVANTAGE_ESTIMATORS, {"gae": gae_estimator, "grpo": grpo_estimator})
+
+
+def advantage_estimator(name: str) -> Callable[[AdvantageInputs], dict[str, torch.Tensor]]:
+    """The estimator registered as ``name`` (a spec's ``algorithm.adv_estimator``)."""
+    if name not in ADVANTAGE_ESTIMATOR_FNS:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {list(ADVANTAGE_ESTIMATOR_FNS)}")
+    return ADVANTAGE_ESTIMATOR_FNS[name]
 
 
 def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float = 0.2,

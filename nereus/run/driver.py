@@ -15,10 +15,11 @@ from functools import partial
 
 import torch
 
-from nereus.rl.core import gae, grpo_advantages, kl_estimate, masked_mean, masked_whiten, token_rewards
+from nereus.rl.core import AdvantageInputs, advantage_estimator
 from nereus.rl.data import EOS, PAD, CharTokenizer, Prompt
 from nereus.rl.task import rule_reward
 from nereus.run import remote
+from nereus.run.report import step_metrics
 from nereus.run.rollout import Rollout, mini_batches, pack
 from nereus.run.setup import Placed
 from nereus.runtime.generate import SamplingParams
@@ -106,18 +107,16 @@ class Stepper:
         return out
 
     def advantages(self, roll: Rollout, rows: list[Prompt], inf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        r, mask = self.run, roll.mask
+        r = self.run
         with self.timer("adv"):
-            if self.alg.name == "grpo":
-                ids = {p.index: i for i, p in enumerate(dict.fromkeys(rows))}
-                groups = torch.tensor([ids[p.index] for p in rows])
-                return {"adv": grpo_advantages(inf["score"], groups, mask)}
-            kl = None
-            if r.kl_coef and not r.use_kl_loss and "ref_logp" in inf:
-                kl = kl_estimate(inf["old_logp"], inf["ref_logp"], r.kl_penalty)
-            rewards = token_rewards(inf["score"], mask, kl, r.kl_coef)
-            adv, ret = gae(rewards, inf["values"], mask, r.gamma, r.lam)
-            return {"adv": masked_whiten(adv, mask), "returns": ret, "rewards": rewards}
+            ids = {p.index: i for i, p in enumerate(dict.fromkeys(rows))}  # each response's prompt group
+            x = AdvantageInputs(
+                scores=inf["score"], mask=roll.mask, groups=torch.tensor([ids[p.index] for p in rows]),
+                old_logp=inf["old_logp"], values=inf.get("values"),
+                # the KL is a reward penalty only when it is not a loss term
+                ref_logp=None if r.use_kl_loss else inf.get("ref_logp"), kl_penalty=r.kl_penalty,
+                kl_coef=r.kl_coef, gamma=r.gamma, lam=r.lam)
+            return advantage_estimator(self.alg.adv_estimator)(x)
 
     def update(self, model: str, batch: dict[str, torch.Tensor], loss_fn: object, lr: float,
                step: int) -> list[dict[str, float]]:
@@ -172,20 +171,4 @@ class Stepper:
 
     def metrics(self, step: int, roll: Rollout, inf: dict, adv: dict, stats: dict) -> dict[str, float]:
         """verl's metric names (``critic/score/mean``, ``actor/pg_loss``, ``response_length/mean``...)."""
-        from nereus.run.report import step_metrics
-
         return step_metrics(self, step, roll, inf, adv, stats)
-
-
-def weighted(stats: list[dict[str, float]], name: str) -> float:
-    """Token-weighted mean of one statistic over micro-batches."""
-    tokens = sum(s["tokens"] for s in stats)
-    return sum(s[name] * s["tokens"] for s in stats) / max(tokens, 1.0)
-
-
-def masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    sel = x[mask.bool()]
-    if sel.numel() == 0:
-        return {f"{prefix}/mean": 0.0}
-    return {f"{prefix}/mean": float(masked_mean(x, mask)), f"{prefix}/max": float(sel.max()),
-            f"{prefix}/min": float(sel.min())}

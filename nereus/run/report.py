@@ -9,8 +9,6 @@ from nereus.run.rollout import Rollout
 
 
 def step_metrics(st: object, step: int, roll: Rollout, inf: dict, adv: dict, stats: dict) -> dict[str, float]:
-    from nereus.run.driver import masked_stats, weighted
-
     mask, r = roll.mask, st.run
     limit = r.max_response_length(step, st.job.workload.response.max)
     rlen = roll.response_len.float()
@@ -53,3 +51,17 @@ def step_metrics(st: object, step: int, roll: Rollout, inf: dict, adv: dict, sta
     # verl reports tokens per second per device; the workers are the devices here
     m["perf/throughput"] = tokens / max(st.timing["timing_s/step"], 1e-9) / max(1, r.workers)
     return {k: float(v) for k, v in m.items() if not torch.is_tensor(v)}
+
+
+def weighted(stats: list[dict[str, float]], name: str) -> float:
+    """Token-weighted mean of one statistic over micro-batches."""
+    tokens = sum(s["tokens"] for s in stats)
+    return sum(s[name] * s["tokens"] for s in stats) / max(tokens, 1.0)
+
+
+def masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    sel = x[mask.bool()]
+    if sel.numel() == 0:
+        return {f"{prefix}/mean": 0.0}
+    return {f"{prefix}/mean": float(masked_mean(x, mask)), f"{prefix}/max": float(sel.max()),
+            f"{prefix}/min": float(sel.min())}

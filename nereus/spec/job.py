@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, DEFAULT_ESTIMATOR, NEEDS_CRITIC
 from nereus.spec.cluster import ClusterSpec, read_cluster
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import Fields
@@ -37,6 +38,7 @@ class Algorithm:
     samples_per_prompt: int = 1
     mini_batches: int = 1  # optimizer updates per step (PPO mini-batches)
     epochs: int = 1
+    adv_estimator: str = ""  # a name in nereus.spec.algorithms.ADVANTAGE_ESTIMATORS; "" for training-only
 
 
 @dataclass(frozen=True)
@@ -131,9 +133,21 @@ def _read_algorithm(f: Fields, models: dict[str, ModelArch]) -> Algorithm:
         samples_per_prompt=f.get("samples_per_prompt", int, 1 if name != "grpo" else 8, minimum=1),
         mini_batches=f.get("mini_batches", int, 1, minimum=1),
         epochs=f.get("epochs", int, 1, minimum=1),
+        adv_estimator=_read_estimator(f, name, used),
     )
     f.finish()
     return alg
+
+
+def _read_estimator(f: Fields, name: str, used: list[str]) -> str:
+    if name == "train":
+        if f.has("adv_estimator"):
+            raise SpecError(f.key_path("adv_estimator"), "a training-only job has no advantages; remove the key")
+        return ""
+    estimator = f.get("adv_estimator", str, DEFAULT_ESTIMATOR[name], choices=ADVANTAGE_ESTIMATORS)
+    if estimator in NEEDS_CRITIC and "critic" not in used:
+        raise SpecError(f.key_path("adv_estimator"), f"{estimator} needs a 'critic' under algorithm.models")
+    return estimator
 
 
 def _read_workload(f: Fields, alg: Algorithm, base_dir: Path) -> Workload:

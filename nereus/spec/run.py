@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nereus.spec.algorithms import KL_KINDS
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import Fields
 from nereus.spec.layout import Layout, ModelStage
 
 RULES = ("exact_match", "digit_match", "none")
-KL_KINDS = ("k1", "k2", "k3")
 
 
 @dataclass(frozen=True)

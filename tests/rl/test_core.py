@@ -8,6 +8,10 @@ import pytest
 import torch
 
 from nereus.rl.core import (
+    ADVANTAGE_ESTIMATOR_FNS,
+    KL_ESTIMATORS,
+    AdvantageInputs,
+    advantage_estimator,
     clipped_policy_loss,
     clipped_value_loss,
     entropy_from_logits,
@@ -18,6 +22,8 @@ from nereus.rl.core import (
     masked_whiten,
     token_rewards,
 )
+from nereus.spec import SpecError, job_from_dict
+from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS
 
 T = torch.tensor
 
@@ -113,3 +119,70 @@ def test_entropy():
     # uniform over 4: ln 4; probabilities (.25, .75): -(.25 ln .25 + .75 ln .75)
     h = entropy_from_logits(T([[0.0, 0.0, 0.0, 0.0], [0.0, math.log(3.0), -1e9, -1e9]]))
     close(h, [math.log(4), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))])
+
+
+def _rl_spec(name: str, algorithm: dict | None = None, run: dict | None = None) -> dict:
+    models = ("actor", "critic", "reference") if name == "ppo" else ("actor", "reference")
+    return {"models": {m: {"preset": "qwen2.5-0.5b"} for m in models},
+            "algorithm": {"name": name, **(algorithm or {})},
+            "workload": {"prompts_per_step": 4, "prompt_length": 8, "response_length": {"mean": 3, "max": 4}},
+            "cluster": {"gpu": "H100", "nodes": 1, "gpus_per_node": 4}, "run": run or {}}
+
+
+def test_registries_hold_exactly_the_names_the_spec_accepts():
+    assert tuple(KL_ESTIMATORS) == KL_KINDS
+    assert tuple(ADVANTAGE_ESTIMATOR_FNS) == ADVANTAGE_ESTIMATORS
+    assert job_from_dict(_rl_spec("ppo")).algorithm.adv_estimator == "gae"
+    assert job_from_dict(_rl_spec("grpo")).algorithm.adv_estimator == "grpo"
+
+
+@pytest.mark.parametrize("kind", KL_KINDS)
+def test_each_kl_kind_is_accepted_by_the_spec_and_computes(kind):
+    run = job_from_dict(_rl_spec("ppo", run={"kl_penalty": kind, "kl_loss_type": kind})).run
+    assert run.kl_penalty == kind and run.kl_loss_type == kind
+    logp, ref = T([[math.log(0.5), math.log(0.2)]]), T([[math.log(0.25), math.log(0.2)]])
+    kl = kl_estimate(logp, ref, kind)
+    assert kl.shape == (1, 2) and float(kl[0, 0]) > 0 and float(kl[0, 1]) == 0.0  # zero where π = π_ref
+
+
+def _inputs(**kw) -> AdvantageInputs:
+    # two prompts with two responses each; response 1 is one token long
+    mask = T([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0]])
+    base = {"scores": T([1.0, 0.0, 2.0, 0.0]), "mask": mask, "groups": T([0, 0, 1, 1]),
+            "old_logp": torch.full((4, 2), -1.0), "values": T([[0.5, 0.2], [0.1, 0.0], [0.3, 0.3], [0.0, 0.4]]),
+            "gamma": 1.0, "lam": 1.0}
+    return AdvantageInputs(**{**base, **kw})
+
+
+@pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS)
+def test_each_estimator_is_accepted_by_the_spec_and_computes(name):
+    spec_name = "grpo" if name == "grpo" else "ppo"
+    assert job_from_dict(_rl_spec(spec_name, {"adv_estimator": name})).algorithm.adv_estimator == name
+    x = _inputs()
+    out = advantage_estimator(name)(x)
+    assert out["adv"].shape == (4, 2) and float(out["adv"][1, 1]) == 0.0  # padding stays 0
+    if name == "grpo":  # ±score spread within each group: (1, 0) -> ±1/√2·√2 = ±0.7071
+        close(out["adv"][:, 0], [0.707107, -0.707107, 0.707107, -0.707107])
+    else:  # reward-to-go minus value, then whitened: same as composing the pieces by hand
+        rewards = token_rewards(x.scores, x.mask)
+        adv, ret = gae(rewards, x.values, x.mask, 1.0, 1.0)
+        torch.testing.assert_close(out["adv"], masked_whiten(adv, x.mask))
+        torch.testing.assert_close(out["returns"], ret)
+
+
+def test_gae_estimator_applies_the_kl_penalty_only_with_reference_logprobs():
+    ref = torch.full((4, 2), -2.0)  # log r = 1 on every token
+    plain = advantage_estimator("gae")(_inputs(kl_coef=0.1))
+    penalised = advantage_estimator("gae")(_inputs(kl_coef=0.1, ref_logp=ref, kl_penalty="k1"))
+    torch.testing.assert_close(penalised["rewards"], plain["rewards"] - 0.1 * _inputs().mask)
+    with pytest.raises(ValueError, match="needs critic values"):
+        advantage_estimator("gae")(_inputs(values=None))
+
+
+def test_unknown_names_are_rejected_with_the_choices():
+    with pytest.raises(ValueError, match=r"'vtrace'.*\['gae', 'grpo'\]"):
+        advantage_estimator("vtrace")
+    with pytest.raises(SpecError, match=r"algorithm\.adv_estimator"):
+        job_from_dict(_rl_spec("ppo", {"adv_estimator": "vtrace"}))
+    with pytest.raises(SpecError, match=r"algorithm\.adv_estimator: gae needs a 'critic'"):
+        job_from_dict(_rl_spec("grpo", {"adv_estimator": "gae"}))
