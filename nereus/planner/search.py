@@ -21,6 +21,7 @@ from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import PlanEstimate, estimate_plan, sync_time
 from nereus.cost.stages import StageCost
 from nereus.planner.candidates import CandidateTable
+from nereus.spec.capability import RuntimeCapability
 from nereus.spec.errors import InfeasibleError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import STAGES, Layout, ModelStage, Placement, Plan
@@ -269,10 +270,22 @@ class Constraints:
 
     ``strategies``: allowed colocation strategies by name (``"colocated"``, ``"disaggregated"`` for one
     group per unit, or a name as ``_strategy_name`` writes it); ``layout_filter``: layouts allowed per
-    model-stage."""
+    model-stage; ``capability``: the runtime the plan is for (``spec.capability``) — layouts it cannot run
+    are never proposed (folded into ``layout_filter``, so the search reads one predicate)."""
 
     strategies: tuple[str, ...] | None = None
     layout_filter: Callable[[ModelStage, Layout], bool] | None = None
+    capability: RuntimeCapability | None = None
+
+    def __post_init__(self) -> None:
+        cap, given = self.capability, self.layout_filter
+        if cap is None:
+            return
+
+        def runnable(ms: ModelStage, lay: Layout) -> bool:
+            return not cap.supports(lay, ms.stage) and (given is None or given(ms, lay))
+
+        object.__setattr__(self, "layout_filter", runnable)
 
     def allows(self, partition: list[tuple[str, ...]], units: int) -> bool:
         if self.strategies is None:

@@ -67,16 +67,16 @@ class CurriculumSchedule:
 
 def controller_for(job: JobSpec) -> Controller:
     """The controller of an adaptive run; for a fixed run (no ``run.adapt``) the one that re-plans it onto
-    survivors, on the options the runtime runs (no recompute, sequence parallelism, FSDP, interleaving; the
-    driver runs model-stages one after another)."""
+    survivors. Either plans within what the runtime runs (``CAPABILITY``: its option space and layouts)."""
+    from nereus.runtime.capability import CAPABILITY
+
     a = job.run.adapt
-    if a is None:
-        job = replace(job, options=replace(job.options, recompute="none", sequence_parallel=False, fsdp=False,
-                                           interleave=1, concurrent_stages=False))
+    job = replace(job, options=CAPABILITY.planning_options(job.options))
     cfg = ControllerConfig() if a is None else ControllerConfig(
         horizon=a.horizon, margin=a.margin, min_gain=a.min_gain, cooldown=a.cooldown,
         replan_every=a.replan_every, fit_every=a.fit_every)
-    allowed = Constraints(layout_filter=lambda ms, lay: runtime_layout_ok(job, ms.stage, lay, ms.model))
+    allowed = Constraints(layout_filter=lambda ms, lay: runtime_layout_ok(job, ms.stage, lay, ms.model),
+                          capability=CAPABILITY)
     return Controller(job, cfg, schedule=CurriculumSchedule(job), total_steps=job.run.steps, constraints=allowed)
 
 

@@ -4,13 +4,15 @@ the datasets."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from nereus.rl.data import CharTokenizer, Prompt, load_prompts, write_rows
 from nereus.rl.task import reverse_rows
+from nereus.runtime.capability import CAPABILITY
 from nereus.runtime.model import ModelConfig
 from nereus.runtime.parallel.tp import check_tp
+from nereus.spec.capability import UnsupportedLayout
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout
@@ -43,10 +45,11 @@ def model_configs(job: JobSpec, tok: CharTokenizer) -> dict[str, ModelConfig]:
 def _planned(job: JobSpec) -> dict[str, tuple[Layout, tuple[int, ...]]]:
     """The planner's layouts for the model-stages the job leaves open, on ``run.workers`` devices."""
     from nereus.cost.hardware import Hardware
-    from nereus.planner.search import search
+    from nereus.planner.search import Constraints, search
 
     sized = job.with_gpus(job.run.workers)
-    plan = search(Hardware(sized.cluster), sized).plan
+    sized = replace(sized, options=CAPABILITY.planning_options(sized.options))
+    plan = search(Hardware(sized.cluster), sized, constraints=Constraints(capability=CAPABILITY)).plan
     return {str(p.model_stage): (p.layout, tuple(p.gpus)) for p in plan.placements}
 
 
@@ -73,13 +76,13 @@ def place(job: JobSpec) -> list[Placed]:
     for ms in sorted(stages, key=lambda m: order[m.stage]):
         name = str(ms)
         if name in run.layouts:
-            layout, ranks = run.layouts[name], run.ranks.get(name, tuple(range(run.layouts[name].world)))
+            layout, ranks = _written(run.layouts[name]), run.ranks.get(name, tuple(range(run.layouts[name].world)))
         else:
             layout, ranks = planned[name]
-        layout = replace(layout, recompute="none", sequence_parallel=False, interleave=1)
         try:
+            layout = CAPABILITY.as_run(layout, ms.stage)
             check_tp(job.models[ms.model], layout.tp)
-        except ValueError as err:
+        except (UnsupportedLayout, ValueError) as err:
             raise SpecError(f"run.layouts.{name}", str(err)) from None
         ranks = tuple(ranks)
         if max(ranks) >= run.workers:
@@ -90,24 +93,30 @@ def place(job: JobSpec) -> list[Placed]:
     return out
 
 
+def _written(layout: Layout) -> Layout:
+    """A layout from ``run.layouts``: ``Layout.parse`` fills the options the text leaves out with the
+    planner's defaults (recompute, sequence parallelism), which the text did not ask for; those become the
+    runtime's own. An option written with another value stays, and ``place`` refuses it if unsupported."""
+    defaults = {f.name: f.default for f in fields(Layout)}
+    return replace(layout, **{k: v for k, v in (("recompute", CAPABILITY.recompute[0]),
+                                                 ("sequence_parallel", CAPABILITY.sequence_parallel))
+                              if getattr(layout, k) == defaults[k]})
+
+
 def placed_from_plan(plan) -> list[Placed]:
     """A controller's plan as runtime placements: one key per model-stage, named after it (keys stay the
-    same across transitions; buffers that coincide on a worker are shared by the executor anyway)."""
+    same across transitions; buffers that coincide on a worker are shared by the executor anyway). The
+    controller plans within ``CAPABILITY``; ``as_run`` turns off what changes nothing for a stage."""
     order = {"training": 0, "inference": 1, "generation": 2}
-    # the runtime has no sequence parallelism or recompute: where the filter let them through they change
-    # nothing (inference and generation, or TP 1)
-    return [Placed(p.model_stage.model, p.model_stage.stage,
-                   replace(p.layout, recompute="none", sequence_parallel=False, interleave=1), tuple(p.gpus),
-                   str(p.model_stage))
+    return [Placed(p.model_stage.model, p.model_stage.stage, CAPABILITY.as_run(p.layout, p.model_stage.stage),
+                   tuple(p.gpus), str(p.model_stage))
             for p in sorted(plan.placements, key=lambda p: (order[p.model_stage.stage], str(p.model_stage)))]
 
 
 def runtime_layout_ok(job: JobSpec, stage: str, layout: Layout, model: str) -> bool:
-    """What the CPU runtime can run: no interleaving or FSDP, no recompute or sequence parallelism in
-    training (elsewhere they change nothing); TP that
-    splits whole heads; batches that split over DP and micro-batches (``check_batches``)."""
-    if layout.interleave != 1 or layout.fsdp or (stage == "training" and (
-            layout.recompute != "none" or (layout.sequence_parallel and layout.tp > 1))):
+    """What the runtime can run of this job: a layout ``CAPABILITY`` supports for the stage, TP that
+    splits whole heads, batches that split over DP and micro-batches (``check_batches``)."""
+    if CAPABILITY.supports(layout, stage):
         return False
     try:
         check_tp(job.models[model], layout.tp)

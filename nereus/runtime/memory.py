@@ -20,7 +20,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -149,9 +149,3 @@ def predict_generation(arch: ModelArch, layout: Layout, batch: int, prompt: int,
     cost = generation_cost(Hardware(job.cluster), job, ModelStage("actor", "generation"), layout)
     scale = dtype_bytes / 2
     return {"parameters": cost.memory["weights"] * scale, "kv_cache": cost.memory["kv_cache"] * scale}
-
-
-def runtime_layout(layout: Layout) -> Layout:
-    """The options the runtime implements: no activation recomputation, no sequence parallelism, no
-    interleaved stages (TP, PP, DP, micro-batch size and ZeRO-1 are taken as given)."""
-    return replace(layout, recompute="none", sequence_parallel=False, interleave=1)

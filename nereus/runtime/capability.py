@@ -1,0 +1,11 @@
+"""What this runtime implements of a layout (``Runtime.capability``), importable without torch or Ray so
+that job setup and the controller can ask it before any worker starts."""
+
+from __future__ import annotations
+
+from nereus.spec.capability import RuntimeCapability
+
+# TP, PP, DP, micro-batches, ZeRO-1, GPipe/1F1B; no recompute, sequence parallelism, interleaving or FSDP;
+# the RL driver runs model-stages one after another.
+CAPABILITY = RuntimeCapability(recompute=("none",), sequence_parallel=False, max_interleave=1, fsdp=False,
+                               concurrent_stages=False)

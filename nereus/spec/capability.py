@@ -1,0 +1,76 @@
+"""What a runtime can run, as a plain value: the planner and the controller ask it which layouts to
+propose, the job setup asks it whether a hand-written layout runs, instead of each rewriting layouts.
+
+A layout option the runtime does not implement is *unsupported* when it would change what runs: in
+training, activation recomputation and sequence parallelism with TP > 1; in every stage, interleaved
+pipeline stages and FSDP. Elsewhere those options change nothing (inference and generation have no
+backward pass to recompute for, and sequence parallelism over one TP rank is plain execution), so the
+runtime runs such a layout as written, with those options off (``as_run``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from nereus.spec.job import Options
+from nereus.spec.layout import Layout
+
+
+class UnsupportedLayout(ValueError):
+    """A layout asks for something the runtime does not implement; the message names each field."""
+
+    def __init__(self, reasons: list[str]) -> None:
+        super().__init__("; ".join(reasons))
+        self.reasons = reasons
+
+
+@dataclass(frozen=True)
+class RuntimeCapability:
+    """The layout options a runtime implements (TP, PP, DP, micro-batch size and ZeRO-1 are always)."""
+
+    recompute: tuple[str, ...] = ("none",)
+    sequence_parallel: bool = False
+    max_interleave: int = 1
+    fsdp: bool = False
+    # model-stages of one phase on disjoint workers run at the same time (the planner's step-time sum)
+    concurrent_stages: bool = False
+
+    def supports(self, layout: Layout, stage: str = "training") -> list[str]:
+        """Why this runtime cannot run ``layout`` for ``stage``: one reason per field, naming the fix;
+        empty when it can."""
+        out = []
+        training = stage == "training"
+        if training and layout.recompute not in self.recompute:
+            out.append(f"recompute={layout.recompute!r}: the runtime implements {list(self.recompute)}; "
+                       f"set recompute={self.recompute[0]}")
+        if training and layout.sequence_parallel and layout.tp > 1 and not self.sequence_parallel:
+            out.append("sequence_parallel with tp > 1: the runtime has no sequence parallelism; set "
+                       "sequence_parallel=false")
+        if layout.interleave > self.max_interleave:
+            out.append(f"interleave={layout.interleave}: the runtime runs at most {self.max_interleave} virtual "
+                       f"stages per device; set interleave={self.max_interleave}")
+        if layout.fsdp and not self.fsdp:
+            out.append("fsdp: the runtime shards only the optimizer state over DP (zero1); set fsdp=false")
+        return out
+
+    def as_run(self, layout: Layout, stage: str = "training") -> Layout:
+        """``layout`` as this runtime runs it: the options that change nothing for ``stage`` (see the module
+        docstring) set to what the runtime does. Raises ``UnsupportedLayout`` when ``supports`` objects."""
+        reasons = self.supports(layout, stage)
+        if reasons:
+            raise UnsupportedLayout(reasons)
+        recompute = layout.recompute if layout.recompute in self.recompute else self.recompute[0]
+        sp = layout.sequence_parallel and self.sequence_parallel
+        return replace(layout, recompute=recompute, sequence_parallel=sp)
+
+    def planning_options(self, options: Options) -> Options:
+        """The planner's option space narrowed to what this runtime runs, so that the candidates it
+        enumerates include runnable layouts (an option fixed to an unsupported value would leave none)."""
+        recompute = options.recompute if options.recompute in self.recompute else self.recompute[0]
+        interleave = options.interleave
+        if self.max_interleave == 1 or (isinstance(interleave, int) and interleave > self.max_interleave):
+            interleave = 1
+        return replace(options, recompute=recompute,
+                       sequence_parallel=options.sequence_parallel and self.sequence_parallel,
+                       fsdp=options.fsdp if self.fsdp else False, interleave=interleave,
+                       concurrent_stages=options.concurrent_stages and self.concurrent_stages)

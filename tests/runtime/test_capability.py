@@ -1,0 +1,58 @@
+"""The runtime's capability (``spec.capability``): which layouts it runs, why not, and the planner never
+proposing one it cannot run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from nereus.cost.hardware import Hardware
+from nereus.planner.search import Constraints, search
+from nereus.runtime.capability import CAPABILITY
+from nereus.spec.capability import RuntimeCapability, UnsupportedLayout
+from nereus.spec.job import load_job
+from nereus.spec.layout import Layout
+from tests.conftest import EXAMPLES
+
+PLAIN = Layout(tp=2, pp=2, recompute="none", sequence_parallel=False)
+
+
+def test_supports_names_each_field_and_fix():
+    assert CAPABILITY.supports(PLAIN) == []
+    bad = replace(PLAIN, recompute="full", sequence_parallel=True, interleave=2, fsdp=True)
+    reasons = CAPABILITY.supports(bad, "training")
+    assert len(reasons) == 4
+    for field, fix in (("recompute", "recompute=none"), ("sequence_parallel", "sequence_parallel=false"),
+                       ("interleave", "interleave=1"), ("fsdp", "fsdp=false")):
+        assert any(r.startswith(field) and fix in r for r in reasons), (field, reasons)
+    with pytest.raises(UnsupportedLayout, match="recompute='full'"):
+        CAPABILITY.as_run(bad)
+
+
+def test_options_that_change_nothing_run_with_them_off():
+    """Recompute and sequence parallelism outside training, or SP over one TP rank, change nothing."""
+    inference = replace(PLAIN, recompute="selective", sequence_parallel=True)
+    assert CAPABILITY.supports(inference, "inference") == []
+    assert CAPABILITY.as_run(inference, "inference") == PLAIN
+    assert CAPABILITY.supports(inference, "training") != []
+    one_tp = Layout(dp=2, recompute="none", sequence_parallel=True)
+    assert CAPABILITY.as_run(one_tp) == replace(one_tp, sequence_parallel=False)
+    richer = RuntimeCapability(recompute=("none", "full"), sequence_parallel=True, max_interleave=2)
+    assert richer.supports(replace(PLAIN, recompute="full", sequence_parallel=True, interleave=2)) == []
+
+
+def test_planner_under_the_capability_proposes_only_runnable_layouts():
+    """The 8B example's options ask for recompute and SP; under the capability every proposed layout
+    runs, for a job whose own options the capability narrows."""
+    job = load_job(EXAMPLES / "ppo_8b_h100.yaml")
+    assert job.options.recompute == "selective" and job.options.sequence_parallel
+    narrowed = replace(job, options=CAPABILITY.planning_options(job.options))
+    assert not narrowed.options.concurrent_stages and narrowed.options.interleave == 1
+    plan = search(Hardware(narrowed.cluster), narrowed, constraints=Constraints(capability=CAPABILITY)).plan
+    for p in plan.placements:
+        assert CAPABILITY.supports(p.layout, p.model_stage.stage) == [], (p.model_stage, p.layout)
+    seen = []
+    Constraints(layout_filter=lambda ms, lay: seen.append(lay) or True, capability=CAPABILITY).layout_filter(
+        plan.placements[0].model_stage, PLAIN)
+    assert seen == [PLAIN]  # a caller's own filter still applies
