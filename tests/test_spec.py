@@ -5,7 +5,7 @@ import yaml
 
 from nereus.spec import Layout, ModelStage, Placement, Plan, SpecError, job_from_dict, load_job
 from nereus.spec.cluster import gpu_presets
-from nereus.spec.model import PRESETS
+from nereus.spec.model import PRESETS, arch_from_hf
 
 
 def base_spec() -> dict:
@@ -95,6 +95,27 @@ def test_hf_config_maps_onto_arch(tmp_path):
     assert job.models["actor"] == PRESETS["qwen2.5-7b"]
     # Qwen2.5-7B has 7.6B parameters (model card).
     assert 7.5e9 < job.models["actor"].params() < 7.7e9
+
+
+LLAMA_CFG = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "head_dim": 128,
+             "attention_bias": False, "mlp_bias": False, "num_labels": None, "rope_theta": 500000.0}
+
+
+@pytest.mark.parametrize(("patch", "pattern"), [
+    ({"model_type": "gpt2"}, r"cfg\.model_type: 'gpt2' is not supported"),
+    ({"head_dim": 256}, r"cfg\.head_dim: 256 differs from hidden_size / num_attention_heads \(128\)"),
+    ({"attention_bias": True}, r"cfg\.attention_bias: biases other than Qwen2's QKV bias"),
+    ({"mlp_bias": True}, r"cfg\.mlp_bias: biases other"),
+    ({"num_key_value_heads": 5}, r"cfg\.num_key_value_heads: heads \(32\) must be divisible by kv_heads \(5\)"),
+    ({"hidden_size": 4100, "head_dim": None}, r"cfg\.num_attention_heads: hidden \(4100\) must be divisible"),
+    ({"vocab_size": "big"}, r"cfg\.vocab_size: expected"),
+    ({"num_hidden_layers": None}, r"cfg\.num_hidden_layers: required key is missing"),
+])
+def test_hf_config_refuses_what_the_arch_cannot_describe(patch, pattern):
+    assert arch_from_hf(LLAMA_CFG, "cfg") == PRESETS["llama3-8b"]
+    with pytest.raises(SpecError, match=pattern):
+        arch_from_hf({**LLAMA_CFG, **patch}, "cfg")
 
 
 def test_preset_parameter_counts_match_published_sizes():

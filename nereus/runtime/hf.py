@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nereus.runtime.model import ModelConfig
-from nereus.spec.model import ModelArch
+from nereus.spec.model import arch_from_hf
 from nereus.spec.sharding import Box
 
 INDEX = "model.safetensors.index.json"
@@ -24,21 +24,11 @@ ALIASES = {"lm_head.weight": "model.embed_tokens.weight", "tied_head": "model.em
 SINGLE = "model.safetensors"
 
 
-def config_from_hf(data: dict) -> ModelConfig:
-    """Map a Llama/Qwen2/Mistral ``config.json`` dict (transformers 4.x or 5.x spelling) to ``ModelConfig``."""
-    kind = data.get("model_type", "llama")
-    if kind not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"model_type {kind!r} is not supported; use a llama or qwen2 checkpoint")
-    heads = data["num_attention_heads"]
-    if data.get("head_dim") not in (None, data["hidden_size"] // heads):
-        raise ValueError("head_dim different from hidden_size / num_attention_heads is not supported")
-    if data.get("attention_bias") or data.get("mlp_bias"):
-        raise ValueError("attention_bias/mlp_bias checkpoints are not supported")
-    arch = ModelArch(
-        layers=data["num_hidden_layers"], hidden=data["hidden_size"], ffn_hidden=data["intermediate_size"],
-        heads=heads, kv_heads=data.get("num_key_value_heads") or heads, vocab=data["vocab_size"],
-        tied_embeddings=bool(data.get("tie_word_embeddings", False)), qkv_bias=kind == "qwen2",
-    )
+def config_from_hf(data: dict, where: str = "config.json") -> ModelConfig:
+    """Map a Llama/Qwen2/Mistral ``config.json`` dict (transformers 4.x or 5.x spelling) to ``ModelConfig``:
+    the architecture by the spec's parser (``arch_from_hf``, whose errors name the key), plus what only
+    the runtime needs (RoPE, norm epsilon, value head, special tokens)."""
+    arch = arch_from_hf(data, where)
     rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", data.get("rope_theta", 10000.0))
     rope.pop("type", None)
@@ -76,7 +66,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 def read_config(path: str | Path) -> ModelConfig:
-    return config_from_hf(json.loads((Path(path) / "config.json").read_text()))
+    file = Path(path) / "config.json"
+    return config_from_hf(json.loads(file.read_text()), str(file))
 
 
 def _files(path: Path) -> dict[str, Path]:

@@ -76,22 +76,31 @@ PRESETS: dict[str, ModelArch] = {
 }
 
 
-def arch_from_hf_config(path: Path, where: str) -> ModelArch:
-    """Map a HuggingFace Llama/Qwen2 ``config.json`` onto ``ModelArch``."""
-    try:
-        cfg = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise SpecError(where, f"file {str(path)!r} not found; give a path to a HuggingFace config.json") from None
-    except json.JSONDecodeError as err:
-        raise SpecError(where, f"{str(path)!r} is not valid JSON ({err.msg} at line {err.lineno})") from None
-    f = Fields(cfg, f"{where}<{path}>")
-    kind = str(cfg.get("model_type", "llama"))
-    if kind not in ("llama", "qwen2", "mistral"):
-        raise SpecError(f.key_path("model_type"), f"{kind!r} is not supported; use a llama or qwen2 config")
+HF_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def arch_from_hf(cfg: object, where: str) -> ModelArch:
+    """The architecture of a parsed HuggingFace Llama/Qwen2/Mistral ``config.json`` (transformers 4.x or
+    5.x spelling). The one parser of these files: ``nereus.runtime.hf`` reads a checkpoint's config
+    through it. It refuses what ``ModelArch`` cannot describe, naming the key: another model type, a
+    ``head_dim`` other than hidden / heads, attention or MLP biases (Qwen2's QKV bias is implied by its
+    type), and head counts that do not divide."""
+    f = Fields(cfg, where)
+    kind = f.get("model_type", str, "llama")
+    if kind not in HF_MODEL_TYPES:
+        raise SpecError(f.key_path("model_type"), f"{kind!r} is not supported; use a llama, qwen2 or mistral config")
     heads = f.get("num_attention_heads", int, minimum=1)
-    return ModelArch(
+    hidden = f.get("hidden_size", int, minimum=1)
+    head_dim = f.get("head_dim", int, hidden // heads)
+    if head_dim != hidden // heads:
+        raise SpecError(f.key_path("head_dim"), f"{head_dim} differs from hidden_size / num_attention_heads "
+                                                f"({hidden // heads}); not supported")
+    for key in ("attention_bias", "mlp_bias"):
+        if f.get(key, bool, False):
+            raise SpecError(f.key_path(key), "biases other than Qwen2's QKV bias are not supported")
+    arch = ModelArch(
         layers=f.get("num_hidden_layers", int, minimum=1),
-        hidden=f.get("hidden_size", int, minimum=1),
+        hidden=hidden,
         ffn_hidden=f.get("intermediate_size", int, minimum=1),
         heads=heads,
         kv_heads=f.get("num_key_value_heads", int, heads, minimum=1),
@@ -99,6 +108,26 @@ def arch_from_hf_config(path: Path, where: str) -> ModelArch:
         tied_embeddings=f.get("tie_word_embeddings", bool, False),
         qkv_bias=kind == "qwen2",
     )
+    _check_heads(arch, f.key_path("num_attention_heads"), f.key_path("num_key_value_heads"))
+    return arch
+
+
+def arch_from_hf_config(path: Path, where: str) -> ModelArch:
+    """``arch_from_hf`` of a ``config.json`` file; errors name ``where`` and the file."""
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise SpecError(where, f"file {str(path)!r} not found; give a path to a HuggingFace config.json") from None
+    except json.JSONDecodeError as err:
+        raise SpecError(where, f"{str(path)!r} is not valid JSON ({err.msg} at line {err.lineno})") from None
+    return arch_from_hf(cfg, f"{where}<{path}>")
+
+
+def _check_heads(arch: ModelArch, heads_key: str, kv_key: str) -> None:
+    if arch.hidden % arch.heads:
+        raise SpecError(heads_key, f"hidden ({arch.hidden}) must be divisible by heads ({arch.heads})")
+    if arch.heads % arch.kv_heads:
+        raise SpecError(kv_key, f"heads ({arch.heads}) must be divisible by kv_heads ({arch.kv_heads})")
 
 
 def read_arch(f: Fields, base_dir: Path) -> ModelArch:
@@ -124,8 +153,5 @@ def read_arch(f: Fields, base_dir: Path) -> ModelArch:
         qkv_bias=f.get("qkv_bias", bool, False),
     )
     f.finish()
-    if arch.hidden % arch.heads:
-        raise SpecError(f.key_path("heads"), f"hidden ({arch.hidden}) must be divisible by heads ({arch.heads})")
-    if arch.heads % arch.kv_heads:
-        raise SpecError(f.key_path("kv_heads"), f"heads ({arch.heads}) must be divisible by kv_heads ({arch.kv_heads})")
+    _check_heads(arch, f.key_path("heads"), f.key_path("kv_heads"))
     return arch

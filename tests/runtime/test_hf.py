@@ -1,5 +1,6 @@
 """Our decoder against transformers' LlamaForCausalLM / Qwen2ForCausalLM: load, logits, save round trip."""
 
+import json
 import os
 
 import pytest
@@ -8,9 +9,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from nereus.runtime.hf import load_boxes, read_config, save_checkpoint  # noqa: E402
+from nereus.runtime.hf import config_from_hf, load_boxes, read_config, save_checkpoint  # noqa: E402
 from nereus.runtime.model import CausalLM  # noqa: E402
+from nereus.spec.errors import SpecError  # noqa: E402
 from nereus.spec.layout import Layout  # noqa: E402
+from nereus.spec.model import arch_from_hf  # noqa: E402
 from nereus.spec.sharding import rank_tensors  # noqa: E402
 
 COMMON = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=8,
@@ -88,3 +91,15 @@ def test_partial_boxes_read_only_the_slice(tmp_path):
     for name, box in boxes.items():
         want = full[name][tuple(slice(lo, hi) for lo, hi in box)]
         assert torch.equal(got[name], want), name
+
+
+def test_checkpoint_config_is_validated_by_the_spec_parser(tmp_path):
+    # the runtime reads a checkpoint's architecture through nereus.spec.model.arch_from_hf: the same
+    # refusals, naming the file and the key
+    hf = _hf_model("llama", False)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    data = json.loads((tmp_path / "config.json").read_text())
+    assert config_from_hf(data).arch == arch_from_hf(data, "x")
+    (tmp_path / "config.json").write_text(json.dumps({**data, "mlp_bias": True}))
+    with pytest.raises(SpecError, match=r"config\.json>?\.mlp_bias: biases other than Qwen2's QKV bias"):
+        read_config(tmp_path)
