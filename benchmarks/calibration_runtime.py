@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from nereus.cost.hardware import Hardware  # noqa: E402
 from nereus.cost.plan_cost import estimate_plan  # noqa: E402
-from nereus.run.adaptive import controller_for, step_metrics  # noqa: E402
-from nereus.run.setup import placed_from_plan  # noqa: E402
+from nereus.run.adaptive import controller_for  # noqa: E402
+from nereus.run.backend import step_metrics  # noqa: E402
 from nereus.spec.job import load_job  # noqa: E402
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan  # noqa: E402
 
@@ -54,7 +54,6 @@ def _observed(ctrl, m, plan, factors):
 
 def run(fit_steps: int, steps: int) -> dict:
     from nereus.run.job import RLJob
-    from nereus.runtime.live import KeySpec
 
     job = load_job(ROOT / "examples" / "ppo_tiny.yaml")
     adapt = replace(job.run.adapt, availability=((0, WORKERS),))
@@ -63,7 +62,7 @@ def run(fit_steps: int, steps: int) -> dict:
                                    checkpoint_dir=str(out)))
     rl = RLJob(job, quiet=True)
     ctrl = controller_for(job)
-    ctrl.plan = rl.plan
+    ctrl.resume(rl.plan)
     others = {"TP2": uniform_plan(job, tp=2, dp=1), "PP2": uniform_plan(job, pp=2, dp=1),
               "DP2 mbs4": uniform_plan(job, mbs=4), "DP2 mbs16": uniform_plan(job, mbs=16),
               "DP1 (one worker)": uniform_plan(job, dp=1, mbs=16)}
@@ -73,18 +72,15 @@ def run(fit_steps: int, steps: int) -> dict:
         print(f"fitting on {len(rl.plan.placements)} model-stages of the initial plan, {fit_steps} steps",
               file=sys.stderr)
         for _ in range(fit_steps):
-            m = step_metrics(step, rl.stepper.step(step), WORKERS)
+            m = step_metrics(step, rl.backend.stepper.step(step), WORKERS)
             ctrl._observe(m)
             step += 1
         factors = ctrl.calibrator.fit()
         for name, plan in others.items():
-            placed = placed_from_plan(plan)
-            rl.rt.transition([KeySpec(p.key, p.model, p.stage, rl.cfgs[p.model], p.layout, p.ranks)
-                              for p in placed], job)
-            rl.replace_placed(placed)
+            rl.backend.apply_transition(rl.backend.plan, plan, step)
             print(f"plan {name}: {steps} steps", file=sys.stderr)
             for _ in range(steps):
-                m = step_metrics(step, rl.stepper.step(step), WORKERS)
+                m = step_metrics(step, rl.backend.stepper.step(step), WORKERS)
                 cal, raw = _observed(ctrl, m, plan, factors), _observed(ctrl, m, plan, None)
                 for ms, t in m.stage_times_s.items():
                     rows.append({"plan": name, "stage": ms, "measured_s": t, "calibrated_s": cal[ms].time(factors),

@@ -50,9 +50,9 @@ class WorkersLost(Exception):  # noqa: N818 -- an event the loop handles, not a 
     """Raised by ``Backend.run_step`` when devices died while the step ran; the loop then asks the policy
     for a plan on the survivors and the backend to recover onto it."""
 
-    def __init__(self, lost: list[int], elapsed_s: float, reason: str = "") -> None:
+    def __init__(self, step: int, lost: list[int], elapsed_s: float, reason: str = "") -> None:
         super().__init__(reason or f"lost worker(s) {lost}")
-        self.lost, self.elapsed_s = list(lost), elapsed_s
+        self.step, self.lost, self.elapsed_s = step, list(lost), elapsed_s
 
 
 @dataclass

@@ -1,0 +1,162 @@
+"""The Ray runtime as the control loop's backend (``control.backend.Backend``): ``run_step`` wraps one
+step of the RL job, ``apply_transition`` moves every model's weights and Adam state live, ``cluster``
+lets workers join (by the availability schedule or ``nereus scale N``), and ``recover`` continues on the
+survivors when workers die mid-step. The backend owns the runtime placements of every model-stage; the
+job reads them from it (``placed``) and never rewrites them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+
+from nereus.control.backend import (
+    ClusterState,
+    RecoveryMetrics,
+    StepMetrics,
+    SurvivorPlanner,
+    TransitionMetrics,
+    WorkersLost,
+)
+from nereus.cost.hardware import Hardware
+from nereus.elastic.schedule import schedule_graph
+from nereus.run import remote
+from nereus.run.driver import Stepper
+from nereus.run.setup import Placed, placed_from_plan
+from nereus.runtime.failover import WorkerLostError
+from nereus.runtime.live import KeySpec
+from nereus.runtime.model import ModelConfig
+from nereus.runtime.workers import Runtime
+from nereus.spec.errors import SpecError
+from nereus.spec.job import JobSpec
+from nereus.spec.layout import Plan
+
+# the driver's timers (verl's names) that measure each model-stage
+STAGE_TIMERS = {"actor/generation": "gen", "actor/inference": "old_log_prob", "reference/inference": "ref",
+                "critic/inference": "values", "reward/inference": "reward", "critic/training": "update_critic",
+                "actor/training": "update_actor"}
+
+
+def step_metrics(step: int, metrics: dict, gpus: int) -> StepMetrics:
+    """The controller's view of a step of the RL job; the job's whole metric line rides along as ``detail``."""
+    stages = {ms: metrics[f"timing_s/{t}"] for ms, t in STAGE_TIMERS.items() if metrics.get(f"timing_s/{t}", 0) > 0}
+    phases = {"generation": 0.0, "inference": 0.0, "training": 0.0}
+    for ms, t in stages.items():
+        phases[ms.split("/")[1]] += t
+    phases["weight_sync"] = metrics.get("timing_s/sync_weights", 0.0)
+    rows = metrics.get("perf/total_num_tokens", 0.0) / max(1.0, metrics["response_length/mean"]
+                                                           + metrics.get("prompt_length/mean", 0.0))
+    return StepMetrics(step, stages, phases, metrics["timing_s/step"], metrics["response_length/mean"],
+                       metrics["response_length/max"], int(round(rows)), metrics.get("perf/total_num_tokens", 0.0),
+                       gpus=gpus, detail=metrics)
+
+
+def plan_text(plan: Plan) -> str:
+    return "; ".join(f"{p.model_stage} {p.layout.short()} @{','.join(map(str, p.gpus))}" for p in plan.placements)
+
+
+class RuntimeBackend:
+    """Steps, transitions, joins and recoveries of one RL job on the Ray runtime ``rt``."""
+
+    def __init__(self, job: JobSpec, rt: Runtime, cfgs: dict[str, ModelConfig], stepper: Stepper,
+                 placed: list[Placed], plan: Plan, say: Callable[[str], None]) -> None:
+        self.job, self.rt, self.cfgs, self.stepper, self.say = job, rt, cfgs, stepper, say
+        self.adaptive = job.run.adapt is not None
+        self.placed, self.plan = placed, plan
+        self.scale_file = None  # set by the job: where `nereus scale N --dir RUN` asks for N workers
+        self.requested: int | None = None
+        self.carry: dict[str, float] = {}  # metrics the next completed step's line adds (snapshot, recovery)
+
+    # ----- what the job may use ----------------------------------------------------------------------
+    def available(self, step: int) -> int:
+        """Workers available at ``step``: a ``nereus scale`` request wins over the availability schedule."""
+        if not self.adaptive:
+            return self.job.run.workers
+        if self.scale_file is not None and self.scale_file.exists():
+            try:
+                self.requested = int(json.loads(self.scale_file.read_text())["workers"])
+            except (ValueError, KeyError, TypeError):
+                print(f"nereus: ignoring {self.scale_file}: expected {{\"workers\": N}}", file=sys.stderr)
+            self.scale_file.unlink(missing_ok=True)
+        default = self.job.run.adapt.workers_at(step, self.job.run.workers)
+        return self.requested if self.requested is not None else default
+
+    def cluster(self, step: int) -> ClusterState:
+        """Joining workers enter the world now (plans use them once worth it). A scheduled leave is not a
+        loss: the controller moves off the leaving workers first; failures surface as ``WorkersLost``."""
+        n = self.available(step)
+        if n > len(self.rt.workers):
+            self.say(f"  workers: {len(self.rt.workers)} -> {n} (joining)")
+            self.rt.resize(n)
+        return ClusterState(n)
+
+    # ----- steps ---------------------------------------------------------------------------------------
+    def run_step(self, plan: Plan, step: int) -> StepMetrics:
+        if plan is not self.plan and plan != self.plan:
+            raise ValueError("run_step: the plan is not the one the runtime holds; apply_transition moves to it")
+        every = self.job.run.snapshot_every
+        if every and step % every == 0 and self.rt.latest_snapshot_step != step:
+            # a redone step reports the snapshot it redoes from
+            self.carry["nereus/snapshot_s"] = self.rt.snapshot(step)
+        t0 = time.perf_counter()
+        try:
+            metrics = self.stepper.step(step)
+        except WorkerLostError as err:
+            raise WorkersLost(step, err.lost, time.perf_counter() - t0, str(err)) from err
+        metrics["nereus/snapshot_s"] = 0.0
+        metrics.update(self.carry)
+        self.carry = {}
+        return step_metrics(step, metrics, len(self.rt.workers))
+
+    def _use(self, plan: Plan, placed: list[Placed]) -> None:
+        self.plan, self.placed = plan, placed
+        self.stepper.placed = placed
+        self.stepper.key = {(p.model, p.stage): p.key for p in placed}
+
+    def specs(self, placed: list[Placed]) -> list[KeySpec]:
+        return [KeySpec(p.key, p.model, p.stage, self.cfgs[p.model], p.layout, p.ranks) for p in placed]
+
+    def apply_transition(self, old: Plan, new: Plan, step: int) -> TransitionMetrics:
+        t0 = time.perf_counter()
+        if new.num_gpus > len(self.rt.workers):
+            self.rt.resize(new.num_gpus)
+        placed = placed_from_plan(new)
+        out = self.rt.transition(self.specs(placed), self.job)
+        keep = self.available(step + 1)
+        if keep < len(self.rt.workers):  # workers the schedule takes away leave once the state is off them
+            self.rt.resize(keep)
+        self._use(new, placed)
+        world_job = self.job.with_gpus(len(self.rt.workers))
+        predicted = schedule_graph(out["graph"], Hardware(world_job.cluster)).makespan_s
+        moved = sum(w["bytes_received"] for w in out["workers"])
+        return TransitionMetrics(time.perf_counter() - t0, predicted, moved, {"executor_s": out["wall_s"]})
+
+    # ----- losses --------------------------------------------------------------------------------------
+    def recover(self, lost: WorkersLost, plan_for: SurvivorPlanner) -> RecoveryMetrics:
+        """The survivors re-form a world, take the plan ``plan_for`` gives for them, and rebuild every
+        model's state from live replicas and the host-memory snapshot (``Runtime.recover``)."""
+        if not self.job.run.snapshot_every:
+            raise SpecError("run.checkpoint.snapshot_every", f"{lost}; without host-memory snapshots the run cannot "
+                            "continue: set snapshot_every ≥ 1, or resume from the last checkpoint (--resume)") from lost
+        self.say(f"\n  step {lost.step + 1}: {lost}; recovering on the survivors")
+        chosen: dict = {}
+
+        def place(n: int) -> list[KeySpec]:
+            step = self.rt.snapshot_step
+            if self.adaptive:  # no more than the availability schedule grants
+                n = min(n, self.available(step))
+            chosen["plan"] = plan_for(n, step)
+            chosen["placed"] = placed_from_plan(chosen["plan"])
+            return self.specs(chosen["placed"])
+
+        out = self.rt.recover(place, lost.lost)
+        self._use(chosen["plan"], chosen["placed"])
+        if self.adaptive and self.plan.num_gpus < len(self.rt.workers):
+            self.rt.resize(self.plan.num_gpus)  # survivors beyond what the schedule grants leave
+        for key in {p.key for p in self.placed}:  # loss statistics of the abandoned step
+            self.rt.apply(key, remote.drain_stats)
+        self.carry.update({"nereus/recovery_s": out["wall_s"], "nereus/lost_work_s": lost.elapsed_s,
+                           "nereus/lost_workers": float(len(out["lost"]))})
+        return RecoveryMetrics(out["resume_step"], self.plan, out["wall_s"], out)
