@@ -139,7 +139,7 @@ def cmd_transition(args: argparse.Namespace) -> int:
     if args.timeline:
         write_trace(args.timeline, result.graph, result.schedule)
     if args.graph:
-        Path(args.graph).write_text(json.dumps(result.graph.to_dict()))
+        Path(args.graph).write_text(json.dumps(result.graph.to_json()))
     return 0
 
 
@@ -213,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--to", dest="to_plan", required=True, help="target plan file")
     t.add_argument("--json", action="store_true", help="print JSON (times, bytes, memory per device, baselines)")
     t.add_argument("--timeline", help="write the schedule as Chrome/Perfetto trace JSON to this file")
-    t.add_argument("--graph", help="write the transition graph (every operation and piece) as JSON to this file")
+    t.add_argument("--graph", help="write the transition plan (every typed step and piece; docs/transitions.md) "
+                                   "as JSON to this file")
     t.add_argument("--storage-gb-per-s", type=float, default=2.0,
                    help="checkpoint baseline: shared-storage bandwidth per node (default 2)")
     t.add_argument("--chunk-mb", type=float, default=256, help="transfer chunk (staging buffer) size (default 256)")

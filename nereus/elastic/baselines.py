@@ -23,27 +23,27 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from nereus.elastic.graph import TransitionGraph
-from nereus.elastic.schedule import Links
+from nereus.elastic.links import Links
+from nereus.elastic.plan import TransitionPlan
 
 DEFAULT_STORAGE_BYTES_PER_S = 2e9  # per node: the issue's reference point (Tenplex reports similar NFS rates)
 
 
-def _changed(graph: TransitionGraph) -> dict[str, list[tuple[int, int, int, int]]]:
+def _changed(graph: TransitionPlan) -> dict[str, list[tuple[int, int, int, int]]]:
     """Changed data-carrying model states → (device, old, new, kept) of each of their bundles."""
     per: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
-    for g, model, state, old, new, kept in graph.bundles:
-        key = f"{model}/{state}"
+    for b in graph.bundles:
+        key = f"{b.model}/{b.state}"
         if key in graph.state_bytes:
-            per[key].append((g, old, new, kept))
+            per[key].append((b.device, b.old, b.new, b.kept))
     return {k: v for k, v in per.items() if any(old != kept or new != kept for _, old, new, kept in v)}
 
 
-def checkpoint_time(graph: TransitionGraph, storage_bytes_per_s: float = DEFAULT_STORAGE_BYTES_PER_S) -> float:
+def checkpoint_time(graph: TransitionPlan, storage_bytes_per_s: float = DEFAULT_STORAGE_BYTES_PER_S) -> float:
     gpn = graph.gpus_per_node
     changed = _changed(graph)
     write_nodes = {g // gpn for rows in changed.values() for g, old, _, _ in rows if old}
-    written = sum(graph.state_bytes[k][0] for k in changed)
+    written = sum(graph.state_bytes[k].bytes for k in changed)
     read_per_node: dict[int, int] = defaultdict(int)
     for rows in changed.values():
         for g, _, new, _ in rows:
@@ -53,7 +53,7 @@ def checkpoint_time(graph: TransitionGraph, storage_bytes_per_s: float = DEFAULT
     return save + load
 
 
-def gather_scatter_time(graph: TransitionGraph, links: Links) -> float:
+def gather_scatter_time(graph: TransitionPlan, links: Links) -> float:
     """Roots on distinct devices (the lowest old holder not yet a root) work in parallel; each root's
     model states go one after the other, gather then scatter."""
     gpn = graph.gpus_per_node
@@ -61,7 +61,7 @@ def gather_scatter_time(graph: TransitionGraph, links: Links) -> float:
     for key, rows in sorted(_changed(graph).items()):
         holders = sorted(g for g, old, _, _ in rows if old)
         root = next((g for g in holders if g not in roots), holders[0])
-        full = graph.state_bytes[key][0]
+        full = graph.state_bytes[key].bytes
         node = root // gpn
         holders = {g for g, old, _, _ in rows if old and g != root}
         sent = [(g, new - kept) for g, _, new, kept in rows if g != root and new > kept]
@@ -75,22 +75,22 @@ def gather_scatter_time(graph: TransitionGraph, links: Links) -> float:
     return max(roots.values(), default=0.0)
 
 
-def broadcast_time(graph: TransitionGraph, links: Links) -> float:
+def broadcast_time(graph: TransitionPlan, links: Links) -> float:
     gpn = graph.gpus_per_node
     total = 0.0
     for key, rows in _changed(graph).items():
-        nbytes, tensors = graph.state_bytes[key]
+        size = graph.state_bytes[key]
         receivers = {g for g, _, new, kept in rows if new > kept}
         nodes = {g // gpn for g, old, _, _ in rows if old or g in receivers}
         if not receivers:
             continue
         rate, lat = (links.ib, links.inter_latency_s) if len(nodes) > 1 else (links.nvlink, links.intra_latency_s)
         steps = math.ceil(math.log2(len(receivers) + 1))
-        total += nbytes / rate + tensors * steps * lat
+        total += size.bytes / rate + size.tensors * steps * lat
     return total
 
 
-def baseline_times(graph: TransitionGraph, links: Links,
+def baseline_times(graph: TransitionPlan, links: Links,
                    storage_bytes_per_s: float = DEFAULT_STORAGE_BYTES_PER_S) -> dict[str, float]:
     return {"checkpoint": checkpoint_time(graph, storage_bytes_per_s),
             "gather_scatter": gather_scatter_time(graph, links),

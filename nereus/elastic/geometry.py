@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from nereus.elastic.boxes import BoxSet, bounding, intersect_sets, set_contains, set_volume, subtract
 from nereus.elastic.emu import StateKind
 from nereus.elastic.groups import ModelGroups, Pipeline, TensorGroup, class_boxes, class_tp_box
+from nereus.elastic.plan import LocalPiece, SentPiece, WholeBuffer
 from nereus.spec.layout import Placement
 from nereus.spec.sharding import Box, box_volume, flat_range_boxes, intersect, split_range
 
@@ -174,20 +175,18 @@ class Situation:
     """What a device in one situation holds and needs for one model state (group-level, exact).
     Shared by every device in the situation: treat as read-only."""
 
-    new: list[tuple[TensorGroup, BoxSet]] = field(default_factory=list)
-    old: list[tuple[TensorGroup, BoxSet]] = field(default_factory=list)
-    retained: list[tuple[TensorGroup, BoxSet]] = field(default_factory=list)
-    # (group, piece, source buffer, destination buffer): re-sliced on the device itself
-    local: list[tuple[TensorGroup, BoxSet, BoxSet, BoxSet]] = field(default_factory=list)
-    # per source key, (group, piece, destination buffer) to receive from a device holding that key's cells
-    needs: dict[SourceKey, tuple[tuple[TensorGroup, BoxSet, BoxSet], ...]] = field(default_factory=dict)
+    retained: tuple[WholeBuffer, ...] = ()  # new buffers equal to old ones: kept
+    # re-sliced on the device itself
+    local: list[LocalPiece] = field(default_factory=list)
+    # per source key, the pieces to receive from a device holding that key's cells
+    needs: dict[SourceKey, tuple[SentPiece, ...]] = field(default_factory=dict)
     new_bytes: int = 0
     old_bytes: int = 0
     retained_bytes: int = 0
     local_bytes: int = 0
     need_bytes: dict[SourceKey, int] = field(default_factory=dict)
-    created: tuple[tuple[TensorGroup, BoxSet], ...] = ()  # new buffers not kept: allocated
-    dropped: tuple[tuple[TensorGroup, BoxSet], ...] = ()  # old buffers not kept: freed
+    created: tuple[WholeBuffer, ...] = ()  # new buffers not kept: allocated
+    dropped: tuple[WholeBuffer, ...] = ()  # old buffers not kept: freed
 
 
 class StateGeometry:
@@ -247,28 +246,26 @@ class StateGeometry:
     def solve(self, old_slots: tuple[Slot, ...], new_slots: tuple[Slot, ...]) -> Situation:
         sit = Situation()
         old_h, new_h = self._holdings(self.old, old_slots), self._holdings(self.new, new_slots)
-        for g, sets in old_h.items():
-            for bs, size in sets.items():
-                sit.old.append((g, bs))
-                sit.old_bytes += size
+        for sets in old_h.values():
+            sit.old_bytes += sum(sets.values())
         needs: dict[SourceKey, list] = {}
-        created = []
+        created, retained = [], []
         for g, sets in new_h.items():
             olds = old_h.get(g, {})
             for bs, size in sets.items():
-                sit.new.append((g, bs))
                 sit.new_bytes += size
                 if bs in olds:
-                    sit.retained.append((g, bs))
+                    retained.append(WholeBuffer(g.id, bs))
                     sit.retained_bytes += size
                     continue
-                created.append((g, bs))
+                created.append(WholeBuffer(g.id, bs))
                 if self.kind.carries_data:
                     self._place(sit, needs, g, bs, tuple(olds))
         sit.needs = {k: tuple(v) for k, v in needs.items()}
-        sit.created = tuple(created)
-        kept = {(g, bs) for g, bs in sit.retained}
-        sit.dropped = tuple(x for x in sit.old if x not in kept)
+        sit.created, sit.retained = tuple(created), tuple(retained)
+        kept = set(retained)
+        sit.dropped = tuple(x for x in (WholeBuffer(g.id, bs) for g, sets in old_h.items() for bs in sets)
+                            if x not in kept)
         return sit
 
     def _place(self, sit: Situation, needs: dict, g: TensorGroup, dest: BoxSet, local: tuple[BoxSet, ...]) -> None:
@@ -278,11 +275,11 @@ class StateGeometry:
         local_pieces, remote = self._cache[key]
         scale = g.count * self.kind.bytes_per_element
         for piece, src, vol in local_pieces:
-            sit.local.append((g, piece, src, dest))
+            sit.local.append(LocalPiece(g.id, piece, src, dest))
             sit.local_bytes += vol * scale
         for piece, alts, vol in remote:
             skey = self._source_key(alts, g)
-            needs.setdefault(skey, []).append((g, piece, dest))
+            needs.setdefault(skey, []).append(SentPiece(g.id, piece, dest))
             sit.need_bytes[skey] = sit.need_bytes.get(skey, 0) + vol * scale
 
     def _source_key(self, alts: tuple[Alt, ...], g: TensorGroup) -> SourceKey:

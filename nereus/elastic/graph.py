@@ -1,35 +1,23 @@
-"""The transition graph between two plans of a job: every model and stage at once, as plain data.
-
-Operations (``Op.kind``):
-  free_early  drop buffers that carry no state (gradient buffers, zeroed every step) or whose bytes sit
-              safely in host memory (after ``offload``), to make room before the new buffers arrive
-  offload     copy old buffers to host memory over PCIe — the memory detour, used only on a device where
-              old and new state do not fit together; the old layout can be restored from host until commit
-  alloc       allocate a device's new buffers (those not kept in place), every model state at once
-  keep        new buffers equal to old ones on the same device: reused, nothing moves
-  copy        local re-slices from old buffers on the same device (or from their host copy)
-  send        the pieces one device receives from one source device, every model state coalesced,
-              chunked through bounded staging buffers; ``from_host`` when they sit in host memory
-  group       create the new layout's process groups (ahead of the move, off the critical path)
-  commit      the commit point: before it every old buffer is intact (or recoverable from host), after
-              it the new layout is complete and the old one is released
-  free        release old buffers (after commit)
-  drop_host   release the host copies of a detour (after commit)
-  alloc_grads allocate the new gradient buffers (after commit, once old buffers are gone)
-Data edges run alloc → copy/send → commit; memory edges run free_early → alloc and free → alloc_grads.
+"""Build the transition plan between two plans of a job: every model and stage at once, as typed steps
+(``nereus.elastic.plan``). Groups and situations (``groups``, ``geometry``) say what each device keeps,
+re-slices and must receive; ``assign`` picks the sources; memory planning picks detours; ``ops`` emits the
+steps. Data edges run alloc → copy/send → commit; memory edges run free_early → alloc and
+free → alloc_grads.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nereus.cost.hardware import Hardware
-from nereus.elastic.assign import Assigner, Choice, Need
+from nereus.elastic.assign import Assigner, Need
 from nereus.elastic.emu import check_plan, placement_states
 from nereus.elastic.errors import TransitionMemoryError
 from nereus.elastic.geometry import Holder, Situation, SourceKey, StateGeometry, device_slots
 from nereus.elastic.groups import ModelGroups, TensorGroup
+from nereus.elastic.links import Links
+from nereus.elastic.ops import Bundle, emit_steps
+from nereus.elastic.plan import BandwidthInputs, BundleBytes, SourceSet, StateSize, TransitionPlan
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
@@ -51,116 +39,6 @@ class TransitionOptions:
     # Process groups are created ahead of the move while the old layout still runs (issue 6), so by
     # default they cost nothing on the critical path; set this to charge each new layout's groups.
     group_setup_s: float = 0.0
-
-
-@dataclass(slots=True)
-class Op:
-    id: int
-    kind: str
-    device: int  # the device acted on; for a send, the source
-    peer: int = -1  # send: the destination
-    bytes: int = 0
-    model: str = ""
-    state: str = ""
-    # (model, state, pieces) per model state the op touches; pieces are, by kind:
-    #   keep, alloc, alloc_grads, free, free_early, offload, drop_host: (group, buffer boxes)
-    #   copy: (group, piece, source buffer, destination buffer)
-    #   send: (group, piece, destination buffer); the sender reads each piece from any old buffer of that
-    #         tensor that holds it whole.
-    # The piece tuples are shared with the situations that produced them: treat as read-only.
-    parts: tuple = ()
-    deps: tuple[int, ...] = ()
-    from_host: bool = False
-    chunks: int = 1
-    staging: int = 0  # bytes of staging buffer at each GPU end while the op runs
-    precommit: bool = True
-    detail: str = ""
-
-    def all_pieces(self) -> tuple:
-        """The op's pieces as one flat tuple, over all its model states."""
-        return tuple(p for _, _, part in self.parts for p in part)
-
-    def to_dict(self) -> dict:
-        d = {"id": self.id, "kind": self.kind, "device": self.device, "bytes": self.bytes, "deps": list(self.deps),
-             "precommit": self.precommit}
-        if self.peer >= 0:
-            d["peer"] = self.peer
-        if self.model:
-            d["model"], d["state"] = self.model, self.state
-        if self.parts:
-            d["parts"] = [{"model": m, "state": st, "pieces": [_piece_json(p) for p in part]}
-                          for m, st, part in self.parts]
-        if self.kind == "send":
-            d.update(from_host=self.from_host, chunks=self.chunks, staging=self.staging)
-        if self.detail:
-            d["detail"] = self.detail
-        return d
-
-
-def _piece_json(piece: tuple) -> list:
-    """(group, boxes, ...) as [group id, boxes, ...] with every box set as nested lists."""
-    return [piece[0].id, *[[list(map(list, b)) for b in bs] for bs in piece[1:]]]
-
-
-@dataclass
-class Bundle:
-    """One device's buffers of one model state, old and new (the unit of offload; allocs and frees
-    gather a device's bundles)."""
-
-    device: int
-    model: str
-    state: str
-    carries_data: bool
-    situation: Situation
-    offloaded: bool = False
-
-    @property
-    def alloc_bytes(self) -> int:
-        return self.situation.new_bytes - self.situation.retained_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        return self.situation.old_bytes - self.situation.retained_bytes
-
-
-@dataclass
-class TransitionGraph:
-    ops: list[Op]
-    commit: int
-    groups: list[TensorGroup]
-    num_gpus: int
-    gpus_per_node: int
-    capacity_bytes: float  # usable per device (capacity less the runtime's reserve)
-    old_bytes: list[int]  # resident per device before and after
-    new_bytes: list[int]
-    lower_bound_bytes: int  # bytes that must reach a device that does not hold them
-    bytes_sent: int
-    detour_bytes: int  # over PCIe: offloads plus copies back from host
-    detours: list[dict]
-    chunk_bytes: int
-    group_setup_s: float = 0.0
-    # (device, model, state, old bytes, new bytes, kept bytes) per device and model state; and the bytes
-    # and tensor count of one full copy of each data-carrying model state ("actor/weights"): the
-    # baselines are costed from these.
-    bundles: list[tuple[int, str, str, int, int, int]] = field(default_factory=list)
-    state_bytes: dict[str, tuple[int, int]] = field(default_factory=dict)
-    recv_bytes: list[int] = field(default_factory=list)  # per device, received over links
-    recv_far_bytes: list[int] = field(default_factory=list)  # of which no holder sits on its node
-    local_copy_bytes: list[int] = field(default_factory=list)
-    # per set of old holders: (devices in it, bytes only it can send, of which bound for other nodes)
-    source_sets: list[tuple[int, int, int]] = field(default_factory=list)
-
-    def count(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for op in self.ops:
-            out[op.kind] = out.get(op.kind, 0) + 1
-        return out
-
-    def to_dict(self) -> dict:
-        return {"num_gpus": self.num_gpus, "commit": self.commit, "chunk_bytes": self.chunk_bytes,
-                "capacity_bytes": self.capacity_bytes, "lower_bound_bytes": self.lower_bound_bytes,
-                "bytes_sent": self.bytes_sent, "detour_bytes": self.detour_bytes, "detours": self.detours,
-                "groups": [g.to_dict() for g in self.groups], "ops": [op.to_dict() for op in self.ops]}
 
 
 def _holders(job: JobSpec, plan: Plan) -> dict[tuple[str, str], list[Holder]]:
@@ -320,15 +198,12 @@ class _Builder:
 
 
 def build_graph(job: JobSpec, old: Plan, new: Plan, hw: Hardware | None = None,
-                options: TransitionOptions | None = None) -> TransitionGraph:
+                options: TransitionOptions | None = None) -> TransitionPlan:
     """The transition graph from plan ``old`` to plan ``new`` of ``job`` (all model-stages at once).
 
     Raises ``SpecError`` for plans the job cannot hold and ``TransitionMemoryError`` naming the device,
     the bytes needed and the capacity when the new state cannot fit even with chunking and detours.
     """
-    from nereus.elastic.ops import emit_ops  # the op emission lives beside the builder
-    from nereus.elastic.schedule import Links  # the scheduler's link model, for the assigner's costs
-
     hw = hw or Hardware(job.cluster)
     options = options or TransitionOptions()
     if options.chunk_bytes < 1:
@@ -346,12 +221,29 @@ def build_graph(job: JobSpec, old: Plan, new: Plan, hw: Hardware | None = None,
     assigner = Assigner(b.gpn, b.candidates, offloaded, b.n, options.chunk_bytes, links.nvlink, links.ib)
     needs = b.needs()
     choices = assigner.assign(needs)
-    graph = emit_ops(b, choices)
-    _bandwidth_inputs(b, graph, needs)
-    return graph
+    emitted = emit_steps(b.bundles, choices, old, new, options.chunk_bytes)
+    old_bytes, new_bytes, _, _ = b.per_device()
+    return TransitionPlan(
+        emitted.steps, tuple(g.record() for g in b.groups), b.n, b.gpn, b.usable, options.chunk_bytes,
+        tuple(old_bytes), tuple(new_bytes), lower_bound_bytes=sum(c.need.bytes for c in choices),
+        detours=emitted.detours, group_setup_s=options.group_setup_s,
+        bundles=tuple(BundleBytes(g, m, st, x.situation.old_bytes, x.situation.new_bytes, x.situation.retained_bytes)
+                      for (g, m, st), x in b.bundles.items()),
+        state_bytes=_state_sizes(b), bandwidth=_bandwidth_inputs(b, needs))
 
 
-def _bandwidth_inputs(b: _Builder, graph: TransitionGraph, needs: list[Need]) -> None:
+def _state_sizes(b: _Builder) -> dict[str, StateSize]:
+    """Bytes and tensor count of one full copy of each data-carrying model state (for the baselines)."""
+    out = {}
+    for (model, state), geo in b.geometry.items():
+        if geo.kind.carries_data:
+            groups = geo.groups.groups
+            out[f"{model}/{state}"] = StateSize(sum(g.elements * g.count for g in groups) * geo.kind.bytes_per_element,
+                                                sum(g.count for g in groups))
+    return out
+
+
+def _bandwidth_inputs(b: _Builder, needs: list[Need]) -> BandwidthInputs:
     """What any schedule must carry: per device, bytes to receive (and the part no holder on its node
     has) and bytes to copy locally; per set of holders, bytes only they hold (and the part bound for
     nodes where none of them sits)."""
@@ -375,8 +267,7 @@ def _bandwidth_inputs(b: _Builder, graph: TransitionGraph, needs: list[Need]) ->
         entry[1] += far_bytes
     for (g, _, _), bundle in b.bundles.items():
         local[g] += bundle.situation.local_bytes
-    graph.recv_bytes, graph.recv_far_bytes, graph.local_copy_bytes = recv, far, local
-    graph.source_sets = _nested_source_sets(merged)
+    return BandwidthInputs(tuple(recv), tuple(far), tuple(local), _nested_source_sets(merged))
 
 
 # Holder sets up to this size are checked against each other; larger ones (replicated state, held by
@@ -384,7 +275,7 @@ def _bandwidth_inputs(b: _Builder, graph: TransitionGraph, needs: list[Need]) ->
 SMALL_SOURCE_SET = 64
 
 
-def _nested_source_sets(merged: dict[tuple[int, ...], list[int]]) -> list[tuple[int, int, int]]:
+def _nested_source_sets(merged: dict[tuple[int, ...], list[int]]) -> tuple[SourceSet, ...]:
     """For each small holder set S, the bytes of every key whose holders all lie in S: S's links must
     carry them all, whichever of its devices sends each piece."""
     small = [(frozenset(devs), tot) for devs, tot in merged.items() if len(devs) <= SMALL_SOURCE_SET]
@@ -399,12 +290,8 @@ def _nested_source_sets(merged: dict[tuple[int, ...], list[int]]) -> list[tuple[
                 if other <= s:
                     total += t
                     far_bytes += f
-        out.append((len(s), total, far_bytes))
-    return out
+        out.append(SourceSet(len(s), total, far_bytes))
+    return tuple(out)
 
 
-def chunk_count(nbytes: int, chunk: int) -> int:
-    return max(1, math.ceil(nbytes / chunk))
-
-
-__all__ = ["Bundle", "Choice", "Op", "TransitionGraph", "TransitionOptions", "build_graph", "chunk_count"]
+__all__ = ["TransitionOptions", "TransitionPlan", "build_graph"]

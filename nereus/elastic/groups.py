@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from nereus.elastic.boxes import BoxSet
+from nereus.elastic.plan import Group
 from nereus.spec.model import ModelArch
 from nereus.spec.sharding import Box, TensorSpec, model_tensors, tensor_stage, tp_box
 
@@ -43,8 +44,9 @@ class TensorGroup:
             n *= d
         return n
 
-    def to_dict(self) -> dict:
-        return {"id": self.id, "model": self.model, "names": list(self.names), "shape": list(self.spec.shape)}
+    def record(self) -> Group:
+        """The group as the transition plan names it (what an executor needs: the member tensors)."""
+        return Group(self.id, self.model, self.names, tuple(self.spec.shape))
 
 
 class ModelGroups:

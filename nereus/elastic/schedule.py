@@ -21,76 +21,38 @@ from dataclasses import dataclass, field
 
 from nereus.cost.hardware import Hardware
 from nereus.elastic.errors import TransitionMemoryError
-from nereus.elastic.graph import Op, TransitionGraph
+from nereus.elastic.links import Links
+from nereus.elastic.plan import Copy, CreateGroups, Delta, Offload, Send, Step, TransitionPlan
 
 PORTS = ("nvlink_out", "nvlink_in", "ib_out", "ib_in", "pcie_out", "pcie_in", "copy")
 NV_OUT, NV_IN, IB_OUT, IB_IN, PCIE_OUT, PCIE_IN, COPY = range(len(PORTS))
-# PCIe x16 per direction: 4.0 = 16 GT/s/lane, 5.0 = 32 GT/s/lane, 128b/130b encoding (PCI-SIG base specs):
-# 31.5 and 63 GB/s. A100 SXM hosts attach over PCIe 4.0, H100/H200 SXM over PCIe 5.0 (NVIDIA datasheets).
-PCIE_BYTES_PER_S = {"A100": 31.5e9, "H100": 63e9, "H200": 63e9}
-PCIE_DEFAULT = 31.5e9
 
 
-@dataclass(frozen=True)
-class Links:
-    """Achieved rates (bytes/s, one direction) and per-message latencies, from the cost model's priors."""
-
-    nvlink: float
-    ib: float
-    pcie: float
-    hbm: float
-    intra_latency_s: float
-    inter_latency_s: float
-
-    @staticmethod
-    def of(hw: Hardware) -> Links:
-        gpu, p = hw.cluster.gpu, hw.priors
-        pcie = PCIE_BYTES_PER_S.get(gpu.name.split("-")[0], PCIE_DEFAULT)
-        # Host↔device copies reach ~80% of PCIe (as NCCL reaches ~80% of NVLink/IB: one efficiency prior).
-        return Links(gpu.intra_node_bytes_per_s * p.intra_link_efficiency,
-                     gpu.inter_node_bytes_per_s * p.inter_link_efficiency,
-                     pcie * p.intra_link_efficiency, gpu.hbm_bytes_per_s * p.hbm_efficiency,
-                     p.intra_latency_s, p.inter_latency_s)
-
-
-def op_timing(op: Op, links: Links, gpn: int, group_setup_s: float) -> tuple[float, tuple[int, ...]]:
-    """(seconds, ports held) of one operation; ports are ``device * len(PORTS) + k``."""
+def _send_timing(s: Send, links: Links, gpn: int) -> tuple[float, tuple[int, ...]]:
     k = len(PORTS)
-    if op.kind == "send":
-        src, dst = op.device, op.peer
-        if src // gpn == dst // gpn:
-            if op.from_host:  # host memory of a node-mate → this GPU over its PCIe link
-                return op.bytes / links.pcie + op.chunks * links.intra_latency_s, (dst * k + PCIE_IN,)
-            return (op.bytes / links.nvlink + op.chunks * links.intra_latency_s,
-                    (src * k + NV_OUT, dst * k + NV_IN))
-        rate = min(links.ib, links.pcie) if op.from_host else links.ib
-        return op.bytes / rate + op.chunks * links.inter_latency_s, (src * k + IB_OUT, dst * k + IB_IN)
-    if op.kind == "copy":
-        if op.from_host:
-            return op.bytes / links.pcie, (op.device * k + PCIE_IN,)
-        return 2 * op.bytes / links.hbm, (op.device * k + COPY,)  # read and write each byte once
-    if op.kind == "offload":
-        return op.bytes / links.pcie, (op.device * k + PCIE_OUT,)
-    if op.kind == "group":
+    if s.src // gpn == s.dst // gpn:
+        if s.from_host:  # host memory of a node-mate → this GPU over its PCIe link
+            return s.bytes / links.pcie + s.chunks * links.intra_latency_s, (s.dst * k + PCIE_IN,)
+        return s.bytes / links.nvlink + s.chunks * links.intra_latency_s, (s.src * k + NV_OUT, s.dst * k + NV_IN)
+    rate = min(links.ib, links.pcie) if s.from_host else links.ib
+    return s.bytes / rate + s.chunks * links.inter_latency_s, (s.src * k + IB_OUT, s.dst * k + IB_IN)
+
+
+def op_timing(step: Step, links: Links, gpn: int, group_setup_s: float) -> tuple[float, tuple[int, ...]]:
+    """(seconds, ports held) of one step; ports are ``device * len(PORTS) + k``. Steps that move no bytes
+    (allocations, keeps, frees, the commit) take no time and hold no port."""
+    k = len(PORTS)
+    if isinstance(step, Send):
+        return _send_timing(step, links, gpn)
+    if isinstance(step, Copy):
+        if step.from_host:
+            return step.bytes / links.pcie, (step.device * k + PCIE_IN,)
+        return 2 * step.bytes / links.hbm, (step.device * k + COPY,)  # read and write each byte once
+    if isinstance(step, Offload):
+        return step.bytes / links.pcie, (step.device * k + PCIE_OUT,)
+    if isinstance(step, CreateGroups):
         return group_setup_s, ()
     return 0.0, ()
-
-
-_NONE: tuple = ((), ())
-
-
-def memory_effects(op: Op) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
-    """(device, bytes) applied when the operation starts and when it ends."""
-    kind = op.kind
-    if kind == "send":
-        if op.from_host:
-            return ((op.peer, op.staging),), ((op.peer, -op.staging),)
-        return ((op.peer, op.staging), (op.device, op.staging)), ((op.peer, -op.staging), (op.device, -op.staging))
-    if kind == "alloc" or kind == "alloc_grads":
-        return ((op.device, op.bytes),), ()
-    if kind == "free" or kind == "free_early":
-        return ((op.device, -op.bytes),), ()
-    return _NONE
 
 
 @dataclass
@@ -106,18 +68,18 @@ class Schedule:
 
 
 class _Scheduler:
-    def __init__(self, graph: TransitionGraph, hw: Hardware, length_weight: float = 1.0):
+    def __init__(self, graph: TransitionPlan, hw: Hardware, length_weight: float = 1.0):
         self.g = graph
         self.length_weight = length_weight
         links = Links.of(hw)
-        n = len(graph.ops)
-        timing = [op_timing(op, links, graph.gpus_per_node, graph.group_setup_s) for op in graph.ops]
+        n = len(graph.steps)
+        timing = [op_timing(op, links, graph.gpus_per_node, graph.group_setup_s) for op in graph.steps]
         self.dur = [t for t, _ in timing]
         self.ports = [p for _, p in timing]
-        self.mem = [memory_effects(op) for op in graph.ops]
+        self.mem = [op.memory() for op in graph.steps]
         self.children: list[list[int]] = [[] for _ in range(n)]
-        self.indeg = [len(op.deps) for op in graph.ops]
-        for op in graph.ops:
+        self.indeg = [len(op.deps) for op in graph.steps]
+        for op in graph.steps:
             for d in op.deps:
                 self.children[d].append(op.id)
         self.remaining: dict[int, float] = {}  # per port: seconds of work not yet started
@@ -148,8 +110,8 @@ class _Scheduler:
 
     def _fits(self, i: int) -> bool:
         cap = self.g.capacity_bytes
-        for d, x in self.mem[i][0]:
-            if x > 0 and self.used[d] + x > cap:
+        for e in self.mem[i].at_start:
+            if e.bytes > 0 and self.used[e.device] + e.bytes > cap:
                 return False
         return True
 
@@ -160,7 +122,7 @@ class _Scheduler:
             self.remaining[p] -= self.dur[i]
         self.start[i], self.start_seq[i] = self.now, self.seq
         self.seq += 1
-        self._apply(self.mem[i][0])
+        self._apply(self.mem[i].at_start)
         if self.dur[i] == 0.0:
             self.finish(i)
         else:
@@ -169,7 +131,7 @@ class _Scheduler:
     def _block_on_memory(self, i: int) -> None:
         for p in self.ports[i]:
             self.ready_on[p].discard(i)
-        d = next(d for d, x in self.mem[i][0] if x > 0 and self.used[d] + x > self.g.capacity_bytes)
+        d = self._short_device(i)
         self.wait_mem.setdefault(d, []).append(i)
 
     def _dispatch(self) -> None:
@@ -198,8 +160,14 @@ class _Scheduler:
                 else:
                     self._block_on_memory(best)
 
-    def _apply(self, effects: tuple[tuple[int, int], ...]) -> None:
-        for d, x in effects:
+    def _short_device(self, i: int) -> int:
+        """The first device whose memory cannot take op ``i``'s start."""
+        cap = self.g.capacity_bytes
+        return next(e.device for e in self.mem[i].at_start if e.bytes > 0 and self.used[e.device] + e.bytes > cap)
+
+    def _apply(self, effects: tuple[Delta, ...]) -> None:
+        for e in effects:
+            d, x = e.device, e.bytes
             self.used[d] += x
             if x > 0:
                 if self.used[d] > self.peak[d]:
@@ -211,8 +179,8 @@ class _Scheduler:
     def finish(self, i: int) -> None:
         self.end[i], self.end_seq[i] = self.now, self.seq
         self.seq += 1
-        if self.mem[i][1]:
-            self._apply(self.mem[i][1])
+        if self.mem[i].at_end:
+            self._apply(self.mem[i].at_end)
         for p in self.ports[i]:
             self.busy.discard(p)
             self.to_dispatch.add(p)
@@ -227,7 +195,7 @@ class _Scheduler:
             if self._fits(i):
                 self._start(i)
             else:
-                d = next(d for d, x in self.mem[i][0] if x > 0 and self.used[d] + x > self.g.capacity_bytes)
+                d = self._short_device(i)
                 self.wait_mem.setdefault(d, []).append(i)
 
     def run(self) -> Schedule:
@@ -253,7 +221,7 @@ class _Scheduler:
     def _check_done(self) -> None:
         for d, waiting in self.wait_mem.items():
             if waiting:
-                x = max(x for j in waiting for dd, x in self.mem[j][0] if dd == d)
+                x = max(e.bytes for j in waiting for e in self.mem[j].at_start if e.device == d)
                 raise TransitionMemoryError(d, self.used[d] + x, self.g.capacity_bytes,
                                             "staging and new buffers while the transition runs")
         if any(s != s for s in self.start):  # NaN: never started (a cycle would be a builder bug)
@@ -268,10 +236,10 @@ LENGTH_WEIGHTS = (2.0, 0.0, 1.0)
 MULTI_PASS_MAX_OPS = 8000
 
 
-def schedule_graph(graph: TransitionGraph, hw: Hardware) -> Schedule:
+def schedule_graph(graph: TransitionPlan, hw: Hardware) -> Schedule:
     """Start and end times of every operation, the makespan, the commit time and peak memory per device:
     the shortest of the list schedules under each dispatch weight (one pass for large graphs)."""
-    weights = LENGTH_WEIGHTS if len(graph.ops) <= MULTI_PASS_MAX_OPS else LENGTH_WEIGHTS[:1]
+    weights = LENGTH_WEIGHTS if len(graph.steps) <= MULTI_PASS_MAX_OPS else LENGTH_WEIGHTS[:1]
     best = None
     for w in weights:
         sched = _Scheduler(graph, hw, w).run()

@@ -11,14 +11,16 @@ from dataclasses import dataclass, field
 
 from nereus.cost.hardware import Hardware
 from nereus.elastic.baselines import DEFAULT_STORAGE_BYTES_PER_S, baseline_times
-from nereus.elastic.graph import TransitionGraph, TransitionOptions, build_graph
-from nereus.elastic.schedule import Links, Schedule, schedule_graph
+from nereus.elastic.graph import TransitionOptions, build_graph
+from nereus.elastic.links import Links
+from nereus.elastic.plan import Copy, Detour, Keep, TransitionPlan
+from nereus.elastic.schedule import Schedule, schedule_graph
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Placement, Plan
 
 
-def bandwidth_bound(graph: TransitionGraph, links: Links) -> float:
+def bandwidth_bound(graph: TransitionPlan, links: Links) -> float:
     """Seconds no schedule of direct transfers (no store-and-forward relays) can beat.
 
     Per device: what it must receive, over its NIC when no node-mate holds it, else over NVLink and NIC
@@ -27,11 +29,12 @@ def bandwidth_bound(graph: TransitionGraph, links: Links) -> float:
     """
     both = links.ib + links.nvlink
     best = 0.0
+    bw = graph.bandwidth
     for d in range(graph.num_gpus):
-        best = max(best, graph.recv_far_bytes[d] / links.ib, graph.recv_bytes[d] / both,
-                   2 * graph.local_copy_bytes[d] / links.hbm)
-    for count, total, far in graph.source_sets:
-        best = max(best, far / (count * links.ib), total / (count * both))
+        best = max(best, bw.recv_far_bytes[d] / links.ib, bw.recv_bytes[d] / both,
+                   2 * bw.local_copy_bytes[d] / links.hbm)
+    for s in bw.source_sets:
+        best = max(best, s.far_bytes / (s.devices * links.ib), s.bytes / (s.devices * both))
     return best
 
 
@@ -45,7 +48,7 @@ class TransitionReport:
     bytes_kept: int
     bytes_copied: int
     detour_bytes: int
-    detours: list[dict]
+    detours: tuple[Detour, ...]
     ops: dict[str, int]
     peak_bytes: list[int]
     capacity_bytes: float
@@ -61,7 +64,7 @@ class TransitionReport:
             "predicted_s": self.predicted_s, "bandwidth_bound_s": self.bandwidth_bound_s, "commit_s": self.commit_s,
             "bytes_sent": self.bytes_sent, "lower_bound_bytes": self.lower_bound_bytes,
             "bytes_kept": self.bytes_kept, "bytes_copied_locally": self.bytes_copied,
-            "detour_bytes": self.detour_bytes, "detours": self.detours, "ops": self.ops,
+            "detour_bytes": self.detour_bytes, "detours": [d.to_json() for d in self.detours], "ops": self.ops,
             "peak_bytes_max": max(self.peak_bytes, default=0), "peak_device": peak_dev,
             "peak_bytes_per_device": self.peak_bytes, "capacity_bytes": self.capacity_bytes,
             "baselines_s": self.baselines_s,
@@ -117,7 +120,7 @@ def no_cyclic_gc() -> Iterator[None]:
 
 @dataclass
 class Transition:
-    graph: TransitionGraph
+    graph: TransitionPlan
     schedule: Schedule
     report: TransitionReport
 
@@ -134,8 +137,8 @@ def plan_transition(job: JobSpec, old: Plan, new: Plan, hw: Hardware | None = No
         sched = schedule_graph(graph, hw)
         t2 = time.perf_counter()
     links = Links.of(hw)
-    kept = sum(op.bytes for op in graph.ops if op.kind == "keep")
-    copied = sum(op.bytes for op in graph.ops if op.kind == "copy")
+    kept = sum(s.bytes for s in graph.steps if isinstance(s, Keep))
+    copied = sum(s.bytes for s in graph.steps if isinstance(s, Copy))
     notes = []
     if graph.group_setup_s == 0 and graph.count().get("group"):
         notes.append("process groups of the new layouts are created ahead of the move (not in the time)")

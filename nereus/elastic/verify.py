@@ -22,9 +22,9 @@ from collections import defaultdict
 from nereus.cost.hardware import Hardware
 from nereus.elastic.boxes import BoxSet, intersect_sets, set_contains, set_volume, subtract
 from nereus.elastic.emu import OPTIMIZER, build_emus, grads_kind, weights_kind
-from nereus.elastic.graph import TransitionGraph
-from nereus.elastic.groups import TensorGroup
-from nereus.elastic.schedule import Links, Schedule, memory_effects, op_timing
+from nereus.elastic.links import Links
+from nereus.elastic.plan import AllocGrads, Commit, Copy, FreeEarly, Group, Keep, Offload, Send, TransitionPlan
+from nereus.elastic.schedule import Schedule, op_timing
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
 
@@ -83,7 +83,7 @@ def _missing_locally(dest: BoxSet, olds: set[BoxSet]) -> int:
 class _Coverage:
     """Invariant 1, tensor by tensor."""
 
-    def __init__(self, job: JobSpec, old: Plan, new: Plan, graph: TransitionGraph):
+    def __init__(self, job: JobSpec, old: Plan, new: Plan, graph: TransitionPlan):
         self.graph = graph
         self.old, self.old_sizes = _buffers(job, old)
         self.new, self.new_sizes = _buffers(job, new)
@@ -92,7 +92,7 @@ class _Coverage:
         self.bpe = {k.name: k.bytes_per_element for k in (weights_kind(job.options.weight_bytes), OPTIMIZER,
                                                            grads_kind(job.options.grad_bytes))}
 
-    def record(self, op_id: int, device: int, model: str, state: str, group: TensorGroup, piece: BoxSet,
+    def record(self, op_id: int, device: int, model: str, state: str, group: Group, piece: BoxSet,
                dest: BoxSet,
                source: int | None = None, src_boxes: BoxSet | None = None, write: bool = True) -> int:
         for name in group.names:
@@ -119,30 +119,31 @@ class _Coverage:
         return set_volume(piece) * group.count * self.bpe[state]
 
     def run(self) -> list[str]:
-        sent = 0
-        for op in self.graph.ops:
-            if op.kind == "keep":
-                for m, st, part in op.parts:
-                    for g, bs in part:
-                        self.record(op.id, op.device, m, st, g, bs, bs, write=False)
-            elif op.kind == "copy":
-                for m, st, part in op.parts:
-                    for g, piece, src, dest in part:
-                        self.record(op.id, op.device, m, st, g, piece, dest, src_boxes=src)
-            elif op.kind == "send":
-                nbytes = sum(self.record(op.id, op.peer, m, st, g, piece, dest, source=op.device)
-                             for m, st, part in op.parts for g, piece, dest in part)
-                if nbytes != op.bytes:
-                    self.problems.append(f"op {op.id}: send of {op.bytes} bytes carries pieces of {nbytes}")
-                sent += nbytes
+        groups = self.graph.groups
+        for step in self.graph.steps:
+            if isinstance(step, Keep):
+                for part in step.parts:
+                    for p in part.pieces:
+                        self.record(step.id, step.device, part.model, part.state, groups[p.group], p.boxes, p.boxes,
+                                    write=False)
+            elif isinstance(step, Copy):
+                for part in step.parts:
+                    for p in part.pieces:
+                        self.record(step.id, step.device, part.model, part.state, groups[p.group], p.piece, p.dest,
+                                    src_boxes=p.source)
+            elif isinstance(step, Send):
+                nbytes = sum(self.record(step.id, step.dst, part.model, part.state, groups[p.group], p.piece, p.dest,
+                                         source=step.src) for part in step.parts for p in part.pieces)
+                if nbytes != step.bytes:
+                    self.problems.append(f"op {step.id}: send of {step.bytes} bytes carries pieces of {nbytes}")
         self._check_buffers()
-        self._check_bytes(sent)
+        self._check_bytes(self.graph.bytes_sent)
         return self.problems
 
     def _check_buffers(self) -> None:
         grads = grads_kind(2).name
-        allocated = {(op.device, m) for op in self.graph.ops if op.kind in ("alloc_grads", "keep")
-                     for m, st, _ in op.parts if st == grads}
+        allocated = {(s.device, part.model) for s in self.graph.steps if isinstance(s, (AllocGrads, Keep))
+                     for part in s.parts if part.state == grads}
         for key, sets in self.new.items():
             d, m, st, name = key
             if st == grads:
@@ -157,8 +158,6 @@ class _Coverage:
     def _check_bytes(self, sent: int) -> None:
         lower = sum(_missing_locally(dest, self.old.get(key, set())) * self.bpe[key[2]]
                     for key, sets in self.new.items() if key[2] != "grads" for dest in sets)
-        if sent != self.graph.bytes_sent:
-            self.problems.append(f"the graph reports {self.graph.bytes_sent} bytes sent, its sends carry {sent}")
         if lower != self.graph.lower_bound_bytes:
             self.problems.append(f"owner-change lower bound is {lower} bytes, the graph says "
                                  f"{self.graph.lower_bound_bytes}")
@@ -173,51 +172,53 @@ class _Coverage:
                                      f"{self.graph.old_bytes[d]} → {self.graph.new_bytes[d]}")
 
 
-def check_commit(graph: TransitionGraph) -> list[str]:
+def check_commit(graph: TransitionPlan) -> list[str]:
     """Invariant 4: the commit point and what may happen on each side of it."""
+    commits = [s for s in graph.steps if isinstance(s, Commit)]
+    if len(commits) != 1:
+        return [f"expected one commit step, found {[s.id for s in commits]}"]
+    commit = commits[0]
+    before = set(commit.deps)
+    offloads = {s.id: (s.device, part.model, part.state) for s in graph.steps if isinstance(s, Offload)
+                for part in s.parts}
     problems = []
-    commits = [op for op in graph.ops if op.kind == "commit"]
-    if len(commits) != 1 or commits[0].id != graph.commit:
-        return [f"expected one commit op (graph.commit = {graph.commit}), found {[op.id for op in commits]}"]
-    before = set(graph.ops[graph.commit].deps)
-    offloads = {op.id: (op.device, m, st) for op in graph.ops if op.kind == "offload" for m, st, _ in op.parts}
-    for op in graph.ops:
-        if op.id == graph.commit:
+    for step in graph.steps:
+        if step is commit:
             continue
-        after = graph.commit in op.deps or any(not graph.ops[d].precommit for d in op.deps)
-        if op.precommit and op.id not in before:
-            problems.append(f"op {op.id} ({op.kind}) runs before the commit but the commit does not wait for it")
-        if not op.precommit and not after:
-            problems.append(f"op {op.id} ({op.kind}) is after the commit but does not depend on it")
-        if op.precommit and op.kind in ("free", "drop_host", "alloc_grads"):
-            problems.append(f"op {op.id} ({op.kind}) before the commit would break the old layout")
-        if op.kind == "free_early":
-            backed = {offloads.get(d) for d in op.deps}
-            for m, st, _ in op.parts:
-                if st != "grads" and (op.device, m, st) not in backed:
-                    problems.append(f"op {op.id}: frees {m} {st} on GPU {op.device} before the commit without a "
-                                    "copy in host memory")
+        after = commit.id in step.deps or any(graph.steps[d].after_commit for d in step.deps)
+        if not step.after_commit and step.id not in before:
+            problems.append(f"op {step.id} ({step.kind}) runs before the commit but the commit does not wait for it")
+        if step.after_commit and (step.id in before or not after):
+            problems.append(f"op {step.id} ({step.kind}) does not wait for the commit: before the commit would "
+                            "break the old layout")
+        if isinstance(step, FreeEarly):
+            backed = {offloads.get(d) for d in step.deps}
+            for part in step.parts:
+                if part.state != "grads" and (step.device, part.model, part.state) not in backed:
+                    problems.append(f"op {step.id}: frees {part.model} {part.state} on GPU {step.device} before the "
+                                    "commit without a copy in host memory")
     return problems
 
 
-def check_schedule(graph: TransitionGraph, sched: Schedule, hw: Hardware) -> list[str]:
+def check_schedule(graph: TransitionPlan, sched: Schedule, hw: Hardware) -> list[str]:
     """Invariant 2 plus the schedule's own consistency: dependencies, port exclusivity, commit order."""
     problems = []
     links = Links.of(hw)
     per_port: dict[int, list[tuple[float, float, int]]] = defaultdict(list)
-    for op in graph.ops:
-        s, e = sched.start[op.id], sched.end[op.id]
+    for step in graph.steps:
+        s, e = sched.start[step.id], sched.end[step.id]
         if not s <= e:
-            problems.append(f"op {op.id}: bad interval [{s}, {e}]")
+            problems.append(f"op {step.id}: bad interval [{s}, {e}]")
             continue
-        for d in op.deps:
+        for d in step.deps:
             if s < sched.end[d] - EPS:
-                problems.append(f"op {op.id} starts at {s:.6f} s before its dependency {d} ends ({sched.end[d]:.6f} s)")
-        dur, ports = op_timing(op, links, graph.gpus_per_node, graph.group_setup_s)
+                problems.append(f"op {step.id} starts at {s:.6f} s before its dependency {d} ends "
+                                f"({sched.end[d]:.6f} s)")
+        dur, ports = op_timing(step, links, graph.gpus_per_node, graph.group_setup_s)
         if abs((e - s) - dur) > EPS * max(1.0, dur):
-            problems.append(f"op {op.id}: runs {e - s:.6f} s, its cost is {dur:.6f} s")
+            problems.append(f"op {step.id}: runs {e - s:.6f} s, its cost is {dur:.6f} s")
         for p in ports:
-            per_port[p].append((s, e, op.id))
+            per_port[p].append((s, e, step.id))
     for p, spans in per_port.items():
         spans.sort()
         for (_, e0, a), (s1, _, b) in zip(spans, spans[1:], strict=False):
@@ -227,16 +228,16 @@ def check_schedule(graph: TransitionGraph, sched: Schedule, hw: Hardware) -> lis
     return problems
 
 
-def _replay_memory(graph: TransitionGraph, sched: Schedule) -> list[str]:
+def _replay_memory(graph: TransitionPlan, sched: Schedule) -> list[str]:
     steps = []
-    for op in graph.ops:
-        start, end = memory_effects(op)
-        steps += [(sched.start_seq[op.id], op.id, x) for x in start]
-        steps += [(sched.end_seq[op.id], op.id, x) for x in end]
+    for step in graph.steps:
+        mem = step.memory()
+        steps += [(sched.start_seq[step.id], step.id, e.device, e.bytes) for e in mem.at_start]
+        steps += [(sched.end_seq[step.id], step.id, e.device, e.bytes) for e in mem.at_end]
     steps.sort()
     used = list(graph.old_bytes)
     problems, worst = [], {}
-    for _, op_id, (d, x) in steps:
+    for _, op_id, d, x in steps:
         used[d] += x
         if used[d] > graph.capacity_bytes and d not in worst:
             worst[d] = op_id
@@ -248,7 +249,7 @@ def _replay_memory(graph: TransitionGraph, sched: Schedule) -> list[str]:
     return problems
 
 
-def verify_transition(job: JobSpec, old: Plan, new: Plan, graph: TransitionGraph, sched: Schedule | None = None,
+def verify_transition(job: JobSpec, old: Plan, new: Plan, graph: TransitionPlan, sched: Schedule | None = None,
                       hw: Hardware | None = None) -> list[str]:
     """Every violation of invariants 1, 2 and 4 found (empty: the transition is sound)."""
     problems = _Coverage(job, old, new, graph).run() + check_commit(graph)
@@ -257,7 +258,7 @@ def verify_transition(job: JobSpec, old: Plan, new: Plan, graph: TransitionGraph
     return problems
 
 
-def assert_valid(job: JobSpec, old: Plan, new: Plan, graph: TransitionGraph, sched: Schedule | None = None,
+def assert_valid(job: JobSpec, old: Plan, new: Plan, graph: TransitionPlan, sched: Schedule | None = None,
                  hw: Hardware | None = None) -> None:
     """Raise ``TransitionInvariantError`` listing every violation, if any."""
     problems = verify_transition(job, old, new, graph, sched, hw)

@@ -1,9 +1,10 @@
 """Execute a transition graph on the ranks of one torch.distributed world (graph device ``d`` = rank ``d``).
 
-``nereus.elastic.build_graph`` plans the move of every model state between two plans as operations per
-device: ``keep`` (a new buffer equal to an old one: handed over, not copied), ``copy`` (a local re-slice),
-``send`` (the pieces one device receives from one source, every model state coalesced, chunked), ``free``
-(after the commit point). Every rank calls ``execute`` with the same graph and its own ``Holdings``:
+``nereus.elastic.build_graph`` plans the move of every model state between two plans as typed steps per
+device (``nereus.elastic.plan``): ``Keep`` (a new buffer equal to an old one: handed over, not copied),
+``Copy`` (local re-slices), ``Send`` (the pieces one device receives from one source, every model state
+coalesced, chunked), ``Free`` (after the commit point). Every rank runs an ``Execution`` of the same plan
+with its own ``Holdings``:
 
 1. *prepare*: resolve every piece this rank reads or writes against its buffers, then vote (all ranks,
    over a control group) — a rank that cannot follow the graph aborts the transition before anything moves;
@@ -32,7 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nereus.elastic.graph import TransitionGraph
+from nereus.elastic.plan import Copy, Keep, Send, Step, TransitionPlan
 from nereus.runtime.holdings import (
     WEIGHTS,
     Buffer,
@@ -49,7 +50,6 @@ DATA_STATES = ("weights", "optimizer")  # gradient buffers carry nothing across 
 # smaller ones (norms, biases, row fragments of ZeRO ranges) are packed into one message per transfer
 DIRECT_BYTES = 1 << 16
 ALIGN = 8  # bytes: every entry starts aligned in the byte stream so it can be viewed as its dtype
-Entry = tuple[str, str, str, Box, tuple[Box, ...]]  # (model, state, tensor, piece, destination buffer)
 
 
 class TransferComm:
@@ -91,6 +91,22 @@ class TransferComm:
         return "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
 
 
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One tensor's box of a transfer: the sender reads it from any old buffer that holds it, the receiver
+    writes it into its new buffer ``dest``."""
+
+    model: str
+    state: str
+    tensor: str
+    box: Box
+    dest: tuple[Box, ...]
+
+    @property
+    def dest_key(self) -> BufferKey:
+        return (self.model, self.state, self.tensor, self.dest)
+
+
 @dataclass
 class Measured:
     """What one rank measured during a transition (bytes are payload; peak is live storage bytes)."""
@@ -118,14 +134,15 @@ class NewBuffers:
     device: torch.device = torch.device("cpu")
 
 
-def _parts(op) -> list[tuple[str, str, tuple]]:
-    return [(m, st, part) for m, st, part in op.parts if st in DATA_STATES]
+def _data_parts(step: Step) -> list:
+    """The step's parts of states that carry data across a step boundary (not gradient buffers)."""
+    return [part for part in getattr(step, "parts", ()) if part.state in DATA_STATES]
 
 
-def send_entries(op) -> list[Entry]:
-    """The pieces of a ``send`` op in the order both ends pack them."""
-    return [(m, st, name, box, dest) for m, st, part in _parts(op) for group, piece, dest in part
-            for name in group.names for box in piece]
+def send_entries(step: Send, graph: TransitionPlan) -> list[Entry]:
+    """The pieces of a ``Send`` per member tensor, in the order both ends pack them."""
+    return [Entry(part.model, part.state, name, box, p.dest) for part in _data_parts(step) for p in part.pieces
+            for name in graph.groups[p.group].names for box in p.piece]
 
 
 def element_bytes(model_dtypes: dict[str, torch.dtype], model: str, state: str) -> int:
@@ -150,14 +167,15 @@ def chunk_entries(entries: list[Entry], sizes: dict[tuple[str, str], int], chunk
     row larger than a chunk travels alone). Deterministic, so both ends agree."""
     out: list[list[Entry]] = [[]]
     used = 0
-    for m, st, name, box, dest in entries:
-        per_row = sizes[(m, st)] * box_volume(box) // max(1, box[0][1] - box[0][0])
-        for sub in _split_rows(box, max(1, chunk // max(1, per_row))):
-            n = _align(sizes[(m, st)] * box_volume(sub))
+    for e in entries:
+        size = sizes[(e.model, e.state)]
+        per_row = size * box_volume(e.box) // max(1, e.box[0][1] - e.box[0][0])
+        for sub in _split_rows(e.box, max(1, chunk // max(1, per_row))):
+            n = _align(size * box_volume(sub))
             if out[-1] and used + n > chunk:
                 out.append([])
                 used = 0
-            out[-1].append((m, st, name, sub, dest))
+            out[-1].append(Entry(e.model, e.state, e.tensor, sub, e.dest))
             used += n
     return [c for c in out if c]
 
@@ -170,26 +188,26 @@ class Transfer:
     nbytes: int
 
 
-def plan_rounds(graph: TransitionGraph, model_dtypes: dict[str, torch.dtype]) -> list[list[Transfer]]:
+def plan_rounds(graph: TransitionPlan, model_dtypes: dict[str, torch.dtype]) -> list[list[Transfer]]:
     """Every chunk of every send, in rounds where a rank sends at most one chunk and receives at most one
-    (list scheduling in the graph's op order; the same on every rank)."""
+    (list scheduling in the plan's step order; the same on every rank)."""
     sizes = {}
     next_send: dict[int, int] = {}
     next_recv: dict[int, int] = {}
     rounds: list[list[Transfer]] = []
-    for op in graph.ops:
-        if op.kind != "send" or op.device == op.peer:
+    for step in graph.steps:
+        if not isinstance(step, Send) or step.src == step.dst:
             continue
-        entries = send_entries(op)
-        for m, st, *_ in entries:
-            sizes.setdefault((m, st), element_bytes(model_dtypes, m, st))
+        entries = send_entries(step, graph)
+        for e in entries:
+            sizes.setdefault((e.model, e.state), element_bytes(model_dtypes, e.model, e.state))
         for chunk in chunk_entries(entries, sizes, graph.chunk_bytes):
-            nbytes = sum(_align(sizes[(m, st)] * box_volume(b)) for m, st, _, b, _ in chunk)
-            r = max(next_send.get(op.device, 0), next_recv.get(op.peer, 0))
+            nbytes = sum(_align(sizes[(e.model, e.state)] * box_volume(e.box)) for e in chunk)
+            r = max(next_send.get(step.src, 0), next_recv.get(step.dst, 0))
             while len(rounds) <= r:
                 rounds.append([])
-            rounds[r].append(Transfer(op.device, op.peer, tuple(chunk), nbytes))
-            next_send[op.device] = next_recv[op.peer] = r + 1
+            rounds[r].append(Transfer(step.src, step.dst, tuple(chunk), nbytes))
+            next_send[step.src] = next_recv[step.dst] = r + 1
     return rounds
 
 
@@ -199,7 +217,7 @@ class Execution:
     ``TransitionExecutionError`` on every rank and the old buffers are untouched. ``fault`` ("prepare",
     "transfer" or "install") makes this rank fail in that phase, for tests."""
 
-    def __init__(self, graph: TransitionGraph, old: Holdings, new: NewBuffers, comm: TransferComm,
+    def __init__(self, graph: TransitionPlan, old: Holdings, new: NewBuffers, comm: TransferComm,
                  model_dtypes: dict[str, torch.dtype], fault: str | None = None,
                  resident: list[torch.Tensor] | None = None) -> None:
         self.graph, self.old, self.new, self.comm = graph, old, new, comm
@@ -235,33 +253,36 @@ class Execution:
         if self.graph.detours:
             raise TransitionExecutionError("memory detours through host memory are not executed yet: the graph "
                                            f"needs {len(self.graph.detours)}")
-        for op in self.graph.ops:
-            if op.kind == "keep" and op.device == self.me:
-                for m, st, part in _parts(op):
-                    for group, bufs in part:
-                        for name in group.names:
-                            key = (m, st, name, tuple(bufs))
-                            if key not in self.new.needs:
-                                raise TransitionExecutionError(f"rank {self.me}: the graph keeps {key}, which the "
-                                                               "new layout does not place here")
-                            src = self.old.get(key)
-                            self.out.buffers[key] = Buffer(src.boxes, src.comps, written=src.numel)
-                            self.measured.bytes_kept += sum(c.nbytes for c in src.comps)
-            elif op.kind == "copy" and op.device == self.me:
-                for m, st, part in _parts(op):
-                    for group, piece, _src, dest in part:
-                        for name in group.names:
-                            self._check_dest((m, st, name, tuple(dest)))
-                            for box in piece:
-                                self.old.find(m, st, name, box)
+        for step in self._mine(Keep):
+            for part in _data_parts(step):
+                for p in part.pieces:
+                    for name in self.graph.groups[p.group].names:
+                        key = (part.model, part.state, name, p.boxes)
+                        if key not in self.new.needs:
+                            raise TransitionExecutionError(f"rank {self.me}: the graph keeps {key}, which the "
+                                                           "new layout does not place here")
+                        src = self.old.get(key)
+                        self.out.buffers[key] = Buffer(src.boxes, src.comps, written=src.numel)
+                        self.measured.bytes_kept += sum(c.nbytes for c in src.comps)
+        for step in self._mine(Copy):
+            for part in _data_parts(step):
+                for p in part.pieces:
+                    for name in self.graph.groups[p.group].names:
+                        self._check_dest((part.model, part.state, name, p.dest))
+                        for box in p.piece:
+                            self.old.find(part.model, part.state, name, box)
         for rnd in self.rounds:
             for t in rnd:
-                for m, st, name, box, dest in t.entries:
+                for e in t.entries:
                     if t.src == self.me:
-                        self.old.find(m, st, name, box)
+                        self.old.find(e.model, e.state, e.tensor, e.box)
                     if t.dst == self.me:
-                        self._check_dest((m, st, name, tuple(dest)))
+                        self._check_dest(e.dest_key)
         self._inject("prepare")
+
+    def _mine(self, kind: type[Step]) -> list:
+        """This rank's steps of one kind (a keep or copy step acts on one device)."""
+        return [s for s in self.graph.steps if isinstance(s, kind) and s.device == self.me]
 
     def _check_dest(self, key: BufferKey) -> None:
         if key not in self.new.needs:
@@ -279,22 +300,21 @@ class Execution:
     def local_copies(self) -> None:
         """The graph's ``copy`` ops of this rank (run while the first transfers are in flight)."""
         t0 = time.perf_counter()
-        for op in self.graph.ops:
-            if op.kind == "copy" and op.device == self.me:
-                for m, st, part in _parts(op):
-                    for group, piece, _src, dest in part:
-                        for name in group.names:
-                            buf = self.out.get((m, st, name, tuple(dest)))
-                            for box in piece:
-                                for d, s in zip(buf.view(box), self.old.find(m, st, name, box), strict=True):
-                                    d.copy_(s)
-                                    self.measured.bytes_copied += s.nbytes
-                                buf.written += box_volume(box)
+        for step in self._mine(Copy):
+            for part in _data_parts(step):
+                for p in part.pieces:
+                    for name in self.graph.groups[p.group].names:
+                        buf = self.out.get((part.model, part.state, name, p.dest))
+                        for box in p.piece:
+                            for d, s in zip(buf.view(box), self.old.find(part.model, part.state, name, box),
+                                            strict=True):
+                                d.copy_(s)
+                                self.measured.bytes_copied += s.nbytes
+                            buf.written += box_volume(box)
         self._timed("copy", t0)
 
     def _bytes(self, entry: Entry) -> int:
-        m, st, _, box, _ = entry
-        return element_bytes(self.dtypes, m, st) * box_volume(box)
+        return element_bytes(self.dtypes, entry.model, entry.state) * box_volume(entry.box)
 
     def _direct(self, entry: Entry) -> bool:
         """Whether an entry travels as its own messages (one per component), straight out of the old buffer
@@ -308,9 +328,9 @@ class Execution:
     def _pack(self, entries: list[Entry]) -> torch.Tensor:
         flat = self._staging_buffer(entries)
         offset = 0
-        for m, st, name, box, _dest in entries:
+        for e in entries:
             start = offset
-            for src in self.old.find(m, st, name, box):
+            for src in self.old.find(e.model, e.state, e.tensor, e.box):
                 n = src.numel() * src.element_size()
                 flat[offset: offset + n].view(src.dtype).view(src.shape).copy_(src)
                 offset += n
@@ -319,14 +339,14 @@ class Execution:
 
     def _unpack(self, entries: list[Entry], flat: torch.Tensor) -> None:
         offset = 0
-        for m, st, name, box, dest in entries:
+        for e in entries:
             start = offset
-            buf = self.out.get((m, st, name, tuple(dest)))
-            for d in buf.view(box):
+            buf = self.out.get(e.dest_key)
+            for d in buf.view(e.box):
                 n = d.numel() * d.element_size()
                 d.copy_(flat[offset: offset + n].view(d.dtype).view(d.shape))
                 offset += n
-            buf.written += box_volume(box)
+            buf.written += box_volume(e.box)
             offset = start + _align(offset - start)
 
     def _post(self, t: Transfer, ops: list, landing: list) -> None:
@@ -345,8 +365,11 @@ class Execution:
             if not sending:
                 landing.append((small, flat))
         tag = 1
-        for m, st, name, box, dest in large:
-            views = self.old.find(m, st, name, box) if sending else self.out.get((m, st, name, tuple(dest))).view(box)
+        for e in large:
+            if sending:
+                views = self.old.find(e.model, e.state, e.tensor, e.box)
+            else:
+                views = self.out.get(e.dest_key).view(e.box)
             for v in views:
                 wire = v if v.is_contiguous() else (v.contiguous() if sending else torch.empty(v.shape, dtype=v.dtype,
                                                                                                device=v.device))
@@ -357,7 +380,7 @@ class Execution:
                     landing.append((v, wire))
                 tag += 1
             if not sending:
-                self.out.get((m, st, name, tuple(dest))).written += box_volume(box)
+                self.out.get(e.dest_key).written += box_volume(e.box)
         nbytes = sum(self._bytes(e) for e in t.entries)
         if sending:
             self.measured.bytes_sent += nbytes

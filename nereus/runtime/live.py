@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nereus.elastic.graph import TransitionGraph
+from nereus.elastic.plan import TransitionPlan
 from nereus.runtime.engine import ShardedModel, shard_boxes, tied_head
 from nereus.runtime.executor import Execution, Measured, NewBuffers, TransferComm, new_tensor
 from nereus.runtime.groups import ParallelGroups
@@ -133,7 +133,7 @@ def _install(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict
     return install
 
 
-def transition_keys(graph: TransitionGraph, old: dict[str, ShardedModel], old_specs: list[KeySpec],
+def transition_keys(graph: TransitionPlan, old: dict[str, ShardedModel], old_specs: list[KeySpec],
                     new_specs: list[KeySpec], new_groups: dict[str, ParallelGroups], comm: TransferComm,
                     fault: str | None = None, schedule: str = "1f1b") -> tuple[dict[str, ShardedModel], Measured]:
     """This rank's new shards (key → ``ShardedModel``) once every rank committed; raises

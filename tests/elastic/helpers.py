@@ -8,6 +8,7 @@ from collections import defaultdict
 import numpy as np
 
 from nereus.elastic.emu import build_emus
+from nereus.elastic.plan import Copy, Keep, Send
 from nereus.spec import Layout, ModelStage, Placement, Plan, job_from_dict
 
 TINY = {"layers": 4, "hidden": 32, "ffn_hidden": 48, "heads": 4, "kv_heads": 2, "vocab": 37}
@@ -85,26 +86,22 @@ def brute_force_coverage(job, new: Plan, graph) -> list[str]:
     counts: dict[tuple, np.ndarray] = {}
     after = holdings(job, new)
 
-    def add(device, model, state, group, piece, dest):
-        for name in group.names:
-            key = (device, model, state, name, dest)
+    def add(device, part, group_id, piece, dest):
+        for name in graph.groups[group_id].names:
+            key = (device, part.model, part.state, name, dest)
             if key not in counts:
-                counts[key] = np.zeros(shapes[(model, name)], dtype=np.int32)
-            counts[key] += mask(shapes[(model, name)], [piece])
+                counts[key] = np.zeros(shapes[(part.model, name)], dtype=np.int32)
+            counts[key] += mask(shapes[(part.model, name)], [piece])
 
-    for op in graph.ops:
-        if op.kind == "keep":
-            for m, st, part in op.parts:
-                for g, bs in part:
-                    add(op.device, m, st, g, bs, bs)
-        elif op.kind == "copy":
-            for m, st, part in op.parts:
-                for g, piece, _, dest in part:
-                    add(op.device, m, st, g, piece, dest)
-        elif op.kind == "send":
-            for m, st, part in op.parts:
-                for g, piece, dest in part:
-                    add(op.peer, m, st, g, piece, dest)
+    for step in graph.steps:
+        for part in getattr(step, "parts", ()):
+            for p in part.pieces:
+                if isinstance(step, Keep):
+                    add(step.device, part, p.group, p.boxes, p.boxes)
+                elif isinstance(step, Copy):
+                    add(step.device, part, p.group, p.piece, p.dest)
+                elif isinstance(step, Send):
+                    add(step.dst, part, p.group, p.piece, p.dest)
     problems = []
     for (d, m, st, name), sets in after.items():
         if st == "grads":

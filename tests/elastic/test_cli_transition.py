@@ -7,6 +7,7 @@ import json
 import pytest
 
 from nereus.cli import main
+from nereus.elastic.plan import FORMAT, TransitionPlan
 from tests.conftest import EXAMPLES
 
 JOB = str(EXAMPLES / "ppo_8b_h100.yaml")
@@ -49,9 +50,12 @@ def test_json_timeline_and_graph_files(capsys, tmp_path):
     assert any(e["ph"] == "i" and e["name"] == "commit" for e in events)
     assert any(e["ph"] == "C" for e in events)  # memory counters
     graph = json.loads(graph_file.read_text())
-    assert graph["ops"][graph["commit"]]["kind"] == "commit"
-    send = next(op for op in graph["ops"] if op["kind"] == "send")
-    assert {"peer", "parts", "chunks", "staging"} <= set(send)
+    assert graph["format"] == FORMAT and graph["steps"][graph["commit"]]["kind"] == "commit"
+    send = next(s for s in graph["steps"] if s["kind"] == "send")
+    assert {"src", "dst", "bytes", "deps", "parts", "chunks", "staging", "from_host"} <= set(send)
+    assert {"kind", "group", "piece", "dest"} == set(send["parts"][0]["pieces"][0])
+    plan = TransitionPlan.from_json(graph)  # what an executor reads back: the same plan
+    assert plan.to_json() == graph and plan.bytes_sent == data["bytes_sent"]
 
 
 @pytest.mark.parametrize("argv,pattern", [

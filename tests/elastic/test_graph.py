@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
 from nereus.cost.hardware import Hardware
 from nereus.elastic.errors import TransitionMemoryError
 from nereus.elastic.graph import TransitionOptions, build_graph
+from nereus.elastic.plan import Copy, Send, SentPiece, StatePart
 from nereus.elastic.schedule import schedule_graph
 from nereus.elastic.verify import TransitionInvariantError, assert_valid, check_commit, verify_transition
 from nereus.spec import InfeasibleError, SpecError
@@ -28,7 +30,7 @@ def build(job, old, new, **opts):
 
 
 def sends(graph):
-    return [op for op in graph.ops if op.kind == "send"]
+    return [s for s in graph.steps if isinstance(s, Send)]
 
 
 def test_same_plan_moves_nothing_and_keeps_every_buffer():
@@ -37,7 +39,7 @@ def test_same_plan_moves_nothing_and_keeps_every_buffer():
     graph, sched = build(job, p, p)
     assert graph.bytes_sent == graph.lower_bound_bytes == 0
     assert set(graph.count()) == {"keep", "commit"}
-    assert sum(op.bytes for op in graph.ops if op.kind == "keep") == sum(graph.old_bytes)
+    assert sum(op.bytes for op in graph.steps if op.kind == "keep") == sum(graph.old_bytes)
     assert sched.makespan_s == 0
 
 
@@ -49,9 +51,9 @@ def test_tp_change_on_the_same_gpus_reslices_what_is_local():
     new = plan([("actor/inference", {"tp": 4, "dp": 2}, range(8))], 8)
     graph, _ = build(job, old, new)
     assert graph.bytes_sent == brute_force_lower_bound(job, old, new) > 0
-    copies = {op.device for op in graph.ops if op.kind == "copy"}
+    copies = {s.device for s in graph.steps if isinstance(s, Copy)}
     assert {0, 4} <= copies  # new TP rank 0 sits on old TP rank 0: its quarter is in its half
-    assert all(op.device // 8 == op.peer // 8 for op in sends(graph))
+    assert all(s.src // 8 == s.dst // 8 for s in sends(graph))
 
 
 def test_new_replicas_draw_from_their_node_then_spread_across_replicas():
@@ -61,9 +63,9 @@ def test_new_replicas_draw_from_their_node_then_spread_across_replicas():
     old = plan([("reference/inference", {"tp": 2, "dp": 2}, [0, 1, 4, 5])], 16)
     new = plan([("reference/inference", {"tp": 2, "dp": 8}, range(16))], 16)
     graph, _ = build(job, old, new)
-    on_old_nodes = [op for op in sends(graph) if op.peer // 4 in (0, 1)]
-    assert on_old_nodes and all(op.device // 4 == op.peer // 4 for op in on_old_nodes)
-    per_source = Counter(op.device for op in sends(graph) if op.peer // 4 in (2, 3))
+    on_old_nodes = [s for s in sends(graph) if s.dst // 4 in (0, 1)]
+    assert on_old_nodes and all(s.src // 4 == s.dst // 4 for s in on_old_nodes)
+    per_source = Counter(s.src for s in sends(graph) if s.dst // 4 in (2, 3))
     assert set(per_source) == {0, 1, 4, 5} and max(per_source.values()) - min(per_source.values()) <= 1
 
 
@@ -83,11 +85,11 @@ def test_commit_point_separates_the_old_layout_from_the_new():
     new = plan([(TRAIN, {"tp": 4, "dp": 2}, range(8))], 8)
     graph, sched = build(job, old, new)
     commit = graph.commit
-    for op in graph.ops:
+    for op in graph.steps:
         if op.kind in ("free", "alloc_grads", "drop_host"):
-            assert not op.precommit and sched.start[op.id] >= sched.end[commit]
+            assert op.after_commit and sched.start[op.id] >= sched.end[commit]
         if op.kind in ("send", "copy", "alloc"):
-            assert op.precommit and sched.end[op.id] <= sched.start[commit]
+            assert not op.after_commit and sched.end[op.id] <= sched.start[commit]
         if op.kind == "free_early":
             assert op.state == "grads"  # nothing that holds state is freed before the commit
     assert graph.count()["group"] == 1  # the new layout's process groups
@@ -117,11 +119,11 @@ def test_memory_detour_through_host_when_old_and_new_do_not_fit_together():
     job = tiny_job(nodes=1, gpus_per_node=4, memory_gb=usable / 0.9 / 1e9)
     graph, sched = build(job, old, new, chunk_bytes=256)
     assert graph.detours and graph.detour_bytes > 0
-    offloads = {op.id for op in graph.ops if op.kind == "offload"}
-    for op in graph.ops:
+    offloads = {op.id for op in graph.steps if op.kind == "offload"}
+    for op in graph.steps:
         if op.kind == "free_early":
             assert set(op.deps) & offloads  # freed before commit only once its bytes sit in host memory
-    assert any(op.kind == "copy" and op.from_host for op in graph.ops)
+    assert any(op.kind == "copy" and op.from_host for op in graph.steps)
     assert max(sched.peak_bytes) <= graph.capacity_bytes < max(o + n for o, n in zip(graph.old_bytes, graph.new_bytes,
                                                                                    strict=True))
     assert graph.bytes_sent == brute_force_lower_bound(job, old, new)  # the detour goes over PCIe only
@@ -150,59 +152,57 @@ def sound():
 
 
 def _first(graph, kind):
-    return next(op for op in graph.ops if op.kind == kind)
+    return next(op for op in graph.steps if op.kind == kind)
+
+
+def _with_step(graph, step):
+    """The plan with one step replaced (steps are frozen: a mutation is a new plan)."""
+    steps = list(graph.steps)
+    steps[step.id] = step
+    return replace(graph, steps=tuple(steps))
+
+
+def _without_first_piece(op):
+    part = op.parts[0]
+    return replace(op, parts=(replace(part, pieces=part.pieces[1:]),) + op.parts[1:])
 
 
 def test_verify_catches_a_missing_piece(sound):
     job, old, new, graph, _, _ = sound
-    bad = copy.deepcopy(graph)
-    op = _first(bad, "send")
-    m, st, part = op.parts[0]
-    op.parts = ((m, st, part[1:]),) + op.parts[1:]
+    bad = _with_step(graph, _without_first_piece(_first(graph, "send")))
     assert any("cover" in p for p in verify_transition(job, old, new, bad))
 
 
 def test_verify_catches_a_piece_received_twice(sound):
     job, old, new, graph, _, _ = sound
-    bad = copy.deepcopy(graph)
-    op = _first(bad, "send")
-    op.parts = op.parts + op.parts[:1]
+    op = _first(graph, "send")
+    bad = _with_step(graph, replace(op, parts=op.parts + op.parts[:1]))
     found = verify_transition(job, old, new, bad)
     assert any("overlap" in p for p in found) and any("carries pieces" in p for p in found)
 
 
 def test_verify_catches_a_send_of_what_the_destination_holds(sound):
     job, old, new, graph, _, _ = sound
-    bad = copy.deepcopy(graph)
-    op = _first(bad, "copy")
-    m, st, part = op.parts[0]
-    g, piece, src, dest = part[0]
+    op = _first(graph, "copy")
+    part = op.parts[0]
+    p = part.pieces[0]
     # Replace the local copy by a send of the same piece from another device.
-    op.parts = ((m, st, part[1:]),) + op.parts[1:]
-    bad.ops.append(_clone_send(_first(bad, "send"), len(bad.ops), (op.device + 1) % 8, op.device,
-                               ((m, st, ((g, piece, dest),)),)))
+    bad = _with_step(graph, _without_first_piece(op))
+    extra = replace(_first(graph, "send"), id=len(graph.steps), src=(op.device + 1) % 8, dst=op.device,
+                    parts=(StatePart(part.model, part.state, (SentPiece(p.group, p.piece, p.dest),)),))
+    bad = replace(bad, steps=bad.steps + (extra,))
     assert any("already holds it" in p for p in verify_transition(job, old, new, bad))
-
-
-def _clone_send(op, new_id, src, dst, parts):
-    out = copy.copy(op)
-    out.id, out.device, out.peer, out.parts = new_id, src, dst, parts
-    return out
 
 
 def test_verify_catches_a_free_before_the_commit(sound):
     _, _, _, graph, _, _ = sound
-    bad = copy.deepcopy(graph)
-    op = _first(bad, "free")
-    op.precommit, op.deps = True, ()
-    found = check_commit(bad)
+    found = check_commit(_with_step(graph, replace(_first(graph, "free"), deps=())))
     assert any("before the commit would break the old layout" in p for p in found)
 
 
 def test_verify_catches_memory_over_capacity(sound):
     job, old, new, graph, sched, hw = sound
-    bad = copy.deepcopy(graph)
-    bad.capacity_bytes = max(graph.old_bytes) // 2
+    bad = replace(graph, capacity_bytes=max(graph.old_bytes) // 2)
     found = verify_transition(job, old, new, bad, sched, hw)
     assert any("exceeds the usable" in p for p in found)
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from nereus.cost.hardware import Hardware
 from nereus.elastic.errors import TransitionMemoryError
 from nereus.elastic.graph import TransitionOptions, build_graph
+from nereus.elastic.plan import Send
 from nereus.elastic.schedule import Links, schedule_graph
 from nereus.elastic.transition import bandwidth_bound
 from nereus.elastic.verify import verify_transition
@@ -71,7 +72,7 @@ def test_random_transitions_keep_every_invariant(case):
     assert not graph.detours
     assert graph.bytes_sent == graph.lower_bound_bytes == brute_force_lower_bound(job, old, new)
     assert sched.makespan_s >= bandwidth_bound(graph, Links.of(hw)) * (1 - 1e-9)
-    assert all(op.staging <= chunk for op in graph.ops if op.kind == "send")
+    assert all(s.staging <= chunk for s in graph.steps if isinstance(s, Send))
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow])
@@ -100,7 +101,7 @@ def test_tight_memory_either_fits_or_is_refused_with_the_numbers(case, squeeze):
     if not graph.detours:
         assert graph.bytes_sent == brute_force_lower_bound(job, old, new)
     else:
-        assert graph.detour_bytes > 0 and all(d["bytes"] > 0 for d in graph.detours)
+        assert graph.detour_bytes > 0 and all(d.bytes > 0 for d in graph.detours)
 
 
 @pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "llama3-8b"])

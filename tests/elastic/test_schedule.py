@@ -24,7 +24,7 @@ def test_a_cross_node_send_costs_bytes_over_the_nic_plus_chunk_latency():
     job = tiny_job(nodes=2, gpus_per_node=4)
     graph, sched, links = one_send_time(job, plan([(W, {}, [0])], 8), plan([(W, {"dp": 2}, [0, 4])], 8),
                                         chunk_bytes=4096)
-    (op,) = [op for op in graph.ops if op.kind == "send"]
+    (op,) = [op for op in graph.steps if op.kind == "send"]
     assert sched.makespan_s == pytest.approx(op.bytes / links.ib + op.chunks * links.inter_latency_s)
     assert links.ib == pytest.approx(50e9 * 0.8)  # H100 NIC 400 Gb/s at the 80% efficiency prior
 
@@ -32,7 +32,7 @@ def test_a_cross_node_send_costs_bytes_over_the_nic_plus_chunk_latency():
 def test_the_same_send_inside_a_node_uses_nvlink():
     job = tiny_job(nodes=1, gpus_per_node=8)
     graph, sched, links = one_send_time(job, plan([(W, {}, [0])], 8), plan([(W, {"dp": 2}, [0, 1])], 8))
-    (op,) = [op for op in graph.ops if op.kind == "send"]
+    (op,) = [op for op in graph.steps if op.kind == "send"]
     assert sched.makespan_s == pytest.approx(op.bytes / links.nvlink + links.intra_latency_s)
 
 
@@ -42,13 +42,13 @@ def test_receives_into_one_device_serialize_while_opposite_directions_overlap():
     old = plan([(W, {}, [0]), ("reward/inference", {}, [1])], 3)
     new = plan([(W, {}, [2]), ("reward/inference", {}, [2])], 3)
     graph, sched, links = one_send_time(job, old, new)
-    a, b = [op for op in graph.ops if op.kind == "send"]
+    a, b = [op for op in graph.steps if op.kind == "send"]
     assert sched.makespan_s == pytest.approx(sum(op.bytes / links.ib + links.inter_latency_s for op in (a, b)))
     # Swapping two devices' models: each NIC sends and receives at once (full duplex).
     swap = plan([(W, {}, [1]), ("reward/inference", {}, [0])], 3)
     graph, sched, links = one_send_time(job, old, swap)
     assert sched.makespan_s == pytest.approx(max(op.bytes / links.ib + links.inter_latency_s
-                                                 for op in graph.ops if op.kind == "send"))
+                                                 for op in graph.steps if op.kind == "send"))
 
 
 def test_staging_waits_for_memory():
@@ -61,7 +61,7 @@ def test_staging_waits_for_memory():
     usable = probe.new_bytes[0] + 600  # one 512-byte staging buffer fits, two do not
     job = tiny_job(nodes=2, gpus_per_node=2, memory_gb=usable / 0.9 / 1e9)
     graph, sched, _ = one_send_time(job, old, new, chunk_bytes=512)
-    a, b = sorted((op for op in graph.ops if op.kind == "send"), key=lambda op: sched.start[op.id])
+    a, b = sorted((op for op in graph.steps if op.kind == "send"), key=lambda op: sched.start[op.id])
     assert sched.start[b.id] >= sched.end[a.id]
     assert max(sched.peak_bytes) <= graph.capacity_bytes
 
@@ -85,7 +85,7 @@ def test_checkpoint_baseline_is_save_plus_the_busiest_node_load():
     old = plan([(W, {}, [0])], 4)
     new = plan([(W, {"dp": 2}, [2, 3])], 4)
     graph = build_graph(job, old, new)
-    full = graph.state_bytes["reference/weights"][0]
+    full = graph.state_bytes["reference/weights"].bytes
     # Saved once from node 0; node 1 loads two copies (GPUs 2 and 3).
     assert checkpoint_time(graph, 1e9) == pytest.approx(full / 1e9 + 2 * full / 1e9)
     times = baseline_times(graph, Links.of(Hardware(job.cluster)), 1e9)

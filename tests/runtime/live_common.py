@@ -8,7 +8,8 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from nereus.elastic.graph import TransitionGraph, build_graph
+from nereus.elastic.graph import build_graph
+from nereus.elastic.plan import TransitionPlan
 from nereus.runtime.engine import ShardedModel, shard_boxes
 from nereus.runtime.groups import ParallelGroups
 from nereus.runtime.hf import slice_boxes
@@ -55,7 +56,7 @@ def spec(model: str, layout: Layout, ranks, key: str | None = None, stage: str |
     return KeySpec(key or f"{model}/{stage}", model, stage, CFGS[model], layout, tuple(ranks))
 
 
-def graph_between(old: list[KeySpec], new: list[KeySpec], **kw) -> TransitionGraph:
+def graph_between(old: list[KeySpec], new: list[KeySpec], **kw) -> TransitionPlan:
     return build_graph(job(**kw), plan_of(old, WORLD), plan_of(new, WORLD))
 
 

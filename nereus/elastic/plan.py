@@ -1,0 +1,484 @@
+"""The transition plan as typed data: one frozen dataclass per step kind and per piece kind, with named
+fields, and ``TransitionPlan`` holding the steps and the numbers the scheduler and the bounds need.
+
+This module is the contract between the graph builder (``graph``, ``ops``) and everything that reads a
+plan: the scheduler, the verifier, the timeline, the baselines and the runtime's executor. It imports only
+the box helpers, so no file cycle can run through it; everything here is plain immutable data that
+round-trips through JSON (``TransitionPlan.to_json`` / ``from_json``, the ``--graph`` file).
+
+Steps (``STEP_KINDS``, by ``kind``) and the pieces they carry (``PIECE_KINDS``):
+
+  free_early  drop buffers that carry no state (gradient buffers) or whose bytes sit in host memory
+  offload     copy old buffers to host memory over PCIe (the memory detour)
+  alloc       allocate a device's new buffers that are not kept in place
+  keep        new buffers equal to old ones on the same device: reused, nothing moves
+  copy        local re-slices from old buffers on the same device (or from their host copy)
+  send        the pieces one device receives from one source device, chunked through staging buffers
+  group       create a new layout's process groups
+  commit      the commit point: before it the old layout is intact, after it the new one is complete
+  free, drop_host, alloc_grads   after the commit: release old buffers and host copies, allocate the
+              new gradient buffers
+
+A new kind of step or piece is one new class here, listed in ``STEP_KINDS`` or ``PIECE_KINDS``: the
+JSON codec is generic over the dataclass fields (group ids and ints as numbers, box sets as nested lists).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from nereus.elastic.boxes import BoxSet
+
+FORMAT = "nereus.transition-plan/2"
+
+
+def _encode(value: Any) -> Any:
+    """A field value as JSON: records by their ``to_json``, tuples (box sets, ids) as nested lists."""
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    if isinstance(value, tuple):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _tuples(value: Any) -> Any:
+    """Nested JSON lists back as nested tuples (box sets, dependency ids)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+@dataclass(frozen=True)
+class Group:
+    """Tensors of one model that every layout of both plans shards alike (same shape, split and stage):
+    a piece names a group and one box set that applies to each member tensor."""
+
+    id: int
+    model: str
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "model": self.model, "names": list(self.names), "shape": list(self.shape)}
+
+    @staticmethod
+    def from_json(d: dict) -> Group:
+        return Group(d["id"], d["model"], tuple(d["names"]), tuple(d["shape"]))
+
+
+# ----- pieces: what part of which buffer a step touches --------------------------------------------------
+
+class Piece:
+    """Base of the piece kinds. Fields are ints (a group id) or box sets in global coordinates."""
+
+    __slots__ = ()
+    kind: ClassVar[str] = ""
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, **{f.name: _encode(getattr(self, f.name)) for f in fields(self)}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Piece:
+        return cls(**{f.name: _tuples(d[f.name]) for f in fields(cls)})
+
+
+@dataclass(frozen=True, slots=True)
+class WholeBuffer(Piece):
+    """A whole buffer: the boxes of group ``group`` one device holds (kept, allocated or freed)."""
+
+    kind: ClassVar[str] = "buffer"
+    group: int
+    boxes: BoxSet
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPiece(Piece):
+    """A local re-slice: ``piece`` read from the old buffer ``source`` into the new buffer ``dest``."""
+
+    kind: ClassVar[str] = "local"
+    group: int
+    piece: BoxSet
+    source: BoxSet
+    dest: BoxSet
+
+
+@dataclass(frozen=True, slots=True)
+class SentPiece(Piece):
+    """A received piece: the sender reads ``piece`` from any old buffer of the group's tensors that holds it
+    whole; the receiver writes it into its new buffer ``dest``."""
+
+    kind: ClassVar[str] = "sent"
+    group: int
+    piece: BoxSet
+    dest: BoxSet
+
+
+PIECE_KINDS: Mapping[str, type[Piece]] = MappingProxyType({c.kind: c for c in (WholeBuffer, LocalPiece, SentPiece)})
+
+
+@dataclass(frozen=True, slots=True)
+class StatePart:
+    """The pieces of one model state (``actor``/``weights``) a step touches."""
+
+    model: str
+    state: str
+    pieces: tuple[Piece, ...]
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "state": self.state, "pieces": [p.to_json() for p in self.pieces]}
+
+    @staticmethod
+    def from_json(d: dict) -> StatePart:
+        return StatePart(d["model"], d["state"], tuple(_kind(PIECE_KINDS, p).from_json(p) for p in d["pieces"]))
+
+
+def _kind(registry: Mapping[str, type], d: dict) -> type:
+    """The class registered for ``d["kind"]``; a ``ValueError`` naming the known kinds otherwise."""
+    cls = registry.get(d.get("kind"))
+    if cls is None:
+        raise ValueError(f"unknown kind {d.get('kind')!r}; known: {', '.join(registry)}")
+    return cls
+
+
+def _labels(parts: tuple[StatePart, ...]) -> tuple[str, str]:
+    """Labels of the model states a step touches ("actor+critic", "optimizer+weights")."""
+    return "+".join(sorted({p.model for p in parts})), "+".join(sorted({p.state for p in parts}))
+
+
+# ----- memory effects ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    device: int
+    bytes: int  # signed: positive allocates
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEffects:
+    """Device memory changes applied when a step starts and when it ends."""
+
+    at_start: tuple[Delta, ...] = ()
+    at_end: tuple[Delta, ...] = ()
+
+
+NO_EFFECTS = MemoryEffects()
+
+
+# ----- steps --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Base of the step kinds: ``id`` is the step's index in the plan, ``deps`` the steps it waits for.
+    ``after_commit``: the kind runs after the commit point (it releases the old layout)."""
+
+    id: int
+    deps: tuple[int, ...]
+    kind: ClassVar[str] = ""
+    after_commit: ClassVar[bool] = False
+
+    def memory(self) -> MemoryEffects:
+        return NO_EFFECTS
+
+    def all_pieces(self) -> Iterator[Piece]:
+        for part in getattr(self, "parts", ()):
+            yield from part.pieces
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, **{f.name: _encode(getattr(self, f.name)) for f in fields(self)}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Step:
+        kw = {}
+        for f in fields(cls):
+            v = d[f.name]
+            kw[f.name] = tuple(StatePart.from_json(p) for p in v) if f.name == "parts" else _tuples(v)
+        return cls(**kw)
+
+
+@dataclass(frozen=True, slots=True)
+class BufferStep(Step):
+    """A step on one device's buffers (``bytes``: their total, every model state in ``parts``)."""
+
+    device: int
+    bytes: int
+    parts: tuple[StatePart, ...]
+
+    @property
+    def model(self) -> str:
+        return _labels(self.parts)[0]
+
+    @property
+    def state(self) -> str:
+        return _labels(self.parts)[1]
+
+
+@dataclass(frozen=True, slots=True)
+class FreeEarly(BufferStep):
+    """Release before the commit: gradient buffers (no state between steps), or old buffers once their
+    bytes sit in host memory (the step then depends on their ``offload``)."""
+
+    kind: ClassVar[str] = "free_early"
+
+    def memory(self) -> MemoryEffects:
+        return MemoryEffects((Delta(self.device, -self.bytes),))
+
+
+@dataclass(frozen=True, slots=True)
+class Offload(BufferStep):
+    """Old buffers copied to host memory over PCIe (a memory detour), restorable until the commit."""
+
+    kind: ClassVar[str] = "offload"
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc(BufferStep):
+    kind: ClassVar[str] = "alloc"
+
+    def memory(self) -> MemoryEffects:
+        return MemoryEffects((Delta(self.device, self.bytes),))
+
+
+@dataclass(frozen=True, slots=True)
+class Keep(BufferStep):
+    """New buffers equal to old ones on the same device: handed over, nothing moves."""
+
+    kind: ClassVar[str] = "keep"
+
+
+@dataclass(frozen=True, slots=True)
+class Copy(BufferStep):
+    """Local re-slices (``LocalPiece``), from device memory or, with ``from_host``, from the host copy."""
+
+    kind: ClassVar[str] = "copy"
+    from_host: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Free(BufferStep):
+    kind: ClassVar[str] = "free"
+    after_commit: ClassVar[bool] = True
+
+    def memory(self) -> MemoryEffects:
+        return MemoryEffects((Delta(self.device, -self.bytes),))
+
+
+@dataclass(frozen=True, slots=True)
+class DropHost(BufferStep):
+    """Release the host copies of a memory detour."""
+
+    kind: ClassVar[str] = "drop_host"
+    after_commit: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, slots=True)
+class AllocGrads(BufferStep):
+    kind: ClassVar[str] = "alloc_grads"
+    after_commit: ClassVar[bool] = True
+
+    def memory(self) -> MemoryEffects:
+        return MemoryEffects((Delta(self.device, self.bytes),))
+
+
+@dataclass(frozen=True, slots=True)
+class Send(Step):
+    """The pieces (``SentPiece``) device ``dst`` receives from device ``src``, every model state coalesced;
+    ``chunks`` messages through ``staging`` bytes of buffer at each GPU end (the receiver's only when
+    ``from_host``: the pieces then leave the source's host memory)."""
+
+    kind: ClassVar[str] = "send"
+    src: int
+    dst: int
+    bytes: int
+    parts: tuple[StatePart, ...]
+    from_host: bool
+    chunks: int
+    staging: int
+
+    @property
+    def model(self) -> str:
+        return _labels(self.parts)[0]
+
+    @property
+    def state(self) -> str:
+        return _labels(self.parts)[1]
+
+    def memory(self) -> MemoryEffects:
+        ends = (self.dst,) if self.from_host else (self.dst, self.src)
+        return MemoryEffects(tuple(Delta(d, self.staging) for d in ends),
+                             tuple(Delta(d, -self.staging) for d in ends))
+
+
+@dataclass(frozen=True, slots=True)
+class CreateGroups(Step):
+    """The process groups of one new layout (``layout``: its short form) on ``gpus``."""
+
+    kind: ClassVar[str] = "group"
+    model_stage: str
+    layout: str
+    gpus: tuple[int, ...]
+
+    @property
+    def device(self) -> int:
+        return self.gpus[0]
+
+    @property
+    def detail(self) -> str:
+        return f"{self.model_stage} {self.layout} on {len(self.gpus)} GPUs"
+
+
+@dataclass(frozen=True, slots=True)
+class Commit(Step):
+    """The commit point: every step before the commit is among ``deps``."""
+
+    kind: ClassVar[str] = "commit"
+
+
+STEP_KINDS: Mapping[str, type[Step]] = MappingProxyType({c.kind: c for c in (
+    FreeEarly, Offload, Alloc, Keep, Copy, Send, CreateGroups, Commit, Free, DropHost, AllocGrads)})
+
+
+def step_from_json(d: dict) -> Step:
+    return _kind(STEP_KINDS, d).from_json(d)
+
+
+# ----- plan-level records ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Detour:
+    """Old buffers of one model state on one device that go through host memory to make room."""
+
+    device: int
+    model: str
+    state: str
+    bytes: int
+    reason: str = "old and new state do not fit together on this device"
+
+    def to_json(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class BundleBytes:
+    """Bytes of one model state on one device: before, after, and kept in place (the baselines' input)."""
+
+    device: int
+    model: str
+    state: str
+    old: int
+    new: int
+    kept: int
+
+
+@dataclass(frozen=True, slots=True)
+class StateSize:
+    """One full copy of a data-carrying model state: bytes and tensor count."""
+
+    bytes: int
+    tensors: int
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSet:
+    """A set of old holders: how many devices, the bytes only they hold, and of those the bytes bound for
+    nodes where none of them sits."""
+
+    devices: int
+    bytes: int
+    far_bytes: int
+
+
+@dataclass(frozen=True)
+class BandwidthInputs:
+    """What any schedule must carry, per device (received, of which no node-mate holds, re-sliced
+    locally) and per holder set: the inputs of ``transition.bandwidth_bound``."""
+
+    recv_bytes: tuple[int, ...] = ()
+    recv_far_bytes: tuple[int, ...] = ()
+    local_copy_bytes: tuple[int, ...] = ()
+    source_sets: tuple[SourceSet, ...] = ()
+
+
+def _records_json(records: tuple) -> list:
+    return [{f.name: getattr(r, f.name) for f in fields(r)} for r in records]
+
+
+@dataclass(frozen=True)
+class TransitionPlan:
+    """Every step of a transition between two plans (ids = positions), the tensor groups its pieces name
+    (ids = positions), and the per-device numbers the scheduler, verifier and bounds read."""
+
+    steps: tuple[Step, ...]
+    groups: tuple[Group, ...]
+    num_gpus: int
+    gpus_per_node: int
+    capacity_bytes: float  # usable per device (capacity less the runtime's reserve)
+    chunk_bytes: int
+    old_bytes: tuple[int, ...]  # resident per device before and after
+    new_bytes: tuple[int, ...]
+    lower_bound_bytes: int  # bytes that must reach a device that does not hold them
+    detours: tuple[Detour, ...] = ()
+    group_setup_s: float = 0.0
+    bundles: tuple[BundleBytes, ...] = ()
+    state_bytes: Mapping[str, StateSize] = field(default_factory=dict)  # "actor/weights" → one full copy
+    bandwidth: BandwidthInputs = BandwidthInputs()
+
+    @cached_property
+    def commit(self) -> int:
+        """The id of the commit step (-1 when the plan has none: ``verify`` reports that)."""
+        return next((s.id for s in self.steps if isinstance(s, Commit)), -1)
+
+    @cached_property
+    def bytes_sent(self) -> int:
+        return sum(s.bytes for s in self.steps if isinstance(s, Send))
+
+    @cached_property
+    def detour_bytes(self) -> int:
+        """Bytes over PCIe for memory detours: offloads plus re-slices from host memory."""
+        return sum(s.bytes for s in self.steps if isinstance(s, Offload) or (isinstance(s, Copy) and s.from_host))
+
+    def count(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.steps:
+            out[s.kind] = out.get(s.kind, 0) + 1
+        return out
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "num_gpus": self.num_gpus, "gpus_per_node": self.gpus_per_node,
+                "capacity_bytes": self.capacity_bytes, "chunk_bytes": self.chunk_bytes,
+                "old_bytes": list(self.old_bytes), "new_bytes": list(self.new_bytes),
+                "lower_bound_bytes": self.lower_bound_bytes, "group_setup_s": self.group_setup_s,
+                "commit": self.commit, "bytes_sent": self.bytes_sent, "detour_bytes": self.detour_bytes,
+                "detours": [d.to_json() for d in self.detours],
+                "bundles": _records_json(self.bundles),
+                "state_bytes": {k: {"bytes": v.bytes, "tensors": v.tensors} for k, v in self.state_bytes.items()},
+                "bandwidth": {"recv_bytes": list(self.bandwidth.recv_bytes),
+                              "recv_far_bytes": list(self.bandwidth.recv_far_bytes),
+                              "local_copy_bytes": list(self.bandwidth.local_copy_bytes),
+                              "source_sets": _records_json(self.bandwidth.source_sets)},
+                "groups": [g.to_json() for g in self.groups], "steps": [s.to_json() for s in self.steps]}
+
+    @staticmethod
+    def from_json(d: dict) -> TransitionPlan:
+        """The plan ``to_json`` wrote; raises ``ValueError`` for another format or misnumbered ids."""
+        if d.get("format") != FORMAT:
+            raise ValueError(f"format: expected {FORMAT!r}, got {d.get('format')!r}")
+        steps = tuple(step_from_json(s) for s in d["steps"])
+        groups = tuple(Group.from_json(g) for g in d["groups"])
+        for what, items in (("steps", steps), ("groups", groups)):
+            if any(x.id != i for i, x in enumerate(items)):
+                raise ValueError(f"{what}: ids must be 0, 1, ... in order")
+        bw = d["bandwidth"]
+        return TransitionPlan(
+            steps, groups, d["num_gpus"], d["gpus_per_node"], d["capacity_bytes"], d["chunk_bytes"],
+            tuple(d["old_bytes"]), tuple(d["new_bytes"]), d["lower_bound_bytes"],
+            tuple(Detour(**x) for x in d["detours"]), d["group_setup_s"],
+            tuple(BundleBytes(**x) for x in d["bundles"]),
+            {k: StateSize(v["bytes"], v["tensors"]) for k, v in d["state_bytes"].items()},
+            BandwidthInputs(tuple(bw["recv_bytes"]), tuple(bw["recv_far_bytes"]), tuple(bw["local_copy_bytes"]),
+                            tuple(SourceSet(**x) for x in bw["source_sets"])))
