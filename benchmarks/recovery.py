@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from nereus.run.driver import Stepper  # noqa: E402
 from nereus.run.job import RLJob  # noqa: E402
 from nereus.runtime.failover import WorkerLostError  # noqa: E402
+from nereus.runtime.faults import FaultPlan  # noqa: E402
 from nereus.spec.errors import SpecError  # noqa: E402
 from nereus.spec.job import job_from_dict  # noqa: E402
 
@@ -59,7 +60,8 @@ def make_job(out: Path, steps: int, snapshot_every: int, checkpoint_every: int, 
 
 
 class LoseWorker:
-    """Arms ``die_in("train_step")`` on a worker before the first optimizer update of one step."""
+    """Hands the runtime a fault plan killing a worker at ``train_step`` before the first optimizer update
+    of one step."""
 
     def __init__(self, step: int) -> None:
         self.step, self.fired = step, False
@@ -72,7 +74,7 @@ class LoseWorker:
             if step == bench.step and not bench.fired:
                 bench.fired = True
                 bench.t_kill_armed = time.perf_counter()
-                stepper.rt.workers[LOST_WORKER].die_in.remote("train_step")
+                stepper.rt.inject(FaultPlan.kill(LOST_WORKER, "train_step"))
             return bench.real(stepper, model, batch, loss_fn, lr, step)
 
         Stepper.update = update

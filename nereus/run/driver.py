@@ -123,13 +123,13 @@ class Stepper:
         """``epochs`` × ``mini_batches`` optimizer steps on ``model``'s training layout."""
         key = self.key[model, "training"]
         gen = torch.Generator().manual_seed(self.run.seed * 7_919 + step)
-        for _ in range(self.alg.epochs):
-            for mb in mini_batches(batch, self.alg.mini_batches, gen):
-                self.rt.train_step(key, mb, loss_fn, lr, self.run.grad_clip or None)
+        steps = [self.rt.train_step(key, mb, loss_fn, lr, self.run.grad_clip or None)
+                 for _ in range(self.alg.epochs) for mb in mini_batches(batch, self.alg.mini_batches, gen)]
+        replicas = range(len(steps[0].replicas))  # replica-major, as the statistics have always been summed
         if self.run.grad_clip:  # norms are measured while clipping: verl's actor/grad_norm, critic/grad_norm
-            norms = [x for part in self.rt.apply(key, remote.drain_grad_norms) if part for x in part]
+            norms = [st.replicas[d].grad_norm for d in replicas for st in steps]
             self.grad_norms[model] = sum(norms) / len(norms)
-        return [s for part in self.rt.apply(key, remote.drain_stats) if part for s in part]
+        return [m for d in replicas for st in steps for m in st.replicas[d].metrics]
 
     def sync(self) -> None:
         """Each trained model's new weights from its training layout to its other layouts, by the live

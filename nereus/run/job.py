@@ -21,7 +21,6 @@ from safetensors.torch import load_file, save_file
 
 from nereus.rl.data import EOS, PAD, CharTokenizer, Prompt
 from nereus.rl.task import exact_match
-from nereus.run import remote
 from nereus.run.driver import Stepper
 from nereus.run.manifest import verify_manifest, write_manifest
 from nereus.run.metrics import MetricsLog, Progress
@@ -117,12 +116,10 @@ class RLJob:
             if model not in self.job.algorithm.models:
                 continue
             key = next(p.key for p in self.placed if p.model == model and p.stage == "training")
-            save_checkpoint(path / model, self.cfgs[model], remote.assemble(self.rt.apply(key, remote.read_shards)))
-            for rank, st in zip(next(p.ranks for p in self.placed if p.key == key),
-                                self.rt.apply(key, remote.read_optimizer), strict=True):
-                if st is not None:
-                    (path / "optim" / model).mkdir(parents=True, exist_ok=True)
-                    save_file(st, str(path / "optim" / model / f"rank{rank}.safetensors"))
+            save_checkpoint(path / model, self.cfgs[model], self.rt.read_weights(key))
+            for rank, st in self.rt.read_optimizer(key).items():
+                (path / "optim" / model).mkdir(parents=True, exist_ok=True)
+                save_file(st, str(path / "optim" / model / f"rank{rank}.safetensors"))
         if self.adaptive is not None:  # the plan in force: a resumed run starts on it (optimizer files per rank)
             self.state["plan"] = self.adaptive.plan.to_dict()
         (path / "state.json").write_text(json.dumps({**self.state, "step": step}, indent=1))
@@ -152,11 +149,8 @@ class RLJob:
         for p in self.placed:
             folder = path / "optim" / p.model
             if p.stage == "training" and folder.exists():
-                import ray
-
-                ray.get([self.rt.workers[w].apply.remote(p.key, remote.write_optimizer,
-                                                         load_file(str(folder / f"rank{w}.safetensors")), lr[p.model])
-                         for w in p.ranks])
+                states = {w: load_file(str(folder / f"rank{w}.safetensors")) for w in p.ranks}
+                self.rt.write_optimizer(p.key, states, lr[p.model])
         self._trim_metrics(step)
         return step
 
@@ -212,8 +206,6 @@ class RLJob:
         self.replace_placed(plan["placed"])
         if plan["plan"].num_gpus < len(self.rt.workers) and self.adaptive is not None:
             self.rt.resize(plan["plan"].num_gpus)  # survivors beyond what the schedule grants leave
-        for key in {p.key for p in self.placed}:  # loss statistics of the abandoned step
-            self.rt.apply(key, remote.drain_stats)
         if self.adaptive is not None:
             self.adaptive.replanned(plan["plan"], out["resume_step"], out["wall_s"])
         live, snap = ", ".join(out["live_state"]) or "none", ", ".join(out["snapshot_only"]) or "none"

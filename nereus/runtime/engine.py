@@ -14,6 +14,7 @@ same rows. A single process running the same micro-batches computes the same obj
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -34,7 +35,49 @@ from nereus.runtime.parallel.tp import (
 from nereus.spec.sharding import Box, model_tensors, rank_order, rank_tensors, tp_box
 
 Batch = dict[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, Batch], torch.Tensor]
+
+
+@dataclass
+class Loss:
+    """What a loss function may return instead of a bare scalar: the scalar and statistics of its
+    micro-batch (e.g. clip fractions), handed back with the step's result (``ReplicaStats.metrics``)."""
+
+    value: torch.Tensor
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+LossFn = Callable[[torch.Tensor, Batch], "torch.Tensor | Loss"]
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One data-parallel replica's part of a training step, from its output rank: micro-batch losses,
+    the statistics its loss function reported per micro-batch (in the order it ran them), and the global
+    gradient norm before clipping (None when not clipping)."""
+
+    losses: list[float]
+    metrics: list[dict[str, float]]
+    grad_norm: float | None
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """A training step's result over every replica, in data-parallel order."""
+
+    replicas: tuple[ReplicaStats, ...]
+
+    @property
+    def losses(self) -> list[float]:
+        return [x for r in self.replicas for x in r.losses]
+
+    @property
+    def metrics(self) -> list[dict[str, float]]:
+        return [m for r in self.replicas for m in r.metrics]
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The same on every replica (gradients are DP-averaged before the norm)."""
+        return self.replicas[0].grad_norm if self.replicas else None
 
 
 def tied_head(cfg: ModelConfig) -> bool:
@@ -75,7 +118,6 @@ class ShardedModel:
         self.model: CausalLM = model
         self.vocab_start = vocab_range(cfg.arch, lay.tp, c.tp)[0]
         self.optimizer: ShardedAdam | None = None
-        self.grad_norms: list[float] = []  # global gradient norms before clipping, drained by the caller
         self.comm = StageComm(groups)
         self.meter = ActivationMeter()
         self.last_report: MemoryReport | None = None
@@ -140,9 +182,10 @@ class ShardedModel:
         return torch.cat(outs) if outs else None
 
     # ----- training -------------------------------------------------------------------------------
-    def backward(self, batch: Batch, loss_fn: LossFn) -> list[float]:
+    def backward(self, batch: Batch, loss_fn: LossFn, metrics: list[dict[str, float]] | None = None) -> list[float]:
         """Gradients of the step's objective in every local parameter (TP, PP, tied copies and DP
-        reduced); returns this replica's micro-batch losses on the last stage."""
+        reduced); returns this replica's micro-batch losses on the last stage. Statistics a loss function
+        reports (``Loss.stats``) are appended to ``metrics`` in the order the micro-batches ran."""
         self.model.zero_grad(set_to_none=True)
         mbs = self.micro_batches(batch)
         run, shape = self._stage_fn(mbs)
@@ -151,7 +194,12 @@ class ShardedModel:
             mb = mbs[i]
             if not self.cfg.value_head:
                 y = parallel_logprobs(y[:, :-1], mb["tokens"][:, 1:], self.vocab_start, self.groups.tp_group)
-            return loss_fn(y, mb) / len(mbs)
+            out = loss_fn(y, mb)
+            if isinstance(out, Loss):
+                if metrics is not None:
+                    metrics.append(out.stats)
+                out = out.value
+            return out / len(mbs)
 
         with self.meter.track(exclude=self.model.parameters()):
             losses = train_pipeline(run, self.comm, [mb["tokens"] for mb in mbs], shape, self.dtype, loss,
@@ -215,17 +263,17 @@ class ShardedModel:
                     p.grad.mul_(scale)
         return norm
 
-    def step(self, lr: float = 1e-3, max_grad_norm: float | None = None, **adam) -> None:
+    def step(self, lr: float = 1e-3, max_grad_norm: float | None = None, **adam) -> float | None:
         """One Adam step on the gradients of ``backward`` (state sharded over DP with ZeRO-1), after clipping
-        their global norm to ``max_grad_norm`` when given (``grad_norms`` records the norm before)."""
-        if max_grad_norm:
-            self.grad_norms.append(self.clip_gradients(max_grad_norm))
+        their global norm to ``max_grad_norm`` when given; returns the norm before clipping (else None)."""
+        norm = self.clip_gradients(max_grad_norm) if max_grad_norm else None
         if self.optimizer is None:
             self.make_optimizer(lr, **adam)
         self.optimizer.set_lr(lr)
         self.optimizer.step()
         self.sync_tied_head()
         self.record_memory("train", activations=self._activations)
+        return norm
 
     @torch.no_grad()
     def sync_tied_head(self) -> None:

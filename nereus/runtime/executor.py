@@ -24,8 +24,6 @@ the distinct storages alive (old, new, staging) at every phase, comparable with 
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -34,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.elastic.plan import Copy, Keep, Send, Step, TransitionPlan
+from nereus.runtime.faults import FaultHook
 from nereus.runtime.holdings import (
     WEIGHTS,
     Buffer,
@@ -242,8 +241,10 @@ class Execution:
         return now
 
     def _inject(self, phase: str) -> None:
-        if self.fault == "die" and phase == "transfer":  # a worker lost mid-transition (recovery tests)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if isinstance(self.fault, FaultHook):  # a worker's fault hook: a test's plan may end it mid-transfer
+            if phase == "transfer":
+                self.fault.at("transition")
+            return
         if self.fault == phase:
             raise TransitionExecutionError(f"rank {self.me}: injected failure in phase {phase!r}")
 

@@ -1,5 +1,5 @@
-"""Recovery from lost workers, the driver side (mixed into ``workers.Runtime``): detection, host-memory
-snapshots, and the re-formed world the job continues on.
+"""Recovery from lost workers, the driver side: ``Failover`` (owned by ``workers.Runtime``) holds what
+detection and snapshots need; ``Runtime.recover`` re-forms the world the job continues on with it.
 
 *Detection*: every call the runtime waits for is collected as it completes; an actor that died, or a
 collective that failed, makes the runtime ping every worker on its control thread (which answers even
@@ -19,9 +19,11 @@ flight when snapshots are taken every step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Iterable
 
 import ray
+
+from nereus.runtime.live import KeySpec
 
 
 class WorkerLostError(RuntimeError):
@@ -32,30 +34,27 @@ class WorkerLostError(RuntimeError):
         self.lost = lost
 
 
-class FailoverMixin:
-    """Needs ``workers``, ``specs``, ``layouts``, ``timeout_s``, ``_graphs`` from ``Runtime``."""
+class Failover:
+    """The driver's failover state: the snapshots (one state-image ref per worker and model), the models
+    changed since the newest one, and the calls abandoned when a loss showed. Methods take the runtime's
+    current workers and key specs, which ``Runtime`` alone owns."""
 
-    def _init_failover(self) -> None:
+    def __init__(self) -> None:
         self.dirty: set[str] = set()  # models whose state changed since the newest snapshot
         self.snapshots: dict[str, list] = {}  # model → one state-image ref per worker (complete)
         self.snapshot_step: int | None = None
         self._pending: tuple[int, dict[str, list]] | None = None  # (step, refs) of a snapshot being taken
-        self._in_flight: list = []  # calls still out when a loss showed, collected by ``recover``
+        self._in_flight: list = []  # calls still out when a loss showed, collected by ``settle_in_flight``
 
-    def _models(self) -> list[str]:
-        return sorted({s.model for s in self.specs.values()})
-
-    def _trained_models(self) -> set[str]:
-        return {s.model for s in self.specs.values() if s.training}
-
-    def _keys_of(self, model: str, training_only: bool = False) -> dict[str, str]:
-        """key → model for ``model``'s keys (only its training key with ``training_only``)."""
-        return {s.key: model for s in self.specs.values() if s.model == model and (s.training or not training_only)}
+    def changed(self, model: str) -> None:
+        """``model``'s state is about to change (a training step): it is no longer the snapshot's."""
+        self.dirty.add(model)
 
     # ----- detection ------------------------------------------------------------------------------
-    def lost_workers(self, timeout_s: float = 10.0) -> list[int]:
+    @staticmethod
+    def lost_workers(workers: list, timeout_s: float = 10.0) -> list[int]:
         """Ranks whose actor is dead or does not answer on its control thread within ``timeout_s``."""
-        pings = [w.pid.remote() for w in self.workers]
+        pings = [w.pid.remote() for w in workers]
         lost = []
         for rank, ref in enumerate(pings):
             try:
@@ -64,7 +63,7 @@ class FailoverMixin:
                 lost.append(rank)
         return lost
 
-    def _get(self, refs: list) -> list:
+    def get(self, workers: list, refs: list) -> list:
         """``ray.get(refs)``, but a lost worker raises ``WorkerLostError`` as soon as it shows (a dead
         actor, or a survivor's collective failing) instead of waiting on survivors blocked on it."""
         pending = list(refs)
@@ -74,16 +73,16 @@ class FailoverMixin:
                 ray.get(ready[0])
             except ray.exceptions.RayActorError as exc:
                 self._in_flight = pending  # answered by ``recover`` once the survivors let go
-                raise WorkerLostError(self.lost_workers() or ["?"], type(exc).__name__) from None
+                raise WorkerLostError(self.lost_workers(workers) or ["?"], type(exc).__name__) from None
             except ray.exceptions.RayTaskError as exc:
-                lost = self.lost_workers()
+                lost = self.lost_workers(workers)
                 if lost:
                     self._in_flight = pending
                     raise WorkerLostError(lost, str(exc).splitlines()[-1][:200]) from None
                 raise
         return ray.get(refs)
 
-    def _settle_in_flight(self) -> None:
+    def settle_in_flight(self) -> None:
         """Collect the abandoned calls' results (errors, once ``abort`` released them), so Ray does not
         report them as unhandled."""
         for ref in self._in_flight:
@@ -94,24 +93,25 @@ class FailoverMixin:
         self._in_flight = []
 
     # ----- snapshots ------------------------------------------------------------------------------
-    def forget_snapshots(self) -> None:
+    def forget(self) -> None:
         self.snapshots, self.snapshot_step, self._pending = {}, None, None
         self.dirty.clear()
 
-    def snapshot(self, step: int) -> float:
+    def snapshot(self, step: int, workers: list, specs: Iterable[KeySpec]) -> float:
         """Copy the state a lost worker could take with it (trained models every call, frozen ones once)
         to host memory, labelled ``step``; returns the seconds the driver spent. The copies are taken by
         each worker before its next call (calls run in order), while the driver goes on; the snapshot counts
         once every copy is in (at the next snapshot, or at a recovery if they all made it)."""
         t0 = time.perf_counter()
-        self._promote(self._pending, wait=True)
-        trained = self._trained_models()
-        models = [m for m in self._models() if m in trained or m not in self.snapshots]
+        specs = list(specs)
+        self._promote(workers, self._pending, wait=True)
+        trained = _trained_models(specs)
+        models = [m for m in _models(specs) if m in trained or m not in self.snapshots]
         if models:  # a trained model's training key holds what its other keys follow
-            keys = {m: self._keys_of(m, training_only=m in trained) for m in models}
+            keys = {m: _keys_of(specs, m, training_only=m in trained) for m in models}
             opt = [m for m in models if m in trained]
             per_worker = [w.state_images.options(num_returns=len(models)).remote(models, keys, opt)
-                          for w in self.workers]
+                          for w in workers]
             if len(models) == 1:
                 per_worker = [[r] for r in per_worker]
             self._pending = (step, {m: [refs[i] for refs in per_worker] for i, m in enumerate(models)})
@@ -123,7 +123,7 @@ class FailoverMixin:
         """The step of the newest snapshot taken or being taken."""
         return self._pending[0] if self._pending else self.snapshot_step
 
-    def _promote(self, pending: tuple | None, wait: bool) -> bool:
+    def _promote(self, workers: list, pending: tuple | None, wait: bool) -> bool:
         """Make a pending snapshot the one recovery uses, once each of its copies is in (``wait``: block
         for them; else only if they all already made it)."""
         if pending is None:
@@ -132,7 +132,7 @@ class FailoverMixin:
         step, refs = pending
         flat = [r for rs in refs.values() for r in rs]
         if wait:
-            self._get(flat)
+            self.get(workers, flat)
         else:
             ready, _ = ray.wait(flat, num_returns=len(flat), timeout=5.0)
             try:
@@ -146,60 +146,48 @@ class FailoverMixin:
         return True
 
     # ----- recovery -------------------------------------------------------------------------------
-    def recover(self, place: Callable[[int], list], lost: list[int] | None = None) -> dict:
-        """Continue on the surviving workers: abandon the call in flight, re-form the world, and load
-        ``place(n)`` (the ``KeySpec`` of every key for ``n`` survivors, ranks 0..n-1) from live replicas and
-        the snapshot. Returns what it did and how long each part took; the state is the snapshot's step's
-        (``resume_step``)."""
+    def recovery_sources(self, workers: list, specs: list[KeySpec]) -> set[str]:
+        """Before re-forming the world: settle the newest snapshot and return the models whose live state
+        changed since it (they come from the snapshot only); raises ``StateLostError`` when one of them
+        has no snapshot."""
         from nereus.runtime.recovery import StateLostError
 
-        t0 = time.perf_counter()
-        lost = sorted(lost if lost is not None else self.lost_workers())
-        if not lost:
-            raise ValueError("no worker is lost: nothing to recover")
-        survivors = [w for r, w in enumerate(self.workers) if r not in lost]
-        if not survivors:
-            raise StateLostError("every worker is lost: restart from a disk checkpoint (nereus run --resume)")
-        if self._pending is not None and not self._promote(self._pending, wait=False):
+        if self._pending is not None and not self._promote(workers, self._pending, wait=False):
             # the newest snapshot is incomplete (its worker died first): the one before it, from which
             # every trained model has changed since
-            self.dirty |= self._trained_models()
+            self.dirty |= _trained_models(specs)
         missing = sorted(m for m in self.dirty if m not in self.snapshots)
         if missing:
             raise StateLostError(f"{missing} changed since the job started and no snapshot holds them: take "
                                  "snapshots (run.checkpoint.snapshot_every) to survive a lost worker")
-        dirty = set(self.dirty)
-        ray.get([w.abort.remote() for w in survivors])
-        self._settle_in_flight()
-        for r in lost:
-            ray.kill(self.workers[r])  # a hung (not dead) worker must not come back into the new world
-        n = len(survivors)
-        self.workers = survivors
-        master, port = self._rendezvous()
-        ray.get([w.reinit.remote(master, port, n, self.timeout_s, i) for i, w in enumerate(survivors)])
-        t_world = time.perf_counter()
-        new_specs = list(place(n))
-        images = self._recovery_images(survivors, dirty)
-        ray.get([w.prepare_groups.remote(new_specs) for w in survivors])
-        self._get([w.restore.remote(new_specs, images) for w in survivors])
-        self.specs = {s.key: s for s in new_specs}
-        self.layouts = {s.key: (s.layout, list(s.ranks)) for s in new_specs}
-        self._graphs.clear()
-        self.dirty.clear()
-        t1 = time.perf_counter()
-        return {"lost": lost, "workers": n, "resume_step": self.snapshot_step, "wall_s": t1 - t0,
-                "seconds": {"world": t_world - t0, "restore": t1 - t_world},
-                "live_state": sorted({s.model for s in new_specs} - dirty), "snapshot_only": sorted(dirty)}
+        return set(self.dirty)
 
-    def _recovery_images(self, survivors: list, dirty: set[str]) -> dict[str, list]:
+    def images(self, survivors: list, specs: list[KeySpec], dirty: set[str]) -> dict[str, list]:
         """Per model, state images in preference order: the survivors' live state of models unchanged
         since the snapshot, then the snapshot."""
-        trained = self._trained_models()
+        trained = _trained_models(specs)
         images: dict[str, list] = {}
-        for model in self._models():
+        for model in _models(specs):
             live = []
             if model not in dirty:
                 opt = [model] if model in trained else []
-                live = [w.state_image.remote(self._keys_of(model), opt, False) for w in survivors]
+                live = [w.state_image.remote(_keys_of(specs, model), opt, False) for w in survivors]
             images[model] = live + self.snapshots.get(model, [])
         return images
+
+    def recovered(self) -> None:
+        """The survivors hold the snapshot's state: nothing has changed since it."""
+        self.dirty.clear()
+
+
+def _models(specs: list[KeySpec]) -> list[str]:
+    return sorted({s.model for s in specs})
+
+
+def _trained_models(specs: list[KeySpec]) -> set[str]:
+    return {s.model for s in specs if s.training}
+
+
+def _keys_of(specs: list[KeySpec], model: str, training_only: bool = False) -> dict[str, str]:
+    """key → model for ``model``'s keys (only its training key with ``training_only``)."""
+    return {s.key: model for s in specs if s.model == model and (s.training or not training_only)}

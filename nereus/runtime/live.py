@@ -20,6 +20,7 @@ import torch.distributed as dist
 from nereus.elastic.plan import TransitionPlan
 from nereus.runtime.engine import ShardedModel, shard_boxes, tied_head
 from nereus.runtime.executor import Execution, Measured, NewBuffers, TransferComm, new_tensor
+from nereus.runtime.faults import FaultHook
 from nereus.runtime.groups import ParallelGroups
 from nereus.runtime.holdings import (
     OPTIMIZER,
@@ -135,7 +136,8 @@ def _install(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict
 
 def transition_keys(graph: TransitionPlan, old: dict[str, ShardedModel], old_specs: list[KeySpec],
                     new_specs: list[KeySpec], new_groups: dict[str, ParallelGroups], comm: TransferComm,
-                    fault: str | None = None, schedule: str = "1f1b") -> tuple[dict[str, ShardedModel], Measured]:
+                    fault: str | FaultHook | None = None,
+                    schedule: str = "1f1b") -> tuple[dict[str, ShardedModel], Measured]:
     """This rank's new shards (key → ``ShardedModel``) once every rank committed; raises
     ``TransitionExecutionError`` on every rank otherwise, ``old`` untouched. ``old``: this rank's shards by
     key (keys of ``old_specs``); ``new_groups``: every new key's groups, created by all ranks beforehand."""

@@ -1,5 +1,6 @@
-"""Ray actors, one per device, joined into one torch.distributed world; models load onto them under a
-layout, several layouts coexisting (each under its own key, with its own process groups).
+"""The runtime: Ray actors (``worker.Worker``), one per device, joined into one torch.distributed world;
+models load onto them under a layout, several layouts coexisting (each under its own key, with its own
+process groups). Its methods are typed: each names one operation and returns its result.
 
 ``Runtime`` starts a local Ray instance by default (loopback only, no dashboard) or joins the cluster at
 ``address``. Workers use gloo on CPU and NCCL with one GPU each when CUDA is present. Every call that
@@ -9,279 +10,24 @@ creates groups goes to all workers, because torch.distributed creates each group
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import uuid
-from dataclasses import asdict
-from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
 import torch
 
-from nereus.runtime.failover import FailoverMixin
+from nereus.runtime.capability import CAPABILITY
+from nereus.runtime.engine import TrainStats
+from nereus.runtime.failover import Failover, WorkerLostError
+from nereus.runtime.faults import FaultPlan
 from nereus.runtime.live import KeySpec
 from nereus.runtime.model import ModelConfig
 from nereus.runtime.raylocal import start_local_ray
+from nereus.runtime.worker import Worker, WorldAborted
 from nereus.spec.layout import Layout
 
-
-class WorldAborted(RuntimeError):
-    """The driver aborted this worker's world (a peer was lost); the call in flight was abandoned."""
-
-
-# Calls run one at a time, in order ("default" group); ``abort`` and ``pid`` answer from their own thread
-# even while a call is blocked in a collective with a lost peer.
-@ray.remote(concurrency_groups={"control": 1})
-class Worker:
-    """One device: holds the shards of every loaded model-stage, keyed by name."""
-
-    def __init__(self, rank: int, world: int) -> None:
-        torch.set_num_threads(1)
-        self.rank, self.world = rank, world
-        self.models: dict[str, object] = {}
-        self.groups: dict[str, object] = {}
-        self._abort = threading.Event()
-        self._stuck: list[threading.Thread] = []  # calls abandoned by ``abort``, still blocked
-        self._die_in: str | None = None
-
-    # ----- failure handling -----------------------------------------------------------------------
-    @ray.method(concurrency_group="control")
-    def pid(self) -> int:
-        return os.getpid()
-
-    @ray.method(concurrency_group="control")
-    def abort(self) -> bool:
-        """Give up the call in flight (blocked on a lost peer): it returns ``WorldAborted`` at once and
-        the world is re-formed by ``reinit``."""
-        self._abort.set()
-        return True
-
-    @ray.method(concurrency_group="control")
-    def die_in(self, op: str) -> bool:
-        """Fault injection for tests and benchmarks: SIGKILL this process in the middle of the next ``op``
-        call (``train_step``: after its backward pass, before the optimizer step; ``transition``: after
-        the prepare vote, while the transfers run)."""
-        self._die_in = op
-        return True
-
-    def _guarded(self, fn, *args: object) -> object:
-        """``fn(*args)`` on a helper thread, so that ``abort`` can release this worker from a collective
-        that will never complete; a gloo collective cannot be interrupted, so the thread is abandoned (it
-        fails once ``reinit`` destroys its world) and never touches state the recovery rebuilds."""
-        if self._abort.is_set():
-            raise WorldAborted("this worker's world was aborted; re-form it (Runtime.recover)")
-        out: dict = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                out["value"] = fn(*args)
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
-                out["error"] = exc
-            finally:
-                done.set()
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        while not done.wait(0.05):
-            if self._abort.is_set():
-                self._stuck.append(t)
-                raise WorldAborted("a peer was lost; the call in flight was abandoned")
-        if "error" in out:
-            raise out["error"]
-        return out["value"]
-
-    def address(self) -> tuple[str, int]:
-        from nereus.runtime.launch import free_port
-
-        return ray.util.get_node_ip_address(), free_port()
-
-    def init_dist(self, master: str, port: int, timeout_s: float) -> str:
-        import torch.distributed as dist
-
-        from nereus.runtime.groups import default_backend, local_device
-
-        backend = default_backend()
-        if backend == "nccl":
-            torch.cuda.set_device(local_device())
-        if master.startswith("file://"):  # one host: a file rendezvous, so no TCP store listens on any interface
-            init = master
-        else:
-            os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
-            init = "env://"
-        os.environ["LOCAL_RANK"] = "0"
-        dist.init_process_group(backend, init_method=init, rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=timeout_s))
-        return backend
-
-    def load(self, key: str, cfg: ModelConfig, layout: Layout, ranks: list[int], checkpoint: str | None,
-             state: dict | None, dtype: str, schedule: str) -> bool:
-        from nereus.runtime.engine import ShardedModel, shard_boxes, tied_head
-        from nereus.runtime.groups import ParallelGroups
-        from nereus.runtime.hf import load_boxes, slice_boxes
-
-        groups = ParallelGroups(layout, ranks, tied_embeddings=tied_head(cfg))
-        self.groups[key] = groups
-        if not groups.member:
-            return False
-        boxes = shard_boxes(cfg, groups)
-        tensors = load_boxes(checkpoint, boxes) if checkpoint else slice_boxes(state, boxes)
-        self.models[key] = ShardedModel(cfg, groups, tensors, getattr(torch, dtype), schedule)
-        return True
-
-    def reinit(self, master: str, port: int, world: int, timeout_s: float, rank: int | None = None) -> bool:
-        """Leave the current world (every group with it) and join one of ``world`` workers as ``rank``
-        (default: the same), keeping this worker's shards in memory; ``regroup`` then rebuilds them on the
-        new world's groups. Calls abandoned by ``abort`` fail once their world is gone."""
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        for t in self._stuck:
-            t.join(timeout=2.0)  # it fails once its world is destroyed; never wait long on it
-        self._stuck = [t for t in self._stuck if t.is_alive()]
-        self._abort.clear()
-        self.world, self.groups, self.pending = world, {}, {}
-        self.rank = self.rank if rank is None else rank
-        self.init_dist(master, port, timeout_s)
-        return self.init_comm(min(timeout_s, 120.0))
-
-    def state_image(self, key_model: dict[str, str], optimizer_for: list[str], weights_dp0_only: bool) -> dict:
-        """A copy of this worker's state of the keys in ``key_model`` (``recovery.state_image``); as a
-        return value it lives in Ray's object store, owned by the driver: a host-memory snapshot that
-        outlives this process."""
-        from nereus.runtime.recovery import state_image
-
-        return state_image(self.models, key_model, set(optimizer_for), weights_dp0_only)
-
-    def state_images(self, models: list[str], keys: dict[str, dict[str, str]], optimizer_for: list[str]):
-        """``state_image`` of each of ``models`` (its keys in ``keys``), one return value each (a snapshot:
-        data-parallel replica 0's weights, every rank's optimizer state)."""
-        images = tuple(self.state_image(keys[m], optimizer_for, True) for m in models)
-        return images if len(images) > 1 else images[0]
-
-    def restore(self, specs: list, images: dict[str, list]) -> bool:
-        """Replace every key by ``specs`` (groups from ``prepare_groups`` in the re-formed world), each
-        buffer filled from ``images`` (model → object refs of state images, in preference order)."""
-        from nereus.runtime.recovery import restore_state
-
-        pending, self.pending = self.pending, {}
-        fetched = {m: ray.get(refs) for m, refs in images.items()}
-        models = restore_state(specs, pending, fetched, self.comm)
-        self.models, self.groups = models, dict(pending)
-        return True
-
-    def regroup(self, specs: list) -> bool:
-        """Every key's groups in the new world (collective, same order everywhere), and its shard rebuilt
-        around the same tensors: parameters adopted, Adam's segments and moments handed over."""
-        from nereus.runtime.engine import tied_head
-        from nereus.runtime.groups import ParallelGroups
-        from nereus.runtime.live import rebuild
-
-        for s in specs:
-            g = ParallelGroups(s.layout, list(s.ranks), tied_embeddings=tied_head(s.cfg))
-            self.groups[s.key] = g
-            if s.key in self.models:
-                self.models[s.key] = rebuild(self.models[s.key], g)
-        return True
-
-    def init_comm(self, timeout_s: float) -> bool:
-        from nereus.runtime.executor import TransferComm
-
-        self.comm = TransferComm(timeout_s)
-        return True
-
-    def prepare_groups(self, specs: list) -> bool:
-        """The process groups of every key of a coming transition, created ahead (collective: every
-        worker, same order); a key whose layout and workers do not change keeps its groups."""
-        from nereus.runtime.engine import tied_head
-        from nereus.runtime.groups import ParallelGroups
-
-        self.pending = {}
-        for s in specs:
-            cur = self.groups.get(s.key)
-            if cur is not None and (cur.layout, tuple(cur.ranks)) == (s.layout, tuple(s.ranks)):
-                self.pending[s.key] = cur
-            else:
-                self.pending[s.key] = ParallelGroups(s.layout, list(s.ranks), tied_embeddings=tied_head(s.cfg))
-        return True
-
-    def transition(self, graph: object, old_specs: list, new_specs: list, fault: str | None = None,
-                   sources: list | None = None) -> dict:
-        """Replace the keys of ``old_specs`` by ``new_specs``, state moved as ``graph`` plans (groups from
-        ``prepare_groups``) from the keys of ``sources`` (default ``old_specs``; a weight sync reads the
-        training key only). On failure every worker keeps its old shards and reports the error."""
-        return self._guarded(self._transition, graph, old_specs, new_specs, fault, sources)
-
-    def _transition(self, graph: object, old_specs: list, new_specs: list, fault: str | None,
-                    sources: list | None) -> dict:
-        import time
-
-        from nereus.runtime.live import transition_keys
-
-        t0 = time.perf_counter()
-        sources = old_specs if sources is None else sources
-        if self._die_in == "transition":
-            fault = "die"
-        old = {s.key: self.models[s.key] for s in sources if s.key in self.models}
-        pending, self.pending = self.pending, {}
-        try:
-            models, measured = transition_keys(graph, old, sources, new_specs, pending, self.comm, fault)
-        except Exception as exc:  # noqa: BLE001 - reported to the driver; the old layout stays
-            for key, g in pending.items():
-                if g is not self.groups.get(key):
-                    g.destroy()
-            self.comm.renew()
-            return {"ok": False, "error": str(exc), "wall_s": time.perf_counter() - t0}
-        keep = {id(g) for g in pending.values()}
-        for s in old_specs:
-            self.models.pop(s.key, None)
-            g = self.groups.pop(s.key, None)
-            if g is not None and id(g) not in keep:
-                g.destroy()
-        self.models.update(models)
-        self.groups.update(pending)
-        return {"ok": True, "error": "", "wall_s": time.perf_counter() - t0, "measured": measured.to_dict()}
-
-    def call(self, key: str, op: str, *args: object, **kwargs: object) -> object:
-        """Run ``op`` on this worker's shard of ``key``; None on workers outside the layout."""
-        return self._guarded(self._call, key, op, args, kwargs)
-
-    def _call(self, key: str, op: str, args: tuple, kwargs: dict) -> object:
-        from nereus.runtime.generate import generate, generate_with_logprobs
-
-        sm = self.models.get(key)
-        if sm is None:
-            return None
-        if op == "train_step" and self._die_in == "train_step":  # fault injection (``die_in``)
-            sm.backward(*args[:2])
-            os.kill(os.getpid(), signal.SIGKILL)
-        if op == "generate":
-            out = generate(sm, *args, **kwargs)
-        elif op == "generate_with_logprobs":
-            out = generate_with_logprobs(sm, *args, **kwargs)
-        elif op == "memory":
-            return asdict(sm.last_report) if sm.last_report else None
-        elif op == "boxes":
-            return {name: tuple(p.shape) for name, p in sm.shards().items()}
-        else:
-            out = getattr(sm, op)(*args, **kwargs)
-        if not sm.is_output_rank:
-            return None
-        return sm.groups.coords.dp, out
-
-    def apply(self, key: str, fn: object, *args: object) -> object:
-        """``fn(shard, *args)`` on this worker's shard of ``key`` (None outside the layout); callers use it
-        for operations the runtime does not name, such as reading or writing shards and optimizer state."""
-        sm = self.models.get(key)
-        return None if sm is None else self._guarded(fn, sm, *args)
-
-    def release(self, key: str) -> None:
-        self.models.pop(key, None)
-        groups = self.groups.pop(key, None)
-        if groups is not None:
-            groups.destroy()
+__all__ = ["Runtime", "Worker", "WorkerLostError", "WorldAborted"]
 
 
 def _world_job(job: object, world: int) -> object:
@@ -294,9 +40,12 @@ def _world_job(job: object, world: int) -> object:
     return replace(job, cluster=replace(job.cluster, nodes=1, gpus_per_node=world))
 
 
-class Runtime(FailoverMixin):
+class Runtime:
     """``world`` workers (Ray actors) in one process group; ``load`` places a model under a layout. A lost
-    worker raises ``WorkerLostError``; ``recover`` continues on the survivors (``failover``)."""
+    worker raises ``WorkerLostError``; ``recover`` continues on the survivors (``failover``).
+    ``capability`` says which layouts it runs; ``specs`` (key → ``KeySpec``) is what each key holds."""
+
+    capability = CAPABILITY
 
     def __init__(self, world: int, address: str | None = None, temp_dir: str | Path | None = None,
                  timeout_s: float = 600.0, max_workers: int | None = None) -> None:
@@ -315,10 +64,9 @@ class Runtime(FailoverMixin):
         master, port = self._rendezvous()
         self.backend = ray.get([w.init_dist.remote(master, port, timeout_s) for w in self.workers])[0]
         ray.get([w.init_comm.remote(min(timeout_s, 120.0)) for w in self.workers])
-        self.layouts: dict[str, tuple[Layout, list[int]]] = {}
-        self.specs: dict[str, KeySpec] = {}  # what each key holds, for transitions
+        self.specs: dict[str, KeySpec] = {}  # what each key holds: the one record of placements
         self._graphs: dict[tuple, object] = {}
-        self._init_failover()
+        self.failover = Failover()
 
     def _rendezvous(self) -> tuple[str, int]:
         """Where a new world meets: a fresh file under Ray's temp folder when Ray is local (nothing listens),
@@ -337,7 +85,6 @@ class Runtime(FailoverMixin):
         ranks = list(range(layout.world)) if ranks is None else list(ranks)
         ckpt = str(checkpoint) if checkpoint else None
         ray.get([w.load.remote(key, cfg, layout, ranks, ckpt, state, dtype, schedule) for w in self.workers])
-        self.layouts[key] = (layout, ranks)
         head, _, tail = key.partition("/")
         self.specs[key] = KeySpec(key, model or head, stage or tail or "inference", cfg, layout, tuple(ranks), dtype)
 
@@ -351,7 +98,6 @@ class Runtime(FailoverMixin):
         out = self._move(job, old_specs, new_specs, old_specs, fault)
         for s in new_specs:
             self.specs[s.key] = s
-            self.layouts[s.key] = (s.layout, list(s.ranks))
         return out
 
     def sync_weights(self, model: str, job: object) -> dict:
@@ -412,50 +158,144 @@ class Runtime(FailoverMixin):
             self._graphs[key] = build_graph(_world_job(job, world), plan_of(old, world), plan_of(new, world))
         return self._graphs[key]
 
-    def _run(self, key: str, op: str, *args: object, **kwargs: object) -> list:
-        _, ranks = self.layouts[key]
-        if op == "train_step":
-            self.dirty.add(self.specs[key].model)
-        results = self._get([self.workers[r].call.remote(key, op, *args, **kwargs) for r in ranks])
-        return [out for _, out in sorted(r for r in results if r is not None)]
+    # ----- operations on a key --------------------------------------------------------------------
+    def _on(self, key: str, op: str, *args: object) -> list:
+        """``Worker.<op>(key, *args)`` on every worker of ``key``'s layout (all together, as collectives
+        need); their answers in layout rank order."""
+        return self._get([getattr(self.workers[r], op).remote(key, *args) for r in self.specs[key].ranks])
+
+    @staticmethod
+    def _by_replica(answers: list) -> list:
+        """The output ranks' results in data-parallel order."""
+        return [out for _, out in sorted((a for a in answers if a is not None), key=lambda a: a[0])]
 
     def logprobs(self, key: str, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self._run(key, "logprobs", tokens))
+        return torch.cat(self._by_replica(self._on(key, "logprobs", tokens)))
 
     def values(self, key: str, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self._run(key, "values", tokens))
+        return torch.cat(self._by_replica(self._on(key, "values", tokens)))
 
     def train_step(self, key: str, batch: dict, loss_fn: object, lr: float = 1e-3,
-                   max_grad_norm: float | None = None) -> list[float]:
-        """One optimizer step; ``max_grad_norm`` clips the global gradient norm first (``ShardedModel.step``)."""
-        return [x for part in self._run(key, "train_step", batch, loss_fn, lr, max_grad_norm) for x in part]
+                   max_grad_norm: float | None = None) -> TrainStats:
+        """One optimizer step; ``max_grad_norm`` clips the global gradient norm first (``ShardedModel.step``).
+        Returns each replica's losses, loss statistics and gradient norm."""
+        self.failover.changed(self.specs[key].model)
+        return TrainStats(tuple(self._by_replica(self._on(key, "train_step", batch, loss_fn, lr, max_grad_norm))))
 
     def generate(self, key: str, prompts: list[list[int]], params: object) -> list[list[int]]:
-        return [row for part in self._run(key, "generate", prompts, params) for row in part]
+        return [row for part in self._by_replica(self._on(key, "generate", prompts, params)) for row in part]
 
     def generate_with_logprobs(self, key: str, prompts: list[list[int]],
                                params: object) -> list[tuple[list[int], list[float]]]:
         """New tokens and their sampling-time log-probs per prompt (``generate.generate_with_logprobs``)."""
-        return [row for part in self._run(key, "generate_with_logprobs", prompts, params) for row in part]
-
-    def apply(self, key: str, fn: object, *args: object) -> list:
-        """``fn(shard, *args)`` on every worker of ``key``'s layout (all together, as collectives need);
-        results in layout rank order. ``fn`` must be importable or picklable by value."""
-        _, ranks = self.layouts[key]
-        return self._get([self.workers[r].apply.remote(key, fn, *args) for r in ranks])
+        answers = self._on(key, "generate_with_logprobs", prompts, params)
+        return [row for part in self._by_replica(answers) for row in part]
 
     def memory(self, key: str) -> list[dict | None]:
         """The last operation's memory report of every worker of ``key``'s layout, in layout rank order."""
-        _, ranks = self.layouts[key]
-        return ray.get([self.workers[r].call.remote(key, "memory") for r in ranks])
+        return ray.get([self.workers[r].memory.remote(key) for r in self.specs[key].ranks])
 
     def shard_shapes(self, key: str) -> list[dict]:
-        _, ranks = self.layouts[key]
-        return ray.get([self.workers[r].call.remote(key, "boxes") for r in ranks])
+        return ray.get([self.workers[r].shard_shapes.remote(key) for r in self.specs[key].ranks])
+
+    # ----- state (checkpoints, tests) ----------------------------------------------------------------
+    def read_weights(self, key: str) -> dict[str, torch.Tensor]:
+        """``key``'s whole weights by checkpoint name, assembled from its shards."""
+        from nereus.runtime.shard_state import assemble
+
+        return assemble(self._on(key, "read_shards"))
+
+    def read_optimizer(self, key: str) -> dict[int, dict[str, torch.Tensor]]:
+        """worker rank → its Adam state of ``key`` (``shard_state.read_optimizer``); ranks without one yet
+        (no step taken) are left out."""
+        states = self._on(key, "read_optimizer")
+        return {r: st for r, st in zip(self.specs[key].ranks, states, strict=True) if st is not None}
+
+    def write_optimizer(self, key: str, states: dict[int, dict[str, torch.Tensor]], lr: float) -> None:
+        """Install what ``read_optimizer`` returned, under the same layout on the same workers; raises
+        ``ValueError`` naming what does not match."""
+        ranks = self.specs[key].ranks
+        if set(states) != set(ranks):
+            raise ValueError(f"optimizer state of workers {sorted(states)} for {key!r}, whose layout runs on "
+                             f"{sorted(ranks)}: resume under the layout the checkpoint was written with")
+        self._get([self.workers[r].write_optimizer.remote(key, states[r], lr) for r in ranks])
+
+    def holdings(self, key: str) -> list:
+        """Every worker's state of ``key`` (weights and Adam state) by global box, as ``holdings.Holdings``,
+        in layout rank order."""
+        from nereus.runtime.recovery import unpack
+
+        model = self.specs[key].model
+        return [unpack(p) for p in self._get([self.workers[r].holdings.remote(key, model)
+                                                for r in self.specs[key].ranks])]
+
+    # ----- failover -------------------------------------------------------------------------------
+    def recover(self, place: Callable[[int], list[KeySpec]], lost: list[int] | None = None) -> dict:
+        """Continue on the surviving workers: abandon the call in flight, re-form the world, and load
+        ``place(n)`` (the ``KeySpec`` of every key for ``n`` survivors, ranks 0..n-1) from live replicas and
+        the snapshot. Returns what it did and how long each part took; the state is the snapshot's step's
+        (``resume_step``)."""
+        import time
+
+        from nereus.runtime.recovery import StateLostError
+
+        t0 = time.perf_counter()
+        lost = sorted(lost if lost is not None else self.lost_workers())
+        if not lost:
+            raise ValueError("no worker is lost: nothing to recover")
+        survivors = [w for r, w in enumerate(self.workers) if r not in lost]
+        if not survivors:
+            raise StateLostError("every worker is lost: restart from a disk checkpoint (nereus run --resume)")
+        old_specs = list(self.specs.values())
+        dirty = self.failover.recovery_sources(self.workers, old_specs)
+        ray.get([w.abort.remote() for w in survivors])
+        self.failover.settle_in_flight()
+        for r in lost:
+            ray.kill(self.workers[r])  # a hung (not dead) worker must not come back into the new world
+        n = len(survivors)
+        self.workers = survivors
+        master, port = self._rendezvous()
+        ray.get([w.reinit.remote(master, port, n, self.timeout_s, i) for i, w in enumerate(survivors)])
+        t_world = time.perf_counter()
+        new_specs = list(place(n))
+        images = self.failover.images(survivors, old_specs, dirty)
+        ray.get([w.prepare_groups.remote(new_specs) for w in survivors])
+        self._get([w.restore.remote(new_specs, images) for w in survivors])
+        self.specs = {s.key: s for s in new_specs}
+        self._graphs.clear()
+        self.failover.recovered()
+        t1 = time.perf_counter()
+        return {"lost": lost, "workers": n, "resume_step": self.failover.snapshot_step, "wall_s": t1 - t0,
+                "seconds": {"world": t_world - t0, "restore": t1 - t_world},
+                "live_state": sorted({s.model for s in new_specs} - dirty), "snapshot_only": sorted(dirty)}
+
+    def inject(self, plan: FaultPlan) -> None:
+        """Arm ``plan``'s faults on their workers (tests and benchmarks); nothing else ever arms them."""
+        ray.get([w.arm_faults.remote(plan.points_of(r)) for r, w in enumerate(self.workers) if plan.points_of(r)])
+
+    def _get(self, refs: list) -> list:
+        return self.failover.get(self.workers, refs)
+
+    def lost_workers(self, timeout_s: float = 10.0) -> list[int]:
+        return self.failover.lost_workers(self.workers, timeout_s)
+
+    def snapshot(self, step: int) -> float:
+        """A host-memory snapshot labelled ``step`` (``Failover.snapshot``); returns the driver's seconds."""
+        return self.failover.snapshot(step, self.workers, list(self.specs.values()))
+
+    def forget_snapshots(self) -> None:
+        self.failover.forget()
+
+    @property
+    def snapshot_step(self) -> int | None:
+        return self.failover.snapshot_step
+
+    @property
+    def latest_snapshot_step(self) -> int | None:
+        return self.failover.latest_snapshot_step
 
     def release(self, key: str) -> None:
         ray.get([w.release.remote(key) for w in self.workers])
-        self.layouts.pop(key, None)
         self.specs.pop(key, None)
 
     def shutdown(self) -> None:

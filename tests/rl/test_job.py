@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nereus.run import remote
 from nereus.run.job import RLJob
 from tests.rl.jobs import tiny_job
 
@@ -42,7 +41,7 @@ def _check_synced(rl: RLJob) -> None:
     """After a step, every layout of a trained model holds the training layout's weights."""
     for model in ("actor", "critic"):
         keys = sorted({p.key for p in rl.placed if p.model == model})
-        whole = [remote.assemble(rl.rt.apply(k, remote.read_shards)) for k in keys]
+        whole = [rl.rt.read_weights(k) for k in keys]
         for other in whole[1:]:
             for name, t in whole[0].items():
                 torch.testing.assert_close(other[name], t, rtol=0, atol=0)

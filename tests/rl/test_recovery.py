@@ -11,6 +11,7 @@ import pytest
 from nereus.run.driver import Stepper
 from nereus.run.job import RLJob
 from nereus.run.manifest import verify_manifest
+from nereus.runtime.faults import FaultPlan
 from tests.rl.jobs import tiny_job
 
 pytestmark = pytest.mark.distributed
@@ -24,7 +25,7 @@ def test_run_continues_after_losing_a_worker_mid_step(ray_runtime, tmp_path, mon
     def update_losing_a_worker(self, model, batch, loss_fn, lr, step):
         if step == LOSE_AT and not armed:
             armed.append(model)
-            self.rt.workers[1].die_in.remote("train_step")  # SIGKILL after its backward pass
+            self.rt.inject(FaultPlan.kill(1, "train_step"))  # SIGKILL after its backward pass
         return real_update(self, model, batch, loss_fn, lr, step)
 
     monkeypatch.setattr(Stepper, "update", update_losing_a_worker)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nereus.runtime.failover import WorkerLostError
-from nereus.runtime.holdings import holdings_of
+from nereus.runtime.faults import FaultPlan
 from tests.runtime.live_common import ACTOR, REFERENCE, initial_state, job, lay, make_batch, spec
 
 pytestmark = pytest.mark.distributed
@@ -20,20 +20,16 @@ def loss(out, mb):  # module level: Ray ships it by reference
     return -(out * mb["adv"][:, 1:]).mean() + 0.1 * (out**2).mean()
 
 
-def pieces(sm, model):
-    """(state, tensor, component, box, values) of everything this shard holds: weights and Adam state."""
-    return [(st, name, i, box, v.clone()) for (_, st, name, boxes), buf in holdings_of(model, sm).buffers.items()
-            for box in boxes for i, v in enumerate(buf.view(box))]
-
-
 def global_state(rt, key: str, model: str) -> dict:
     """(state, tensor, component) → the whole tensor, assembled from every worker of ``key``."""
     shapes = {k: tuple(v.shape) for k, v in initial_state(model).items()}
     full: dict = {}
-    for part in rt.apply(key, pieces, model):
-        for st, name, i, box, v in part or []:
-            t = full.setdefault((st, name, i), torch.full(shapes[name], float("nan"), dtype=v.dtype))
-            t[tuple(slice(lo, hi) for lo, hi in box)] = v
+    for held in rt.holdings(key):
+        for (_, st, name, boxes), buf in held.buffers.items():
+            for box in boxes:
+                for i, v in enumerate(buf.view(box)):
+                    t = full.setdefault((st, name, i), torch.full(shapes[name], float("nan"), dtype=v.dtype))
+                    t[tuple(slice(lo, hi) for lo, hi in box)] = v
     for k, t in full.items():
         assert not torch.isnan(t).any(), f"{k} not covered"
     return full
@@ -55,7 +51,7 @@ def _load(rt, train, ref) -> None:
 
 def _release(rt, keys) -> None:
     for k in keys:
-        if k in rt.layouts:
+        if k in rt.specs:
             rt.release(k)
     rt.resize(4)  # the session's runtime has four workers again for the tests that follow
 
@@ -81,7 +77,7 @@ def test_worker_killed_mid_step_with_dp2(ray_runtime):
         for s in (1, 2):
             rt.train_step(train.key, make_batch(ACTOR, s), loss, lr=ADAM_LR)
         rt.snapshot(step=2)
-        rt.workers[3].die_in.remote("train_step")
+        rt.inject(FaultPlan.kill(3, "train_step"))
         with pytest.raises(WorkerLostError) as lost:
             rt.train_step(train.key, make_batch(ACTOR, 3), loss, lr=ADAM_LR)
         assert lost.value.lost == [3]
@@ -112,7 +108,7 @@ def test_worker_killed_mid_transition(ray_runtime):
         rt.train_step(train.key, make_batch(ACTOR, 1), loss, lr=ADAM_LR)
         rt.snapshot(step=1)
         before = global_state(rt, train.key, "actor")
-        rt.workers[2].die_in.remote("transition")
+        rt.inject(FaultPlan.kill(2, "transition"))
         with pytest.raises(WorkerLostError) as lost:
             rt.transition([spec("actor", lay(pp=2, dp=2), [3, 2, 1, 0])], j)
         assert lost.value.lost == [2]

@@ -35,8 +35,9 @@ def test_two_layouts_on_ray_workers(ray_runtime, tmp_path):
     def loss(out, mb):  # defined here so Ray ships it by value
         return -(out * mb["adv"][:, 1:]).mean() + 0.1 * (out**2).mean()
 
-    losses = rt.train_step("a", data, loss, lr=1e-2)
-    assert len(losses) == len(data["tokens"])  # one per micro-batch of one sequence
+    stats = rt.train_step("a", data, loss, lr=1e-2)
+    assert len(stats.losses) == len(data["tokens"])  # one per micro-batch of one sequence
+    assert len(stats.replicas) == a.dp and stats.grad_norm is None and stats.metrics == []
     reports = rt.memory("a")
     assert all(r["op"] == "train" and r["optimizer"] > 0 and r["activations"] > 0 for r in reports)
     params = SamplingParams(max_new_tokens=4)

@@ -40,9 +40,9 @@ def test_sync_transition_and_rollback_on_ray_workers(ray_runtime):
         with pytest.raises(TransitionExecutionError, match="injected failure"):
             rt.transition(new, j, fault=("prepare", 2))
         torch.testing.assert_close(rt.logprobs(train.key, tokens), fresh, **TOL)  # still the old layout
-        assert rt.layouts[train.key][0] == train.layout
+        assert rt.specs[train.key].layout == train.layout
         result = rt.transition(new, j)
-        assert rt.layouts[train.key][0] == new[0].layout
+        assert rt.specs[train.key].layout == new[0].layout
         assert sum(w["bytes_received"] for w in result["workers"]) > 0
         torch.testing.assert_close(rt.logprobs(train.key, tokens), fresh, **TOL)
         torch.testing.assert_close(rt.logprobs(gen.key, tokens), fresh, **TOL)
