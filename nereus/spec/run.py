@@ -55,6 +55,8 @@ class AdaptSpec:
     margin: float = 0.5
     replan_every: int = 25
     fit_every: int = 5
+    # False: decide on the profile's predictions alone, never on measured times (a reproducible run)
+    calibrate: bool = True
 
     def workers_at(self, step: int, default: int) -> int:
         return value_at(self.availability, step, default)
@@ -131,7 +133,7 @@ def _adapt(f: Fields) -> AdaptSpec | None:
                      cooldown=a.get("cooldown", int, 5, minimum=0), min_gain=a.get("min_gain", float, 0.03, minimum=0),
                      margin=a.get("margin", float, 0.5, minimum=0),
                      replan_every=a.get("replan_every", int, 25, minimum=1),
-                     fit_every=a.get("fit_every", int, 5, minimum=1))
+                     fit_every=a.get("fit_every", int, 5, minimum=1), calibrate=a.get("calibrate", bool, True))
     a.finish()
     return spec
 

@@ -24,8 +24,10 @@ def _job(tmp_path) -> str:
     spec = yaml.safe_load((EXAMPLES / "ppo_tiny.yaml").read_text())
     spec["run"].update(steps=STEPS, eval_every=STEPS, warmstart={"actor_steps": 20, "reward_steps": 20},
                        data={"train_size": 200, "val_size": 16}, checkpoint={"dir": str(tmp_path / "run")})
+    # Decisions on the profile's predictions, never on measured times: the moves are the same on an idle
+    # and on a loaded machine (calibration itself is tested against given times in tests/test_calibration.py)
     spec["run"]["adapt"] = {"availability": [{"step": 0, "workers": 2}], "cooldown": 0, "horizon": 20,
-                            "fit_every": 2}
+                            "calibrate": False}
     spec["workload"]["prompts_per_step"] = 8
     spec["cluster"]["profile"] = str(EXAMPLES / spec["cluster"]["profile"])  # relative to the example
     path = tmp_path / "job.yaml"
@@ -57,11 +59,15 @@ def test_scale_moves_a_running_job_live(ray_runtime, tmp_path, monkeypatch, caps
     assert workers[3] == 1.0  # asked after the 2nd step: on one worker from the 4th on (within two steps)
     assert workers[-1] == 2.0
     moved = [r for r in rows if r["nereus/transition_s"] > 0]
-    assert len(moved) >= 2, [r["nereus/plan"] for r in rows]
+    assert len(moved) == 2, [r["nereus/plan"] for r in rows]  # the shrink and the grow, nothing else
     assert all("actor/training" in r["nereus/plan"] for r in rows)
     assert all(r[k] > 0 for r in rows for k in r if k.startswith("nereus/predicted_s/"))
     decisions = [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()]
-    assert {d["action"] for d in decisions} >= {"forced", "keep"}
+    actions = [(d.get("step"), d["action"]) for d in decisions]
+    # shrinking off a lost worker is forced; growing back is admitted because the predicted gain beats
+    # the predicted transition cost; every other step keeps its plan
+    assert (1, "forced") in actions and (4, "transition") in actions, actions
+    assert {a for _, a in actions} == {"forced", "transition", "keep"}, actions
     assert summary["adaptation"]["transitions"] == len(moved)
     assert summary["final_accuracy"] is not None
     assert main(["report", str(out / "run_record.json"), "--out", str(tmp_path / "report")]) == 0

@@ -40,12 +40,18 @@ def test_ray_listens_on_loopback_only():
     probe = Probe.remote()
     try:
         probe_pid = ray.get(probe.pid.remote(), timeout=60)
-        time.sleep(1.0)  # let the actor's and agents' servers settle
-        pids = raylocal.ray_pids()
+        # The actor's server may start listening after it answered, later on a loaded machine: wait for it
+        # rather than for a fixed time (the deadline only guards against a hang).
+        deadline = time.monotonic() + 120
+        while True:
+            pids = raylocal.ray_pids()
+            # The session's nereus Worker actors (when running) are included: their torch.distributed world
+            # meets through a file (no TCP store) and gloo binds to the loopback node address.
+            listening = raylocal.listening_addresses(pids)
+            if probe_pid in {p for p, _, _ in listening} or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert probe_pid in pids and len(pids) >= 3, pids  # driver, GCS, raylet, ... and the probe actor
-        # The session's nereus Worker actors (when running) are included: their torch.distributed world
-        # meets through a file (no TCP store) and gloo binds to the loopback node address.
-        listening = raylocal.listening_addresses(pids)
         kinds = {_title(p).rsplit("/", 1)[-1] for p, _, _ in listening}
         assert {"gcs_server", "raylet"} <= kinds, listening  # the scan sees Ray's daemons
         assert probe_pid in {p for p, _, _ in listening}, listening
