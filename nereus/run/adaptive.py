@@ -74,7 +74,7 @@ def controller_for(job: JobSpec) -> Controller:
     job = replace(job, options=CAPABILITY.planning_options(job.options))
     cfg = ControllerConfig() if a is None else ControllerConfig(
         horizon=a.horizon, margin=a.margin, min_gain=a.min_gain, cooldown=a.cooldown,
-        replan_every=a.replan_every, fit_every=a.fit_every)
+        replan_every=a.replan_every, fit_every=a.fit_every, calibrate=a.calibrate)
     allowed = Constraints(layout_filter=lambda ms, lay: runtime_layout_ok(job, ms.stage, lay, ms.model),
                           capability=CAPABILITY)
     return Controller(job, cfg, schedule=CurriculumSchedule(job), total_steps=job.run.steps, constraints=allowed)
