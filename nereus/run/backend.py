@@ -22,7 +22,6 @@ from nereus.control.backend import (
 )
 from nereus.cost.hardware import Hardware
 from nereus.elastic.schedule import schedule_graph
-from nereus.run import remote
 from nereus.run.driver import Stepper
 from nereus.run.setup import Placed, placed_from_plan
 from nereus.runtime.failover import WorkerLostError
@@ -155,8 +154,6 @@ class RuntimeBackend:
         self._use(chosen["plan"], chosen["placed"])
         if self.adaptive and self.plan.num_gpus < len(self.rt.workers):
             self.rt.resize(self.plan.num_gpus)  # survivors beyond what the schedule grants leave
-        for key in {p.key for p in self.placed}:  # loss statistics of the abandoned step
-            self.rt.apply(key, remote.drain_stats)
         self.carry.update({"nereus/recovery_s": out["wall_s"], "nereus/lost_work_s": lost.elapsed_s,
                            "nereus/lost_workers": float(len(out["lost"]))})
         return RecoveryMetrics(out["resume_step"], self.plan, out["wall_s"], out)
