@@ -1,6 +1,6 @@
 """Forecast of the coming workload from what the job measured and what it was told in advance.
 
-Response lengths drift over a run (shared/data/rl_length_dynamics.md: roughly linear growth over
+Response lengths drift over a run (docs/sources/rl_length_dynamics.md: roughly linear growth over
 thousands of steps, sometimes a dip after a context raise). The forecast fits a least-squares line to
 the recent per-step means and extrapolates it to the middle of the horizon; the context limit (max
 length) and GPU changes are announced by the job's schedule, not guessed.

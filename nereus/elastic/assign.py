@@ -2,7 +2,7 @@
 
 Pieces already on the destination device never get here (``geometry`` keeps or copies them locally).
 For the rest: a holder on the destination's node first (NVLink is ~9× an InfiniBand NIC on H100 nodes,
-shared/data/hardware.csv), else any holder; among equals the least-loaded sender's link gets the piece.
+nereus/spec/hardware.csv), else any holder; among equals the least-loaded sender's link gets the piece.
 Once the NVLink ports of a node-local transfer are so loaded that an off-node holder over InfiniBand
 would finish the piece sooner (counting both ends' queued bytes), the piece spills to InfiniBand: the
 two links of a device then work in parallel, as the bandwidth bound assumes.
