@@ -23,10 +23,10 @@ import torch.distributed as dist
 from nereus.runtime.groups import ParallelGroups
 from nereus.runtime.memory import ActivationMeter, MemoryReport, tensor_bytes
 from nereus.runtime.model import CausalLM, ModelConfig, rope_inv_freq
+from nereus.runtime.parallel import ParallelDims, parallelize
 from nereus.runtime.parallel.dp import ShardedAdam, average_gradients, sum_gradients
-from nereus.runtime.parallel.pp import StageComm, build_stage, forward_only, train_pipeline
+from nereus.runtime.parallel.pp import StageComm, forward_only, train_pipeline
 from nereus.runtime.parallel.tp import (
-    apply_tp,
     gather_vocab,
     parallel_logprobs,
     reduce_replicated_kv_grads,
@@ -107,8 +107,9 @@ class ShardedModel:
             raise ValueError("this rank is not part of the layout")
         lay, c = groups.layout, groups.coords
         self.cfg, self.groups, self.dtype, self.schedule = cfg, groups, dtype, schedule
-        model = build_stage(cfg, lay.pp, c.pp, device="meta")
-        apply_tp(model, groups.tp_group, lay.tp, c.tp)
+        with torch.device("meta"):  # shapes only: the shard's tensors are loaded (or adopted) below
+            whole = CausalLM(cfg)
+        model = parallelize(whole, ParallelDims(lay.pp, c.pp, lay.tp, c.tp, groups.tp_group))
         if assign:  # adopt the given tensors as the parameters (a transition's new buffers): no copy
             model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True, assign=True)
         else:

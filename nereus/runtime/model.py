@@ -146,8 +146,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(a.hidden, a.kv_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.hidden, a.kv_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = nn.Linear(a.heads * a.head_dim, a.hidden, bias=False)
+        # the column-parallel projections' shared input: TP replaces it (``parallel.tp``), else a no-op
+        self.tp_input: nn.Module = nn.Identity()
 
     def forward(self, x: torch.Tensor, ctx: Context, layer: int) -> torch.Tensor:
+        x = self.tp_input(x)
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -187,8 +190,10 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(a.hidden, a.ffn_hidden, bias=False)
         self.up_proj = nn.Linear(a.hidden, a.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(a.ffn_hidden, a.hidden, bias=False)
+        self.tp_input: nn.Module = nn.Identity()  # as in ``Attention``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tp_input(x)
         return self.down_proj(_SwiGLU.apply(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -238,6 +243,7 @@ class CausalLM(nn.Module):
         elif last and not a.tied_embeddings:
             self.lm_head = nn.Linear(a.hidden, a.vocab, bias=False)
         self.tied_head: nn.Parameter | None = None  # tied weight copy on a last stage without embedding
+        self.head_input: nn.Module = nn.Identity()  # the LM head's input: TP replaces it, as in ``Attention``
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def head_weight(self) -> torch.Tensor:
@@ -266,7 +272,7 @@ class CausalLM(nn.Module):
         h = self.model.norm(h)
         if self.score is not None:
             return self.score(h).squeeze(-1)
-        return self.project(h)
+        return self.project(self.head_input(h))
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
         """LM-head logits in fp32 (TP swaps in a vocabulary-parallel projection)."""

@@ -1,0 +1,40 @@
+"""``parallelize``: one rank's shard of a plain ``CausalLM``, made by separate steps in a fixed order.
+
+1. **PP** (``pp.split_stage``): keep this stage's layer range, the embedding on the first stage, the
+   final norm and head on the last (plus the last stage's copy of a tied embedding).
+2. **TP** (``tp.apply_tp``): slice what the stage kept to this TP rank's boxes of the sharding contract
+   and swap the communication modules into the model's slots (``CopyToTP`` before column-parallel
+   projections, ``RowParallelLinear``, ``VocabParallelEmbedding``).
+
+PP goes first so that TP slices only what the stage keeps, including the tied-head copy the split adds.
+DP changes nothing in the model: gradients are averaged after backward and the optimizer state is
+sharded over DP (``dp.average_gradients``, ``dp.ShardedAdam``), both driven by ``engine.ShardedModel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from nereus.runtime.model import CausalLM
+from nereus.runtime.parallel.pp import split_stage
+from nereus.runtime.parallel.tp import apply_tp
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Where one rank sits: its pipeline stage of ``pp`` and TP rank of ``tp`` (with the TP group)."""
+
+    pp: int = 1
+    pp_rank: int = 0
+    tp: int = 1
+    tp_rank: int = 0
+    tp_group: dist.ProcessGroup | None = None
+
+
+def parallelize(model: CausalLM, dims: ParallelDims) -> CausalLM:
+    """``model`` (whole, plain; on the meta device its weights can be loaded after) cut in place into the
+    shard of the rank at ``dims``: PP split, then TP."""
+    split_stage(model, dims.pp, dims.pp_rank)
+    return apply_tp(model, dims.tp_group, dims.tp, dims.tp_rank)

@@ -26,15 +26,31 @@ from nereus.spec.sharding import layer_range
 FWD, BWD = 1, 2  # message tags: activations downstream, their gradients upstream
 
 
+def split_stage(model: CausalLM, pp: int, stage: int) -> CausalLM:
+    """Cut a plain whole ``model`` in place down to pipeline stage ``stage`` of ``pp``: its layer range,
+    the embedding on the first stage, the final norm and head on the last."""
+    cfg = model.cfg
+    keep = layer_range(cfg.arch.layers, pp, stage)
+    first, last = stage == 0, stage == pp - 1
+    dec = model.model
+    dec.layers = torch.nn.ModuleDict({k: v for k, v in dec.layers.items() if int(k) in keep})
+    if not first:
+        dec.embed_tokens = None
+    if not last:
+        dec.norm, model.lm_head, model.score = None, None, None
+    model.first, model.last = first, last
+    if pp > 1 and last and cfg.arch.tied_embeddings and not cfg.value_head:
+        # The last stage keeps its own copy of the tied embedding (Megatron-LM); gradients of the two
+        # copies are summed over the first/last-stage group so they stay equal.
+        device = next(model.parameters()).device
+        model.tied_head = torch.nn.Parameter(torch.empty(cfg.arch.vocab, cfg.arch.hidden, device=device))
+    return model
+
+
 def build_stage(cfg: ModelConfig, pp: int, stage: int, device: torch.device | str = "cpu") -> CausalLM:
     """The (uninitialised, on ``device``) part of the model that pipeline stage ``stage`` of ``pp`` holds."""
     with torch.device(device):
-        model = CausalLM(cfg, layer_range(cfg.arch.layers, pp, stage), first=stage == 0, last=stage == pp - 1)
-        if pp > 1 and stage == pp - 1 and cfg.arch.tied_embeddings and not cfg.value_head:
-            # The last stage keeps its own copy of the tied embedding (Megatron-LM); gradients of the two
-            # copies are summed over the first/last-stage group so they stay equal.
-            model.tied_head = torch.nn.Parameter(torch.empty(cfg.arch.vocab, cfg.arch.hidden))
-    return model
+        return split_stage(CausalLM(cfg), pp, stage)
 
 
 @dataclass

@@ -1,7 +1,11 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) applied to a plain ``CausalLM`` from outside.
 
 q/k/v/gate/up become column-parallel (their output rows split), o/down row-parallel (their input columns
-split, outputs all-reduced), the embedding and LM head vocabulary-parallel. Every slice is the box that
+split, outputs all-reduced), the embedding and LM head vocabulary-parallel. Every communication is a module
+the plain model leaves as a no-op slot and ``apply_tp`` swaps in (no hooks): ``CopyToTP`` at the shared
+input of a column-parallel region (the attention and MLP inputs, the LM head's input: identity forward,
+gradient all-reduce backward, once per region), ``RowParallelLinear`` for o/down (all-reduce forward),
+``VocabParallelEmbedding`` for the embedding. Every slice is the box that
 ``nereus.spec.sharding.tp_box`` assigns, so shards match the transition graph's EMUs exactly, including
 uneven splits (remainder to the first ranks) that DTensor's chunked ``Shard`` placement cannot express.
 Attention reshapes by the local head counts. Log-probabilities come from the vocabulary shards without
@@ -59,6 +63,18 @@ def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor
 
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group) if _active(group) else x
+
+
+class CopyToTP(nn.Module):
+    """The input of a column-parallel region: every TP rank reads the whole activation, so its gradient is
+    the sum of the ranks' partial gradients."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(x, self.group)
 
 
 class RowParallelLinear(nn.Module):
@@ -122,7 +138,6 @@ def apply_tp(model: CausalLM, group: dist.ProcessGroup | None, tp: int, tp_rank:
     check_tp(arch, tp)
     specs = {t.name: t for t in model_tensors(arch, model.cfg.value_head)}
     params = dict(model.named_parameters())
-    model.tp_group = group
     for name, spec in specs.items():
         if name in params and spec.tp_dim is not None:
             params[name].data = _slice(params[name], tp_box(spec, arch, tp, tp_rank))
@@ -132,8 +147,7 @@ def apply_tp(model: CausalLM, group: dist.ProcessGroup | None, tp: int, tp_rank:
         attn.kv_heads = attn.k_proj.weight.shape[0] // arch.head_dim
         attn.o_proj = RowParallelLinear(attn.o_proj.weight.data, group)
         mlp.down_proj = RowParallelLinear(mlp.down_proj.weight.data, group)
-        for block in (attn, mlp):
-            block.register_forward_pre_hook(_copy_input_hook(group))
+        attn.tp_input, mlp.tp_input = CopyToTP(group), CopyToTP(group)
     embed_box = tp_box(specs["model.embed_tokens.weight"], arch, tp, tp_rank)
     if model.tied_head is not None:  # the last stage's copy of a tied embedding: same vocabulary rows
         model.tied_head.data = _slice(model.tied_head, embed_box)
@@ -141,14 +155,8 @@ def apply_tp(model: CausalLM, group: dist.ProcessGroup | None, tp: int, tp_rank:
         start = embed_box[0][0]
         model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens.weight.data, start, group)
     if model.last and not model.cfg.value_head:
-        model.model.norm.register_forward_hook(lambda _m, _a, out: copy_to_tp(out, group))
+        model.head_input = CopyToTP(group)
     return model
-
-
-def _copy_input_hook(group: dist.ProcessGroup | None):
-    def hook(_module: nn.Module, args: tuple) -> tuple:
-        return (copy_to_tp(args[0], group), *args[1:])
-    return hook
 
 
 def vocab_range(arch: ModelArch, tp: int, tp_rank: int) -> tuple[int, int]:
