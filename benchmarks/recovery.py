@@ -125,7 +125,10 @@ def run_restart(args, out: Path) -> dict:
             rl.execute()
             raise RuntimeError("the worker loss did not happen")
         except SpecError as err:  # no snapshots: the job stops, naming --resume
-            if not isinstance(err.__cause__, WorkerLostError):
+            cause = err.__cause__  # the worker loss, possibly wrapped by the control loop (WorkersLost)
+            while cause is not None and not isinstance(cause, WorkerLostError):
+                cause = cause.__cause__
+            if cause is None:
                 raise
         t_step = lose.t_kill_armed
     Stepper.step = real_step
@@ -140,7 +143,7 @@ def run_restart(args, out: Path) -> dict:
     resumed_at = rl2._restore()
     t_loaded = time.perf_counter()
     for step in range(resumed_at, args.lose_at + 1):
-        rl2.stepper.step(step)
+        rl2.backend.stepper.step(step)  # the stepper lives in the run's runtime backend
     t1 = time.perf_counter()
     rt.shutdown()
     return {"lost_work_s": lost_work, "relaunch_s": t_world - t0, "load_s": t_loaded - t_world,

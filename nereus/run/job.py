@@ -19,21 +19,30 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from nereus.control.backend import RecoveryMetrics, WorkersLost
+from nereus.control.loop import ControlLoop, Observer, StepOutcome
+from nereus.control.record import RunRecord
 from nereus.rl.data import EOS, PAD, CharTokenizer, Prompt
 from nereus.rl.task import exact_match
+from nereus.run.adaptive import AdaptationLog, policy_for
+from nereus.run.backend import RuntimeBackend, plan_text
 from nereus.run.driver import Stepper
 from nereus.run.manifest import verify_manifest, write_manifest
 from nereus.run.metrics import MetricsLog, Progress
-from nereus.run.setup import TRAINED, Placed, check_batches, datasets, model_configs, place
+from nereus.run.setup import TRAINED, Placed, check_batches, datasets, model_configs, placed_from_plan
 from nereus.run.warmstart import initial_checkpoints
-from nereus.runtime.failover import WorkerLostError
 from nereus.runtime.generate import SamplingParams
 from nereus.runtime.hf import save_checkpoint
+from nereus.runtime.workers import Runtime
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
+from nereus.spec.layout import Plan
 
 
-class RLJob:
+class RLJob(Observer):
+    """One RL job on the runtime: set-up, then the control loop (``control.loop``) over its backend
+    (``run.backend.RuntimeBackend``); as the loop's observer it logs, evaluates and checkpoints each step."""
+
     def __init__(self, job: JobSpec, runtime: object | None = None, out_dir: str | Path | None = None,
                  quiet: bool = False, workers: int | None = None) -> None:
         if job.run is None:
@@ -44,21 +53,25 @@ class RLJob:
         self.dir = Path(out_dir or job.run.checkpoint_dir)
         self.tok = CharTokenizer()
         self.cfgs = model_configs(job, self.tok)
-        self.adaptive = None
-        if self.run.adapt is not None:  # the controller picks (and later changes) every layout
-            from nereus.run.adaptive import initial_placement
-
-            self.ctrl, self.plan, self.placed = initial_placement(job)
-        else:
-            self.placed = place(job)
-        check_batches(job, self.placed)
+        # adaptive: the controller picks (and later changes) every layout; fixed: the job's own layouts
+        self.policy, self.plan, self._placed = policy_for(job)
+        check_batches(job, self._placed)
         self.train, self.val = datasets(job, self.tok, self.dir)
         self._own_runtime = runtime is None
         self.rt = runtime
+        self.backend: RuntimeBackend | None = None
+        self.record = RunRecord(self.policy.name, job.name, "runtime", self.run.seed)
         self.state: dict = {}
-        self.recovered: dict | None = None  # metrics the step after a recovery adds
         self.recoveries: list[dict] = []
-        self.snapshot_s = 0.0
+        self.last: dict[str, float] = {}
+        self.adaptation: AdaptationLog | None = None
+        self.log: MetricsLog | None = None
+        self.bar: Progress | None = None
+
+    @property
+    def placed(self) -> list[Placed]:
+        """Every model-stage's runtime placement now (the backend's, once the workers run)."""
+        return self.backend.placed if self.backend is not None else self._placed
 
     def say(self, text: str) -> None:
         if not self.quiet:
@@ -67,8 +80,6 @@ class RLJob:
     # ----- models -------------------------------------------------------------------------------------
     def _start(self, source: dict[str, Path]) -> None:
         if self.rt is None:
-            from nereus.runtime.workers import Runtime
-
             start = self.run.workers
             if self.run.adapt:  # the workers available at first, and at least those the plan uses (resume)
                 start = max(self.run.adapt.workers_at(0, self.run.workers),
@@ -79,14 +90,10 @@ class RLJob:
             if p.key not in loaded:
                 self.rt.load(p.key, self.cfgs[p.model], p.layout, list(p.ranks), checkpoint=source[p.model])
                 loaded.add(p.key)
-        self.stepper = Stepper(self.job, self.rt, self.placed, self.tok, self.train)
+        stepper = Stepper(self.job, self.rt, self.placed, self.tok, self.train)
+        self.backend = RuntimeBackend(self.job, self.rt, self.cfgs, stepper, self._placed, self.plan, self.say)
+        self.backend.scale_file = self.dir / "scale.json"
         self.rt.forget_snapshots()  # a runtime handed in may hold another job's
-
-    def replace_placed(self, placed: list[Placed]) -> None:
-        """After a live transition: the layouts and workers every model-stage now runs on."""
-        self.placed = placed
-        self.stepper.placed = placed
-        self.stepper.key = {(p.model, p.stage): p.key for p in placed}
 
     def release(self) -> None:
         if self.rt is None:
@@ -120,8 +127,8 @@ class RLJob:
             for rank, st in self.rt.read_optimizer(key).items():
                 (path / "optim" / model).mkdir(parents=True, exist_ok=True)
                 save_file(st, str(path / "optim" / model / f"rank{rank}.safetensors"))
-        if self.adaptive is not None:  # the plan in force: a resumed run starts on it (optimizer files per rank)
-            self.state["plan"] = self.adaptive.plan.to_dict()
+        if self.run.adapt is not None:  # the plan in force: a resumed run starts on it (optimizer files per rank)
+            self.state["plan"] = self.backend.plan.to_dict()
         (path / "state.json").write_text(json.dumps({**self.state, "step": step}, indent=1))
         write_manifest(path)  # last: a checkpoint with a manifest is complete
         (self.dir / "latest").write_text(str(step))
@@ -137,12 +144,8 @@ class RLJob:
         verify_manifest(self.dir / "init")
         self.state = json.loads((path / "state.json").read_text())
         if self.run.adapt is not None and "plan" in self.state:
-            from nereus.run.setup import placed_from_plan
-            from nereus.spec.layout import Plan
-
             self.plan = Plan.from_dict(self.state["plan"], f"{path / 'state.json'}.plan")
-            self.ctrl.plan = self.plan
-            self.placed = placed_from_plan(self.plan)
+            self._placed = placed_from_plan(self.plan)
         source = {m: (path / m if m in TRAINED else self.dir / "init" / m) for m in self.job.algorithm.models}
         self._start(source)
         lr = {"actor": self.run.actor_lr, "critic": self.run.critic_lr}
@@ -160,63 +163,44 @@ class RLJob:
             keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
             path.write_text("".join(line + "\n" for line in keep))
 
-    # ----- the run ------------------------------------------------------------------------------------
-    def _step(self, step: int, log: MetricsLog, bar: Progress) -> dict[str, float]:
-        """One step, its adaptation, evaluation, metrics and checkpoint."""
-        last = self.stepper.step(step)
-        last["nereus/snapshot_s"], self.snapshot_s = self.snapshot_s, 0.0
-        if self.recovered is not None:
-            last.update(self.recovered)
-            self.recovered = None
-        if self.adaptive is not None:
-            last.update(self.adaptive.after_step(step, last))
+    # ----- the run: the loop's observer ---------------------------------------------------------------
+    def step_done(self, o: StepOutcome) -> None:
+        """After a step and its transition: metrics line, evaluation, progress and checkpoint."""
+        step = o.metrics.step
+        last = dict(o.metrics.detail)
+        if self.adaptation is not None:
+            last.update(self.adaptation.step_metrics(o, self._ran_on))
+            if o.transition is not None:
+                tm, d = o.transition, o.decision
+                self.say(f"\n  transition after step {step + 1} ({d.action}: {d.reason}): {tm.seconds:.2f} s measured, "
+                         f"{tm.predicted_s:.2f} s predicted, {tm.bytes_moved / 2**20:.1f} MiB moved; predicted step "
+                         f"{d.current_s:.2f} s -> {d.candidate_s:.2f} s")
+                self.say(f"    new plan: {plan_text(o.plan)}")
+        self._ran_on = o.plan
         done = step + 1
         if done % self.run.eval_every == 0 or done == self.run.steps:
             last["val/accuracy"] = self.evaluate(self.val)
-        log.log(done, last)
-        bar.update(done)
+        self.log.log(done, last)
+        self.bar.update(done)
         every = self.run.checkpoint_every
         if (every and done % every == 0) or done == self.run.steps:
             self.save(done)
-        return last
+        self.last = last
 
-    def recover(self, err: WorkerLostError, step: int, lost_work_s: float = 0.0) -> int:
-        """Continue on the surviving workers after ``err``: the planner's plan for them, state from live
-        replicas and the snapshot (``Runtime.recover``); returns the step to redo from. ``lost_work_s``: the
-        time the failed step ran before the loss showed."""
-        from nereus.run.adaptive import controller_for, plan_text, survivor_plan
-        from nereus.run.setup import placed_from_plan
-        from nereus.runtime.live import KeySpec
-
-        if not self.run.snapshot_every:
-            raise SpecError("run.checkpoint.snapshot_every", f"{err}; without host-memory snapshots the run cannot "
-                            "continue: set snapshot_every ≥ 1, or resume from the last checkpoint (--resume)") from err
-        self.say(f"\n  step {step + 1}: {err}; recovering on the survivors")
-        ctrl = self.adaptive.ctrl if self.adaptive is not None else controller_for(self.job)
-        plan: dict = {}
-
-        def place(n: int) -> list:
-            if self.adaptive is not None:  # no more than the availability schedule grants
-                n = min(n, self.adaptive.backend.available(self.rt.snapshot_step))
-            plan["plan"] = survivor_plan(ctrl, n, self.rt.snapshot_step)
-            plan["placed"] = placed_from_plan(plan["plan"])
-            return [KeySpec(p.key, p.model, p.stage, self.cfgs[p.model], p.layout, p.ranks) for p in plan["placed"]]
-
-        out = self.rt.recover(place, err.lost)
-        self.replace_placed(plan["placed"])
-        if plan["plan"].num_gpus < len(self.rt.workers) and self.adaptive is not None:
-            self.rt.resize(plan["plan"].num_gpus)  # survivors beyond what the schedule grants leave
-        if self.adaptive is not None:
-            self.adaptive.replanned(plan["plan"], out["resume_step"], out["wall_s"])
+    def recovered(self, lost: WorkersLost, rec: RecoveryMetrics) -> None:
+        """Workers died mid-step; the backend recovered onto the survivors at the snapshot's step."""
+        out = rec.detail
+        self.log.rewind(rec.resume_step)  # steps after the snapshot are redone, and logged again
+        self._ran_on = rec.plan
+        if self.adaptation is not None:
+            self.adaptation.write({"step": rec.resume_step, "action": "recover", "reason": "lost worker(s)",
+                                   "plan": rec.plan.to_dict(), "transition_s": rec.seconds, "overhead_s": 0.0})
         live, snap = ", ".join(out["live_state"]) or "none", ", ".join(out["snapshot_only"]) or "none"
         self.say(f"  recovered in {out['wall_s']:.2f} s on {out['workers']} workers (live state: {live}; "
                  f"from the snapshot: {snap}); redoing from step {out['resume_step'] + 1}\n"
-                 f"    plan: {plan_text(plan['plan'])}")
-        self.recoveries.append({"step": step, "lost_work_s": lost_work_s,
+                 f"    plan: {plan_text(rec.plan)}")
+        self.recoveries.append({"step": lost.step, "lost_work_s": lost.elapsed_s,
                                 **{k: v for k, v in out.items() if k != "seconds"}, **out["seconds"]})
-        self.recovered = {"nereus/recovery_s": out["wall_s"], "nereus/lost_work_s": lost_work_s,
-                          "nereus/lost_workers": float(len(out["lost"]))}
-        return out["resume_step"]
 
     def _fresh(self) -> None:
         # one thread: the workers share the same cores, and oversubscribed BLAS threads slow tiny models ~10x
@@ -238,34 +222,27 @@ class RLJob:
         start = self._restore() if resume else 0
         if not resume:
             self._fresh()
-        log = MetricsLog(self.dir / "metrics.jsonl", resume, quiet=self.quiet)
-        bar = Progress(self.run.steps, start, quiet=self.quiet)
-        last: dict[str, float] = {}
+        self.log = MetricsLog(self.dir / "metrics.jsonl", resume, quiet=self.quiet)
+        self.bar = Progress(self.run.steps, start, quiet=self.quiet)
         if self.run.adapt is not None:
-            from nereus.run.adaptive import AdaptiveLoop
-
-            self.adaptive = AdaptiveLoop(self, self.ctrl, self.plan)
+            self.adaptation = AdaptationLog(self.dir / "decisions.jsonl")
+        loop = ControlLoop(self.policy, self.backend, self.record, observer=self)
+        self._ran_on = loop.start(self.backend.plan, start)
         try:
-            step = start
-            while step < self.run.steps:
-                every = self.run.snapshot_every
-                if every and step % every == 0 and self.rt.latest_snapshot_step != step:
-                    self.snapshot_s = self.rt.snapshot(step)
-                t_step = time.perf_counter()
-                try:
-                    last = self._step(step, log, bar)
-                except WorkerLostError as err:
-                    step = self.recover(err, step, time.perf_counter() - t_step)
-                    log.rewind(step)  # steps after the snapshot are redone, and logged again
-                    continue
-                step += 1
+            loop.run(self.run.steps, start)
         finally:
-            log.close()
-            adapt = self.adaptive.close() if self.adaptive is not None else None
+            self.log.close()
+            if self.adaptation is not None:
+                self.adaptation.close()
+            self.record.save(self.dir / "run_record.json")
+        return self._summary()
+
+    def _summary(self) -> dict:
+        last = self.last
         summary = {"warmstart_accuracy": self.state.get("warmstart_accuracy"),
                    "final_accuracy": last.get("val/accuracy"), "last": last, "recoveries": self.recoveries}
-        if adapt is not None:
-            summary["adaptation"] = adapt
+        if self.adaptation is not None:
+            summary["adaptation"] = adapt = self.record.summary()
             self.say(f"\nlive transitions: {adapt['transitions']} ({adapt['transition_s']:.2f} s, "
                      f"{100 * adapt['transition_share']:.2f}% of the run); controller overhead "
                      f"{100 * adapt['controller_overhead_share']:.2f}% of run time; `nereus report "
