@@ -123,6 +123,21 @@ def _shared_host(hw: Hardware, layout: Layout, terms: dict[str, float]) -> dict[
     return {k: v * slow if k in ("compute", "memory", "overhead") else v for k, v in terms.items()}
 
 
+def _training_activation_bytes(arch: ModelArch, layout: Layout, seq: int, m: int, attention: str) -> float:
+    """Activations the first pipeline stage holds at its peak during one mini-batch update."""
+    p, v, mbs = layout.pp, layout.interleave, layout.micro_batch_size
+    # 1F1B keeps p micro-batches in flight on the first stage; interleaving adds (p−1)/(p·v) of them
+    # (Korthikanti et al. 2022, Sec. 4.2.3).
+    in_flight = 1.0 if p == 1 else min(m, p) * (1 + (p - 1) / (p * v) if v > 1 else 1.0)
+    acts = stage_layers(arch, p) * in_flight * layer_activation_bytes(arch, layout, seq, mbs, attention)
+    if layout.fsdp:  # the layer in use and the prefetched next one are gathered in full
+        acts += 2 * arch.layer_params() / layout.tp * BF16
+    if layout.recompute == "full":  # the layer being recomputed holds its full activations
+        working = Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel, recompute="none")
+        acts += layer_activation_bytes(arch, working, seq, mbs, attention)
+    return acts
+
+
 def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -> StageCost | None:
     """One step of mini-batch updates; None when the layout cannot split the batch."""
     arch, value_head = job.models[ms.model], job.has_value_head(ms.model)
@@ -172,15 +187,7 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
     terms["overhead"] = terms.get("overhead", 0.0) + updates * 2 * (m + p - 1) * hw.priors.micro_batch_overhead_s
     state = training_state_bytes(stage_params(arch, layout, value_head), layout, opts.grad_bytes,
                                  opts.weight_bytes)
-    # 1F1B keeps p micro-batches in flight on the first stage; interleaving adds (p−1)/(p·v) of them
-    # (Korthikanti et al. 2022, Sec. 4.2.3).
-    in_flight = 1.0 if p == 1 else min(m, p) * (1 + (p - 1) / (p * v) if v > 1 else 1.0)
-    acts = layers * in_flight * layer_activation_bytes(arch, layout, seq, mbs, opts.attention)
-    if layout.fsdp:  # the layer in use and the prefetched next one are gathered in full
-        acts += 2 * arch.layer_params() / layout.tp * BF16
-    if layout.recompute == "full":  # the layer being recomputed holds its full activations
-        working = Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel, recompute="none")
-        acts += layer_activation_bytes(arch, working, seq, mbs, opts.attention)
+    acts = _training_activation_bytes(arch, layout, seq, m, opts.attention)
     logits = logits_bytes(arch, tokens, layout.tp, value_head, with_grad=True)
     memory = {**state, "activations": acts, "logits": logits}
     terms = _shared_host(hw, layout, terms)
