@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.elastic.plan import Copy, Keep, Send, Step, TransitionPlan
-from nereus.runtime.faults import FaultHook
+from nereus.runtime.faults import FaultHook, InjectedFault
 from nereus.runtime.holdings import (
     WEIGHTS,
     Buffer,
@@ -213,14 +213,14 @@ def plan_rounds(graph: TransitionPlan, model_dtypes: dict[str, torch.dtype]) -> 
 class Execution:
     """One rank's part of one transition (see the module docstring). ``run`` returns what ``install``
     built from the new buffers once every rank voted to commit; otherwise it raises
-    ``TransitionExecutionError`` on every rank and the old buffers are untouched. ``fault`` ("prepare",
-    "transfer" or "install") makes this rank fail in that phase, for tests."""
+    ``TransitionExecutionError`` on every rank and the old buffers are untouched. ``faults``: this worker's
+    fault hook; a test's fault plan may fail or kill it at ``transition.<phase>``."""
 
     def __init__(self, graph: TransitionPlan, old: Holdings, new: NewBuffers, comm: TransferComm,
-                 model_dtypes: dict[str, torch.dtype], fault: str | None = None,
+                 model_dtypes: dict[str, torch.dtype], faults: FaultHook | None = None,
                  resident: list[torch.Tensor] | None = None) -> None:
         self.graph, self.old, self.new, self.comm = graph, old, new, comm
-        self.dtypes, self.fault = model_dtypes, fault
+        self.dtypes, self.faults = model_dtypes, faults
         self.resident = list(resident or [])  # other tensors alive throughout (counted in the peak)
         self.me = dist.get_rank()
         self.rounds = plan_rounds(graph, model_dtypes)  # the same on every rank; prepare and transfer use it
@@ -241,12 +241,12 @@ class Execution:
         return now
 
     def _inject(self, phase: str) -> None:
-        if isinstance(self.fault, FaultHook):  # a worker's fault hook: a test's plan may end it mid-transfer
-            if phase == "transfer":
-                self.fault.at("transition")
+        if self.faults is None:
             return
-        if self.fault == phase:
-            raise TransitionExecutionError(f"rank {self.me}: injected failure in phase {phase!r}")
+        try:
+            self.faults.at(f"transition.{phase}")
+        except InjectedFault as err:
+            raise TransitionExecutionError(f"rank {self.me}: {err}") from None
 
     # ----- phases ---------------------------------------------------------------------------------
     def prepare(self) -> None:

@@ -136,7 +136,7 @@ def _install(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict
 
 def transition_keys(graph: TransitionPlan, old: dict[str, ShardedModel], old_specs: list[KeySpec],
                     new_specs: list[KeySpec], new_groups: dict[str, ParallelGroups], comm: TransferComm,
-                    fault: str | FaultHook | None = None,
+                    faults: FaultHook | None = None,
                     schedule: str = "1f1b") -> tuple[dict[str, ShardedModel], Measured]:
     """This rank's new shards (key → ``ShardedModel``) once every rank committed; raises
     ``TransitionExecutionError`` on every rank otherwise, ``old`` untouched. ``old``: this rank's shards by
@@ -151,7 +151,7 @@ def transition_keys(graph: TransitionPlan, old: dict[str, ShardedModel], old_spe
             holdings_of(s.model, old[s.key], into=held)
     resident = [sm.model.tied_head for sm in old.values() if sm.model.tied_head is not None]
     device = next((g.device for g in new_groups.values()), torch.device("cpu"))
-    ex = Execution(graph, held, NewBuffers(new_needs(new_specs, new_groups), device), comm, dtypes, fault, resident)
+    ex = Execution(graph, held, NewBuffers(new_needs(new_specs, new_groups), device), comm, dtypes, faults, resident)
     models = ex.run(_install(new_specs, new_groups, adam, schedule, comm))
     ex.resident = [sm.model.tied_head for sm in models.values() if sm.model.tied_head is not None]
     ex.finish()

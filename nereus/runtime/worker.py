@@ -54,9 +54,9 @@ class Worker:
         return True
 
     @ray.method(concurrency_group="control")
-    def arm_faults(self, points: list[str]) -> bool:
+    def arm_faults(self, actions: dict[str, str]) -> bool:
         """Arm this worker's fault hook (``Runtime.inject``: tests and benchmarks only)."""
-        self.faults.arm(points)
+        self.faults.arm(actions)
         return True
 
     def _guarded(self, fn, *args: object) -> object:
@@ -201,27 +201,23 @@ class Worker:
                 self.pending[s.key] = ParallelGroups(s.layout, list(s.ranks), tied_embeddings=tied_head(s.cfg))
         return True
 
-    def transition(self, graph: object, old_specs: list, new_specs: list, fault: str | None = None,
-                   sources: list | None = None) -> dict:
+    def transition(self, graph: object, old_specs: list, new_specs: list, sources: list | None = None) -> dict:
         """Replace the keys of ``old_specs`` by ``new_specs``, state moved as ``graph`` plans (groups from
         ``prepare_groups``) from the keys of ``sources`` (default ``old_specs``; a weight sync reads the
         training key only). On failure every worker keeps its old shards and reports the error."""
-        return self._guarded(self._transition, graph, old_specs, new_specs, fault, sources)
+        return self._guarded(self._transition, graph, old_specs, new_specs, sources)
 
-    def _transition(self, graph: object, old_specs: list, new_specs: list, fault: str | None,
-                    sources: list | None) -> dict:
+    def _transition(self, graph: object, old_specs: list, new_specs: list, sources: list | None) -> dict:
         import time
 
         from nereus.runtime.live import transition_keys
 
         t0 = time.perf_counter()
         sources = old_specs if sources is None else sources
-        if fault is None:  # a test's fault plan may end this process while the transfers run
-            fault = self.faults
         old = {s.key: self.models[s.key] for s in sources if s.key in self.models}
         pending, self.pending = self.pending, {}
         try:
-            models, measured = transition_keys(graph, old, sources, new_specs, pending, self.comm, fault)
+            models, measured = transition_keys(graph, old, sources, new_specs, pending, self.comm, self.faults)
         except Exception as exc:  # noqa: BLE001 - reported to the driver; the old layout stays
             for key, g in pending.items():
                 if g is not self.groups.get(key):

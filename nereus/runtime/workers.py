@@ -89,13 +89,12 @@ class Runtime:
         self.specs[key] = KeySpec(key, model or head, stage or tail or "inference", cfg, layout, tuple(ranks), dtype)
 
     # ----- live transitions -----------------------------------------------------------------------
-    def transition(self, new_specs: list[KeySpec], job: object, fault: tuple[str, int] | None = None) -> dict:
+    def transition(self, new_specs: list[KeySpec], job: object) -> dict:
         """Move the keys of ``new_specs`` (all currently loaded) to their new layouts and workers, weights and
         Adam state, following the transition graph; other keys are untouched. Returns the per-worker
-        measurements; raises ``TransitionExecutionError`` (every worker still on the old layout) on failure.
-        ``fault`` = (phase, worker) injects a failure, for tests."""
+        measurements; raises ``TransitionExecutionError`` (every worker still on the old layout) on failure."""
         old_specs = [self.specs[s.key] for s in new_specs]
-        out = self._move(job, old_specs, new_specs, old_specs, fault)
+        out = self._move(job, old_specs, new_specs, old_specs)
         for s in new_specs:
             self.specs[s.key] = s
         return out
@@ -108,17 +107,14 @@ class Runtime:
         keys = [train] + [s for s in self.specs.values() if s.model == model and not s.training]
         return self._move(job, keys, keys, [train]) if len(keys) > 1 else {"wall_s": 0.0}
 
-    def _move(self, job: object, old_specs: list[KeySpec], new_specs: list[KeySpec], sources: list[KeySpec],
-              fault: tuple[str, int] | None = None) -> dict:
+    def _move(self, job: object, old_specs: list[KeySpec], new_specs: list[KeySpec], sources: list[KeySpec]) -> dict:
         """Groups ahead, then every worker replaces the keys of ``old_specs`` by ``new_specs``, state read from
         the keys of ``sources``, as the (cached) graph between the two says."""
         from nereus.runtime.holdings import TransitionExecutionError
 
         graph = self._graph(job, sources, new_specs)
         ray.get([w.prepare_groups.remote(new_specs) for w in self.workers])
-        results = self._get([w.transition.remote(graph, old_specs, new_specs,
-                                                 fault[0] if fault and fault[1] == r else None, sources)
-                             for r, w in enumerate(self.workers)])
+        results = self._get([w.transition.remote(graph, old_specs, new_specs, sources) for w in self.workers])
         if not all(r["ok"] for r in results):
             raise TransitionExecutionError(next(r["error"] for r in results if not r["ok"]))
         return {"wall_s": max(r["wall_s"] for r in results), "workers": [r["measured"] for r in results],
@@ -271,7 +267,7 @@ class Runtime:
 
     def inject(self, plan: FaultPlan) -> None:
         """Arm ``plan``'s faults on their workers (tests and benchmarks); nothing else ever arms them."""
-        ray.get([w.arm_faults.remote(plan.points_of(r)) for r, w in enumerate(self.workers) if plan.points_of(r)])
+        ray.get([w.arm_faults.remote(plan.actions_of(r)) for r, w in enumerate(self.workers) if plan.actions_of(r)])
 
     def _get(self, refs: list) -> list:
         return self.failover.get(self.workers, refs)

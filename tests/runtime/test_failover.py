@@ -108,7 +108,7 @@ def test_worker_killed_mid_transition(ray_runtime):
         rt.train_step(train.key, make_batch(ACTOR, 1), loss, lr=ADAM_LR)
         rt.snapshot(step=1)
         before = global_state(rt, train.key, "actor")
-        rt.inject(FaultPlan.kill(2, "transition"))
+        rt.inject(FaultPlan.kill(2, "transition.transfer"))
         with pytest.raises(WorkerLostError) as lost:
             rt.transition([spec("actor", lay(pp=2, dp=2), [3, 2, 1, 0])], j)
         assert lost.value.lost == [2]

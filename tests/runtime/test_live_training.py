@@ -17,6 +17,7 @@ import torch.distributed as dist
 from nereus.cost.hardware import Hardware
 from nereus.elastic.schedule import schedule_graph
 from nereus.runtime.executor import TransferComm
+from nereus.runtime.faults import FaultHook
 from nereus.runtime.holdings import TransitionExecutionError
 from nereus.runtime.launch import run_world
 from nereus.runtime.live import transition_keys
@@ -96,8 +97,10 @@ def _rollback_body(rank: int, world: int, fault: tuple[str, int], graph) -> None
         if attempt:
             before = global_state("actor", sm)
             with pytest.raises(TransitionExecutionError, match=f"rank {victim}"):
-                transition_keys(graph, {old_s.key: sm}, [old_s], [new_s], {new_s.key: groups[1]}, comm,
-                                fault=phase if rank == victim else None)
+                faults = FaultHook()
+                if rank == victim:
+                    faults.arm({f"transition.{phase}": "fail"})
+                transition_keys(graph, {old_s.key: sm}, [old_s], [new_s], {new_s.key: groups[1]}, comm, faults)
             comm.renew()  # the failed transfer group may hold unmatched messages
             assert_same_state(global_state("actor", sm), before, f"after a failed {phase}")
         losses += [train_step(sm, old_s.cfg, seed=s, lr=ADAM["lr"]) for s in (1, 2)]

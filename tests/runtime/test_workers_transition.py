@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nereus.runtime.faults import FaultPlan
 from nereus.runtime.holdings import TransitionExecutionError
 from tests.runtime.live_common import ACTOR, initial_state, job, lay, make_batch, spec
 
@@ -38,7 +39,8 @@ def test_sync_transition_and_rollback_on_ray_workers(ray_runtime):
         new = [spec("actor", lay(pp=2, dp=2), [3, 2, 1, 0]), spec("actor", lay(tp=4), [0, 1, 2, 3],
                                                                    stage="generation")]
         with pytest.raises(TransitionExecutionError, match="injected failure"):
-            rt.transition(new, j, fault=("prepare", 2))
+            rt.inject(FaultPlan.fail(2, "transition.prepare"))
+            rt.transition(new, j)
         torch.testing.assert_close(rt.logprobs(train.key, tokens), fresh, **TOL)  # still the old layout
         assert rt.specs[train.key].layout == train.layout
         result = rt.transition(new, j)
