@@ -87,7 +87,7 @@ class StaticPolicy:
         d = Decision(m.step, action, reason, current.step_time_s if current else math.inf,
                      result.estimate.step_time_s, 0.0, cost, 0, plan=result.plan)
         inner.log.append(d)
-        inner.plan = result.plan
+        inner.resume(result.plan)
         return d
 
     def _search(self, target: JobSpec) -> SearchResult:
@@ -99,12 +99,12 @@ class StaticPolicy:
             return result
 
     def resume(self, plan: Plan) -> None:
-        self.inner.plan = plan
+        self.inner.resume(plan)
         self.pinned = {p.model_stage: (p.layout.tp, p.layout.pp) for p in plan.placements}
 
     def survivor_plan(self, num_gpus: int, step: int) -> Plan:
         """After devices died mid-step: the same re-search as after a loss between steps."""
-        self.inner.plan = self._search(self.inner.job_for(step, num_gpus)).plan
+        self.inner.resume(self._search(self.inner.job_for(step, num_gpus)).plan)
         return self.inner.plan
 
     @property
