@@ -1,0 +1,168 @@
+"""The decode model (nereus.cost.decode) against published TensorRT-LLM and vLLM decode figures.
+
+``nereus/cost/decode_published.csv`` (its header cites every source) holds fixed-batch rows (TensorRT-LLM
+0.9.0 static batches, vLLM CI latency runs of a batch of 8) and max-load rows (TensorRT-LLM 0.14/0.20
+in-flight batching at an engine-chosen batch). One set of priors predicts every row; FP8 rows use the
+FP8 peak and one byte per weight and KV element. Run with ``-s`` for the table.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from importlib import resources
+
+import pytest
+
+from nereus.cost.decode import Precision, Replica, generation_time, kv_capacity_tokens, step_time
+from nereus.cost.hardware import Hardware
+from nereus.spec.cluster import ClusterSpec, gpu_presets
+from nereus.spec.model import PRESETS, ModelArch
+
+# Llama-2-7B (meta-llama/Llama-2-7b-hf config.json): MHA, 11008 FFN, 32k vocabulary.
+LLAMA2_7B = ModelArch(32, 4096, 11008, 32, 32, 32000)
+# TensorRT-LLM sizes its KV cache to kv_cache_free_gpu_mem_fraction of free memory: 0.9 by default
+# (0.14), 0.95 in the 0.20 benchmarks (the CSV's notes); at most 2048 sequences in flight (trtllm-build's
+# default max_batch_size).
+KV_FRACTION = {"TRTLLM-0.14": 0.9, "TRTLLM-0.20": 0.95}
+MAX_BATCH = 2048
+# Requests per ISL/OSL in the max-load runs (the CSV's notes).
+REQUESTS = {(128, 128): 30000, (128, 2048): 3000, (1000, 1000): 3000, (2048, 2048): 1500}
+
+
+def _rows() -> list[dict[str, str]]:
+    text = resources.files("nereus.cost").joinpath("decode_published.csv").read_text()
+    return list(csv.DictReader(line for line in text.splitlines() if not line.startswith("#")))
+
+
+def _replica(row: dict[str, str]) -> Replica:
+    gpu = gpu_presets()[re.match(r"[AH]\d00", row["gpu"]).group(0)]
+    model = row["model"]
+    if "7B" in model:
+        arch = LLAMA2_7B
+    elif "8B" in model:
+        arch = PRESETS["llama3-8b"]
+    else:
+        arch = PRESETS["llama2-70b" if "Llama-2" in model else "llama3-70b"]
+    tp = int(row["tp"])
+    hw = Hardware(ClusterSpec(gpu, nodes=1, gpus_per_node=8))
+    precision = Precision.of("fp8" if row["precision"].startswith("fp8") else "bf16")
+    return Replica(hw, arch, tp, precision, "vllm" if row["engine"] == "vLLM" else "trtllm")
+
+
+def _fixed(row: dict[str, str]) -> float:
+    """Predicted value of a fixed-batch row in the row's unit (tokens/s/GPU or ms)."""
+    r, batch = _replica(row), int(row["batch_or_concurrency"])
+    isl, osl = int(row["input_len"]), int(row["output_len"])
+    gen = generation_time(r, isl, [osl] * batch, batch)
+    return gen.total_s * 1e3 if row["unit"] == "ms" else gen.tokens_per_s / r.tp
+
+
+def _max_load(row: dict[str, str]) -> tuple[float, int]:
+    """Predicted total tokens/s of a max-load row at the largest batch its KV cache holds (sequences
+    reserve ISL + OSL tokens, TensorRT-LLM's guaranteed-no-evict scheduling), and that batch."""
+    r = _replica(row)
+    isl, osl = int(row["input_len"]), int(row["output_len"])
+    batch = min(MAX_BATCH, int(kv_capacity_tokens(r, KV_FRACTION[row["source_id"]]) // (isl + osl)))
+    if batch < 1:
+        return 0.0, 0
+    return generation_time(r, isl, [osl] * REQUESTS[(isl, osl)], batch).tokens_per_s, batch
+
+
+def _fixed_errors() -> list[tuple[dict[str, str], float, float]]:
+    rows = [row for row in _rows() if row["source_id"] in ("TRTLLM-0.9.0", "vLLM-CI")]
+    return [(row, pred, pred / float(row["value"]) - 1) for row in rows for pred in [_fixed(row)]]
+
+
+def _ceiling_ratios() -> list[tuple[dict[str, str], float, float]]:
+    rows = [row for row in _rows() if row["source_id"] in KV_FRACTION]
+    return [(row, pred, pred / float(row["value"])) for row in rows for pred in [_max_load(row)[0]]]
+
+
+@pytest.fixture(scope="module")
+def fixed() -> list[tuple[dict[str, str], float, float]]:
+    errors = _fixed_errors()
+    print("\nrow  gpu   model         prec  tp  batch  isl/osl    predicted  published   error")
+    for row, pred, err in errors:
+        print(f"{row['row_id']:>3}  {row['gpu'][:4]:5} {row['model'][:12]:13} {row['precision'][:4]:5} "
+              f"{row['tp']:>2} {row['batch_or_concurrency']:>6} {row['input_len']:>5}/{row['output_len']:<5}"
+              f"{pred:10.1f} {float(row['value']):10.1f}  {err:+6.1%}  {row['unit']}")
+    mae = sum(abs(e) for _, _, e in errors) / len(errors)
+    worst = max(errors, key=lambda t: abs(t[2]))
+    print(f"MAE {mae:.1%}; worst row {worst[0]['row_id']} {worst[2]:+.1%}")
+    return errors
+
+
+@pytest.fixture(scope="module")
+def ceilings() -> list[tuple[dict[str, str], float, float]]:
+    ratios = _ceiling_ratios()
+    over = [(row["row_id"], round(ratio, 2)) for row, _, ratio in ratios if ratio > 1.1]
+    print(f"\nmax-load rows exceeded by >10%: {len(over)} of {len(ratios)}: {over}")
+    return ratios
+
+
+def test_fixed_batch_rows_within_what_holds_today(fixed) -> None:
+    """What the model achieves today with one set of priors: MAE 16.0%, every row within ±38%. A guard
+    against regressions, not the issue's target (see the strict xfail tests below)."""
+    errors = [e for _, _, e in fixed]
+    assert sum(abs(e) for e in errors) / len(errors) <= 0.17
+    assert all(abs(e) <= 0.40 for e in errors)
+
+
+@pytest.mark.xfail(strict=True, reason="MAE 16.0%, worst row +38% (70B FP8 rows are ~25-38% optimistic)")
+def test_fixed_batch_rows_meet_issue_thresholds(fixed) -> None:
+    errors = [e for _, _, e in fixed]
+    assert sum(abs(e) for e in errors) / len(errors) <= 0.15
+    assert all(abs(e) <= 0.30 for e in errors)
+
+
+@pytest.mark.xfail(strict=True, reason="the model's max-KV-batch throughput exceeds most published ceilings")
+def test_max_load_rows_are_ceilings(ceilings) -> None:
+    assert all(ratio <= 1.1 for _, _, ratio in ceilings)
+
+
+def test_max_load_rows_of_the_small_model_are_within_a_quarter(ceilings) -> None:
+    """What holds today for the max-load rows: 8B predictions within 0.9-1.25x the published figure."""
+    small = [ratio for row, _, ratio in ceilings if "8B" in row["model"]]
+    assert small and all(0.9 <= ratio <= 1.25 for ratio in small)
+
+
+def _replica_at(gpu: str, model: str, tp: int) -> Replica:
+    hw = Hardware(ClusterSpec(gpu_presets()[gpu], nodes=1, gpus_per_node=8))
+    return Replica(hw, PRESETS[model], tp)
+
+
+@pytest.mark.parametrize("gpu", ["A100", "H100", "H200"])
+def test_latency_falls_with_tp_at_batch_one(gpu: str) -> None:
+    """Weight reads split over TP ranks; for the 8B model the all-reduces and fixed costs catch up at
+    TP 8 (3% slower than TP 4 in the model), so its check stops at TP 4."""
+    for model, tps in (("llama3-70b", (1, 2, 4, 8)), ("llama3-8b", (1, 2, 4))):
+        latency = [step_time(_replica_at(gpu, model, tp), 1, 1024).total for tp in tps]
+        assert all(a > b for a, b in zip(latency, latency[1:], strict=False)), (model, latency)
+
+
+@pytest.mark.parametrize("gpu", ["A100", "H100", "H200"])
+def test_per_gpu_throughput_falls_with_tp_at_large_batch(gpu: str) -> None:
+    """Thin shards lose GEMM efficiency (wave quantization) and pay all-reduces that grow with the batch."""
+    for model in ("llama3-8b", "llama3-70b"):
+        per_gpu = [512 / step_time(_replica_at(gpu, model, tp), 512, 1024).total / tp for tp in (1, 2, 4, 8)]
+        assert all(a > b for a, b in zip(per_gpu, per_gpu[1:], strict=False)), (model, per_gpu)
+
+
+def test_memory_bound_at_small_batch_compute_bound_at_large() -> None:
+    r = _replica_at("H100", "llama3-70b", 1)
+    assert step_time(r, 1, 1024).bound == "memory"
+    assert step_time(r, 4096, 1024).bound == "compute"
+
+
+def test_continuous_batching_refills_slots_then_drains() -> None:
+    r = _replica_at("H100", "llama3-8b", 1)
+    # Two slots, responses of 9, 3, 3, 3 tokens: each needs length-1 decode steps. Slot A runs the
+    # 9-token response (8 steps); slot B runs the three short ones back to back (2+2+2 = 6 steps): both
+    # slots are busy for 6 steps (bulk), then slot A runs 2 steps alone (tail).
+    gen = generation_time(r, 16, [9, 3, 3, 3], batch=2)
+    assert sum(gen.steps.values()) == 8
+    assert gen.bulk_s > 0 and gen.tail_s > 0
+    static = generation_time(r, 16, [9] * 4, batch=4)  # equal lengths filling the batch: no tail
+    assert static.tail_s == 0 and sum(static.steps.values()) == 8
+    assert gen.tokens == 18 and static.tokens == 36
