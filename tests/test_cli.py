@@ -1,8 +1,11 @@
 import json
+import subprocess
+import sys
 
 import pytest
 
 from nereus.cli import main
+from tests.conftest import ROOT
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -47,8 +50,6 @@ def test_estimate_training_job_from_a_layout(capsys, examples):
     (["plan", "no-such-job.yaml"], "no-such-job.yaml: job file not found"),
 ])
 def test_bad_input_is_a_one_line_error_without_traceback(capsys, monkeypatch, argv, pattern):
-    from tests.conftest import ROOT
-
     monkeypatch.chdir(ROOT)
     code, _, err = run(capsys, *argv)
     assert code == 2
@@ -63,3 +64,25 @@ def test_plan_file_with_a_misspelled_key(capsys, examples, tmp_path):
     path.write_text(json.dumps(bad))
     code, _, err = run(capsys, "estimate", str(examples / "train_gpt_1t_a100.yaml"), "--plan", str(path))
     assert code == 2 and "plan.placements[0].layout.ppp: unknown key; did you mean 'pp'?" in err
+
+
+def run_module(*argv: str) -> subprocess.CompletedProcess:
+    """``python -m nereus ARGV`` in a child process, from the repository root."""
+    return subprocess.run([sys.executable, "-m", "nereus", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_python_dash_m_nereus_runs_the_cli():
+    helped = run_module("--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: nereus")
+    assert all(cmd in helped.stdout for cmd in ("plan", "estimate", "simulate", "run"))
+    planned = run_module("plan", "examples/grpo_7b_h100.yaml", "--json")
+    assert planned.returncode == 0, planned.stderr
+    data = json.loads(planned.stdout)
+    assert data["feasible"] and data["step_time_s"] > 0
+
+
+def test_python_dash_m_nereus_keeps_the_error_exit_code():
+    failed = run_module("plan", "no-such-job.yaml")
+    assert failed.returncode == 2
+    assert "no-such-job.yaml: job file not found" in failed.stderr and "Traceback" not in failed.stderr

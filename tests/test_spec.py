@@ -118,6 +118,63 @@ def test_hf_config_refuses_what_the_arch_cannot_describe(patch, pattern):
         arch_from_hf({**LLAMA_CFG, **patch}, "cfg")
 
 
+QWEN2_CFG = {**LLAMA_CFG, "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096,
+             "max_window_layers": 28, "max_position_embeddings": 32768}
+MISTRAL_CFG = {**LLAMA_CFG, "model_type": "mistral", "sliding_window": None, "max_position_embeddings": 32768}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize(("cfg", "patch", "pattern"), [
+    (LLAMA_CFG, {"hidden_act": "gelu"}, r"cfg\.hidden_act: 'gelu' is not supported: .*SiLU.*hidden_act: silu"),
+    (LLAMA_CFG, {"hidden_activation": "gelu_pytorch_tanh"}, r"cfg\.hidden_activation: 'gelu_pytorch_tanh'"),
+    (QWEN2_CFG, {"use_sliding_window": True},
+     r"cfg\.use_sliding_window: sliding-window attention \(4096 tokens on 4 of 32 layers\) is not implemented"
+     r".*set use_sliding_window: false"),
+    (QWEN2_CFG, {"use_sliding_window": True, "layer_types": ["full_attention", "sliding_attention"] * 16},
+     r"cfg\.use_sliding_window: .*16 of 32 layers"),
+    (MISTRAL_CFG, {"sliding_window": 4096},
+     r"cfg\.sliding_window: sliding-window attention \(4096 tokens, below max_position_embeddings 32768\)"
+     r".*sliding_window: null"),
+    (LLAMA_CFG, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     r"cfg\.rope_scaling\.rope_type: RoPE scaling 'yarn' is not implemented \(the runtime has default and llama3\)"),
+    (LLAMA_CFG, {"rope_scaling": {"type": "linear", "factor": 2.0}}, r"cfg\.rope_scaling\.type: .*'linear'"),
+    (LLAMA_CFG, {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, r"cfg\.rope_parameters\.rope_type"),
+    (LLAMA_CFG, {"rope_scaling": {**LLAMA3_ROPE, "factor": None}},
+     r"cfg\.rope_scaling\.factor: required key is missing"),
+    (LLAMA_CFG, {"partial_rotary_factor": 0.5}, r"cfg\.partial_rotary_factor: 0\.5 is not supported"),
+    (LLAMA_CFG, {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}},
+     r"cfg\.rope_parameters\.partial_rotary_factor: 0\.25"),
+])
+def test_hf_config_refuses_what_would_compute_other_logits(cfg, patch, pattern):
+    # each of these loads into the same tensors but would silently diverge from transformers' logits
+    arch_from_hf(cfg, "cfg")
+    with pytest.raises(SpecError, match=pattern):
+        arch_from_hf({**cfg, **patch}, "cfg")
+
+
+def test_mistral_config_without_sliding_window_gets_transformers_default():
+    # MistralConfig's default sliding_window is 4096: leaving the key out is not null
+    cfg = {k: v for k, v in MISTRAL_CFG.items() if k != "sliding_window"}
+    with pytest.raises(SpecError, match=r"cfg\.sliding_window: sliding-window attention \(4096 tokens"):
+        arch_from_hf(cfg, "cfg")
+
+
+@pytest.mark.parametrize(("cfg", "patch"), [
+    (LLAMA_CFG, {"hidden_act": "silu", "rope_scaling": LLAMA3_ROPE}),
+    (LLAMA_CFG, {"hidden_act": "swish", "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 5e5}}),
+    (LLAMA_CFG, {"rope_scaling": {"type": "default"}, "sliding_window": 4096}),  # Llama ignores sliding_window
+    (QWEN2_CFG, {}),  # Qwen2 configs carry sliding_window with use_sliding_window: false
+    (QWEN2_CFG, {"use_sliding_window": True, "max_window_layers": 32}),  # no layer is windowed
+    (QWEN2_CFG, {"use_sliding_window": True, "sliding_window": 32768}),  # as wide as every position
+    (QWEN2_CFG, {"use_sliding_window": True, "sliding_window": None}),
+    (MISTRAL_CFG, {}),
+    (MISTRAL_CFG, {"sliding_window": 32768}),
+])
+def test_hf_config_accepts_what_matches_transformers(cfg, patch):
+    assert arch_from_hf({**cfg, **patch}, "cfg").layers == 32
+
+
 def test_preset_parameter_counts_match_published_sizes():
     assert 8.0e9 < PRESETS["llama3-8b"].params() < 8.1e9  # 8.03B (Meta model card)
     assert 70.4e9 < PRESETS["llama3-70b"].params() < 70.8e9  # 70.6B

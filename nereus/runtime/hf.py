@@ -31,7 +31,7 @@ def config_from_hf(data: dict, where: str = "config.json") -> ModelConfig:
     arch = arch_from_hf(data, where)
     rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
     theta = rope.pop("rope_theta", data.get("rope_theta", 10000.0))
-    rope.pop("type", None)
+    rope.setdefault("rope_type", rope.pop("type", "default"))  # ``type``: the older spelling
     if rope.get("rope_type", "default") == "default":
         rope = {}
     eos = data.get("eos_token_id")

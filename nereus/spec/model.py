@@ -84,7 +84,8 @@ def arch_from_hf(cfg: object, where: str) -> ModelArch:
     5.x spelling). The one parser of these files: ``nereus.runtime.hf`` reads a checkpoint's config
     through it. It refuses what ``ModelArch`` cannot describe, naming the key: another model type, a
     ``head_dim`` other than hidden / heads, attention or MLP biases (Qwen2's QKV bias is implied by its
-    type), and head counts that do not divide."""
+    type), and head counts that do not divide; and what would load but compute other logits than
+    transformers does (``_check_numerics``)."""
     f = Fields(cfg, where)
     kind = f.get("model_type", str, "llama")
     if kind not in HF_MODEL_TYPES:
@@ -97,9 +98,12 @@ def arch_from_hf(cfg: object, where: str) -> ModelArch:
                                                 f"({hidden // heads}); not supported")
     for key in ("attention_bias", "mlp_bias"):
         if f.get(key, bool, False):
-            raise SpecError(f.key_path(key), "biases other than Qwen2's QKV bias are not supported")
+            raise SpecError(f.key_path(key), "biases other than Qwen2's QKV bias are not supported: the "
+                                             f"runtime's projections have none; use a config with {key}: false")
+    layers = f.get("num_hidden_layers", int, minimum=1)
+    _check_numerics(f, kind, layers)
     arch = ModelArch(
-        layers=f.get("num_hidden_layers", int, minimum=1),
+        layers=layers,
         hidden=hidden,
         ffn_hidden=f.get("intermediate_size", int, minimum=1),
         heads=heads,
@@ -110,6 +114,80 @@ def arch_from_hf(cfg: object, where: str) -> ModelArch:
     )
     _check_heads(arch, f.key_path("num_attention_heads"), f.key_path("num_key_value_heads"))
     return arch
+
+
+# transformers maps both names to SiLU; the runtime's MLP is SwiGLU with SiLU (nereus.runtime.model)
+SILU_NAMES = ("silu", "swish")
+# RoPE variants nereus.runtime.model.rope_inv_freq implements, and the keys llama3 scaling reads
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# transformers' defaults where a config leaves a key out: (sliding_window, max_position_embeddings)
+_WINDOW_DEFAULTS = {"qwen2": (4096, 32768), "mistral": (4096, 4096 * 32)}
+
+
+def _check_numerics(f: Fields, kind: str, layers: int) -> None:
+    """Refuse what ``ModelArch`` and the runtime would load but compute differently from transformers:
+    an activation other than SiLU, sliding-window attention, RoPE scaling other than default or llama3,
+    and partial rotary embeddings."""
+    for key in ("hidden_act", "hidden_activation"):
+        act = f.get(key, str, "silu")
+        if act not in SILU_NAMES:
+            raise SpecError(f.key_path(key), f"{act!r} is not supported: the runtime's MLP is SwiGLU with "
+                                             f"SiLU; use a checkpoint whose config has {key}: silu")
+    _check_sliding_window(f, kind, layers)
+    for key in ("rope_parameters", "rope_scaling"):
+        _check_rope(f.sub(key))
+    _check_rotary_fraction(f)
+
+
+def _check_sliding_window(f: Fields, kind: str, layers: int) -> None:
+    """Qwen2 windows layers >= ``max_window_layers`` (or those ``layer_types`` names) when
+    ``use_sliding_window`` is set; Mistral windows every layer unless ``sliding_window`` is null. The
+    runtime attends causally over the whole sequence, which is the same only for a window at least
+    ``max_position_embeddings`` wide. Llama ignores the key."""
+    if kind not in _WINDOW_DEFAULTS or kind == "qwen2" and not f.get("use_sliding_window", bool, False):
+        return
+    default_window, default_positions = _WINDOW_DEFAULTS[kind]
+    window = f.get("sliding_window", int, None) if f.has("sliding_window") else default_window
+    positions = f.get("max_position_embeddings", int, default_positions)
+    if window is None or window >= positions:
+        return
+    if kind == "mistral":
+        raise SpecError(f.key_path("sliding_window"), f"sliding-window attention ({window} tokens, below "
+                        f"max_position_embeddings {positions}) is not implemented: the runtime attends over "
+                        "the whole sequence; use a checkpoint whose config has sliding_window: null "
+                        "(Mistral v0.2 and later)")
+    if f.has("layer_types"):
+        sliding = [i for i, t in enumerate(f.get_list("layer_types", str)) if t == "sliding_attention"]
+    else:
+        sliding = list(range(f.get("max_window_layers", int, 28), layers))
+    if sliding:
+        raise SpecError(f.key_path("use_sliding_window"), f"sliding-window attention ({window} tokens on "
+                        f"{len(sliding)} of {layers} layers) is not implemented: the runtime attends over "
+                        "the whole sequence; set use_sliding_window: false (the same logits for sequences "
+                        f"of at most {window} tokens)")
+
+
+def _check_rope(rope: Fields) -> None:
+    """One RoPE mapping (``rope_parameters`` or ``rope_scaling``; ``type`` is the older spelling of
+    ``rope_type``): a variant the runtime implements, with the keys it reads."""
+    key = "rope_type" if rope.has("rope_type") or not rope.has("type") else "type"
+    variant = rope.get(key, str, "default")
+    if variant not in ROPE_TYPES:
+        raise SpecError(rope.key_path(key), f"RoPE scaling {variant!r} is not implemented (the runtime has "
+                                            f"{' and '.join(ROPE_TYPES)}); use a checkpoint without it")
+    if variant == "llama3":
+        for name in LLAMA3_ROPE_KEYS:
+            rope.get(name, float, minimum=0)
+
+
+def _check_rotary_fraction(f: Fields) -> None:
+    """``partial_rotary_factor`` at the top level (transformers 4.x) or in a RoPE mapping (5.x)."""
+    for where in (f, f.sub("rope_parameters"), f.sub("rope_scaling")):
+        fraction = where.get("partial_rotary_factor", float, 1.0)
+        if fraction != 1.0:
+            raise SpecError(where.key_path("partial_rotary_factor"), f"{fraction} is not supported: the "
+                            "runtime rotates every head dimension; use a config with partial_rotary_factor: 1")
 
 
 def arch_from_hf_config(path: Path, where: str) -> ModelArch:

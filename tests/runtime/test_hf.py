@@ -103,3 +103,31 @@ def test_checkpoint_config_is_validated_by_the_spec_parser(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**data, "mlp_bias": True}))
     with pytest.raises(SpecError, match=r"config\.json>?\.mlp_bias: biases other than Qwen2's QKV bias"):
         read_config(tmp_path)
+
+
+@pytest.mark.parametrize("make,pattern", [
+    (lambda: transformers.LlamaConfig(**COMMON, hidden_act="gelu"), r"config\.json\.hidden_act: 'gelu'"),
+    (lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+     r"config\.json\.use_sliding_window: sliding-window attention \(16 tokens on 2 of 3 layers\)"),
+    (lambda: transformers.MistralConfig(**COMMON, sliding_window=16), r"config\.json\.sliding_window: .*16 tokens"),
+    (lambda: transformers.LlamaConfig(**COMMON, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     r"config\.json\.rope_parameters\.rope_type: RoPE scaling 'linear' is not implemented"),
+    (lambda: transformers.LlamaConfig(**COMMON, attention_bias=True), r"config\.json\.attention_bias: biases"),
+])
+def test_transformers_configs_that_would_diverge_are_refused(make, pattern):
+    # each loads into tensors our decoder has, but transformers would compute other logits from them
+    with pytest.raises(SpecError, match=pattern):
+        config_from_hf(make().to_dict())
+
+
+def test_transformers_configs_that_match_are_accepted():
+    for cfg in (transformers.Qwen2Config(**COMMON), transformers.MistralConfig(**COMMON, sliding_window=None),
+                transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=128)):
+        assert config_from_hf(cfg.to_dict()).arch.layers == COMMON["num_hidden_layers"]
+
+
+def test_older_rope_type_spelling_is_read():
+    scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+    data = {**transformers.LlamaConfig(**COMMON).to_dict(), "rope_parameters": None, "rope_scaling": scaling}
+    assert config_from_hf(data).rope_scaling["rope_type"] == "llama3"
