@@ -62,9 +62,7 @@ ENGINES: dict[str, EngineCosts] = {
 
 @dataclass(frozen=True)
 class DecodePriors:
-    # Largest-GEMM efficiency and HBM efficiency: the planner's priors (nereus/cost/hardware.py Priors).
-    gemm_efficiency: float = 0.75
-    hbm_efficiency: float = 0.8
+    # Largest-GEMM and HBM efficiency are the hardware's priors (``Hardware.priors``, cost/hardware.py).
     # Tensor-core GEMM tile (rows = tokens, columns = output features): Hopper's wgmma works on 64-row
     # warpgroup tiles and CUTLASS/cuBLAS kernels use 64–256 × 128 tiles; a GEMM whose tiles do not fill
     # whole waves of the SMs loses the rest ("tile" and "wave quantization", NVIDIA Deep Learning
@@ -148,7 +146,7 @@ def gemm_efficiency(r: Replica, rows: int, cols: int) -> float:
     p = r.priors
     tiles = math.ceil(rows / p.tile_rows) * math.ceil(cols / p.tile_cols)
     waves = math.ceil(tiles / r.sms)
-    return p.gemm_efficiency * rows * cols / (waves * r.sms * p.tile_rows * p.tile_cols)
+    return r.hw.priors.gemm_efficiency * rows * cols / (waves * r.sms * p.tile_rows * p.tile_cols)
 
 
 @dataclass(frozen=True)
@@ -165,7 +163,7 @@ class StepTime:
 
 def step_time(r: Replica, batch: float, context: float) -> StepTime:
     """One decode iteration with ``batch`` active sequences at mean ``context`` tokens."""
-    hbm = r.hw.cluster.gpu.hbm_bytes_per_s * r.priors.hbm_efficiency
+    hbm = r.hw.cluster.gpu.hbm_bytes_per_s * r.hw.priors.hbm_efficiency
     b = max(1, math.ceil(batch))
     weights = compute = 0.0
     for cols, inner, count in r.gemms():
@@ -177,7 +175,7 @@ def step_time(r: Replica, batch: float, context: float) -> StepTime:
     a = r.arch
     kv = batch * context * r.kv_bytes_per_token() / hbm
     attn_flops = 4 * batch * context * a.heads * a.head_dim * a.layers / r.tp
-    attention = max(kv, attn_flops / (r.peak_flops * r.priors.gemm_efficiency))
+    attention = max(kv, attn_flops / (r.peak_flops * r.hw.priors.gemm_efficiency))
     # Two all-reduces of b·h activations per layer (attention out, MLP out), bf16 on the wire.
     comm = 2 * a.layers * r.hw.all_reduce_time(batch * a.hidden * 2, r.tp)
     eng = ENGINES[r.engine]
@@ -194,7 +192,7 @@ def prefill_time(r: Replica, tokens: float, prompt: float) -> float:
     a = r.arch
     gemm_flops = sum(2 * tokens * cols * inner * count for cols, inner, count in r.gemms())
     attn_flops = 2 * tokens * prompt * a.heads * a.head_dim * a.layers / r.tp
-    compute = (gemm_flops + attn_flops) / (r.peak_flops * r.priors.gemm_efficiency)
+    compute = (gemm_flops + attn_flops) / (r.peak_flops * r.hw.priors.gemm_efficiency)
     return compute + 2 * a.layers * r.hw.all_reduce_time(tokens * a.hidden * 2, r.tp)
 
 
