@@ -33,7 +33,9 @@ TransitionCost = Callable[[Hardware, JobSpec, Plan, Plan], float]
 class ControllerConfig:
     horizon: int = 50  # steps over which a transition must pay for itself
     margin: float = 0.5  # admit when gain > cost · (1 + margin)
-    min_gain: float = 0.03  # hysteresis: the candidate must be ≥ 3% faster per step
+    # hysteresis: the candidate must be faster per step by this much, or by the calibration's residual
+    # relative error when that is larger (a gain smaller than the model's own error is not a gain)
+    min_gain: float = 0.03
     cooldown: int = 5  # steps after a transition before the next optional one
     replan_every: int = 50  # re-plan at least this often even if nothing seems to change
     drift: float = 0.15  # re-plan when the forecast mean moved this much since the plan was chosen
@@ -69,6 +71,7 @@ class Controller:
         self.forecaster = LengthForecaster(sigma=sigma)
         self.plan: Plan | None = None
         self.factors: dict[str, float] = {}
+        self.residual = 0.0  # mean absolute relative error of the calibrated model on the measured rows
         self._basis: tuple[float, int, int, dict] = (0.0, 0, 0, {})  # mean, limit, gpus, factors of the plan
         self._last_move = -10**9
         self._last_plan_step = 0
@@ -130,6 +133,8 @@ class Controller:
         self.calibrator.observe(job, self.plan, measured)
         if (m.step + 1) % self.config.fit_every == 0:
             self.factors = self.calibrator.fit()
+            errors = self.calibrator.relative_errors()
+            self.residual = sum(abs(e) for e in errors) / len(errors) if errors else 0.0
 
     def _decide(self, m: StepMetrics, cluster: ClusterState) -> Decision:
         assert self.plan is not None, "initial_plan() first"
@@ -172,8 +177,12 @@ class Controller:
         numbers = dict(current_s=cur_s, candidate_s=cand_s, gain_s=gain, cost_s=quick, horizon=horizon)
         if cand == self.plan:
             return Decision(step, "keep", "the current plan is still the best", **numbers)
-        if cand_s > cur_s * (1 - cfg.min_gain):
-            return Decision(step, "keep", f"candidate faster by under {cfg.min_gain:.0%} per step", **numbers)
+        if cfg.calibrate and not self.factors:
+            return Decision(step, "keep", "no calibration fit yet: optional moves wait for the first fit", **numbers)
+        threshold = max(cfg.min_gain, self.residual)
+        if cand_s > cur_s * (1 - threshold):
+            why = "min_gain" if threshold == cfg.min_gain else "the calibration's residual error"
+            return Decision(step, "keep", f"candidate faster by under {threshold:.0%} per step ({why})", **numbers)
         if step + 1 - self._last_move < cfg.cooldown:
             return Decision(step, "keep", f"cooldown: last transition {step + 1 - self._last_move} steps ago",
                             **numbers)

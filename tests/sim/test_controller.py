@@ -46,8 +46,8 @@ def test_forecaster_extrapolates_a_linear_trend():
 
 def test_admission_never_takes_a_move_whose_gain_is_below_its_cost():
     job = small_job()
-    ctl = Controller(job, ControllerConfig(margin=0.0, min_gain=0.0, cooldown=0), Schedule(default_max=2048),
-                     transition_cost=lambda hw, j, a, b: 10.5)
+    ctl = Controller(job, ControllerConfig(margin=0.0, min_gain=0.0, cooldown=0, calibrate=False),
+                     Schedule(default_max=2048), transition_cost=lambda hw, j, a, b: 10.5)
     ctl.initial_plan(16)
     other = ctl.plan  # the numbers below decide, not the plan
     keep = ctl._admit(3, horizon=10, cur_s=10.0, cand_s=9.0, cand=_other_plan(ctl), job=job)
@@ -55,6 +55,29 @@ def test_admission_never_takes_a_move_whose_gain_is_below_its_cost():
     move = ctl._admit(3, horizon=10, cur_s=10.0, cand_s=8.0, cand=_other_plan(ctl), job=job)
     assert move.action == "transition" and move.gain_s > move.cost_s == 10.5
     assert other is ctl.plan
+
+
+def test_no_optional_move_before_the_first_calibration_fit():
+    job = small_job()
+    ctl = Controller(job, ControllerConfig(margin=0.0, min_gain=0.0, cooldown=0), Schedule(default_max=2048),
+                     transition_cost=lambda hw, j, a, b: 0.0)
+    ctl.initial_plan(16)
+    wait = ctl._admit(3, horizon=10, cur_s=10.0, cand_s=5.0, cand=_other_plan(ctl), job=job)
+    assert wait.action == "keep" and "no calibration fit yet" in wait.reason
+    ctl.factors = {"generation.memory": 1.0}  # what a fit leaves behind
+    assert ctl._admit(3, horizon=10, cur_s=10.0, cand_s=5.0, cand=_other_plan(ctl), job=job).action == "transition"
+
+
+def test_hysteresis_grows_with_the_calibration_residual():
+    job = small_job()
+    ctl = Controller(job, ControllerConfig(margin=0.0, min_gain=0.03, cooldown=0, calibrate=False),
+                     Schedule(default_max=2048), transition_cost=lambda hw, j, a, b: 0.0)
+    ctl.initial_plan(16)
+    assert ctl._admit(3, horizon=10, cur_s=10.0, cand_s=9.0, cand=_other_plan(ctl), job=job).action == "transition"
+    ctl.residual = 0.15  # the model is off by 15% on average: a 10% gain is within its error
+    keep = ctl._admit(3, horizon=10, cur_s=10.0, cand_s=9.0, cand=_other_plan(ctl), job=job)
+    assert keep.action == "keep" and "residual" in keep.reason
+    assert ctl._admit(3, horizon=10, cur_s=10.0, cand_s=8.0, cand=_other_plan(ctl), job=job).action == "transition"
 
 
 def _other_plan(ctl: Controller):
