@@ -189,6 +189,15 @@ class Step:
         for part in getattr(self, "parts", ()):
             yield from part.pieces
 
+    @property
+    def model(self) -> str:
+        """The models whose state the step carries ("actor+critic"); steps without parts have none."""
+        return _labels(getattr(self, "parts", ()))[0]
+
+    @property
+    def state(self) -> str:
+        return _labels(getattr(self, "parts", ()))[1]
+
     def to_json(self) -> dict:
         return {"kind": self.kind, **{f.name: _encode(getattr(self, f.name)) for f in fields(self)}}
 
@@ -203,19 +212,16 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class BufferStep(Step):
-    """A step on one device's buffers (``bytes``: their total, every model state in ``parts``)."""
+    """A step on one device's buffers (``bytes``: their total, every model state in ``parts``).
+    ``sign``: +1 allocates them on the device, −1 releases them, 0 leaves device memory as it is."""
 
     device: int
     bytes: int
     parts: tuple[StatePart, ...]
+    sign: ClassVar[int] = 0
 
-    @property
-    def model(self) -> str:
-        return _labels(self.parts)[0]
-
-    @property
-    def state(self) -> str:
-        return _labels(self.parts)[1]
+    def memory(self) -> MemoryEffects:
+        return MemoryEffects((Delta(self.device, self.sign * self.bytes),)) if self.sign else NO_EFFECTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,9 +230,7 @@ class FreeEarly(BufferStep):
     bytes sit in host memory (the step then depends on their ``offload``)."""
 
     kind: ClassVar[str] = "free_early"
-
-    def memory(self) -> MemoryEffects:
-        return MemoryEffects((Delta(self.device, -self.bytes),))
+    sign: ClassVar[int] = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,9 +243,7 @@ class Offload(BufferStep):
 @dataclass(frozen=True, slots=True)
 class Alloc(BufferStep):
     kind: ClassVar[str] = "alloc"
-
-    def memory(self) -> MemoryEffects:
-        return MemoryEffects((Delta(self.device, self.bytes),))
+    sign: ClassVar[int] = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,9 +265,7 @@ class Copy(BufferStep):
 class Free(BufferStep):
     kind: ClassVar[str] = "free"
     after_commit: ClassVar[bool] = True
-
-    def memory(self) -> MemoryEffects:
-        return MemoryEffects((Delta(self.device, -self.bytes),))
+    sign: ClassVar[int] = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,9 +280,7 @@ class DropHost(BufferStep):
 class AllocGrads(BufferStep):
     kind: ClassVar[str] = "alloc_grads"
     after_commit: ClassVar[bool] = True
-
-    def memory(self) -> MemoryEffects:
-        return MemoryEffects((Delta(self.device, self.bytes),))
+    sign: ClassVar[int] = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,14 +297,6 @@ class Send(Step):
     from_host: bool
     chunks: int
     staging: int
-
-    @property
-    def model(self) -> str:
-        return _labels(self.parts)[0]
-
-    @property
-    def state(self) -> str:
-        return _labels(self.parts)[1]
 
     def memory(self) -> MemoryEffects:
         ends = (self.dst,) if self.from_host else (self.dst, self.src)
