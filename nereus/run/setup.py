@@ -122,19 +122,22 @@ def runtime_layout_ok(job: JobSpec, stage: str, layout: Layout, model: str) -> b
         check_tp(job.models[model], layout.tp)
     except ValueError:
         return False
+    size, per = _batch_split(job, stage, layout)
+    return size % per == 0
+
+
+def _batch_split(job: JobSpec, stage: str, layout: Layout) -> tuple[int, int]:
+    """Sequences a stage's batch holds (training: one mini-batch) and the multiple it must be of: DP
+    replicas times micro-batch size (generation does not micro-batch)."""
     n = job.sequences_per_step()
     size = n // job.algorithm.mini_batches if stage == "training" else n
-    per = layout.dp * (layout.micro_batch_size if stage != "generation" else 1)
-    return size % per == 0
+    return size, layout.dp * (layout.micro_batch_size if stage != "generation" else 1)
 
 
 def check_batches(job: JobSpec, placed: list[Placed]) -> None:
     """Each stage's batch must split over its DP replicas and micro-batches (and mini-batches)."""
-    n = job.sequences_per_step()
-    mini = n // job.algorithm.mini_batches
     for p in placed:
-        size = mini if p.stage == "training" else n
-        per = p.layout.dp * (p.layout.micro_batch_size if p.stage != "generation" else 1)
+        size, per = _batch_split(job, p.stage, p.layout)
         if size % per:
             what = "mini-batch" if p.stage == "training" else "batch"
             raise SpecError(f"run.layouts.{p.model}/{p.stage}",
