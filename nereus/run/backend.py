@@ -93,7 +93,7 @@ class RuntimeBackend:
 
     # ----- steps ---------------------------------------------------------------------------------------
     def run_step(self, plan: Plan, step: int) -> StepMetrics:
-        if plan is not self.plan and plan != self.plan:
+        if plan != self.plan:
             raise ValueError("run_step: the plan is not the one the runtime holds; apply_transition moves to it")
         every = self.job.run.snapshot_every
         if every and step % every == 0 and self.rt.latest_snapshot_step != step:

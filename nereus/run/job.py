@@ -65,6 +65,7 @@ class RLJob(Observer):
         self.recoveries: list[dict] = []
         self.last: dict[str, float] = {}
         self.adaptation: AdaptationLog | None = None
+        self._ran_on: Plan | None = None  # the plan the step being observed ran on (its metric line names it)
         self.log: MetricsLog | None = None
         self.bar: Progress | None = None
 
