@@ -5,20 +5,56 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 from nereus.spec.errors import InfeasibleError, SpecError
+from nereus.spec.fields import MAX_SEED, MAX_STEPS
+from nereus.spec.files import write_text_file
+
+# Exit codes: 2 bad input (one line naming the file or key and the fix), 3 a plan that does not fit
+# (estimate), 70 an internal error (EX_SOFTWARE; the traceback goes to a log file), 130 interrupted,
+# 141 stdout closed early (`nereus plan job.yaml | head`: 128 + SIGPIPE, as other Unix tools exit).
+EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 70, 130, 141
 
 
 def _load(args: argparse.Namespace):
     from nereus.spec.job import load_job
 
     job = load_job(args.job)
-    if getattr(args, "gpus", None):
+    if getattr(args, "gpus", None) is not None:  # an explicit 0 is refused by with_gpus, never ignored
         job = job.with_gpus(args.gpus)
     return job
+
+
+def _check_out(flag: str, path: str | None, folder: bool = False) -> None:
+    """Refuse an output path that cannot be written before any work is done (a failure loses nothing)."""
+    if path is None:
+        return
+    p = Path(path)
+    if not folder and p.is_dir():
+        raise SpecError(flag, f"{path} is a directory; give a file path")
+    if folder and p.exists() and not p.is_dir():
+        raise SpecError(flag, f"{path} is a file; give a folder")
+    parent = p if folder and p.is_dir() else p.resolve().parent
+    if not parent.is_dir():
+        raise SpecError(flag, f"folder {parent} does not exist; create it or give another path")
+    if not os.access(parent, os.W_OK) or p.exists() and not os.access(p, os.W_OK):
+        raise SpecError(flag, f"cannot write {path}: permission denied; give a writable path")
+
+
+def _number(flag: str, value: float, low: float, high: float, low_open: bool = False) -> None:
+    """A finite flag value within [low, high] (or (low, high]): NaN passes every comparison, so check it."""
+    if not math.isfinite(value):
+        raise SpecError(flag, f"{value} is not a finite number")
+    if value < low or low_open and value == low:
+        raise SpecError(flag, f"must be {'>' if low_open else '>='} {low:g}, got {value:g}")
+    if value > high:
+        raise SpecError(flag, f"must be <= {high:g}, got {value:g}")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -26,14 +62,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from nereus.planner.explain import explain_text, result_json
     from nereus.planner.search import search
 
+    _check_out("--out", args.out)
     job = _load(args)
     result = search(Hardware(job.cluster), job)
+    if args.out is not None:  # the file first: a closed stdout (| head) must not lose it
+        write_text_file(args.out, json.dumps(result_json(job, result), indent=1), "--out")
     if args.json:
         print(json.dumps(result_json(job, result), indent=1))
     else:
         print(explain_text(job, result))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result_json(job, result), indent=1))
     return 0
 
 
@@ -67,9 +104,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.policy not in POLICIES:
         raise SpecError("--policy", f"{args.policy!r} is not a policy; choose one of {list(POLICIES)}")
+    if args.steps is not None:
+        _number("--steps", args.steps, 1, MAX_STEPS)  # 0 is refused, not read as "the trace's"
+    _number("--seed", args.seed, 0, MAX_SEED)
+    _check_out("--out", args.out)
     job = _load(args)
+    if job.algorithm.name == "train":
+        raise SpecError("--job", f"{args.job} is a training-only job (algorithm: train); the simulator runs RL "
+                                 "jobs (ppo, grpo): give one of those")
     trace = load_trace(args.trace)
-    steps = args.steps or trace.steps
+    steps = args.steps if args.steps is not None else trace.steps
     first = trace.gpus_at(0, job.cluster.num_gpus)
     job = job.with_gpus(max([first, *(n for _, n in trace.gpus)]))
 
@@ -80,8 +124,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                   file=sys.stderr)
 
     record = simulate(job, trace, args.policy, args.seed, steps, initial_gpus=first, progress=progress)
-    if args.out:
-        record.save(args.out)
+    if args.out is not None:
+        write_text_file(args.out, json.dumps(record.to_dict()), "--out")
     summary = record.summary()
     if args.json:
         print(json.dumps({"summary": summary, "decisions": [d for d in record.decisions if d["action"] != "keep"]},
@@ -93,10 +137,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from nereus.sim.report import write_report
+    from nereus.sim.report import load_run, write_report
 
-    outputs = write_report(args.runs, args.out)
-    print((Path(args.out) / "report.md").read_text())
+    _check_out("--out", args.out, folder=True)
+    for path in args.runs:  # every file checked before anything is written
+        load_run(path)
+    try:
+        outputs = write_report(args.runs, args.out)
+        text = (Path(args.out) / "report.md").read_text()
+    except OSError as err:
+        raise SpecError("--out", f"cannot write the report into {args.out}: {err.strerror or err}; "
+                                 "give a writable folder") from None
+    print(text)
     for name, path in outputs.items():
         print(f"{name}: {path}")
     return 0
@@ -117,16 +169,26 @@ def cmd_transition(args: argparse.Namespace) -> int:
     from nereus.elastic.timeline import write_trace
     from nereus.elastic.transition import change_lines, check_job_plans, plan_transition
 
+    # a chunk of at least one byte and at most 1 TiB (more than any device holds); storage up to 1 PB/s
+    _number("--chunk-mb", args.chunk_mb, 0, 2**20, low_open=True)
+    if args.chunk_mb * 2**20 < 1:
+        raise SpecError("--chunk-mb", f"{args.chunk_mb:g} MiB is less than one byte; give at least {2**-20:g}")
+    _number("--storage-gb-per-s", args.storage_gb_per_s, 0, 1e6, low_open=True)
+    _check_out("--timeline", args.timeline)
+    _check_out("--graph", args.graph)
     job = _load(args)
     old, new = _read_plan_arg("--from", args.from_plan), _read_plan_arg("--to", args.to_plan)
     job = check_job_plans(job, old, new)
-    if args.chunk_mb <= 0:
-        raise SpecError("--chunk-mb", f"must be > 0, got {args.chunk_mb}")
-    if args.storage_gb_per_s <= 0:
-        raise SpecError("--storage-gb-per-s", f"must be > 0, got {args.storage_gb_per_s}")
     options = TransitionOptions(chunk_bytes=int(args.chunk_mb * 2**20))
     result = plan_transition(job, old, new, Hardware(job.cluster), options, args.storage_gb_per_s * 1e9)
     changes = change_lines(old, new)
+    if args.timeline is not None:  # files first: a closed stdout (| head) must not lose them
+        try:
+            write_trace(args.timeline, result.graph, result.schedule)
+        except OSError as err:
+            raise SpecError("--timeline", f"cannot write {args.timeline}: {err.strerror or err}") from None
+    if args.graph is not None:
+        write_text_file(args.graph, json.dumps(result.graph.to_json()), "--graph")
     if args.json:
         print(json.dumps({"job": job.name, "num_gpus": result.graph.num_gpus, "changes": changes,
                           **result.report.to_dict()}, indent=1))
@@ -136,20 +198,18 @@ def cmd_transition(args: argparse.Namespace) -> int:
               f"({c.nodes} node(s) x {c.gpus_per_node})")
         print("\n".join(changes))
         print(result.report.text())
-    if args.timeline:
-        write_trace(args.timeline, result.graph, result.schedule)
-    if args.graph:
-        Path(args.graph).write_text(json.dumps(result.graph.to_json()))
     return 0
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     if args.workers < 2:
         raise SpecError("--workers", f"must be >= 2 (collectives need two workers), got {args.workers}")
-    if not args.memory_gb > 0:
-        raise SpecError("--memory-gb", f"must be > 0, got {args.memory_gb}")
-    if args.out and not Path(args.out).resolve().parent.is_dir():
-        raise SpecError("--out", f"folder {Path(args.out).resolve().parent} does not exist")
+    if args.workers > max_profile_workers():
+        raise SpecError("--workers", f"{args.workers} is more than {max_profile_workers()} (4 per CPU of this "
+                                     "machine): more processes only time-share the cores and the figures would "
+                                     "measure the scheduler; give fewer")
+    _number("--memory-gb", args.memory_gb, 0, 1e6, low_open=True)
+    _check_out("--out", args.out)
     try:
         import torch.multiprocessing as mp
 
@@ -177,9 +237,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def max_profile_workers() -> int:
+    """Most local worker processes ``nereus profile`` starts: 4 per CPU, at least 4."""
+    return max(4, 4 * (os.cpu_count() or 1))
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (argparse prints the usage block first)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nereus", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="nereus", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     p = sub.add_parser("plan", help="search a memory-feasible global plan and explain it")
     p.add_argument("job", help="job spec (YAML)")
     p.add_argument("--gpus", type=int, help="plan for this many GPUs instead of the spec's cluster size")
@@ -232,14 +304,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(text: str) -> str:
+    """A message as one line: a key or value from a file may hold newlines."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
+def _stdout_gone() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again (Python docs,
+    "Note on SIGPIPE", https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a captured or replaced stdout has no file descriptor
+        pass
+
+
+def _internal_error(err: BaseException) -> int:
+    """A bug, not bad input: one line naming the log file that holds the traceback."""
+    fd, log = tempfile.mkstemp(prefix="nereus-traceback-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(f"nereus {' '.join(sys.argv[1:])}\n")
+        traceback.print_exception(err, file=f)
+    head = _one_line(f"{type(err).__name__}: {err}")[:200]
+    print(f"nereus: internal error ({head}); traceback in {log}; please report it", file=sys.stderr)
+    return EXIT_INTERNAL
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; every failure is one line on stderr and an exit code (see the EXIT_ constants)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help (0) or a usage error (2, one line)
+        return done.code if isinstance(done.code, int) else EXIT_BAD_INPUT
     try:
         return args.func(args)
     except (SpecError, InfeasibleError) as err:
-        print(f"nereus: error: {err}", file=sys.stderr)
-        return 2
+        print(f"nereus: error: {_one_line(str(err))}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:
+        _stdout_gone()
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        print("nereus: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:  # noqa: BLE001 - the last resort: bad input never gets here (tests/fuzz)
+        return _internal_error(err)
 
 
 if __name__ == "__main__":

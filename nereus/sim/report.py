@@ -6,17 +6,52 @@ import json
 from pathlib import Path
 
 from nereus.spec.errors import SpecError
-from nereus.spec.fields import read_json_file
+from nereus.spec.fields import MAX_STEPS, Fields, read_json_file
+from nereus.spec.files import MAX_RECORD_BYTES
 
 PHASES = ("generation", "inference", "training", "weight_sync")
+# What the report reads of a run record (``control.record.RunRecord.to_dict``), checked up front so that a
+# hand-edited or foreign file is refused by key instead of failing half-way through the plots.
+SUMMARY_KEYS = ("mean_step_s", "run_s", "transition_share", "tokens_per_s", "controller_overhead_share")
+STEP_KEYS = ("step_time_s", "transition_s", "response_mean", "response_max")
 
 
 def load_run(path: str | Path) -> dict:
-    data = read_json_file(path, "run")
-    for key in ("policy", "steps", "summary"):
-        if not isinstance(data, dict) or key not in data:
-            raise SpecError(f"{path}.{key}", "missing: is this a file written by `nereus simulate --out`?")
+    """A run record (``nereus simulate --out``, or a run's ``run_record.json``), every key the report
+    reads checked; errors name the file and the key."""
+    data = read_json_file(path, "run", MAX_RECORD_BYTES)
+    if not isinstance(data, dict) or not {"policy", "steps", "summary"} <= set(data):
+        raise SpecError(str(path), "not a run record (policy, steps and summary are missing): give a file "
+                                   "written by `nereus simulate --out` or a run's run_record.json")
+    try:
+        _check_record(data)
+    except SpecError as err:
+        raise SpecError(f"{path}: {err.path}", err.message) from None
     return data
+
+
+def _check_record(data: dict) -> None:
+    root = Fields(data, "")
+    root.get("policy", str)
+    summary = root.sub("summary")
+    summary.get("steps", int, minimum=0)
+    summary.get("transitions", int, minimum=0)
+    for key in SUMMARY_KEYS:
+        summary.get(key, float, minimum=0)
+    steps = root.get("steps", list)
+    if len(steps) > MAX_STEPS:
+        raise SpecError("steps", f"{len(steps):,} steps is more than a run has (at most {MAX_STEPS:,})")
+    for i, item in enumerate(steps):
+        s = Fields(item, f"steps[{i}]")
+        s.get("step", int, minimum=0)
+        s.get("gpus", int, minimum=0)
+        s.get("lost_s", float, 0.0, minimum=0)
+        s.get("strategy", str, None)
+        for key in STEP_KEYS:
+            s.get(key, float, minimum=0)
+        phases = s.sub("phases", required=True)
+        for name in phases.data:
+            phases.get(name, float, minimum=0)
 
 
 def markdown_table(runs: list[dict]) -> str:

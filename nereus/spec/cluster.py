@@ -9,10 +9,9 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-import yaml
-
 from nereus.spec.errors import SpecError
-from nereus.spec.fields import Fields
+from nereus.spec.fields import MAX_GPUS, Fields
+from nereus.spec.files import read_yaml_file
 
 GB = 1e9
 GIB = 1024**3
@@ -34,6 +33,11 @@ PRIOR_KEYS: dict[str, tuple[str, float, float, float | None]] = {
     "kv_memory_fraction": ("kv_memory_fraction", 1.0, 1e-6, 1.0),
 }
 
+
+# A device figure (TFLOP/s, TB/s, GB, GB/s) above 10^6 is a typo (an H100 has 989 TFLOP/s, 80 GB); the
+# bound keeps the cost model's products finite. A node holds at most 1,024 devices (NVL72 racks: 72).
+MAX_FIGURE = 1e6
+MAX_GPUS_PER_NODE = 1024
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -85,6 +89,9 @@ class ClusterSpec:
         """The same hardware with ``total`` GPUs (whole nodes, or part of one node when fewer)."""
         if total < 1:
             raise SpecError("--gpus", f"must be >= 1, got {total}")
+        if total > MAX_GPUS:
+            raise SpecError("--gpus", f"{total} is more GPUs than nereus plans for (at most {MAX_GPUS:,}, about "
+                                      "the largest single-job clusters); give a smaller count")
         if total <= self.gpus_per_node:
             return replace(self, nodes=1, gpus_per_node=total)
         if total % self.gpus_per_node:
@@ -115,7 +122,7 @@ def _read_priors(f: Fields) -> dict[str, float]:
     """``priors: {gemm_efficiency: .., intra_latency_s: .., ...}`` -> {Priors field: value in SI units}."""
     out = {}
     for key, (attr, scale, low, high) in PRIOR_KEYS.items():
-        value = f.get(key, float, None, minimum=low, maximum=high)
+        value = f.get(key, float, None, minimum=low, maximum=MAX_FIGURE if high is None else high)
         if value is not None:
             out[attr] = value * scale
     f.finish()
@@ -125,12 +132,12 @@ def _read_priors(f: Fields) -> dict[str, float]:
 def read_profile(path: Path, where: str = "profile") -> ClusterSpec:
     """A cluster section kept in its own YAML file (``nereus profile --out`` writes one); errors name
     ``where``, the file and the key inside it."""
+    if not path.exists():
+        raise SpecError(where, f"profile file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(where, f"profile file not found: {path}") from None
-    except (OSError, yaml.YAMLError) as err:
-        raise SpecError(where, f"cannot read profile {path}: {err}") from None
+        data = read_yaml_file(path, "profile")
+    except SpecError as err:
+        raise SpecError(where, f"profile {err}") from None
     if isinstance(data, dict) and "profile" in data:
         raise SpecError(f"{where} ({path}) profile", "a profile file cannot name another profile")
     try:
@@ -157,11 +164,11 @@ def read_cluster(f: Fields, base_dir: Path | None = None) -> ClusterSpec:
         g = f.sub("gpu")
         gpu = GpuSpec(
             name=g.get("name", str, "custom"),
-            peak_flops=g.get("peak_tflops", float, minimum=1e-6) * 1e12,
-            hbm_bytes_per_s=g.get("hbm_tb_per_s", float, minimum=1e-6) * 1e12,
-            memory_bytes=g.get("memory_gb", float, minimum=1e-6) * GB,
-            intra_node_bytes_per_s=g.get("intra_node_gb_per_s", float, minimum=1e-6) * GB,
-            inter_node_bytes_per_s=g.get("inter_node_gb_per_s", float, minimum=1e-6) * GB,
+            peak_flops=g.get("peak_tflops", float, minimum=1e-6, maximum=MAX_FIGURE) * 1e12,
+            hbm_bytes_per_s=g.get("hbm_tb_per_s", float, minimum=1e-6, maximum=MAX_FIGURE) * 1e12,
+            memory_bytes=g.get("memory_gb", float, minimum=1e-6, maximum=MAX_FIGURE) * GB,
+            intra_node_bytes_per_s=g.get("intra_node_gb_per_s", float, minimum=1e-6, maximum=MAX_FIGURE) * GB,
+            inter_node_bytes_per_s=g.get("inter_node_gb_per_s", float, minimum=1e-6, maximum=MAX_FIGURE) * GB,
         )
         g.finish()
     else:
@@ -172,16 +179,21 @@ def read_cluster(f: Fields, base_dir: Path | None = None) -> ClusterSpec:
         "inter_node_gb_per_s": ("inter_node_bytes_per_s", GB),
     }
     for key, (attr, scale) in overrides.items():
-        value = f.get(key, float, None, minimum=1e-6)
+        value = f.get(key, float, None, minimum=1e-6, maximum=MAX_FIGURE)
         if value is not None:
             gpu = replace(gpu, **{attr: value * scale})
     priors = dict(base.priors) if base is not None else {}
     priors.update(_read_priors(f.sub("priors")))
     cluster = ClusterSpec(
         gpu=gpu,
-        nodes=f.get("nodes", int, base.nodes if base is not None else 1, minimum=1),
-        gpus_per_node=f.get("gpus_per_node", int, base.gpus_per_node if base is not None else 8, minimum=1),
+        nodes=f.get("nodes", int, base.nodes if base is not None else 1, minimum=1, maximum=MAX_GPUS),
+        gpus_per_node=f.get("gpus_per_node", int, base.gpus_per_node if base is not None else 8, minimum=1,
+                            maximum=MAX_GPUS_PER_NODE),
         priors=tuple(sorted(priors.items())),
     )
     f.finish()
+    if cluster.num_gpus > MAX_GPUS:
+        raise SpecError(f.key_path("nodes"), f"{cluster.nodes} nodes x {cluster.gpus_per_node} GPUs is more than "
+                                             f"nereus plans for (at most {MAX_GPUS:,} GPUs, about the largest "
+                                             "single-job clusters); give fewer nodes")
     return cluster

@@ -3,14 +3,34 @@
 from __future__ import annotations
 
 import difflib
-import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from nereus.spec import files
 from nereus.spec.errors import SpecError
 
 _MISSING = object()
+
+# Sizes checked before anything is allocated or looped over (docs/reliability.md, "One-line errors").
+# Where a key has no tighter bound, an integer must fit in 64 bits: the cost model and numpy take it.
+MAX_INT = 2**63 - 1
+# The largest single-job clusters of 2024 have about 10^5 GPUs (e.g. 100k H100); the planner and the
+# simulator keep per-device state, so a larger count is refused rather than allocated.
+MAX_GPUS = 100_000
+# The simulator and the runtime keep one record per step; 10^6 steps is ~300 MB of run record.
+MAX_STEPS = 1_000_000
+# The deepest published transformers have ~128 layers (GPT 1T: 128, Llama 3.1 405B: 126); the planner
+# tries pipeline splits per layer count, so 10^9 layers would never finish.
+MAX_LAYERS = 1_000
+# Tokens of one sequence: 2^22 (4M) is beyond every model's context window.
+MAX_TOKENS = 2**22
+# Sequences of one step: the cost model and the simulator handle a step's batch as a whole; 10^7 is
+# ~1,000x the largest published RL batches (verl, DAPO: 512 prompts x 16 samples).
+MAX_SEQUENCES = 10**7
+# Seeds go to numpy's generator (0 <= seed < 2^32).
+MAX_SEED = 2**32 - 1
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
@@ -20,15 +40,26 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
-def read_json_file(path: str | Path, kind: str) -> Any:
-    """The JSON in ``path``; a missing or malformed file is a SpecError naming it and the line."""
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise SpecError(str(path), f"{kind} file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        where = f" ({err.msg} at line {err.lineno})" if isinstance(err, json.JSONDecodeError) else ""
-        raise SpecError(str(path), f"not a valid {kind} file: invalid JSON{where}") from None
+def read_json_file(path: str | Path, kind: str, max_bytes: int = files.MAX_SPEC_BYTES) -> Any:
+    """The JSON in ``path``; a missing, unreadable or malformed file is a SpecError naming it and the line."""
+    return files.read_json_file(path, kind, max_bytes)
+
+
+def check_number(value: Any, where: str) -> None:
+    """Refuse NaN and infinities (every comparison with NaN is false, so no range check catches it) and
+    integers beyond 64 bits."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SpecError(where, f"{value!r} is not a finite number; give a finite value")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        raise SpecError(where, f"{_short(value)} is out of range; must fit in 64 bits")
+
+
+def _short(value: Any) -> str:
+    """``repr`` of a value cut to one short line (a pasted blob must not flood the error)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class Fields:
@@ -68,20 +99,21 @@ class Fields:
             return default
         value = self.data[key]
         kinds = kind if isinstance(kind, tuple) else (kind,)
-        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
         if isinstance(value, bool) and bool not in kinds:
             raise SpecError(where, f"expected {_kind_name(kind)}, got {value!r}")
+        check_number(value, where)  # before float(): an integer past 1e308 does not convert
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
         if not isinstance(value, kinds):
-            raise SpecError(where, f"expected {_kind_name(kind)}, got {value!r}")
+            raise SpecError(where, f"expected {_kind_name(kind)}, got {_short(value)}")
         if choices is not None:
             allowed = list(choices)
             if value not in allowed:
-                raise SpecError(where, f"{value!r} is not allowed; choose one of {allowed}")
+                raise SpecError(where, f"{_short(value)} is not allowed; choose one of {allowed}")
         if minimum is not None and value < minimum:
-            raise SpecError(where, f"{value!r} is out of range; must be >= {minimum}")
+            raise SpecError(where, f"{_short(value)} is out of range; must be >= {minimum}")
         if maximum is not None and value > maximum:
-            raise SpecError(where, f"{value!r} is out of range; must be <= {maximum}")
+            raise SpecError(where, f"{_short(value)} is out of range; must be <= {maximum}")
         return value
 
     def get_list(self, key: str, item_kind: type, default: Any = _MISSING) -> list:
@@ -89,7 +121,8 @@ class Fields:
         items = self.get(key, list, default)
         for i, item in enumerate(items):
             if not isinstance(item, item_kind) or isinstance(item, bool) and item_kind is not bool:
-                raise SpecError(f"{self.key_path(key)}[{i}]", f"expected {_kind_name(item_kind)}, got {item!r}")
+                raise SpecError(f"{self.key_path(key)}[{i}]", f"expected {_kind_name(item_kind)}, got {_short(item)}")
+            check_number(item, f"{self.key_path(key)}[{i}]")
         return items
 
     def sub(self, key: str, required: bool = False) -> Fields:

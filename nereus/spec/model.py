@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from nereus.spec.errors import SpecError
-from nereus.spec.fields import Fields
+from nereus.spec.fields import MAX_LAYERS, Fields
+from nereus.spec.files import read_json_file
+
+# Upper bounds of an architecture's sizes, checked on load so that the cost model's products stay far from
+# overflow and the planner's per-layer search finishes (docs/reliability.md). Published models are well
+# inside: hidden 25,600 (GPT 1T), ffn_hidden 73,728 (Megatron 1T), vocab 256,000 (Gemma).
+MAX_HIDDEN = 2**17
+MAX_FFN_HIDDEN = 2**20
+MAX_VOCAB = 2**24
 
 
 @dataclass(frozen=True)
@@ -90,8 +97,8 @@ def arch_from_hf(cfg: object, where: str) -> ModelArch:
     kind = f.get("model_type", str, "llama")
     if kind not in HF_MODEL_TYPES:
         raise SpecError(f.key_path("model_type"), f"{kind!r} is not supported; use a llama, qwen2 or mistral config")
-    heads = f.get("num_attention_heads", int, minimum=1)
-    hidden = f.get("hidden_size", int, minimum=1)
+    heads = f.get("num_attention_heads", int, minimum=1, maximum=MAX_HIDDEN)
+    hidden = f.get("hidden_size", int, minimum=1, maximum=MAX_HIDDEN)
     head_dim = f.get("head_dim", int, hidden // heads)
     if head_dim != hidden // heads:
         raise SpecError(f.key_path("head_dim"), f"{head_dim} differs from hidden_size / num_attention_heads "
@@ -100,15 +107,15 @@ def arch_from_hf(cfg: object, where: str) -> ModelArch:
         if f.get(key, bool, False):
             raise SpecError(f.key_path(key), "biases other than Qwen2's QKV bias are not supported: the "
                                              f"runtime's projections have none; use a config with {key}: false")
-    layers = f.get("num_hidden_layers", int, minimum=1)
+    layers = f.get("num_hidden_layers", int, minimum=1, maximum=MAX_LAYERS)
     _check_numerics(f, kind, layers)
     arch = ModelArch(
         layers=layers,
         hidden=hidden,
-        ffn_hidden=f.get("intermediate_size", int, minimum=1),
+        ffn_hidden=f.get("intermediate_size", int, minimum=1, maximum=MAX_FFN_HIDDEN),
         heads=heads,
-        kv_heads=f.get("num_key_value_heads", int, heads, minimum=1),
-        vocab=f.get("vocab_size", int, minimum=1),
+        kv_heads=f.get("num_key_value_heads", int, heads, minimum=1, maximum=MAX_HIDDEN),
+        vocab=f.get("vocab_size", int, minimum=1, maximum=MAX_VOCAB),
         tied_embeddings=f.get("tie_word_embeddings", bool, False),
         qkv_bias=kind == "qwen2",
     )
@@ -192,12 +199,12 @@ def _check_rotary_fraction(f: Fields) -> None:
 
 def arch_from_hf_config(path: Path, where: str) -> ModelArch:
     """``arch_from_hf`` of a ``config.json`` file; errors name ``where`` and the file."""
+    if not Path(path).exists():
+        raise SpecError(where, f"file {str(path)!r} not found; give a path to a HuggingFace config.json")
     try:
-        cfg = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise SpecError(where, f"file {str(path)!r} not found; give a path to a HuggingFace config.json") from None
-    except json.JSONDecodeError as err:
-        raise SpecError(where, f"{str(path)!r} is not valid JSON ({err.msg} at line {err.lineno})") from None
+        cfg = read_json_file(path, "HuggingFace config.json")
+    except SpecError as err:
+        raise SpecError(where, str(err)) from None
     return arch_from_hf(cfg, f"{where}<{path}>")
 
 
@@ -218,14 +225,14 @@ def read_arch(f: Fields, base_dir: Path) -> ModelArch:
         path = Path(f.get("hf_config", str))
         f.finish()
         return arch_from_hf_config(path if path.is_absolute() else base_dir / path, f.key_path("hf_config"))
-    heads = f.get("heads", int, minimum=1)
+    heads = f.get("heads", int, minimum=1, maximum=MAX_HIDDEN)
     arch = ModelArch(
-        layers=f.get("layers", int, minimum=1),
-        hidden=f.get("hidden", int, minimum=1),
-        ffn_hidden=f.get("ffn_hidden", int, minimum=1),
+        layers=f.get("layers", int, minimum=1, maximum=MAX_LAYERS),
+        hidden=f.get("hidden", int, minimum=1, maximum=MAX_HIDDEN),
+        ffn_hidden=f.get("ffn_hidden", int, minimum=1, maximum=MAX_FFN_HIDDEN),
         heads=heads,
-        kv_heads=f.get("kv_heads", int, heads, minimum=1),
-        vocab=f.get("vocab", int, minimum=1),
+        kv_heads=f.get("kv_heads", int, heads, minimum=1, maximum=MAX_HIDDEN),
+        vocab=f.get("vocab", int, minimum=1, maximum=MAX_VOCAB),
         tied_embeddings=f.get("tied_embeddings", bool, False),
         mlp=f.get("mlp", str, "swiglu", choices=["swiglu", "gelu"]),
         qkv_bias=f.get("qkv_bias", bool, False),

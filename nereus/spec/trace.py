@@ -22,16 +22,14 @@ Schema (every key validated; errors name the key path)::
 
 from __future__ import annotations
 
-import json
 import random
 from bisect import bisect_right
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import yaml
-
 from nereus.spec.errors import SpecError
-from nereus.spec.fields import Fields
+from nereus.spec.fields import MAX_GPUS, MAX_STEPS, MAX_TOKENS, Fields
+from nereus.spec.files import load_json, load_yaml, read_text_file
 from nereus.spec.response import ResponseLength
 
 
@@ -89,7 +87,7 @@ class Trace:
 
 def trace_from_dict(data: object, where: str = "trace") -> Trace:
     root = Fields(data, where)
-    steps = root.get("steps", int, minimum=1)
+    steps = root.get("steps", int, minimum=1, maximum=MAX_STEPS)
     rl = root.sub("response_length", required=True)
     sigma = rl.get("sigma", float, 0.6, minimum=0, maximum=3)
     raw = rl.get("points", list)
@@ -99,7 +97,9 @@ def trace_from_dict(data: object, where: str = "trace") -> Trace:
     points = []
     for i, item in enumerate(raw):
         f = Fields(item, f"{rl.key_path('points')}[{i}]")
-        p = LengthPoint(f.get("step", int, minimum=0), f.get("mean", float, minimum=1), f.get("max", int, minimum=1))
+        p = LengthPoint(f.get("step", int, minimum=0, maximum=MAX_STEPS),
+                        f.get("mean", float, minimum=1, maximum=MAX_TOKENS),
+                        f.get("max", int, minimum=1, maximum=MAX_TOKENS))
         f.finish()
         if points and p.step <= points[-1].step:
             raise SpecError(f.key_path("step"), f"steps must increase (previous point is at {points[-1].step})")
@@ -123,7 +123,7 @@ def _failure_rate(root: Fields) -> tuple[float, int]:
         root.get("failure_rate", dict, None)
         return (0.0, 0)
     f = root.sub("failure_rate")
-    rate = (f.get("per_1000_steps", float, minimum=0, maximum=1000), f.get("gpus", int, minimum=1))
+    rate = (f.get("per_1000_steps", float, minimum=0, maximum=1000), f.get("gpus", int, minimum=1, maximum=MAX_GPUS))
     f.finish()
     return rate
 
@@ -132,7 +132,8 @@ def _step_list(root: Fields, key: str) -> tuple[tuple[int, int], ...]:
     out: list[tuple[int, int]] = []
     for i, item in enumerate(root.get(key, list, [])):
         f = Fields(item, f"{root.key_path(key)}[{i}]")
-        entry = (f.get("step", int, minimum=0), f.get("gpus", int, minimum=0 if key == "failures" else 1))
+        entry = (f.get("step", int, minimum=0, maximum=MAX_STEPS),
+                 f.get("gpus", int, minimum=0 if key == "failures" else 1, maximum=MAX_GPUS))
         f.finish()
         if key == "gpus" and out and entry[0] <= out[-1][0]:
             raise SpecError(f.key_path("step"), f"steps must increase (previous entry is at {out[-1][0]})")
@@ -142,12 +143,6 @@ def _step_list(root: Fields, key: str) -> tuple[tuple[int, int], ...]:
 
 def load_trace(path: str | Path) -> Trace:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise SpecError(str(path), "trace file not found") from None
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
-        raise SpecError(str(path), f"not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from None
+    text = read_text_file(path, "trace")
+    data = load_json(text, str(path), "trace") if path.suffix == ".json" else load_yaml(text, str(path))
     return trace_from_dict(data, str(path))
