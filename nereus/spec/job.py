@@ -5,18 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import yaml
-
 from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, DEFAULT_ESTIMATOR, NEEDS_CRITIC
 from nereus.spec.cluster import ClusterSpec, read_cluster
 from nereus.spec.errors import SpecError
-from nereus.spec.fields import Fields
+from nereus.spec.fields import MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS, Fields
+from nereus.spec.files import read_yaml_file
 from nereus.spec.layout import RECOMPUTE, ModelStage
 from nereus.spec.model import ModelArch, read_arch
 from nereus.spec.response import ResponseLength
 from nereus.spec.run import RunSpec, read_run
 from nereus.spec.trace import load_trace
 
+# PPO's epochs over one step's batch: published runs use 1-4; a count past 1,000 is a typo, and each epoch
+# is a full pass of every training stage.
+MAX_EPOCHS = 1000
 ROLES = ("actor", "critic", "reference", "reward")
 ALGORITHMS = ("ppo", "grpo", "train")
 VALUE_HEAD_ROLES = ("critic", "reward")
@@ -95,11 +97,11 @@ class JobSpec:
 def _read_response(f: Fields, base_dir: Path) -> ResponseLength:
     if f.has("trace"):  # the lengths of one step of a trace (nereus.spec.trace)
         path = Path(f.get("trace", str))
-        step = f.get("step", int, 0, minimum=0)
+        step = f.get("step", int, 0, minimum=0, maximum=MAX_STEPS)
         f.finish()
         return load_trace(path if path.is_absolute() else base_dir / path).response_at(step)
-    mean = f.get("mean", float, minimum=1)
-    longest = f.get("max", int, minimum=1)
+    mean = f.get("mean", float, minimum=1, maximum=MAX_TOKENS)
+    longest = f.get("max", int, minimum=1, maximum=MAX_TOKENS)
     dist = f.get("distribution", str, "lognormal", choices=["lognormal", "fixed"])
     sigma = f.get("sigma", float, 0.6, minimum=0, maximum=3)
     f.finish()
@@ -130,9 +132,10 @@ def _read_algorithm(f: Fields, models: dict[str, ModelArch]) -> Algorithm:
     alg = Algorithm(
         name=name,
         models=tuple(used),
-        samples_per_prompt=f.get("samples_per_prompt", int, 1 if name != "grpo" else 8, minimum=1),
-        mini_batches=f.get("mini_batches", int, 1, minimum=1),
-        epochs=f.get("epochs", int, 1, minimum=1),
+        samples_per_prompt=f.get("samples_per_prompt", int, 1 if name != "grpo" else 8, minimum=1,
+                                 maximum=MAX_SEQUENCES),
+        mini_batches=f.get("mini_batches", int, 1, minimum=1, maximum=MAX_SEQUENCES),
+        epochs=f.get("epochs", int, 1, minimum=1, maximum=MAX_EPOCHS),
         adv_estimator=_read_estimator(f, name, used),
     )
     f.finish()
@@ -152,14 +155,17 @@ def _read_estimator(f: Fields, name: str, used: list[str]) -> str:
 
 def _read_workload(f: Fields, alg: Algorithm, base_dir: Path) -> Workload:
     if alg.name == "train":
-        wl = Workload(global_batch=f.get("global_batch", int, minimum=1),
-                      sequence_length=f.get("sequence_length", int, minimum=1))
+        wl = Workload(global_batch=f.get("global_batch", int, minimum=1, maximum=MAX_SEQUENCES),
+                      sequence_length=f.get("sequence_length", int, minimum=1, maximum=MAX_TOKENS))
     else:
-        wl = Workload(prompts_per_step=f.get("prompts_per_step", int, minimum=1),
-                      prompt_length=f.get("prompt_length", int, minimum=1),
+        wl = Workload(prompts_per_step=f.get("prompts_per_step", int, minimum=1, maximum=MAX_SEQUENCES),
+                      prompt_length=f.get("prompt_length", int, minimum=1, maximum=MAX_TOKENS),
                       response=_read_response(f.sub("response_length", required=True), base_dir))
     f.finish()
     sequences = wl.global_batch or wl.prompts_per_step * alg.samples_per_prompt
+    if sequences > MAX_SEQUENCES:
+        raise SpecError(f.key_path("prompts_per_step"), f"{sequences:,} sequences per step (prompts x samples) is "
+                        f"more than nereus plans for (at most {MAX_SEQUENCES:,}); give fewer prompts or samples")
     if sequences % alg.mini_batches:
         raise SpecError("algorithm.mini_batches",
                         f"{alg.mini_batches} does not divide the {sequences} sequences of a step")
@@ -226,10 +232,4 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
 def load_job(path: str | Path) -> JobSpec:
     """Read and validate a job spec; every error is a ``SpecError`` naming the key path."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise SpecError(str(path), "job file not found") from None
-    except yaml.YAMLError as err:
-        raise SpecError(str(path), f"not valid YAML: {err}") from None
-    return job_from_dict(data, path.parent)
+    return job_from_dict(read_yaml_file(path, "job"), path.parent)

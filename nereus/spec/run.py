@@ -8,10 +8,16 @@ from dataclasses import dataclass, field
 
 from nereus.spec.algorithms import KL_KINDS
 from nereus.spec.errors import SpecError
-from nereus.spec.fields import Fields
+from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
 
 RULES = ("exact_match", "digit_match", "none")
+
+# Local worker processes of one run: each is a Ray actor holding a torch process group member, and the
+# runtime is tested up to a few; 64 is already far past what one host's cores time-share usefully.
+MAX_WORKERS = 64
+# The built-in task generates every prompt up front, in memory: 10^6 prompts is ~100x its default sets.
+MAX_DATASET = 10**6
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,7 @@ def _adapt(f: Fields) -> AdaptSpec | None:
     if not f.has("adapt"):
         return None
     a = f.sub("adapt")
-    avail = _schedule(a, "availability", "workers", 1, 64)
+    avail = _schedule(a, "availability", "workers", 1, MAX_WORKERS)
     spec = AdaptSpec(availability=avail, horizon=a.get("horizon", int, 30, minimum=1),
                      cooldown=a.get("cooldown", int, 5, minimum=0), min_gain=a.get("min_gain", float, 0.03, minimum=0),
                      margin=a.get("margin", float, 0.5, minimum=0),
@@ -158,24 +164,41 @@ def _layouts(f: Fields, stages: list[ModelStage]) -> tuple[dict[str, Layout], di
     return layouts, ranks
 
 
+def _check_task_size(d: Fields, data: DataSpec) -> None:
+    """The built-in task draws distinct digit strings by rejection (``nereus.rl.task.reverse_rows``): asking
+    for more than exist never finishes, and near all of them it slows down like a coupon collector, so at
+    most half of the strings of up to ``max_digits`` digits may be drawn."""
+    if data.train is not None:
+        return
+    distinct = sum(10**n for n in range(1, data.max_digits + 1))
+    wanted = data.train_size + (data.val_size if data.val is None else 0)
+    if wanted > distinct // 2:
+        raise SpecError(d.key_path("train_size"), f"the built-in task has {distinct:,} distinct prompts of up to "
+                        f"{data.max_digits} digits; {wanted:,} (train_size + val_size) is more than half of them. "
+                        "Raise max_digits or lower the sizes")
+
+
 def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpec:
     d, w = f.sub("data"), f.sub("warmstart")
     data = DataSpec(train=d.get("train", str, None), val=d.get("val", str, None),
-                    train_size=d.get("train_size", int, 2000, minimum=1),
-                    val_size=d.get("val_size", int, 200, minimum=1),
+                    train_size=d.get("train_size", int, 2000, minimum=1, maximum=MAX_DATASET),
+                    val_size=d.get("val_size", int, 200, minimum=1, maximum=MAX_DATASET),
                     max_digits=d.get("max_digits", int, 6, minimum=1, maximum=30))
     d.finish()
-    warm = WarmStart(actor_steps=w.get("actor_steps", int, 0, minimum=0),
-                     reward_steps=w.get("reward_steps", int, 0, minimum=0),
-                     batch=w.get("batch", int, 64, minimum=1), lr=w.get("lr", float, 3e-3, minimum=0))
+    _check_task_size(d, data)
+    warm = WarmStart(actor_steps=w.get("actor_steps", int, 0, minimum=0, maximum=MAX_STEPS),
+                     reward_steps=w.get("reward_steps", int, 0, minimum=0, maximum=MAX_STEPS),
+                     batch=w.get("batch", int, 64, minimum=1, maximum=MAX_DATASET),
+                     lr=w.get("lr", float, 3e-3, minimum=0))
     w.finish()
     layouts, ranks = _layouts(f.sub("layouts"), stages)
     ckpt = f.sub("checkpoint")
     spec = RunSpec(
-        seed=f.get("seed", int, 0), steps=f.get("steps", int, 20, minimum=1),
-        workers=f.get("workers", int, 4, minimum=1), data=data, warmstart=warm,
+        seed=f.get("seed", int, 0, minimum=0, maximum=MAX_SEED),
+        steps=f.get("steps", int, 20, minimum=1, maximum=MAX_STEPS),
+        workers=f.get("workers", int, 4, minimum=1, maximum=MAX_WORKERS), data=data, warmstart=warm,
         curriculum=_curriculum(f, final_response),
-        temperature=f.get("temperature", float, 1.0, minimum=0), top_p=f.get("top_p", float, 1.0, minimum=0),
+        temperature=f.get("temperature", float, 1.0, minimum=0), top_p=f.get("top_p", float, 1.0, minimum=0, maximum=1),
         actor_lr=f.get("actor_lr", float, 1e-3, minimum=0), critic_lr=f.get("critic_lr", float, 1e-3, minimum=0),
         clip_ratio=f.get("clip_ratio", float, 0.2, minimum=0),
         grad_clip=f.get("grad_clip", float, 0.0, minimum=0),
