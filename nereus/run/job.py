@@ -47,7 +47,7 @@ class RLJob(Observer):
                  quiet: bool = False, workers: int | None = None) -> None:
         if job.run is None:
             raise SpecError("run", "`nereus run` needs a `run:` section (see docs/rl.md)")
-        if workers:
+        if workers is not None:
             job = replace(job, run=replace(job.run, workers=workers))
         self.job, self.run, self.quiet = job, job.run, quiet
         self.dir = Path(out_dir or job.run.checkpoint_dir)
