@@ -15,6 +15,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     job = load_job(args.job)
     if job.run is None:
         raise SpecError("run", f"{args.job} has no `run:` section; see docs/rl.md and examples/ppo_tiny.yaml")
+    _check_run_args(args, Path(args.out or job.run.checkpoint_dir))
     try:
         from nereus.rl.data import DataError
         from nereus.run.job import RLJob
@@ -40,6 +41,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
     return 0
+
+
+def _check_run_args(args: argparse.Namespace, out: Path) -> None:
+    """Refuse bad flags before anything is created: an explicit --workers 0 is an error, not the default,
+    and --resume from a folder that does not exist must not create it."""
+    from nereus.spec.errors import SpecError
+    from nereus.spec.run import MAX_WORKERS
+
+    if args.workers is not None and not 1 <= args.workers <= MAX_WORKERS:
+        raise SpecError("--workers", f"must be between 1 and {MAX_WORKERS}, got {args.workers}")
+    if out.exists() and not out.is_dir():
+        raise SpecError("--out", f"{out} is a file; give the run's output folder")
+    if args.resume and not out.is_dir():
+        raise SpecError("--out", f"{out} does not exist: nothing to resume from; check the path "
+                                 "(--out or run.checkpoint.dir)")
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
