@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from nereus.cost.hardware import Hardware
 from nereus.cost.memory import BF16
 from nereus.cost.stages import StageCost, stage_cost
+from nereus.cost.weight_sync import SYNC_TIMES
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import STAGES, Layout, ModelStage, Placement, Plan
@@ -131,8 +132,11 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
         peak = [max(a, r + t) for a, r, t in zip(peak, resident, transient, strict=True)]
     sync = 0.0
     if job.algorithm.name != "train":
-        sync = weight_sync_time(hw, job, plan.placement(ModelStage("actor", "training")),
-                                plan.placement(ModelStage("actor", "generation")))
+        train = plan.placement(ModelStage("actor", "training"))
+        gen = plan.placement(ModelStage("actor", "generation"))
+        # a plan run by another system's mechanism says so (nereus.cost.weight_sync; simulator baselines)
+        mechanism = SYNC_TIMES.get(plan.meta.get("weight_sync", "direct"), weight_sync_time)
+        sync = mechanism(hw, job, train, gen)
         sync *= (factors or {}).get("sync", 1.0)
     phase_times["weight_sync"] = sync
     usable = hw.usable_bytes()

@@ -19,6 +19,7 @@ from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import TERMS
 from nereus.cost.transition import estimate_transition
+from nereus.sim.workload import batch_at
 from nereus.spec.job import JobSpec, ResponseLength
 from nereus.spec.layout import STAGES, Plan
 from nereus.spec.trace import Trace
@@ -65,9 +66,14 @@ class SimBackend:
     def _rng(self, step: int, purpose: int) -> np.random.Generator:
         return np.random.default_rng((self.seed, step, purpose))
 
+    def job_at(self, step: int) -> JobSpec:
+        """The job as it runs at ``step``: its batch may follow the GPUs available then
+        (``sim.workload.GrowingBatchJob``); a fixed batch is the same at every step."""
+        return batch_at(self.full_job, self.trace.gpus_at(step, self.initial_gpus))
+
     def draw_lengths(self, step: int) -> np.ndarray:
         r = self.trace.response_at(step)
-        n = self.job.sequences_per_step()
+        n = self.job_at(step).sequences_per_step()
         mu = math.log(r.mean) - r.sigma**2 / 2
         return np.minimum(self._rng(step, 0).lognormal(mu, r.sigma, size=n), r.max)
 
@@ -77,7 +83,8 @@ class SimBackend:
         r = self.trace.response_at(step)
         # The drawn batch: its mean sets tokens, its longest response sets the rollout's iterations.
         drawn = ResponseLength(mean, max(1, math.ceil(longest)), "lognormal", r.sigma)
-        est = estimate_plan(self.hw, self.full_job.with_response(drawn), plan, self.factors)
+        job = self.job_at(step)
+        est = estimate_plan(self.hw, job.with_response(drawn), plan, self.factors)
         rng = self._rng(step, 1)
         noise = {name: float(math.exp(rng.normal(0, self.truth.noise))) for name in sorted(est.stage_times)}
         stage_times = {name: t * noise[name] for name, t in est.stage_times.items()}
@@ -86,9 +93,9 @@ class SimBackend:
             stage = name.split("/")[1]
             phases[stage] = max(phases[stage], est.phase_times[stage] * noise[name])
         phases["weight_sync"] = est.phase_times["weight_sync"] * float(math.exp(rng.normal(0, self.truth.noise)))
-        tokens = float(self.job.sequences_per_step() * (self.job.workload.prompt_length + mean))
+        tokens = float(job.sequences_per_step() * (job.workload.prompt_length + mean))
         return StepMetrics(step, stage_times, phases, sum(phases.values()), mean, longest,
-                           self.job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus)
+                           job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus)
 
     def apply_transition(self, old: Plan, new: Plan, step: int) -> TransitionMetrics:
         """The transition graph's schedule (shared, cached, with the controller's) under the hidden factor."""

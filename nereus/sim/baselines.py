@@ -1,16 +1,21 @@
 """Baseline policies, each described by what it models. They share the controller's interface so the
 simulator (and later the runtime) runs them the same way.
 
-- ``fixed-dp``: the planner's best plan for the first step's workload, then its TP/PP kept for the whole
-  run; only data parallelism follows the available GPUs (the paper's "fixed initial layout with DP
-  scaling").
+- ``fixed-oracle`` (alias ``fixed-dp``): the planner's best plan for the first step's workload, then its
+  TP/PP kept for the whole run; only data parallelism follows the available GPUs. Its initial layout is
+  the one Nereus itself would choose, so it is the strongest fixed baseline (an oracle's start).
+- ``fixed-recipe``: the paper's "fixed initial layout with DP scaling" as an operator would start it:
+  the rollout TP that public example scripts set for that model size (``nereus.sim.recipes``), training
+  and inference with sharded data parallelism and no TP/PP as in those scripts (FSDP / ZeRO-3), the
+  placement and DP chosen by the planner; then only DP follows the available GPUs.
 - ``verl-like``: a colocated hybrid engine — every model-stage on all GPUs, time-sharing them; training
-  and inference with FSDP (sharded data parallelism, no TP/PP: verl's default backend), the rollout
-  engine's TP chosen once at start; the actor's weights are resharded from training to generation every
-  step (verl, Sheng et al. 2024, "HybridFlow").
+  and inference with FSDP (no TP/PP: verl's default backend); the rollout TP of verl's example script for
+  the model size; every step the actor's weights are gathered and resharded into the engine
+  (``hybrid-reshard`` in ``nereus.cost.weight_sync``; Sheng et al. 2024, "HybridFlow").
 - ``openrlhf-like``: disaggregated placement — the rollout engine, actor, critic, reference and reward
-  each on their own GPUs — with ZeRO-3 data-parallel training and inference (no TP/PP) and a weight
-  broadcast from the actor's training GPUs to the rollout engine every step (Hu et al. 2024, "OpenRLHF").
+  each on their own GPUs — with ZeRO-3 training and inference (no TP/PP), the rollout TP of OpenRLHF's
+  example script, and every step the full weights gathered to one rank and broadcast to the engines
+  (``gather-broadcast``; Hu et al. 2024, "OpenRLHF").
 - ``realhf-like``: the best plan of the full search space, found once at start for the first step's
   workload and kept (ReaLHF, Mei et al. 2024, searches its plan before training); it moves only when
   GPUs are lost or added, by a fresh search.
@@ -30,27 +35,63 @@ from nereus.control.forecast import Schedule
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.planner.search import Constraints, SearchResult, search
+from nereus.sim.recipes import fixed_recipe_tp, system_recipe_tp
 from nereus.spec.errors import InfeasibleError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage, Plan
 
+ROLLOUT = ModelStage("actor", "generation")
+
 
 class StaticPolicy:
     """Keeps its plan; when the GPU count changes it re-searches, with TP/PP pinned (``pin_tp_pp``: only
-    DP follows) or freely (a fresh search, as after a restart); otherwise it moves only when forced."""
+    DP follows) or freely (a fresh search, as after a restart); otherwise it moves only when forced.
+
+    ``rollout_tp``: the rollout engine's TP set by hand (a recipe); when the model's heads or the memory
+    refuse it, the nearest TP that works, as an operator would after the first error. ``weight_sync``: the
+    system's per-step weight-sync mechanism (``nereus.cost.weight_sync``), recorded on every plan."""
 
     def __init__(self, name: str, job: JobSpec, constraints: Constraints | None, pin_tp_pp: bool,
-                 schedule: Schedule | None = None, transition_cost: TransitionCost | None = None) -> None:
+                 schedule: Schedule | None = None, transition_cost: TransitionCost | None = None,
+                 rollout_tp: int | None = None, weight_sync: str = "direct") -> None:
         self.name, self.job, self.pin_tp_pp = name, job, pin_tp_pp
+        self.rollout_tp, self.weight_sync = rollout_tp, weight_sync
         # A controller with calibration off does the bookkeeping (forecast, feasibility, transition cost).
         self.inner = Controller(job, ControllerConfig(calibrate=False), schedule, None, transition_cost, constraints)
         self.base_constraints = constraints or Constraints()
         self.pinned: dict[ModelStage, tuple[int, int]] = {}
 
-    def initial_plan(self, num_gpus: int) -> Plan:
-        plan = self.inner.initial_plan(num_gpus)
-        self.pinned = {p.model_stage: (p.layout.tp, p.layout.pp) for p in plan.placements}
+    def _tag(self, plan: Plan) -> Plan:
+        plan.meta["weight_sync"] = self.weight_sync
         return plan
+
+    def initial_plan(self, num_gpus: int) -> Plan:
+        if self.rollout_tp is None:
+            plan = self.inner.initial_plan(num_gpus)
+        else:
+            plan = self._recipe_plan(num_gpus)
+        self.pinned = {p.model_stage: (p.layout.tp, p.layout.pp) for p in plan.placements}
+        return self._tag(plan)
+
+    def _recipe_plan(self, num_gpus: int) -> Plan:
+        """The best plan whose rollout runs at the recipe's TP (PP 1); if none fits, at the nearest TP
+        that does (ties: the larger)."""
+        arch = self.job.models["actor"]
+        tps = [t for t in range(1, self.job.cluster.gpus_per_node + 1) if arch.heads % t == 0]
+        base, err = self.base_constraints, None
+        for tp in sorted(tps, key=lambda t: (abs(t - self.rollout_tp), -t)):
+            def at_tp(ms: ModelStage, layout: Layout, tp: int = tp) -> bool:
+                pinned = ms != ROLLOUT or (layout.tp, layout.pp) == (tp, 1)
+                return pinned and (base.layout_filter is None or base.layout_filter(ms, layout))
+
+            self.inner.constraints = Constraints(base.strategies, at_tp, base.capability)
+            try:
+                return self.inner.initial_plan(num_gpus)
+            except InfeasibleError as e:
+                err = e
+            finally:
+                self.inner.constraints = base
+        raise InfeasibleError(f"{self.name}: no rollout TP fits ({err})")
 
     def _constraints(self) -> Constraints:
         if not self.pin_tp_pp:
@@ -87,7 +128,7 @@ class StaticPolicy:
         d = Decision(m.step, action, reason, current.step_time_s if current else math.inf,
                      result.estimate.step_time_s, 0.0, cost, 0, plan=result.plan)
         inner.log.append(d)
-        inner.resume(result.plan)
+        inner.resume(self._tag(result.plan))
         return d
 
     def _search(self, target: JobSpec) -> SearchResult:
@@ -99,12 +140,12 @@ class StaticPolicy:
             return result
 
     def resume(self, plan: Plan) -> None:
-        self.inner.resume(plan)
+        self.inner.resume(self._tag(plan))
         self.pinned = {p.model_stage: (p.layout.tp, p.layout.pp) for p in plan.placements}
 
     def survivor_plan(self, num_gpus: int, step: int) -> Plan:
         """After devices died mid-step: the same re-search as after a loss between steps."""
-        self.inner.resume(self._search(self.inner.job_for(step, num_gpus)).plan)
+        self.inner.resume(self._tag(self._search(self.inner.job_for(step, num_gpus)).plan))
         return self.inner.plan
 
     @property
@@ -121,10 +162,14 @@ def _with_fsdp(job: JobSpec) -> JobSpec:
     return replace(job, options=replace(job.options, fsdp=True))
 
 
+def _params_b(job: JobSpec) -> float:
+    return job.models["actor"].params() / 1e9
+
+
 def make_policy(name: str, job: JobSpec, schedule: Schedule | None = None, total_steps: int | None = None,
                 transition_cost: TransitionCost | None = None,
                 config: ControllerConfig | None = None):
-    """``nereus`` (adaptive, calibrated), ``nereus-nocal``, or a baseline by name."""
+    """``nereus`` (adaptive, calibrated), ``nereus-nocal``, or a baseline by name (see the module doc)."""
     if name == "nereus":
         return Controller(job, config, schedule, total_steps, transition_cost)
     if name == "nereus-nocal":
@@ -132,16 +177,24 @@ def make_policy(name: str, job: JobSpec, schedule: Schedule | None = None, total
         policy = Controller(job, cfg, schedule, total_steps, transition_cost)
         policy.name = name
         return policy
-    baselines = {
-        "fixed-dp": (job, None, True),
-        "verl-like": (_with_fsdp(job), Constraints(("colocated",), _sharded_data_parallel), True),
-        "openrlhf-like": (_with_fsdp(job), Constraints(("disaggregated",), _sharded_data_parallel), True),
-        "realhf-like": (job, None, False),
+    name = ALIASES.get(name, name)
+    if name not in BASELINES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {list(POLICIES)}")
+    alg, size = job.algorithm.name, _params_b(job)
+    sharded = Constraints(None, _sharded_data_parallel)
+    baselines = {  # job, constraints, pin TP/PP, rollout TP, weight sync
+        "fixed-oracle": (job, None, True, None, "direct"),
+        "fixed-recipe": (_with_fsdp(job), sharded, True, fixed_recipe_tp(size)[0], "direct"),
+        "verl-like": (_with_fsdp(job), Constraints(("colocated",), _sharded_data_parallel), True,
+                      system_recipe_tp("verl", alg, size)[0], "hybrid-reshard"),
+        "openrlhf-like": (_with_fsdp(job), Constraints(("disaggregated",), _sharded_data_parallel), True,
+                          system_recipe_tp("OpenRLHF", alg, size)[0], "gather-broadcast"),
+        "realhf-like": (job, None, False, None, "direct"),
     }
-    if name not in baselines:
-        raise ValueError(f"unknown policy {name!r}; choose one of {['nereus', 'nereus-nocal', *baselines]}")
-    base_job, constraints, pin_tp_pp = baselines[name]
-    return StaticPolicy(name, base_job, constraints, pin_tp_pp, schedule, transition_cost)
+    base_job, constraints, pin_tp_pp, rollout_tp, sync = baselines[name]
+    return StaticPolicy(name, base_job, constraints, pin_tp_pp, schedule, transition_cost, rollout_tp, sync)
 
 
-POLICIES = ("nereus", "nereus-nocal", "fixed-dp", "verl-like", "openrlhf-like", "realhf-like")
+BASELINES = ("fixed-oracle", "fixed-recipe", "verl-like", "openrlhf-like", "realhf-like")
+ALIASES = {"fixed-dp": "fixed-oracle"}  # the name fixed-oracle had before the recipe baseline existed
+POLICIES = ("nereus", "nereus-nocal", *BASELINES, *ALIASES)

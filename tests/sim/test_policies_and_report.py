@@ -3,9 +3,15 @@ import json
 import pytest
 
 from nereus.cli import main
+from nereus.cost.hardware import Hardware
+from nereus.cost.plan_cost import estimate_plan
+from nereus.cost.weight_sync import gather_broadcast_time, hybrid_reshard_time
 from nereus.sim.baselines import POLICIES, make_policy
+from nereus.sim.recipes import RECIPES, fixed_recipe_tp, system_recipe_tp
 from nereus.sim.report import write_report
 from nereus.sim.run import simulate
+from nereus.spec import load_job
+from nereus.spec.layout import Plan
 from nereus.spec.trace import load_trace
 from tests.conftest import EXAMPLES, ROOT
 from tests.sim.test_controller import small_job, trace
@@ -21,16 +27,65 @@ def test_every_policy_runs_and_reports(name):
 def test_baselines_have_the_shape_they_model():
     job = small_job(32)
     verl = make_policy("verl-like", job).initial_plan(32)
-    assert verl.meta["strategy"] == "colocated"
+    assert verl.meta["strategy"] == "colocated" and verl.meta["weight_sync"] == "hybrid-reshard"
     assert all(p.layout.tp == p.layout.pp == 1 and (p.layout.fsdp or p.layout.dp == 1)
                for p in verl.placements if p.model_stage.stage != "generation")
     orl = make_policy("openrlhf-like", job).initial_plan(32)
+    assert orl.meta["weight_sync"] == "gather-broadcast"
     gpu_sets = [set(p.gpus) for p in orl.placements]
     rollout = set(orl.placement("actor/generation").gpus)
     assert all(not (s & rollout) for s, p in zip(gpu_sets, orl.placements, strict=True)
                if p.model_stage.stage != "generation")
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("deepspeed-chat", job)
+
+
+def test_recipe_baselines_start_from_the_cited_scripts_rollout_tp():
+    job = load_job(EXAMPLES / "ppo_8b_h100.yaml")  # Llama-3-8B: the scripts set rollout TP 1, 2, 2 and 4
+    assert fixed_recipe_tp(8.03)[0] == 2
+    assert system_recipe_tp("OpenRLHF", "ppo", 8.03)[0] == 2
+    assert system_recipe_tp("verl", "ppo", 8.03)[0] == 4  # TP 4 and TP 1 scripts: the larger
+    assert system_recipe_tp("verl", "grpo", 8.03)[0] == 2
+    for name, tp in (("fixed-recipe", 2), ("verl-like", 4), ("openrlhf-like", 2)):
+        policy = make_policy(name, job)
+        plan = policy.initial_plan(64)
+        assert plan.placement("actor/generation").layout.tp == tp, name
+        assert all(p.layout.tp == p.layout.pp == 1 for p in plan.placements if p.model_stage.stage != "generation")
+    for r in RECIPES:  # each recipe names the script and the commit it was read at
+        assert r.url.startswith("https://github.com/") and len(r.commit) == 40 and r.path.endswith(".sh")
+    # a model whose heads refuse the recipe's TP gets the nearest that divides them (0.5B: 14 heads)
+    small = make_policy("fixed-recipe", small_job(16)).initial_plan(16)
+    assert small.placement("actor/generation").layout.tp == 2
+
+
+def test_fixed_dp_is_the_fixed_oracle():
+    job = small_job(16)
+    a, b = make_policy("fixed-dp", job), make_policy("fixed-oracle", job)
+    assert a.name == b.name == "fixed-oracle" and a.initial_plan(16) == b.initial_plan(16)
+
+
+def test_weight_sync_mechanisms_cost_what_they_move():
+    job = load_job(EXAMPLES / "ppo_8b_h100.yaml")
+    hw = Hardware(job.cluster)
+    weights = job.models["actor"].params() * 2
+    orl = make_policy("openrlhf-like", job).initial_plan(64)
+    train, gen = orl.placement("actor/training"), orl.placement("actor/generation")
+    # the whole model leaves one rank: no faster than the model over one InfiniBand link
+    assert gather_broadcast_time(hw, job, train, gen) > weights / job.cluster.gpu.inter_node_bytes_per_s
+    direct = estimate_plan(hw, job, replace_meta(orl, "direct")).phase_times["weight_sync"]
+    assert estimate_plan(hw, job, orl).phase_times["weight_sync"] > 1.5 * direct
+    verl = make_policy("verl-like", job).initial_plan(64)
+    train, gen = verl.placement("actor/training"), verl.placement("actor/generation")
+    assert hybrid_reshard_time(hw, job, train, gen) == pytest.approx(
+        hw.all_gather_time(weights, train.layout.dp) + hw.hbm_time(2 * weights / gen.layout.tp))
+    assert estimate_plan(hw, job, verl).phase_times["weight_sync"] == pytest.approx(
+        hybrid_reshard_time(hw, job, train, gen))
+
+
+def replace_meta(plan, sync):
+    copy = Plan(plan.placements, plan.num_gpus, dict(plan.meta))
+    copy.meta["weight_sync"] = sync
+    return copy
 
 
 def test_trace_files_cite_sources_and_load():
@@ -45,7 +100,7 @@ def test_simulate_and_report_cli(tmp_path, capsys):
     t = tmp_path / "t.yaml"
     t.write_text((ROOT / "traces" / "r1_zero_growth.yaml").read_text())
     runs = []
-    for policy in ("nereus", "fixed-dp"):
+    for policy in ("nereus", "fixed-oracle"):
         out = tmp_path / f"{policy}.json"
         assert main(["simulate", str(t), "--job", str(EXAMPLES / "ppo_tiny_cpu.yaml"), "--policy", policy,
                      "--steps", "15", "--out", str(out), "--json"]) == 0
@@ -80,3 +135,22 @@ def test_checkpoint_restart_loses_more_than_live_recovery():
                        recovery=Recovery("restart", checkpoint_every=10, restart_s=120)).summary()
     assert live["failures"] == restart["failures"] == 1
     assert restart["lost_s"] > 120 + live["lost_s"]
+
+
+def test_a_growing_batch_follows_the_gpus_for_the_simulator_and_the_policies():
+    from nereus.sim.backend import SimBackend
+    from nereus.sim.workload import GrowingBatchJob
+
+    job = GrowingBatchJob.of(small_job(32), prompts_per_gpu=8)
+    assert job.sequences_per_step() == 256 and job.with_gpus(16).sequences_per_step() == 128
+    assert job.prompts_for(12) == 64  # whole nodes only: 8 usable GPUs
+    tr = trace(10, gpus=[{"step": 0, "gpus": 16}, {"step": 5, "gpus": 32}])
+    backend = SimBackend(job, tr, initial_gpus=16)
+    assert [len(backend.draw_lengths(s)) for s in (4, 5)] == [128, 256]
+    fixed = simulate(small_job(32), tr, "fixed-oracle", seed=1, steps=10, initial_gpus=16)
+    grown = simulate(job, tr, "fixed-oracle", seed=1, steps=10, initial_gpus=16)
+    tokens = [s["tokens"] for s in grown.steps]
+    fixed_tokens = [s["tokens"] for s in fixed.steps]
+    # same lengths drawn per sequence, twice the sequences once the cluster doubles
+    assert tokens[5] / tokens[4] > 1.5 and 0.67 < fixed_tokens[5] / fixed_tokens[4] < 1.5
+    assert grown.steps[0]["gpus"] == 16 and grown.steps[-1]["gpus"] == 32

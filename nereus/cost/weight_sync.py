@@ -1,0 +1,59 @@
+"""Per-step actor weight sync as other RL systems do it, priced with the cluster's collective and
+link times (``Hardware.all_gather_time``, ``p2p_time``, ``hbm_time``). The default, Nereus's own, is the
+bandwidth bound of a direct shard-to-shard copy (``plan_cost.sync_time``); a plan names another
+mechanism in ``plan.meta["weight_sync"]`` (the simulator's verl-like and OpenRLHF-like baselines do).
+
+- ``hybrid-reshard`` (verl's hybrid engine; training and rollout on the same GPUs): every actor weight
+  is gathered in full on every training rank (``DTensor.full_tensor()`` over the FSDP mesh) and handed
+  to the colocated inference engine, which copies its TP shard in place
+  (volcengine/verl, verl/workers/sharding_manager/fsdp_vllm.py, ``FSDPVLLMShardingManager.__enter__`` and
+  ``update_params``).
+- ``gather-broadcast`` (OpenRLHF; rollout engines on their own GPUs): parameter by parameter the ZeRO-3
+  shards are gathered on the actor's ranks (``deepspeed.zero.GatheredParameters``) and rank 0 broadcasts
+  the full tensor to every vLLM worker over one NCCL group (OpenRLHF/OpenRLHF,
+  openrlhf/trainer/ray/ppo_actor.py, ``broadcast_to_vllm``): the whole model leaves through one rank's
+  link.
+"""
+
+from __future__ import annotations
+
+from nereus.cost.hardware import Hardware
+from nereus.cost.memory import BF16
+from nereus.spec.job import JobSpec
+from nereus.spec.layout import Layout, Placement
+
+MECHANISMS = ("direct", "hybrid-reshard", "gather-broadcast")
+
+
+def _weight_shards(layout: Layout) -> int:
+    """Ranks one copy of the weights is split over in training: TP × PP, times DP under FSDP/ZeRO-3."""
+    return layout.tp * layout.pp * (layout.dp if layout.fsdp else 1)
+
+
+def _gather_full(hw: Hardware, weights: float, train: Layout) -> float:
+    """Every training rank assembles the full weights: a ring all-gather of the model over its shards."""
+    return hw.all_gather_time(weights, _weight_shards(train))
+
+
+def hybrid_reshard_time(hw: Hardware, job: JobSpec, train: Placement, gen: Placement) -> float:
+    """verl: gather the full weights on every rank, then each engine rank copies its TP shard (read and
+    write W/tp of HBM)."""
+    weights = job.models["actor"].params() * BF16
+    return _gather_full(hw, weights, train.layout) + hw.hbm_time(2 * weights / gen.layout.tp)
+
+
+def gather_broadcast_time(hw: Hardware, job: JobSpec, train: Placement, gen: Placement) -> float:
+    """OpenRLHF: gather the full weights on the actor's ranks, then broadcast them from rank 0 to every
+    engine rank. A pipelined broadcast moves the whole model once through the sender's link (NVLink when
+    the engines share its node, InfiniBand otherwise) plus one latency step per receiver
+    (Thakur et al. 2005, pipelined broadcast); the gather and the broadcast alternate per parameter, so
+    they add up."""
+    weights = job.models["actor"].params() * BF16
+    sender = hw.cluster.node_of(train.gpus[0])
+    cross = any(hw.cluster.node_of(g) != sender for g in gen.gpus)
+    receivers = len(gen.gpus)
+    latency = hw.priors.inter_latency_s if cross else hw.priors.intra_latency_s
+    return _gather_full(hw, weights, train.layout) + hw.p2p_time(weights, cross) + (receivers - 1) * latency
+
+
+SYNC_TIMES = {"hybrid-reshard": hybrid_reshard_time, "gather-broadcast": gather_broadcast_time}

@@ -1,0 +1,78 @@
+"""Layouts from the public example scripts of verl and OpenRLHF: what an operator copies to start a run.
+
+Each recipe records the script it comes from (repository, path, the commit read) and the rollout
+engine's tensor-parallel size it sets by hand (verl: ``actor_rollout_ref.rollout.tensor_model_parallel_size``;
+OpenRLHF: ``--vllm_tensor_parallel_size``). Every script listed trains and runs inference with sharded
+data parallelism and no TP/PP (verl's FSDP backend; OpenRLHF's ``--zero_stage 3``), which is what the
+baselines model for those stages. The table is in docs/simulator.md ("Recipes").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Recipe:
+    system: str  # "verl" or "OpenRLHF"
+    algorithm: str  # "ppo" or "grpo"
+    model: str
+    params_b: float  # billions of parameters of the script's actor
+    rollout_tp: int
+    repo: str
+    path: str
+    commit: str
+
+    @property
+    def url(self) -> str:
+        return f"https://github.com/{self.repo}/blob/{self.commit}/{self.path}"
+
+
+RECIPES: tuple[Recipe, ...] = (
+    Recipe("verl", "ppo", "deepseek-llm-7b-chat", 7.0, 4, "volcengine/verl",
+           "examples/ppo_trainer/run_deepseek7b_llm.sh", "2ddb493969d9a537ed73758795dd4f75c766f52f"),
+    Recipe("verl", "ppo", "Qwen2-7B-Instruct, with a reward model", 7.6, 1, "volcengine/verl",
+           "examples/ppo_trainer/run_qwen2-7b_rm.sh", "52485ff335a8f3c0a9a568abc0fb3d91b99ac0a5"),
+    Recipe("verl", "grpo", "Qwen2-7B-Instruct", 7.6, 2, "volcengine/verl",
+           "examples/grpo_trainer/run_qwen2-7b.sh", "03aefba409c618c7e8a032dfbbde37fb8dc740c7"),
+    Recipe("verl", "ppo", "Qwen2.5-32B-Instruct", 32.8, 4, "volcengine/verl",
+           "examples/ppo_trainer/run_qwen2.5-32b.sh", "52485ff335a8f3c0a9a568abc0fb3d91b99ac0a5"),
+    Recipe("OpenRLHF", "ppo", "Llama-3-8B (actor, critic, reference, reward)", 8.0, 2, "OpenRLHF/OpenRLHF",
+           "examples/scripts/train_ppo_llama_ray.sh", "0840b980c1e6ec5171657c641323a040be01a112"),
+    Recipe("OpenRLHF", "ppo", "Llama-3-70B-Instruct", 70.6, 2, "OpenRLHF/OpenRLHF",
+           "examples/scripts/train_ppo_llama_ray_70b.sh", "77561119a2cc250a288fa73244ab888bdefea97f"),
+)
+
+
+def _size_distance(recipe: Recipe, params_b: float) -> float:
+    return abs(math.log(recipe.params_b / params_b))
+
+
+def recipes_for(params_b: float, system: str | None = None, algorithm: str | None = None) -> list[Recipe]:
+    """The recipes nearest in model size (log scale): those within 2× of the model, else the nearest
+    one. ``system`` and ``algorithm`` narrow the list first (the algorithm only if it leaves any)."""
+    pool = [r for r in RECIPES if system is None or r.system == system]
+    if not pool:
+        raise ValueError(f"no recipe for system {system!r}; known: {sorted({r.system for r in RECIPES})}")
+    same_alg = [r for r in pool if r.algorithm == algorithm]
+    pool = same_alg or pool
+    near = [r for r in pool if _size_distance(r, params_b) <= math.log(2)]
+    return near or [min(pool, key=lambda r: _size_distance(r, params_b))]
+
+
+def fixed_recipe_tp(params_b: float) -> tuple[int, list[Recipe]]:
+    """The rollout TP an operator copies for a model of this size: the lower median over every system's
+    recipes of that size (for a 7–8B model: TP 1, 2, 2, 4 → 2)."""
+    near = recipes_for(params_b)
+    tps = sorted(r.rollout_tp for r in near)
+    return tps[(len(tps) - 1) // 2], near
+
+
+def system_recipe_tp(system: str, algorithm: str, params_b: float) -> tuple[int, list[Recipe]]:
+    """The rollout TP of ``system``'s recipes nearest in size for ``algorithm``; when two of them differ,
+    the larger (fewer, faster engines, the one less likely to run out of KV-cache memory)."""
+    near = recipes_for(params_b, system, algorithm)
+    nearest = min(_size_distance(r, params_b) for r in near)
+    closest = [r for r in near if _size_distance(r, params_b) <= nearest + 0.1]
+    return max(r.rollout_tp for r in closest), closest
