@@ -1,12 +1,17 @@
-"""Prompt datasets in verl's format (Parquet or JSONL rows with ``prompt``, ``data_source`` and
-``reward_model.ground_truth``), a character tokenizer for the built-in task, and validation whose errors
-name the file, the row and the field."""
+"""Prompt datasets in verl's format (Parquet or JSONL rows with ``data_source``, ``prompt`` (chat
+messages), ``ability``, ``reward_model.ground_truth`` and ``extra_info``), a character tokenizer for the
+built-in task, and validation whose errors name the file, the row and the field. Prompts are rendered by
+the job's tokenizer (``rl.tokenizer``): an HF tokenizer's chat template, or the built-in one."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nereus.rl.tokenizer import Tokenizer
 
 PAD, BOS, EOS = 0, 1, 2
 ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*=:<>,.?"
@@ -62,6 +67,7 @@ class Prompt:
     ground_truth: str
     data_source: str
     index: int  # row in its file
+    extra_info: dict = field(default_factory=dict, compare=False)  # verl's per-row extras, for reward functions
 
 
 def _messages(value: object) -> list[dict]:
@@ -106,7 +112,7 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def load_prompts(path: str | Path, tokenizer: CharTokenizer, max_prompt_length: int) -> list[Prompt]:
+def load_prompts(path: str | Path, tokenizer: Tokenizer, max_prompt_length: int) -> list[Prompt]:
     """Validated, tokenised prompts of a verl-format file; any bad row raises ``DataError``."""
     out = []
     for i, row in enumerate(read_rows(path)):
@@ -127,7 +133,10 @@ def load_prompts(path: str | Path, tokenizer: CharTokenizer, max_prompt_length: 
         source = row.get("data_source", "unknown")
         if not isinstance(source, str):
             raise DataError(path, i, "data_source", f"expected a string, got {source!r}")
-        out.append(Prompt(tuple(ids), str(truth), source, i))
+        extra = row.get("extra_info") or {}
+        if not isinstance(extra, dict):
+            raise DataError(path, i, "extra_info", f"expected a mapping, got {extra!r}")
+        out.append(Prompt(tuple(ids), str(truth), source, i, extra))
     if not out:
         raise DataError(path, None, None, "no rows")
     return out

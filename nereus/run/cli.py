@@ -62,10 +62,14 @@ def cmd_scale(args: argparse.Namespace) -> int:
     """Ask a running adaptive job to grow or shrink: it reads the request at its next step boundary."""
     from nereus.spec.errors import SpecError
 
-    if args.workers < 1:
-        raise SpecError("workers", f"must be at least 1, got {args.workers}")
-    if not args.dir.is_dir():
-        raise SpecError("--dir", f"{args.dir} is not a run's output folder (run.checkpoint.dir or --out)")
+    from nereus.spec.run import MAX_WORKERS
+
+    if not 1 <= args.workers <= MAX_WORKERS:
+        raise SpecError("workers", f"must be between 1 and {MAX_WORKERS}, got {args.workers}")
+    # a run writes its warm start (init/) and metrics.jsonl first: a folder with neither is not a run's
+    if not args.dir.is_dir() or not ((args.dir / "init").is_dir() or (args.dir / "metrics.jsonl").is_file()):
+        raise SpecError("--dir", f"{args.dir} is not a run's output folder (it has no init/ or metrics.jsonl); "
+                                 "give the folder of the running job (run.checkpoint.dir or --out)")
     request = args.dir / "scale.json"
     tmp = request.with_suffix(".tmp")
     tmp.write_text(json.dumps({"workers": args.workers}))

@@ -16,8 +16,9 @@ from functools import partial
 import torch
 
 from nereus.rl.core import AdvantageInputs, advantage_estimator
-from nereus.rl.data import EOS, PAD, CharTokenizer, Prompt
-from nereus.rl.task import rule_reward
+from nereus.rl.data import Prompt
+from nereus.rl.rewards import RewardRouter
+from nereus.rl.tokenizer import Tokenizer
 from nereus.run import remote
 from nereus.run.report import step_metrics
 from nereus.run.rollout import Rollout, mini_batches, pack
@@ -29,9 +30,10 @@ from nereus.spec.job import JobSpec
 class Stepper:
     """Runs steps of ``job`` on runtime ``rt`` whose models are loaded under ``placed``."""
 
-    def __init__(self, job: JobSpec, rt: object, placed: list[Placed], tok: CharTokenizer,
-                 train: list[Prompt]) -> None:
+    def __init__(self, job: JobSpec, rt: object, placed: list[Placed], tok: Tokenizer,
+                 train: list[Prompt], reward: RewardRouter | None = None) -> None:
         self.job, self.rt, self.tok, self.train = job, rt, tok, train
+        self.reward = reward or RewardRouter(job.run.rule_reward, job.run.reward_function)
         self.run, self.alg = job.run, job.algorithm
         self.key = {(p.model, p.stage): p.key for p in placed}
         self.placed = placed
@@ -65,11 +67,13 @@ class Stepper:
         rows = [p for p in prompts for _ in range(n)]
         limit = self.run.max_response_length(step, self.job.workload.response.max)
         params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
-                                eos_token_id=EOS, pad_token_id=PAD, seed=self.run.seed * 100_003 + step)
+                                eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
+                                seed=self.run.seed * 100_003 + step)
         with self.timer("gen"):
             out = self.rt.generate_with_logprobs(self.key["actor", "generation"], [list(p.ids) for p in rows],
                                                  params)
-        return pack([list(p.ids) for p in rows], [r for r, _ in out], [lp for _, lp in out], EOS), rows
+        return pack([list(p.ids) for p in rows], [r for r, _ in out], [lp for _, lp in out],
+                    self.tok.eos_token_id), rows
 
     def infer(self, roll: Rollout, rows: list[Prompt]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -87,16 +91,18 @@ class Stepper:
         return out
 
     def score(self, roll: Rollout, rows: list[Prompt]) -> dict[str, torch.Tensor]:
-        """Rule-based reward on the decoded response plus ``reward_model_coef`` × the reward model's score
-        at the last token (verl's reward manager adds them the same way)."""
+        """Rule-based reward on the decoded response (``rl.rewards.RewardRouter``: by ``data_source``, a
+        named rule, or the user's function) plus ``reward_model_coef`` × the reward model's score at the
+        last token (verl's reward manager adds them the same way)."""
         out = {}
         responses = roll.tokens.tolist()
         rule = torch.zeros(len(rows))
         if self.run.rule_reward != "none":
             for i, p in enumerate(rows):
                 start, n = int(roll.prompt_len[i]), int(roll.response_len[i])
-                text = self.tok.decode([t for t in responses[i][start: start + n] if t != EOS])
-                rule[i] = rule_reward(self.run.rule_reward, text, p.ground_truth, bool(roll.finished[i]))
+                eos = self.tok.eos_token_id
+                text = self.tok.decode([t for t in responses[i][start: start + n] if t != eos])
+                rule[i] = self.reward.score(p.data_source, text, p.ground_truth, bool(roll.finished[i]), p.extra_info)
             out["rule"] = rule
         total = rule.clone()
         if self.has("reward"):

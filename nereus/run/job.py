@@ -22,15 +22,24 @@ from safetensors.torch import load_file, save_file
 from nereus.control.backend import RecoveryMetrics, WorkersLost
 from nereus.control.loop import ControlLoop, Observer, StepOutcome
 from nereus.control.record import RunRecord
-from nereus.rl.data import EOS, PAD, CharTokenizer, Prompt
-from nereus.rl.task import exact_match
+from nereus.rl.data import Prompt
+from nereus.rl.rewards import correct
 from nereus.run.adaptive import AdaptationLog, policy_for
 from nereus.run.backend import RuntimeBackend, plan_text
 from nereus.run.driver import Stepper
 from nereus.run.manifest import verify_manifest, write_manifest
 from nereus.run.metrics import MetricsLog, Progress
-from nereus.run.setup import TRAINED, Placed, check_batches, datasets, model_configs, placed_from_plan
-from nereus.run.warmstart import initial_checkpoints
+from nereus.run.setup import (
+    TRAINED,
+    Placed,
+    check_batches,
+    datasets,
+    model_configs,
+    placed_from_plan,
+    reward_router,
+    tokenizer_for,
+)
+from nereus.run.warmstart import initial_checkpoints, initial_sources, pretrained_checkpoints
 from nereus.runtime.generate import SamplingParams
 from nereus.runtime.hf import save_checkpoint
 from nereus.runtime.workers import Runtime
@@ -51,12 +60,13 @@ class RLJob(Observer):
             job = replace(job, run=replace(job.run, workers=workers))
         self.job, self.run, self.quiet = job, job.run, quiet
         self.dir = Path(out_dir or job.run.checkpoint_dir)
-        self.tok = CharTokenizer()
+        self.tok = tokenizer_for(job)  # the actor's HF tokenizer (models.actor.path) or the built-in one
         self.cfgs = model_configs(job, self.tok)
         # adaptive: the controller picks (and later changes) every layout; fixed: the job's own layouts
         self.policy, self.plan, self._placed = policy_for(job)
         check_batches(job, self._placed)
         self.train, self.val = datasets(job, self.tok, self.dir)
+        self.reward = reward_router(job, self.train + self.val)
         self._own_runtime = runtime is None
         self.rt = runtime
         self.backend: RuntimeBackend | None = None
@@ -91,7 +101,7 @@ class RLJob(Observer):
             if p.key not in loaded:
                 self.rt.load(p.key, self.cfgs[p.model], p.layout, list(p.ranks), checkpoint=source[p.model])
                 loaded.add(p.key)
-        stepper = Stepper(self.job, self.rt, self.placed, self.tok, self.train)
+        stepper = Stepper(self.job, self.rt, self.placed, self.tok, self.train, self.reward)
         self.backend = RuntimeBackend(self.job, self.rt, self.cfgs, stepper, self._placed, self.plan, self.say)
         self.backend.scale_file = self.dir / "scale.json"
         self.rt.forget_snapshots()  # a runtime handed in may hold another job's
@@ -105,15 +115,17 @@ class RLJob(Observer):
             self.rt.shutdown()
 
     def evaluate(self, prompts: list[Prompt]) -> float:
-        """Exact-match accuracy of greedy responses on ``prompts`` at the final response-length limit."""
+        """Accuracy of greedy responses on ``prompts`` at the final response-length limit: the share each
+        row's ``data_source`` rule scores correct (``rl.rewards.correct``; exact match for the built-in task)."""
         gen = next(p for p in self.placed if p.stage == "generation")
         ids = [list(p.ids) for p in prompts]
         pad = (-len(ids)) % gen.layout.dp
         params = SamplingParams(max_new_tokens=self.job.workload.response.max, temperature=0.0,
-                                eos_token_id=EOS, pad_token_id=PAD)
+                                eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
         out = self.rt.generate(gen.key, ids + ids[:1] * pad, params)[: len(ids)]
-        hits = [exact_match(self.tok.decode([t for t in r if t != EOS]), p.ground_truth, bool(r) and r[-1] == EOS)
-                for p, r in zip(prompts, out, strict=True)]
+        eos = self.tok.eos_token_id
+        hits = [correct(p.data_source, self.tok.decode([t for t in r if t != eos]), p.ground_truth,
+                        bool(r) and r[-1] == eos, p.extra_info) >= 1.0 for p, r in zip(prompts, out, strict=True)]
         return sum(hits) / len(hits)
 
     # ----- checkpoints --------------------------------------------------------------------------------
@@ -124,7 +136,7 @@ class RLJob(Observer):
             if model not in self.job.algorithm.models:
                 continue
             key = next(p.key for p in self.placed if p.model == model and p.stage == "training")
-            save_checkpoint(path / model, self.cfgs[model], self.rt.read_weights(key))
+            save_checkpoint(path / model, self.cfgs[model], self.rt.read_weights(key), source=self.job.paths.get(model))
             for rank, st in self.rt.read_optimizer(key).items():
                 (path / "optim" / model).mkdir(parents=True, exist_ok=True)
                 save_file(st, str(path / "optim" / model / f"rank{rank}.safetensors"))
@@ -147,7 +159,8 @@ class RLJob(Observer):
         if self.run.adapt is not None and "plan" in self.state:
             self.plan = Plan.from_dict(self.state["plan"], f"{path / 'state.json'}.plan")
             self._placed = placed_from_plan(self.plan)
-        source = {m: (path / m if m in TRAINED else self.dir / "init" / m) for m in self.job.algorithm.models}
+        init = initial_sources(self.dir / "init", self.job.algorithm.models, self.job.paths)
+        source = {m: (path / m if m in TRAINED else init[m]) for m in self.job.algorithm.models}
         self._start(source)
         lr = {"actor": self.run.actor_lr, "critic": self.run.critic_lr}
         for p in self.placed:
@@ -207,12 +220,16 @@ class RLJob(Observer):
         # one thread: the workers share the same cores, and oversubscribed BLAS threads slow tiny models ~10x
         torch.set_num_threads(1)
         t0 = time.perf_counter()
-        losses = initial_checkpoints(self.dir / "init", {m: self.cfgs[m] for m in self.job.algorithm.models},
-                                     self.train, self.tok, self.run.warmstart, self.run.seed)
-        write_manifest(self.dir / "init")
-        self.say(f"warm-start: {time.perf_counter() - t0:.1f}s, " +
-                 ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in losses.items()))
-        self._start({m: self.dir / "init" / m for m in self.job.algorithm.models})
+        cfgs, init = {m: self.cfgs[m] for m in self.job.algorithm.models}, self.dir / "init"
+        if self.job.paths:  # pretrained (models.<name>.path): no warm-start
+            losses = {}
+            pretrained_checkpoints(init, cfgs, self.job.paths)
+        else:
+            losses = initial_checkpoints(init, cfgs, self.train, self.tok, self.run.warmstart, self.run.seed)
+            self.say(f"warm-start: {time.perf_counter() - t0:.1f}s, " +
+                     ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in losses.items()))
+        write_manifest(init)
+        self._start(initial_sources(init, self.job.algorithm.models, self.job.paths))
         acc = self.evaluate(self.val)
         self.state = {"warmstart_accuracy": acc, **losses}
         self.say(f"held-out accuracy after warm-start: {100 * acc:.1f}% ({len(self.val)} prompts)")

@@ -8,8 +8,11 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from nereus.rl.data import CharTokenizer, Prompt, load_prompts, write_rows
+from nereus.rl.rewards import RewardRouter
 from nereus.rl.task import reverse_rows
+from nereus.rl.tokenizer import HFTokenizer, Tokenizer
 from nereus.runtime.capability import CAPABILITY
+from nereus.runtime.hf import read_config
 from nereus.runtime.model import ModelConfig
 from nereus.runtime.parallel.tp import check_tp
 from nereus.spec.capability import UnsupportedLayout
@@ -31,15 +34,41 @@ class Placed:
     key: str
 
 
-def model_configs(job: JobSpec, tok: CharTokenizer) -> dict[str, ModelConfig]:
+def tokenizer_for(job: JobSpec) -> Tokenizer:
+    """The actor's HF tokenizer (chat template included) when the job gives ``models.actor.path``; the
+    built-in character tokenizer of the built-in task otherwise."""
+    path = job.paths.get("actor")
+    return HFTokenizer(path, "models.actor.path") if path else CharTokenizer()
+
+
+def model_configs(job: JobSpec, tok: Tokenizer) -> dict[str, ModelConfig]:
+    """Each model's runtime config: a pretrained model's from its ``config.json`` (RoPE base, norm epsilon
+    and special tokens as the checkpoint has them), a random-initialised one's from its architecture."""
+    if job.paths and job.run is not None and (job.run.warmstart.actor_steps or job.run.warmstart.reward_steps):
+        raise SpecError("run.warmstart", "the warm-start trains random weights on the built-in task; remove it "
+                                         "when models.<name>.path gives pretrained weights")
     out = {}
     for name, arch in job.models.items():
+        key = f"models.{name}.path" if name in job.paths else f"models.{name}.vocab"
         if arch.vocab < tok.vocab_size:
-            raise SpecError(f"models.{name}.vocab", f"{arch.vocab} is smaller than the tokenizer's "
-                                                    f"{tok.vocab_size} tokens")
-        cfg = ModelConfig(arch, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-        out[name] = cfg.with_value_head() if job.has_value_head(name) else cfg
+            raise SpecError(key, f"vocab_size {arch.vocab} is smaller than the tokenizer's {tok.vocab_size} tokens")
+        if name in job.paths:
+            cfg = read_config(job.paths[name])
+            if name == "reward" and not cfg.value_head:
+                raise SpecError(key, f"{job.paths[name]} is not a reward model: give a *ForSequenceClassification "
+                                     "checkpoint with num_labels: 1 (its score at the last token is the reward)")
+        else:
+            cfg = ModelConfig(arch, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        out[name] = cfg.with_value_head(job.has_value_head(name))
     return out
+
+
+def reward_router(job: JobSpec, prompts: list[Prompt]) -> RewardRouter:
+    """The job's rule reward (``run.rule_reward``, ``run.reward_function``), checked against the data:
+    under ``auto`` every ``data_source`` of ``prompts`` needs a scorer."""
+    router = RewardRouter(job.run.rule_reward, job.run.reward_function)
+    router.check_sources({p.data_source for p in prompts}, "run.rule_reward")
+    return router
 
 
 def _planned(job: JobSpec) -> dict[str, tuple[Layout, tuple[int, ...]]]:
@@ -145,9 +174,12 @@ def check_batches(job: JobSpec, placed: list[Placed]) -> None:
                             f"micro_batch_size={p.layout.micro_batch_size}")
 
 
-def datasets(job: JobSpec, tok: CharTokenizer, root: Path) -> tuple[list[Prompt], list[Prompt]]:
+def datasets(job: JobSpec, tok: Tokenizer, root: Path) -> tuple[list[Prompt], list[Prompt]]:
     """Training and held-out prompts: the job's files, or the built-in task written to ``root/data``."""
     d, limit = job.run.data, job.workload.prompt_length
+    if not d.train and not isinstance(tok, CharTokenizer):
+        raise SpecError("run.data.train", "give a verl-format .parquet/.jsonl file: the built-in task is written "
+                                          "for the built-in tokenizer, not the model's")
     if d.train:
         train = load_prompts(d.train, tok, limit)
         if d.val:

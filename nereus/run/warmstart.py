@@ -6,6 +6,11 @@ initial weights of the other three models, written as HF checkpoints the workers
 - critic: the actor's decoder with a zero ``score`` head (verl initialises the critic from the actor);
 - reward model: the same decoder trained to output 1 at the last token of a correct answer and 0 of a
   corrupted one (a verifier learned from labelled pairs, as a reward model is learned from preferences).
+
+A job whose models name HF directories (``models.<name>.path``) starts from those instead: actor,
+reference and a reward model (a sequence-classification checkpoint) load straight from their directory;
+a critic whose directory is a causal LM gets its decoder and a zero ``score`` head, written once to
+``init/critic`` (``pretrained_checkpoints``).
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from pathlib import Path
 import torch
 
 from nereus.rl.data import EOS, PAD, CharTokenizer, Prompt
-from nereus.runtime.hf import save_checkpoint
+from nereus.runtime.hf import load_boxes, read_config, save_checkpoint
 from nereus.runtime.model import CausalLM, ModelConfig, build_model
+from nereus.spec.layout import Layout
+from nereus.spec.sharding import rank_tensors
 
 
 def _pad_right(seqs: list[list[int]]) -> torch.Tensor:
@@ -116,3 +123,24 @@ def initial_checkpoints(root: Path, cfgs: dict[str, ModelConfig], data: list[Pro
                                                       seed + 1)
         save_checkpoint(root / "reward", cfgs["reward"], rm.state_dict())
     return out
+
+
+def pretrained_checkpoints(root: Path, cfgs: dict[str, ModelConfig], paths: dict[str, str]) -> None:
+    """``root/critic`` for a critic whose HF directory holds a causal LM: its decoder weights and a zero
+    ``score`` head (verl initialises the critic from the actor's weights with a new value head). Other
+    models need no copy; ``initial_sources`` points at their directories."""
+    root.mkdir(parents=True, exist_ok=True)
+    if "critic" not in cfgs or read_config(paths["critic"]).value_head:
+        return
+    cfg = cfgs["critic"]
+    boxes = rank_tensors(cfg.arch, Layout(), 0, value_head=True)
+    state = load_boxes(paths["critic"], {k: box for k, box in boxes.items() if k != "score.weight"})
+    state["score.weight"] = torch.zeros(1, cfg.arch.hidden)
+    save_checkpoint(root / "critic", cfg, state, source=paths["critic"])
+
+
+def initial_sources(root: Path, models: tuple[str, ...], paths: dict[str, str]) -> dict[str, Path]:
+    """Where each model's initial weights are: ``root/<model>`` when written there (warm-start, or a
+    critic's new value head), else the model's HF directory."""
+    return {m: root / m if (root / m / "config.json").exists() or m not in paths else Path(paths[m])
+            for m in models}

@@ -7,6 +7,7 @@ Tensor names are the checkpoint's own, so loading a rank's shard reads only the 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -22,6 +23,13 @@ INDEX = "model.safetensors.index.json"
 # pipeline stage's copy of a tied embedding (``tied_head``) is the embedding.
 ALIASES = {"lm_head.weight": "model.embed_tokens.weight", "tied_head": "model.embed_tokens.weight"}
 SINGLE = "model.safetensors"
+# Tokenizer files (``PreTrainedTokenizerFast.save_pretrained`` and older spellings) and the generation
+# config, copied from the model a checkpoint started from so that ``AutoTokenizer`` loads the checkpoint too.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "generation_config.json")
+# keys of a source config.json that describe another head or dtype than the tensors written
+_HEAD_KEYS = ("id2label", "label2id", "num_labels", "problem_type", "dtype", "torch_dtype", "architectures")
 
 
 def config_from_hf(data: dict, where: str = "config.json") -> ModelConfig:
@@ -36,9 +44,14 @@ def config_from_hf(data: dict, where: str = "config.json") -> ModelConfig:
         rope = {}
     eos = data.get("eos_token_id")
     return ModelConfig(arch=arch, rope_theta=float(theta), rms_eps=float(data.get("rms_norm_eps", 1e-6)),
-                       rope_scaling=rope, value_head=data.get("num_labels") == 1 and _is_scorer(data),
+                       rope_scaling=rope, value_head=_labels(data) == 1 and _is_scorer(data),
                        bos_token_id=data.get("bos_token_id"),
                        eos_token_id=eos[0] if isinstance(eos, list) else eos)
+
+
+def _labels(data: dict) -> int | None:
+    """``num_labels``, or the size of ``id2label`` (transformers 5 writes only the mapping)."""
+    return data.get("num_labels", len(data.get("id2label") or {}) or None)
 
 
 def _is_scorer(data: dict) -> bool:
@@ -57,7 +70,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "num_hidden_layers": a.layers, "hidden_size": a.hidden, "intermediate_size": a.ffn_hidden,
         "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "vocab_size": a.vocab,
         "tie_word_embeddings": a.tied_embeddings, "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta,
-        "rope_parameters": rope, "hidden_act": "silu", "torch_dtype": "float32",
+        "rope_parameters": rope, "hidden_act": "silu", "torch_dtype": "float32", "dtype": "float32",
         "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
     }
     if cfg.value_head:
@@ -110,11 +123,24 @@ def slice_boxes(full: dict[str, torch.Tensor], boxes: dict[str, Box]) -> dict[st
     return out
 
 
-def save_checkpoint(path: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
-    """Write a full checkpoint (``config.json`` + ``model.safetensors``) from whole tensors."""
+def save_checkpoint(path: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
+                    source: str | Path | None = None) -> None:
+    """Write a full checkpoint (``config.json`` + ``model.safetensors``) from whole tensors. With
+    ``source`` (the HF model directory the model started from) the config keeps the source's other keys
+    (``max_position_embeddings``, ``pad_token_id``...) and its tokenizer files are copied alongside."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
+    config = config_to_hf(cfg)
+    if source is not None:
+        base = json.loads((Path(source) / "config.json").read_text())
+        config = {**{k: v for k, v in base.items() if k not in _HEAD_KEYS}, **config}
+        for name in TOKENIZER_FILES:
+            if (Path(source) / name).is_file():
+                shutil.copyfile(Path(source) / name, path / name)
+    if cfg.value_head:
+        config["id2label"] = {"0": "LABEL_0"}
+        config["label2id"] = {"LABEL_0": 0}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     if cfg.arch.tied_embeddings:
         data.pop("lm_head.weight", None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, DEFAULT_ESTIMATOR, NEEDS_CRITIC
@@ -11,7 +11,7 @@ from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS, Fields
 from nereus.spec.files import read_yaml_file
 from nereus.spec.layout import RECOMPUTE, ModelStage
-from nereus.spec.model import ModelArch, read_arch
+from nereus.spec.model import ModelArch, arch_from_hf_config, read_arch
 from nereus.spec.response import ResponseLength
 from nereus.spec.run import RunSpec, read_run
 from nereus.spec.trace import load_trace
@@ -68,6 +68,8 @@ class JobSpec:
     cluster: ClusterSpec
     options: Options
     run: RunSpec | None = None  # the optional `run:` section (nereus run)
+    # model -> HF model directory (``models.<name>.path``): the weights, config and tokenizer it starts from
+    paths: dict[str, str] = field(default_factory=dict)
 
     def model_stages(self) -> list[ModelStage]:
         """Every model-stage the algorithm runs each step, in stage order."""
@@ -204,15 +206,43 @@ def _read_options(f: Fields) -> Options:
     return opts
 
 
+def _read_model(f: Fields, base_dir: Path) -> tuple[ModelArch, str | None]:
+    """A model entry: ``path: DIR`` (an HF model directory: config.json, safetensors, tokenizer files;
+    the architecture comes from its config) or an architecture (``read_arch``)."""
+    if not f.has("path"):
+        return read_arch(f, base_dir), None
+    path = Path(f.get("path", str))
+    path = path if path.is_absolute() else base_dir / path
+    f.finish()
+    if not path.is_dir():
+        raise SpecError(f.key_path("path"), f"{str(path)!r} is not a directory; give an HF model directory "
+                                            "(config.json, model.safetensors, tokenizer files)")
+    return arch_from_hf_config(path / "config.json", f.key_path("path")), str(path)
+
+
+def _check_paths(paths: dict[str, str], used: tuple[str, ...]) -> None:
+    """Pretrained and random-initialised models do not mix: with any ``path``, every model of the
+    algorithm has one (the critic's and reference's may be the actor's directory, as in verl)."""
+    if not paths:
+        return
+    missing = [m for m in used if m not in paths]
+    if missing:
+        raise SpecError(f"models.{missing[0]}", "give path: like the other models (an HF model directory; "
+                                                "the critic and reference may use the actor's)")
+
+
 def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
     root = Fields(data, "")
     models_f = root.sub("models", required=True)
-    models = {}
+    models, paths = {}, {}
     for name in models_f.data:
-        models[str(name)] = read_arch(models_f.sub(str(name)), base_dir)
+        models[str(name)], path = _read_model(models_f.sub(str(name)), base_dir)
+        if path is not None:
+            paths[str(name)] = path
     if not models:
         raise SpecError("models", "define at least one model")
     algorithm = _read_algorithm(root.sub("algorithm", required=True), models)
+    _check_paths({m: p for m, p in paths.items() if m in algorithm.models}, algorithm.models)
     job = JobSpec(
         name=root.get("name", str, "job"),
         models={m: models[m] for m in algorithm.models},
@@ -220,6 +250,7 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         workload=_read_workload(root.sub("workload", required=True), algorithm, base_dir),
         cluster=read_cluster(root.sub("cluster", required=True), base_dir),
         options=_read_options(root.sub("options")),
+        paths={m: p for m, p in paths.items() if m in algorithm.models},
     )
     if root.has("run"):
         if algorithm.name == "train":

@@ -11,7 +11,8 @@ from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
 
-RULES = ("exact_match", "digit_match", "none")
+# auto: the row's data_source picks the rule (nereus.rl.rewards, as verl's default reward manager does)
+RULES = ("auto", "exact_match", "digit_match", "none")
 
 # Local worker processes of one run: each is a Ray actor holding a torch process group member, and the
 # runtime is tested up to a few; 64 is already far past what one host's cores time-share usefully.
@@ -91,7 +92,8 @@ class RunSpec:
     kl_loss_type: str = "k3"
     kl_coef: float = 0.0  # in-reward KL penalty (PPO)
     kl_penalty: str = "k1"
-    rule_reward: str = "exact_match"
+    rule_reward: str = "auto"
+    reward_function: str | None = None  # "package.module:function" with verl's signature (rl.rewards)
     reward_model_coef: float = 0.0
     eval_every: int = 5
     checkpoint_dir: str = "runs/job"
@@ -208,7 +210,8 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         use_kl_loss=f.get("use_kl_loss", bool, False), kl_loss_coef=f.get("kl_loss_coef", float, 0.001, minimum=0),
         kl_loss_type=f.get("kl_loss_type", str, "k3", choices=KL_KINDS),
         kl_coef=f.get("kl_coef", float, 0.0, minimum=0), kl_penalty=f.get("kl_penalty", str, "k1", choices=KL_KINDS),
-        rule_reward=f.get("rule_reward", str, "exact_match", choices=RULES),
+        rule_reward=f.get("rule_reward", str, "auto", choices=RULES),
+        reward_function=f.get("reward_function", str, None),
         reward_model_coef=f.get("reward_model_coef", float, 0.0, minimum=0),
         eval_every=f.get("eval_every", int, 5, minimum=1),
         checkpoint_dir=ckpt.get("dir", str, "runs/job"), checkpoint_every=ckpt.get("every", int, 0, minimum=0),

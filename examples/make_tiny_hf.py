@@ -1,0 +1,92 @@
+"""Make a tiny HF model directory and a verl-format GSM8K-style dataset for examples/grpo_gsm8k_hf.yaml.
+
+    python examples/make_tiny_hf.py runs/tiny_hf
+
+writes ``runs/tiny_hf/model/`` (a randomly initialised Qwen2ForCausalLM saved with ``save_pretrained``,
+plus a byte-level BPE tokenizer trained with the ``tokenizers`` package on the task's text, saved as a
+``PreTrainedTokenizerFast`` with a ChatML chat template) and ``runs/tiny_hf/{train,val}.parquet`` (rows
+in verl's format: ``data_source``, ``prompt`` as chat messages, ``ability``, ``reward_model.ground_truth``,
+``extra_info``). Everything is synthetic and offline; a real run points ``models.<name>.path`` at a
+downloaded model (e.g. Qwen2.5-0.5B-Instruct) and ``run.data`` at verl's preprocessed GSM8K Parquet files.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, the format of Qwen2's chat template: each message between <|im_start|>role and <|im_end|>
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
+
+
+def gsm8k_rows(count: int, seed: int) -> list[dict]:
+    """``count`` distinct addition questions in verl's GSM8K row format (answers as ``#### N``)."""
+    rng = random.Random(seed)
+    pairs = sorted({(a, b) for a in range(1, 20) for b in range(1, 20)})
+    rng.shuffle(pairs)
+    rows = []
+    for i, (a, b) in enumerate(pairs[:count]):
+        question = f"What is {a}+{b}?"
+        rows.append({"data_source": "openai/gsm8k",
+                     "prompt": [{"role": "user", "content": f"{question} {INSTRUCTION}"}],
+                     "ability": "math",
+                     "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                     "extra_info": {"split": "train", "index": i, "question": question,
+                                    "answer": f"{a} plus {b} is {a + b}. #### {a + b}"}})
+    return rows
+
+
+def make_tokenizer(texts: list[str], folder: Path, vocab: int = 320):
+    """A byte-level BPE tokenizer trained on ``texts``, saved with ChatML specials and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    return tok
+
+
+def make_model(folder: Path, vocab: int, eos: int, pad: int, seed: int = 0) -> None:
+    """A 2-layer Qwen2ForCausalLM with random weights (hidden 32, 4 query and 2 KV heads)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+    Qwen2ForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+
+
+def make(out: str | Path, rows: int = 48, val: int = 8, seed: int = 0) -> Path:
+    """Write ``out/model``, ``out/train.parquet`` and ``out/val.parquet``; returns ``out``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(out)
+    (out / "model").mkdir(parents=True, exist_ok=True)
+    data = gsm8k_rows(rows + val, seed)
+    texts = [r["prompt"][0]["content"] + " " + r["extra_info"]["answer"] for r in data] + ["user assistant system"]
+    tok = make_tokenizer(texts, out / "model")
+    vocab = -(-len(tok) // 64) * 64  # rounded up, as released models pad their embedding tables
+    make_model(out / "model", vocab, tok.eos_token_id, tok.pad_token_id, seed)
+    pq.write_table(pa.Table.from_pylist(data[:rows]), out / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(data[rows:]), out / "val.parquet")
+    return out
+
+
+if __name__ == "__main__":
+    target = make(sys.argv[1] if len(sys.argv) > 1 else "runs/tiny_hf")
+    print(f"wrote {target}/model (Qwen2 + BPE tokenizer with a chat template), {target}/train.parquet, "
+          f"{target}/val.parquet")

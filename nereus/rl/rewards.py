@@ -1,0 +1,217 @@
+"""Rule-based rewards routed by a row's ``data_source`` (as verl's default reward manager routes them),
+the answer extraction and normaliser they share, and user reward functions given as a Python path.
+
+Built-in scorers (1.0 for a correct answer, 0.0 otherwise):
+
+- GSM8K (``openai/gsm8k``, any source containing ``gsm8k``): the number after the *last* ``####`` of the
+  response, compared with the ground truth as numbers (GSM8K's own answer format, Cobbe et al. 2021,
+  https://arxiv.org/abs/2110.14168);
+- math (``lighteval/MATH``, ``HuggingFaceH4/MATH-500``, any source containing ``math``): the contents of
+  the *last* ``\\boxed{...}`` (or ``\\fbox{...}``) of the response, braces balanced, compared with the
+  ground truth (itself unwrapped from ``\\boxed{}`` if it is boxed) after ``normalize_answer``;
+- the built-in task (``nereus/reverse``): exact match of the whole response, ended with EOS.
+
+``normalize_answer`` (documented in README "Bring a verl dataset and an HF model"): drop surrounding
+``$`` and a trailing period; unwrap ``\\text{...}``; remove ``\\left``/``\\right``, LaTeX spacing
+(``\\!``, ``\\,``, ``\\;``, ``\\:``), degree marks and percent signs; ``\\dfrac``/``\\tfrac`` become
+``\\frac``; remove all whitespace; remove thousands separators in numbers (``1,234`` → ``1234``). Two
+answers are equal when their normalised strings are, or when both are numbers (integers, decimals,
+``a/b`` or ``\\frac{a}{b}``) of equal value.
+
+User functions use verl's signature ``fn(data_source, solution_str, ground_truth, extra_info=None) ->
+float`` so a verl user's function works unchanged; the job names it ``run.reward_function:
+"package.module:function"`` or ``"path/to/file.py:function"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+from collections.abc import Callable
+from fractions import Fraction
+from pathlib import Path
+
+from nereus.rl.task import TASK_SOURCE, digit_match, exact_match
+from nereus.spec.errors import SpecError
+
+# (response text, ground truth, finished with EOS, extra_info) -> score
+Scorer = Callable[[str, str, bool, dict], float]
+
+
+# ----- answer extraction and normalisation ---------------------------------------------------------------
+_NUMBER = r"-?[\d,]*\.?\d+"
+_GSM8K_ANSWER = re.compile(r"####\s*\$?\s*(" + _NUMBER + r")")
+
+
+def gsm8k_answer(text: str) -> str | None:
+    """The number after the last ``####`` in ``text`` (commas and ``$`` allowed), or None."""
+    found = _GSM8K_ANSWER.findall(text)
+    return found[-1] if found else None
+
+
+def last_boxed(text: str) -> str | None:
+    """Contents of the last ``\\boxed{...}`` or ``\\fbox{...}`` in ``text`` (nested braces balanced);
+    None when there is none or its braces never close."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def _unwrap_text(s: str) -> str:
+    return re.sub(r"\\(?:text|textbf|mathrm)\{([^{}]*)\}", r"\1", s)
+
+
+def normalize_answer(answer: str) -> str:
+    """The canonical form two answers are compared in (see the module docstring)."""
+    s = answer.strip().strip("$").strip()
+    s = _unwrap_text(s)
+    for pattern in (r"\\left", r"\\right", r"\\[!,;:]", r"\^\{?\\circ\}?", r"\\%", r"%", r"\\ "):
+        s = re.sub(pattern, "", s)
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\s+", "", s)
+    s = s.rstrip(".")
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    return s
+
+
+def _as_number(s: str) -> Fraction | None:
+    """The value of a normalised integer, decimal, ``a/b`` or ``\\frac{a}{b}``; None otherwise."""
+    m = re.fullmatch(r"(-?)\\frac\{(-?\d+)\}\{(-?\d+)\}", s) or re.fullmatch(r"(-?)(-?\d+)/(-?\d+)", s)
+    try:
+        if m:
+            value = Fraction(int(m.group(2)), int(m.group(3)))
+            return -value if m.group(1) else value
+        if re.fullmatch(r"-?\d*\.?\d+", s):
+            return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+def answers_equal(a: str, b: str) -> bool:
+    na, nb = normalize_answer(a), normalize_answer(b)
+    if na == nb:
+        return True
+    va, vb = _as_number(na), _as_number(nb)
+    return va is not None and va == vb
+
+
+# ----- scorers --------------------------------------------------------------------------------------------
+def gsm8k_score(response: str, ground_truth: str, finished: bool, extra_info: dict) -> float:
+    """1 when the response's last ``#### N`` equals the ground truth (which may itself be ``... #### N``)."""
+    got = gsm8k_answer(response)
+    want = gsm8k_answer(ground_truth) or ground_truth
+    return 1.0 if got is not None and answers_equal(got, want) else 0.0
+
+
+def boxed_score(response: str, ground_truth: str, finished: bool, extra_info: dict) -> float:
+    """1 when the response's last ``\\boxed{}`` equals the ground truth after ``normalize_answer``."""
+    got = last_boxed(response)
+    want = last_boxed(ground_truth) or ground_truth
+    return 1.0 if got is not None and answers_equal(got, want) else 0.0
+
+
+def _exact(response: str, ground_truth: str, finished: bool, extra_info: dict) -> float:
+    return exact_match(response, ground_truth, finished)
+
+
+def _digits(response: str, ground_truth: str, finished: bool, extra_info: dict) -> float:
+    return digit_match(response, ground_truth, finished)
+
+
+# data_source -> scorer; ``register_source`` adds to it. Sources not listed fall back by substring.
+SOURCES: dict[str, Scorer] = {
+    TASK_SOURCE: _exact, "openai/gsm8k": gsm8k_score, "gsm8k": gsm8k_score,
+    "lighteval/MATH": boxed_score, "DigitalLearningGmbH/MATH-lighteval": boxed_score,
+    "HuggingFaceH4/MATH-500": boxed_score,
+}
+_FALLBACKS: tuple[tuple[str, Scorer], ...] = (("gsm8k", gsm8k_score), ("math", boxed_score))
+NAMED = {"exact_match": _exact, "digit_match": _digits}
+
+
+def register_source(data_source: str, scorer: Scorer) -> None:
+    """Route rows of ``data_source`` to ``scorer`` (a Python user's way to add a rule)."""
+    SOURCES[data_source] = scorer
+
+
+def scorer_for_source(data_source: str) -> Scorer | None:
+    if data_source in SOURCES:
+        return SOURCES[data_source]
+    lower = data_source.lower()
+    return next((s for key, s in _FALLBACKS if key in lower), None)
+
+
+# ----- user functions -------------------------------------------------------------------------------------
+def _import_target(module: str, where: str) -> object:
+    if module.endswith(".py"):
+        path = Path(module)
+        if not path.is_file():
+            raise SpecError(where, f"file {module!r} not found")
+        spec = importlib.util.spec_from_file_location(f"nereus_user_reward_{path.stem}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise SpecError(where, f"cannot import module {module!r} ({err}); is it installed or on PYTHONPATH?") from None
+
+
+def load_user_function(target: str, where: str = "run.reward_function") -> Callable[..., float]:
+    """``"package.module:function"`` or ``"path/file.py:function"``, checked to be callable with verl's
+    arguments ``(data_source, solution_str, ground_truth, extra_info)``."""
+    module, sep, name = target.rpartition(":")
+    if not sep or not module or not name:
+        raise SpecError(where, f"{target!r} is not 'package.module:function' or 'path/file.py:function'")
+    fn = getattr(_import_target(module, where), name, None)
+    if not callable(fn):
+        raise SpecError(where, f"{module!r} has no function {name!r}")
+    try:
+        inspect.signature(fn).bind("source", "response", "truth", extra_info={})
+    except TypeError as err:
+        raise SpecError(where, f"{target} must accept (data_source, solution_str, ground_truth, extra_info=None): "
+                               f"{err}") from None
+    except ValueError:  # a builtin without a signature: trust it
+        pass
+    return fn
+
+
+class RewardRouter:
+    """The rule reward of one job: a user function (``run.reward_function``), a named rule for every row
+    (``exact_match``, ``digit_match``), or ``auto``: the row's ``data_source`` picks the scorer."""
+
+    def __init__(self, rule: str, function: str | None = None) -> None:
+        self.rule = rule
+        self.user = load_user_function(function) if function else None
+
+    def check_sources(self, sources: set[str], where: str) -> None:
+        """Under ``auto``, every data_source of the data must have a scorer; the error lists them."""
+        if self.user is not None or self.rule != "auto":
+            return
+        missing = sorted(s for s in sources if scorer_for_source(s) is None)
+        if missing:
+            raise SpecError(where, f"no rule reward for data_source {missing[0]!r}; built-in sources: "
+                                   f"{sorted(SOURCES)} (and any containing 'gsm8k' or 'math'); give "
+                                   "run.reward_function: 'module:function' or run.rule_reward: exact_match")
+
+    def score(self, data_source: str, response: str, ground_truth: str, finished: bool, extra_info: dict) -> float:
+        if self.user is not None:
+            return float(self.user(data_source, response, ground_truth, extra_info=extra_info))
+        if self.rule == "auto":
+            return correct(data_source, response, ground_truth, finished, extra_info)
+        return NAMED[self.rule](response, ground_truth, finished, extra_info)
+
+
+def correct(data_source: str, response: str, ground_truth: str, finished: bool, extra_info: dict) -> float:
+    """The data_source's correctness rule (the one held-out accuracy counts); exact match when unknown."""
+    return (scorer_for_source(data_source) or _exact)(response, ground_truth, finished, extra_info)

@@ -1,0 +1,73 @@
+"""The tokenizer interface the RL code uses, and its two implementations: the built-in character
+tokenizer of the built-in task (``rl.data.CharTokenizer``) and an HF tokenizer loaded from a model
+directory (``tokenizer.json`` / ``tokenizer_config.json``, the ``transformers`` package), whose chat
+template renders a row's messages as verl does (``apply_chat_template`` with ``add_generation_prompt``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from nereus.spec.errors import SpecError
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What rollouts, rewards, data loading and checkpoints read of a tokenizer."""
+
+    pad_token_id: int
+    eos_token_id: int
+    bos_token_id: int | None
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]: ...
+
+
+class HFTokenizer:
+    """An HF fast tokenizer from a model directory. ``prompt_ids`` renders chat messages through the
+    tokenizer's chat template with the generation prompt appended (the assistant turn's header), then
+    tokenises the text without adding specials again (the template already wrote them)."""
+
+    def __init__(self, path: str | Path, where: str = "models.actor.path") -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise SpecError(where, "an HF model's tokenizer needs the transformers package "
+                                   "(pip install transformers tokenizers)") from None
+        self.path = Path(path)
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise SpecError(where, f"no loadable tokenizer in {self.path} ({str(err).splitlines()[0]}); the "
+                                   "directory needs tokenizer.json and tokenizer_config.json") from None
+        if self.hf.eos_token_id is None:
+            raise SpecError(where, f"the tokenizer in {self.path} has no eos_token; set it in tokenizer_config.json")
+        if not getattr(self.hf, "chat_template", None):
+            raise SpecError(where, f"the tokenizer in {self.path} has no chat_template; prompts are chat "
+                                   "messages (verl's format) and are rendered through it")
+        self.eos_token_id = int(self.hf.eos_token_id)
+        # no pad token (Llama): pad with EOS, as verl does; padding is masked everywhere it appears
+        self.pad_token_id = int(self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_token_id)
+        self.bos_token_id = self.hf.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)  # added tokens included (``hf.vocab_size`` leaves them out)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode(text)
+
