@@ -238,8 +238,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def max_profile_workers() -> int:
-    """Most local worker processes ``nereus profile`` starts: 4 per CPU, at least 4."""
-    return max(4, 4 * (os.cpu_count() or 1))
+    """Most local worker processes ``nereus profile`` starts: 4 per CPU, at least 4, at most 256."""
+    return min(256, max(4, 4 * (os.cpu_count() or 1)))
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     from nereus.run.cli import add_parser as add_run_parser  # argparse only; torch loads when it runs
 
     add_run_parser(sub)
+    for command in sub.choices.values():  # a subcommand may bring its own parser class: errors stay one line
+        if not isinstance(command, OneLineParser):
+            command.error = OneLineParser.error.__get__(command)  # type: ignore[method-assign]
     return parser
 
 

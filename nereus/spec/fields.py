@@ -19,8 +19,9 @@ MAX_INT = 2**63 - 1
 # The largest single-job clusters of 2024 have about 10^5 GPUs (e.g. 100k H100); the planner and the
 # simulator keep per-device state, so a larger count is refused rather than allocated.
 MAX_GPUS = 100_000
-# The simulator and the runtime keep one record per step; 10^6 steps is ~300 MB of run record.
-MAX_STEPS = 1_000_000
+# Published RL runs are at most ~10^4 steps (DeepSeek-R1-Zero: ~10k); the simulator takes ~0.05 s a step
+# and keeps a record per step, so 10^5 steps (about an hour, ~30 MB of run record) bounds its loop.
+MAX_STEPS = 100_000
 # The deepest published transformers have ~128 layers (GPT 1T: 128, Llama 3.1 405B: 126); the planner
 # tries pipeline splits per layer count, so 10^9 layers would never finish.
 MAX_LAYERS = 1_000

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from nereus.spec.errors import SpecError
-from nereus.spec.fields import Fields
+from nereus.spec.fields import MAX_GPUS, MAX_LAYERS, MAX_SEQUENCES, Fields
 
 STAGES = ("generation", "inference", "training")
 RECOMPUTE = ("none", "selective", "full")
@@ -71,11 +71,11 @@ class Layout:
     def from_dict(data: object, where: str = "layout") -> Layout:
         f = Fields(data, where)
         layout = Layout(
-            tp=f.get("tp", int, 1, minimum=1),
-            pp=f.get("pp", int, 1, minimum=1),
-            dp=f.get("dp", int, 1, minimum=1),
-            micro_batch_size=f.get("micro_batch_size", int, 1, minimum=1),
-            interleave=f.get("interleave", int, 1, minimum=1),
+            tp=f.get("tp", int, 1, minimum=1, maximum=MAX_GPUS),
+            pp=f.get("pp", int, 1, minimum=1, maximum=MAX_GPUS),
+            dp=f.get("dp", int, 1, minimum=1, maximum=MAX_GPUS),
+            micro_batch_size=f.get("micro_batch_size", int, 1, minimum=1, maximum=MAX_SEQUENCES),
+            interleave=f.get("interleave", int, 1, minimum=1, maximum=MAX_LAYERS),
             recompute=f.get("recompute", str, "selective", choices=RECOMPUTE),
             sequence_parallel=f.get("sequence_parallel", bool, True),
             zero1=f.get("zero1", bool, True),
@@ -95,7 +95,7 @@ class Layout:
                 raise SpecError(where, f"{part!r} is not KEY=VALUE (for example tp=8,pp=2,dp=4)")
             if value in ("true", "false"):
                 values[key.strip()] = value == "true"
-            elif value.isdigit():
+            elif value.isascii() and value.isdigit() and len(value) <= 18:  # '²' is a digit to isdigit()
                 values[key.strip()] = int(value)
             else:
                 values[key.strip()] = value
@@ -159,7 +159,7 @@ class Plan:
     @staticmethod
     def from_dict(data: object, where: str = "plan") -> Plan:
         f = Fields(data, where)
-        num_gpus = f.get("num_gpus", int, minimum=1)
+        num_gpus = f.get("num_gpus", int, minimum=1, maximum=MAX_GPUS)
         raw = f.get("placements", list)
         f.finish()
         placements = tuple(Placement.from_dict(p, f"{where}.placements[{i}]") for i, p in enumerate(raw))
