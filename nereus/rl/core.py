@@ -16,7 +16,7 @@ from types import MappingProxyType
 
 import torch
 
-from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS
+from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, KL_ALIASES, KL_ESTIMATOR_NAMES, LOSS_AGG_MODES
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -69,16 +69,22 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor, std_normalise: bool = True,
                     eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantages (Shao et al. 2024, §4.1.2, outcome supervision): each response's score
-    minus the mean of its prompt's group, divided by the group's standard deviation (unbiased, as the
-    reference implementations), broadcast to every response token. A group of one gets advantage 0."""
-    adv = torch.zeros_like(scores, dtype=torch.float32)
+    minus the mean of its group, divided by the group's standard deviation (unbiased) + ``eps``, broadcast
+    to every response token. ``groups`` holds each response's uid: the responses sampled together from
+    one drawn prompt (a prompt drawn twice in a step is two groups). As verl's
+    ``compute_grpo_outcome_advantage`` (verl/trainer/ppo/core_algos.py), a group of one has mean 0 and
+    std 1, so its advantage is score / (1 + eps); ``std_normalise`` False (verl's
+    ``norm_adv_by_std_in_grpo``; Dr. GRPO, Liu et al. 2025) keeps score − mean."""
+    s = scores.float()
+    adv = torch.empty_like(s)
     for g in torch.unique(groups):
         idx = groups == g
-        s = scores[idx].float()
-        if len(s) < 2:
-            continue
-        centred = s - s.mean()
-        adv[idx] = centred / (s.std() + eps) if std_normalise else centred
+        members = s[idx]
+        if len(members) == 1:
+            mean, std = torch.tensor(0.0), torch.tensor(1.0)
+        else:
+            mean, std = members.mean(), members.std()
+        adv[idx] = (members - mean) / (std + eps) if std_normalise else members - mean
     return adv[:, None] * mask
 
 
@@ -93,9 +99,16 @@ def kl_k2(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def kl_k3(log_ratio: torch.Tensor) -> torch.Tensor:
-    """(1/r − 1) + log r: unbiased and never negative (GRPO's KL loss, Shao et al. 2024 eq. 4); clamped to
-    [−10, 10] as in verl, so one outlier token cannot dominate."""
-    return (torch.exp(-log_ratio) - 1 + log_ratio).clamp(-10, 10)
+    """(1/r − 1) + log r: unbiased and never negative (GRPO's KL loss, Shao et al. 2024 eq. 4). As verl's
+    ``low_var_kl``, log r is clamped to [−20, 20] before the exponential and the result to [−10, 10], so
+    one outlier token cannot dominate."""
+    lr = log_ratio.clamp(-20, 20)
+    return (torch.exp(-lr) - 1 + lr).clamp(-10, 10)
+
+
+def kl_abs(log_ratio: torch.Tensor) -> torch.Tensor:
+    """|log r| (verl's ``abs``): biased, never negative."""
+    return log_ratio.abs()
 
 
 def _registry(names: tuple[str, ...], functions: dict[str, Callable]) -> Mapping[str, Callable]:
@@ -105,16 +118,17 @@ def _registry(names: tuple[str, ...], functions: dict[str, Callable]) -> Mapping
     return MappingProxyType({name: functions[name] for name in names})
 
 
-# Functions of the log-ratio log(π/π_ref), under the names spec validation accepts (nereus.spec.algorithms).
-KL_ESTIMATORS = _registry(KL_KINDS, {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3})
+# Functions of the log-ratio log(π/π_ref), under the canonical names of nereus.spec.algorithms.
+KL_ESTIMATORS = _registry(KL_ESTIMATOR_NAMES, {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3, "abs": kl_abs})
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(π‖π_ref) from samples of π (Schulman 2020) with r = π/π_ref, by the
-    estimator registered as ``kind`` in ``KL_ESTIMATORS``."""
-    if kind not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {list(KL_ESTIMATORS)}")
-    return KL_ESTIMATORS[kind](logp - ref_logp)
+    estimator ``kind`` names: a canonical name or a verl spelling (``kl``, ``mse``, ``low_var_kl``;
+    ``nereus.spec.algorithms.KL_ALIASES``)."""
+    if kind not in KL_ALIASES:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {list(KL_ALIASES)}")
+    return KL_ESTIMATORS[KL_ALIASES[kind]](logp - ref_logp)
 
 
 def token_rewards(scores: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
@@ -144,6 +158,13 @@ class AdvantageInputs:
     kl_coef: float = 0.0
     gamma: float = 1.0
     lam: float = 1.0
+    norm_adv_by_std: bool = True  # GRPO: divide by the group's std (verl's norm_adv_by_std_in_grpo)
+
+
+def _rewards(x: AdvantageInputs) -> torch.Tensor:
+    """Per-token rewards: the score on the last token, minus the KL penalty when one is set."""
+    kl = kl_estimate(x.old_logp, x.ref_logp, x.kl_penalty) if x.kl_coef and x.ref_logp is not None else None
+    return token_rewards(x.scores, x.mask, kl, x.kl_coef)
 
 
 def gae_estimator(x: AdvantageInputs) -> dict[str, torch.Tensor]:
@@ -152,15 +173,16 @@ def gae_estimator(x: AdvantageInputs) -> dict[str, torch.Tensor]:
     targets."""
     if x.values is None:
         raise ValueError("the gae advantage estimator needs critic values")
-    kl = kl_estimate(x.old_logp, x.ref_logp, x.kl_penalty) if x.kl_coef and x.ref_logp is not None else None
-    rewards = token_rewards(x.scores, x.mask, kl, x.kl_coef)
+    rewards = _rewards(x)
     adv, returns = gae(rewards, x.values, x.mask, x.gamma, x.lam)
     return {"adv": masked_whiten(adv, x.mask), "returns": returns, "rewards": rewards}
 
 
 def grpo_estimator(x: AdvantageInputs) -> dict[str, torch.Tensor]:
-    """GRPO's advantages: scores normalised within each prompt's group (no critic, no reward penalty)."""
-    return {"adv": grpo_advantages(x.scores, x.groups, x.mask)}
+    """GRPO's advantages: each response's summed token rewards (its score, minus the KL penalty when one
+    is in the reward, as verl sums ``token_level_rewards``) normalised within its uid group."""
+    rewards = _rewards(x)
+    return {"adv": grpo_advantages(rewards.sum(-1), x.groups, x.mask, x.norm_adv_by_std), "rewards": rewards}
 
 
 ADVANTAGE_ESTIMATOR_FNS = _registry(ADVANTAGE_ESTIMATORS, {"gae": gae_estimator, "grpo": grpo_estimator})
@@ -174,16 +196,29 @@ def advantage_estimator(name: str) -> Callable[[AdvantageInputs], dict[str, torc
 
 
 def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, clip_low: float = 0.2,
-                        clip_high: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        clip_high: float | None = None,
+                        clip_ratio_c: float | None = 3.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate per token (Schulman et al. 2017, eq. 7), as a loss to minimise:
-    max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)) with r = exp(logp − old_logp). ``clip_high`` defaults to
-    ``clip_low`` (asymmetric "clip-higher" as DAPO when larger). Returns the loss and where clipping was
-    active (the clipped term was larger)."""
+    L = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)) with r = exp(logp − old_logp), log r clamped to
+    [−20, 20] as verl. ``clip_high`` defaults to ``clip_low`` (asymmetric "clip-higher" as DAPO when
+    larger). Dual-clip (Ye et al. 2020, arXiv:1912.09729; verl's ``clip_ratio_c``, default 3): where
+    A < 0 the loss is also capped at −A·c, so a token whose ratio has grown far past 1 cannot push an
+    unbounded update; None turns it off. Returns the loss, where the first clip was active (verl's
+    ``pg_clipfrac``), and where the dual clip was (``pg_clipfrac_lower``)."""
     clip_high = clip_low if clip_high is None else clip_high
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    loss = torch.maximum(unclipped, clipped)
+    lower = torch.zeros_like(loss)
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c must exceed 1 (dual-clip bounds the ratio from above), got {clip_ratio_c}")
+        cap = -adv * clip_ratio_c
+        negative = adv < 0
+        lower = ((loss > cap) & negative).float()
+        loss = torch.where(negative, torch.minimum(loss, cap), loss)
+    return loss, (clipped > unclipped).float(), lower
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
@@ -199,3 +234,29 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """H = logsumexp(z) − Σ softmax(z)·z per position of full-vocabulary logits [..., V]."""
     z = logits.float()
     return torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+
+
+def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+             horizon: int | None = None) -> torch.Tensor:
+    """One number from a [B, R] per-token loss, as verl's ``agg_loss`` (verl/trainer/ppo/core_algos.py,
+    ``loss_agg_mode``) over a whole mini-batch: ``token-mean`` Σ mask·ℓ / Σ mask; ``seq-mean-token-sum``
+    mean over sequences of Σ_t mask·ℓ; ``seq-mean-token-mean`` mean over sequences of their token means;
+    ``seq-mean-token-sum-norm`` mean over sequences of Σ_t mask·ℓ / ``horizon`` (the maximum response
+    length, R when not given; Dr. GRPO's constant normaliser, Liu et al. 2025)."""
+    return (loss * agg_weights(mask, mode, horizon)).sum() / max(len(mask), 1)
+
+
+def agg_weights(mask: torch.Tensor, mode: str = "token-mean", horizon: int | None = None) -> torch.Tensor:
+    """Per-token weights w [B, R] with Σ w·ℓ / B = ``agg_loss(ℓ, mask, mode)``. A per-row form lets
+    every micro-batch of every replica compute its part as Σ w·ℓ / rows: the engine's mean over equal
+    micro-batches then equals the aggregate over the whole mini-batch under any layout."""
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {list(LOSS_AGG_MODES)}")
+    rows = mask.shape[0]
+    if mode == "token-mean":
+        return mask * rows / mask.sum().clamp(min=1)
+    if mode == "seq-mean-token-sum":
+        return mask.clone()
+    if mode == "seq-mean-token-mean":
+        return mask / mask.sum(-1, keepdim=True).clamp(min=1)
+    return mask / (horizon or mask.shape[-1])

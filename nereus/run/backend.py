@@ -44,7 +44,7 @@ def step_metrics(step: int, metrics: dict, gpus: int) -> StepMetrics:
     phases = {"generation": 0.0, "inference": 0.0, "training": 0.0}
     for ms, t in stages.items():
         phases[ms.split("/")[1]] += t
-    phases["weight_sync"] = metrics.get("timing_s/sync_weights", 0.0)
+    phases["weight_sync"] = metrics.get("timing_s/update_weights", 0.0)
     rows = metrics.get("perf/total_num_tokens", 0.0) / max(1.0, metrics["response_length/mean"]
                                                            + metrics.get("prompt_length/mean", 0.0))
     return StepMetrics(step, stages, phases, metrics["timing_s/step"], metrics["response_length/mean"],

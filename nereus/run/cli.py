@@ -12,7 +12,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from nereus.spec.errors import SpecError
     from nereus.spec.job import load_job
 
-    job = load_job(args.job)
+    job = load_job(args.job, args.overrides)  # key.path=value overrides, validated like the file
     if job.run is None:
         raise SpecError("run", f"{args.job} has no `run:` section; see docs/rl.md and examples/ppo_tiny.yaml")
     _check_run_args(args, Path(args.out or job.run.checkpoint_dir))
@@ -78,9 +78,28 @@ def cmd_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+class _RunParser(argparse.ArgumentParser):
+    """``nereus run``'s parser: overrides may also follow the flags (argparse stops filling a positional
+    list at the first flag, so ``JOB --workers 2 run.steps=3`` would leave ``run.steps=3`` unparsed)."""
+
+    def parse_known_args(self, args: list[str] | None = None,
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        ns, extra = super().parse_known_args(args, namespace)
+        late = [a for a in extra if not a.startswith("-") and ("=" in a or a.startswith("~"))]
+        ns.overrides = [*(getattr(ns, "overrides", None) or []), *late]
+        return ns, [a for a in extra if a not in late]
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    r = sub.add_parser("run", help="run an RL job (PPO/GRPO) on local workers: metrics, checkpoints, --resume")
+    default_class, sub._parser_class = sub._parser_class, _RunParser
+    try:
+        r = sub.add_parser("run", help="run an RL job (PPO/GRPO) on local workers: metrics, checkpoints, --resume")
+    finally:
+        sub._parser_class = default_class
     r.add_argument("job", help="job spec (YAML) with a `run:` section")
+    r.add_argument("overrides", nargs="*", metavar="key.path=value",
+                   help="override keys of the job file before validation, e.g. run.clip_ratio=0.3 "
+                        "algorithm.samples_per_prompt=4 (verl's keys too: docs/rl.md); ~key.path removes one")
     r.add_argument("--workers", type=int, help="local worker processes (default: run.workers, 4)")
     r.add_argument("--out", type=Path, help="output folder (default: run.checkpoint.dir)")
     r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output folder")

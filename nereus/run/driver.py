@@ -21,7 +21,7 @@ from nereus.rl.rewards import RewardRouter
 from nereus.rl.tokenizer import Tokenizer
 from nereus.run import remote
 from nereus.run.report import step_metrics
-from nereus.run.rollout import Rollout, mini_batches, pack
+from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack, repeat_prompts
 from nereus.run.setup import Placed
 from nereus.runtime.generate import SamplingParams
 from nereus.spec.job import JobSpec
@@ -64,7 +64,7 @@ class Stepper:
     # ----- stages -------------------------------------------------------------------------------------
     def generate(self, step: int, prompts: list[Prompt]) -> tuple[Rollout, list[Prompt]]:
         n = self.alg.samples_per_prompt
-        rows = [p for p in prompts for _ in range(n)]
+        rows = repeat_prompts(prompts, n)
         limit = self.run.max_response_length(step, self.job.workload.response.max)
         params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
                                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
@@ -78,7 +78,9 @@ class Stepper:
     def infer(self, roll: Rollout, rows: list[Prompt]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         with self.timer("old_log_prob"):
-            out["old_logp"] = roll.response_frame(self.rt.logprobs(self.key["actor", "inference"], roll.tokens))
+            # one pass gives the old log-probs and the rollout policy's full-vocabulary entropy (actor/entropy)
+            logp, entropy = self.rt.logprobs_and_entropy(self.key["actor", "inference"], roll.tokens)
+            out["old_logp"], out["entropy"] = roll.response_frame(logp), roll.response_frame(entropy)
         if self.has("reference"):
             with self.timer("ref"):
                 out["ref_logp"] = roll.response_frame(self.rt.logprobs(self.key["reference", "inference"],
@@ -115,13 +117,12 @@ class Stepper:
     def advantages(self, roll: Rollout, rows: list[Prompt], inf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         r = self.run
         with self.timer("adv"):
-            ids = {p.index: i for i, p in enumerate(dict.fromkeys(rows))}  # each response's prompt group
             x = AdvantageInputs(
-                scores=inf["score"], mask=roll.mask, groups=torch.tensor([ids[p.index] for p in rows]),
+                scores=inf["score"], mask=roll.mask, groups=draw_uids(len(rows), self.alg.samples_per_prompt),
                 old_logp=inf["old_logp"], values=inf.get("values"),
                 # the KL is a reward penalty only when it is not a loss term
                 ref_logp=None if r.use_kl_loss else inf.get("ref_logp"), kl_penalty=r.kl_penalty,
-                kl_coef=r.kl_coef, gamma=r.gamma, lam=r.lam)
+                kl_coef=r.kl_coef, gamma=r.gamma, lam=r.lam, norm_adv_by_std=r.norm_adv_by_std_in_grpo)
             return advantage_estimator(self.alg.adv_estimator)(x)
 
     def update(self, model: str, batch: dict[str, torch.Tensor], loss_fn: object, lr: float,
@@ -129,8 +130,10 @@ class Stepper:
         """``epochs`` × ``mini_batches`` optimizer steps on ``model``'s training layout."""
         key = self.key[model, "training"]
         gen = torch.Generator().manual_seed(self.run.seed * 7_919 + step)
-        steps = [self.rt.train_step(key, mb, loss_fn, lr, self.run.grad_clip or None)
-                 for _ in range(self.alg.epochs) for mb in mini_batches(batch, self.alg.mini_batches, gen)]
+        horizon = self.run.max_response_length(step, self.job.workload.response.max)
+        parts = [mb for _ in range(self.alg.epochs)
+                 for mb in mini_batches(batch, self.alg.mini_batches, gen, self.run.loss_agg_mode, horizon)]
+        steps = [self.rt.train_step(key, mb, loss_fn, lr, self.run.grad_clip or None) for mb in parts]
         replicas = range(len(steps[0].replicas))  # replica-major, as the statistics have always been summed
         if self.run.grad_clip:  # norms are measured while clipping: verl's actor/grad_norm, critic/grad_norm
             norms = [st.replicas[d].grad_norm for d in replicas for st in steps]
@@ -141,7 +144,7 @@ class Stepper:
         """Each trained model's new weights from its training layout to its other layouts, by the live
         transition executor (``Runtime.sync_weights``): shards that coincide on a worker are shared, the
         rest move point to point between workers."""
-        with self.timer("sync_weights"):
+        with self.timer("update_weights"):  # verl's name for the trainer -> rollout weight update
             for model in ("actor", "critic"):
                 if self.has(model):
                     self.rt.sync_weights(model, self.job)
@@ -168,8 +171,11 @@ class Stepper:
             kl_coef = r.kl_loss_coef if r.use_kl_loss and "ref_logp" in inf else 0.0
             if kl_coef:
                 batch["ref_logp"] = inf["ref_logp"]
-            loss = partial(remote.actor_loss, clip_low=r.clip_ratio, clip_high=r.clip_ratio_high,
-                           kl_loss_coef=kl_coef, kl_loss_type=r.kl_loss_type)
+            # verl: clip_ratio_low and clip_ratio_high each default to clip_ratio
+            low = r.clip_ratio if r.clip_ratio_low is None else r.clip_ratio_low
+            high = r.clip_ratio if r.clip_ratio_high is None else r.clip_ratio_high
+            loss = partial(remote.actor_loss, clip_low=low, clip_high=high, kl_loss_coef=kl_coef,
+                           kl_loss_type=r.kl_loss_type, clip_ratio_c=r.clip_ratio_c)
             stats["actor"] = self.update("actor", batch, loss, r.actor_lr, step)
         self.sync()
         self.timing["timing_s/step"] = time.perf_counter() - t0

@@ -28,7 +28,7 @@ from nereus.run.adaptive import AdaptationLog, policy_for
 from nereus.run.backend import RuntimeBackend, plan_text
 from nereus.run.driver import Stepper
 from nereus.run.manifest import verify_manifest, write_manifest
-from nereus.run.metrics import MetricsLog, Progress
+from nereus.run.metrics import MetricsLog, Progress, check_loggers
 from nereus.run.setup import (
     TRAINED,
     Placed,
@@ -65,6 +65,7 @@ class RLJob(Observer):
         # adaptive: the controller picks (and later changes) every layout; fixed: the job's own layouts
         self.policy, self.plan, self._placed = policy_for(job)
         check_batches(job, self._placed)
+        check_loggers(self.run.logger)  # a missing wandb/mlflow fails now, not after the warm-start
         self.train, self.val = datasets(job, self.tok, self.dir)
         self.reward = reward_router(job, self.train + self.val)
         self._own_runtime = runtime is None
@@ -240,7 +241,8 @@ class RLJob(Observer):
         start = self._restore() if resume else 0
         if not resume:
             self._fresh()
-        self.log = MetricsLog(self.dir / "metrics.jsonl", resume, quiet=self.quiet)
+        self.log = MetricsLog(self.dir / "metrics.jsonl", resume, quiet=self.quiet, loggers=self.run.logger,
+                              name=self.job.name)
         self.bar = Progress(self.run.steps, start, quiet=self.quiet)
         if self.run.adapt is not None:
             self.adaptation = AdaptationLog(self.dir / "decisions.jsonl")

@@ -1,48 +1,132 @@
-"""Per-step metrics to the console, a JSONL file and (when installed) TensorBoard, plus a progress bar."""
+"""Per-step metrics to the sinks of ``run.logger`` (verl's ``trainer.logger``): the console, a JSONL file
+(always written: recovery rewinds it), TensorBoard, Weights & Biases and MLflow; plus a progress bar.
+wandb and mlflow are optional extras (``pip install 'nereus[wandb]'`` / ``'nereus[mlflow]'``)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
+
+from nereus.spec.errors import SpecError
 
 # What the console line shows per step (the JSONL file has every metric).
-CONSOLE = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl", "val/accuracy",
-           "timing_s/step", "perf/throughput")
+CONSOLE = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/reward_kl_penalty",
+           "actor/entropy", "val/accuracy", "timing_s/step", "perf/throughput")
+
+# Without ``run.logger``: the console, the JSONL file, and TensorBoard when it is installed.
+DEFAULT = ("console", "jsonl", "tensorboard?")
+
+# logger -> (module it needs, pip extra that installs it)
+PACKAGES = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+            "mlflow": ("mlflow", "mlflow")}
+
+
+def _import(name: str, required: bool) -> Any:
+    """The module a logger needs; None when it is optional and absent, an error naming the fix otherwise."""
+    module, extra = PACKAGES[name]
+    try:
+        return importlib.import_module(module)
+    except Exception:  # absent (ImportError) or broken: say how to install it
+        if not required:
+            return None
+        raise SpecError("run.logger", f"{name!r} needs the {extra} package, which is not installed; "
+                                      f"pip install 'nereus[{extra}]' (or remove {name!r})") from None
+
+
+def check_loggers(loggers: tuple[str, ...] | None) -> None:
+    """Fail before the run starts when a requested logger's package is missing."""
+    for name in loggers or ():
+        if name in PACKAGES:
+            _import(name, required=True)
+
+
+class _TensorBoard:
+    def __init__(self, module: Any, folder: Path) -> None:
+        self.writer = module.SummaryWriter(str(folder))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Wandb:
+    def __init__(self, module: Any, folder: Path, name: str, config: dict) -> None:
+        self.wandb = module
+        self.run = module.init(project="nereus", name=name, dir=str(folder), config=config)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _MLflow:
+    def __init__(self, module: Any, name: str, config: dict) -> None:
+        self.mlflow = module
+        module.start_run(run_name=name)
+        if config:
+            module.log_params(config)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.mlflow.log_metrics(metrics, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
+
+
+def _sinks(loggers: tuple[str, ...], folder: Path, name: str, config: dict) -> list:
+    out: list = []
+    for entry in loggers:
+        logger, required = entry.rstrip("?"), not entry.endswith("?")
+        if logger not in PACKAGES:
+            continue
+        module = _import(logger, required)
+        if module is None:
+            continue
+        if logger == "tensorboard":
+            out.append(_TensorBoard(module, folder / "tensorboard"))
+        elif logger == "wandb":
+            out.append(_Wandb(module, folder, name, config))
+        else:
+            out.append(_MLflow(module, name, config))
+    return out
 
 
 class MetricsLog:
-    """Appends one JSON object per step to ``path``; mirrors to TensorBoard if ``torch.utils.tensorboard``
-    imports (it needs the ``tensorboard`` package)."""
+    """Appends one JSON object per step to ``path`` and hands each step's numbers to the other sinks of
+    ``loggers`` (verl's names: console, jsonl/file, tensorboard, wandb, mlflow; None: ``DEFAULT``)."""
 
-    def __init__(self, path: Path, resume: bool, stream: TextIO = sys.stderr, quiet: bool = False) -> None:
+    def __init__(self, path: Path, resume: bool, stream: TextIO = sys.stderr, quiet: bool = False,
+                 loggers: tuple[str, ...] | None = None, name: str = "nereus", config: dict | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path, self.stream, self.quiet = path, stream, quiet
+        loggers = DEFAULT if loggers is None else loggers
+        self.path, self.stream = path, stream
+        self.quiet = quiet or "console" not in loggers
+        self.sinks = _sinks(loggers, path.parent, name, config or {})
         self.file = path.open("a" if resume else "w")
-        self.tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(path.parent / "tensorboard"))
-        except Exception:  # tensorboard absent (ImportError) or broken: metrics still go to JSONL
-            self.tb = None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, step)
+        numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        for sink in self.sinks:
+            sink.log(step, numbers)
         if not self.quiet:
             shown = "  ".join(f"{k.split('/', 1)[-1] if k.startswith('val') else k}={metrics[k]:.4g}"
                               for k in CONSOLE if k in metrics)
             self.stream.write(f"\rstep {step}: {shown}\n")
 
     def rewind(self, step: int) -> None:
-        """Drop the lines after ``step`` steps (they are about to be redone)."""
+        """Drop the JSONL lines after ``step`` steps (they are about to be redone; the other sinks get the
+        redone steps again)."""
         self.file.flush()
         lines = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
         self.file.close()
@@ -51,8 +135,8 @@ class MetricsLog:
 
     def close(self) -> None:
         self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 class Progress:

@@ -18,32 +18,42 @@ def _response(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
     return out.gather(1, mb["index"])
 
 
+def _aggregate(x: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch aggregate of ``x``: ``mb["weight"]`` holds the
+    ``loss_agg_mode`` weights of the whole mini-batch (``rl.core.agg_weights``), so Σ weight·x / rows,
+    after the engine's mean over equal micro-batches and replicas, is verl's ``agg_loss`` over the
+    mini-batch under any layout."""
+    return (x * mb["weight"]).sum() / len(x)
+
+
 def actor_loss(out: torch.Tensor, mb: dict[str, torch.Tensor], clip_low: float, clip_high: float | None,
-               kl_loss_coef: float, kl_loss_type: str) -> Loss:
-    """PPO clipped surrogate (Schulman et al. 2017) plus, for GRPO, β·KL(π‖π_ref) as a loss (Shao et al.
-    2024, eq. 3). ``mb["weight"]`` is mask · (mini-batch rows / mini-batch response tokens), so summing
-    weight·loss over rows and dividing by the micro-batch's rows gives, after the engine's mean over
-    micro-batches and replicas, the token mean over the whole mini-batch under any layout."""
-    logp, mask, weight = _response(out, mb), mb["mask"], mb["weight"]
-    pg, clipped = clipped_policy_loss(logp, mb["old_logp"], mb["adv"], clip_low, clip_high)
+               kl_loss_coef: float, kl_loss_type: str, clip_ratio_c: float | None = 3.0) -> Loss:
+    """PPO clipped surrogate with dual-clip (Schulman et al. 2017; Ye et al. 2020) plus, with a KL loss,
+    β·KL(π‖π_ref) (Shao et al. 2024, eq. 3), both aggregated by the job's ``loss_agg_mode`` as verl's
+    ``update_policy`` does (pg_loss + kl_loss_coef · kl_loss)."""
+    logp, mask = _response(out, mb), mb["mask"]
+    pg, clipped, lower = clipped_policy_loss(logp, mb["old_logp"], mb["adv"], clip_low, clip_high, clip_ratio_c)
     loss = pg
     kl = torch.zeros_like(pg)
     if kl_loss_coef and "ref_logp" in mb:
         kl = kl_estimate(logp, mb["ref_logp"], kl_loss_type)
         loss = pg + kl_loss_coef * kl
     with torch.no_grad():
-        stats = {"tokens": float(mask.sum()), "pg_loss": float(masked_mean(pg, mask)),
+        stats = {"tokens": float(mask.sum()), "pg_loss": float(_aggregate(pg, mb)),
                  "pg_clipfrac": float(masked_mean(clipped, mask)),
+                 "pg_clipfrac_lower": float(masked_mean(lower, mask)),
                  "ppo_kl": float(masked_mean(mb["old_logp"] - logp, mask)),
-                 "kl_loss": float(masked_mean(kl, mask))}
-    return Loss((loss * weight).sum() / len(logp), stats)
+                 "kl_loss": float(_aggregate(kl, mb))}
+    return Loss(_aggregate(loss, mb), stats)
 
 
 def critic_loss(out: torch.Tensor, mb: dict[str, torch.Tensor], clip: float) -> Loss:
-    """Clipped value loss towards the GAE returns, token mean over the mini-batch (as ``actor_loss``)."""
+    """Clipped value loss towards the GAE returns, aggregated as ``actor_loss`` (verl's critic uses the
+    actor's ``loss_agg_mode`` by default)."""
     values, mask = _response(out, mb), mb["mask"]
     loss, clipped = clipped_value_loss(values, mb["old_values"], mb["returns"], clip)
     with torch.no_grad():
-        stats = {"tokens": float(mask.sum()), "vf_loss": float(masked_mean(loss, mask)),
-                 "vf_clipfrac": float(masked_mean(clipped, mask))}
-    return Loss((loss * mb["weight"]).sum() / len(values), stats)
+        stats = {"tokens": float(mask.sum()), "vf_loss": float(_aggregate(loss, mb)),
+                 "vf_clipfrac": float(masked_mean(clipped, mask)),
+                 "vpred_mean": float(masked_mean(values, mask))}
+    return Loss(_aggregate(loss, mb), stats)

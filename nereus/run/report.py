@@ -1,10 +1,11 @@
-"""A step's metrics under verl's names."""
+"""A step's metrics under verl's names (verl/trainer/ppo/metric_utils.py and ray_trainer.py; the table
+side by side is in docs/rl.md)."""
 
 from __future__ import annotations
 
 import torch
 
-from nereus.rl.core import kl_estimate, masked_mean
+from nereus.rl.core import agg_loss, kl_estimate, masked_mean
 from nereus.run.rollout import Rollout
 
 
@@ -19,6 +20,7 @@ def step_metrics(st: object, step: int, roll: Rollout, inf: dict, adv: dict, sta
         "response_length/min": float(rlen.min()),
         "response_length/clip_ratio": float(((roll.response_len >= limit) & ~roll.finished).float().mean()),
         "prompt_length/mean": float(roll.prompt_len.float().mean()),
+        "prompt_length/max": float(roll.prompt_len.max()), "prompt_length/min": float(roll.prompt_len.min()),
         "critic/score/mean": float(inf["score"].mean()), "critic/score/max": float(inf["score"].max()),
         "critic/score/min": float(inf["score"].min()),
     }
@@ -27,21 +29,28 @@ def step_metrics(st: object, step: int, roll: Rollout, inf: dict, adv: dict, sta
     if "rm" in inf:
         m["reward_model/score/mean"] = float(inf["rm"].mean())
     m.update(masked_stats("critic/advantages", adv["adv"], mask))
+    if "rewards" in adv:
+        seq = (adv["rewards"] * mask).sum(1)
+        m.update({"critic/rewards/mean": float(seq.mean()), "critic/rewards/max": float(seq.max()),
+                  "critic/rewards/min": float(seq.min())})
     if "returns" in adv:
         m.update(masked_stats("critic/returns", adv["returns"], mask))
         m.update(masked_stats("critic/values", inf["values"], mask))
-        m["critic/rewards/mean"] = float((adv["rewards"] * mask).sum(1).mean())
-        m["critic/vf_loss"] = weighted(stats["critic"], "vf_loss")
-        m["critic/vf_clipfrac"] = weighted(stats["critic"], "vf_clipfrac")
-        m["critic/lr"] = r.critic_lr
+        m["critic/vf_explained_var"] = explained_variance(adv["returns"], inf["values"], mask)
+        c = stats["critic"]
+        m.update({"critic/vf_loss": mean(c, "vf_loss"), "critic/vf_clipfrac": weighted(c, "vf_clipfrac"),
+                  "critic/vpred_mean": weighted(c, "vpred_mean"), "critic/lr": r.critic_lr})
     a = stats["actor"]
-    m.update({"actor/pg_loss": weighted(a, "pg_loss"), "actor/pg_clipfrac": weighted(a, "pg_clipfrac"),
-              "actor/ppo_kl": weighted(a, "ppo_kl"), "actor/kl_loss": weighted(a, "kl_loss"),
-              "actor/lr": r.actor_lr,
-              # −E[log π(a)] over sampled tokens: an unbiased estimate of the policy's entropy
-              "actor/entropy": float(-masked_mean(inf["old_logp"], mask))})
-    if "ref_logp" in inf:
-        m["actor/kl"] = float(masked_mean(kl_estimate(inf["old_logp"], inf["ref_logp"], r.kl_loss_type), mask))
+    m.update({"actor/pg_loss": mean(a, "pg_loss"), "actor/pg_clipfrac": weighted(a, "pg_clipfrac"),
+              "actor/pg_clipfrac_lower": weighted(a, "pg_clipfrac_lower"),
+              "actor/ppo_kl": weighted(a, "ppo_kl"), "actor/kl_loss": mean(a, "kl_loss"), "actor/lr": r.actor_lr})
+    if "entropy" in inf:  # verl: the rollout policy's full-vocabulary entropy, aggregated as the loss
+        m["actor/entropy"] = float(agg_loss(inf["entropy"], mask, r.loss_agg_mode, limit))
+    if "ref_logp" in inf and r.kl_coef and not r.use_kl_loss:
+        # verl's apply_kl_penalty: the KL in the reward, token mean per sequence, then mean over the batch
+        kl = kl_estimate(inf["old_logp"], inf["ref_logp"], r.kl_penalty)
+        m["actor/reward_kl_penalty"] = float(masked_mean(kl, mask, dim=-1).mean())
+        m["actor/reward_kl_penalty_coeff"] = r.kl_coef
     diff = ((roll.gen_logp - inf["old_logp"]).abs() * mask)
     m["rollout/logprob_diff_max"] = float(diff.max())
     m.update({f"{model}/grad_norm": norm for model, norm in st.grad_norms.items()})
@@ -50,13 +59,30 @@ def step_metrics(st: object, step: int, roll: Rollout, inf: dict, adv: dict, sta
     m["perf/total_num_tokens"] = float(tokens)
     # verl reports tokens per second per device; the workers are the devices here
     m["perf/throughput"] = tokens / max(st.timing["timing_s/step"], 1e-9) / max(1, r.workers)
+    m["perf/time_per_step"] = st.timing["timing_s/step"]
     return {k: float(v) for k, v in m.items() if not torch.is_tensor(v)}
+
+
+def mean(stats: list[dict[str, float]], name: str) -> float:
+    """Mean of one statistic over micro-batches: for a loss, each micro-batch's share of its mini-batch's
+    aggregate (``remote._aggregate``), so this is the mean aggregate over the step's mini-batches."""
+    return sum(s[name] for s in stats) / max(len(stats), 1)
 
 
 def weighted(stats: list[dict[str, float]], name: str) -> float:
     """Token-weighted mean of one statistic over micro-batches."""
     tokens = sum(s["tokens"] for s in stats)
     return sum(s[name] * s["tokens"] for s in stats) / max(tokens, 1.0)
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 − Var(R − V) / Var(R) over the response tokens (verl's critic/vf_explained_var, with its 1e-5
+    in the denominator): 1 when the critic predicts the returns exactly, ≤ 0 when it explains nothing."""
+    sel = mask.bool()
+    r, v = returns[sel], values[sel]
+    if r.numel() < 2:
+        return 0.0
+    return float(1.0 - torch.var(r - v) / (torch.var(r) + 1e-5))
 
 
 def masked_stats(prefix: str, x: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nereus.rl.core import agg_weights
 from nereus.rl.data import PAD
 
 
@@ -60,9 +61,23 @@ def pack(prompts: list[list[int]], responses: list[list[int]], logps: list[list[
     return Rollout(tokens, index, mask, gen_logp, plen, rlen, finished)
 
 
-def mini_batches(batch: dict[str, torch.Tensor], count: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
-    """``count`` shuffled mini-batches of equal size, each with ``weight`` = mask · rows / tokens so that the
-    losses are token means over the mini-batch (see ``remote.actor_loss``)."""
+def repeat_prompts(prompts: list, n: int) -> list:
+    """Each drawn prompt ``n`` times in a row: the step's rows, whose GRPO groups are ``draw_uids``."""
+    return [p for p in prompts for _ in range(n)]
+
+
+def draw_uids(rows: int, n: int) -> torch.Tensor:
+    """The uid of each row of ``repeat_prompts``: the index of the draw it answers. The responses to one
+    draw form one GRPO group, and a prompt drawn twice in a step is two groups (verl gives every drawn
+    prompt a fresh uid before repeating it rollout.n times, verl/trainer/ppo/ray_trainer.py)."""
+    return torch.arange(rows) // n
+
+
+def mini_batches(batch: dict[str, torch.Tensor], count: int, gen: torch.Generator, loss_agg_mode: str = "token-mean",
+                 horizon: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """``count`` shuffled mini-batches of equal size, each with the ``weight`` per token that makes the
+    losses the ``loss_agg_mode`` aggregate over the mini-batch (``rl.core.agg_weights``; ``horizon``: the
+    maximum response length of seq-mean-token-sum-norm), see ``remote.actor_loss``."""
     n = len(batch["tokens"])
     order = torch.randperm(n, generator=gen)
     size = n // count
@@ -70,6 +85,6 @@ def mini_batches(batch: dict[str, torch.Tensor], count: int, gen: torch.Generato
     for k in range(count):
         rows = order[k * size: (k + 1) * size]
         mb = {key: v[rows] for key, v in batch.items()}
-        mb["weight"] = mb["mask"] * size / mb["mask"].sum().clamp(min=1)
+        mb["weight"] = agg_weights(mb["mask"], loss_agg_mode, horizon)
         out.append(mb)
     return out

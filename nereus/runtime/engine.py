@@ -28,6 +28,7 @@ from nereus.runtime.parallel.dp import ShardedAdam, average_gradients, sum_gradi
 from nereus.runtime.parallel.pp import StageComm, forward_only, train_pipeline
 from nereus.runtime.parallel.tp import (
     gather_vocab,
+    parallel_entropy,
     parallel_logprobs,
     reduce_replicated_kv_grads,
     vocab_range,
@@ -174,6 +175,18 @@ class ShardedModel:
         out = torch.cat(outs)
         with torch.no_grad():
             return parallel_logprobs(out[:, :-1], mine[:, 1:], self.vocab_start, self.groups.tp_group)
+
+    def logprobs_and_entropy(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``logprobs`` and the full-vocabulary entropy [b, T−1] of each next-token distribution, from one
+        forward pass (last stage), else None."""
+        outs = self.forward({"tokens": tokens})
+        mine = tokens[self.replica_rows(len(tokens))].to(self.groups.device)
+        if not outs:
+            return None
+        out = torch.cat(outs)[:, :-1]
+        with torch.no_grad():
+            return (parallel_logprobs(out, mine[:, 1:], self.vocab_start, self.groups.tp_group),
+                    parallel_entropy(out, self.groups.tp_group))
 
     def values(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Value-head outputs [b, T] of this replica's rows (last stage), else None."""

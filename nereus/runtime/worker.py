@@ -248,6 +248,9 @@ class Worker:
     def logprobs(self, key: str, tokens: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         return self._on(key, lambda sm: self._output(sm, sm.logprobs(tokens)))
 
+    def logprobs_and_entropy(self, key: str, tokens: torch.Tensor) -> tuple[int, tuple] | None:
+        return self._on(key, lambda sm: self._output(sm, sm.logprobs_and_entropy(tokens)))
+
     def values(self, key: str, tokens: torch.Tensor) -> tuple[int, torch.Tensor] | None:
         return self._on(key, lambda sm: self._output(sm, sm.values(tokens)))
 

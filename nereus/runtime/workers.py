@@ -168,6 +168,12 @@ class Runtime:
     def logprobs(self, key: str, tokens: torch.Tensor) -> torch.Tensor:
         return torch.cat(self._by_replica(self._on(key, "logprobs", tokens)))
 
+    def logprobs_and_entropy(self, key: str, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and full-vocabulary entropies [B, T−1] from one forward pass (verl's old_log_prob
+        stage computes both)."""
+        parts = self._by_replica(self._on(key, "logprobs_and_entropy", tokens))
+        return torch.cat([lp for lp, _ in parts]), torch.cat([h for _, h in parts])
+
     def values(self, key: str, tokens: torch.Tensor) -> torch.Tensor:
         return torch.cat(self._by_replica(self._on(key, "values", tokens)))
 

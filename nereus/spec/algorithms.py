@@ -4,9 +4,27 @@ a spec needs no torch."""
 
 from __future__ import annotations
 
-# Per-token estimators of KL(π‖π_ref) (Schulman 2020, "Approximating KL Divergence"), for the KL
-# reward penalty (run.kl_penalty) and the KL loss (run.kl_loss_type).
-KL_KINDS = ("k1", "k2", "k3")
+# Per-token estimators of KL(π‖π_ref) (Schulman 2020, "Approximating KL Divergence"), for the KL reward
+# penalty (run.kl_penalty) and the KL loss (run.kl_loss_type): Nereus's canonical names, each with one
+# function in nereus.rl.core.KL_ESTIMATORS.
+KL_ESTIMATOR_NAMES = ("k1", "k2", "k3", "abs")
+
+# Every spelling the spec accepts -> its canonical estimator. verl's names (verl/trainer/ppo/core_algos.py,
+# kl_penalty): "kl" is k1 (log r), "mse" is k2 (½(log r)²), "low_var_kl" is k3, "abs" is |log r|.
+KL_ALIASES = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3", "abs": "abs"}
+KL_KINDS = tuple(KL_ALIASES)
+
+# verl spells the exact full-vocabulary KL "full" and raises NotImplementedError for it; so does Nereus
+# (with a spec error), since it needs both models' full distributions at every response token.
+KL_UNSUPPORTED = {"full": "the full-vocabulary KL is not implemented (verl raises NotImplementedError for it "
+                          "too); use low_var_kl (k3) or kl (k1)"}
+
+# How a [B, R] per-token loss becomes one number (verl's actor.loss_agg_mode / critic.loss_agg_mode; see
+# nereus.rl.core.agg_loss for each formula).
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# Metric sinks (verl's trainer.logger). "file" is verl's name for a JSONL file; "jsonl" is Nereus's.
+LOGGERS = ("console", "jsonl", "file", "tensorboard", "wandb", "mlflow")
 
 # Advantage estimators (algorithm.adv_estimator, verl's key): GAE over the critic's values, or
 # GRPO's group-normalised outcome scores (no critic).
@@ -17,3 +35,7 @@ DEFAULT_ESTIMATOR = {"ppo": "gae", "grpo": "grpo"}
 
 # Estimators that fit a critic's values (the job must train one).
 NEEDS_CRITIC = ("gae",)
+
+# Estimators that compare responses to the same prompt: they need samples_per_prompt >= 2 (verl-derived
+# trainers refuse rollout.n == 1 for GRPO; one sample per prompt would leave every group alone).
+NEEDS_GROUPS = ("grpo",)

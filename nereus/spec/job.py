@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, DEFAULT_ESTIMATOR, NEEDS_CRITIC
+from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, DEFAULT_ESTIMATOR, NEEDS_CRITIC, NEEDS_GROUPS
 from nereus.spec.cluster import ClusterSpec, read_cluster
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS, Fields
 from nereus.spec.files import read_yaml_file
 from nereus.spec.layout import RECOMPUTE, ModelStage
 from nereus.spec.model import ModelArch, arch_from_hf_config, read_arch
+from nereus.spec.overrides import apply_overrides
 from nereus.spec.response import ResponseLength
 from nereus.spec.run import RunSpec, read_run
 from nereus.spec.trace import load_trace
@@ -141,6 +142,9 @@ def _read_algorithm(f: Fields, models: dict[str, ModelArch]) -> Algorithm:
         adv_estimator=_read_estimator(f, name, used),
     )
     f.finish()
+    if alg.adv_estimator in NEEDS_GROUPS and alg.samples_per_prompt < 2:
+        raise SpecError(f.key_path("samples_per_prompt"), f"{alg.adv_estimator} normalises each response's score "
+                        "within its prompt's group: give at least 2 responses per prompt (verl's rollout.n > 1)")
     return alg
 
 
@@ -260,7 +264,8 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
     return job
 
 
-def load_job(path: str | Path) -> JobSpec:
-    """Read and validate a job spec; every error is a ``SpecError`` naming the key path."""
+def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
+    """Read and validate a job spec; every error is a ``SpecError`` naming the key path. ``overrides``
+    (``key.path=value``, nereus.spec.overrides) change the raw tree first, so they are validated alike."""
     path = Path(path)
-    return job_from_dict(read_yaml_file(path, "job"), path.parent)
+    return job_from_dict(apply_overrides(read_yaml_file(path, "job"), overrides), path.parent)

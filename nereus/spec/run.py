@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nereus.spec.algorithms import KL_KINDS
+from nereus.spec.algorithms import KL_KINDS, KL_UNSUPPORTED, LOGGERS, LOSS_AGG_MODES
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
@@ -84,6 +84,11 @@ class RunSpec:
     clip_ratio: float = 0.2
     grad_clip: float = 0.0  # global gradient-norm clipping of actor and critic updates (verl: 1.0); 0: off
     clip_ratio_high: float | None = None
+    clip_ratio_low: float | None = None  # verl's names; each defaults to clip_ratio
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (verl's default; Ye et al. 2020)
+    loss_agg_mode: str = "token-mean"  # actor and critic loss aggregation (nereus.rl.core.agg_loss)
+    norm_adv_by_std_in_grpo: bool = True
+    entropy_coeff: float = 0.0  # only 0: the training pass computes log-probs, not the entropy's gradient
     value_clip: float = 0.5
     gamma: float = 1.0
     lam: float = 1.0
@@ -102,6 +107,7 @@ class RunSpec:
     layouts: dict[str, Layout] = field(default_factory=dict)  # model-stage -> layout ('search': the planner)
     ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     adapt: AdaptSpec | None = None
+    logger: tuple[str, ...] | None = None  # verl's trainer.logger; None: console, JSONL, TensorBoard if installed
 
     @property
     def max_workers(self) -> int:
@@ -180,6 +186,44 @@ def _check_task_size(d: Fields, data: DataSpec) -> None:
                         "Raise max_digits or lower the sizes")
 
 
+def _kl_kind(f: Fields, key: str, default: str) -> str:
+    """A KL estimator's name: Nereus's (k1, k2, k3) or verl's (kl, mse, low_var_kl, abs)."""
+    value = f.data.get(key)
+    if value in KL_UNSUPPORTED:
+        raise SpecError(f.key_path(key), f"{value!r}: {KL_UNSUPPORTED[value]}")
+    return f.get(key, str, default, choices=KL_KINDS)
+
+
+def _logger(f: Fields) -> tuple[str, ...] | None:
+    """``logger``: a list of sinks (verl's trainer.logger) or one name."""
+    if not f.has("logger") or f.data["logger"] is None:
+        f.get("logger", list, None)
+        return None
+    raw = f.data["logger"]
+    items = f.get_list("logger", str) if isinstance(raw, list) else [f.get("logger", str)]
+    for i, name in enumerate(items):
+        if name not in LOGGERS:
+            raise SpecError(f"{f.key_path('logger')}[{i}]", f"{name!r} is not a logger; choose from {list(LOGGERS)}")
+    return tuple(dict.fromkeys(items))
+
+
+def _entropy_coeff(f: Fields) -> float:
+    value = f.get("entropy_coeff", float, 0.0, minimum=0)
+    if value:
+        raise SpecError(f.key_path("entropy_coeff"), "only 0 (verl's default) is supported: the training pass "
+                                                     "computes token log-probs, not the entropy's gradient; "
+                                                     "actor/entropy is still reported")
+    return value
+
+
+def _clip_ratio_c(f: Fields) -> float:
+    value = f.get("clip_ratio_c", float, 3.0)
+    if value <= 1:
+        raise SpecError(f.key_path("clip_ratio_c"), f"{value} must exceed 1 (dual-clip caps the loss of negative "
+                                                    "advantages at ratio c; verl's default is 3.0)")
+    return value
+
+
 def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpec:
     d, w = f.sub("data"), f.sub("warmstart")
     data = DataSpec(train=d.get("train", str, None), val=d.get("val", str, None),
@@ -205,18 +249,23 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         clip_ratio=f.get("clip_ratio", float, 0.2, minimum=0),
         grad_clip=f.get("grad_clip", float, 0.0, minimum=0),
         clip_ratio_high=f.get("clip_ratio_high", float, None, minimum=0),
+        clip_ratio_low=f.get("clip_ratio_low", float, None, minimum=0, maximum=1),
+        clip_ratio_c=_clip_ratio_c(f),
+        loss_agg_mode=f.get("loss_agg_mode", str, "token-mean", choices=LOSS_AGG_MODES),
+        norm_adv_by_std_in_grpo=f.get("norm_adv_by_std_in_grpo", bool, True),
+        entropy_coeff=_entropy_coeff(f),
         value_clip=f.get("value_clip", float, 0.5, minimum=0),
         gamma=f.get("gamma", float, 1.0, minimum=0, maximum=1), lam=f.get("lam", float, 1.0, minimum=0, maximum=1),
         use_kl_loss=f.get("use_kl_loss", bool, False), kl_loss_coef=f.get("kl_loss_coef", float, 0.001, minimum=0),
-        kl_loss_type=f.get("kl_loss_type", str, "k3", choices=KL_KINDS),
-        kl_coef=f.get("kl_coef", float, 0.0, minimum=0), kl_penalty=f.get("kl_penalty", str, "k1", choices=KL_KINDS),
+        kl_loss_type=_kl_kind(f, "kl_loss_type", "k3"),
+        kl_coef=f.get("kl_coef", float, 0.0, minimum=0), kl_penalty=_kl_kind(f, "kl_penalty", "k1"),
         rule_reward=f.get("rule_reward", str, "auto", choices=RULES),
         reward_function=f.get("reward_function", str, None),
         reward_model_coef=f.get("reward_model_coef", float, 0.0, minimum=0),
         eval_every=f.get("eval_every", int, 5, minimum=1),
         checkpoint_dir=ckpt.get("dir", str, "runs/job"), checkpoint_every=ckpt.get("every", int, 0, minimum=0),
         snapshot_every=ckpt.get("snapshot_every", int, 1, minimum=0),
-        layouts=layouts, ranks=ranks, adapt=_adapt(f))
+        layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f))
     if spec.adapt is not None and layouts:
         raise SpecError(f.key_path("layouts"), "with run.adapt the controller chooses every layout: remove "
                                                "run.layouts (or run.adapt to keep them fixed)")

@@ -23,7 +23,7 @@ from nereus.rl.core import (
     token_rewards,
 )
 from nereus.spec import SpecError, job_from_dict
-from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS
+from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, KL_ALIASES, KL_ESTIMATOR_NAMES, KL_KINDS
 
 T = torch.tensor
 
@@ -61,13 +61,13 @@ def test_gae_discounted_with_padding():
 
 def test_grpo_group_normalised():
     # group 0: scores 1,0,0,1: mean .5, unbiased std sqrt(1/3) -> +-0.5*sqrt(3) = +-0.866025
-    # group 1: equal scores -> 0; group 2: a single response -> 0
+    # group 1: equal scores -> 0; group 2: a single response -> verl's group of one: 7 / (1 + 1e-6)
     scores, groups = T([1.0, 0.0, 0.0, 1.0, 5.0, 5.0, 7.0]), T([0, 0, 0, 0, 1, 1, 2])
     mask = torch.ones(7, 2)
     mask[0, 1] = 0
     adv = grpo_advantages(scores, groups, mask)
     h = 0.5 * math.sqrt(3)
-    close(adv[:, 0], [h, -h, -h, h, 0.0, 0.0, 0.0])
+    close(adv[:, 0], [h, -h, -h, h, 0.0, 0.0, 7.0 / (1 + 1e-6)])
     assert float(adv[0, 1]) == 0.0  # padding
     close(grpo_advantages(scores, groups, mask, std_normalise=False)[:4, 0], [0.5, -0.5, -0.5, 0.5])
 
@@ -96,14 +96,14 @@ def test_token_rewards_score_on_last_token_minus_kl():
     (0.5, -1.0, 0.8, 1.0),   # 0.5 vs 0.8
 ])
 def test_clipped_policy_loss(ratio, adv, loss, clipped):
-    out, frac = clipped_policy_loss(T([math.log(ratio)]), T([0.0]), T([adv]), 0.2)
+    out, frac, _ = clipped_policy_loss(T([math.log(ratio)]), T([0.0]), T([adv]), 0.2)
     assert float(out) == pytest.approx(loss, abs=1e-6)
     assert float(frac) == clipped
 
 
 def test_clip_higher():
     # r = 1.5 with A = 1: clip at 1 + 0.28 -> -1.28
-    out, _ = clipped_policy_loss(T([math.log(1.5)]), T([0.0]), T([1.0]), 0.2, 0.28)
+    out, _, _ = clipped_policy_loss(T([math.log(1.5)]), T([0.0]), T([1.0]), 0.2, 0.28)
     assert float(out) == pytest.approx(-1.28, abs=1e-6)
 
 
@@ -130,7 +130,8 @@ def _rl_spec(name: str, algorithm: dict | None = None, run: dict | None = None) 
 
 
 def test_registries_hold_exactly_the_names_the_spec_accepts():
-    assert tuple(KL_ESTIMATORS) == KL_KINDS
+    assert tuple(KL_ESTIMATORS) == KL_ESTIMATOR_NAMES
+    assert set(KL_ALIASES.values()) == set(KL_ESTIMATOR_NAMES)
     assert tuple(ADVANTAGE_ESTIMATOR_FNS) == ADVANTAGE_ESTIMATORS
     assert job_from_dict(_rl_spec("ppo")).algorithm.adv_estimator == "gae"
     assert job_from_dict(_rl_spec("grpo")).algorithm.adv_estimator == "grpo"

@@ -17,11 +17,12 @@ pytestmark = pytest.mark.distributed
 
 COMMON = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor", "timing_s/step",
           "perf/throughput", "response_length/mean", "response_length/clip_ratio", "critic/score/mean",
-          "critic/advantages/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl",
-          "actor/entropy", "rollout/logprob_diff_max", "curriculum/max_response_length")
+          "critic/advantages/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
+          "actor/kl_loss", "actor/entropy", "timing_s/update_weights", "critic/rewards/mean",
+          "rollout/logprob_diff_max", "curriculum/max_response_length")
 PPO_ONLY = ("critic/vf_loss", "critic/values/mean", "critic/returns/mean", "timing_s/update_critic",
-            "timing_s/values", "reward_model/score/mean")
-TIMING = ("timing_s/", "perf/throughput", "nereus/snapshot_s")
+            "timing_s/values", "reward_model/score/mean", "actor/reward_kl_penalty", "critic/vpred_mean")
+TIMING = ("timing_s/", "perf/throughput", "perf/time_per_step", "nereus/snapshot_s")
 
 
 def _lines(path) -> list[dict]:
