@@ -11,8 +11,8 @@ Built-in scorers (1.0 for a correct answer, 0.0 otherwise):
   ground truth (itself unwrapped from ``\\boxed{}`` if it is boxed) after ``normalize_answer``;
 - the built-in task (``nereus/reverse``): exact match of the whole response, ended with EOS.
 
-``normalize_answer`` (documented in README "Bring a verl dataset and an HF model"): drop surrounding
-``$`` and a trailing period; unwrap ``\\text{...}``; remove ``\\left``/``\\right``, LaTeX spacing
+``normalize_answer`` (documented in README "Bring a verl dataset and an HF model"): drop ``$`` signs
+and a trailing period; unwrap ``\\text{...}``; remove ``\\left``/``\\right``, LaTeX spacing
 (``\\!``, ``\\,``, ``\\;``, ``\\:``), degree marks and percent signs; ``\\dfrac``/``\\tfrac`` become
 ``\\frac``; remove all whitespace; remove thousands separators in numbers (``1,234`` → ``1234``). Two
 answers are equal when their normalised strings are, or when both are numbers (integers, decimals,
@@ -72,8 +72,7 @@ def _unwrap_text(s: str) -> str:
 
 def normalize_answer(answer: str) -> str:
     """The canonical form two answers are compared in (see the module docstring)."""
-    s = answer.strip().strip("$").strip()
-    s = _unwrap_text(s)
+    s = _unwrap_text(answer.replace("$", ""))
     for pattern in (r"\\left", r"\\right", r"\\[!,;:]", r"\^\{?\\circ\}?", r"\\%", r"%", r"\\ "):
         s = re.sub(pattern, "", s)
     s = re.sub(r"\\[dt]frac", r"\\frac", s)

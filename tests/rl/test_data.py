@@ -106,3 +106,68 @@ def test_run_section_errors_name_the_key(tmp_path, patch, path):
     with pytest.raises(SpecError) as err:
         job_from_dict(spec)
     assert err.value.path == path
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer trained with ``tokenizers`` and saved with a ChatML chat template."""
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    from tests.conftest import EXAMPLES
+
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", EXAMPLES / "make_tiny_hf.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    folder = tmp_path_factory.mktemp("tok")
+    maker.make_tokenizer(["Natalia sold clips to 48 of her friends. #### 72", "system user assistant"], folder)
+    return folder
+
+
+def test_verl_rows_render_through_the_chat_template(tmp_path, hf_tokenizer_dir):
+    from nereus.rl.tokenizer import HFTokenizer, Tokenizer
+
+    tok = HFTokenizer(hf_tokenizer_dir)
+    assert isinstance(tok, Tokenizer) and isinstance(TOK, Tokenizer)  # both meet the interface
+    row = {"data_source": "openai/gsm8k", "ability": "math",
+           "prompt": [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Natalia sold 48 clips. How many?"}],
+           "reward_model": {"style": "rule", "ground_truth": "72"}, "extra_info": {"split": "test", "index": 7}}
+    [p] = load_prompts(write_rows(tmp_path / "gsm8k.parquet", [row]), tok, 64)
+    text = tok.hf.decode(list(p.ids))  # specials kept: the roles are the template's, not glued contents
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nNatalia sold 48 clips. How "
+                    "many?<|im_end|>\n<|im_start|>assistant\n")
+    assert p.extra_info == {"split": "test", "index": 7} and p.data_source == "openai/gsm8k"
+    assert tok.decode(tok.encode("#### 72") + [tok.eos_token_id]) == "#### 72"
+    assert tok.pad_token_id != tok.eos_token_id and tok.vocab_size == len(tok.hf)
+    with pytest.raises(DataError, match=r"row 0: field 'prompt': \d+ tokens exceed the maximum prompt length 8"):
+        load_prompts(tmp_path / "gsm8k.parquet", tok, 8)
+
+
+def test_hf_tokenizer_refusals(tmp_path, hf_tokenizer_dir):
+    import shutil
+
+    from nereus.rl.tokenizer import HFTokenizer
+
+    with pytest.raises(SpecError, match=r"models\.actor\.path: no loadable tokenizer in"):
+        HFTokenizer(tmp_path)
+    shutil.copytree(hf_tokenizer_dir, tmp_path / "plain")
+    (tmp_path / "plain" / "chat_template.jinja").unlink()
+    with pytest.raises(SpecError, match=r"models\.actor\.path: .* has no chat_template"):
+        HFTokenizer(tmp_path / "plain")
+
+
+def test_model_path_errors_name_the_key(tmp_path):
+    spec = {"models": {"actor": {"path": str(tmp_path / "nowhere")}}, "algorithm": {"name": "grpo"},
+            "workload": {"prompts_per_step": 4, "prompt_length": 8, "response_length": {"mean": 3, "max": 4}},
+            "cluster": {"gpu": "H100", "nodes": 1, "gpus_per_node": 4}}
+    with pytest.raises(SpecError, match=r"models\.actor\.path: .*nowhere' is not a directory; give an HF model"):
+        job_from_dict(spec)
+    spec["models"]["actor"] = {"path": str(tmp_path)}
+    with pytest.raises(SpecError, match=r"models\.actor\.path: file .*config\.json' not found"):
+        job_from_dict(spec)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2,
+                                                      "intermediate_size": 128, "num_attention_heads": 6,
+                                                      "vocab_size": 100}))
+    with pytest.raises(SpecError, match=r"models\.actor\.path<.*>\.num_attention_heads: hidden \(64\) must be divis"):
+        job_from_dict(spec)
