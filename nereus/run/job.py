@@ -4,8 +4,12 @@ checkpoints, evaluate held-out accuracy, resume from the latest checkpoint.
 A checkpoint ``<dir>/step_<N>/`` holds every trained model as an HF checkpoint (``config.json`` +
 ``model.safetensors``, layout-independent) and its Adam state per worker of its training layout as
 safetensors (``optim/<model>/rank<r>.safetensors``: fp32 master shard, moments, step count; no pickle),
-plus ``state.json``, and last ``MANIFEST.json`` (every file's size and SHA-256: ``--resume`` refuses a
-truncated or corrupted checkpoint by name). The initial weights (warm-start) live in ``<dir>/init/``.
+plus ``state.json`` (with the layout and worker order each optimizer shard was written under), and last
+``MANIFEST.json`` (every file's size and SHA-256, checksummed itself). ``run.checkpoint`` writes a step to a
+temporary folder renamed when complete and replaces ``latest`` atomically; ``--resume`` refuses a truncated,
+corrupted, unlisted or relabelled file by name, falls back to the newest complete checkpoint with a warning,
+and re-shards optimizer state written under another placement (docs/reliability.md). The initial weights
+(warm-start) live in ``<dir>/init/``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from nereus.control.backend import RecoveryMetrics, WorkersLost
 from nereus.control.loop import ControlLoop, Observer, StepOutcome
@@ -26,6 +30,17 @@ from nereus.rl.data import Prompt
 from nereus.rl.rewards import correct
 from nereus.run.adaptive import AdaptationLog, policy_for
 from nereus.run.backend import RuntimeBackend, plan_text
+from nereus.run.checkpoint import (
+    STATE,
+    StepWriter,
+    WriteHook,
+    optimizer_tag,
+    placement_change,
+    placement_record,
+    read_optimizer_files,
+    resumable,
+    written_training,
+)
 from nereus.run.driver import Stepper
 from nereus.run.manifest import verify_manifest, write_manifest
 from nereus.run.metrics import MetricsLog, Progress, check_loggers
@@ -42,6 +57,7 @@ from nereus.run.setup import (
 from nereus.run.warmstart import initial_checkpoints, initial_sources, pretrained_checkpoints
 from nereus.runtime.generate import SamplingParams
 from nereus.runtime.hf import save_checkpoint
+from nereus.runtime.live import KeySpec
 from nereus.runtime.workers import Runtime
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
@@ -74,6 +90,7 @@ class RLJob(Observer):
         self.record = RunRecord(self.policy.name, job.name, "runtime", self.run.seed)
         self.state: dict = {}
         self.recoveries: list[dict] = []
+        self.warnings: list[str] = []  # broken checkpoints a resume skipped
         self.last: dict[str, float] = {}
         self.adaptation: AdaptationLog | None = None
         self._ran_on: Plan | None = None  # the plan the step being observed ran on (its metric line names it)
@@ -90,18 +107,25 @@ class RLJob(Observer):
             print(text, file=sys.stderr, flush=True)
 
     # ----- models -------------------------------------------------------------------------------------
-    def _start(self, source: dict[str, Path]) -> None:
+    def _start(self, source: dict[str, Path], optim: Path | None = None) -> None:
+        """Start (or take) the workers and load every key from ``source``; with ``optim`` (a checkpoint's
+        folder) also install each trained model's Adam state — under the layout and worker order the
+        checkpoint recorded, re-sharded onto the current placement by the transition executor if it differs."""
         if self.rt is None:
             start = self.run.workers
             if self.run.adapt:  # the workers available at first, and at least those the plan uses (resume)
                 start = max(self.run.adapt.workers_at(0, self.run.workers),
                             1 + max(r for p in self.placed for r in p.ranks))
             self.rt = Runtime(start, max_workers=self.run.max_workers)
+        written = self._written(optim) if optim is not None else {}
         loaded = set()
         for p in self.placed:
             if p.key not in loaded:
-                self.rt.load(p.key, self.cfgs[p.model], p.layout, list(p.ranks), checkpoint=source[p.model])
+                layout, ranks = written.get(p.key, (p.layout, p.ranks))  # the checkpoint's, to re-shard from
+                self.rt.load(p.key, self.cfgs[p.model], layout, list(ranks), checkpoint=source[p.model])
                 loaded.add(p.key)
+        if optim is not None:
+            self._install_optimizers(optim, written)
         stepper = Stepper(self.job, self.rt, self.placed, self.tok, self.train, self.reward)
         self.backend = RuntimeBackend(self.job, self.rt, self.cfgs, stepper, self._placed, self.plan, self.say)
         self.backend.scale_file = self.dir / "scale.json"
@@ -130,47 +154,79 @@ class RLJob(Observer):
         return sum(hits) / len(hits)
 
     # ----- checkpoints --------------------------------------------------------------------------------
+    write_hook: WriteHook | None = None  # tests: called after each write of a checkpoint (to stop it there)
+
     def save(self, step: int) -> Path:
-        """Write ``step_<step>`` (after ``step`` steps) and point ``latest`` at it."""
-        path = self.dir / f"step_{step}"
+        """Write ``step_<step>`` (after ``step`` steps) and point ``latest`` at it (``checkpoint.StepWriter``:
+        a temporary folder renamed when complete, ``latest`` replaced atomically)."""
+        out = StepWriter(self.dir, step, self.write_hook)
         for model in TRAINED:
             if model not in self.job.algorithm.models:
                 continue
-            key = next(p.key for p in self.placed if p.model == model and p.stage == "training")
-            save_checkpoint(path / model, self.cfgs[model], self.rt.read_weights(key), source=self.job.paths.get(model))
-            for rank, st in self.rt.read_optimizer(key).items():
-                (path / "optim" / model).mkdir(parents=True, exist_ok=True)
-                save_file(st, str(path / "optim" / model / f"rank{rank}.safetensors"))
+            p = next(p for p in self.placed if p.model == model and p.stage == "training")
+            save_checkpoint(out.folder / model, self.cfgs[model], self.rt.read_weights(p.key),
+                            source=self.job.paths.get(model))
+            out.wrote(f"{model}/")
+            (out.folder / "optim" / model).mkdir(parents=True, exist_ok=True)
+            for rank, st in self.rt.read_optimizer(p.key).items():
+                name = f"optim/{model}/rank{rank}.safetensors"
+                save_file(st, str(out.folder / name), metadata=optimizer_tag(model, p.layout, p.ranks, rank))
+                out.wrote(name)
         if self.run.adapt is not None:  # the plan in force: a resumed run starts on it (optimizer files per rank)
             self.state["plan"] = self.backend.plan.to_dict()
-        (path / "state.json").write_text(json.dumps({**self.state, "step": step}, indent=1))
-        write_manifest(path)  # last: a checkpoint with a manifest is complete
-        (self.dir / "latest").write_text(str(step))
-        return path
+        self.state["placements"] = placement_record(self.placed)  # which shard each optimizer file holds
+        (out.folder / STATE).write_text(json.dumps({**self.state, "step": step}, indent=1))
+        out.wrote(STATE)
+        return out.commit()
 
     def _restore(self) -> int:
-        latest = self.dir / "latest"
-        if not latest.exists():
-            raise SpecError("--resume", f"no checkpoint under {self.dir} (no 'latest' file)")
-        step = int(latest.read_text())
-        path = self.dir / f"step_{step}"
-        verify_manifest(path)
+        """Load the checkpoint ``checkpoint.resumable`` picks (warning about each broken one it skips)."""
+        step, path, warnings = resumable(self.dir)
+        for text in warnings:
+            print(f"nereus: warning: {text}", file=sys.stderr, flush=True)
+        self.warnings = warnings
         verify_manifest(self.dir / "init")
-        self.state = json.loads((path / "state.json").read_text())
+        self.state = json.loads((path / STATE).read_text())
         if self.run.adapt is not None and "plan" in self.state:
             self.plan = Plan.from_dict(self.state["plan"], f"{path / 'state.json'}.plan")
             self._placed = placed_from_plan(self.plan)
         init = initial_sources(self.dir / "init", self.job.algorithm.models, self.job.paths)
         source = {m: (path / m if m in TRAINED else init[m]) for m in self.job.algorithm.models}
-        self._start(source)
-        lr = {"actor": self.run.actor_lr, "critic": self.run.critic_lr}
-        for p in self.placed:
-            folder = path / "optim" / p.model
-            if p.stage == "training" and folder.exists():
-                states = {w: load_file(str(folder / f"rank{w}.safetensors")) for w in p.ranks}
-                self.rt.write_optimizer(p.key, states, lr[p.model])
+        self._start(source, optim=path)
         self._trim_metrics(step)
         return step
+
+    def _written(self, path: Path) -> dict[str, tuple]:
+        """Training key → (layout, ranks) the checkpoint at ``path`` wrote its optimizer shards under, for the
+        keys whose current placement differs (to load them so first and re-shard); refuses by name when that
+        placement cannot be rebuilt on the current workers."""
+        models = [m for m in TRAINED if m in self.job.algorithm.models]
+        old = written_training(self.state, path, models)
+        out = {}
+        for p in self.placed:
+            if p.stage == "training":
+                change = placement_change(p.model, old[p.model], (p.layout, p.ranks), len(self.rt.workers))
+                if change:
+                    print(f"nereus: {change}: re-sharding its optimizer state onto this run's placement",
+                          file=sys.stderr, flush=True)
+                    out[p.key] = old[p.model]
+        return out
+
+    def _install_optimizers(self, path: Path, written: dict[str, tuple]) -> None:
+        """Each trained model's Adam state from ``path``, under the placement it was written with; keys placed
+        differently now move to their current layout through the transition executor (weights and Adam state)."""
+        lr = {"actor": self.run.actor_lr, "critic": self.run.critic_lr}
+        moved = []
+        for p in self.placed:
+            if p.stage != "training":
+                continue
+            layout, ranks = written.get(p.key, (p.layout, p.ranks))
+            states = read_optimizer_files(path / "optim" / p.model, p.model, layout, ranks)
+            self.rt.write_optimizer(p.key, states, lr[p.model])
+            if p.key in written:
+                moved.append(KeySpec(p.key, p.model, p.stage, self.cfgs[p.model], p.layout, p.ranks))
+        if moved:
+            self.rt.transition(moved, self.job)
 
     def _trim_metrics(self, step: int) -> None:
         path = self.dir / "metrics.jsonl"
