@@ -75,6 +75,21 @@ def test_cli_takes_overrides_before_or_after_flags(capsys):
         assert "run.clip_ratio_c: 0.5 must exceed 1" in capsys.readouterr().err
 
 
+def test_verl_in_reward_kl_switch():
+    base = {"run": {"steps": 1}}
+    assert apply_overrides(base, ["algorithm.use_kl_in_reward=true"])["run"]["kl_coef"] == 0.001  # verl's default
+    kept = apply_overrides({"run": {"kl_coef": 0.05}}, ["algorithm.use_kl_in_reward=true"])
+    assert kept["run"]["kl_coef"] == 0.05
+    both = apply_overrides(base, ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.02"])
+    assert both["run"]["kl_coef"] == 0.02 and "algorithm" not in both
+    assert apply_overrides({"run": {"kl_coef": 0.05}}, ["algorithm.use_kl_in_reward=false"])["run"]["kl_coef"] == 0
+    assert apply_overrides(base, ["algorithm.kl_ctrl.type=fixed"]) == base
+    with pytest.raises(SpecError, match=r"algorithm\.kl_ctrl\.type: 'adaptive': only a fixed KL coefficient"):
+        apply_overrides(base, ["algorithm.kl_ctrl.type=adaptive"])
+    with pytest.raises(SpecError, match=r"algorithm\.use_kl_in_reward: expected true or false"):
+        apply_overrides(base, ["algorithm.use_kl_in_reward=maybe"])
+
+
 def test_every_verl_key_is_in_the_docs_table():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "rl.md").read_text()
     for verl, nereus in VERL_KEYS.items():

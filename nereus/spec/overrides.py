@@ -29,6 +29,7 @@ VERL_KEYS = {
     "algorithm.lam": "run.lam",
     "algorithm.norm_adv_by_std_in_grpo": "run.norm_adv_by_std_in_grpo",
     "algorithm.kl_penalty": "run.kl_penalty",
+    "algorithm.kl_ctrl.kl_coef": "run.kl_coef",
     "data.train_files": "run.data.train",
     "data.val_files": "run.data.val",
     "data.train_batch_size": "workload.prompts_per_step",
@@ -129,6 +130,30 @@ def set_key(data: dict, path: str, value: Any, delete: bool = False) -> None:
         node[last] = value
 
 
+# verl's in-reward KL switch (algorithm.use_kl_in_reward) and controller type have no key of their own in
+# Nereus: the KL is in the reward when run.kl_coef > 0, with a fixed coefficient.
+VERL_DEFAULT_KL_COEF = 0.001  # verl's algorithm.kl_ctrl.kl_coef
+
+
+def _verl_kl_switch(data: dict, path: str, value: Any) -> bool:
+    """Apply verl's ``algorithm.use_kl_in_reward`` / ``algorithm.kl_ctrl.type``; True if ``path`` was one."""
+    if path == "algorithm.use_kl_in_reward":
+        if not isinstance(value, bool):
+            raise SpecError(path, f"expected true or false, got {value!r}")
+        run = data.get("run")
+        current = run.get("kl_coef") if isinstance(run, dict) else None
+        if not value:
+            set_key(data, "run.kl_coef", 0.0)
+        elif not current:  # on, and no coefficient yet: verl's default
+            set_key(data, "run.kl_coef", VERL_DEFAULT_KL_COEF)
+        return True
+    if path == "algorithm.kl_ctrl.type":
+        if value != "fixed":
+            raise SpecError(path, f"{value!r}: only a fixed KL coefficient (run.kl_coef) is implemented")
+        return True
+    return False
+
+
 def apply_overrides(data: Any, overrides: Sequence[str]) -> Any:
     """A copy of the raw spec tree ``data`` with ``overrides`` applied in order (later ones win)."""
     if not overrides:
@@ -138,5 +163,6 @@ def apply_overrides(data: Any, overrides: Sequence[str]) -> Any:
         raise SpecError("<root>", f"the job file holds {type(out).__name__}, not a mapping; overrides need one")
     for text in overrides:
         path, value, delete = parse_override(text)
-        set_key(out, path, value, delete)
+        if delete or not _verl_kl_switch(out, path, value):
+            set_key(out, path, value, delete)
     return out
