@@ -27,6 +27,7 @@ from nereus.run.setup import Placed, placed_from_plan
 from nereus.runtime.failover import WorkerLostError
 from nereus.runtime.live import KeySpec
 from nereus.runtime.model import ModelConfig
+from nereus.runtime.nodes import PlacementError
 from nereus.runtime.workers import Runtime
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
@@ -88,7 +89,11 @@ class RuntimeBackend:
         n = self.available(step)
         if n > len(self.rt.workers):
             self.say(f"  workers: {len(self.rt.workers)} -> {n} (joining)")
-            self.rt.resize(n)
+            try:
+                self.rt.resize(n)
+            except PlacementError as err:  # the cluster cannot host them now (a lost node): keep those it has
+                self.say(f"  workers stay at {len(self.rt.workers)}: {err}")
+                n = len(self.rt.workers)
         return ClusterState(n)
 
     # ----- steps ---------------------------------------------------------------------------------------

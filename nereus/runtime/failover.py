@@ -7,7 +7,9 @@ while its call is blocked on the lost peer) and raise ``WorkerLostError`` naming
 
 *Snapshots*: ``snapshot`` copies each trained model's weights (one data-parallel replica) and Adam state,
 and once each frozen model's weights, into Ray's object store as return values the driver owns — host
-memory that outlives any worker process (not a lost node: disk checkpoints cover that).
+memory that outlives any worker process. On a cluster of several nodes each image is also copied to
+another node (``nodes.replica_ring``), so a lost node — its raylet, object store and workers — is
+recovered like a lost worker: its images are read from their copies.
 
 *Recovery* (``recover``): the survivors abandon the call in flight, re-form a world of their own, and
 load the layouts the caller chooses for them; each buffer is filled from the survivors' live state where
@@ -42,8 +44,12 @@ class Failover:
     def __init__(self) -> None:
         self.dirty: set[str] = set()  # models whose state changed since the newest snapshot
         self.snapshots: dict[str, list] = {}  # model → one state-image ref per worker (complete)
+        self.homes: dict[str, list[str]] = {}  # model → the node of each of its images (several nodes only)
+        self.replicas: dict[str, list[tuple]] = {}  # model → (copy's ref, its node) per image (several nodes)
+        self.refresh: set[str] = set()  # frozen models whose images must be taken again (a node was lost)
+        self.from_copies = 0  # images the last recovery read from their copies (their node was lost)
         self.snapshot_step: int | None = None
-        self._pending: tuple[int, dict[str, list]] | None = None  # (step, refs) of a snapshot being taken
+        self._pending: tuple | None = None  # (step, refs, homes, replicas, acks) of a snapshot being taken
         self._in_flight: list = []  # calls still out when a loss showed, collected by ``settle_in_flight``
 
     def changed(self, model: str) -> None:
@@ -95,18 +101,24 @@ class Failover:
     # ----- snapshots ------------------------------------------------------------------------------
     def forget(self) -> None:
         self.snapshots, self.snapshot_step, self._pending = {}, None, None
+        self.homes, self.replicas, self.refresh = {}, {}, set()
         self.dirty.clear()
 
-    def snapshot(self, step: int, workers: list, specs: Iterable[KeySpec]) -> float:
+    def snapshot(self, step: int, workers: list, specs: Iterable[KeySpec], homes: list[str] | None = None,
+                 ring: dict[str, str] | None = None) -> float:
         """Copy the state a lost worker could take with it (trained models every call, frozen ones once)
         to host memory, labelled ``step``; returns the seconds the driver spent. The copies are taken by
         each worker before its next call (calls run in order), while the driver goes on; the snapshot counts
-        once every copy is in (at the next snapshot, or at a recovery if they all made it)."""
+        once every copy is in (at the next snapshot, or at a recovery if they all made it). With ``homes``
+        (each worker's node) and ``ring`` (node → node its images are copied to), every image is also
+        copied to its node's successor."""
+        from nereus.runtime.nodes import replicate
+
         t0 = time.perf_counter()
         specs = list(specs)
         self._promote(workers, self._pending, wait=True)
         trained = _trained_models(specs)
-        models = [m for m in _models(specs) if m in trained or m not in self.snapshots]
+        models = [m for m in _models(specs) if m in trained or m not in self.snapshots or m in self.refresh]
         if models:  # a trained model's training key holds what its other keys follow
             keys = {m: _keys_of(specs, m, training_only=m in trained) for m in models}
             opt = [m for m in models if m in trained]
@@ -114,7 +126,15 @@ class Failover:
                           for w in workers]
             if len(models) == 1:
                 per_worker = [[r] for r in per_worker]
-            self._pending = (step, {m: [refs[i] for refs in per_worker] for i, m in enumerate(models)})
+            refs = {m: [refs[i] for refs in per_worker] for i, m in enumerate(models)}
+            replicas: dict[str, list[tuple]] = {}
+            acks = []
+            if ring and homes:
+                for m, rs in refs.items():
+                    copies = [replicate(r, ring[h]) + (ring[h],) for r, h in zip(rs, homes, strict=True)]
+                    replicas[m] = [(ref, node) for ref, _, node in copies]
+                    acks += [ack for _, ack, _ in copies]
+            self._pending = (step, refs, {m: list(homes or []) for m in models}, replicas, acks)
         self.dirty.clear()
         return time.perf_counter() - t0
 
@@ -129,8 +149,9 @@ class Failover:
         if pending is None:
             return False
         self._pending = None
-        step, refs = pending
-        flat = [r for rs in refs.values() for r in rs]
+        step, refs, homes, replicas, acks = pending
+        # with copies, their acknowledgements (which fail if the image failed): the images stay on their nodes
+        flat = acks or [r for rs in refs.values() for r in rs]
         if wait:
             self.get(workers, flat)
         else:
@@ -142,6 +163,9 @@ class Failover:
             if len(ready) < len(flat):
                 return False
         self.snapshots.update(refs)
+        self.homes.update(homes)
+        self.replicas.update(replicas)
+        self.refresh -= set(refs)
         self.snapshot_step = step
         return True
 
@@ -162,22 +186,44 @@ class Failover:
                                  "snapshots (run.checkpoint.snapshot_every) to survive a lost worker")
         return set(self.dirty)
 
-    def images(self, survivors: list, specs: list[KeySpec], dirty: set[str]) -> dict[str, list]:
+    def images(self, survivors: list, specs: list[KeySpec], dirty: set[str],
+               alive: set[str] | None = None) -> dict[str, list]:
         """Per model, state images in preference order: the survivors' live state of models unchanged
-        since the snapshot, then the snapshot."""
+        since the snapshot, then the snapshot — each image from a node in ``alive`` (nodes known to be up:
+        the survivors' and the driver's), its copy when its own node may be lost."""
         trained = _trained_models(specs)
         images: dict[str, list] = {}
+        self.from_copies = 0
         for model in _models(specs):
             live = []
             if model not in dirty:
                 opt = [model] if model in trained else []
                 live = [w.state_image.remote(_keys_of(specs, model), opt, False) for w in survivors]
-            images[model] = live + self.snapshots.get(model, [])
+            images[model] = live + self._snapshot_images(model, alive)
         return images
 
-    def recovered(self) -> None:
-        """The survivors hold the snapshot's state: nothing has changed since it."""
+    def _snapshot_images(self, model: str, alive: set[str] | None) -> list:
+        """``model``'s snapshot images, each read where it survives: on its own node when that node is up
+        (or nothing says otherwise: one node), else from its copy on a node that is up; an image whose two
+        nodes are both lost is left out (``recovery.fill`` then names what no image covers)."""
+        refs, homes, copies = self.snapshots.get(model, []), self.homes.get(model, []), self.replicas.get(model, [])
+        if alive is None or not homes:
+            return list(refs)
+        out = []
+        for i, ref in enumerate(refs):
+            if homes[i] in alive:
+                out.append(ref)
+            elif i < len(copies) and copies[i][1] in alive:
+                out.append(copies[i][0])
+                self.from_copies += 1
+        return out
+
+    def recovered(self, node_lost: bool = False) -> None:
+        """The survivors hold the snapshot's state: nothing has changed since it. After a lost node every
+        frozen model's images are taken again at the next snapshot (theirs had one copy left)."""
         self.dirty.clear()
+        if node_lost:
+            self.refresh |= set(self.snapshots)
 
 
 def _models(specs: list[KeySpec]) -> list[str]:

@@ -99,12 +99,18 @@ class Worker:
         backend = default_backend()
         if backend == "nccl":
             torch.cuda.set_device(local_device())
+        os.environ["LOCAL_RANK"] = "0"
+        if master.startswith("store://"):  # several nodes: the head node's store (``nodes.RendezvousStore``)
+            from nereus.runtime.nodes import open_store
+
+            dist.init_process_group(backend, store=open_store(master, timeout_s), rank=self.rank,
+                                    world_size=self.world, timeout=timedelta(seconds=timeout_s))
+            return backend
         if master.startswith("file://"):  # one host: a file rendezvous, so no TCP store listens on any interface
             init = master
         else:
             os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
             init = "env://"
-        os.environ["LOCAL_RANK"] = "0"
         dist.init_process_group(backend, init_method=init, rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=timeout_s))
         return backend

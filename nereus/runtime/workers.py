@@ -3,8 +3,10 @@ models load onto them under a layout, several layouts coexisting (each under its
 process groups). Its methods are typed: each names one operation and returns its result.
 
 ``Runtime`` starts a local Ray instance by default (loopback only, no dashboard) or joins the cluster at
-``address``. Workers use gloo on CPU and NCCL with one GPU each when CUDA is present. Every call that
-creates groups goes to all workers, because torch.distributed creates each group collectively.
+``address``. On a cluster of several nodes (``nodes``) workers are pinned to nodes so that TP groups stay
+inside one, worlds meet at a store on the head node, and snapshots are copied to a second node. Workers
+use gloo on CPU and NCCL with one GPU each when CUDA is present. Every call that creates groups goes to
+all workers, because torch.distributed creates each group collectively.
 """
 
 from __future__ import annotations
@@ -23,11 +25,21 @@ from nereus.runtime.failover import Failover, WorkerLostError
 from nereus.runtime.faults import FaultPlan
 from nereus.runtime.live import KeySpec
 from nereus.runtime.model import ModelConfig
+from nereus.runtime.nodes import (
+    NodeMap,
+    PlacementError,
+    pinned,
+    replica_ring,
+    several_nodes,
+    start_store,
+    tp_split,
+    world_address,
+)
 from nereus.runtime.raylocal import start_local_ray
 from nereus.runtime.worker import Worker, WorldAborted
 from nereus.spec.layout import Layout
 
-__all__ = ["Runtime", "Worker", "WorkerLostError", "WorldAborted"]
+__all__ = ["PlacementError", "Runtime", "Worker", "WorkerLostError", "WorldAborted"]
 
 
 def _world_job(job: object, world: int) -> object:
@@ -60,7 +72,10 @@ class Runtime:
                 start_local_ray(max(world, max_workers or 0, os.cpu_count() or 1), root)
         self.timeout_s = timeout_s
         self.worker_options = {"num_gpus": 1} if gpu else {"num_cpus": 1}
-        self.workers = [Worker.options(**self.worker_options).remote(r, world) for r in range(world)]
+        # several nodes: workers pinned to nodes (TP groups inside one), worlds meet at the head node's store
+        self.nodes = NodeMap("GPU" if gpu else "CPU") if several_nodes() else None
+        self._store = start_store(min(timeout_s, 60.0)) if address or self.nodes else None
+        self.workers = self._new_workers(0, world, world)
         master, port = self._rendezvous()
         self.backend = ray.get([w.init_dist.remote(master, port, timeout_s) for w in self.workers])[0]
         ray.get([w.init_comm.remote(min(timeout_s, 120.0)) for w in self.workers])
@@ -68,9 +83,23 @@ class Runtime:
         self._graphs: dict[tuple, object] = {}
         self.failover = Failover()
 
+    def _new_workers(self, first: int, count: int, world: int) -> list:
+        """Ray actors for ranks ``first``..``first + count - 1`` of a world of ``world``; on several nodes
+        each pinned to the node ``NodeMap.place`` gives it (``PlacementError`` when the cluster lacks room)."""
+        homes = self.nodes.place(count) if self.nodes else [None] * count
+        return [Worker.options(**self.worker_options, **(pinned(h) if h else {})).remote(first + i, world)
+                for i, h in enumerate(homes)]
+
+    @property
+    def homes(self) -> list[str]:
+        """Each worker's Ray node id, by rank (empty on a single node)."""
+        return list(self.nodes.homes) if self.nodes else []
+
     def _rendezvous(self) -> tuple[str, int]:
-        """Where a new world meets: a fresh file under Ray's temp folder when Ray is local (nothing listens),
-        else a free port on worker 0's host."""
+        """Where a new world meets: a fresh prefix of the head node's store on a cluster, a fresh file under
+        Ray's temp folder when Ray is local (nothing listens), else a free port on worker 0's host."""
+        if self._store is not None:
+            return world_address(self._store), 0
         if self._store_dir is not None:
             self._store_dir.mkdir(parents=True, exist_ok=True)
             return f"file://{self._store_dir / f'world-{uuid.uuid4().hex}'}", 0
@@ -83,10 +112,17 @@ class Runtime:
         each reading its boxes from an HF ``checkpoint`` directory or cutting them from whole ``state``.
         ``model``/``stage`` name what the key holds in a plan (default: from a key "model/stage")."""
         ranks = list(range(layout.world)) if ranks is None else list(ranks)
+        self._check_nodes(key, layout, ranks)
         ckpt = str(checkpoint) if checkpoint else None
         ray.get([w.load.remote(key, cfg, layout, ranks, ckpt, state, dtype, schedule) for w in self.workers])
         head, _, tail = key.partition("/")
         self.specs[key] = KeySpec(key, model or head, stage or tail or "inference", cfg, layout, tuple(ranks), dtype)
+
+    def _check_nodes(self, key: str, layout: Layout, ranks: list[int]) -> None:
+        """Refuse a layout whose TP group would cross nodes (``nodes.tp_split``), naming it."""
+        why = tp_split(key, layout, ranks, self.homes)
+        if why:
+            raise PlacementError(why)
 
     # ----- live transitions -----------------------------------------------------------------------
     def transition(self, new_specs: list[KeySpec], job: object) -> dict:
@@ -94,6 +130,8 @@ class Runtime:
         Adam state, following the transition graph; other keys are untouched. Returns the per-worker
         measurements; raises ``TransitionExecutionError`` (every worker still on the old layout) on failure."""
         old_specs = [self.specs[s.key] for s in new_specs]
+        for s in new_specs:
+            self._check_nodes(s.key, s.layout, list(s.ranks))
         out = self._move(job, old_specs, new_specs, old_specs)
         for s in new_specs:
             self.specs[s.key] = s
@@ -137,8 +175,10 @@ class Runtime:
             for w in self.workers[n:]:
                 ray.kill(w)
             self.workers = self.workers[:n]
+            if self.nodes:
+                self.nodes.truncate(n)
         else:
-            self.workers += [Worker.options(**self.worker_options).remote(r, n) for r in range(cur, n)]
+            self.workers += self._new_workers(cur, n - cur, n)
         master, port = self._rendezvous()
         ray.get([w.reinit.remote(master, port, n, self.timeout_s) for w in self.workers])
         ray.get([w.regroup.remote(list(self.specs.values())) for w in self.workers])
@@ -256,20 +296,26 @@ class Runtime:
             ray.kill(self.workers[r])  # a hung (not dead) worker must not come back into the new world
         n = len(survivors)
         self.workers = survivors
+        lost_nodes = self.nodes.drop(lost) if self.nodes else []
         master, port = self._rendezvous()
         ray.get([w.reinit.remote(master, port, n, self.timeout_s, i) for i, w in enumerate(survivors)])
         t_world = time.perf_counter()
         new_specs = list(place(n))
-        images = self.failover.images(survivors, old_specs, dirty)
+        for s in new_specs:
+            self._check_nodes(s.key, s.layout, list(s.ranks))
+        # images are read on nodes known to be up: the survivors' and the driver's (a lost node's, from copies)
+        alive = set(self.homes) | {ray.get_runtime_context().get_node_id()} if self.nodes else None
+        images = self.failover.images(survivors, old_specs, dirty, alive)
         ray.get([w.prepare_groups.remote(new_specs) for w in survivors])
         self._get([w.restore.remote(new_specs, images) for w in survivors])
         self.specs = {s.key: s for s in new_specs}
         self._graphs.clear()
-        self.failover.recovered()
+        self.failover.recovered(node_lost=bool(lost_nodes))
         t1 = time.perf_counter()
         return {"lost": lost, "workers": n, "resume_step": self.failover.snapshot_step, "wall_s": t1 - t0,
                 "seconds": {"world": t_world - t0, "restore": t1 - t_world},
-                "live_state": sorted({s.model for s in new_specs} - dirty), "snapshot_only": sorted(dirty)}
+                "live_state": sorted({s.model for s in new_specs} - dirty), "snapshot_only": sorted(dirty),
+                "lost_nodes": lost_nodes, "images_from_copies": self.failover.from_copies}
 
     def inject(self, plan: FaultPlan) -> None:
         """Arm ``plan``'s faults on their workers (tests and benchmarks); nothing else ever arms them."""
@@ -283,7 +329,8 @@ class Runtime:
 
     def snapshot(self, step: int) -> float:
         """A host-memory snapshot labelled ``step`` (``Failover.snapshot``); returns the driver's seconds."""
-        return self.failover.snapshot(step, self.workers, list(self.specs.values()))
+        ring = replica_ring(self.homes, ray.get_runtime_context().get_node_id()) if self.nodes else None
+        return self.failover.snapshot(step, self.workers, list(self.specs.values()), self.homes or None, ring)
 
     def forget_snapshots(self) -> None:
         self.failover.forget()
@@ -304,3 +351,6 @@ class Runtime:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+        if self._store is not None:
+            ray.kill(self._store)
+            self._store = None
