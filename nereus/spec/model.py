@@ -120,7 +120,25 @@ def arch_from_hf(cfg: object, where: str) -> ModelArch:
         qkv_bias=kind == "qwen2",
     )
     _check_heads(arch, f.key_path("num_attention_heads"), f.key_path("num_key_value_heads"))
+    _check_runtime_keys(f, arch.vocab)
     return arch
+
+
+def _check_runtime_keys(f: Fields, vocab: int) -> None:
+    """What the runtime reads besides the architecture (``nereus.runtime.hf.config_from_hf``): the norm
+    epsilon, the RoPE base and the special token ids, checked here so that a bad value is refused by key on
+    load rather than turning into NaN logits or an index error on the workers."""
+    f.get("rms_norm_eps", float, None, minimum=1e-12, maximum=1.0)
+    for where in (f, f.sub("rope_parameters"), f.sub("rope_scaling")):
+        where.get("rope_theta", float, None, minimum=1.0, maximum=1e12)
+    for key in ("bos_token_id", "eos_token_id"):
+        if f.data.get(key) is None:
+            continue
+        ids = f.get_list(key, int) if isinstance(f.data[key], list) else [f.get(key, int)]
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise SpecError(f.key_path(key), f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1}); "
+                                             "give the config that belongs to this model")
 
 
 # transformers maps both names to SiLU; the runtime's MLP is SwiGLU with SiLU (nereus.runtime.model)

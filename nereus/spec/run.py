@@ -189,7 +189,7 @@ def _check_task_size(d: Fields, data: DataSpec) -> None:
 def _kl_kind(f: Fields, key: str, default: str) -> str:
     """A KL estimator's name: Nereus's (k1, k2, k3) or verl's (kl, mse, low_var_kl, abs)."""
     value = f.data.get(key)
-    if value in KL_UNSUPPORTED:
+    if isinstance(value, str) and value in KL_UNSUPPORTED:  # a list or mapping is refused by f.get below
         raise SpecError(f.key_path(key), f"{value!r}: {KL_UNSUPPORTED[value]}")
     return f.get(key, str, default, choices=KL_KINDS)
 
