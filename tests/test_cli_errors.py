@@ -378,3 +378,17 @@ def test_a_valid_job_still_plans(tmp_path):
     r = run_cli("plan", JOB_8B, "--json", "--out", tmp_path / "plan.json")
     assert r.code == 0 and json.loads(r.out)["feasible"]
     assert json.loads((tmp_path / "plan.json").read_text())["step_time_s"] > 0
+
+
+# ----- found by the fuzz suite (tests/fuzz/test_fuzz_cli.py) ----------------------------------------------
+@pytest.mark.parametrize("override", ["run.steps=" + "9" * 5000, "run.steps=" + "[" * 3000, "run.actor_lr=.nan"])
+def test_run_override_values_are_read_like_the_file(tmp_path, job, override):
+    assert_refused(run_cli("run", job, override, "--out", tmp_path / "o"), override.split("=")[0])
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe binary", b"[" * 20_000 + b"]" * 20_000, "fifo"])
+def test_a_broken_prompt_file_is_refused_by_name(tmp_path, content):
+    train = tmp_path / "train.jsonl"
+    os.mkfifo(train) if content == "fifo" else train.write_bytes(content)
+    path = _job_with(tmp_path, lambda d: d["run"].update(data={"train": str(train)}))
+    assert_refused(run_cli("run", path, "--out", tmp_path / "o"), "run.data", str(train))

@@ -87,6 +87,8 @@ def read_rows(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
         raise DataError(path, None, None, "file not found")
+    if not (path.is_file() or path.is_dir()):  # a FIFO or device would block the read or never end
+        raise DataError(path, None, None, "not a regular file")
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -98,14 +100,21 @@ def read_rows(path: str | Path) -> list[dict]:
             raise DataError(path, None, None, f"not a readable Parquet file: {err}") from None
     if path.suffix not in (".jsonl", ".json"):
         raise DataError(path, None, None, "expected a .jsonl or .parquet file")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:  # a directory, no permission, binary
+        raise DataError(path, None, None, f"cannot read it as UTF-8 text: {getattr(err, 'strerror', None) or err}") \
+            from None
     rows = []
-    for i, line in enumerate(path.read_text().splitlines()):
+    for i, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
             raise DataError(path, i, None, f"not valid JSON: {err.msg} (column {err.colno})") from None
+        except (ValueError, RecursionError) as err:  # an over-long integer; nesting past the decoder's limit
+            raise DataError(path, i, None, f"not valid JSON: {str(err)[:80] or 'nested too deeply'}") from None
         if not isinstance(row, dict):
             raise DataError(path, i, None, f"expected a JSON object, got {type(row).__name__}")
         rows.append(row)

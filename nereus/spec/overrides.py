@@ -16,9 +16,8 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
-import yaml
-
 from nereus.spec.errors import SpecError
+from nereus.spec.files import load_yaml
 
 _ACTOR, _ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
@@ -81,10 +80,10 @@ def parse_override(text: str) -> tuple[str, Any, bool]:
         raise SpecError(key, f"override {text!r}: ~key deletes a key and takes no value; write ~{key}")
     if not key or not delete and not sep or any(not part for part in key.split(".")):
         raise SpecError(text, "not an override; write key.path=value (e.g. run.clip_ratio=0.3) or ~key.path")
-    try:
-        value = None if delete else yaml.safe_load(raw)
-    except yaml.YAMLError as err:
-        raise SpecError(key, f"override value {raw!r} is not valid YAML: {err.problem or err}") from None
+    try:  # the strict loader: no duplicate keys, bounded nesting, no over-long integers
+        value = None if delete else load_yaml(raw, key)
+    except SpecError as err:
+        raise SpecError(key, f"override value {raw[:60]!r} is {err.message}") from None
     if key in VERL_KEYS:
         return VERL_KEYS[key], value, delete
     if key.split(".")[0] in VERL_ONLY_SECTIONS:

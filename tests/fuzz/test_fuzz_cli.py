@@ -242,6 +242,37 @@ def layout_cases(rng: random.Random) -> list[Case]:
             enumerate(bad)]
 
 
+def override_cases(rng: random.Random) -> list[Case]:
+    """`nereus run JOB key.path=value`: a number of the job made bad on the command line."""
+    doc = tiny_job_doc("{d}/out")
+    paths = [p for p, v in _paths(doc) if _numeric(v) and all(isinstance(k, str) for k in p)]
+    values = [".nan", ".inf", "-.inf", str(10**30), "9" * 5000, "[" * 3000, "abc", "[1]", "{k: 1}", "true",
+              "[1, 2", "{a: 1, a: 2}"]
+    files = {"job.yaml": yaml.safe_dump(doc)}
+    cases = []
+    for i in range(60):
+        text = f"{'.'.join(rng.choice(paths))}={rng.choice(values)}"
+        cases.append(Case(f"override#{i} {text[:60]}", ["run", "{d}/job.yaml", text, "--out", "{d}/out"], files))
+    return cases
+
+
+def data_cases(rng: random.Random) -> list[Case]:
+    """`run.data.train`: a prompt file (verl's row format) that is broken."""
+    doc = tiny_job_doc("{d}/out")
+    doc["run"]["data"] = {"train": "{d}/train.jsonl"}
+    good = json.dumps({"data_source": "nereus/reverse", "prompt": [{"role": "user", "content": "rev:12="}],
+                       "reward_model": {"style": "rule", "ground_truth": "21"}})
+    contents = [DIR, FIFO, b"\xff\xfe" + good.encode(), "[" * 20_000 + "]" * 20_000 + "\n", "not json\n", "[1, 2]\n",
+                good + "\n" + "{" + "\n", '{"a": ' + "9" * 5000 + "}\n", good + "\n" + good[:-5] + "\n", "",
+                json.dumps({"prompt": 3}) + "\n", json.dumps({"prompt": [{"role": "user"}]}) + "\n"]
+    cases = []
+    for i in range(40):
+        content = rng.choice(contents)
+        cases.append(Case(f"data#{i} {contents.index(content)}", ["run", "{d}/job.yaml", "--out", "{d}/out"],
+                          {"job.yaml": yaml.safe_dump(doc), "train.jsonl": content}))
+    return cases
+
+
 def checkpoint_cases(rng: random.Random) -> list[Case]:
     """`nereus run --resume` on broken checkpoint folders: ``latest``, step folders, manifests, ``init/``.
     No folder verifies (each has a defect), so no case can resume."""
@@ -317,7 +348,8 @@ def all_cases() -> dict[str, list[Case]]:
     rng = random.Random(SEED)
     kinds = {"job": job_cases, "trace": trace_cases, "profile": profile_cases, "plan": plan_cases,
              "record": record_cases, "hf_config": hf_config_cases, "layout": layout_cases,
-             "checkpoint": checkpoint_cases, "flags": flag_cases}
+             "checkpoint": checkpoint_cases, "override": override_cases, "data": data_cases,
+             "flags": flag_cases}
     return {k: make(random.Random(f"{SEED}:{k}:{rng.random()}")) for k, make in kinds.items()}
 
 
