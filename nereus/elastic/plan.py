@@ -19,6 +19,10 @@ Steps (``STEP_KINDS``, by ``kind``) and the pieces they carry (``PIECE_KINDS``):
   free, drop_host, alloc_grads   after the commit: release old buffers and host copies, allocate the
               new gradient buffers
 
+A live migration of unfinished sequences (``elastic.kvplan``) uses its own kinds (``KV_STEP_KINDS``,
+``KV_PIECE_KINDS``) and ``commit``: ``kv_send`` (sequence records and KV-cache pieces one worker receives
+from another), ``refill`` (a sequence rebuilt by re-prefill of its tokens), ``kv_free`` (after the commit).
+
 A new kind of step or piece is one new class here, listed in ``STEP_KINDS`` or ``PIECE_KINDS``: the
 JSON codec is generic over the dataclass fields (group ids and ints as numbers, box sets as nested lists).
 """
@@ -119,7 +123,33 @@ class SentPiece(Piece):
     dest: BoxSet
 
 
-PIECE_KINDS: Mapping[str, type[Piece]] = MappingProxyType({c.kind: c for c in (WholeBuffer, LocalPiece, SentPiece)})
+@dataclass(frozen=True, slots=True)
+class KVPiece(Piece):
+    """Keys and values of sequence ``seq`` at positions [0, ``length``), layers [``layers``) and KV heads
+    [``heads``) (half-open global index ranges)."""
+
+    kind: ClassVar[str] = "kv"
+    seq: int
+    layers: tuple[int, int]
+    heads: tuple[int, int]
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class SeqPiece(Piece):
+    """Sequence ``seq``'s record without its caches: ``prompt`` + ``generated`` token ids, the generated
+    tokens' log-probs and its sampling stream's state (``rng_bytes``)."""
+
+    kind: ClassVar[str] = "seq"
+    seq: int
+    prompt: int
+    generated: int
+    rng_bytes: int
+
+
+KV_PIECE_KINDS: Mapping[str, type[Piece]] = MappingProxyType({c.kind: c for c in (KVPiece, SeqPiece)})
+PIECE_KINDS: Mapping[str, type[Piece]] = MappingProxyType(
+    {c.kind: c for c in (WholeBuffer, LocalPiece, SentPiece, *KV_PIECE_KINDS.values())})
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,8 +359,42 @@ class Commit(Step):
     kind: ClassVar[str] = "commit"
 
 
+@dataclass(frozen=True, slots=True)
+class KVSend(Step):
+    """Sequence records and KV pieces ``dst`` receives from ``src`` in a live migration (``src == dst``: a
+    copy between two engines of one worker); ``bytes``: the caches' bytes, allocated at ``dst``."""
+
+    kind: ClassVar[str] = "kv_send"
+    src: int
+    dst: int
+    bytes: int
+    parts: tuple[StatePart, ...]
+
+    def memory(self) -> MemoryEffects:
+        return MemoryEffects((Delta(self.dst, self.bytes),))
+
+
+@dataclass(frozen=True, slots=True)
+class Refill(BufferStep):
+    """Sequences (``SeqPiece``) whose caches ``device`` rebuilds by re-prefill of their tokens."""
+
+    kind: ClassVar[str] = "refill"
+    sign: ClassVar[int] = 1
+
+
+@dataclass(frozen=True, slots=True)
+class KVFree(BufferStep):
+    """After the commit: the source releases the migrated sequences and their caches."""
+
+    kind: ClassVar[str] = "kv_free"
+    after_commit: ClassVar[bool] = True
+    sign: ClassVar[int] = -1
+
+
+KV_STEP_KINDS: Mapping[str, type[Step]] = MappingProxyType({c.kind: c for c in (KVSend, Refill, KVFree)})
 STEP_KINDS: Mapping[str, type[Step]] = MappingProxyType({c.kind: c for c in (
-    FreeEarly, Offload, Alloc, Keep, Copy, Send, CreateGroups, Commit, Free, DropHost, AllocGrads)})
+    FreeEarly, Offload, Alloc, Keep, Copy, Send, CreateGroups, Commit, Free, DropHost, AllocGrads,
+    *KV_STEP_KINDS.values())})
 
 
 def step_from_json(d: dict) -> Step:

@@ -6,7 +6,9 @@ Points (where a fault hurts most):
 - ``"train_step"``: after the backward pass, before the optimizer step (gradient all-reduces done, the
   ZeRO shards not yet updated);
 - ``"transition.prepare"``, ``"transition.transfer"``, ``"transition.install"``: the phases of a live
-  transition before its commit point (``runtime.executor``).
+  transition before its commit point (``runtime.executor``);
+- ``"migration.transfer"``, ``"migration.install"``: a live migration of unfinished sequences before its
+  commit point (``runtime.kv_migrate``): before this worker posts its messages, after they all landed.
 
 Actions: ``kill`` SIGKILLs the worker's process (a lost worker: ``Runtime.recover``); ``fail`` raises
 ``InjectedFault`` there (a transition that fails before its commit point must leave the old layout).
@@ -18,7 +20,8 @@ import os
 import signal
 from dataclasses import dataclass
 
-POINTS = ("train_step", "transition.prepare", "transition.transfer", "transition.install")
+POINTS = ("train_step", "transition.prepare", "transition.transfer", "transition.install", "migration.transfer",
+          "migration.install")
 ACTIONS = ("kill", "fail")
 
 
