@@ -12,12 +12,20 @@ optimizer update):
   snapshots; the job dies, then a new runtime of 4 workers starts, loads the latest checkpoint
   (``nereus run --resume``'s path) and replays the steps from it up to and including the lost one.
 
-Both pay the lost work of the failed step. Printed: each part, the totals, their ratio, and the ratio
+A third run, ``lost node``, is the ``nereus`` run on a Ray cluster of a head and two worker nodes of two
+CPUs each on this machine (``nodes.start_local_cluster``, in a child process: one driver, one cluster),
+workers 0-1 on one node and 2-3 on the other (the reward model's TP group on ranks [2, 3] instead of
+[1, 2], so that it stays inside a node); in step ``--lose-at`` the second node is killed — its raylet,
+object store and both workers — and the job recovers on the two survivors, reading the lost node's
+snapshot images from their copies on the head node.
+
+All pay the lost work of the failed step. Printed: each part, the totals, their ratio, and the ratio
 without the replay (a failure just after a checkpoint), plus the snapshots' cost per step. On a real
 cluster a restart also waits for the scheduler, containers and inference engines (minutes: see
 ``nereus.control.loop.Recovery.restart_s``); here it only pays what this machine measures.
 
     .venv/bin/python benchmarks/recovery.py [--steps 6] [--lose-at 3] [--checkpoint-every 2] [--json PATH]
+                                            [--no-lost-node]
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +57,7 @@ from nereus.spec.job import job_from_dict  # noqa: E402
 LOST_WORKER = 1
 
 
-def make_job(out: Path, steps: int, snapshot_every: int, checkpoint_every: int, small: bool):
+def make_job(out: Path, steps: int, snapshot_every: int, checkpoint_every: int, small: bool, two_nodes: bool = False):
     spec = yaml.safe_load((ROOT / "examples" / "ppo_tiny_fixed.yaml").read_text())
     spec["name"] = "recovery-bench"
     spec["cluster"]["profile"] = str(ROOT / "examples" / spec["cluster"]["profile"])  # relative to the example
@@ -56,6 +65,9 @@ def make_job(out: Path, steps: int, snapshot_every: int, checkpoint_every: int, 
                        warmstart={"actor_steps": 20 if small else 60, "reward_steps": 20 if small else 60,
                                   "batch": 32, "lr": 0.003},
                        checkpoint={"dir": str(out), "every": checkpoint_every, "snapshot_every": snapshot_every})
+    if two_nodes:  # two nodes of two workers: every TP group inside one of them
+        spec["run"]["layouts"]["reward/inference"]["ranks"] = [2, 3]
+        spec["cluster"].update(nodes=2, gpus_per_node=2)
     return job_from_dict(spec)
 
 
@@ -90,17 +102,66 @@ def run_nereus(args, out: Path) -> dict:
     with LoseWorker(args.lose_at):
         summary = rl.execute()
     rl.rt.shutdown()
+    return summarize(args, out, summary)  # steps before the loss: from the second (the first warms up)
+
+
+def summarize(args, out: Path, summary: dict) -> dict:
+    """The recovery's parts and the steps around it, from the run's summary and metrics."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    before = [r["timing_s/step"] for r in rows[1:args.lose_at]]  # the first step warms up
     [rec] = summary["recoveries"]
     redo = rows[args.lose_at]["timing_s/step"]
     steps = [r["timing_s/step"] for i, r in enumerate(rows) if i != args.lose_at]
-    snaps = [r["nereus/snapshot_s"] for r in rows]
     return {"lost_work_s": rec["lost_work_s"], "world_s": rec["world"], "restore_s": rec["restore"],
             "recover_s": rec["wall_s"], "redo_s": redo, "total_s": rec["lost_work_s"] + rec["wall_s"] + redo,
-            "step_s": statistics.median(steps), "snapshot_s": statistics.median(snaps),
-            "steps_before_loss_s": before, "steps_after_s": [r["timing_s/step"] for r in rows[args.lose_at + 1:]],
-            "live_state": rec["live_state"], "snapshot_only": rec["snapshot_only"], "workers_after": rec["workers"]}
+            "step_s": statistics.median(steps), "snapshot_s": statistics.median(r["nereus/snapshot_s"] for r in rows),
+            "steps_before_loss_s": [r["timing_s/step"] for r in rows[1:args.lose_at]],
+            "steps_after_s": [r["timing_s/step"] for r in rows[args.lose_at + 1:]],
+            "live_state": rec["live_state"], "snapshot_only": rec["snapshot_only"], "workers_after": rec["workers"],
+            "lost": rec["lost"], "lost_nodes": len(rec.get("lost_nodes", [])),
+            "images_from_copies": rec.get("images_from_copies", 0)}
+
+
+def run_lost_node(args, out: Path) -> dict:
+    """The ``nereus`` run on a local cluster of two worker nodes, the second killed in step ``--lose-at``
+    (run in a child process of this script: ``--lost-node-child``)."""
+    import ray
+
+    from nereus.runtime.nodes import start_local_cluster
+    from nereus.runtime.workers import Runtime
+
+    # objects above 1 KiB in the object store, so no snapshot image of the tiny models sits in the driver
+    cluster, _ = start_local_cluster(2, 2, system_config={"max_direct_call_object_size": 1024})
+    try:
+        rt = Runtime(4, address=cluster.address)
+        second = next(n for n in cluster.worker_nodes if n.node_id == rt.homes[2])
+        real, fired = Stepper.update, []
+
+        def update(stepper, model, batch, loss_fn, lr, step):
+            if step == args.lose_at and not fired:
+                fired.append(model)
+                cluster.remove_node(second, allow_graceful=False)  # raylet, object store, workers 2 and 3
+            return real(stepper, model, batch, loss_fn, lr, step)
+
+        Stepper.update = update
+        rl = RLJob(make_job(out, args.steps, 1, 0, args.small, two_nodes=True), runtime=rt, quiet=True)
+        summary = rl.execute()
+        Stepper.update = real
+        rt.shutdown()
+        return summarize(args, out, summary)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def lost_node_child(args, out: Path) -> dict:
+    """``run_lost_node`` in a fresh interpreter (this process already drives the local Ray instance)."""
+    result = out / "lost_node.json"
+    cmd = [sys.executable, __file__, "--lost-node-child", str(out), "--steps", str(args.steps),
+           "--lose-at", str(args.lose_at)] + (["--small"] if args.small else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the lost-node run failed:\n{proc.stderr[-4000:]}")
+    return json.loads(result.read_text())
 
 
 def run_restart(args, out: Path) -> dict:
@@ -159,7 +220,13 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="a smaller job, for smoke tests")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-lost-node", action="store_true", help="skip the run on two nodes that loses one")
+    ap.add_argument("--lost-node-child", type=Path, help=argparse.SUPPRESS)  # internal: the child process
     args = ap.parse_args()
+    if args.lost_node_child:
+        out = args.lost_node_child
+        (out / "lost_node.json").write_text(json.dumps(run_lost_node(args, out / "run")))
+        return 0
     if not 0 < args.lose_at < args.steps:
         ap.error("--lose-at must be within the run (after its first step)")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -177,18 +244,30 @@ def main() -> int:
         print(f"restart: lost work {rst['lost_work_s']:.2f} s + relaunch {rst['relaunch_s']:.2f} s + load checkpoint "
               f"(step {rst['checkpoint_step']}) {rst['load_s']:.2f} s + replay {rst['replay_steps']} step(s) and redo "
               f"{rst['replay_and_redo_s']:.2f} s = {rst['total_s']:.2f} s", flush=True)
+        node = None if args.no_lost_node else lost_node_child(args, tmp)
+        if node:
+            print(f"lost node: lost work {node['lost_work_s']:.2f} s + recover {node['recover_s']:.2f} s (re-form "
+                  f"world {node['world_s']:.2f} s, restore {node['restore_s']:.2f} s, "
+                  f"{node['images_from_copies']} snapshot images from their copies) + redo step "
+                  f"{node['redo_s']:.2f} s = {node['total_s']:.2f} s; workers "
+                  f"{node['lost']} lost with their node, {node['workers_after']} workers after (later steps there: "
+                  f"{', '.join(f'{t:.2f}' for t in node['steps_after_s']) or '-'} s)", flush=True)
         redo_one = rst["replay_and_redo_s"] / (rst["replay_steps"] + 1)  # the restarted job's step, same layouts
         no_replay = rst["lost_work_s"] + rst["relaunch_s"] + rst["load_s"] + redo_one
         print(f"ratio restart/nereus: {rst['total_s'] / ner['total_s']:.2f}x as measured; "
               f"{no_replay / ner['total_s']:.2f}x for a failure just after a checkpoint (no replay)")
+        if node:
+            print(f"ratio restart/lost node: {rst['total_s'] / node['total_s']:.2f}x as measured; recover: lost node "
+                  f"{node['recover_s']:.2f} s vs lost worker {ner['recover_s']:.2f} s "
+                  f"({node['recover_s'] / ner['recover_s']:.2f}x)")
         with_snap = statistics.median(ner["steps_before_loss_s"])
         without = statistics.median(rst["steps_before_loss_s"])
         print(f"snapshots: {ner['snapshot_s'] * 1e3:.1f} ms of driver time per step; median step before the loss "
               f"{with_snap:.3f} s with snapshots vs {without:.3f} s without (ratio {with_snap / without:.3f}, "
               f"same layouts, steps 2..{args.lose_at})")
         if args.json:
-            args.json.write_text(json.dumps({"nereus": ner, "restart": rst, "no_replay_restart_s": no_replay},
-                                            indent=1))
+            args.json.write_text(json.dumps({"nereus": ner, "restart": rst, "no_replay_restart_s": no_replay,
+                                             "lost_node": node}, indent=1))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
