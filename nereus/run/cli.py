@@ -23,7 +23,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise SpecError("run", f"needs the runtime's dependencies ({err.name} is missing); "
                                "install them with: pip install -e '.[runtime]'") from None
     try:
-        rl = RLJob(job, out_dir=args.out, workers=args.workers)
+        rl = RLJob(job, out_dir=args.out, workers=args.workers, address=args.address)
     except DataError as err:
         raise SpecError("run.data", str(err)) from None
     workers = f"{rl.run.workers} local workers"
@@ -102,6 +102,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "algorithm.samples_per_prompt=4 (verl's keys too: docs/rl.md); ~key.path removes one")
     r.add_argument("--workers", type=int, help="local worker processes (default: run.workers, 4)")
     r.add_argument("--out", type=Path, help="output folder (default: run.checkpoint.dir)")
+    r.add_argument("--address", help="join the Ray cluster at this address (what `ray start --head` printed) "
+                                     "instead of starting a local Ray; see docs/reliability.md#several-nodes")
     r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output folder")
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     r.set_defaults(func=cmd_run)

@@ -69,12 +69,13 @@ class RLJob(Observer):
     (``run.backend.RuntimeBackend``); as the loop's observer it logs, evaluates and checkpoints each step."""
 
     def __init__(self, job: JobSpec, runtime: object | None = None, out_dir: str | Path | None = None,
-                 quiet: bool = False, workers: int | None = None) -> None:
+                 quiet: bool = False, workers: int | None = None, address: str | None = None) -> None:
         if job.run is None:
             raise SpecError("run", "`nereus run` needs a `run:` section (see docs/rl.md)")
         if workers is not None:
             job = replace(job, run=replace(job.run, workers=workers))
         self.job, self.run, self.quiet = job, job.run, quiet
+        self.address = address  # a Ray cluster to join (``nereus run --address``); None: a local Ray
         self.dir = Path(out_dir or job.run.checkpoint_dir)
         self.tok = tokenizer_for(job)  # the actor's HF tokenizer (models.actor.path) or the built-in one
         self.cfgs = model_configs(job, self.tok)
@@ -116,7 +117,7 @@ class RLJob(Observer):
             if self.run.adapt:  # the workers available at first, and at least those the plan uses (resume)
                 start = max(self.run.adapt.workers_at(0, self.run.workers),
                             1 + max(r for p in self.placed for r in p.ranks))
-            self.rt = Runtime(start, max_workers=self.run.max_workers)
+            self.rt = Runtime(start, address=self.address, max_workers=self.run.max_workers)
         written = self._written(optim) if optim is not None else {}
         loaded = set()
         for p in self.placed:
