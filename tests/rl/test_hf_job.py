@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -124,6 +125,18 @@ def test_hf_model_and_verl_dataset(ray_runtime, tiny_hf, tmp_path, algorithm):
             want = critic.eval()(x).logits[:, 0]
             got = _ours(tmp_path / "step_2" / "critic", trained["critic"])(x)[:, -1]
         assert (want - got).abs().max().item() <= TOL
+        # resume: the reference and reward model reload from their HF directories, the critic's new
+        # value head from init/critic, the trained models from step_2
+        longer = replace(rl.job, run=replace(rl.job.run, steps=3))
+        again = RLJob(longer, runtime=ray_runtime, out_dir=tmp_path, quiet=True)
+        try:
+            again.execute(resume=True)
+        finally:
+            again.release()
+        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert (tmp_path / "init" / "critic" / "model.safetensors").exists()
+        assert not (tmp_path / "init" / "reference").exists()  # read from its directory, not copied
 
 
 def test_pretrained_job_refusals(tiny_hf, tmp_path):
