@@ -290,7 +290,8 @@ class RLJob(Observer):
         self._start(initial_sources(init, self.job.algorithm.models, self.job.paths))
         acc = self.evaluate(self.val)
         self.state = {"warmstart_accuracy": acc, **losses}
-        self.say(f"held-out accuracy after warm-start: {100 * acc:.1f}% ({len(self.val)} prompts)")
+        start = "of the pretrained model" if self.job.paths else "after warm-start"
+        self.say(f"held-out accuracy {start}: {100 * acc:.1f}% ({len(self.val)} prompts)")
 
     def execute(self, resume: bool = False) -> dict:
         """Run the job to ``run.steps``; returns the summary (accuracies, metrics of the last step)."""
