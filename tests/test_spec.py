@@ -228,3 +228,25 @@ def test_layout_parse():
         Layout.parse("tp")
     with pytest.raises(SpecError, match=r"--layout\.tp: 0 is out of range"):
         Layout.parse("tp=0")
+
+
+def test_strict_yaml_refuses_duplicates_but_keeps_merge_keys():
+    from nereus.spec.files import load_yaml
+
+    merged = load_yaml("base: &b {a: 1, b: 2}\nchild:\n  <<: *b\n  b: 3\n", "x.yaml")
+    assert merged["child"] == {"a": 1, "b": 3}  # `<<: *base` then an override is not a duplicate
+    with pytest.raises(SpecError, match=r"x\.yaml: not valid YAML: duplicate key 'b'.* at line 2"):
+        load_yaml("a: {b: 1,\n  b: 2}\n", "x.yaml")
+    with pytest.raises(SpecError, match="nested deeper than 64 levels"):
+        load_yaml("[" * 65 + "]" * 65, "x.yaml")
+    assert load_yaml("[" * 63 + "]" * 63, "x.yaml") is not None
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 2**64, -(2**70)])
+def test_fields_refuse_non_finite_and_oversized_numbers(value):
+    from nereus.spec.fields import Fields
+
+    with pytest.raises(SpecError, match=r"^a\.x: "):
+        Fields({"x": value}, "a").get("x", float, minimum=0)
+    with pytest.raises(SpecError, match=r"^a\.x\[1\]: "):
+        Fields({"x": [1.0, value]}, "a").get_list("x", float)
