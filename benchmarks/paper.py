@@ -1,11 +1,17 @@
 """The reference paper's three experiments, re-run in the simulator side by side, on traces built from
 published data (traces/*.yaml cite their sources). Every figure below is measured in this run.
 
-(a) mean step latency, online TP/PP adaptation vs fixed initial TP/PP with DP scaling (paper: −27.7%);
+(a) mean step latency, online TP/PP adaptation vs a fixed initial TP/PP with DP scaling (paper: −27.7%);
 (b) a 1,000-step run growing to 1,024 GPUs: transitions and their share of run time (paper: 6, 0.079%);
 (c) 8B PPO throughput against verl-like and OpenRLHF-like policies on three cluster shapes
     (paper: 1.10–1.47× and 2.14–7.27×).
-Each also without calibration (``nereus-nocal``), to show what calibration contributes.
+
+Each experiment is measured against both fixed baselines (docs/simulator.md): ``fixed-oracle`` starts from
+the planner's own best plan, ``fixed-recipe`` from the rollout TP that public verl/OpenRLHF example scripts
+set for the model size; both then scale DP only. Each runs under two batch assumptions: a fixed global
+batch (the job's prompts per step at every GPU count, as published runs set it) and a batch that grows
+with the GPUs (the job's prompts per GPU on its own cluster kept as GPUs come and go). ``nereus-nocal``
+(no calibration) shows what calibration contributes.
 
     python benchmarks/paper.py [--seed 0] [--quick] [--plots docs/img]
 """
@@ -18,10 +24,13 @@ from pathlib import Path
 
 from nereus.sim.report import plot_runs
 from nereus.sim.run import simulate
+from nereus.sim.workload import GrowingBatchJob
 from nereus.spec import load_job
 from nereus.spec.trace import load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
+FIXED = ("fixed-oracle", "fixed-recipe")
+OURS = ("nereus", "nereus-nocal")
 
 
 def run(job, trace_name: str, policy: str, seed: int, steps: int | None, gpus: int | None = None):
@@ -38,42 +47,74 @@ def run(job, trace_name: str, policy: str, seed: int, steps: int | None, gpus: i
     return record
 
 
-def experiment_a(job, seed: int, quick: bool) -> list:
+def pct(a: float, b: float) -> str:
+    return f"{100 * (a / b - 1):+.1f}%"
+
+
+def experiment_a(jobs: dict, seed: int, quick: bool, rows: list) -> dict:
     print("(a) online TP/PP adaptation vs fixed initial TP/PP with DP scaling (paper: -27.7% mean step latency)")
-    out = []
+    first = {}
     for name, steps, gpus in (("growth_from_16", 200 if quick else None, None),
                               ("deepscaler_stages", 200 if quick else None, 64),
                               ("long_tail_dapo", 150 if quick else None, 64)):
-        print(f"  trace {name}:")
-        runs = {p: run(job, name, p, seed, steps, gpus) for p in ("nereus", "nereus-nocal", "fixed-dp")}
-        base = runs["fixed-dp"].summary()["mean_step_s"]
-        for p in ("nereus", "nereus-nocal"):
-            print(f"    => {p}: {100 * (runs[p].summary()['mean_step_s'] / base - 1):+.1f}% mean step latency")
-        out.append(runs)
+        for batch, job in jobs.items():
+            if gpus is not None and batch != "fixed batch" and gpus == jobs["fixed batch"].cluster.num_gpus:
+                continue  # a constant GPU count equal to the job's own: both assumptions give the same batch
+            print(f"  trace {name}, {batch}:")
+            runs = {p: run(job, name, p, seed, steps, gpus) for p in (*OURS, *FIXED)}
+            mean = {p: r.summary()["mean_step_s"] for p, r in runs.items()}
+            for p in OURS:
+                print(f"    => {p}: {pct(mean[p], mean['fixed-oracle'])} vs fixed-oracle, "
+                      f"{pct(mean[p], mean['fixed-recipe'])} vs fixed-recipe (mean step latency)")
+            where = name if gpus is None else f"{name}, {gpus} GPUs"
+            rows.append(("(a) mean step latency", where, batch if gpus is None else "either (same batch)",
+                         pct(mean["nereus"], mean["fixed-oracle"]), pct(mean["nereus"], mean["fixed-recipe"]),
+                         f"{pct(mean['nereus-nocal'], mean['fixed-oracle'])} / "
+                         f"{pct(mean['nereus-nocal'], mean['fixed-recipe'])}", ""))
+            first.setdefault(batch, runs)
+    return first
+
+
+def experiment_b(jobs: dict, seed: int, quick: bool, rows: list) -> dict:
+    print("(b) 1,000-step run growing to 1,024 GPUs (paper: 6 transitions, 0.079% of run time)")
+    steps = 300 if quick else None
+    out = {}
+    for batch, job in jobs.items():
+        print(f"  trace growth_to_1024, {batch}:")
+        runs = {p: run(job, "growth_to_1024", p, seed, steps) for p in (*OURS, *FIXED)}
+        s = {p: r.summary() for p, r in runs.items()}
+        for p in OURS:
+            print(f"    => {p}: {s[p]['transitions']} transitions, {100 * s[p]['transition_share']:.4f}% of run time, "
+                  f"mean step {pct(s[p]['mean_step_s'], s['fixed-oracle']['mean_step_s'])} vs fixed-oracle, "
+                  f"{pct(s[p]['mean_step_s'], s['fixed-recipe']['mean_step_s'])} vs fixed-recipe; "
+                  f"simulated in {s[p]['wall_s']:.0f} s")
+        n, oracle, recipe = (s[p]["mean_step_s"] for p in ("nereus", "fixed-oracle", "fixed-recipe"))
+        nocal = s["nereus-nocal"]["mean_step_s"]
+        rows.append(("(b) mean step latency", "growth_to_1024", batch, pct(n, oracle), pct(n, recipe),
+                     f"{pct(nocal, oracle)} / {pct(nocal, recipe)}",
+                     f"transitions: {s['nereus']['transitions']}, {100 * s['nereus']['transition_share']:.3f}% of "
+                     f"run time ({s['nereus-nocal']['transitions']}, "
+                     f"{100 * s['nereus-nocal']['transition_share']:.3f}% without calibration)"))
+        out[batch] = runs
     return out
 
 
-def experiment_b(job, seed: int, quick: bool) -> dict:
-    print("(b) 1,000-step run growing to 1,024 GPUs (paper: 6 transitions, 0.079% of run time)")
-    steps = 300 if quick else None
-    runs = {p: run(job, "growth_to_1024", p, seed, steps) for p in ("nereus", "nereus-nocal")}
-    for p, r in runs.items():
-        s = r.summary()
-        print(f"    => {p}: {s['transitions']} transitions, {100 * s['transition_share']:.4f}% of run time, "
-              f"simulated in {s['wall_s']:.0f} s")
-    return runs
-
-
-def experiment_c(job, seed: int, quick: bool) -> None:
+def experiment_c(jobs: dict, seed: int, quick: bool, rows: list) -> None:
     print("(c) 8B PPO throughput vs verl-like and OpenRLHF-like (paper: 1.10-1.47x and 2.14-7.27x)")
-    for gpus in (32, 128, 512):
-        print(f"  {gpus} GPUs, trace r1_zero_growth steps 0-{100 if quick else 200}:")
-        runs = {p: run(job, "r1_zero_growth", p, seed, 100 if quick else 200, gpus)
-                for p in ("nereus", "nereus-nocal", "verl-like", "openrlhf-like")}
-        tput = {p: r.summary()["tokens_per_s"] for p, r in runs.items()}
-        for p in ("nereus", "nereus-nocal"):
-            print(f"    => {p}: {tput[p] / tput['verl-like']:.2f}x verl-like, "
-                  f"{tput[p] / tput['openrlhf-like']:.2f}x openrlhf-like")
+    steps = 100 if quick else 200
+    others = ("verl-like", "openrlhf-like", *FIXED)
+    for batch, job in jobs.items():
+        for gpus in (32, 128, 512):
+            print(f"  {gpus} GPUs, trace r1_zero_growth steps 0-{steps}, {batch}:")
+            runs = {p: run(job, "r1_zero_growth", p, seed, steps, gpus) for p in (*OURS, *others)}
+            tput = {p: r.summary()["tokens_per_s"] for p, r in runs.items()}
+            for p in OURS:
+                print(f"    => {p}: " + ", ".join(f"{tput[p] / tput[o]:.2f}x {o}" for o in others))
+            n, nocal = tput["nereus"], tput["nereus-nocal"]
+            rows.append(("(c) throughput", f"r1_zero_growth, {gpus} GPUs", batch,
+                         f"{n / tput['fixed-oracle']:.2f}×", f"{n / tput['fixed-recipe']:.2f}×",
+                         f"{nocal / tput['fixed-oracle']:.2f}× / {nocal / tput['fixed-recipe']:.2f}×",
+                         f"{n / tput['verl-like']:.2f}× verl-like, {n / tput['openrlhf-like']:.2f}× OpenRLHF-like"))
 
 
 def main() -> None:
@@ -84,13 +125,23 @@ def main() -> None:
     parser.add_argument("--job", default=str(ROOT / "examples" / "ppo_8b_h100.yaml"))
     args = parser.parse_args()
     job = load_job(args.job)
+    per_gpu = job.workload.prompts_per_step / job.cluster.num_gpus
+    jobs = {"fixed batch": job, "growing batch": GrowingBatchJob.of(job, per_gpu)}
+    print(f"batch assumptions: fixed batch = {job.workload.prompts_per_step:,} prompts per step at every GPU "
+          f"count; growing batch = {per_gpu:g} prompts per GPU ({job.workload.prompts_per_step:,} on the job's "
+          f"{job.cluster.num_gpus} GPUs), following the GPUs available\n")
     start = time.perf_counter()
-    a = experiment_a(job, args.seed, args.quick)
-    b = experiment_b(job, args.seed, args.quick)
-    experiment_c(job, args.seed, args.quick)
+    rows: list = []
+    a = experiment_a(jobs, args.seed, args.quick, rows)
+    b = experiment_b(jobs, args.seed, args.quick, rows)
+    experiment_c(jobs, args.seed, args.quick, rows)
+    print("\n| experiment | trace | batch | nereus vs fixed-oracle | nereus vs fixed-recipe "
+          "| without calibration (vs oracle / recipe) | also |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
     if args.plots:
         out = Path(args.plots)
-        for tag, runs in (("a_growth_from_16", a[0]), ("b_growth_to_1024", b)):
+        for tag, runs in (("a_growth_from_16", a["fixed batch"]), ("b_growth_to_1024", b["fixed batch"])):
             for path in plot_runs([r.to_dict() for r in runs.values()], out):
                 path.rename(out / f"{tag}_{path.name}")
         print(f"plots in {out}")
