@@ -36,6 +36,7 @@ DEFAULT_ESTIMATOR = {"ppo": "gae", "grpo": "grpo"}
 # Estimators that fit a critic's values (the job must train one).
 NEEDS_CRITIC = ("gae",)
 
-# Estimators that compare responses to the same prompt: they need samples_per_prompt >= 2 (verl-derived
-# trainers refuse rollout.n == 1 for GRPO; one sample per prompt would leave every group alone).
+# Estimators that compare responses to the same prompt: they need samples_per_prompt >= 2 (one sample per
+# prompt leaves every group alone; the verl-derived EasyR1 refuses rollout.n == 1 for GRPO too,
+# https://github.com/hiyouga/EasyR1 verl/trainer/ray_trainer.py).
 NEEDS_GROUPS = ("grpo",)
