@@ -70,17 +70,15 @@ def _finish(engines: list, want: dict, exact: bool) -> None:
         assert_same(union, want, exact)
 
 
-def _tp_change(rank: int, comm: TransferComm, want: dict, sampled: bool, tp_from: int, tp_to: int,
-               refill=lambda i: False) -> None:
+def _change(rank: int, comm: TransferComm, want: dict, sampled: bool, lay_from: dict, lay_to: dict,
+            refill=lambda i: False) -> None:
+    """One replica moves every unfinished sequence to one replica of another layout on ranks 0.."""
     sp = params(sampled)
-    src_ranks, dst_ranks = list(range(tp_from)), list(range(tp_to))
-    g_src, sm_src = shard(layout(tp=tp_from), src_ranks)
-    g_dst, sm_dst = shard(layout(tp=tp_to), dst_ranks)
-    src = GenPlacement(layout(tp=tp_from), tuple(src_ranks))
-    dst = GenPlacement(layout(tp=tp_to), tuple(dst_ranks))
+    placements = [GenPlacement(layout(**lay), tuple(range(layout(**lay).world))) for lay in (lay_from, lay_to)]
+    (g_src, sm_src), (g_dst, sm_dst) = (shard(p.layout, list(p.ranks)) for p in placements)
     old = _start(sm_src, sp)
     new = DecodeEngine(sm_dst, sp, slots=3) if sm_dst is not None else None
-    plan = _plan(old, sm_src, src, dst, lambda i, d: 0, refill)
+    plan = _plan(old, sm_src, *placements, lambda i, d: 0, refill)
     migrate(plan, old, new, comm)
     assert old is None or not old.unfinished()
     # the finished sequences stay with the old engine's output rank; the rest finish on the new layout
@@ -137,9 +135,10 @@ def _body(rank: int, world: int, case: str) -> None:
     for sampled in (False, True):
         want = share(alone(ref, prompts(), params(sampled)) if rank == 0 else None)
         if case == "tp":
-            _tp_change(rank, comm, want, sampled, 1, 2)
-            _tp_change(rank, comm, want, sampled, 2, 1)
-            _tp_change(rank, comm, want, sampled, 1, 2, refill=lambda i: i % 2 == 1)
+            _change(rank, comm, want, sampled, {"tp": 1}, {"tp": 2})  # KV heads split
+            _change(rank, comm, want, sampled, {"tp": 2}, {"tp": 1})  # merged
+            _change(rank, comm, want, sampled, {"pp": 2}, {"tp": 2})  # layers gathered, heads split
+            _change(rank, comm, want, sampled, {"tp": 1}, {"tp": 2}, refill=lambda i: i % 2 == 1)
         elif case == "dp":
             _dp_moves(rank, comm, want, sampled)
         else:
@@ -171,3 +170,8 @@ def test_a_migration_plan_has_every_kv_kind_and_round_trips():
     assert all(s.deps == (plan.commit,) for s in plan.steps[plan.commit + 1:])
     with pytest.raises(ValueError, match="format"):
         MigrationPlan.from_json({**plan.to_json(), "format": "x"})
+    # one KV head replicated over TP 2: each destination takes it once, from its own rank when it holds it
+    mqa = KVShape(2, 1, 8, 4)
+    plan = plan_migration("actor", mqa, src, GenPlacement(layout(dp=2), (0, 1)), [SeqMove(1, 3, 2, 4, 8, 0, 1)])
+    kv = [(s.src, s.dst, p.heads) for s in plan.sends() for p in s.all_pieces() if p.kind == "kv"]
+    assert kv == [(1, 1, (0, 1))] and plan.bytes_sent == 0
