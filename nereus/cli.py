@@ -99,7 +99,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from nereus.sim.baselines import POLICIES
-    from nereus.sim.run import simulate
+    from nereus.sim.run import check_gpus_remain, simulate
     from nereus.spec.trace import load_trace
 
     if args.policy not in POLICIES:
@@ -123,6 +123,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             print(f"[{step + 1:>5}/{steps}] step {m.step_time_s:8.2f} s  gpus {m.gpus:>5}{note}",
                   file=sys.stderr)
 
+    check_gpus_remain(trace, args.seed, first, steps, args.trace)  # before any step is simulated
     record = simulate(job, trace, args.policy, args.seed, steps, initial_gpus=first, progress=progress)
     if args.out is not None:
         write_text_file(args.out, json.dumps(record.to_dict()), "--out")

@@ -392,3 +392,19 @@ def test_a_broken_prompt_file_is_refused_by_name(tmp_path, content):
     os.mkfifo(train) if content == "fifo" else train.write_bytes(content)
     path = _job_with(tmp_path, lambda d: d["run"].update(data={"train": str(train)}))
     assert_refused(run_cli("run", path, "--out", tmp_path / "o"), "run.data", str(train))
+
+
+def test_a_trace_whose_failures_leave_no_gpu_is_refused_before_simulating(tmp_path):
+    doc = yaml.safe_load(TRACE.read_text())
+    doc["failures"] = [{"step": 3, "gpus": 8}, {"step": 5, "gpus": 8}]  # the trace starts on 16 GPUs
+    trace = write_yaml(tmp_path / "t.yaml", doc)
+    assert_refused(run_cli("simulate", trace, "--job", JOB_8B, "--steps", "10"), str(trace),
+                   "at step 5 the trace leaves no GPU")
+    assert run_cli("simulate", trace, "--job", JOB_8B, "--steps", "4").code != 2  # the loss comes later
+
+
+def test_a_run_record_with_absurd_seconds_is_refused(tmp_path):
+    record = run_record()
+    record["steps"][0]["step_time_s"] = 1e308  # finite, but the plots' axis arithmetic overflows
+    path = write_json(tmp_path / "run.json", record)
+    assert_refused(run_cli("report", path, "--out", tmp_path / "rep"), "steps[0].step_time_s", "<=")

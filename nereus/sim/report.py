@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from nereus.spec.errors import SpecError
-from nereus.spec.fields import MAX_STEPS, Fields, read_json_file
+from nereus.spec.fields import MAX_GPUS, MAX_STEPS, MAX_TOKENS, Fields, read_json_file
 from nereus.spec.files import MAX_RECORD_BYTES
 
 PHASES = ("generation", "inference", "training", "weight_sync")
@@ -14,6 +14,8 @@ PHASES = ("generation", "inference", "training", "weight_sync")
 # hand-edited or foreign file is refused by key instead of failing half-way through the plots.
 SUMMARY_KEYS = ("mean_step_s", "run_s", "transition_share", "tokens_per_s", "controller_overhead_share")
 STEP_KEYS = ("step_time_s", "transition_s", "response_mean", "response_max")
+# A step or phase over 10^12 s (30,000 years) is not a run; bounding it keeps the plots' axis arithmetic finite.
+MAX_SECONDS = 1e12
 
 
 def load_run(path: str | Path) -> dict:
@@ -43,15 +45,15 @@ def _check_record(data: dict) -> None:
         raise SpecError("steps", f"{len(steps):,} steps is more than a run has (at most {MAX_STEPS:,})")
     for i, item in enumerate(steps):
         s = Fields(item, f"steps[{i}]")
-        s.get("step", int, minimum=0)
-        s.get("gpus", int, minimum=0)
-        s.get("lost_s", float, 0.0, minimum=0)
+        s.get("step", int, minimum=0, maximum=MAX_STEPS)
+        s.get("gpus", int, minimum=0, maximum=MAX_GPUS)
+        s.get("lost_s", float, 0.0, minimum=0, maximum=MAX_SECONDS)
         s.get("strategy", str, None)
         for key in STEP_KEYS:
-            s.get(key, float, minimum=0)
+            s.get(key, float, minimum=0, maximum=MAX_TOKENS if key.startswith("response") else MAX_SECONDS)
         phases = s.sub("phases", required=True)
         for name in phases.data:
-            phases.get(name, float, minimum=0)
+            phases.get(name, float, minimum=0, maximum=MAX_SECONDS)
 
 
 def markdown_table(runs: list[dict]) -> str:

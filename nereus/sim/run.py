@@ -14,6 +14,7 @@ from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.transition import state_bytes_per_device
 from nereus.sim.backend import SimBackend, TruthConfig
 from nereus.sim.baselines import make_policy
+from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
 from nereus.spec.trace import Trace
@@ -33,6 +34,24 @@ def restart_cost(backend: SimBackend, plan: Plan, recovery: Recovery) -> float:
     return recovery.restart_s + max(per_node.values()) / recovery.storage_bytes_per_s
 
 
+def check_gpus_remain(trace: Trace, seed: int, initial_gpus: int, steps: int, where: str = "") -> None:
+    """Refuse, before simulating, a trace whose failures (explicit and drawn from ``seed``) leave no GPU at
+    some step: a plan needs at least one device, and the simulator would stop half-way. One sweep over the
+    trace's events, so a trace of 10^5 drawn failures costs no more than sorting them."""
+    failures = trace.with_sampled_failures(seed).failures
+    events = sorted([(s, 0, n) for s, n in trace.gpus] + [(s, 1, n) for s, n in failures])
+    available, lost = initial_gpus, 0
+    for i, (step, kind, n) in enumerate(events):
+        if step >= steps:
+            break
+        available, lost = (n, lost) if kind == 0 else (available, lost + n)
+        if (i + 1 == len(events) or events[i + 1][0] != step) and available - lost < 1:
+            drawn = f" with --seed {seed}" if trace.failure_rate[0] else ""
+            raise SpecError(f"{where or trace.name}: failures", f"at step {step} the trace leaves no GPU "
+                            f"({available} available, {lost} lost so far{drawn}); lower the failures or raise "
+                            "the GPUs available")
+
+
 class _Progress(Observer):
     def __init__(self, progress: Callable[[int, StepMetrics, Decision], None]) -> None:
         self.progress = progress
@@ -45,6 +64,7 @@ def simulate(job: JobSpec, trace: Trace, policy_name: str, seed: int = 0, steps:
              config: ControllerConfig | None = None, truth: TruthConfig | None = None,
              initial_gpus: int | None = None, progress=None, recovery: Recovery | None = None) -> RunRecord:
     steps = steps or trace.steps
+    check_gpus_remain(trace, seed, initial_gpus or job.cluster.num_gpus, steps)
     coster = TransitionCoster()  # one cache for the policy's decisions and the backend's truth
     backend = SimBackend(job, trace, seed, truth, initial_gpus, coster)
     schedule = Schedule(trace)
