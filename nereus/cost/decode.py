@@ -144,6 +144,8 @@ def gemm_efficiency(r: Replica, rows: int, cols: int) -> float:
     """Achieved fraction of peak for a rows × cols output: the prior for large GEMMs times the useful
     share of the tiles the GPU runs in whole waves (tile and wave quantization, see ``DecodePriors``)."""
     p = r.priors
+    if rows < 1 or cols < 1:  # an empty output (a dimension smaller than the TP degree): no tiles, no work
+        return r.hw.priors.gemm_efficiency
     tiles = math.ceil(rows / p.tile_rows) * math.ceil(cols / p.tile_cols)
     waves = math.ceil(tiles / r.sms)
     return r.hw.priors.gemm_efficiency * rows * cols / (waves * r.sms * p.tile_rows * p.tile_cols)
