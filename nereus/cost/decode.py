@@ -1,8 +1,8 @@
 """Decode (generation) time of one inference-engine replica: per-step roofline and continuous batching.
 
 Validated against published TensorRT-LLM and vLLM figures (``decode_published.csv``, package data;
-``tests/test_decode_published.py``) and not yet used by the planner (``nereus.cost.stages`` keeps its own
-generation model until the planner is moved over deliberately).
+``tests/test_decode_published.py``); ``nereus.cost.stages`` prices every generation model-stage with
+``decode_phases`` (the analytic form of ``generation_time`` the planner can afford).
 
 One decode step of a tensor-parallel replica (Pope et al. 2022, "Efficiently Scaling Transformer
 Inference", Sec. 2–3) costs, per layer, each GEMM's max(weight shard read, FLOPs at an efficiency set by
@@ -14,6 +14,7 @@ sequences end (Yu et al. 2022, "Orca", iteration-level scheduling), then a tail 
 
 from __future__ import annotations
 
+import bisect
 import csv
 import heapq
 import math
@@ -103,6 +104,13 @@ class Replica:
     precision: Precision = field(default_factory=lambda: Precision.of("bf16"))
     engine: str = "vllm"
     priors: DecodePriors = field(default_factory=DecodePriors)
+    # The engine's host costs; None: ``ENGINES[engine]``. The cost model passes the cluster's
+    # ``decode_step_overhead_s`` prior here, so a measured profile overrides the engine's fixed step cost.
+    engine_costs: EngineCosts | None = None
+
+    @property
+    def costs(self) -> EngineCosts:
+        return self.engine_costs or ENGINES[self.engine]
 
     @property
     def peak_flops(self) -> float:
@@ -144,11 +152,24 @@ def gemm_efficiency(r: Replica, rows: int, cols: int) -> float:
     """Achieved fraction of peak for a rows × cols output: the prior for large GEMMs times the useful
     share of the tiles the GPU runs in whole waves (tile and wave quantization, see ``DecodePriors``)."""
     p = r.priors
+    return _quantized_efficiency(r.hw.priors.gemm_efficiency, r.sms, p.tile_rows, p.tile_cols, rows, cols)
+
+
+def _quantized_efficiency(prior: float, sms: int, tile_rows: int, tile_cols: int, rows: int, cols: int) -> float:
     if rows < 1 or cols < 1:  # an empty output (a dimension smaller than the TP degree): no tiles, no work
-        return r.hw.priors.gemm_efficiency
-    tiles = math.ceil(rows / p.tile_rows) * math.ceil(cols / p.tile_cols)
-    waves = math.ceil(tiles / r.sms)
-    return r.hw.priors.gemm_efficiency * rows * cols / (waves * r.sms * p.tile_rows * p.tile_cols)
+        return prior
+    tiles = math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols)
+    waves = math.ceil(tiles / sms)
+    return prior * rows * cols / (waves * sms * tile_rows * tile_cols)
+
+
+@lru_cache(maxsize=65536)
+def _gemm_compute_s(gemms: tuple[tuple[int, int, int], ...], peak: float, prior: float, sms: int,
+                    tile_rows: int, tile_cols: int, b: int) -> float:
+    """Seconds of a decode step's GEMM FLOPs at ``b`` rows (cached: the planner asks for the same
+    shapes and batches again and again)."""
+    return sum(count * 2 * b * cols * inner / (peak * _quantized_efficiency(prior, sms, tile_rows, tile_cols, b, cols))
+               for cols, inner, count in gemms)
 
 
 @dataclass(frozen=True)
@@ -162,29 +183,65 @@ class StepTime:
     def total(self) -> float:
         return sum(self.terms.values())
 
+    def by_kind(self) -> dict[str, float]:
+        """The step's seconds under the cost model's term names (``nereus.cost.stages.TERMS``): weight
+        and KV reads are ``memory``, FLOP-bound GEMMs ``compute``, engine costs ``overhead``."""
+        t = self.terms
+        out = {"compute": 0.0, "memory": t["attention"], "tp_comm": t["tp_comm"],
+               "overhead": t["per_sequence"] + t["fixed"]}
+        out[self.bound] += t["gemm"]
+        return out
+
+
+class StepModel:
+    """A replica's decode-step cost with everything that does not depend on the batch worked out once
+    (``step_time`` for one step; ``decode_phases`` evaluates many)."""
+
+    def __init__(self, r: Replica) -> None:
+        hw, a = r.hw, r.arch
+        hbm = hw.cluster.gpu.hbm_bytes_per_s * hw.priors.hbm_efficiency
+        self.replica, self.peak = r, r.peak_flops
+        self.gemm_list = r.gemms()
+        self.weights_s = sum(cols * inner * count for cols, inner, count in self.gemm_list) \
+            * r.precision.weight_bytes / hbm
+        self.kv_s_per_token = r.kv_bytes_per_token() / hbm
+        self.attn_s_per_token = 4 * a.heads * a.head_dim * a.layers / r.tp / (self.peak * hw.priors.gemm_efficiency)
+        # Two all-reduces of b·h bf16 activations per layer (attention out, MLP out), Shoeybi et al. 2019;
+        # ring all-reduce time is linear in the bytes: latency + bytes / bandwidth.
+        self.comm_fixed = 2 * a.layers * hw.all_reduce_time(0.0, r.tp)
+        self.comm_per_seq = 2 * a.layers * (hw.all_reduce_time(a.hidden * 2.0, r.tp) - hw.all_reduce_time(0.0, r.tp))
+        eng = r.costs
+        self.per_seq_s = eng.sequence_s
+        self.fixed_s = eng.step_s + a.layers * r.priors.kernels_per_layer * r.priors.kernel_gap_s
+
+    def compute_s(self, b: int) -> float:
+        """GEMM FLOP time at ``b`` rows (each GEMM at its tile- and wave-quantized efficiency)."""
+        r = self.replica
+        return _gemm_compute_s(tuple(self.gemm_list), self.peak, r.hw.priors.gemm_efficiency, r.sms,
+                               r.priors.tile_rows, r.priors.tile_cols, b)
+
+    def kinds(self, batch: float, context: float) -> tuple[tuple[str, float], ...]:
+        """The step's seconds other than its GEMMs, under the cost model's term names."""
+        return (("memory", batch * context * max(self.kv_s_per_token, self.attn_s_per_token)),
+                ("tp_comm", self.comm_fixed + batch * self.comm_per_seq if self.comm_fixed else 0.0),
+                ("overhead", batch * self.per_seq_s + self.fixed_s))
+
+    def step(self, batch: float, context: float) -> StepTime:
+        compute = self.compute_s(max(1, math.ceil(batch)))
+        # Each GEMM kernel lasts as long as the slower of its reads and its FLOPs; summed over the step's
+        # GEMMs, the larger side sets the time (they cross at the same batch for every decoder GEMM).
+        gemm = max(self.weights_s, compute)
+        attention = batch * context * max(self.kv_s_per_token, self.attn_s_per_token)
+        terms = {"gemm": gemm, "attention": attention,
+                 "tp_comm": self.comm_fixed + batch * self.comm_per_seq if self.comm_fixed else 0.0,
+                 "per_sequence": batch * self.per_seq_s, "fixed": self.fixed_s}
+        return StepTime(terms, "memory" if self.weights_s >= compute else "compute")
+
 
 def step_time(r: Replica, batch: float, context: float) -> StepTime:
-    """One decode iteration with ``batch`` active sequences at mean ``context`` tokens."""
-    hbm = r.hw.cluster.gpu.hbm_bytes_per_s * r.hw.priors.hbm_efficiency
-    b = max(1, math.ceil(batch))
-    weights = compute = 0.0
-    for cols, inner, count in r.gemms():
-        read = cols * inner * r.precision.weight_bytes / hbm
-        flops = 2 * b * cols * inner / (r.peak_flops * gemm_efficiency(r, b, cols))
-        weights, compute = weights + count * read, compute + count * flops
-        # Each GEMM is its own kernel: it lasts as long as the slower of its reads and its FLOPs.
-    gemm = max(weights, compute)
-    a = r.arch
-    kv = batch * context * r.kv_bytes_per_token() / hbm
-    attn_flops = 4 * batch * context * a.heads * a.head_dim * a.layers / r.tp
-    attention = max(kv, attn_flops / (r.peak_flops * r.hw.priors.gemm_efficiency))
-    # Two all-reduces of b·h activations per layer (attention out, MLP out), bf16 on the wire.
-    comm = 2 * a.layers * r.hw.all_reduce_time(batch * a.hidden * 2, r.tp)
-    eng = ENGINES[r.engine]
-    fixed = eng.step_s + a.layers * r.priors.kernels_per_layer * r.priors.kernel_gap_s
-    terms = {"gemm": gemm, "attention": attention, "tp_comm": comm, "per_sequence": batch * eng.sequence_s,
-             "fixed": fixed}
-    return StepTime(terms, "memory" if weights >= compute else "compute")
+    """One decode iteration with ``batch`` active sequences at mean ``context`` tokens: weight reads vs
+    GEMM FLOPs, KV-cache reads, two all-reduces per layer, the engine's per-sequence and fixed costs."""
+    return StepModel(r).step(batch, context)
 
 
 def prefill_time(r: Replica, tokens: float, prompt: float) -> float:
@@ -254,3 +311,115 @@ def generation_time(r: Replica, prompt: int, lengths: list[int], batch: int) -> 
         while active and active[0][0] == step:
             starts_sum -= heapq.heappop(active)[1]
     return Generation(times["bulk"], times["tail"], times["prefill"], bounds, sum(lengths))
+
+
+@dataclass(frozen=True)
+class DecodePhases:
+    """One replica's generation under continuous batching, in closed form (``decode_phases``).
+
+    ``drain`` is the tail as (seconds since the tail began at the segment's end, sequences live in the
+    segment), in order; ``terms`` are the decode and prefill seconds under the cost model's term names.
+    """
+
+    batch: int  # sequences in flight in the bulk phase (the engine's slots, or every sequence if fewer)
+    sequences: int  # sequences this replica generates in the step
+    prefill_s: float
+    bulk_s: float
+    tail_s: float
+    bulk_steps: float
+    tail_steps: float
+    regime: str  # "memory" or "compute": the bound of a decode step at the bulk batch
+    bulk_step_s: float  # seconds per decode step (one token per live sequence) at the bulk batch
+    tail_step_s: float  # seconds per decode step with one sequence left (the tail's latency floor)
+    drain: tuple[tuple[float, float], ...]
+    terms: dict[str, float]
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.bulk_s + self.tail_s
+
+    def time_at_live(self, k: float) -> float:
+        """Seconds from the stage's start until at most ``k`` sequences are still generating: 0 when
+        ``k`` is at least the bulk batch, the end of the stage when ``k`` < 1 (prefill counted first)."""
+        if k >= self.batch:
+            return 0.0
+        start, before = self.prefill_s + self.bulk_s, 0.0
+        for end, live in self.drain:
+            if live <= k:
+                return start + before
+            before = end
+        return self.total_s
+
+
+@lru_cache(maxsize=1024)
+def _segments(q: tuple[float, ...], longest: float, mix: float) -> tuple[tuple[float, float, float], ...]:
+    """(steps, share of the slots live, tokens generated so far) per stretch between two quantiles.
+
+    A slot's sequence is live at x tokens into the tail with probability (1 − mix)·S(x) + mix·S_R(x):
+    S for sequences that started with the tail (every sequence at once), S_R(x) = ∫ₓ^∞ S(u) du / E[L]
+    (the equilibrium residual of a renewal process: each slot refilled as its sequence ended). S is
+    constant and S_R linear between quantiles, so each stretch's mean share is exact."""
+    k, total = len(q), sum(q)
+    above = [0.0] * (k + 1)  # above[i]: sum of q[i:]
+    for i in range(k - 1, -1, -1):
+        above[i] = above[i + 1] + q[i]
+
+    def residual(x: float) -> float:  # Σ max(0, v − x) / Σ v over the sorted quantiles
+        i = bisect.bisect_right(q, x)
+        return (above[i] - x * (k - i)) / total
+
+    out, last = [], 0.0
+    for end in (*q, max(longest, q[-1])):
+        if end <= last:
+            continue
+        step_share = (k - bisect.bisect_left(q, end)) / k
+        share = (1 - mix) * step_share + mix * (residual(last) + residual(end)) / 2
+        out.append((end - last, share, (last + end) / 2))
+        last = end
+    return tuple(out)
+
+
+def decode_phases(r: Replica, prompt: float, sequences: int, slots: int, lengths: tuple[float, ...],
+                  mean: float, longest: float) -> DecodePhases:
+    """Generate ``sequences`` responses with at most ``slots`` in flight: ``lengths`` are equally
+    weighted quantiles of the response length, ``mean`` its mean, ``longest`` the step's longest.
+
+    Bulk: every slot busy, refilled from the queue (Orca's iteration-level scheduling), for the tokens
+    the tail does not generate, at the steady-state context (prompt + the mean age of a sequence in
+    flight, E[L²]/2E[L]). Tail: once the queue is empty the sequences in flight drain (``_segments``:
+    remaining lengths follow the equilibrium residual when the queue held at least one more batch, the
+    length distribution itself when every sequence started at once, a mix in between); the longest
+    response runs alone to the end. ``generation_time`` is the exact event simulation it stands for."""
+    n = max(1, sequences)
+    b = max(1, min(slots, n))
+    q = tuple(sorted(lengths))
+    mix = min(1.0, (n - b) / b)  # share of the tail population that started after a refill
+    mean_age = sum(x * x for x in q) / (2 * sum(q))
+    terms = dict.fromkeys(("compute", "memory", "tp_comm", "overhead"), 0.0)
+    drain: list[tuple[float, float]] = []
+    bulk_s = bulk_steps = tail_s = tail_steps = tail_tokens = 0.0
+    model = StepModel(r)
+    for steps, share, done in _segments(q, longest, mix):
+        live = max(1.0, b * share)
+        compute = model.compute_s(max(1, math.ceil(live)))
+        gemm = max(model.weights_s, compute)
+        kinds = model.kinds(live, prompt + done + mix * mean_age)
+        terms["memory" if model.weights_s >= compute else "compute"] += steps * gemm
+        for kind, v in kinds:
+            terms[kind] += steps * v
+        seconds = steps * (gemm + sum(v for _, v in kinds))
+        tail_tokens += steps * live
+        if live >= b:  # every slot still busy (sequences that all started at once, before any ends)
+            bulk_s, bulk_steps = bulk_s + seconds, bulk_steps + steps
+            continue
+        tail_s, tail_steps = tail_s + seconds, tail_steps + steps
+        drain.append((tail_s, live))
+    refill_steps = max(0.0, n * mean - tail_tokens) / b
+    bulk = model.step(b, prompt + mean_age)
+    for kind, v in bulk.by_kind().items():
+        terms[kind] += refill_steps * v
+    prefill = prefill_time(r, n * prompt, prompt)
+    terms["compute"] += prefill
+    return DecodePhases(b, n, prefill, bulk_s + refill_steps * bulk.total, tail_s, bulk_steps + refill_steps,
+                        tail_steps, bulk.bound, bulk.total, model.step(1, prompt + longest / 2).total,
+                        tuple(drain), terms)

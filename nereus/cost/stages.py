@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from nereus.cost.decode import ENGINES, DecodePhases, EngineCosts, Precision, Replica, decode_phases
 from nereus.cost.hardware import Hardware
 from nereus.cost.memory import (
     BF16,
@@ -27,6 +28,9 @@ from nereus.spec.layout import Layout, ModelStage
 from nereus.spec.model import ModelArch
 
 TERMS = ("compute", "memory", "tp_comm", "pp_comm", "dp_comm", "optimizer", "overhead", "sync")
+# Sequences a rollout engine keeps in flight at most: verl's default max_num_seqs (volcengine/verl,
+# verl/trainer/config/ppo_trainer.yaml, actor_rollout_ref.rollout.max_num_seqs: 1024).
+ENGINE_MAX_SEQUENCES = 1024
 # Each activation a kernel writes is read once by the next one: HBM traffic ≈ 2 × stored bytes.
 ELEMENTWISE_TRAFFIC = 2.0
 
@@ -40,6 +44,7 @@ class StageCost:
     transient_bytes: float  # held only while the stage runs (activations, logits, KV cache)
     memory: dict[str, float] = field(default_factory=dict)  # bytes per device by kind, fullest device
     detail: dict[str, float] = field(default_factory=dict)
+    decode: DecodePhases | None = None  # generation: the decode model's bulk/tail phases and regime
 
     def time(self, factors: dict[str, float] | None = None) -> float:
         """Seconds per step; ``factors`` correct terms by ``"<stage>.<term>"`` or by ``"<term>"``."""
@@ -258,12 +263,14 @@ def generation_cost(
 ) -> StageCost | None:
     """Rollout with a continuously batched, paged-KV inference engine (vLLM-like) per DP replica.
 
-    Prefill is compute-bound (2N FLOPs per prompt token plus attention). Each decode iteration reads the
-    weights once (W/tp per device; with PP the stages take turns, so still W/tp of time, Sec. 3.3 of
-    Pope et al. 2022, "Efficiently Scaling Transformer Inference") and the KV cache of every active
-    sequence, and costs max(memory, compute) by the roofline. The batch shrinks as responses finish,
-    so the longest response sets the number of iterations (design: generation). ``others_resident`` is
-    memory on the same devices held by colocated models, which the KV cache cannot use.
+    Each replica generates its share of the step's sequences with at most ``slots`` in flight: the
+    engine's sequence limit, or as many as its KV cache holds at the mean context. The decode model
+    (``nereus.cost.decode``: weight and KV reads, GEMMs at a shard- and batch-dependent efficiency,
+    two all-reduces per layer, per-sequence and per-step engine costs) prices a bulk phase at that
+    batch, slots refilling as sequences end, then the tail as the batch drains down to the longest
+    response. With PP the stages take turns on one batch, so a step costs the TP replica's step plus
+    the activations sent between stages (Pope et al. 2022, Sec. 3.3). ``others_resident`` is memory on
+    the same devices held by colocated models, which the KV cache cannot use.
     """
     arch, wl = job.models[ms.model], job.workload
     total = job.sequences_per_step()
@@ -281,49 +288,32 @@ def generation_cost(
         return StageCost(ms, layout, {"memory": math.inf}, weights, need, {"weights": weights, "kv_cache": need},
                          {"infeasible": 1.0})
     resp = wl.response
-    # Sequences that fit at once at their mean context; beyond that the engine queues them.
-    concurrent = max(1.0, budget / (kv_token * (wl.prompt_length + resp.mean)))
-    active = min(float(b), concurrent)
-    waves = b / active
-    terms = _decode_terms(hw, arch, layout, resp, wl.prompt_length, active, resp.longest(total))
-    terms = {k: waves * t for k, t in terms.items()}
-    prefill_tokens = b * wl.prompt_length
-    terms["compute"] += hw.compute_time(
-        (2 * prefill_tokens * arch.params() + arch.layers * _attention_flops(
-            arch, prefill_tokens, wl.prompt_length, "flash")) / (tp * p))
-    terms["tp_comm"] += 2 * arch.layers * hw.all_reduce_time(prefill_tokens * arch.hidden * BF16 / p, tp)
-    kv_used = min(budget, b * kv_token * (wl.prompt_length + resp.mean))
+    slots = int(min(ENGINE_MAX_SEQUENCES, budget // (kv_token * (wl.prompt_length + resp.mean))))
+    phases = _decode_phases(hw, arch, tp, job.options.weight_bytes, wl.prompt_length, b, max(1, min(slots, b)), resp,
+                            resp.longest(total))
+    terms = {**dict.fromkeys(("compute", "memory", "tp_comm", "pp_comm", "overhead"), 0.0), **phases.terms}
+    if p > 1:  # each decode step hands the live batch's activations through the p stages
+        bulk_p2p = hw.p2p_time(phases.batch * arch.hidden * BF16 / tp, cross_node=False)
+        terms["pp_comm"] = p * (phases.bulk_steps * bulk_p2p
+                                + phases.tail_steps * hw.p2p_time(arch.hidden * BF16 / tp, cross_node=False))
+    kv_used = min(budget, phases.batch * kv_token * (wl.prompt_length + resp.mean))
     terms = _shared_host(hw, layout, terms)
-    return StageCost(ms, layout, terms, weights, kv_used, {"weights": weights, "kv_cache": kv_used},
-                     {"batch_per_replica": b, "concurrent": active, "longest": resp.longest(total)})
+    detail = {"batch_per_replica": b, "concurrent": phases.batch, "longest": resp.longest(total),
+              "prefill_s": phases.prefill_s, "bulk_s": phases.bulk_s, "tail_s": phases.tail_s,
+              "bulk_step_s": phases.bulk_step_s, "tail_step_s": phases.tail_step_s,
+              "memory_bound": 1.0 if phases.regime == "memory" else 0.0}
+    return StageCost(ms, layout, terms, weights, kv_used, {"weights": weights, "kv_cache": kv_used}, detail,
+                     phases)
 
 
-def _decode_terms(hw: Hardware, arch: ModelArch, layout: Layout, resp: ResponseLength, prompt: int,
-                  batch: float, longest: float) -> dict[str, float]:
-    """Sum the decode roofline over segments of the length distribution: in segment j the sequences
-    longer than the j-th quantile are still active."""
-    tp, p = layout.tp, layout.pp
-    weight_bytes = arch.params() * BF16 / tp
-    kv_token = arch.kv_bytes_per_token() / (p * min(tp, arch.kv_heads))
-    flops_token = 2 * arch.params() / (tp * p)
-    lengths = sorted(resp.quantiles(16)) + [longest]
-    terms = dict.fromkeys(("compute", "memory", "tp_comm", "pp_comm", "overhead"), 0.0)
-    done, n = 0.0, len(lengths) - 1
-    for j, end in enumerate(lengths):
-        steps = max(0.0, end - done)
-        if steps == 0:
-            continue
-        active = max(1.0, batch * (n - j) / n) if j < n else 1.0
-        context = prompt + (done + end) / 2
-        mem = steps * hw.hbm_time(weight_bytes + active * context * kv_token)
-        comp = steps * hw.compute_time(active * (flops_token + 4 * arch.layers * context * arch.hidden / (tp * p)))
-        terms["memory" if mem >= comp else "compute"] += max(mem, comp)
-        terms["tp_comm"] += steps * 2 * arch.layers * hw.all_reduce_time(active * arch.hidden * BF16, tp)
-        if p > 1:
-            terms["pp_comm"] += steps * p * hw.p2p_time(active / p * arch.hidden * BF16, cross_node=False)
-        terms["overhead"] += steps * hw.priors.decode_step_overhead_s
-        done = end
-    return terms
+@lru_cache(maxsize=4096)
+def _decode_phases(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, prompt: int, sequences: int,
+                   slots: int, resp: ResponseLength, longest: float) -> DecodePhases:
+    """The decode model for one replica (cached: the planner prices each TP degree many times)."""
+    precision = Precision.of("bf16") if weight_bytes <= 2 else Precision("fp32", weight_bytes, weight_bytes)
+    engine = EngineCosts(hw.priors.decode_step_overhead_s, ENGINES["vllm"].sequence_s)
+    replica = Replica(hw, arch, tp, precision, "vllm", engine_costs=engine)
+    return decode_phases(replica, prompt, sequences, slots, resp.quantiles(16), resp.mean, longest)
 
 
 def stage_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout,
