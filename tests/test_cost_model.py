@@ -101,3 +101,33 @@ def test_memory_never_increases_when_tp_or_pp_grows(arch, stage, tp, pp, dp, mbs
     a, b = fn(hw, job, ms, small), fn(hw, job, ms, big)
     assert a is not None and b is not None
     assert b.peak_bytes <= a.peak_bytes * (1 + 1e-9) or math.isclose(b.peak_bytes, a.peak_bytes)
+
+
+def test_generation_refills_slots_instead_of_repeating_waves():
+    """More sequences than the engine's slots add bulk steps at the full batch; the drain to the longest
+    response is paid once (continuous batching), not once per 'wave' of the batch."""
+    hw = Hardware(ppo_job(8).cluster)
+    layout = Layout(tp=1, dp=1, recompute="none", zero1=False)
+    one = generation_cost(hw, ppo_job(8, prompts_per_step=1024), ACTOR_GEN, layout).decode
+    four = generation_cost(hw, ppo_job(8, prompts_per_step=4096), ACTOR_GEN, layout).decode
+    assert one.batch == four.batch < 1024  # the KV cache holds fewer sequences than max_num_seqs
+    assert four.bulk_s > 3 * one.bulk_s
+    assert four.tail_s < 2 * one.tail_s
+    assert four.total_s < 4 * one.total_s
+
+
+def test_estimate_shows_the_decode_regime_and_bulk_and_tail_time():
+    from nereus.cost.plan_cost import estimate_plan
+    from nereus.planner.explain import estimate_text
+    from nereus.planner.search import search
+
+    job = ppo_job(16)
+    hw = Hardware(job.cluster)
+    plan = search(hw, job).plan
+    text = "\n".join(estimate_text(job, estimate_plan(hw, job, plan), {str(p.model_stage): p.gpus
+                                                                      for p in plan.placements}))
+    decode = [line for line in text.splitlines() if "decode per replica" in line]
+    assert len(decode) == 1 and "bound at batch" in decode[0]
+    assert "bulk " in decode[0] and "tail " in decode[0]
+    cost = estimate_plan(hw, job, plan).costs["actor/generation"]
+    assert cost.decode.regime in decode[0] and cost.decode.regime in ("memory", "compute")

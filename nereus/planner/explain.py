@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nereus.cost.decode import DecodePhases
 from nereus.cost.plan_cost import PlanEstimate
 from nereus.planner.search import Candidate, SearchResult
 from nereus.spec.job import JobSpec
@@ -56,12 +57,22 @@ def estimate_text(job: JobSpec, est: PlanEstimate, placements: dict[str, tuple[i
         text = lay.short() + ("" if name.endswith("generation") else f" recompute={lay.recompute}")
         lines.append(f"{name:<22}{text:<42}{gpu_ranges(placements[name]):<12}"
                      f"{est.stage_times[name]:>9.3f}s{fmt_bytes(cost.peak_bytes):>14}")
+        if cost.decode is not None:
+            lines.append(decode_text(cost.decode))
     peak = max(est.device_peak_bytes)
     lines += ["", f"per-device peak memory (all stages resident + the largest transient): max {fmt_bytes(peak)}, "
                   f"min {fmt_bytes(min(est.device_peak_bytes))}; capacity {fmt_bytes(est.capacity_bytes)}"]
     for v in est.violations[:5]:
         lines.append(f"  over capacity: {v}")
     return lines
+
+
+def decode_text(d: DecodePhases) -> str:
+    """One replica's generation under the decode model (before calibration): the regime of a step at
+    the bulk batch, and how the time splits between the bulk phase, the draining tail and prefill."""
+    return (f"{'':<4}decode per replica: {d.regime}-bound at batch {d.batch} ({1e3 * d.bulk_step_s:.1f} ms/step); "
+            f"bulk {d.bulk_s:.2f} s, tail {d.tail_s:.2f} s (down to 1 sequence at {1e3 * d.tail_step_s:.1f} "
+            f"ms/step), prefill {d.prefill_s:.2f} s; {d.sequences} sequences")
 
 
 def explain_text(job: JobSpec, result: SearchResult) -> str:
