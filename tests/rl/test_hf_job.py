@@ -154,3 +154,26 @@ def test_pretrained_job_refusals(tiny_hf, tmp_path):
     (tmp_path / "fn.yaml").write_text(yaml.safe_dump(spec))
     with pytest.raises(SpecError, match=r"run\.reward_function: 'tests\.rl\.test_hf_job' has no function"):
         RLJob(load_job(tmp_path / "fn.yaml"), out_dir=tmp_path, quiet=True)
+
+
+def test_critic_and_reward_sources(tiny_hf, tmp_path):
+    """A critic from a causal LM gets the decoder and a zero score head in init/critic; a critic or reward
+    model from a sequence-classification checkpoint loads from its own directory, uncopied."""
+    from safetensors.torch import load_file
+
+    from nereus.run.warmstart import initial_sources, pretrained_checkpoints
+    from nereus.runtime.hf import read_config
+
+    model, rm = str(tiny_hf / "model"), str(tiny_hf / "rm")
+    cfg = read_config(model).with_value_head()
+    pretrained_checkpoints(tmp_path / "a", {"critic": cfg}, {"critic": model})
+    written = load_file(str(tmp_path / "a" / "critic" / "model.safetensors"))
+    source = load_file(str(tiny_hf / "model" / "model.safetensors"))
+    assert torch.equal(written["score.weight"], torch.zeros_like(written["score.weight"]))
+    assert torch.equal(written["model.layers.1.mlp.up_proj.weight"], source["model.layers.1.mlp.up_proj.weight"])
+    assert "lm_head.weight" not in written
+    got = initial_sources(tmp_path / "a", ("actor", "critic"), {"actor": model, "critic": model})
+    assert got == {"actor": tiny_hf / "model", "critic": tmp_path / "a" / "critic"}
+    pretrained_checkpoints(tmp_path / "b", {"critic": cfg}, {"critic": rm})
+    assert not (tmp_path / "b" / "critic").exists()
+    assert read_config(rm).value_head and not read_config(model).value_head
