@@ -4,7 +4,8 @@
 the digits reversed, then EOS. The answer length grows with the prompt, so a maximum response length
 below ``max_digits + 1`` truncates the longest answers (scored 0) — the response-length curriculum raises
 the limit in stages, and the responses of the step grow with it. Rewards are verifiable by rule (exact
-match), as in math/code RL (verl's ``data_source``-keyed reward functions).
+match), as in math/code RL; ``nereus.rl.rewards`` routes rows of ``TASK_SOURCE`` to ``exact_match`` and
+names both rules for ``run.rule_reward``.
 """
 
 from __future__ import annotations
@@ -47,11 +48,3 @@ def digit_match(response: str, ground_truth: str, finished: bool) -> float:
     right = sum(a == b for a, b in zip(response, ground_truth, strict=False))
     return right / max(len(response), len(ground_truth), 1)
 
-
-RULES = {"exact_match": exact_match, "digit_match": digit_match}
-
-
-def rule_reward(name: str, response: str, ground_truth: str, finished: bool) -> float:
-    if name not in RULES:
-        raise ValueError(f"unknown rule-based reward {name!r}; choose one of {sorted(RULES)}")
-    return RULES[name](response, ground_truth, finished)
