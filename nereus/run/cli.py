@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 
@@ -56,6 +57,12 @@ def _check_run_args(args: argparse.Namespace, out: Path) -> None:
     if args.resume and not out.is_dir():
         raise SpecError("--out", f"{out} does not exist: nothing to resume from; check the path "
                                  "(--out or run.checkpoint.dir)")
+    try:  # the spec is valid: make the folder the run writes first (data/, init/) and prove it takes a file
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise SpecError("--out", f"cannot write into {out}: {err.strerror or err}; give a writable folder") from None
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
