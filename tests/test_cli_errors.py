@@ -408,3 +408,10 @@ def test_a_run_record_with_absurd_seconds_is_refused(tmp_path):
     record["steps"][0]["step_time_s"] = 1e308  # finite, but the plots' axis arithmetic overflows
     path = write_json(tmp_path / "run.json", record)
     assert_refused(run_cli("report", path, "--out", tmp_path / "rep"), "steps[0].step_time_s", "<=")
+
+
+@pytest.mark.parametrize("out", ["file/sub", "/proc/nereus-test", "/sys/nereus-test"])
+def test_run_into_an_unwritable_out_folder_is_refused(tmp_path, job, out):
+    (tmp_path / "file").write_text("x")
+    target = out if out.startswith("/") else str(tmp_path / out)
+    assert_refused(run_cli("run", job, "--out", target), "--out", "cannot write into")

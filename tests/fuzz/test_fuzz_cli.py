@@ -330,6 +330,7 @@ def flag_cases(rng: random.Random) -> list[Case]:
         ("profile --out", ["profile", "--out"], outs[:3], {}),
         ("run --workers", ["run", "{d}/job.yaml", "--out", "{d}/o", "--workers"], ["0", "-1", "65", "1000"], tiny),
         ("run --out", ["run", "{d}/job.yaml", "--resume", "--out"], ["{d}/typo", "{d}/file"], tiny),
+        ("run --out new", ["run", "{d}/job.yaml", "--out"], ["{d}/file", "{d}/file/sub", "/proc/nereus-fuzz"], tiny),
         ("report --out", ["report", "{d}/run.json", "--out"], ["{d}/file", "{d}/file/sub"],
          {"run.json": json.dumps(run_record())}),
         ("scale", ["scale"], ["0", "-1", "65", "1000", "x"], {}),
