@@ -4,6 +4,7 @@ their features)."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -20,6 +21,8 @@ from nereus.spec.files import write_text_file
 # (estimate), 70 an internal error (EX_SOFTWARE; the traceback goes to a log file), 130 interrupted,
 # 141 stdout closed early (`nereus plan job.yaml | head`: 128 + SIGPIPE, as other Unix tools exit).
 EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 70, 130, 141
+# Write failures that no check can foresee (the disk fills during a run): one line naming the file, exit 2
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def _load(args: argparse.Namespace):
@@ -349,6 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _stdout_gone()
         return EXIT_BROKEN_PIPE
+    except OSError as err:
+        if err.errno not in _WRITE_ERRNOS:
+            return _internal_error(err)
+        # the machine, not the code: a full disk or a read-only/forbidden path met while writing
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"nereus: error: {_one_line(where)}cannot write: {err.strerror}; free space or give a writable "
+              "path", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("nereus: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -415,3 +415,13 @@ def test_run_into_an_unwritable_out_folder_is_refused(tmp_path, job, out):
     (tmp_path / "file").write_text("x")
     target = out if out.startswith("/") else str(tmp_path / out)
     assert_refused(run_cli("run", job, "--out", target), "--out", "cannot write into")
+
+
+def test_a_disk_that_fills_during_a_command_is_one_line_naming_the_file(monkeypatch):
+    import nereus.cli as cli
+
+    def fills(args):  # what a checkpoint write meets when the disk fills mid-run
+        raise OSError(28, "No space left on device", "/runs/job/step_40/model.safetensors")
+
+    monkeypatch.setattr(cli, "cmd_plan", fills)
+    assert_refused(run_cli("plan", JOB_8B), "/runs/job/step_40/model.safetensors", "No space left on device")
