@@ -94,6 +94,8 @@ class RuntimeBackend:
             except PlacementError as err:  # the cluster cannot host them now (a lost node): keep those it has
                 self.say(f"  workers stay at {len(self.rt.workers)}: {err}")
                 n = len(self.rt.workers)
+                if self.requested is not None:  # a `nereus scale` request that cannot be placed is dropped
+                    self.requested = n
         return ClusterState(n)
 
     # ----- steps ---------------------------------------------------------------------------------------

@@ -69,12 +69,21 @@ class Failover:
                 lost.append(rank)
         return lost
 
-    def get(self, workers: list, refs: list) -> list:
+    def get(self, workers: list, refs: list, timeout_s: float | None = None) -> list:
         """``ray.get(refs)``, but a lost worker raises ``WorkerLostError`` as soon as it shows (a dead
-        actor, or a survivor's collective failing) instead of waiting on survivors blocked on it."""
+        actor, or a survivor's collective failing) instead of waiting on survivors blocked on it; past
+        ``timeout_s`` in all, ``waits.WaitTimeout`` (issue 19: every wait reaches the driver)."""
+        from nereus.runtime.waits import WaitTimeout
+
         pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                self._in_flight = pending
+                raise WaitTimeout(f"{len(pending)} of {len(refs)} worker calls did not answer within {timeout_s:.0f} s "
+                                  "(a worker hung); the run stops here instead of waiting forever")
             try:
                 ray.get(ready[0])
             except ray.exceptions.RayActorError as exc:

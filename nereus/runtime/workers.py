@@ -36,6 +36,7 @@ from nereus.runtime.nodes import (
     world_address,
 )
 from nereus.runtime.raylocal import start_local_ray
+from nereus.runtime.waits import GRACE_S, await_started, check_room, get_within
 from nereus.runtime.worker import Worker, WorldAborted
 from nereus.spec.layout import Layout
 
@@ -61,7 +62,6 @@ class Runtime:
 
     def __init__(self, world: int, address: str | None = None, temp_dir: str | Path | None = None,
                  timeout_s: float = 600.0, max_workers: int | None = None) -> None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         gpu = torch.cuda.is_available()
         self._store_dir = None if address else Path(temp_dir or Path.cwd() / ".tmp" / "ray").absolute() / "rendezvous"
         if not ray.is_initialized():
@@ -71,14 +71,16 @@ class Runtime:
                 root = Path(temp_dir or Path.cwd() / ".tmp" / "ray").absolute()
                 start_local_ray(max(world, max_workers or 0, os.cpu_count() or 1), root)
         self.timeout_s = timeout_s
+        self.start_timeout_s = min(timeout_s, GRACE_S)  # for a joining worker to be placed and answer
         self.worker_options = {"num_gpus": 1} if gpu else {"num_cpus": 1}
-        # several nodes: workers pinned to nodes (TP groups inside one), worlds meet at the head node's store
-        self.nodes = NodeMap("GPU" if gpu else "CPU") if several_nodes() else None
+        # a cluster: workers pinned to nodes (TP groups inside one; too few slots refused at once rather than
+        # left pending), worlds meet at the head node's store
+        self.nodes = NodeMap("GPU" if gpu else "CPU") if address or several_nodes() else None
         self._store = start_store(min(timeout_s, 60.0)) if address or self.nodes else None
         self.workers = self._new_workers(0, world, world)
         master, port = self._rendezvous()
-        self.backend = ray.get([w.init_dist.remote(master, port, timeout_s) for w in self.workers])[0]
-        ray.get([w.init_comm.remote(min(timeout_s, 120.0)) for w in self.workers])
+        self.backend = self._all([w.init_dist.remote(master, port, timeout_s) for w in self.workers], "init_dist")[0]
+        self._all([w.init_comm.remote(min(timeout_s, 120.0)) for w in self.workers], "init_comm")
         self.specs: dict[str, KeySpec] = {}  # what each key holds: the one record of placements
         self._graphs: dict[tuple, object] = {}
         self.failover = Failover()
@@ -103,7 +105,7 @@ class Runtime:
         if self._store_dir is not None:
             self._store_dir.mkdir(parents=True, exist_ok=True)
             return f"file://{self._store_dir / f'world-{uuid.uuid4().hex}'}", 0
-        return ray.get(self.workers[0].address.remote())
+        return self._all([self.workers[0].address.remote()], "address")[0]
 
     def load(self, key: str, cfg: ModelConfig, layout: Layout, ranks: list[int] | None = None,
              checkpoint: str | Path | None = None, state: dict | None = None, dtype: str = "float32",
@@ -114,7 +116,8 @@ class Runtime:
         ranks = list(range(layout.world)) if ranks is None else list(ranks)
         self._check_nodes(key, layout, ranks)
         ckpt = str(checkpoint) if checkpoint else None
-        ray.get([w.load.remote(key, cfg, layout, ranks, ckpt, state, dtype, schedule) for w in self.workers])
+        self._all([w.load.remote(key, cfg, layout, ranks, ckpt, state, dtype, schedule) for w in self.workers],
+                  f"load {key}")
         head, _, tail = key.partition("/")
         self.specs[key] = KeySpec(key, model or head, stage or tail or "inference", cfg, layout, tuple(ranks), dtype)
 
@@ -151,7 +154,7 @@ class Runtime:
         from nereus.runtime.holdings import TransitionExecutionError
 
         graph = self._graph(job, sources, new_specs)
-        ray.get([w.prepare_groups.remote(new_specs) for w in self.workers])
+        self._all([w.prepare_groups.remote(new_specs) for w in self.workers], "prepare_groups")
         results = self._get([w.transition.remote(graph, old_specs, new_specs, sources) for w in self.workers])
         if not all(r["ok"] for r in results):
             raise TransitionExecutionError(next(r["error"] for r in results if not r["ok"]))
@@ -177,11 +180,15 @@ class Runtime:
             self.workers = self.workers[:n]
             if self.nodes:
                 self.nodes.truncate(n)
-        else:
-            self.workers += self._new_workers(cur, n - cur, n)
+        else:  # a join Ray cannot place fails here, before any worker leaves its world (issue 19)
+            if not self.nodes:
+                check_room(n, self.worker_options, cur)
+            new = self._new_workers(cur, n - cur, n)
+            await_started(new, self.start_timeout_s)
+            self.workers += new
         master, port = self._rendezvous()
-        ray.get([w.reinit.remote(master, port, n, self.timeout_s) for w in self.workers])
-        ray.get([w.regroup.remote(list(self.specs.values())) for w in self.workers])
+        self._all([w.reinit.remote(master, port, n, self.timeout_s) for w in self.workers], "reinit")
+        self._all([w.regroup.remote(list(self.specs.values())) for w in self.workers], "regroup")
         self._graphs.clear()
 
     def _graph(self, job: object, old: list[KeySpec], new: list[KeySpec]) -> object:
@@ -235,10 +242,10 @@ class Runtime:
 
     def memory(self, key: str) -> list[dict | None]:
         """The last operation's memory report of every worker of ``key``'s layout, in layout rank order."""
-        return ray.get([self.workers[r].memory.remote(key) for r in self.specs[key].ranks])
+        return self._all([self.workers[r].memory.remote(key) for r in self.specs[key].ranks], "memory")
 
     def shard_shapes(self, key: str) -> list[dict]:
-        return ray.get([self.workers[r].shard_shapes.remote(key) for r in self.specs[key].ranks])
+        return self._all([self.workers[r].shard_shapes.remote(key) for r in self.specs[key].ranks], "shard_shapes")
 
     # ----- state (checkpoints, tests) ----------------------------------------------------------------
     def read_weights(self, key: str) -> dict[str, torch.Tensor]:
@@ -290,7 +297,7 @@ class Runtime:
             raise StateLostError("every worker is lost: restart from a disk checkpoint (nereus run --resume)")
         old_specs = list(self.specs.values())
         dirty = self.failover.recovery_sources(self.workers, old_specs)
-        ray.get([w.abort.remote() for w in survivors])
+        self._all([w.abort.remote() for w in survivors], "abort")
         self.failover.settle_in_flight()
         for r in lost:
             ray.kill(self.workers[r])  # a hung (not dead) worker must not come back into the new world
@@ -298,7 +305,7 @@ class Runtime:
         self.workers = survivors
         lost_nodes = self.nodes.drop(lost) if self.nodes else []
         master, port = self._rendezvous()
-        ray.get([w.reinit.remote(master, port, n, self.timeout_s, i) for i, w in enumerate(survivors)])
+        self._all([w.reinit.remote(master, port, n, self.timeout_s, i) for i, w in enumerate(survivors)], "reinit")
         t_world = time.perf_counter()
         new_specs = list(place(n))
         for s in new_specs:
@@ -306,7 +313,7 @@ class Runtime:
         # images are read on nodes known to be up: the survivors' and the driver's (a lost node's, from copies)
         alive = set(self.homes) | {ray.get_runtime_context().get_node_id()} if self.nodes else None
         images = self.failover.images(survivors, old_specs, dirty, alive)
-        ray.get([w.prepare_groups.remote(new_specs) for w in survivors])
+        self._all([w.prepare_groups.remote(new_specs) for w in survivors], "prepare_groups")
         self._get([w.restore.remote(new_specs, images) for w in survivors])
         self.specs = {s.key: s for s in new_specs}
         self._graphs.clear()
@@ -319,10 +326,15 @@ class Runtime:
 
     def inject(self, plan: FaultPlan) -> None:
         """Arm ``plan``'s faults on their workers (tests and benchmarks); nothing else ever arms them."""
-        ray.get([w.arm_faults.remote(plan.actions_of(r)) for r, w in enumerate(self.workers) if plan.actions_of(r)])
+        self._all([w.arm_faults.remote(plan.actions_of(r)) for r, w in enumerate(self.workers) if plan.actions_of(r)],
+                  "arm_faults")
 
     def _get(self, refs: list) -> list:
-        return self.failover.get(self.workers, refs)
+        return self.failover.get(self.workers, refs, self.timeout_s + GRACE_S)
+
+    def _all(self, refs: list, what: str) -> list:
+        """Every answer of a call to the workers, within the runtime's deadline (``waits.get_within``)."""
+        return get_within(refs, self.timeout_s + GRACE_S, what)
 
     def lost_workers(self, timeout_s: float = 10.0) -> list[int]:
         return self.failover.lost_workers(self.workers, timeout_s)
@@ -344,7 +356,7 @@ class Runtime:
         return self.failover.latest_snapshot_step
 
     def release(self, key: str) -> None:
-        ray.get([w.release.remote(key) for w in self.workers])
+        self._all([w.release.remote(key) for w in self.workers], f"release {key}")
         self.specs.pop(key, None)
 
     def shutdown(self) -> None:
