@@ -104,22 +104,16 @@ def ceilings() -> list[tuple[dict[str, str], float, float]]:
     return ratios
 
 
-def test_fixed_batch_rows_within_what_holds_today(fixed) -> None:
-    """What the model achieves today with one set of priors: MAE 16.0%, every row within ±38%. A guard
-    against regressions, not the issue's target (see the strict xfail tests below)."""
-    errors = [e for _, _, e in fixed]
-    assert sum(abs(e) for e in errors) / len(errors) <= 0.17
-    assert all(abs(e) <= 0.40 for e in errors)
-
-
-@pytest.mark.xfail(strict=True, reason="MAE 16.0%, worst row +38% (70B FP8 rows are ~25-38% optimistic)")
 def test_fixed_batch_rows_meet_issue_thresholds(fixed) -> None:
+    """Issue 15: mean absolute error <= 15% and every row within ±30% (measured: MAE 12.6%, worst row 66,
+    70B FP8 TP4 batch 512, +29.6%)."""
     errors = [e for _, _, e in fixed]
     assert sum(abs(e) for e in errors) / len(errors) <= 0.15
     assert all(abs(e) <= 0.30 for e in errors)
 
 
-@pytest.mark.xfail(strict=True, reason="the model's max-KV-batch throughput exceeds most published ceilings")
+@pytest.mark.xfail(strict=True, reason="51 of 74 max-load rows exceeded by >10% (up to 1.79x, 70B at large "
+                                        "KV-limited batches); see docs/cost-model.md")
 def test_max_load_rows_are_ceilings(ceilings) -> None:
     assert all(ratio <= 1.1 for _, _, ratio in ceilings)
 

@@ -75,6 +75,16 @@ class DecodePriors:
     # (norm, QKV, rope, attention, O, add+norm, gate/up, act, down, add).
     kernel_gap_s: float = 2e-6
     kernels_per_layer: int = 10
+    # Each TP all-reduce is its own kernel ending in a barrier across the group: a few µs per call on
+    # top of the ring's per-step latency for decode-sized messages. Both engines use one-shot custom
+    # all-reduce kernels for small messages because NCCL's own small all-reduce costs more than that
+    # (vLLM, vllm/distributed/device_communicators/custom_all_reduce.py; TensorRT-LLM's custom
+    # AllReduce plugin); 5 µs is the order of a cross-GPU flag handshake plus a launch.
+    all_reduce_call_s: float = 5e-6
+    # FP8 GEMMs reach a smaller share of their (twice as high) peak than BF16 ones: DeepGEMM, a
+    # hand-tuned Hopper FP8 library, reports "1350+ FP8 TFLOPS" at best (deepseek-ai/DeepGEMM README),
+    # 0.68 of the 1,979 TFLOPS dense FP8 peak of an H100/H800 SXM; general FP8 kernels do no better.
+    fp8_gemm_efficiency: float = 0.68
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,13 @@ class Replica:
         return fp8
 
     @property
+    def gemm_efficiency(self) -> float:
+        """Large-GEMM efficiency: the hardware's prior for BF16/FP16, ``DecodePriors`` for FP8."""
+        if self.precision.name == "fp8":
+            return self.priors.fp8_gemm_efficiency
+        return self.hw.priors.gemm_efficiency
+
+    @property
     def sms(self) -> int:
         return _gpu_extras().get(self.hw.cluster.gpu.name, (0.0, 108))[1]
 
@@ -152,7 +169,7 @@ def gemm_efficiency(r: Replica, rows: int, cols: int) -> float:
     """Achieved fraction of peak for a rows × cols output: the prior for large GEMMs times the useful
     share of the tiles the GPU runs in whole waves (tile and wave quantization, see ``DecodePriors``)."""
     p = r.priors
-    return _quantized_efficiency(r.hw.priors.gemm_efficiency, r.sms, p.tile_rows, p.tile_cols, rows, cols)
+    return _quantized_efficiency(r.gemm_efficiency, r.sms, p.tile_rows, p.tile_cols, rows, cols)
 
 
 def _quantized_efficiency(prior: float, sms: int, tile_rows: int, tile_cols: int, rows: int, cols: int) -> float:
@@ -193,6 +210,13 @@ class StepTime:
         return out
 
 
+def all_reduce_call(r: Replica, nbytes: float) -> float:
+    """One TP all-reduce of ``nbytes``: the ring's latency and bandwidth terms plus the call's own cost."""
+    if r.tp <= 1:
+        return 0.0
+    return r.priors.all_reduce_call_s + r.hw.all_reduce_time(nbytes, r.tp)
+
+
 class StepModel:
     """A replica's decode-step cost with everything that does not depend on the batch worked out once
     (``step_time`` for one step; ``decode_phases`` evaluates many)."""
@@ -205,10 +229,10 @@ class StepModel:
         self.weights_s = sum(cols * inner * count for cols, inner, count in self.gemm_list) \
             * r.precision.weight_bytes / hbm
         self.kv_s_per_token = r.kv_bytes_per_token() / hbm
-        self.attn_s_per_token = 4 * a.heads * a.head_dim * a.layers / r.tp / (self.peak * hw.priors.gemm_efficiency)
+        self.attn_s_per_token = 4 * a.heads * a.head_dim * a.layers / r.tp / (self.peak * r.gemm_efficiency)
         # Two all-reduces of b·h bf16 activations per layer (attention out, MLP out), Shoeybi et al. 2019;
         # ring all-reduce time is linear in the bytes: latency + bytes / bandwidth.
-        self.comm_fixed = 2 * a.layers * hw.all_reduce_time(0.0, r.tp)
+        self.comm_fixed = 2 * a.layers * all_reduce_call(r, 0.0)
         self.comm_per_seq = 2 * a.layers * (hw.all_reduce_time(a.hidden * 2.0, r.tp) - hw.all_reduce_time(0.0, r.tp))
         eng = r.costs
         self.per_seq_s = eng.sequence_s
@@ -217,7 +241,7 @@ class StepModel:
     def compute_s(self, b: int) -> float:
         """GEMM FLOP time at ``b`` rows (each GEMM at its tile- and wave-quantized efficiency)."""
         r = self.replica
-        return _gemm_compute_s(tuple(self.gemm_list), self.peak, r.hw.priors.gemm_efficiency, r.sms,
+        return _gemm_compute_s(tuple(self.gemm_list), self.peak, r.gemm_efficiency, r.sms,
                                r.priors.tile_rows, r.priors.tile_cols, b)
 
     def kinds(self, batch: float, context: float) -> tuple[tuple[str, float], ...]:
@@ -251,8 +275,8 @@ def prefill_time(r: Replica, tokens: float, prompt: float) -> float:
     a = r.arch
     gemm_flops = sum(2 * tokens * cols * inner * count for cols, inner, count in r.gemms())
     attn_flops = 2 * tokens * prompt * a.heads * a.head_dim * a.layers / r.tp
-    compute = (gemm_flops + attn_flops) / (r.peak_flops * r.hw.priors.gemm_efficiency)
-    return compute + 2 * a.layers * r.hw.all_reduce_time(tokens * a.hidden * 2, r.tp)
+    compute = (gemm_flops + attn_flops) / (r.peak_flops * r.gemm_efficiency)
+    return compute + 2 * a.layers * all_reduce_call(r, tokens * a.hidden * 2)
 
 
 def kv_capacity_tokens(r: Replica, kv_fraction: float) -> float:
@@ -418,7 +442,10 @@ def decode_phases(r: Replica, prompt: float, sequences: int, slots: int, lengths
     bulk = model.step(b, prompt + mean_age)
     for kind, v in bulk.by_kind().items():
         terms[kind] += refill_steps * v
-    prefill = prefill_time(r, n * prompt, prompt)
+    # Sequences admitted into freed slots are prefilled at the step they join: one prefill pass per
+    # step in which some slot refilled, each paying the all-reduce calls' fixed cost once.
+    refills = min(float(n - b), refill_steps + bulk_steps)
+    prefill = prefill_time(r, n * prompt, prompt) + refills * 2 * r.arch.layers * all_reduce_call(r, 0.0)
     terms["compute"] += prefill
     return DecodePhases(b, n, prefill, bulk_s + refill_steps * bulk.total, tail_s, bulk_steps + refill_steps,
                         tail_steps, bulk.bound, bulk.total, model.step(1, prompt + longest / 2).total,
