@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.engine import ShardedModel
-from nereus.runtime.generate import SamplingParams, sample
 from nereus.runtime.model import KVCache, logprobs_from_logits
 from nereus.runtime.parallel.pp import forward_only
 from nereus.runtime.parallel.tp import gather_vocab
+from nereus.runtime.sampling import SamplingParams, sample
 
 REFILLS = ("replay", "prefill")
 _MASK64 = (1 << 64) - 1

@@ -5,29 +5,25 @@ Each DP replica generates for its rows of the prompt list. Per step the token id
 stage, hidden states pass stage to stage, and the last stage gathers the vocabulary shards over TP, samples
 (every TP rank identically: same logits, same seeded generator) and broadcasts the tokens back over the
 pipeline group. Pipeline stages take turns on one batch (no micro-batching during decode).
+
+With ``SamplingParams.slots`` > 0, ``generate`` and ``generate_with_logprobs`` run the continuous-batching
+engine instead (``decode_engine``: that many sequences at a time, per-sequence caches and sampling
+streams; docs/generation.md). Both paths are reproducible; their sampled tokens differ (other streams).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
+from nereus.runtime.decode_engine import generate_continuous
 from nereus.runtime.engine import ShardedModel
 from nereus.runtime.model import KVCache, logprobs_from_logits
 from nereus.runtime.parallel.pp import forward_only
 from nereus.runtime.parallel.tp import gather_vocab
+from nereus.runtime.sampling import SamplingParams, sample
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    eos_token_id: int | None = None
-    pad_token_id: int = 0
-    seed: int = 0
+__all__ = ["SamplingParams", "generate", "generate_with_logprobs", "left_pad", "reference_generate", "sample"]
 
 
 def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,20 +37,6 @@ def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Te
         tokens[i, width - len(p):] = torch.tensor(p)
         valid[i, width - len(p):] = True
     return tokens, valid
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
-    """Next tokens [B] from full-vocabulary logits [B, V]: argmax, or nucleus sampling (Holtzman et al.
-    2020) at ``temperature`` keeping the smallest set of tokens whose probability reaches ``top_p``."""
-    if params.temperature <= 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the tokens ranked above
-        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
 def _prefill_mask(valid: torch.Tensor) -> torch.Tensor:
@@ -91,6 +73,8 @@ class _Stepper:
 @torch.no_grad()
 def generate(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams) -> list[list[int]] | None:
     """New tokens per prompt of this rank's replica (EOS included when reached), on every rank."""
+    if params.slots:
+        return [toks for toks, _ in generate_continuous(sm, prompts, params, params.slots)]
     tokens, _ = _generate(sm, prompts, params)
     return _trim(tokens, params.eos_token_id)
 

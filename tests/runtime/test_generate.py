@@ -1,5 +1,6 @@
 """Generation under every layout with TP·PP·DP ≤ 4: greedy tokens with a KV cache, left-padded prompts of
-different lengths and EOS stopping equal single-process greedy decoding without a cache."""
+different lengths and EOS stopping equal single-process greedy decoding without a cache; so do those of
+the continuous-batching engine (``SamplingParams.slots``)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ def _check(cfg, layout) -> None:
         assert len(got[0]) < NEW or rows.start > 0  # EOS cut prompt 0 short
         nucleus = generate(sm, prompts, replace(params, temperature=1.0, top_p=1e-6, seed=3))
         assert nucleus == want[rows], layout.short()  # top-p this small keeps only the top token
+        engine = generate(sm, prompts, replace(params, slots=5))  # the continuous-batching engine
+        assert engine == want[rows], (layout.short(), engine)
         assert sm.last_report.kv_cache > 0
     dist.barrier()
     groups.destroy()
