@@ -188,6 +188,7 @@ DATASHEETS = {  # name: (TFLOP/s, HBM TB/s, HBM GB, NVLink GB/s bidirectional, N
     "A100-SXM-80GB": (312, 2.039, 80, 600, 200),
     "H100-SXM-80GB": (989.4, 3.35, 80, 900, 400),
     "H200-SXM-141GB": (989.4, 4.8, 141, 900, 400),
+    "H20-96GB": (148, 4.0, 96, 900, 400),
 }
 
 
