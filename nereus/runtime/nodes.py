@@ -30,14 +30,16 @@ from datetime import timedelta
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from nereus.spec.errors import SpecError
 from nereus.spec.layout import Layout
 
 HEAD_RESOURCE = "node:__internal_head__"  # the resource Ray gives the head node only
 STORE_SCHEME = "store://"
 
 
-class PlacementError(RuntimeError):
-    """The cluster cannot host the workers asked for, or a layout's TP group would cross nodes."""
+class PlacementError(SpecError):
+    """The cluster cannot host the workers asked for, or a layout's TP group would cross nodes (a bad
+    input: the CLI prints it as one line naming the key)."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,9 @@ class NodeMap:
         free = [n.node_id for n in nodes for _ in range(max(0, n.slots - used[n.node_id]))]
         if len(free) < count:
             have = ", ".join(f"{n.ip}/{n.node_id[:8]}: {n.slots}" for n in nodes)
-            raise PlacementError(f"{len(self.homes) + count} workers need one {self.resource} each; the Ray cluster "
-                                 f"has {sum(n.slots for n in nodes)} ({have}): add nodes or run fewer workers")
+            raise PlacementError("run.workers", f"{len(self.homes) + count} workers need one {self.resource} each; "
+                                 f"the Ray cluster has {sum(n.slots for n in nodes)} ({have}): add nodes or run "
+                                 "fewer workers")
         chosen = free[:count]
         self.homes += chosen
         return chosen
@@ -115,14 +118,15 @@ def tp_groups(layout: Layout, ranks: list[int]) -> list[list[int]]:
     return [[ranks[layout.rank(p, d, t)] for t in range(layout.tp)] for p in range(layout.pp) for d in range(layout.dp)]
 
 
-def tp_split(key: str, layout: Layout, ranks: list[int], homes: list[str]) -> str | None:
-    """Why ``key``'s layout cannot run on these workers' nodes (a TP group across nodes), else None."""
+def tp_split(layout: Layout, ranks: list[int], homes: list[str]) -> str | None:
+    """Why ``layout`` cannot run on workers ``ranks`` given each worker's node (``homes``): a TP group
+    across nodes; else None."""
     if not homes:
         return None
     for group in tp_groups(layout, ranks):
         nodes = sorted({homes[r][:8] for r in group if r < len(homes)})
         if len(nodes) > 1:
-            return (f"{key}: layout {layout.short()} puts TP group {group} on nodes {nodes}; tensor parallelism "
+            return (f"layout {layout.short()} puts TP group {group} on nodes {nodes}; tensor parallelism "
                     f"stays inside a node: give it ranks of one node (ranks fill nodes in order) or a smaller tp")
     return None
 

@@ -123,9 +123,9 @@ class Runtime:
 
     def _check_nodes(self, key: str, layout: Layout, ranks: list[int]) -> None:
         """Refuse a layout whose TP group would cross nodes (``nodes.tp_split``), naming it."""
-        why = tp_split(key, layout, ranks, self.homes)
+        why = tp_split(layout, ranks, self.homes)
         if why:
-            raise PlacementError(why)
+            raise PlacementError(f"run.layouts.{key}", why)
 
     # ----- live transitions -----------------------------------------------------------------------
     def transition(self, new_specs: list[KeySpec], job: object) -> dict:

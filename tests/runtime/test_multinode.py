@@ -24,8 +24,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LOSE_AT = 1  # 0-based step in whose first optimizer update the second node is killed
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
 
 def run_on_two_nodes(out: Path) -> dict:
     """The job on a fresh two-node cluster, losing the second node; what happened, as plain data."""
@@ -72,6 +70,62 @@ def run_on_two_nodes(out: Path) -> dict:
         cluster.shutdown()
 
 
+# ----- placement, rings and the choice of images, without a cluster -----------------------------------
+def test_ranks_fill_nodes_in_order_and_lost_nodes_are_never_chosen(monkeypatch) -> None:
+    from nereus.runtime import nodes
+
+    cluster = [nodes.NodeSlots("head", "10.0.0.1", 0, True), nodes.NodeSlots("a", "10.0.0.2", 2, False),
+               nodes.NodeSlots("b", "10.0.0.3", 2, False)]
+    monkeypatch.setattr(nodes, "alive_nodes", lambda resource: cluster)
+    m = nodes.NodeMap("CPU")
+    assert m.place(3) == ["a", "a", "b"] and m.place(1) == ["b"]
+    with pytest.raises(nodes.PlacementError, match="run.workers: 5 workers need one CPU each; the Ray cluster has 4"):
+        m.place(1)
+    assert m.drop([2, 3]) == ["b"] and m.homes == ["a", "a"]  # node b emptied: taken for lost
+    with pytest.raises(nodes.PlacementError):  # Ray may still list b as alive: it is not chosen again
+        m.place(1)
+    m.drop([0])
+    assert m.place(1) == ["a"]  # a still hosts a worker: its free slot is used
+
+
+def test_tp_groups_that_cross_nodes_are_named() -> None:
+    from nereus.runtime.nodes import tp_groups, tp_split
+    from nereus.spec.layout import Layout
+
+    homes = ["a", "a", "b", "b"]
+    assert tp_groups(Layout.parse("tp=2,dp=2"), [0, 1, 2, 3]) == [[0, 1], [2, 3]]
+    assert tp_split(Layout.parse("tp=2,dp=2"), [0, 1, 2, 3], homes) is None
+    assert tp_split(Layout.parse("tp=2,pp=2"), [3, 2, 1, 0], homes) is None  # [3, 2] and [1, 0]
+    assert "TP group [1, 2]" in tp_split(Layout.parse("tp=2"), [1, 2], homes)
+    assert "TP group [0, 2]" in tp_split(Layout.parse("tp=2,dp=2"), [0, 2, 1, 3], homes)
+    assert tp_split(Layout.parse("dp=4"), [0, 1, 2, 3], homes) is None  # no TP: nothing to keep together
+    assert tp_split(Layout.parse("tp=2"), [1, 2], []) is None  # one node
+
+
+def test_replica_ring_sends_each_node_to_another() -> None:
+    from nereus.runtime.nodes import replica_ring
+
+    assert replica_ring(["a", "a", "b", "b"], "head") == {"a": "b", "b": "head", "head": "a"}
+    assert replica_ring(["a", "b"], "a") == {"a": "b", "b": "a"}
+    assert replica_ring(["a", "a"], "a") == {}  # one node: nowhere else to copy to
+
+
+def test_snapshot_images_come_from_copies_when_their_node_is_lost() -> None:
+    from nereus.runtime.failover import Failover
+
+    f = Failover()
+    f.snapshots = {"actor": ["p0", "p1", "p2", "p3"]}
+    f.homes = {"actor": ["a", "a", "b", "b"]}
+    f.replicas = {"actor": [("c0", "b"), ("c1", "b"), ("c2", "head"), ("c3", "head")]}
+    assert f._snapshot_images("actor", {"a", "b", "head"}) == ["p0", "p1", "p2", "p3"]
+    assert f._snapshot_images("actor", {"a", "head"}) == ["p0", "p1", "c2", "c3"] and f.from_copies == 2
+    assert f._snapshot_images("actor", {"a"}) == ["p0", "p1"]  # both copies of 2 and 3 gone: left out
+    assert f._snapshot_images("actor", None) == ["p0", "p1", "p2", "p3"]  # one node: nothing is lost
+
+
+# ----- the job on two nodes ----------------------------------------------------------------------------
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_job_survives_losing_a_node(tmp_path: Path) -> None:
     from nereus.run.manifest import verify_manifest
 
