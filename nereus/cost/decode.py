@@ -61,6 +61,9 @@ ENGINES: dict[str, EngineCosts] = {
 }
 
 
+MIN_TILE_ROWS = 8  # see DecodePriors.tile_rows
+
+
 @dataclass(frozen=True)
 class DecodePriors:
     # Largest-GEMM and HBM efficiency are the hardware's priors (``Hardware.priors``, cost/hardware.py).
@@ -69,6 +72,10 @@ class DecodePriors:
     # whole waves of the SMs loses the rest ("tile" and "wave quantization", NVIDIA Deep Learning
     # Performance guide, "Matrix Multiplication Background").
     tile_rows: int = 64
+    # Kernel libraries pick the tile from a menu by problem size: a batch of a few sequences runs on
+    # tiles only as tall as it needs, down to the 8 rows of the smallest tensor-core instruction
+    # (mma.sync m16n8k16, with the batch as its 8-wide operand; NVIDIA PTX ISA, "Matrix shape"), so
+    # batch-1 decode is not charged 64 rows of FLOPs (it is memory-bound on every GPU, H20 included).
     tile_cols: int = 128
     # GPU kernel launches that do no useful work between kernels even inside a CUDA graph: ~2–4 µs each
     # (NVIDIA CUDA C++ Best Practices Guide, kernel launch overhead); a Llama layer runs ~10 kernels
@@ -175,6 +182,8 @@ def gemm_efficiency(r: Replica, rows: int, cols: int) -> float:
 def _quantized_efficiency(prior: float, sms: int, tile_rows: int, tile_cols: int, rows: int, cols: int) -> float:
     if rows < 1 or cols < 1:  # an empty output (a dimension smaller than the TP degree): no tiles, no work
         return prior
+    # A few rows run on a tile just tall enough for them (see ``DecodePriors.tile_rows``).
+    tile_rows = min(tile_rows, max(MIN_TILE_ROWS, 1 << (rows - 1).bit_length()))
     tiles = math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols)
     waves = math.ceil(tiles / sms)
     return prior * rows * cols / (waves * sms * tile_rows * tile_cols)
