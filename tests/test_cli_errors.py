@@ -425,3 +425,11 @@ def test_a_disk_that_fills_during_a_command_is_one_line_naming_the_file(monkeypa
 
     monkeypatch.setattr(cli, "cmd_plan", fills)
     assert_refused(run_cli("plan", JOB_8B), "/runs/job/step_40/model.safetensors", "No space left on device")
+
+
+def test_a_metric_line_torn_by_a_killed_driver_does_not_block_resume():
+    from nereus.run.metrics import lines_through
+
+    text = '{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"'  # killed while writing step 3
+    assert lines_through(text, 2) == ['{"step": 1, "a": 1}', '{"step": 2, "a": 2}']
+    assert lines_through('[1]\n{"no_step": 1}\n' + "[" * 5000 + "\n", 9) == []

@@ -25,6 +25,20 @@ PACKAGES = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": 
             "mlflow": ("mlflow", "mlflow")}
 
 
+def lines_through(text: str, step: int) -> list[str]:
+    """The metric lines of ``text`` for steps up to ``step``. A line that does not parse (torn when a driver
+    was killed while writing it) or names no step is dropped: resuming redoes those steps anyway."""
+    keep = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            keep.append(line)
+    return keep
+
+
 def _import(name: str, required: bool) -> Any:
     """The module a logger needs; None when it is optional and absent, an error naming the fix otherwise."""
     module, extra = PACKAGES[name]
@@ -128,7 +142,7 @@ class MetricsLog:
         """Drop the JSONL lines after ``step`` steps (they are about to be redone; the other sinks get the
         redone steps again)."""
         self.file.flush()
-        lines = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= step]
+        lines = lines_through(self.path.read_text(errors="replace"), step)
         self.file.close()
         self.path.write_text("".join(ln + "\n" for ln in lines))
         self.file = self.path.open("a")
