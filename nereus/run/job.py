@@ -43,7 +43,7 @@ from nereus.run.checkpoint import (
 )
 from nereus.run.driver import Stepper
 from nereus.run.manifest import verify_manifest, write_manifest
-from nereus.run.metrics import MetricsLog, Progress, check_loggers
+from nereus.run.metrics import MetricsLog, Progress, check_loggers, lines_through
 from nereus.run.setup import (
     TRAINED,
     Placed,
@@ -232,7 +232,7 @@ class RLJob(Observer):
     def _trim_metrics(self, step: int) -> None:
         path = self.dir / "metrics.jsonl"
         if path.exists():
-            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            keep = lines_through(path.read_text(errors="replace"), step)
             path.write_text("".join(line + "\n" for line in keep))
 
     # ----- the run: the loop's observer ---------------------------------------------------------------
