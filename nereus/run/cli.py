@@ -68,7 +68,6 @@ def _check_run_args(args: argparse.Namespace, out: Path) -> None:
 def cmd_scale(args: argparse.Namespace) -> int:
     """Ask a running adaptive job to grow or shrink: it reads the request at its next step boundary."""
     from nereus.spec.errors import SpecError
-
     from nereus.spec.run import MAX_WORKERS
 
     if not 1 <= args.workers <= MAX_WORKERS:
