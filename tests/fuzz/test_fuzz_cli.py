@@ -337,11 +337,16 @@ def flag_cases(rng: random.Random) -> list[Case]:
         ("scale --dir", ["scale", "2", "--dir"], ["{d}", "{d}/file", "{d}/missing"], {}),
         ("usage", [], ["plan", "frobnicate", "estimate", "simulate", "transition", "report"], {}),
     ]
-    cases = []
+    cases: list[Case] = []
     for label, argv, values, files in pools:
         for v in values:
             case_argv = [*argv, v] if argv else [v]
             cases.append(Case(f"flag/{label} {v!r}", case_argv, {"file": "x", **files}))
+    # `nereus cleanup --dir RUN` with a broken ray_session.json (never a mapping: a record names processes to kill)
+    for session in [DIR, b"\xff\xfe", "", "not json", "[1, 2]", "42", "[" * 5000 + "]" * 5000, '"text"']:
+        cases.append(Case(f"flag/cleanup --dir {session if isinstance(session, str) else 'dir/binary'}"[:60],
+                          ["cleanup", "--dir", "{d}"], {"ray_session.json": session}))
+    cases.append(Case("flag/cleanup --dir missing", ["cleanup", "--dir", "{d}/missing"]))
     return cases
 
 
@@ -412,7 +417,7 @@ def test_there_are_over_a_thousand_cases_over_every_subcommand():
     cases = [c for kind in CASES.values() for c in kind]
     assert len(cases) >= 1000
     commands = {c.argv[0] for c in cases if c.argv}
-    assert {"plan", "estimate", "simulate", "report", "transition", "profile", "run", "scale"} <= commands
+    assert {"plan", "estimate", "simulate", "report", "transition", "profile", "run", "scale", "cleanup"} <= commands
 
 
 @pytest.mark.parametrize("argv,files", [
