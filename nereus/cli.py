@@ -328,11 +328,16 @@ def _stdout_gone() -> None:
 
 def _internal_error(err: BaseException) -> int:
     """A bug, not bad input: one line naming the log file that holds the traceback."""
-    fd, log = tempfile.mkstemp(prefix="nereus-traceback-", suffix=".log")
-    with os.fdopen(fd, "w") as f:
-        f.write(f"nereus {' '.join(sys.argv[1:])}\n")
-        traceback.print_exception(err, file=f)
     head = _one_line(f"{type(err).__name__}: {err}")[:200]
+    try:
+        fd, log = tempfile.mkstemp(prefix="nereus-traceback-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"nereus {' '.join(sys.argv[1:])}\n")
+            traceback.print_exception(err, file=f)
+    except OSError as log_err:  # the temporary folder itself is full or unwritable
+        print(f"nereus: internal error ({head}); the traceback could not be saved ({log_err.strerror}); "
+              "please report it", file=sys.stderr)
+        return EXIT_INTERNAL
     print(f"nereus: internal error ({head}); traceback in {log}; please report it", file=sys.stderr)
     return EXIT_INTERNAL
 
@@ -355,10 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         if err.errno not in _WRITE_ERRNOS:
             return _internal_error(err)
-        # the machine, not the code: a full disk or a read-only/forbidden path met while writing
+        # the machine, not the code: a full disk, or a read-only or forbidden path met mid-command
         where = f"{err.filename}: " if err.filename else ""
-        print(f"nereus: error: {_one_line(where)}cannot write: {err.strerror}; free space or give a writable "
-              "path", file=sys.stderr)
+        print(f"nereus: error: {_one_line(where)}{err.strerror}; free space or fix the path or its permissions",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("nereus: interrupted", file=sys.stderr)
