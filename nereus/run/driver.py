@@ -174,8 +174,8 @@ class Stepper:
             # verl: clip_ratio_low and clip_ratio_high each default to clip_ratio
             low = r.clip_ratio if r.clip_ratio_low is None else r.clip_ratio_low
             high = r.clip_ratio if r.clip_ratio_high is None else r.clip_ratio_high
-            loss = partial(remote.actor_loss, clip_low=low, clip_high=high, kl_loss_coef=kl_coef,
-                           kl_loss_type=r.kl_loss_type, clip_ratio_c=r.clip_ratio_c)
+            loss = remote.policy_loss(clip_low=low, clip_high=high, kl_loss_coef=kl_coef, kl_loss_type=r.kl_loss_type,
+                                      clip_ratio_c=r.clip_ratio_c, entropy_coeff=r.entropy_coeff)
             stats["actor"] = self.update("actor", batch, loss, r.actor_lr, step)
         self.sync()
         self.timing["timing_s/step"] = time.perf_counter() - t0

@@ -6,6 +6,8 @@ read and write shards and Adam state through ``Runtime.read_weights`` / ``read_o
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from nereus.rl.core import clipped_policy_loss, clipped_value_loss, kl_estimate, masked_mean
@@ -27,24 +29,40 @@ def _aggregate(x: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def actor_loss(out: torch.Tensor, mb: dict[str, torch.Tensor], clip_low: float, clip_high: float | None,
-               kl_loss_coef: float, kl_loss_type: str, clip_ratio_c: float | None = 3.0) -> Loss:
-    """PPO clipped surrogate with dual-clip (Schulman et al. 2017; Ye et al. 2020) plus, with a KL loss,
-    β·KL(π‖π_ref) (Shao et al. 2024, eq. 3), both aggregated by the job's ``loss_agg_mode`` as verl's
-    ``update_policy`` does (pg_loss + kl_loss_coef · kl_loss)."""
+               kl_loss_coef: float, kl_loss_type: str, clip_ratio_c: float | None = 3.0,
+               entropy_coeff: float = 0.0) -> Loss:
+    """PPO clipped surrogate with dual-clip (Schulman et al. 2017; Ye et al. 2020), minus
+    ``entropy_coeff`` × the full-vocabulary entropy (``mb["entropy"]``, present when the loss is built by
+    ``policy_loss`` with a non-zero coefficient), plus, with a KL loss, β·KL(π‖π_ref) (Shao et al. 2024,
+    eq. 3); every term aggregated by the job's ``loss_agg_mode`` as verl's ``update_policy`` does
+    (pg_loss − entropy_coeff · entropy + kl_loss_coef · kl_loss)."""
     logp, mask = _response(out, mb), mb["mask"]
     pg, clipped, lower = clipped_policy_loss(logp, mb["old_logp"], mb["adv"], clip_low, clip_high, clip_ratio_c)
     loss = pg
     kl = torch.zeros_like(pg)
     if kl_loss_coef and "ref_logp" in mb:
         kl = kl_estimate(logp, mb["ref_logp"], kl_loss_type)
-        loss = pg + kl_loss_coef * kl
+        loss = loss + kl_loss_coef * kl
+    stats = {}
+    if entropy_coeff:
+        entropy = _response(mb["entropy"], mb)
+        loss = loss - entropy_coeff * entropy
+        stats["entropy"] = float(_aggregate(entropy.detach(), mb))
     with torch.no_grad():
-        stats = {"tokens": float(mask.sum()), "pg_loss": float(_aggregate(pg, mb)),
-                 "pg_clipfrac": float(masked_mean(clipped, mask)),
-                 "pg_clipfrac_lower": float(masked_mean(lower, mask)),
-                 "ppo_kl": float(masked_mean(mb["old_logp"] - logp, mask)),
-                 "kl_loss": float(_aggregate(kl, mb))}
+        stats |= {"tokens": float(mask.sum()), "pg_loss": float(_aggregate(pg, mb)),
+                  "pg_clipfrac": float(masked_mean(clipped, mask)),
+                  "pg_clipfrac_lower": float(masked_mean(lower, mask)),
+                  "ppo_kl": float(masked_mean(mb["old_logp"] - logp, mask)),
+                  "kl_loss": float(_aggregate(kl, mb))}
     return Loss(_aggregate(loss, mb), stats)
+
+
+def policy_loss(**options: object) -> partial:
+    """``actor_loss`` with the job's options, marked ``needs_entropy`` when it trains on the entropy, so
+    the engine hands it each token's full-vocabulary entropy (``ShardedModel.backward``)."""
+    fn = partial(actor_loss, **options)
+    fn.needs_entropy = bool(options.get("entropy_coeff"))
+    return fn
 
 
 def critic_loss(out: torch.Tensor, mb: dict[str, torch.Tensor], clip: float) -> Loss:

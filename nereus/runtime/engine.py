@@ -8,7 +8,9 @@ pipeline stage of each replica (``is_output_rank``: TP rank 0 there returns them
 The objective of a training step is the mean over all micro-batches of all replicas of
 ``loss_fn(out, micro_batch)``, where ``out`` is the log-probabilities [b, T−1] of each next token (LM
 models) or the values [b, T] (value-head models) and ``micro_batch`` holds the batch's tensors cut to the
-same rows. A single process running the same micro-batches computes the same objective.
+same rows (plus, for a ``loss_fn`` whose ``needs_entropy`` is true, ``entropy`` [b, T−1]: each next-token
+distribution's full-vocabulary entropy, differentiable). A single process running the same micro-batches
+computes the same objective.
 """
 
 from __future__ import annotations
@@ -207,7 +209,10 @@ class ShardedModel:
         def loss(y: torch.Tensor, i: int) -> torch.Tensor:
             mb = mbs[i]
             if not self.cfg.value_head:
-                y = parallel_logprobs(y[:, :-1], mb["tokens"][:, 1:], self.vocab_start, self.groups.tp_group)
+                logits = y[:, :-1]
+                y = parallel_logprobs(logits, mb["tokens"][:, 1:], self.vocab_start, self.groups.tp_group)
+                if getattr(loss_fn, "needs_entropy", False):  # an entropy bonus (verl's entropy_coeff)
+                    mb = {**mb, "entropy": parallel_entropy(logits, self.groups.tp_group)}
             out = loss_fn(y, mb)
             if isinstance(out, Loss):
                 if metrics is not None:

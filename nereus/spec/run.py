@@ -88,7 +88,7 @@ class RunSpec:
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (verl's default; Ye et al. 2020)
     loss_agg_mode: str = "token-mean"  # actor and critic loss aggregation (nereus.rl.core.agg_loss)
     norm_adv_by_std_in_grpo: bool = True
-    entropy_coeff: float = 0.0  # only 0: the training pass computes log-probs, not the entropy's gradient
+    entropy_coeff: float = 0.0  # entropy bonus: the loss subtracts coeff × the full-vocabulary entropy
     value_clip: float = 0.5
     gamma: float = 1.0
     lam: float = 1.0
@@ -207,15 +207,6 @@ def _logger(f: Fields) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(items))
 
 
-def _entropy_coeff(f: Fields) -> float:
-    value = f.get("entropy_coeff", float, 0.0, minimum=0)
-    if value:
-        raise SpecError(f.key_path("entropy_coeff"), "only 0 (verl's default) is supported: the training pass "
-                                                     "computes token log-probs, not the entropy's gradient; "
-                                                     "actor/entropy is still reported")
-    return value
-
-
 def _clip_ratio_c(f: Fields) -> float:
     value = f.get("clip_ratio_c", float, 3.0)
     if value <= 1:
@@ -253,7 +244,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         clip_ratio_c=_clip_ratio_c(f),
         loss_agg_mode=f.get("loss_agg_mode", str, "token-mean", choices=LOSS_AGG_MODES),
         norm_adv_by_std_in_grpo=f.get("norm_adv_by_std_in_grpo", bool, True),
-        entropy_coeff=_entropy_coeff(f),
+        entropy_coeff=f.get("entropy_coeff", float, 0.0, minimum=0),
         value_clip=f.get("value_clip", float, 0.5, minimum=0),
         gamma=f.get("gamma", float, 1.0, minimum=0, maximum=1), lam=f.get("lam", float, 1.0, minimum=0, maximum=1),
         use_kl_loss=f.get("use_kl_loss", bool, False), kl_loss_coef=f.get("kl_loss_coef", float, 0.001, minimum=0),

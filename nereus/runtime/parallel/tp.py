@@ -183,18 +183,16 @@ def parallel_logprobs(logits: torch.Tensor, tokens: torch.Tensor, start: int,
 def parallel_entropy(logits: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Entropy H = log Σ e^z − Σ softmax(z)·z of the full-vocabulary distribution (verl's
     ``entropy_from_logits``) from vocabulary shards ``logits`` [..., V_local], without gathering them:
-    three all-reduces (max, Σ e^s, Σ e^s·s with s = z − max). Not differentiable (a metric)."""
-    with torch.no_grad():
-        z = logits.float()
-        peak = z.max(dim=-1).values
-        if _active(group):
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        shifted = z - peak[..., None]
-        e = shifted.exp()
-        parts = torch.stack([e.sum(-1), (e * shifted).sum(-1)])
-        if _active(group):
-            dist.all_reduce(parts, group=group)
-        return parts[0].log() - parts[1] / parts[0]
+    with s = z − max, H = log S − W / S for S = Σ e^s and W = Σ e^s·s, each summed over the TP ranks
+    (differentiable: the sums go through ``reduce_from_tp``; the max only shifts, so it is detached)."""
+    z = logits.float()
+    peak = z.detach().max(dim=-1).values
+    if _active(group):
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    shifted = z - peak[..., None]
+    e = shifted.exp()
+    total = reduce_from_tp(torch.stack([e.sum(-1), (e * shifted).sum(-1)]), group)
+    return total[0].log() - total[1] / total[0]
 
 
 def gather_vocab(logits: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
