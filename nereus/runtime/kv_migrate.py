@@ -129,7 +129,7 @@ class _Move:
                  comm: TransferComm, result: MigrationResult) -> None:
         self.plan, self.src, self.dst, self.comm, self.result = plan, src, dst, comm, result
         self.me = dist.get_rank()
-        self.dtype = (dst or src).sm.dtype
+        self.dtype = dst.sm.dtype if dst is not None else None  # what this rank receives into
 
     def _kv_numel(self, pieces: list[KVPiece]) -> int:
         return sum(self.plan.shape.piece_bytes(p) for p in pieces) // self.plan.shape.elem_bytes
@@ -174,6 +174,18 @@ class _Move:
         return built
 
 
+def _releasable(plan: MigrationPlan, src: DecodeEngine | None) -> None:
+    """Before the vote: this rank can release what the plan's ``kv_free`` steps say (so nothing after the
+    commit point can fail on a plan that does not match the engines)."""
+    me = dist.get_rank()
+    ids = {p.seq for s in plan.steps if isinstance(s, KVFree) and s.device == me for p in s.all_pieces()}
+    if ids and src is None:
+        raise ValueError(f"the plan frees sequences {sorted(ids)} here, but this rank has no source engine")
+    missing = ids - {s.seq_id for s in src.unfinished()} if ids else set()
+    if missing:
+        raise ValueError(f"the plan frees sequences {sorted(missing)}, which are not unfinished here")
+
+
 def migrate(plan: MigrationPlan, src: DecodeEngine | None, dst: DecodeEngine | None, comm: TransferComm,
             faults: FaultHook | None = None) -> MigrationResult:
     """This rank's part of ``plan`` (collective over the world); raises ``MigrationAborted`` on every rank,
@@ -182,6 +194,7 @@ def migrate(plan: MigrationPlan, src: DecodeEngine | None, dst: DecodeEngine | N
     try:
         if faults is not None:
             faults.at("migration.transfer")
+        _releasable(plan, src)
         built = _Move(plan, src, dst, comm, result).run()
         if faults is not None:
             faults.at("migration.install")
