@@ -39,7 +39,10 @@ STORE_SCHEME = "store://"
 
 class PlacementError(SpecError):
     """The cluster cannot host the workers asked for, or a layout's TP group would cross nodes (a bad
-    input: the CLI prints it as one line naming the key)."""
+    input: the CLI prints it as one line naming the key, ``run.workers`` unless told otherwise)."""
+
+    def __init__(self, message: str, path: str = "run.workers") -> None:
+        super().__init__(path, message)
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ class NodeMap:
         free = [n.node_id for n in nodes for _ in range(max(0, n.slots - used[n.node_id]))]
         if len(free) < count:
             have = ", ".join(f"{n.ip}/{n.node_id[:8]}: {n.slots}" for n in nodes)
-            raise PlacementError("run.workers", f"{len(self.homes) + count} workers need one {self.resource} each; "
+            raise PlacementError(f"{len(self.homes) + count} workers need one {self.resource} each; "
                                  f"the Ray cluster has {sum(n.slots for n in nodes)} ({have}): add nodes or run "
                                  "fewer workers")
         chosen = free[:count]

@@ -125,7 +125,7 @@ class Runtime:
         """Refuse a layout whose TP group would cross nodes (``nodes.tp_split``), naming it."""
         why = tp_split(layout, ranks, self.homes)
         if why:
-            raise PlacementError(f"run.layouts.{key}", why)
+            raise PlacementError(why, f"run.layouts.{key}")
 
     # ----- live transitions -----------------------------------------------------------------------
     def transition(self, new_specs: list[KeySpec], job: object) -> dict:
