@@ -310,10 +310,15 @@ def generation_cost(
 def _decode_phases(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, prompt: int, sequences: int,
                    slots: int, resp: ResponseLength, longest: float) -> DecodePhases:
     """The decode model for one replica (cached: the planner prices each TP degree many times)."""
+    replica = generation_replica(hw, arch, tp, weight_bytes)
+    return decode_phases(replica, prompt, sequences, slots, resp.quantiles(16), resp.mean, longest)
+
+
+def generation_replica(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int) -> Replica:
+    """The rollout engine's replica as the planner prices it (also the intra-step model's, control.phased)."""
     precision = Precision.of("bf16") if weight_bytes <= 2 else Precision("fp32", weight_bytes, weight_bytes)
     engine = EngineCosts(hw.priors.decode_step_overhead_s, ENGINES["vllm"].sequence_s)
-    replica = Replica(hw, arch, tp, precision, "vllm", engine_costs=engine)
-    return decode_phases(replica, prompt, sequences, slots, resp.quantiles(16), resp.mean, longest)
+    return Replica(hw, arch, tp, precision, "vllm", engine_costs=engine)
 
 
 def stage_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout,

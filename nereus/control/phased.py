@@ -1,0 +1,445 @@
+"""Generation at sequence granularity, and a generation stage that changes layout mid-stage (issue 16).
+
+One model prices the stage for both sides of the control loop: the simulator's ground truth runs it on each
+step's drawn lengths under its hidden factors, the controller on the forecast's quantiles under its
+calibrated factors. Per decode step it uses the decode model's step cost (``nereus.cost.decode.StepModel``:
+weight reads vs GEMM FLOPs, KV reads at the live context, two all-reduces per layer, engine costs) at the
+step's live batch; a replica keeps ``slots`` sequences in flight and refills a slot as soon as its sequence
+ends (continuous batching; Yu et al. 2022, "Orca"), then drains. Decode steps are grouped into columns of
+``bucket`` tokens (fine length buckets) so a 20k-token tail costs a few hundred array entries.
+
+A ``TailPhase`` (carried in ``Plan.meta["generation_phases"]``, typed and JSON-serializable) switches the
+stage at a trigger — at most ``trigger_live`` sequences still generating — from the bulk layout (the plan's
+generation placement: many narrow replicas, throughput) to a tail layout (``tail_replicas`` replicas of
+TP ``tail_tp`` on the first GPUs of the placement: latency). Every unfinished sequence either sends its KV
+caches (per layer and KV-head range: ``nereus.elastic.kvplan`` builds the piece-level plan) or is dropped
+and re-prefilled there (prompt plus generated tokens), whichever is cheaper for its group of similar
+contexts (PAT, arXiv 2605.23945, migrates or recomputes the same way). Sources free their caches only after
+the commit point, so the move's memory peak holds both. With ``overlap``, the GPUs the tail frees run the
+inference model-stages on finished samples (RLHFuse's inter-stage fusion, arXiv 2409.13221).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from nereus.cost.decode import StepModel, prefill_time
+from nereus.cost.hardware import Hardware
+from nereus.cost.plan_cost import PlanEstimate, resident_per_device
+from nereus.cost.stages import ENGINE_MAX_SEQUENCES, generation_replica
+from nereus.spec.job import JobSpec
+from nereus.spec.layout import ModelStage, Placement, Plan
+from nereus.spec.model import ModelArch
+
+ROLLOUT = ModelStage("actor", "generation")
+COLUMNS = 512  # decode-step columns per replica at most: bucket = ceil(longest / COLUMNS) tokens
+KV_GROUPS = 8  # sequence groups (by context) for the send-or-recompute choice
+PHASES_FORMAT = "nereus.generation-phases/1"
+
+
+@dataclass(frozen=True)
+class TailPhase:
+    """The phases of one generation stage: bulk on the plan's placement, then the tail layout."""
+
+    trigger_live: int  # switch once at most this many sequences are still generating
+    tail_tp: int
+    tail_replicas: int
+    overlap: bool = False  # GPUs freed by the tail run inference on finished samples
+    kv: str = "cheaper"  # "cheaper" (per group), "send" or "recompute"
+    policy: str = ""
+    predicted: dict = field(default_factory=dict, compare=False)  # the policy's numbers for this step
+
+    def __post_init__(self) -> None:
+        if self.trigger_live < 1 or self.tail_tp < 1 or self.tail_replicas < 1:
+            raise ValueError(f"TailPhase: trigger_live, tail_tp and tail_replicas must be >= 1 ({self})")
+        if self.kv not in ("cheaper", "send", "recompute"):
+            raise ValueError(f"TailPhase.kv: {self.kv!r}; use cheaper, send or recompute")
+
+    @property
+    def tail_gpus(self) -> int:
+        return self.tail_tp * self.tail_replicas
+
+    def to_dict(self) -> dict:
+        return {"format": PHASES_FORMAT, **asdict(self)}
+
+    @staticmethod
+    def from_dict(d: dict) -> TailPhase:
+        if d.get("format") != PHASES_FORMAT:
+            raise ValueError(f"generation_phases.format: expected {PHASES_FORMAT!r}, got {d.get('format')!r}")
+        return TailPhase(**{k: v for k, v in d.items() if k != "format"})
+
+
+def phases_of(plan: Plan) -> TailPhase | None:
+    d = plan.meta.get("generation_phases")
+    return TailPhase.from_dict(d) if d else None
+
+
+@dataclass(frozen=True)
+class Factors:
+    """Multipliers on the decode terms, on prefill and on transfers (hidden truth or calibrated fit)."""
+
+    memory: float = 1.0
+    compute: float = 1.0
+    tp_comm: float = 1.0
+    overhead: float = 1.0
+    transfer: float = 1.0
+
+    @staticmethod
+    def of(factors: dict[str, float] | None, transfer: float = 1.0) -> Factors:
+        f = factors or {}
+
+        def g(t: str) -> float:
+            return f.get(f"generation.{t}", f.get(t, 1.0)) or 1.0
+        return Factors(g("memory"), g("compute"), g("tp_comm"), g("overhead"), transfer)
+
+
+class StepTable:
+    """A replica's decode-step cost as arrays over the live batch (``StepModel`` worked out per batch)."""
+
+    def __init__(self, hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, bmax: int) -> None:
+        self.replica = generation_replica(hw, arch, tp, weight_bytes)
+        m = StepModel(self.replica)
+        self.model = m
+        self.weights_s, self.kv_s = m.weights_s, max(m.kv_s_per_token, m.attn_s_per_token)
+        self.comm_fixed, self.comm_per_seq = m.comm_fixed, m.comm_per_seq
+        self.per_seq, self.fixed = m.per_seq_s, m.fixed_s
+        self.compute = np.array([0.0] + [m.compute_s(b) for b in range(1, bmax + 1)])
+
+    def seconds(self, live: np.ndarray, ctx_sum: np.ndarray, f: Factors) -> np.ndarray:
+        """One decode step at each (live batch, summed context); 0 where nothing is live."""
+        comp = self.compute[np.minimum(live, len(self.compute) - 1).astype(int)]
+        mem_bound = self.weights_s >= comp
+        gemm = np.where(mem_bound, self.weights_s * f.memory, comp * f.compute)
+        tp = (self.comm_fixed + live * self.comm_per_seq) * f.tp_comm if self.comm_fixed else 0.0
+        t = gemm + ctx_sum * self.kv_s * f.memory + tp + (live * self.per_seq + self.fixed) * f.overhead
+        return np.where(live > 0, t, 0.0)
+
+    def prefill(self, tokens: float, context: float, f: Factors) -> float:
+        return prefill_time(self.replica, tokens, context) * f.compute if tokens > 0 else 0.0
+
+
+@lru_cache(maxsize=64)
+def step_table(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int) -> StepTable:
+    return StepTable(hw, arch, tp, weight_bytes, ENGINE_MAX_SEQUENCES)
+
+
+@dataclass
+class ReplicaRun:
+    """One replica's continuous-batching run: per-sequence start and finish times (seconds from its start)."""
+
+    start_s: np.ndarray
+    finish_s: np.ndarray
+    cum_s: np.ndarray  # seconds at the end of each column (prefill included)
+    start_col: np.ndarray
+    prefill_s: float
+    bucket: int
+
+    @property
+    def end_s(self) -> float:
+        return float(self.finish_s.max()) if len(self.finish_s) else 0.0
+
+
+def run_replicas(table: StepTable, work: list[tuple[np.ndarray, np.ndarray, float, float]], slots: int,
+                 bucket: int, f: Factors) -> list[ReplicaRun]:
+    """Each replica decodes its ``remaining`` tokens per sequence (arrival order) after ``context`` tokens,
+    ``slots`` in flight, a freed slot refilled at once, after a prefill of (tokens, context); columns of
+    ``bucket`` decode steps. All replicas in one array pass (a row each)."""
+    starts, ends, ctxs = [], [], []
+    for remaining, context, _, _ in work:
+        cols = np.maximum(1, np.ceil(remaining / bucket)).astype(np.int64)
+        start = np.zeros(len(cols), np.int64)
+        if len(cols) > slots:  # list scheduling: each queued sequence takes the slot that frees first
+            free = [int(c) for c in cols[:slots]]
+            heapq.heapify(free)
+            for i in range(slots, len(cols)):
+                start[i] = free[0]
+                heapq.heapreplace(free, free[0] + int(cols[i]))
+        starts.append(start)
+        ends.append(start + cols)
+        ctxs.append(np.asarray(context, float))
+    width = max((int(e.max()) for e in ends if len(e)), default=0) + 1
+    rows = len(work)
+    row = np.concatenate([np.full(len(s), i) for i, s in enumerate(starts)]) if rows else np.zeros(0, int)
+    st, en, cx = (np.concatenate(v) if rows else np.zeros(0) for v in (starts, ends, ctxs))
+    size = rows * width
+
+    def live_sum(weights: np.ndarray | None) -> np.ndarray:
+        grid = np.bincount(row * width + st, weights, size) - np.bincount(row * width + en, weights, size)
+        return np.cumsum(grid.reshape(rows, width), axis=1)
+
+    live = live_sum(None)
+    ctx_sum = live_sum(cx) + bucket * (np.arange(width) * live - live_sum(st.astype(float)))
+    pre = np.array([table.prefill(t, c, f) for _, _, t, c in work])
+    cum = pre[:, None] + np.cumsum(bucket * table.seconds(live, ctx_sum, f), axis=1)
+    out = []
+    for i, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        c = cum[i]
+        start_s = np.where(s > 0, c[np.maximum(s - 1, 0)], pre[i])
+        out.append(ReplicaRun(start_s, c[e - 1] if len(e) else np.zeros(0), c, s, float(pre[i]), bucket))
+    return out
+
+
+@dataclass
+class GenModel:
+    """What prices a plan's generation stage: replicas, slots, memory (from the plan's estimate)."""
+
+    hw: Hardware
+    job: JobSpec
+    plan: Plan
+    placement: Placement
+    slots: int
+    resident: list[float]  # bytes per device held across the step (all models)
+    kv_used: float  # bytes per device of the bulk replicas' KV caches at their fullest
+
+    @staticmethod
+    def of(hw: Hardware, job: JobSpec, plan: Plan, est: PlanEstimate) -> GenModel:
+        p = plan.placement(ROLLOUT)
+        cost = est.costs[str(ROLLOUT)]
+        per_replica = cost.detail.get("batch_per_replica", 1)
+        slots = int(cost.detail.get("concurrent", per_replica))
+        resident = resident_per_device(hw, job, plan, est.costs)
+        return GenModel(hw, job, plan, p, max(1, slots), resident, cost.transient_bytes)
+
+    @property
+    def arch(self) -> ModelArch:
+        return self.job.models["actor"]
+
+    def table(self, tp: int) -> StepTable:
+        return step_table(self.hw, self.arch, tp, self.job.options.weight_bytes)
+
+    def replica_gpus(self, replica: int) -> list[int]:
+        lay = self.placement.layout
+        return [self.placement.gpus[lay.rank(pp, replica, t)] for pp in range(lay.pp) for t in range(lay.tp)]
+
+    def tail_slots(self, tp: int) -> int:
+        """Sequences a tail replica of TP ``tp`` holds at full length (the same KV budget rule)."""
+        arch, wl = self.arch, self.job.workload
+        weights = arch.params() * self.job.options.weight_bytes / tp
+        others = max(self.resident[g] for g in self.placement.gpus) - self.placement_weights()
+        budget = (self.hw.usable_bytes() - weights - others) * self.hw.priors.kv_memory_fraction
+        per_seq = arch.kv_bytes_per_token() / min(tp, arch.kv_heads) * (wl.prompt_length + wl.response.max)
+        return int(max(0, min(ENGINE_MAX_SEQUENCES, budget // per_seq)))
+
+    def placement_weights(self) -> float:
+        lay = self.placement.layout
+        return self.arch.params() * self.job.options.weight_bytes / (lay.tp * lay.pp)
+
+    def kv_token_bytes(self, tp: int) -> float:
+        """KV bytes per token on one rank of a TP ``tp`` replica (heads beyond the KV heads replicated)."""
+        return self.arch.kv_bytes_per_token() / min(tp, self.arch.kv_heads)
+
+
+@dataclass
+class BulkRun:
+    """Every bulk replica's run of one step's lengths (sequence i on replica i mod dp)."""
+
+    lengths: np.ndarray
+    replica: np.ndarray  # bulk replica of each sequence
+    start_s: np.ndarray
+    finish_s: np.ndarray
+    runs: list[ReplicaRun]
+    bucket: int
+
+    @property
+    def end_s(self) -> float:
+        return float(self.finish_s.max())
+
+
+def run_bulk(model: GenModel, lengths: np.ndarray, f: Factors) -> BulkRun:
+    lay, prompt = model.placement.layout, float(model.job.workload.prompt_length)
+    n, dp = len(lengths), lay.dp
+    bucket = max(1, math.ceil(float(lengths.max()) / COLUMNS))
+    table = model.table(lay.tp)
+    replica = np.arange(n) % dp
+    start, finish = np.zeros(n), np.zeros(n)
+    groups = [np.flatnonzero(replica == r) for r in range(dp)]
+    runs = run_replicas(table, [(lengths[i], np.full(len(i), prompt), len(i) * prompt, prompt) for i in groups],
+                        model.slots, bucket, f)
+    for idx, run in zip(groups, runs, strict=True):
+        start[idx], finish[idx] = run.start_s, run.finish_s
+    return BulkRun(lengths, replica, start, finish, runs, bucket)
+
+
+def trigger_time(bulk: BulkRun, k: int) -> float:
+    """The earliest time at most ``k`` sequences are still generating (started and not finished)."""
+    fin = np.sort(bulk.finish_s)
+    started = np.searchsorted(np.sort(bulk.start_s), fin, side="right")
+    live = started - np.arange(1, len(fin) + 1)
+    hit = np.flatnonzero(live <= k)
+    return float(fin[hit[0]]) if len(hit) else float(fin[-1])
+
+
+@dataclass
+class GenOutcome:
+    """One generation stage as run: where its time went and what a mid-stage move did."""
+
+    generation_s: float
+    bulk_s: float  # until the trigger (no move: until at most 10% of the sequences are left)
+    migration_s: float  # pause for the move: transfers to the commit point, then re-prefills
+    tail_s: float
+    idle_gpu_s: float  # GPU-seconds of the stage's GPUs doing nothing (inference overlap excluded)
+    moved: bool = False
+    refused: str = ""  # why a planned move did not run (memory)
+    unfinished: int = 0  # sequences moved at the trigger
+    kv_sent: int = 0
+    recomputed: int = 0
+    bytes_sent: float = 0.0
+    move_peak_bytes: float = 0.0  # fullest tail device while the move runs (both copies held) or after
+    overlap_share: float = 0.0  # share of the inference GPUs the tail frees
+    overlap_window_s: float = 0.0  # from the commit point to the end of generation
+    segments: list = field(default_factory=list)  # (group, kind, start_s, end_s) for the timeline
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "segments"}
+
+
+def no_move(model: GenModel, bulk: BulkRun) -> GenOutcome:
+    end = bulk.end_s
+    n = len(bulk.lengths)
+    t10 = trigger_time(bulk, max(1, n // 10))
+    gpus = model.placement.layout.tp * model.placement.layout.pp
+    idle = sum(gpus * (end - r.end_s) for r in bulk.runs)
+    segs = [(f"replica {r}", "bulk", 0.0, run.end_s) for r, run in enumerate(bulk.runs)]
+    return GenOutcome(end, t10, 0.0, end - t10, idle, segments=segs)
+
+
+def _tail_assignment(model: GenModel, bulk: BulkRun, ids: np.ndarray, phase: TailPhase) -> np.ndarray:
+    """Tail replica of each unfinished sequence: kept in place when the tail replica is its own bulk
+    replica (same TP, PP 1), else round-robin in sequence order."""
+    lay = model.placement.layout
+    src = bulk.replica[ids]
+    if phase.tail_tp == lay.tp and lay.pp == 1:
+        out = np.where(src < phase.tail_replicas, src, -1)
+        moving = np.flatnonzero(out < 0)
+        out[moving] = np.arange(len(moving)) % phase.tail_replicas
+        return out
+    return np.arange(len(ids)) % phase.tail_replicas
+
+
+def _generated_at(bulk: BulkRun, ids: np.ndarray, t: float) -> np.ndarray:
+    """Response tokens each sequence of ``ids`` had generated by time ``t`` (0 if not yet started)."""
+    gen = np.zeros(len(ids))
+    for r, run in enumerate(bulk.runs):
+        mine = np.flatnonzero(bulk.replica[ids] == r)
+        if not len(mine):
+            continue
+        done_cols = np.searchsorted(run.cum_s, t, side="right")
+        local = ids[mine] // len(bulk.runs)  # position in the replica's arrival order
+        cols = np.maximum(0, done_cols - run.start_col[local])
+        gen[mine] = np.minimum(cols * bulk.bucket, bulk.lengths[ids[mine]] - 1)
+    return gen
+
+
+def _kv_choice(model: GenModel, ctx: np.ndarray, phase: TailPhase, cross: bool, f: Factors) -> np.ndarray:
+    """True where a sequence re-prefills instead of sending its caches: per group of similar contexts, the
+    cheaper of the transfer (bandwidth term) and the prefill of its tokens on a tail replica."""
+    if phase.kv != "cheaper":
+        return np.full(len(ctx), phase.kv == "recompute")
+    hw, table = model.hw, model.table(phase.tail_tp)
+    per_token = model.kv_token_bytes(phase.tail_tp)
+    order = np.argsort(ctx)
+    out = np.zeros(len(ctx), bool)
+    for group in np.array_split(order, min(KV_GROUPS, len(ctx))):
+        tokens = float(ctx[group].sum())
+        send = (hw.p2p_time(tokens * per_token, cross) - hw.p2p_time(0.0, cross)) * f.transfer
+        recompute = table.prefill(tokens, float(ctx[group].mean()), f)
+        out[group] = recompute < send
+    return out
+
+
+def _nodes(model: GenModel, gpus) -> set[int]:
+    return {model.hw.cluster.node_of(g) for g in gpus}
+
+
+def with_tail(model: GenModel, bulk: BulkRun, phase: TailPhase, f: Factors,
+              inference_gpus: frozenset[int] = frozenset()) -> GenOutcome:
+    """The stage with ``phase``'s switch at its trigger; a move that would overfill a device is refused."""
+    lay, hw = model.placement.layout, model.hw
+    gpus = list(model.placement.gpus)
+    too_wide = phase.tail_tp > hw.cluster.gpus_per_node or model.arch.heads % phase.tail_tp
+    if phase.tail_gpus > len(gpus) or too_wide:
+        why = f"tail layout TP {phase.tail_tp} x {phase.tail_replicas} does not fit the placement"
+        return _refused(model, bulk, why)
+    t_star = trigger_time(bulk, phase.trigger_live)
+    ids = np.flatnonzero(bulk.finish_s > t_star)
+    if not len(ids):
+        return _refused(model, bulk, "")
+    slots = model.tail_slots(phase.tail_tp)
+    if slots < 1:
+        return _refused(model, bulk, f"a TP {phase.tail_tp} tail replica holds no full-length sequence")
+    prompt = float(model.job.workload.prompt_length)
+    generated = _generated_at(bulk, ids, t_star)
+    ctx, remaining = prompt + generated, bulk.lengths[ids] - generated
+    dest = _tail_assignment(model, bulk, ids, phase)
+    kept = (dest == bulk.replica[ids]) & (phase.tail_tp == lay.tp) & (lay.pp == 1)
+    tail_gpus = gpus[:phase.tail_gpus]
+    src_gpus = {g for r in set(bulk.replica[ids].tolist()) for g in model.replica_gpus(int(r))}
+    cross = bool(_nodes(model, src_gpus) - _nodes(model, tail_gpus))
+    recompute = _kv_choice(model, ctx, phase, cross, f) & ~kept
+    send = ~recompute & ~kept
+    per_rank = model.kv_token_bytes(phase.tail_tp)
+    new_weights = model.arch.params() * model.job.options.weight_bytes / phase.tail_tp
+    reshard = phase.tail_tp != lay.tp or lay.pp != 1
+    weight_s = (hw.p2p_time(new_weights, False) * f.transfer) if reshard else 0.0
+    sends, peak = [], 0.0
+    bulk_kv_rank = model.kv_token_bytes(lay.tp) / lay.pp
+    live_ctx = {int(r): float(ctx[bulk.replica[ids] == r].sum()) for r in set(bulk.replica[ids].tolist())}
+    for j in range(phase.tail_replicas):
+        mine = dest == j
+        incoming = float((ctx[mine & send]).sum()) * per_rank
+        sends.append(hw.p2p_time(incoming, cross) * f.transfer if incoming else 0.0)
+        final_kv = float((ctx[mine] + remaining[mine]).sum()) * per_rank
+        for g in tail_gpus[j * phase.tail_tp:(j + 1) * phase.tail_tp]:
+            r = lay.coords(gpus.index(g))[1]  # the bulk replica this device served
+            held = model.resident[g] + live_ctx.get(r, 0.0) * bulk_kv_rank  # freed only after the commit
+            during = held + (new_weights if reshard else 0.0) + incoming
+            after = model.resident[g] + final_kv + (new_weights - model.placement_weights() if reshard else 0.0)
+            peak = max(peak, during, after)
+    if peak > hw.usable_bytes():
+        return _refused(model, bulk, f"the move needs {peak / 1e9:.1f} GB on a tail device, usable "
+                                     f"{hw.usable_bytes() / 1e9:.1f} GB", peak)
+    commit = max(sends) + weight_s + hw.priors.inter_latency_s
+    table = model.table(phase.tail_tp)
+    work = []
+    for j in range(phase.tail_replicas):
+        mine, rec = dest == j, (dest == j) & recompute
+        work.append((remaining[mine], ctx[mine], float(ctx[rec].sum()), float(ctx[rec].mean()) if rec.any() else 0.0))
+    runs = run_replicas(table, work, slots, bulk.bucket, f)
+    tail_start = t_star + commit
+    prefill = max((r.prefill_s for r in runs), default=0.0)
+    end = tail_start + max(r.end_s for r in runs)
+    migration = commit + prefill
+    group = lay.tp * lay.pp
+    idle = sum(group * max(0.0, t_star - r.end_s) for r in bulk.runs)
+    idle += sum(phase.tail_tp * (end - tail_start - r.end_s) for r in runs)
+    freed = set(gpus) - set(tail_gpus)
+    share = len(freed & inference_gpus) / len(inference_gpus) if phase.overlap and inference_gpus else 0.0
+    idle += len(freed) * (end - tail_start)  # the caller moves the overlapped inference out of it
+    segs = [(f"replica {r}", "bulk", 0.0, min(t_star, run.end_s)) for r, run in enumerate(bulk.runs)]
+    segs += [("all", "migration", t_star, tail_start + prefill)]
+    segs += [(f"tail {j}", "tail", tail_start + prefill, tail_start + run.end_s) for j, run in enumerate(runs)]
+    return GenOutcome(end, t_star, migration, end - t_star - migration, idle, True, "", len(ids), int(send.sum()),
+                      int(recompute.sum()), float(sum(ctx[send]) * model.arch.kv_bytes_per_token()), peak, share,
+                      end - tail_start, segs)
+
+
+def _refused(model: GenModel, bulk: BulkRun, why: str, peak: float = 0.0) -> GenOutcome:
+    out = no_move(model, bulk)
+    out.refused, out.move_peak_bytes = why, peak
+    return out
+
+
+def overlapped_inference(inference_s: float, out: GenOutcome, sequences: int) -> tuple[float, float]:
+    """(inference seconds left after generation, seconds it ran early on the tail's freed GPUs): the freed
+    share of the inference GPUs works through the finished samples during the tail; the samples still in
+    the tail at its trigger are scored after it (then training starts)."""
+    if not out.moved or out.overlap_share <= 0 or inference_s <= 0:
+        return inference_s, 0.0
+    ready = 1.0 - out.unfinished / max(1, sequences)
+    done = min(ready, out.overlap_share * out.overlap_window_s / inference_s)
+    return inference_s * (1 - done), inference_s * done
