@@ -59,7 +59,8 @@ def test_load_job_validates_overrides_like_the_file():
     assert (job.run.clip_ratio, job.run.loss_agg_mode) == (0.3, "seq-mean-token-mean")
     assert (job.algorithm.samples_per_prompt, job.run.steps) == (4, 2)
     assert load_job(EXAMPLE).run.clip_ratio == yaml.safe_load(EXAMPLE.read_text())["run"]["clip_ratio"]
-    with pytest.raises(SpecError, match=r"run\.clip_ratoi: unknown key; did you mean 'clip_ratio'\?"):
+    with pytest.raises(SpecError, match=r"run\.clip_ratoi: unknown key; did you mean 'clip_ratio'\? "
+                                        r"\(also close: 'clip_ratio_c', 'clip_ratio_low'\)"):
         load_job(EXAMPLE, ["run.clip_ratoi=0.3"])
     with pytest.raises(SpecError, match=r"run\.clip_ratio: expected a number, got 'high'"):
         load_job(EXAMPLE, ["run.clip_ratio=high"])

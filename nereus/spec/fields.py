@@ -137,6 +137,8 @@ class Fields:
         known = sorted(self._read)
         for key in self.data:
             if key not in self._read:
-                hint = difflib.get_close_matches(str(key), known, n=1)
+                hint = difflib.get_close_matches(str(key), known, n=3)
                 fix = f"did you mean '{hint[0]}'?" if hint else f"allowed keys: {known}"
+                if len(hint) > 1:  # the next nearest too (a command-line override is easy to mistype)
+                    fix += " (also close: " + ", ".join(f"'{h}'" for h in hint[1:]) + ")"
                 raise SpecError(self.key_path(str(key)), f"unknown key; {fix}")
