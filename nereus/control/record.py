@@ -32,6 +32,26 @@ class RunRecord:
         self.steps.append({"step": m.step, "step_time_s": m.step_time_s, "phases": m.phase_times_s, "gpus": gpus,
                            "response_mean": m.response_mean, "response_max": m.response_max, "tokens": m.tokens,
                            "transition_s": transition_s, "lost_s": lost_s, "strategy": strategy})
+        for key in ("generation", "intrastep"):  # sequence-level generation: where its time went, the
+            if key in m.detail:                   # mid-step move with its predicted and realised numbers
+                self.steps[-1][key] = m.detail[key]
+
+    def intrastep_summary(self) -> dict:
+        """Mid-step moves: how many ran or were refused, predicted vs realised gain and migration cost,
+        and the generation stage's time split (bulk, migration, tail, idle GPU-seconds) per step."""
+        moves = [s["intrastep"] for s in self.steps if s.get("intrastep")]
+        ran = [m for m in moves if m["moved"]]
+        gen = [s["generation"] for s in self.steps if s.get("generation")]
+
+        def mean(xs: list[float]) -> float:
+            return sum(xs) / len(xs) if xs else 0.0
+        return {"planned": len(moves), "moved": len(ran), "refused": sum(1 for m in moves if m["refused"]),
+                "predicted_gain_s": mean([m["predicted"].get("gain_s", 0.0) for m in ran]),
+                "realised_gain_s": mean([m["realised_gain_s"] for m in ran]),
+                "predicted_migration_s": mean([m["predicted"].get("migration_s", 0.0) for m in ran]),
+                "realised_migration_s": mean([m["migration_s"] for m in ran]),
+                **{k: mean([g[k] for g in gen]) for k in ("bulk_s", "migration_s", "tail_s", "idle_gpu_s",
+                                                         "overlap_s")}}
 
     def add_decision(self, d: Decision, transition_s: float) -> None:
         """A move in full (without the plan, which ``plans`` holds); a keep as its step and overhead."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nereus.control.backend import ClusterState, StepMetrics, TransitionMetrics
+from nereus.control.phased import Factors, GenModel, no_move, overlapped_inference, phases_of, run_bulk, with_tail
 from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
@@ -30,6 +31,10 @@ class TruthConfig:
     efficiency_spread: float = 0.25  # sigma of log hidden factors: most within 0.6–1.6× the model
     noise: float = 0.03  # per-step multiplicative noise on every measured time
     transition_spread: float = 0.3  # hidden factor on transition times
+    # generation at sequence granularity (control.phased): each drawn length decoded with slots refilled
+    # and the tail drained, instead of the analytic bulk/tail form at the drawn mean and longest; plans
+    # with generation phases (a mid-step tail layout) always run this way
+    sequence_level: bool = True
 
 
 def hidden_factors(seed: int, cfg: TruthConfig) -> dict[str, float]:
@@ -93,9 +98,45 @@ class SimBackend:
             stage = name.split("/")[1]
             phases[stage] = max(phases[stage], est.phase_times[stage] * noise[name])
         phases["weight_sync"] = est.phase_times["weight_sync"] * float(math.exp(rng.normal(0, self.truth.noise)))
+        detail = {}
+        if self.truth.sequence_level or phases_of(plan) is not None:
+            detail = self._sequence_level(plan, step, job, est, lengths, noise, stage_times, phases)
         tokens = float(job.sequences_per_step() * (job.workload.prompt_length + mean))
         return StepMetrics(step, stage_times, phases, sum(phases.values()), mean, longest,
-                           job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus)
+                           job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus, detail)
+
+    def _sequence_level(self, plan: Plan, step: int, job: JobSpec, est, lengths: np.ndarray, noise: dict,
+                        stage_times: dict, phases: dict) -> dict:
+        """Generation decoded sequence by sequence under the hidden factors (``control.phased``), the plan's
+        mid-step move if it has one, and inference overlapped on the GPUs its tail frees. Fills the stage
+        and phase times in place; returns where the time went and the move's predicted and realised numbers."""
+        model = GenModel.of(self.hw, job, plan, est)
+        moved_noise = float(math.exp(self._rng(step, 3).normal(0, self.truth.noise)))
+        f = Factors.of(self.factors, self.factors["transition"] * moved_noise)
+        bulk = run_bulk(model, lengths, f)
+        base = no_move(model, bulk)
+        phase = phases_of(plan)
+        inf_gpus = frozenset(g for p in plan.placements if p.model_stage.stage == "inference" for g in p.gpus)
+        out = with_tail(model, bulk, phase, f, inf_gpus) if phase else base
+        gen_noise = noise["actor/generation"]
+        stage_times["actor/generation"] = out.generation_s * gen_noise
+        inference = phases["inference"]
+        after, early = overlapped_inference(inference, out, len(lengths))
+        phases["generation"], phases["inference"] = out.generation_s * gen_noise, after
+        idle = out.idle_gpu_s - early * len(inf_gpus)
+        detail = {"generation": {"bulk_s": out.bulk_s, "migration_s": out.migration_s, "tail_s": out.tail_s,
+                                 "idle_gpu_s": max(0.0, idle) * gen_noise, "overlap_s": early}}
+        if phase is None:
+            return detail
+        modelled = with_tail(model, bulk, phase, Factors.of(self.factors, 1.0), inf_gpus) if out.moved else out
+        detail["intrastep"] = {
+            **phase.to_dict(), "moved": out.moved, "refused": out.refused,
+            "migration_s": out.migration_s, "migration_modelled_s": modelled.migration_s,
+            "realised_gain_s": (base.generation_s - out.generation_s) * gen_noise + inference - after,
+            "move_peak_bytes": out.move_peak_bytes, "usable_bytes": self.hw.usable_bytes(),
+            "unfinished": out.unfinished, "kv_sent": out.kv_sent, "recomputed": out.recomputed,
+            "bytes_sent": out.bytes_sent}
+        return detail
 
     def apply_transition(self, old: Plan, new: Plan, step: int) -> TransitionMetrics:
         """The transition graph's schedule (shared, cached, with the controller's) under the hidden factor."""

@@ -169,9 +169,14 @@ def _params_b(job: JobSpec) -> float:
 def make_policy(name: str, job: JobSpec, schedule: Schedule | None = None, total_steps: int | None = None,
                 transition_cost: TransitionCost | None = None,
                 config: ControllerConfig | None = None):
-    """``nereus`` (adaptive, calibrated), ``nereus-nocal``, or a baseline by name (see the module doc)."""
-    if name == "nereus":
-        return Controller(job, config, schedule, total_steps, transition_cost)
+    """``nereus`` (adaptive between and inside steps, calibrated), ``nereus-interstep`` (between steps only),
+    ``nereus-nocal``, or a baseline by name (see the module doc)."""
+    if name in INTRASTEP:
+        return _phased(name, job, schedule, total_steps, transition_cost, config)
+    if name == "nereus-interstep":
+        policy = Controller(job, config, schedule, total_steps, transition_cost)
+        policy.name = name
+        return policy
     if name == "nereus-nocal":
         cfg = ControllerConfig(**{**(config or ControllerConfig()).__dict__, "calibrate": False})
         policy = Controller(job, cfg, schedule, total_steps, transition_cost)
@@ -195,6 +200,21 @@ def make_policy(name: str, job: JobSpec, schedule: Schedule | None = None, total
     return StaticPolicy(name, base_job, constraints, pin_tp_pp, schedule, transition_cost, rollout_tp, sync)
 
 
+def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, config):
+    """Policies that switch the generation stage to a tail layout inside the step (``control.intrastep``):
+    ``nereus`` (the controller between steps, the cost model's tail choice inside), ``pat-like`` (verl-like
+    static layouts, PAT's TP switch when the batch has drained), ``rlhfuse-like`` (fixed-oracle static
+    layouts, the tail packed onto few instances and inference started on the GPUs freed)."""
+    from nereus.control.intrastep import NereusTail, PatTail, PhasedPolicy, RlhfuseTail
+
+    if name == "nereus":
+        return PhasedPolicy(name, Controller(job, config, schedule, total_steps, transition_cost), NereusTail())
+    inner = make_policy("verl-like" if name == "pat-like" else "fixed-oracle", job, schedule, total_steps,
+                        transition_cost, config)
+    return PhasedPolicy(name, inner, PatTail() if name == "pat-like" else RlhfuseTail())
+
+
 BASELINES = ("fixed-oracle", "fixed-recipe", "verl-like", "openrlhf-like", "realhf-like")
+INTRASTEP = ("nereus", "pat-like", "rlhfuse-like")
 ALIASES = {"fixed-dp": "fixed-oracle"}  # the name fixed-oracle had before the recipe baseline existed
-POLICIES = ("nereus", "nereus-nocal", *BASELINES, *ALIASES)
+POLICIES = ("nereus", "nereus-interstep", "nereus-nocal", *BASELINES, "pat-like", "rlhfuse-like", *ALIASES)
