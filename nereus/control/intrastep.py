@@ -19,7 +19,7 @@ its decisions it sets the phases of the next step's generation stage on the plan
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -161,7 +161,7 @@ class NereusTail(TailRule):
         if gross <= pred.migration_s * (1 + self.margin) or pred.gain_s <= self.min_gain * pred.base_s:
             return None
         return TailPhase(phase.trigger_live, phase.tail_tp, phase.tail_replicas, True, "cheaper", self.name,
-                         {**pred.to_dict(), "transfer_factor": self.transfer})
+                         {**pred.to_dict(), "transfer_factor": self.transfer, "factors": asdict(f)})
 
 
 class PatTail(TailRule):

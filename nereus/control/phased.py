@@ -443,3 +443,43 @@ def overlapped_inference(inference_s: float, out: GenOutcome, sequences: int) ->
     ready = 1.0 - out.unfinished / max(1, sequences)
     done = min(ready, out.overlap_share * out.overlap_window_s / inference_s)
     return inference_s * (1 - done), inference_s * done
+
+
+def phased_plan_dict(plan: Plan) -> dict:
+    """The plan with its generation phases, as one JSON-ready dict (``Plan.to_dict`` leaves meta out)."""
+    phase = phases_of(plan)
+    return {"plan": plan.to_dict(), "generation_phases": phase.to_dict() if phase else None}
+
+
+def phased_plan_from_dict(d: dict) -> Plan:
+    plan = Plan.from_dict(d["plan"], "phased_plan.plan")
+    if d.get("generation_phases"):
+        plan.meta["generation_phases"] = TailPhase.from_dict(d["generation_phases"]).to_dict()
+    return plan
+
+
+def kv_migration_plan(model: GenModel, bulk: BulkRun, phase: TailPhase, f: Factors | None = None):
+    """The piece-level plan (``elastic.kvplan``) of ``phase``'s move on this step: every unfinished
+    sequence from its bulk replica to its tail replica, KV pieces per (layers, KV heads) of each destination
+    rank, or the record only where it re-prefills; commit, then the sources free their caches."""
+    from nereus.elastic.kvplan import GenPlacement, KVShape, SeqMove, plan_migration
+    from nereus.spec.layout import Layout
+
+    f = f or Factors()
+    lay, arch = model.placement.layout, model.arch
+    t_star = trigger_time(bulk, phase.trigger_live)
+    ids = np.flatnonzero(bulk.finish_s > t_star)
+    prompt = model.job.workload.prompt_length
+    generated = _generated_at(bulk, ids, t_star).astype(int)
+    ctx = prompt + generated
+    dest = _tail_assignment(model, bulk, ids, phase)
+    gpus = list(model.placement.gpus)
+    tail_gpus = gpus[:phase.tail_gpus]
+    cross = bool(_nodes(model, gpus) - _nodes(model, tail_gpus))
+    refill = _kv_choice(model, ctx.astype(float), phase, cross, f)
+    src = GenPlacement(Layout(tp=lay.tp, pp=lay.pp, dp=lay.dp), tuple(gpus))
+    dst = GenPlacement(Layout(tp=phase.tail_tp, dp=phase.tail_replicas), tuple(tail_gpus))
+    moves = [SeqMove(int(i), prompt, int(g), int(c), 0, int(bulk.replica[i]), int(d), bool(r))
+             for i, g, c, d, r in zip(ids, generated, ctx, dest, refill, strict=True)]
+    shape = KVShape(arch.layers, arch.kv_heads, arch.head_dim, int(model.job.options.weight_bytes))
+    return plan_migration("actor", shape, src, dst, moves)

@@ -48,7 +48,7 @@ class RunRecord:
         return {"planned": len(moves), "moved": len(ran), "refused": sum(1 for m in moves if m["refused"]),
                 "predicted_gain_s": mean([m["predicted"].get("gain_s", 0.0) for m in ran]),
                 "realised_gain_s": mean([m["realised_gain_s"] for m in ran]),
-                "predicted_migration_s": mean([m["predicted"].get("migration_s", 0.0) for m in ran]),
+                "predicted_migration_s": mean([m.get("predicted_migration_s", 0.0) for m in ran]),
                 "realised_migration_s": mean([m["migration_s"] for m in ran]),
                 **{k: mean([g[k] for g in gen]) for k in ("bulk_s", "migration_s", "tail_s", "idle_gpu_s",
                                                          "overlap_s")}}

@@ -9,7 +9,7 @@ sees only the measured times, as on real hardware, and must calibrate to predict
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -128,10 +128,14 @@ class SimBackend:
                                  "idle_gpu_s": max(0.0, idle) * gen_noise, "overlap_s": early}}
         if phase is None:
             return detail
-        modelled = with_tail(model, bulk, phase, Factors.of(self.factors, 1.0), inf_gpus) if out.moved else out
+        # The policy's model at the trigger, where the live sequences and their contexts are known: its
+        # predicted move cost on this step, and the same with transfers unscaled (what it calibrates on).
+        seen = Factors(**phase.predicted["factors"]) if "factors" in phase.predicted else Factors()
+        at_trigger = with_tail(model, bulk, phase, seen, inf_gpus) if out.moved else out
+        modelled = with_tail(model, bulk, phase, replace(seen, transfer=1.0), inf_gpus) if out.moved else out
         detail["intrastep"] = {
-            **phase.to_dict(), "moved": out.moved, "refused": out.refused,
-            "migration_s": out.migration_s, "migration_modelled_s": modelled.migration_s,
+            **phase.to_dict(), "moved": out.moved, "refused": out.refused, "migration_s": out.migration_s,
+            "predicted_migration_s": at_trigger.migration_s, "migration_modelled_s": modelled.migration_s,
             "realised_gain_s": (base.generation_s - out.generation_s) * gen_noise + inference - after,
             "move_peak_bytes": out.move_peak_bytes, "usable_bytes": self.hw.usable_bytes(),
             "unfinished": out.unfinished, "kv_sent": out.kv_sent, "recomputed": out.recomputed,

@@ -1,0 +1,173 @@
+"""Adaptation inside the step (issue 16): sequence-level generation, phased generation with KV moves,
+the controller's per-step decision, and the policies that use them."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nereus.control.phased import (
+    Factors,
+    GenModel,
+    TailPhase,
+    kv_migration_plan,
+    no_move,
+    phased_plan_dict,
+    phased_plan_from_dict,
+    run_bulk,
+    run_replicas,
+    step_table,
+    with_tail,
+)
+from nereus.cost.decode import generation_time
+from nereus.cost.hardware import Hardware
+from nereus.cost.plan_cost import estimate_plan
+from nereus.elastic.plan import Commit, KVFree, KVPiece, KVSend
+from nereus.planner.search import search
+from nereus.sim.run import simulate
+from nereus.spec import load_job
+from nereus.spec.job import ResponseLength
+from nereus.spec.trace import load_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@lru_cache(maxsize=1)
+def _setup():
+    job = load_job(ROOT / "examples" / "ppo_8b_h100.yaml")
+    job = job.with_response(ResponseLength(3000, 20480, "lognormal", 1.0))
+    hw = Hardware(job.cluster)
+    plan = search(hw, job, None).plan
+    return job, hw, plan, GenModel.of(hw, job, plan, estimate_plan(hw, job, plan))
+
+
+def _lengths(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.minimum(rng.lognormal(math.log(3000) - 0.5, 1.0, n), 20480)
+
+
+def test_replica_matches_the_decode_models_event_simulation():
+    """Token-bucketed continuous batching against cost.decode.generation_time's exact event simulation on
+    the same replica, lengths and batch (queue, refills and drain included)."""
+    job, hw, _, _ = _setup()
+    table = step_table(hw, job.models["actor"], 4, 2)
+    lengths = np.round(_lengths(96, 1)).astype(int)
+    exact = generation_time(table.replica, 1024, lengths.tolist(), 32)
+    run = run_replicas(table, [(lengths.astype(float), np.full(96, 1024.0), 96 * 1024.0, 1024.0)], 32, 4,
+                       Factors())[0]
+    assert run.end_s == pytest.approx(exact.total_s, rel=0.05)
+    # slots refill: the 33rd sequence starts when the first one ends, never more than 32 in flight
+    assert (run.start_s[32:] > run.prefill_s).all()
+    events = sorted([(t, 1) for t in run.start_s] + [(t, -1) for t in run.finish_s], key=lambda e: (e[0], e[1]))
+    assert max(np.cumsum([d for _, d in events])) <= 32
+
+
+def test_phases_round_trip_through_json_with_the_plan():
+    _, _, plan, _ = _setup()
+    phase = TailPhase(32, 8, 2, True, "cheaper", "nereus", {"gain_s": 1.5})
+    p = replace(plan)
+    p.meta["generation_phases"] = phase.to_dict()
+    back = phased_plan_from_dict(json.loads(json.dumps(phased_plan_dict(p))))
+    assert back == plan and TailPhase.from_dict(back.meta["generation_phases"]) == phase
+    with pytest.raises(ValueError, match="format"):
+        TailPhase.from_dict({**phase.to_dict(), "format": "x"})
+    with pytest.raises(ValueError, match="kv"):
+        TailPhase(1, 8, 1, kv="teleport")
+
+
+def test_tail_switch_moves_every_unfinished_sequence_and_the_kv_plan_matches_its_bytes():
+    job, hw, _, model = _setup()
+    bulk = run_bulk(model, _lengths(job.sequences_per_step(), 2), Factors())
+    phase = TailPhase(64, 8, 4, True, "send")
+    out = with_tail(model, bulk, phase, Factors())
+    assert out.moved and out.unfinished >= 1 and out.kv_sent == out.unfinished
+    assert out.migration_s > 0 and out.generation_s < no_move(model, bulk).generation_s
+    mig = kv_migration_plan(model, bulk, phase)
+    assert json.loads(json.dumps(mig.to_json())) == mig.to_json()
+    assert type(mig).from_json(mig.to_json()) == mig
+    # every byte the model prices is a KV piece of the plan (TP 4 -> 8 splits each rank's heads in two); the
+    # model prices pieces a rank keeps (same GPU in both layouts) as transfers too: an upper bound
+    assert sum(s.bytes for s in mig.sends()) == pytest.approx(out.bytes_sent)
+    assert mig.bytes_sent <= out.bytes_sent
+    commit = mig.commit
+    assert all(commit in s.deps for s in mig.steps if isinstance(s, KVFree))
+    assert all(s.id < commit for s in mig.steps if isinstance(s, KVSend))
+    assert isinstance(mig.steps[commit], Commit)
+
+
+def test_a_move_that_would_overfill_a_device_is_refused():
+    """One TP-1 replica taking hundreds of unfinished sequences cannot hold their caches: refused, and the
+    stage runs as without a move."""
+    job, hw, _, model = _setup()
+    bulk = run_bulk(model, _lengths(job.sequences_per_step(), 3), Factors())
+    out = with_tail(model, bulk, TailPhase(600, 1, 1, False, "send"), Factors())
+    assert not out.moved and "GB" in out.refused and out.move_peak_bytes > hw.usable_bytes()
+    assert out.generation_s == no_move(model, bulk).generation_s
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), trigger=st.integers(1, 600), tp=st.sampled_from([1, 2, 4, 8]),
+       replicas=st.sampled_from([1, 2, 4, 8]), kv=st.sampled_from(["cheaper", "send", "recompute"]))
+def test_property_mid_step_moves_never_exceed_memory(seed, trigger, tp, replicas, kv):
+    job, hw, _, model = _setup()
+    bulk = run_bulk(model, _lengths(job.sequences_per_step(), seed), Factors())
+    out = with_tail(model, bulk, TailPhase(trigger, tp, replicas, True, kv), Factors())
+    if out.moved:
+        assert out.move_peak_bytes <= hw.usable_bytes()
+        assert out.kv_sent + out.recomputed <= out.unfinished  # the rest kept their caches in place
+        assert out.generation_s >= out.bulk_s + out.migration_s
+    else:
+        assert out.refused or out.unfinished == 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), tp=st.sampled_from([4, 8]), replicas=st.sampled_from([1, 2, 4]),
+       trigger=st.integers(4, 200))
+def test_property_kv_pieces_cover_each_destination_shard_exactly_once(seed, tp, replicas, trigger):
+    job, _, _, model = _setup()
+    arch = job.models["actor"]
+    bulk = run_bulk(model, _lengths(job.sequences_per_step(), seed), Factors())
+    mig = kv_migration_plan(model, bulk, TailPhase(trigger, tp, replicas, kv="send"))
+    area: dict[tuple[int, int], int] = {}
+    for s in mig.sends():
+        for part in s.parts:
+            for piece in part.pieces:
+                if isinstance(piece, KVPiece):
+                    key = (s.dst, piece.seq)
+                    size = (piece.layers[1] - piece.layers[0]) * (piece.heads[1] - piece.heads[0])
+                    area[key] = area.get(key, 0) + size
+    per_rank = arch.layers * max(1, arch.kv_heads // tp)
+    assert area and set(area.values()) == {per_rank}
+
+
+def test_controller_calibrates_the_move_cost_and_logs_every_decision():
+    """nereus on the DAPO long-tail trace: every planned move is in the run record with its predicted and
+    realised gain; after the transfer cost is calibrated on measured moves, realised migration cost is
+    within 20% of the prediction."""
+    job = load_job(ROOT / "examples" / "ppo_8b_h100.yaml")
+    record = simulate(job, load_trace(ROOT / "traces" / "long_tail_dapo.yaml"), "nereus", seed=1, steps=45)
+    moves = [s["intrastep"] for s in record.steps if s.get("intrastep")]
+    assert moves and all({"predicted", "realised_gain_s", "migration_s"} <= m.keys() for m in moves)
+    calibrated = [m for m in moves[20:] if m["moved"] and m["predicted"].get("transfer_factor", 1.0) != 1.0]
+    assert calibrated
+    errors = [abs(m["migration_s"] / m["predicted_migration_s"] - 1) for m in calibrated]
+    assert sum(errors) / len(errors) <= 0.2
+    assert record.intrastep_summary()["moved"] == sum(m["moved"] for m in moves)
+
+
+def test_policies_run_and_intrastep_ones_move_inside_the_step():
+    job = load_job(ROOT / "examples" / "ppo_8b_h100.yaml")
+    trace = load_trace(ROOT / "traces" / "long_tail_dapo.yaml")
+    for policy in ("nereus-interstep", "pat-like", "rlhfuse-like"):
+        record = simulate(job, trace, policy, seed=0, steps=6)
+        moved = record.intrastep_summary()["moved"]
+        assert (moved > 0) == (policy != "nereus-interstep"), policy
+        assert all(s["generation"]["bulk_s"] > 0 for s in record.steps)
