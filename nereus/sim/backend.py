@@ -61,6 +61,7 @@ class SimBackend:
         self._max_gpus = max([self.initial_gpus, *(n for _, n in trace.gpus)])
         self.full_job = job.with_gpus(self._max_gpus)
         self.hw = Hardware(self.full_job.cluster)
+        self.last_generation: dict = {}  # the latest step's sequence-level generation (sim.step_timeline)
 
     def cluster(self, step: int) -> ClusterState:
         now = self.trace.gpus_at(step, self.initial_gpus)
@@ -124,6 +125,8 @@ class SimBackend:
         after, early = overlapped_inference(inference, out, len(lengths))
         phases["generation"], phases["inference"] = out.generation_s * gen_noise, after
         idle = out.idle_gpu_s - early * len(inf_gpus)
+        self.last_generation = {"model": model, "outcome": out, "phase": phase, "noise": gen_noise,
+                                "early_s": early, "phases": dict(phases)}  # for a step's timeline
         detail = {"generation": {"bulk_s": out.bulk_s, "migration_s": out.migration_s, "tail_s": out.tail_s,
                                  "idle_gpu_s": max(0.0, idle) * gen_noise, "overlap_s": early}}
         if phase is None:

@@ -63,6 +63,15 @@ class _Progress(Observer):
 def simulate(job: JobSpec, trace: Trace, policy_name: str, seed: int = 0, steps: int | None = None,
              config: ControllerConfig | None = None, truth: TruthConfig | None = None,
              initial_gpus: int | None = None, progress=None, recovery: Recovery | None = None) -> RunRecord:
+    return simulate_with_backend(job, trace, policy_name, seed, steps, config, truth, initial_gpus, progress,
+                                 recovery)[0]
+
+
+def simulate_with_backend(job: JobSpec, trace: Trace, policy_name: str, seed: int = 0, steps: int | None = None,
+                          config: ControllerConfig | None = None, truth: TruthConfig | None = None,
+                          initial_gpus: int | None = None, progress=None,
+                          recovery: Recovery | None = None) -> tuple[RunRecord, SimBackend]:
+    """``simulate``, also returning the backend (its last step's generation feeds ``sim.step_timeline``)."""
     steps = steps or trace.steps
     check_gpus_remain(trace, seed, initial_gpus or job.cluster.num_gpus, steps)
     coster = TransitionCoster()  # one cache for the policy's decisions and the backend's truth
@@ -73,4 +82,4 @@ def simulate(job: JobSpec, trace: Trace, policy_name: str, seed: int = 0, steps:
     record = run_policy(policy, backend, steps, _Progress(progress) if progress else None, recovery,
                         lambda plan: restart_cost(backend, plan, recovery))
     record.job, record.trace, record.seed = job.name, trace.name, seed
-    return record
+    return record, backend
