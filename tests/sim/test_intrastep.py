@@ -171,3 +171,21 @@ def test_policies_run_and_intrastep_ones_move_inside_the_step():
         moved = record.intrastep_summary()["moved"]
         assert (moved > 0) == (policy != "nereus-interstep"), policy
         assert all(s["generation"]["bulk_s"] > 0 for s in record.steps)
+
+
+def test_step_timeline_shows_bulk_migration_tail_and_overlapped_inference(tmp_path):
+    from nereus.sim.run import simulate_with_backend
+    from nereus.sim.step_timeline import chrome_trace, plot, step_rows
+
+    job = load_job(ROOT / "examples" / "ppo_8b_h100.yaml")
+    record, backend = simulate_with_backend(job, load_trace(ROOT / "traces" / "long_tail_dapo.yaml"), "nereus",
+                                            seed=0, steps=2)
+    rows = step_rows(backend.last_generation)
+    kinds = {kind for _, kind, _, _ in rows}
+    assert {"bulk", "migration", "tail", "inference (overlapped)", "training"} <= kinds
+    # the step ends when its last phase does: the rows span the measured step time
+    assert max(b for *_, b in rows) == pytest.approx(record.steps[-1]["step_time_s"], rel=1e-6)
+    trace = json.loads(json.dumps(chrome_trace(rows, "step")))
+    assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} == kinds - {"idle"}
+    plot(rows, "step", tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 0
