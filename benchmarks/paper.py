@@ -30,7 +30,7 @@ from nereus.spec.trace import load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXED = ("fixed-oracle", "fixed-recipe")
-OURS = ("nereus", "nereus-nocal")
+OURS = ("nereus", "nereus-interstep", "nereus-nocal")  # nereus adapts inside the step too (docs/adaptation.md)
 
 
 def run(job, trace_name: str, policy: str, seed: int, steps: int | None, gpus: int | None = None):

@@ -272,8 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="run a policy over a trace on the simulated cluster")
     s.add_argument("trace", help="trace file (YAML or JSON; see docs/simulator.md)")
     s.add_argument("--job", required=True, help="job spec (YAML)")
-    s.add_argument("--policy", default="nereus", help="nereus, nereus-nocal, fixed-dp, verl-like, "
-                                                      "openrlhf-like, realhf-like")
+    s.add_argument("--policy", default="nereus", help="nereus, nereus-interstep, nereus-nocal, fixed-oracle, "
+                                                      "fixed-recipe, verl-like, openrlhf-like, realhf-like, "
+                                                      "pat-like, rlhfuse-like")
     s.add_argument("--seed", type=int, default=0, help="fixes hidden efficiencies, noise and length draws")
     s.add_argument("--steps", type=int, help="steps to run (default: the trace's)")
     s.add_argument("--out", help="write the run record (JSON) here, for `nereus report`")
