@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -35,8 +36,18 @@ def cmd_run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     for p in rl.placed:
         print(f"  {p.model + '/' + p.stage:<22} {p.layout.short():<22} workers {list(p.ranks)}", file=sys.stderr)
+    from nereus.runtime.raylocal import exit_on_signals
+
+    # SIGTERM/SIGHUP unwind like Ctrl-C: workers released, Ray shut down and reaped (docs/reliability.md)
+    signalled = exit_on_signals()
     try:
         summary = rl.execute(resume=args.resume)
+    except SystemExit:
+        if signalled() is None:
+            raise
+        print(f"nereus: stopped by {signal.Signals(signalled()).name}; the last checkpoint resumes (--resume)",
+              file=sys.stderr)
+        raise SystemExit(128 + signalled()) from None
     finally:
         rl.release()
     if args.json:
@@ -76,11 +87,52 @@ def cmd_scale(args: argparse.Namespace) -> int:
     if not args.dir.is_dir() or not ((args.dir / "init").is_dir() or (args.dir / "metrics.jsonl").is_file()):
         raise SpecError("--dir", f"{args.dir} is not a run's output folder (it has no init/ or metrics.jsonl); "
                                  "give the folder of the running job (run.checkpoint.dir or --out)")
+    _check_capacity(args.dir, args.workers)
     request = args.dir / "scale.json"
     tmp = request.with_suffix(".tmp")
     tmp.write_text(json.dumps({"workers": args.workers}))
     tmp.replace(request)  # atomic: the job never reads half a file
     print(f"asked the job in {args.dir} to run on {args.workers} workers (applied at its next step boundary)")
+    return 0
+
+
+def _check_capacity(run_dir: Path, workers: int) -> None:
+    """Refuse at once a size the run's own local Ray cannot place (its CPUs, from ray_session.json; issue 19:
+    `scale 6` on a 4-CPU Ray used to leave the run waiting). The run refuses it too, and keeps going."""
+    from nereus.runtime.raylocal import SESSION
+    from nereus.spec.errors import SpecError
+
+    try:
+        cpus = int(json.loads((run_dir / SESSION).read_text())["num_cpus"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # joined a cluster, or an older run: the run itself refuses what it cannot place
+    if workers > cpus:
+        raise SpecError("workers", f"the run in {run_dir} started a local Ray with {cpus} CPUs, one per worker: "
+                                   f"at most {cpus} workers fit, asked for {workers} (a larger run.max_workers "
+                                   "gives the next run room)")
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    """Kill what a killed driver left of its local Ray (``raylocal.cleanup_run``): the run's in ``--dir``,
+    else of every driver that is gone."""
+    from nereus.runtime.raylocal import SESSION, cleanup_run
+    from nereus.spec.errors import SpecError
+
+    record = None
+    if args.dir is not None:
+        path = args.dir / SESSION
+        try:
+            record = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise SpecError("--dir", f"{path} does not exist: the run in {args.dir} did not start a local Ray "
+                                     "(run `nereus cleanup` without --dir to clean every dead driver's)") from None
+        except (OSError, ValueError, RecursionError) as err:
+            raise SpecError("--dir", f"{path} cannot be read ({str(err)[:100]}); run `nereus cleanup` without --dir") \
+                from None
+        if not isinstance(record, dict):
+            raise SpecError("--dir", f"{path} is not a Ray session record; run `nereus cleanup` without --dir")
+    what, killed = cleanup_run(record)
+    print(f"nereus cleanup: {what}: killed {len(killed)} process(es)" + (f" {killed}" if killed else ""))
     return 0
 
 
@@ -117,3 +169,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("workers", type=int, help="the number of workers the job should run on")
     c.add_argument("--dir", type=Path, required=True, help="the running job's output folder")
     c.set_defaults(func=cmd_scale)
+    k = sub.add_parser("cleanup", help="kill the Ray processes a killed `nereus run` driver left behind")
+    k.add_argument("--dir", type=Path, help="the run's output folder (default: every driver that is gone)")
+    k.set_defaults(func=cmd_cleanup)

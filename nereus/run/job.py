@@ -42,7 +42,7 @@ from nereus.run.checkpoint import (
     written_training,
 )
 from nereus.run.driver import Stepper
-from nereus.run.manifest import verify_manifest, write_manifest
+from nereus.run.manifest import verify_manifest, write_manifest, write_text_atomic
 from nereus.run.metrics import MetricsLog, Progress, check_loggers, lines_through
 from nereus.run.setup import (
     TRAINED,
@@ -58,6 +58,7 @@ from nereus.run.warmstart import initial_checkpoints, initial_sources, pretraine
 from nereus.runtime.generate import SamplingParams
 from nereus.runtime.hf import save_checkpoint
 from nereus.runtime.live import KeySpec
+from nereus.runtime.raylocal import SESSION, session_record
 from nereus.runtime.workers import Runtime
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
@@ -118,6 +119,9 @@ class RLJob(Observer):
                 start = max(self.run.adapt.workers_at(0, self.run.workers),
                             1 + max(r for p in self.placed for r in p.ranks))
             self.rt = Runtime(start, address=self.address, max_workers=self.run.max_workers)
+            record = session_record()  # for `nereus cleanup --dir` and `nereus scale` (docs/reliability.md)
+            if record is not None:
+                write_text_atomic(self.dir / SESSION, json.dumps(record, indent=1))
         written = self._written(optim) if optim is not None else {}
         loaded = set()
         for p in self.placed:

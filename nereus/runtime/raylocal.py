@@ -6,12 +6,29 @@ host's routable IP -- unless ``ray_constants.ENABLE_RAY_CLUSTER`` is false. That
 environment variable ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when ray is imported (default: true except on
 Windows/macOS). With the flag off the node IP stays 127.0.0.1, and the GCS, the raylet, every core worker
 (driver and actors) and the runtime-env agent bind to it rather than to [::] or the host's IP.
+
+*Token authentication* (issue 19): Ray 2.60 authenticates every gRPC call to its control store, raylet and
+agents with a bearer token when ``RAY_AUTH_MODE=token``
+(ray/_private/authentication/authentication_token_setup.py; https://docs.ray.io/en/latest/ray-security/token-auth.html).
+``start_local_ray`` turns it on with a fresh random token for each instance, passed to Ray's processes in
+``RAY_AUTH_TOKEN`` (readable only by the same user), unless the caller set ``RAY_AUTH_MODE`` itself.
+
+*Clean exits* (issue 19): every process a local instance starts inherits ``NEREUS_RAY_OWNER`` — the
+driver's pid and start time. A process whose owner is gone is a leftover of a driver that died (SIGKILL
+skips every handler); the next ``start_local_ray`` and ``nereus cleanup`` kill them (``reap``), and a
+driver that exits normally or on SIGTERM/SIGINT shuts Ray down and reaps its own before it goes.
 """
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -20,13 +37,144 @@ LOOPBACK = "127.0.0.1"
 LOOPBACK_ENV: dict[str, str] = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
+OWNER_ENV = "NEREUS_RAY_OWNER"
+SESSION = "ray_session.json"  # in a run folder: the local Ray instance its driver started (``session_record``)
+
+
 def start_local_ray(num_cpus: int, temp_dir: Path) -> None:
-    """Start a single-node Ray instance under ``temp_dir`` (no dashboard) that listens on loopback only."""
+    """Start a single-node Ray instance under ``temp_dir`` (no dashboard) that listens on loopback only and
+    authenticates with a token of its own; first reap the leftovers of drivers that died."""
+    reap(leftovers())
     os.environ.update(LOOPBACK_ENV)  # for Ray's child processes, which import ray afresh
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False  # for this process, where ray is already imported
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ[OWNER_ENV] = owner_tag(os.getpid())
+    if "RAY_AUTH_MODE" not in os.environ or os.environ["RAY_AUTH_MODE"] == "token":
+        _use_token(secrets.token_hex(32))
+    kept = _signal_handlers()
     ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(Path(temp_dir).absolute()),
              _node_ip_address=LOOPBACK, log_to_driver=False)
+    for sig, handler in kept.items():  # ray.init installs its own (log and die): the caller's come back
+        signal.signal(sig, handler)
+    atexit.register(shutdown_local_ray)  # after ray.init's own: runs first, shuts Ray down, then reaps
+
+
+def _signal_handlers() -> dict[int, object]:
+    """The Python-level handlers of the termination signals, when this is the main thread (else none)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    found = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    return {sig: h for sig, h in found.items() if h is not None}
+
+
+def _use_token(token: str) -> None:
+    """Token mode with ``token`` for this process (Ray's cached config re-read) and the processes it starts."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def auth_mode() -> str:
+    """The authentication mode this process's Ray uses: "token" or "disabled"."""
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    return "token" if is_token_auth_enabled() else "disabled"
+
+
+def shutdown_local_ray() -> list[int]:
+    """Shut down this driver's Ray and kill whatever of it is still running; returns the pids it killed."""
+    if ray.is_initialized():
+        ray.shutdown()
+    return reap(leftovers(owner=os.environ.get(OWNER_ENV)))
+
+
+def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Callable[[], int | None]:
+    """Turn ``signals`` into ``SystemExit(128 + signum)`` in the main thread, so ``finally`` blocks and
+    ``atexit`` (``shutdown_local_ray``) run as on Ctrl-C (SIGINT raises ``KeyboardInterrupt`` already).
+    Returns a function that tells which signal came (Ray turns an exception raised while it waits into
+    ``SystemExit(1)``, losing the code)."""
+    received: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        received.append(signum)
+        raise SystemExit(128 + signum)
+
+    for sig in signals:
+        signal.signal(sig, stop)
+    return lambda: received[0] if received else None
+
+
+# ----- finding and reaping leftovers --------------------------------------------------------------------
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """(parent pid, state, start time in clock ticks) from /proc/<pid>/stat, or None if it is gone."""
+    raw = _read(f"/proc/{pid}/stat")
+    if not raw:
+        return None
+    fields = raw.rsplit(b")", 1)[1].split()  # after "(comm)": state, ppid, ..., starttime is field 22
+    return int(fields[1]), fields[0].decode(), int(fields[19])
+
+
+def owner_tag(pid: int) -> str:
+    """``<pid>-<start time>``: names one process, never a later one that reuses its pid."""
+    stat = _stat(pid)
+    return f"{pid}-{stat[2] if stat else 0}"
+
+
+def _alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[1] not in ("Z", "X")  # a zombie has exited; only its parent's wait is left
+
+
+def _owner_alive(tag: str) -> bool:
+    pid, _, start = tag.partition("-")
+    return pid.isdigit() and _alive(int(pid)) and owner_tag(int(pid)) == tag
+
+
+def _env_owner(pid: int) -> str | None:
+    """``NEREUS_RAY_OWNER`` in the environment ``pid`` started with (only a same-user process is readable)."""
+    for item in _read(f"/proc/{pid}/environ").split(b"\0"):
+        if item.startswith(OWNER_ENV.encode() + b"="):
+            return item.split(b"=", 1)[1].decode(errors="replace")
+    return None
+
+
+def leftovers(owner: str | None = None) -> dict[int, str]:
+    """pid → owner tag of every live process started by a local Ray instance of ours: of ``owner`` when
+    given, else of every owner that is no longer running. Never this process or one of its ancestors."""
+    spare = {os.getpid()}
+    pid = os.getpid()
+    while (stat := _stat(pid)) is not None and stat[0] > 0:
+        pid = stat[0]
+        spare.add(pid)
+    out = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        pid = int(entry)
+        if pid in spare or not _alive(pid):
+            continue
+        tag = _env_owner(pid)
+        if tag and (tag == owner if owner else not _owner_alive(tag)):
+            out[pid] = tag
+    return out
+
+
+def reap(pids: dict[int, str] | set[int], wait_s: float = 10.0) -> list[int]:
+    """SIGKILL ``pids`` and wait (at most ``wait_s``) until they have exited; returns those killed. Raises
+    ``RuntimeError`` naming any still running after ``wait_s``."""
+    killed = []
+    for pid in sorted(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + wait_s
+    while (alive := [p for p in killed if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if alive:
+        raise RuntimeError(f"Ray processes {alive} were still running {wait_s:.0f} s after SIGKILL")
+    return killed
 
 
 def _read(path: str) -> bytes:
@@ -110,3 +258,30 @@ def is_loopback(ip: str) -> bool:
     addr = ipaddress.ip_address(ip)
     mapped = getattr(addr, "ipv4_mapped", None)
     return (mapped or addr).is_loopback
+
+
+def session_record(num_cpus: int | None = None) -> dict | None:
+    """What ``nereus cleanup`` and ``nereus scale`` need to know of the local Ray instance this driver
+    started (None when it joined a cluster or started none): owner tag, session folder, CPUs, auth mode,
+    and the pids of its processes now."""
+    if not ray.is_initialized() or os.environ.get(OWNER_ENV) != owner_tag(os.getpid()):
+        return None
+    node = ray._private.worker._global_node
+    cpus = num_cpus if num_cpus is not None else int(ray.cluster_resources().get("CPU", 0))
+    return {"owner": os.environ[OWNER_ENV], "driver_pid": os.getpid(), "session_dir": node.get_session_dir_path(),
+            "gcs_address": node.gcs_address,
+            "num_cpus": cpus, "auth": auth_mode(), "pids": sorted(ray_pids() - {os.getpid()})}
+
+
+def cleanup_run(record: dict | None) -> tuple[str, list[int]]:
+    """Kill what is left of the local Ray instance ``record`` describes (``session_record``), or, with no
+    record, of every instance whose driver is gone. Returns (what was done, the pids killed); a record
+    whose driver is still running is left alone."""
+    if record is None:
+        return "leftovers of every driver that is gone", reap(leftovers())
+    owner = str(record.get("owner", ""))
+    if not owner.partition("-")[0].isdigit():
+        return "nothing: the record names no driver", []
+    if _owner_alive(owner):
+        return f"nothing: the run's driver (pid {record.get('driver_pid')}) is still running; stop it first", []
+    return f"leftovers of driver {record.get('driver_pid')}", reap(leftovers(owner=owner))
