@@ -111,3 +111,19 @@ def test_scale_request_that_cannot_be_placed_is_dropped_and_the_run_continues(ra
     assert any(f"cannot grow to {want} workers" in line for line in said)
     said.clear()
     assert backend.cluster(1).num_gpus == 4 and said == []
+
+
+def test_scale_beyond_the_runs_ray_is_refused_at_once(tmp_path, capsys):
+    """`nereus scale N` reads the CPUs of the run's local Ray (ray_session.json) and refuses a size that
+    cannot fit before writing any request."""
+    from nereus.cli import main
+    from nereus.runtime.raylocal import SESSION
+
+    (tmp_path / "init").mkdir()
+    (tmp_path / SESSION).write_text(json.dumps({"num_cpus": 4}))
+    assert main(["scale", "6", "--dir", str(tmp_path)]) == 2
+    assert "started a local Ray with 4 CPUs, one per worker: at most 4 workers fit, asked for 6" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "scale.json").exists()
+    assert main(["scale", "4", "--dir", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "scale.json").read_text()) == {"workers": 4}
