@@ -24,6 +24,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise SpecError("run", f"needs the runtime's dependencies ({err.name} is missing); "
                                "install them with: pip install -e '.[runtime]'") from None
+    if args.address:  # before any work: an unreachable cluster is one line, not minutes of Ray's retries
+        from nereus.runtime.nodes import check_address
+
+        check_address(args.address)
     try:
         rl = RLJob(job, out_dir=args.out, workers=args.workers, address=args.address)
     except DataError as err:
@@ -38,7 +42,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"  {p.model + '/' + p.stage:<22} {p.layout.short():<22} workers {list(p.ranks)}", file=sys.stderr)
     from nereus.runtime.raylocal import exit_on_signals
 
-    # SIGTERM/SIGHUP unwind like Ctrl-C: workers released, Ray shut down and reaped (docs/reliability.md)
+    # SIGTERM, SIGINT, SIGHUP: workers released, Ray shut down and reaped, exit 128 + signal (docs/reliability.md)
     signalled = exit_on_signals()
     try:
         summary = rl.execute(resume=args.resume)

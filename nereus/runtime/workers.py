@@ -28,6 +28,7 @@ from nereus.runtime.model import ModelConfig
 from nereus.runtime.nodes import (
     NodeMap,
     PlacementError,
+    check_address,
     pinned,
     replica_ring,
     several_nodes,
@@ -66,6 +67,7 @@ class Runtime:
         self._store_dir = None if address else Path(temp_dir or Path.cwd() / ".tmp" / "ray").absolute() / "rendezvous"
         if not ray.is_initialized():
             if address:
+                check_address(address)  # a one-line error at once, not minutes of ray.init retries
                 ray.init(address=address)
             else:
                 root = Path(temp_dir or Path.cwd() / ".tmp" / "ray").absolute()
@@ -84,6 +86,7 @@ class Runtime:
         self.specs: dict[str, KeySpec] = {}  # what each key holds: the one record of placements
         self._graphs: dict[tuple, object] = {}
         self.failover = Failover()
+        self.failover.timeout_s = timeout_s + GRACE_S  # snapshot waits too have a deadline (issue 19)
 
     def _new_workers(self, first: int, count: int, world: int) -> list:
         """Ray actors for ranks ``first``..``first + count - 1`` of a world of ``world``; on several nodes
