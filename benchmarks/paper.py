@@ -10,8 +10,9 @@ Each experiment is measured against both fixed baselines (docs/simulator.md): ``
 the planner's own best plan, ``fixed-recipe`` from the rollout TP that public verl/OpenRLHF example scripts
 set for the model size; both then scale DP only. Each runs under two batch assumptions: a fixed global
 batch (the job's prompts per step at every GPU count, as published runs set it) and a batch that grows
-with the GPUs (the job's prompts per GPU on its own cluster kept as GPUs come and go). ``nereus-nocal``
-(no calibration) shows what calibration contributes.
+with the GPUs (the job's prompts per GPU on its own cluster kept as GPUs come and go). ``nereus`` adapts
+between and inside steps; ``nereus-interstep`` only between steps (the paper's setting); ``nereus-nocal``
+between steps without calibration, to show what calibration contributes.
 
     python benchmarks/paper.py [--seed 0] [--quick] [--plots docs/img]
 """
@@ -69,8 +70,8 @@ def experiment_a(jobs: dict, seed: int, quick: bool, rows: list) -> dict:
             where = name if gpus is None else f"{name}, {gpus} GPUs"
             rows.append(("(a) mean step latency", where, batch if gpus is None else "either (same batch)",
                          pct(mean["nereus"], mean["fixed-oracle"]), pct(mean["nereus"], mean["fixed-recipe"]),
-                         f"{pct(mean['nereus-nocal'], mean['fixed-oracle'])} / "
-                         f"{pct(mean['nereus-nocal'], mean['fixed-recipe'])}", ""))
+                         *(f"{pct(mean[p], mean['fixed-oracle'])} / {pct(mean[p], mean['fixed-recipe'])}"
+                           for p in OURS[1:]), ""))
             first.setdefault(batch, runs)
     return first
 
@@ -89,12 +90,10 @@ def experiment_b(jobs: dict, seed: int, quick: bool, rows: list) -> dict:
                   f"{pct(s[p]['mean_step_s'], s['fixed-recipe']['mean_step_s'])} vs fixed-recipe; "
                   f"simulated in {s[p]['wall_s']:.0f} s")
         n, oracle, recipe = (s[p]["mean_step_s"] for p in ("nereus", "fixed-oracle", "fixed-recipe"))
-        nocal = s["nereus-nocal"]["mean_step_s"]
         rows.append(("(b) mean step latency", "growth_to_1024", batch, pct(n, oracle), pct(n, recipe),
-                     f"{pct(nocal, oracle)} / {pct(nocal, recipe)}",
-                     f"transitions: {s['nereus']['transitions']}, {100 * s['nereus']['transition_share']:.3f}% of "
-                     f"run time ({s['nereus-nocal']['transitions']}, "
-                     f"{100 * s['nereus-nocal']['transition_share']:.3f}% without calibration)"))
+                     *(f"{pct(s[p]['mean_step_s'], oracle)} / {pct(s[p]['mean_step_s'], recipe)}" for p in OURS[1:]),
+                     "transitions, share of run time: " + "; ".join(
+                         f"{p} {s[p]['transitions']}, {100 * s[p]['transition_share']:.3f}%" for p in OURS)))
         out[batch] = runs
     return out
 
@@ -110,10 +109,11 @@ def experiment_c(jobs: dict, seed: int, quick: bool, rows: list) -> None:
             tput = {p: r.summary()["tokens_per_s"] for p, r in runs.items()}
             for p in OURS:
                 print(f"    => {p}: " + ", ".join(f"{tput[p] / tput[o]:.2f}x {o}" for o in others))
-            n, nocal = tput["nereus"], tput["nereus-nocal"]
+            n = tput["nereus"]
             rows.append(("(c) throughput", f"r1_zero_growth, {gpus} GPUs", batch,
                          f"{n / tput['fixed-oracle']:.2f}×", f"{n / tput['fixed-recipe']:.2f}×",
-                         f"{nocal / tput['fixed-oracle']:.2f}× / {nocal / tput['fixed-recipe']:.2f}×",
+                         *(f"{tput[p] / tput['fixed-oracle']:.2f}× / {tput[p] / tput['fixed-recipe']:.2f}×"
+                           for p in OURS[1:]),
                          f"{n / tput['verl-like']:.2f}× verl-like, {n / tput['openrlhf-like']:.2f}× OpenRLHF-like"))
 
 
@@ -136,7 +136,8 @@ def main() -> None:
     b = experiment_b(jobs, args.seed, args.quick, rows)
     experiment_c(jobs, args.seed, args.quick, rows)
     print("\n| experiment | trace | batch | nereus vs fixed-oracle | nereus vs fixed-recipe "
-          "| without calibration (vs oracle / recipe) | also |\n|---|---|---|---|---|---|---|")
+          "| between steps only (vs oracle / recipe) | without calibration, between steps (vs oracle / recipe) "
+          "| also |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
     if args.plots:
