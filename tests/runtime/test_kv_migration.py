@@ -1,8 +1,9 @@
 """Live migration of unfinished sequences mid-generation (``runtime.kv_migrate``) on a gloo world of two
 ranks: after TP1→TP2 (KV heads split), TP2→TP1 (merged), DP2→DP1 (gathered to one replica) and
 worker→worker moves, and after dropping and re-prefilling, every sequence's tokens and log-probs equal an
-uninterrupted generation, greedy and sampled; a failure before the commit point loses nothing. The
-migration plan is built from the sources' sequence records and crosses between ranks as JSON."""
+uninterrupted generation, greedy and sampled (and after PP2→TP2 and TP2→PP2); a failure before the commit
+point loses nothing. The migration plan is built from the sources' sequence records and crosses between
+ranks as JSON."""
 
 from __future__ import annotations
 
@@ -138,6 +139,7 @@ def _body(rank: int, world: int, case: str) -> None:
             _change(rank, comm, want, sampled, {"tp": 1}, {"tp": 2})  # KV heads split
             _change(rank, comm, want, sampled, {"tp": 2}, {"tp": 1})  # merged
             _change(rank, comm, want, sampled, {"pp": 2}, {"tp": 2})  # layers gathered, heads split
+            _change(rank, comm, want, sampled, {"tp": 2}, {"pp": 2})  # heads merged, layers cut
             _change(rank, comm, want, sampled, {"tp": 1}, {"tp": 2}, refill=lambda i: i % 2 == 1)
         elif case == "dp":
             _dp_moves(rank, comm, want, sampled)
