@@ -51,6 +51,7 @@ class Failover:
         self.snapshot_step: int | None = None
         self._pending: tuple | None = None  # (step, refs, homes, replicas, acks) of a snapshot being taken
         self._in_flight: list = []  # calls still out when a loss showed, collected by ``settle_in_flight``
+        self.timeout_s: float | None = None  # the owner's deadline for a wait (``get``) that names none
 
     def changed(self, model: str) -> None:
         """``model``'s state is about to change (a training step): it is no longer the snapshot's."""
@@ -76,6 +77,7 @@ class Failover:
         from nereus.runtime.waits import WaitTimeout
 
         pending = list(refs)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

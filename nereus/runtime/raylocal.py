@@ -90,11 +90,11 @@ def shutdown_local_ray() -> list[int]:
     return reap(leftovers(owner=os.environ.get(OWNER_ENV)))
 
 
-def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> Callable[[], int | None]:
+def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+                    ) -> Callable[[], int | None]:
     """Turn ``signals`` into ``SystemExit(128 + signum)`` in the main thread, so ``finally`` blocks and
-    ``atexit`` (``shutdown_local_ray``) run as on Ctrl-C (SIGINT raises ``KeyboardInterrupt`` already).
-    Returns a function that tells which signal came (Ray turns an exception raised while it waits into
-    ``SystemExit(1)``, losing the code)."""
+    ``atexit`` (``shutdown_local_ray``) run. Returns a function that tells which signal came: Ray turns an
+    exception raised while it waits (``KeyboardInterrupt`` included) into ``SystemExit(1)``, losing it."""
     received: list[int] = []
 
     def stop(signum: int, _frame: object) -> None:

@@ -100,9 +100,7 @@ def test_a_stopped_driver_leaves_no_ray_process_and_used_token_auth(tmp_path, si
     finally:
         proc.kill()
         proc.wait()
-    if sig == signal.SIGTERM:
-        assert rc == 128 + signal.SIGTERM  # through the handler: SystemExit(143), finally blocks and atexit ran
-    assert rc != 0
+    assert rc == 128 + sig  # through the handler: SystemExit(143 or 130), finally blocks and atexit ran
     assert leftovers(owner=record["owner"]) == {}  # the driver shut Ray down and reaped it before exiting
     out = subprocess.run([sys.executable, "-m", "nereus", "cleanup", "--dir", str(run)], cwd=ROOT, env=_env(),
                          capture_output=True, text=True, timeout=WAIT_S)
