@@ -9,7 +9,7 @@ Built-in scorers (1.0 for a correct answer, 0.0 otherwise):
 - math (``lighteval/MATH``, ``HuggingFaceH4/MATH-500``, any source containing ``math``): the contents of
   the *last* ``\\boxed{...}`` (or ``\\fbox{...}``) of the response, braces balanced, compared with the
   ground truth (itself unwrapped from ``\\boxed{}`` if it is boxed) after ``normalize_answer``;
-- the built-in task (``nereus/reverse``): exact match of the whole response, ended with EOS.
+- the built-in tasks (``nereus/reverse``, ``nereus/repeat``): exact match of the whole response, ended with EOS.
 
 ``normalize_answer`` (documented in README "Bring a verl dataset and an HF model"): drop ``$`` signs
 and a trailing period; unwrap ``\\text{...}``; remove ``\\left``/``\\right``, LaTeX spacing
@@ -33,6 +33,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
 
+from nereus.rl.longtail import TASK_SOURCE as REPEAT_SOURCE
 from nereus.rl.task import TASK_SOURCE, digit_match, exact_match
 from nereus.spec.errors import SpecError
 
@@ -130,7 +131,7 @@ def _digits(response: str, ground_truth: str, finished: bool, extra_info: dict) 
 
 # data_source -> scorer; ``register_source`` adds to it. Sources not listed fall back by substring.
 SOURCES: dict[str, Scorer] = {
-    TASK_SOURCE: _exact, "openai/gsm8k": gsm8k_score, "gsm8k": gsm8k_score,
+    TASK_SOURCE: _exact, REPEAT_SOURCE: _exact, "openai/gsm8k": gsm8k_score, "gsm8k": gsm8k_score,
     "lighteval/MATH": boxed_score, "DigitalLearningGmbH/MATH-lighteval": boxed_score,
     "HuggingFaceH4/MATH-500": boxed_score,
 }

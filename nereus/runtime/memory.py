@@ -143,7 +143,7 @@ def predict_generation(arch: ModelArch, layout: Layout, batch: int, prompt: int,
                        dtype_bytes: int = 4) -> dict[str, float]:
     """The cost model's per-device weights and KV cache for generating ``new_tokens`` after ``prompt``
     tokens for ``batch`` sequences (every response at full length), rescaled to ``dtype_bytes``."""
-    role, job = _job(arch, False, layout, {"algorithm": {"name": "grpo", "samples_per_prompt": 1}},
+    role, job = _job(arch, False, layout, {"algorithm": {"name": "ppo", "samples_per_prompt": 1}},
                      prompts_per_step=batch, prompt_length=prompt,
                      response_length={"mean": new_tokens, "max": new_tokens})
     cost = generation_cost(Hardware(job.cluster), job, ModelStage("actor", "generation"), layout)

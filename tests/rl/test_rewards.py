@@ -65,6 +65,8 @@ def test_boxed_score_and_routing():
     router = RewardRouter("auto")
     assert router.score("openai/gsm8k", "#### 7", "7", False, {}) == 1.0  # verl scores truncated text too
     assert router.score("nereus/reverse", "21", "21", False, {}) == 0.0  # the built-in task: EOS required
+    assert router.score("nereus/repeat", "777", "777", True, {}) == 1.0  # the long-tail task: exact match
+    assert router.score("nereus/repeat", "77", "777", True, {}) == 0.0
     assert RewardRouter("digit_match").score("openai/gsm8k", "21", "22", True, {}) == 0.5
     with pytest.raises(SpecError, match=r"run\.rule_reward: no rule reward for data_source 'somebody/unknown'"):
         router.check_sources({"openai/gsm8k", "somebody/unknown"}, "run.rule_reward")
