@@ -26,6 +26,7 @@ import ipaddress
 import os
 import secrets
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -44,7 +45,10 @@ SESSION = "ray_session.json"  # in a run folder: the local Ray instance its driv
 def start_local_ray(num_cpus: int, temp_dir: Path) -> None:
     """Start a single-node Ray instance under ``temp_dir`` (no dashboard) that listens on loopback only and
     authenticates with a token of its own; first reap the leftovers of drivers that died."""
-    reap(leftovers())
+    try:
+        reap(leftovers())
+    except RuntimeError as err:  # a leftover stuck in the kernel must not keep this run from starting
+        print(f"nereus: warning: {err}", file=sys.stderr)
     os.environ.update(LOOPBACK_ENV)  # for Ray's child processes, which import ray afresh
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False  # for this process, where ray is already imported
     os.environ[OWNER_ENV] = owner_tag(os.getpid())
