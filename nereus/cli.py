@@ -13,14 +13,14 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from nereus.spec.errors import InfeasibleError, SpecError
+from nereus.spec.errors import InfeasibleError, RuntimeFailure, SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS
 from nereus.spec.files import write_text_file
 
 # Exit codes: 2 bad input (one line naming the file or key and the fix), 3 a plan that does not fit
 # (estimate), 70 an internal error (EX_SOFTWARE; the traceback goes to a log file), 130 interrupted,
 # 141 stdout closed early (`nereus plan job.yaml | head`: 128 + SIGPIPE, as other Unix tools exit).
-EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 2, 70, 130, 141
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 1, 2, 70, 130, 141
 # Write failures that no check can foresee (the disk fills during a run): one line naming the file, exit 2
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
@@ -355,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, InfeasibleError) as err:
         print(f"nereus: error: {_one_line(str(err))}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RuntimeFailure as err:  # the cluster, not the input: one line, checkpoints stay resumable
+        print(f"nereus: error: {_one_line(str(err))}", file=sys.stderr)
+        return EXIT_FAILED
     except BrokenPipeError:
         _stdout_gone()
         return EXIT_BROKEN_PIPE

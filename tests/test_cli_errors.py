@@ -433,3 +433,26 @@ def test_a_metric_line_torn_by_a_killed_driver_does_not_block_resume():
     text = '{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"'  # killed while writing step 3
     assert lines_through(text, 2) == ['{"step": 1, "a": 1}', '{"step": 2, "a": 2}']
     assert lines_through('[1]\n{"no_step": 1}\n' + "[" * 5000 + "\n", 9) == []
+
+
+def test_a_wait_past_its_deadline_is_one_line_and_exit_1(monkeypatch, capsys):
+    """A worker wait past its deadline (runtime.waits.WaitTimeout) is the cluster failing, not bad input
+    and not a bug: one stderr line naming the wait, exit 1, no traceback file."""
+    import nereus.cli as cli
+    from nereus.spec.errors import RuntimeFailure
+
+    def stuck(args):
+        raise RuntimeFailure("train_step: 1 of 4 workers did not answer within 660 s")
+
+    monkeypatch.setattr(cli, "cmd_plan", stuck)
+    assert cli.main(["plan", str(JOB_8B)]) == 1
+    err = capsys.readouterr().err
+    assert err == "nereus: error: train_step: 1 of 4 workers did not answer within 660 s\n"
+
+
+def test_wait_timeout_is_a_runtime_failure():
+    pytest.importorskip("ray")
+    from nereus.runtime.waits import WaitTimeout
+    from nereus.spec.errors import RuntimeFailure
+
+    assert issubclass(WaitTimeout, RuntimeFailure)

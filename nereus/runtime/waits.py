@@ -12,11 +12,12 @@ from __future__ import annotations
 import ray
 
 from nereus.runtime.nodes import PlacementError  # one error for "Ray cannot host these workers"
+from nereus.spec.errors import RuntimeFailure
 
 GRACE_S = 60.0  # beyond a worker's own collective timeout: a healthy call has answered (or failed) by then
 
 
-class WaitTimeout(RuntimeError):
+class WaitTimeout(RuntimeFailure):
     """The driver waited longer than its deadline for workers' answers."""
 
 

@@ -27,3 +27,9 @@ class InfeasibleError(ValueError):
         else:
             msg = f"{model_stage}: {detail}"
         super().__init__(msg)
+
+
+class RuntimeFailure(RuntimeError):
+    """The machine or cluster failed the run (a wait past its deadline, workers that never answered), not
+    the input and not the code: the CLI prints one line and exits 1; checkpoints already written stay
+    valid for ``--resume``."""
