@@ -121,8 +121,10 @@ def _powers(limit: int) -> list[int]:
 class NereusTail(TailRule):
     name = "nereus"
 
-    def __init__(self, margin: float = 0.5, min_gain: float = 0.01) -> None:
+    def __init__(self, margin: float = 0.5, min_gain: float = 0.01, wait_for_fit: bool = True) -> None:
         self.margin, self.min_gain = margin, min_gain
+        # as the controller's optional moves (issue 15): none before the first calibration fit
+        self.wait_for_fit = wait_for_fit
         self.ratios: list[float] = []  # realised ÷ modelled migration transfer time, per measured move
 
     @property
@@ -135,6 +137,8 @@ class NereusTail(TailRule):
             self.ratios.append(rec["migration_s"] / rec["migration_modelled_s"])
 
     def choose(self, job: JobSpec, plan: Plan, factors: dict[str, float]) -> TailPhase | None:
+        if self.wait_for_fit and not factors:
+            return None
         model, bulk, f, inference_s = self.setup(job, plan, factors, self.transfer)
         lay, n = model.placement.layout, len(bulk.lengths)
         base = no_move(model, bulk)
@@ -202,6 +206,7 @@ class PhasedPolicy:
         self._last: tuple[int, Plan | None] = (-10**9, None)
         self._phase: TailPhase | None = None
         self._in_force: Plan | None = None  # the plan object the loop runs (it keeps its own on equal plans)
+        self._fitted = False  # whether the controller had a calibration fit at the last choice
 
     @property
     def controller(self):
@@ -214,8 +219,10 @@ class PhasedPolicy:
 
     def _set_phases(self, plan: Plan, step: int) -> Plan:
         last_step, last_plan = self._last
-        if last_plan is not plan or step - last_step >= self.every:
-            ctrl = self.controller
+        ctrl = self.controller
+        fitted = bool(ctrl.factors)
+        if last_plan is not plan or step - last_step >= self.every or fitted != self._fitted:
+            self._fitted = fitted
             job = ctrl.job_for(step, plan.num_gpus)
             self._phase = self.rule.choose(job, plan, ctrl.factors)
             self._last = (step, plan)

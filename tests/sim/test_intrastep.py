@@ -161,6 +161,7 @@ def test_controller_calibrates_the_move_cost_and_logs_every_decision():
     errors = [abs(m["migration_s"] / m["predicted_migration_s"] - 1) for m in calibrated]
     assert sum(errors) / len(errors) <= 0.2
     assert record.intrastep_summary()["moved"] == sum(m["moved"] for m in moves)
+    assert not any(s.get("intrastep") for s in record.steps[:5])  # no move before the first calibration fit
 
 
 def test_policies_run_and_intrastep_ones_move_inside_the_step():
@@ -179,7 +180,7 @@ def test_step_timeline_shows_bulk_migration_tail_and_overlapped_inference(tmp_pa
 
     job = load_job(ROOT / "examples" / "ppo_8b_h100.yaml")
     record, backend = simulate_with_backend(job, load_trace(ROOT / "traces" / "long_tail_dapo.yaml"), "nereus",
-                                            seed=0, steps=2)
+                                            seed=0, steps=7)  # the first fit after step 4, moves from step 5
     rows = step_rows(backend.last_generation)
     kinds = {kind for _, kind, _, _ in rows}
     assert {"bulk", "migration", "tail", "inference (overlapped)", "training"} <= kinds
