@@ -399,7 +399,7 @@ def with_tail(model: GenModel, bulk: BulkRun, phase: TailPhase, f: Factors,
             held = model.resident[g] + live_ctx[r] * bulk_kv_rank  # freed only after the commit
             during = held + (new_weights if reshard else 0.0) + incoming
             after = model.resident[g] + final_kv + (new_weights - model.placement_weights() if reshard else 0.0)
-            peak = max(peak, during, after)
+            peak = float(max(peak, during, after))
     if peak > hw.usable_bytes():
         return _refused(model, bulk, f"the move needs {peak / 1e9:.1f} GB on a tail device, usable "
                                      f"{hw.usable_bytes() / 1e9:.1f} GB", peak)
