@@ -20,9 +20,11 @@ from nereus.rl.data import Prompt
 from nereus.rl.rewards import RewardRouter
 from nereus.rl.tokenizer import Tokenizer
 from nereus.run import remote
+from nereus.run.overlap import Calls, EarlyInference, cat_parts
 from nereus.run.report import step_metrics
 from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack, repeat_prompts
 from nereus.run.setup import Placed
+from nereus.runtime.engine import TrainStats
 from nereus.runtime.generate import SamplingParams
 from nereus.spec.job import JobSpec
 
@@ -39,6 +41,8 @@ class Stepper:
         self.placed = placed
         self.timing: dict[str, float] = {}
         self.grad_norms: dict[str, float] = {}  # model → mean global gradient norm of the last step
+        self.calls = Calls(rt)  # the step's worker calls: futures and per-worker busy time
+        self.early: EarlyInference | None = None  # this step's inference started during generation
 
     @contextmanager
     def timer(self, name: str):
@@ -68,35 +72,82 @@ class Stepper:
         limit = self.run.max_response_length(step, self.job.workload.response.max)
         params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
                                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
-                                seed=self.run.seed * 100_003 + step)
+                                seed=self.run.seed * 100_003 + step, slots=self.run.rollout_slots)
+        prompts, eos = [list(p.ids) for p in rows], self.tok.eos_token_id
+        fixed = (max(len(p) for p in prompts), limit) if self.run.rollout_pad_to_max else None
+        key = self.key["actor", "generation"]
         with self.timer("gen"):
-            out = self.rt.generate_with_logprobs(self.key["actor", "generation"], [list(p.ids) for p in rows],
-                                                 params)
-        return pack([list(p.ids) for p in rows], [r for r, _ in out], [lp for _, lp in out],
-                    self.tok.eos_token_id), rows
+            call = self.calls.submit("gen", "generate", key, "generate_with_logprobs", prompts, params)
+            self.early = None
+            if self.run.overlap and fixed is not None:  # inference starts on each replica's rows as it ends
+                stages = [(t, self.key[m, "inference"], op) for t, m, op in self.inference_calls()]
+                self.early = EarlyInference(self.calls, call, key, stages, len(rows))
+                parts = self.early.run(
+                    lambda a, b, out: pack(prompts[a:b], [r for r, _ in out], None, eos, fixed).tokens)
+            else:
+                parts = self.calls.wait([call])[0]
+            out = [row for part in parts for row in part]
+        return pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows
+
+    def inference_calls(self) -> list[tuple[str, str, str]]:
+        """(timer, model, worker operation) of each inference stage, in the order they are issued. One
+        pass of the actor gives the old log-probs and the rollout policy's full-vocabulary entropy."""
+        out = [("old_log_prob", "actor", "logprobs_and_entropy")]
+        out += [("ref", "reference", "logprobs")] if self.has("reference") else []
+        out += [("values", "critic", "values")] if self.has("critic") else []
+        return out + ([("reward", "reward", "values")] if self.has("reward") else [])
 
     def infer(self, roll: Rollout, rows: list[Prompt]) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        with self.timer("old_log_prob"):
-            # one pass gives the old log-probs and the rollout policy's full-vocabulary entropy (actor/entropy)
-            logp, entropy = self.rt.logprobs_and_entropy(self.key["actor", "inference"], roll.tokens)
-            out["old_logp"], out["entropy"] = roll.response_frame(logp), roll.response_frame(entropy)
-        if self.has("reference"):
-            with self.timer("ref"):
-                out["ref_logp"] = roll.response_frame(self.rt.logprobs(self.key["reference", "inference"],
-                                                                       roll.tokens))
-        if self.has("critic"):
-            with self.timer("values"):
-                out["values"] = roll.response_frame(self.rt.values(self.key["critic", "inference"], roll.tokens))
-        with self.timer("reward"):
-            out.update(self.score(roll, rows))
+        got: dict[str, torch.Tensor | tuple] = {}
+        if self.run.overlap:  # every stage issued at once; the rule reward is computed while they run
+            calls = {}
+            for t, m, op in self.inference_calls():
+                key = self.key[m, "inference"]
+                calls[t] = [c for _, c in self.early.rest(t, key, op, roll.tokens)] if self.early else [
+                    self.calls.submit(t, "infer", key, op, roll.tokens)]
+            with self.timer("reward"):
+                rule = self.rule_scores(roll, rows)
+            answers = iter(self.calls.wait([c for cs in calls.values() for c in cs]))
+            got = {t: cat_parts([part for _ in cs for part in next(answers)]) for t, cs in calls.items()}
+            for t, cs in calls.items():
+                self.timing[f"timing_s/{t}"] = self.timing.get(f"timing_s/{t}", 0.0) + sum(map(self.calls.seconds, cs))
+        else:
+            for t, m, op in self.inference_calls():
+                if t == "reward":
+                    continue  # timed with the rule reward below, as always
+                with self.timer(t):
+                    got[t] = cat_parts(self.calls.wait([self.calls.submit(t, "infer", self.key[m, "inference"], op,
+                                                                          roll.tokens)])[0])
+            with self.timer("reward"):
+                rule = self.rule_scores(roll, rows)
+                if self.has("reward"):
+                    got["reward"] = cat_parts(self.calls.wait([self.calls.submit(
+                        "reward", "infer", self.key["reward", "inference"], "values", roll.tokens)])[0])
+        logp, entropy = got["old_log_prob"]
+        out = {"old_logp": roll.response_frame(logp), "entropy": roll.response_frame(entropy)}
+        if "ref" in got:
+            out["ref_logp"] = roll.response_frame(got["ref"])
+        if "values" in got:
+            out["values"] = roll.response_frame(got["values"])
+        out.update(self.score(roll, rule, got.get("reward")))
         return out
 
-    def score(self, roll: Rollout, rows: list[Prompt]) -> dict[str, torch.Tensor]:
-        """Rule-based reward on the decoded response (``rl.rewards.RewardRouter``: by ``data_source``, a
-        named rule, or the user's function) plus ``reward_model_coef`` × the reward model's score at the
-        last token (verl's reward manager adds them the same way)."""
+    def score(self, roll: Rollout, rule: torch.Tensor | None, rm: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The rule-based reward (``rule_scores``) plus ``reward_model_coef`` × the reward model's score
+        ``rm`` [B, T] at the last token (verl's reward manager adds them the same way)."""
         out = {}
+        total = torch.zeros(len(roll.tokens)) if rule is None else rule.clone()
+        if rule is not None:
+            out["rule"] = rule
+        if rm is not None:
+            out["rm"] = rm[torch.arange(len(roll.tokens)), roll.last]
+            total = total + self.run.reward_model_coef * out["rm"]
+        out["score"] = total
+        return out
+
+    def rule_scores(self, roll: Rollout, rows: list[Prompt]) -> torch.Tensor | None:
+        """Rule-based reward on the decoded response (``rl.rewards.RewardRouter``: by ``data_source``, a
+        named rule, or the user's function); None when ``rule_reward`` is none."""
         responses = roll.tokens.tolist()
         rule = torch.zeros(len(rows))
         if self.run.rule_reward != "none":
@@ -105,14 +156,8 @@ class Stepper:
                 eos = self.tok.eos_token_id
                 text = self.tok.decode([t for t in responses[i][start: start + n] if t != eos])
                 rule[i] = self.reward.score(p.data_source, text, p.ground_truth, bool(roll.finished[i]), p.extra_info)
-            out["rule"] = rule
-        total = rule.clone()
-        if self.has("reward"):
-            rm = self.rt.values(self.key["reward", "inference"], roll.tokens)
-            out["rm"] = rm[torch.arange(len(rows)), roll.last]
-            total = total + self.run.reward_model_coef * out["rm"]
-        out["score"] = total
-        return out
+            return rule
+        return None
 
     def advantages(self, roll: Rollout, rows: list[Prompt], inf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         r = self.run
@@ -128,12 +173,28 @@ class Stepper:
     def update(self, model: str, batch: dict[str, torch.Tensor], loss_fn: object, lr: float,
                step: int) -> list[dict[str, float]]:
         """``epochs`` × ``mini_batches`` optimizer steps on ``model``'s training layout."""
+        return self.update_stats(model, self.submit_update(model, batch, loss_fn, lr, step))
+
+    def submit_update(self, model: str, batch: dict[str, torch.Tensor], loss_fn: object, lr: float,
+                      step: int) -> list:
+        """Issue ``model``'s optimizer steps; sequentially each is answered before the next is issued,
+        with ``run.overlap`` all are issued at once (the worker runs them in order either way)."""
         key = self.key[model, "training"]
         gen = torch.Generator().manual_seed(self.run.seed * 7_919 + step)
         horizon = self.run.max_response_length(step, self.job.workload.response.max)
         parts = [mb for _ in range(self.alg.epochs)
                  for mb in mini_batches(batch, self.alg.mini_batches, gen, self.run.loss_agg_mode, horizon)]
-        steps = [self.rt.train_step(key, mb, loss_fn, lr, self.run.grad_clip or None) for mb in parts]
+        calls = []
+        for mb in parts:
+            calls.append(self.calls.submit(f"update_{model}", "train", key, "train_step", mb, loss_fn, lr,
+                                           self.run.grad_clip or None))
+            if not self.run.overlap:
+                self.calls.wait(calls[-1:])
+        return calls
+
+    def update_stats(self, model: str, calls: list) -> list[dict[str, float]]:
+        """The statistics of ``model``'s optimizer steps ``calls``, as ``update`` returns them."""
+        steps = [TrainStats(tuple(parts)) for parts in self.calls.wait(calls)]
         replicas = range(len(steps[0].replicas))  # replica-major, as the statistics have always been summed
         if self.run.grad_clip:  # norms are measured while clipping: verl's actor/grad_norm, critic/grad_norm
             norms = [st.replicas[d].grad_norm for d in replicas for st in steps]
@@ -150,36 +211,57 @@ class Stepper:
                     self.rt.sync_weights(model, self.job)
 
     # ----- one step -----------------------------------------------------------------------------------
+    def training_jobs(self, roll: Rollout, inf: dict, adv: dict) -> dict[str, tuple[dict, object, float]]:
+        """model -> (batch, loss function, learning rate) of its update, critic first."""
+        r, mask = self.run, roll.mask
+        out = {}
+        if self.has("critic"):
+            batch = {"tokens": roll.tokens, "index": roll.index, "mask": mask, "old_values": inf["values"],
+                     "returns": adv["returns"]}
+            out["critic"] = (batch, partial(remote.critic_loss, clip=r.value_clip), r.critic_lr)
+        batch = {"tokens": roll.tokens, "index": roll.index, "mask": mask, "old_logp": inf["old_logp"],
+                 "adv": adv["adv"]}
+        kl_coef = r.kl_loss_coef if r.use_kl_loss and "ref_logp" in inf else 0.0
+        if kl_coef:
+            batch["ref_logp"] = inf["ref_logp"]
+        # verl: clip_ratio_low and clip_ratio_high each default to clip_ratio
+        low = r.clip_ratio if r.clip_ratio_low is None else r.clip_ratio_low
+        high = r.clip_ratio if r.clip_ratio_high is None else r.clip_ratio_high
+        loss = remote.policy_loss(clip_low=low, clip_high=high, kl_loss_coef=kl_coef, kl_loss_type=r.kl_loss_type,
+                                  clip_ratio_c=r.clip_ratio_c, entropy_coeff=r.entropy_coeff)
+        out["actor"] = (batch, loss, r.actor_lr)
+        return out
+
+    def train_models(self, step: int, jobs: dict[str, tuple[dict, object, float]]) -> dict[str, list[dict[str, float]]]:
+        """Both models' updates: one after the other, or (``run.overlap``) all their optimizer steps issued
+        together, so a critic and an actor trained on disjoint workers train at the same time."""
+        if not self.run.overlap:
+            stats = {}
+            for model, (batch, loss, lr) in jobs.items():
+                with self.timer(f"update_{model}"):
+                    stats[model] = self.update(model, batch, loss, lr, step)
+            return stats
+        issued = {model: self.submit_update(model, batch, loss, lr, step) for model, (batch, loss, lr) in jobs.items()}
+        stats = {model: self.update_stats(model, calls) for model, calls in issued.items()}
+        for model, calls in issued.items():
+            self.timing[f"timing_s/update_{model}"] = sum(self.calls.seconds(c) for c in calls)
+        return stats
+
     def step(self, step: int) -> dict[str, float]:
         self.timing, self.grad_norms = {}, {}
+        self.calls.reset()
         t0 = time.perf_counter()
         rows_p = self.prompts(step)
         roll, rows = self.generate(step, rows_p)
         inf = self.infer(roll, rows)
         adv = self.advantages(roll, rows, inf)
-        r, mask = self.run, roll.mask
-        stats: dict[str, list[dict[str, float]]] = {}
-        if self.has("critic"):
-            with self.timer("update_critic"):
-                batch = {"tokens": roll.tokens, "index": roll.index, "mask": mask, "old_values": inf["values"],
-                         "returns": adv["returns"]}
-                stats["critic"] = self.update("critic", batch, partial(remote.critic_loss, clip=r.value_clip),
-                                              r.critic_lr, step)
-        with self.timer("update_actor"):
-            batch = {"tokens": roll.tokens, "index": roll.index, "mask": mask, "old_logp": inf["old_logp"],
-                     "adv": adv["adv"]}
-            kl_coef = r.kl_loss_coef if r.use_kl_loss and "ref_logp" in inf else 0.0
-            if kl_coef:
-                batch["ref_logp"] = inf["ref_logp"]
-            # verl: clip_ratio_low and clip_ratio_high each default to clip_ratio
-            low = r.clip_ratio if r.clip_ratio_low is None else r.clip_ratio_low
-            high = r.clip_ratio if r.clip_ratio_high is None else r.clip_ratio_high
-            loss = remote.policy_loss(clip_low=low, clip_high=high, kl_loss_coef=kl_coef, kl_loss_type=r.kl_loss_type,
-                                      clip_ratio_c=r.clip_ratio_c, entropy_coeff=r.entropy_coeff)
-            stats["actor"] = self.update("actor", batch, loss, r.actor_lr, step)
+        stats = self.train_models(step, self.training_jobs(roll, inf, adv))
         self.sync()
         self.timing["timing_s/step"] = time.perf_counter() - t0
-        return self.metrics(step, roll, inf, adv, stats)
+        m = self.metrics(step, roll, inf, adv, stats)
+        m.update(self.calls.worker_metrics(len(self.rt.workers), self.timing["timing_s/step"],
+                                           self.timing.get("timing_s/update_weights", 0.0)))
+        return m
 
     def metrics(self, step: int, roll: Rollout, inf: dict, adv: dict, stats: dict) -> dict[str, float]:
         """verl's metric names (``critic/score/mean``, ``actor/pg_loss``, ``response_length/mean``...)."""

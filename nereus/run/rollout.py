@@ -38,11 +38,16 @@ class Rollout:
 
 
 def pack(prompts: list[list[int]], responses: list[list[int]], logps: list[list[float]] | None,
-         eos: int) -> Rollout:
-    """Pack prompt/response pairs (``logps`` per response token, or None) into a ``Rollout``."""
+         eos: int, fixed: tuple[int, int] | None = None) -> Rollout:
+    """Pack prompt/response pairs (``logps`` per response token, or None) into a ``Rollout``. ``fixed``:
+    (prompt length, response length) bounds to pad to instead of the longest present
+    (``run.rollout.pad_to_max``: rows packed before the others finish have the same width)."""
     b = len(prompts)
-    width = max(1, max(len(r) for r in responses))
-    total = max(len(p) + max(1, len(r)) for p, r in zip(prompts, responses, strict=True))
+    if fixed is not None:
+        width, total = max(1, fixed[1]), fixed[0] + max(1, fixed[1])
+    else:
+        width = max(1, max(len(r) for r in responses))
+        total = max(len(p) + max(1, len(r)) for p, r in zip(prompts, responses, strict=True))
     tokens = torch.full((b, total), PAD, dtype=torch.long)
     index = torch.zeros(b, width, dtype=torch.long)
     mask = torch.zeros(b, width)

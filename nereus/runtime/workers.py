@@ -210,6 +210,18 @@ class Runtime:
         need); their answers in layout rank order."""
         return self._get([getattr(self.workers[r], op).remote(key, *args) for r in self.specs[key].ranks])
 
+    def submit(self, key: str, op: str, *args: object) -> list[tuple[int, object]]:
+        """Issue ``Worker.<op>(key, *args)`` on every worker of ``key``'s layout without waiting: (worker
+        rank, Ray future) in layout rank order. Each actor runs its calls in the order they were issued,
+        so calls issued in one global order never deadlock on their collectives; ``answers`` waits."""
+        if op == "train_step":
+            self.failover.changed(self.specs[key].model)
+        return [(r, getattr(self.workers[r], op).remote(key, *args)) for r in self.specs[key].ranks]
+
+    def answers(self, refs: list) -> list:
+        """The answers of ``submit``'s futures, with the runtime's deadline and lost-worker detection."""
+        return self._get(refs)
+
     @staticmethod
     def _by_replica(answers: list) -> list:
         """The output ranks' results in data-parallel order."""

@@ -19,6 +19,9 @@ RULES = ("auto", "exact_match", "digit_match", "none")
 MAX_WORKERS = 64
 # The built-in task generates every prompt up front, in memory: 10^6 prompts is ~100x its default sets.
 MAX_DATASET = 10**6
+# Continuous-batching slots per generation replica: each slot holds one sequence's KV caches; vLLM's
+# max_num_seqs defaults to 256, past which a tiny CPU model gains nothing.
+MAX_SLOTS = 4096
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,14 @@ class RunSpec:
     ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     adapt: AdaptSpec | None = None
     logger: tuple[str, ...] | None = None  # verl's trainer.logger; None: console, JSONL, TensorBoard if installed
+    # run.rollout.slots (verl: actor_rollout_ref.rollout.max_num_seqs): > 0 generates with the continuous-
+    # batching engine, this many sequences at a time per replica (runtime.decode_engine); 0: the fixed batch
+    rollout_slots: int = 0
+    # run.rollout.pad_to_max: pack rollouts to the longest possible prompt + response (not the longest
+    # present), so that with run.overlap inference starts on a generation replica's rows once it finishes
+    rollout_pad_to_max: bool = False
+    # run.overlap: model-stages on disjoint workers run at once (run.overlap.Calls); results are identical
+    overlap: bool = False
 
     @property
     def max_workers(self) -> int:
@@ -229,7 +240,10 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
                      lr=w.get("lr", float, 3e-3, minimum=0))
     w.finish()
     layouts, ranks = _layouts(f.sub("layouts"), stages)
-    ckpt = f.sub("checkpoint")
+    ckpt, rollout = f.sub("checkpoint"), f.sub("rollout")
+    slots = rollout.get("slots", int, 0, minimum=0, maximum=MAX_SLOTS)
+    pad_to_max = rollout.get("pad_to_max", bool, False)
+    rollout.finish()
     spec = RunSpec(
         seed=f.get("seed", int, 0, minimum=0, maximum=MAX_SEED),
         steps=f.get("steps", int, 20, minimum=1, maximum=MAX_STEPS),
@@ -256,7 +270,9 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         eval_every=f.get("eval_every", int, 5, minimum=1),
         checkpoint_dir=ckpt.get("dir", str, "runs/job"), checkpoint_every=ckpt.get("every", int, 0, minimum=0),
         snapshot_every=ckpt.get("snapshot_every", int, 1, minimum=0),
-        layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f))
+        layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=slots,
+        rollout_pad_to_max=pad_to_max,
+        overlap=f.get("overlap", bool, False))
     if spec.adapt is not None and layouts:
         raise SpecError(f.key_path("layouts"), "with run.adapt the controller chooses every layout: remove "
                                                "run.layouts (or run.adapt to keep them fixed)")

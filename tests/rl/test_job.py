@@ -22,7 +22,7 @@ COMMON = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/upd
           "rollout/logprob_diff_max", "curriculum/max_response_length")
 PPO_ONLY = ("critic/vf_loss", "critic/values/mean", "critic/returns/mean", "timing_s/update_critic",
             "timing_s/values", "reward_model/score/mean", "actor/reward_kl_penalty", "critic/vpred_mean")
-TIMING = ("timing_s/", "perf/throughput", "perf/time_per_step", "nereus/snapshot_s")
+TIMING = ("timing_s/", "perf/throughput", "perf/time_per_step", "perf/idle_fraction/", "nereus/snapshot_s")
 
 
 def _lines(path) -> list[dict]:
