@@ -50,6 +50,7 @@ VERL_KEYS = {
     f"{_ROLLOUT}.n": "algorithm.samples_per_prompt",
     f"{_ROLLOUT}.temperature": "run.temperature",
     f"{_ROLLOUT}.top_p": "run.top_p",
+    f"{_ROLLOUT}.max_num_seqs": "run.rollout.slots",
     "critic.model.path": "models.critic.path",
     "critic.optim.lr": "run.critic_lr",
     "critic.grad_clip": "run.grad_clip",

@@ -14,6 +14,7 @@ import torch
 from nereus.run.driver import Stepper
 from nereus.run.job import RLJob
 from nereus.spec.errors import SpecError
+from nereus.spec.overrides import parse_override
 from tests.rl.jobs import tiny_job
 
 TIMING = ("timing_s/", "perf/throughput", "perf/time_per_step", "perf/idle_fraction/", "nereus/snapshot_s")
@@ -111,3 +112,4 @@ def test_keys_default_off_and_bad_values_name_the_key(tmp_path):
         tiny_job("grpo", str(tmp_path), rollout={"max_num_seq": 4})
     with pytest.raises(SpecError, match=r"run\.overlap"):
         tiny_job("grpo", str(tmp_path), overlap="yes")
+    assert parse_override("actor_rollout_ref.rollout.max_num_seqs=8") == ("run.rollout.slots", 8, False)  # verl's key
