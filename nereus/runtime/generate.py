@@ -84,7 +84,10 @@ def generate_with_logprobs(sm: ShardedModel, prompts: list[list[int]],
                            params: SamplingParams) -> list[tuple[list[int], list[float]]] | None:
     """New tokens per prompt and, for each, log p(token) under the model's unscaled distribution
     (log-softmax of the full-vocabulary logits, no temperature or top-p) — the behaviour log-probs PPO's
-    ratio needs. Complete on the last pipeline stage, None elsewhere."""
+    ratio needs. Complete on the last pipeline stage, None elsewhere (the engine, ``slots`` > 0: on every
+    rank of the replica)."""
+    if params.slots:
+        return generate_continuous(sm, prompts, params, params.slots)
     tokens, logps = _generate(sm, prompts, params)
     if logps is None:
         return None

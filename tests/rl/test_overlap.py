@@ -28,7 +28,7 @@ def _run(job, runtime, out, monkeypatch) -> tuple[list[dict], list[dict[str, tor
 
     def infer(self, roll, rows):
         out = real(self, roll, rows)
-        seen.append({k: v.clone() for k, v in out.items()})
+        seen.append({k: v.clone() for k, v in out.items()} | {"tokens": roll.tokens.clone()})
         seen[-1]["early"] = {t: sorted(calls) for t, calls in self.early.early.items()} if self.early else {}
         return out
 
@@ -93,6 +93,10 @@ def test_early_inference_with_continuous_batching(ray_runtime, tmp_path, monkeyp
         assert job.run.rollout_slots == 2 and job.run.rollout_pad_to_max
         runs[overlap] = _run(job, ray_runtime, out, monkeypatch)
     _same(runs[False], runs[True])
+    # the engine ran: its per-sequence streams sample other tokens than the fixed batch's one stream
+    fixed = _run(tiny_job("grpo", str(tmp_path / "fixed"), steps=1, rollout={"pad_to_max": True}), ray_runtime,
+                 tmp_path / "fixed", monkeypatch)
+    assert not torch.equal(fixed[1][0]["tokens"], runs[False][1][0]["tokens"])
     for inf in runs[True][1]:
         # 8 rows, 4 per generation replica; the reference (pp=2 on workers 1, 0) waits for both replicas
         assert len(inf["early"]["old_log_prob"]) == 1 and inf["early"]["old_log_prob"][0] in (0, 4)
