@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
+from nereus.runtime.waits import GRACE_S, WaitTimeout
+
 # what each kind of call is counted as (metric names: timing_s/worker_<i>/<kind>)
 KINDS = ("generate", "infer", "train", "sync")
 
@@ -58,16 +60,19 @@ class Calls:
         return call
 
     def wait(self, calls: list[Call]) -> list[list]:
-        """Each call's answers by replica, noting when each worker answered. Errors (a lost worker, a
-        timeout) are raised by the runtime's own wait, as for a blocking call."""
+        """Each call's answers by replica, noting when each worker answered. A lost worker or a failed
+        call raises as the runtime's own wait does (``Runtime.answers``); past the runtime's deadline,
+        ``WaitTimeout``."""
         owner = {ref: (c, rank) for c in calls for rank, ref in c.refs if rank not in c.done}
         refs = [ref for c in calls for _, ref in c.refs]
         pending = list(owner)
-        deadline = time.monotonic() + self.rt.timeout_s
+        limit = self.rt.timeout_s + GRACE_S  # the runtime's own deadline for a call (Runtime._get)
+        deadline = time.monotonic() + limit
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                break  # the runtime's wait below raises its timeout
+                raise WaitTimeout(f"{len(pending)} of {len(refs)} worker calls did not answer within {limit:.0f} s "
+                                  "(a worker hung); the run stops here instead of waiting forever")
             call, rank = owner[ready[0]]
             call.done[rank] = time.perf_counter()
             try:
@@ -160,11 +165,12 @@ class EarlyInference:
         responses to the fixed width. Returns the generation call's answers by replica."""
         owner = {ref: rank for rank, ref in self.gen.refs}
         pending, running = list(owner), set(self.replicas)
-        deadline = time.monotonic() + self.calls.rt.timeout_s
+        deadline = time.monotonic() + self.calls.rt.timeout_s + GRACE_S
         while pending and len(running) > 1:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                break
+                raise WaitTimeout(f"generation on {len(pending)} workers did not answer within "
+                                  f"{self.calls.rt.timeout_s + GRACE_S:.0f} s (a worker hung); the run stops here")
             self.gen.done[owner[ready[0]]] = time.perf_counter()
             try:
                 ray.get(ready[0])
