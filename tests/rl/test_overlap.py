@@ -117,3 +117,34 @@ def test_keys_default_off_and_bad_values_name_the_key(tmp_path):
     with pytest.raises(SpecError, match=r"run\.overlap"):
         tiny_job("grpo", str(tmp_path), overlap="yes")
     assert parse_override("actor_rollout_ref.rollout.max_num_seqs=8") == ("run.rollout.slots", 8, False)  # verl's key
+
+
+@pytest.mark.distributed
+def test_overlapped_run_recovers_from_a_worker_lost_mid_step(ray_runtime, tmp_path, monkeypatch):
+    """Worker 1 is SIGKILLed in the critic's first optimizer step while the actor's steps are already
+    queued behind it (run.overlap issues them together): the run recovers on the three survivors from the
+    step's snapshot, redoes the step and finishes."""
+    from nereus.runtime.faults import FaultPlan
+
+    real = Stepper.submit_update
+    armed = []
+
+    def submit_losing_a_worker(self, model, batch, loss_fn, lr, step):
+        if step == 1 and not armed:
+            armed.append(model)
+            self.rt.inject(FaultPlan.kill(1, "train_step"))  # SIGKILL after its backward pass
+        return real(self, model, batch, loss_fn, lr, step)
+
+    monkeypatch.setattr(Stepper, "submit_update", submit_losing_a_worker)
+    rl = RLJob(tiny_job("ppo", str(tmp_path / "run"), steps=3, overlap=True), runtime=ray_runtime, quiet=True)
+    try:
+        summary = rl.execute()
+    finally:
+        rl.release()
+        ray_runtime.resize(4)  # the session's runtime, as other tests expect it
+    assert armed == ["critic"]
+    [rec] = summary["recoveries"]
+    assert rec["lost"] == [1] and rec["workers"] == 3 and rec["resume_step"] == 1
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[1]["nereus/recovery_s"] > 0
