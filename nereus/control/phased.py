@@ -360,17 +360,12 @@ def with_tail(model: GenModel, bulk: BulkRun, phase: TailPhase, f: Factors,
     """The stage with ``phase``'s switch at its trigger; a move that would overfill a device is refused."""
     lay, hw = model.placement.layout, model.hw
     gpus = list(model.placement.gpus)
-    too_wide = phase.tail_tp > hw.cluster.gpus_per_node or model.arch.heads % phase.tail_tp
-    if phase.tail_gpus > len(gpus) or too_wide:
-        why = f"tail layout TP {phase.tail_tp} x {phase.tail_replicas} does not fit the placement"
-        return _refused(model, bulk, why)
+    refusal = _tail_refusal(model, bulk, phase)
+    if refusal is not None:
+        return refusal
     t_star = trigger_time(bulk, phase.trigger_live)
     ids = np.flatnonzero(bulk.finish_s > t_star)
-    if not len(ids):
-        return _refused(model, bulk, "")
     slots = model.tail_slots(phase.tail_tp)
-    if slots < 1:
-        return _refused(model, bulk, f"a TP {phase.tail_tp} tail replica holds no full-length sequence")
     prompt = float(model.job.workload.prompt_length)
     generated = _generated_at(bulk, ids, t_star)
     ctx, remaining = prompt + generated, bulk.lengths[ids] - generated
@@ -404,12 +399,7 @@ def with_tail(model: GenModel, bulk: BulkRun, phase: TailPhase, f: Factors,
         return _refused(model, bulk, f"the move needs {peak / 1e9:.1f} GB on a tail device, usable "
                                      f"{hw.usable_bytes() / 1e9:.1f} GB", peak)
     commit = max(sends) + weight_s + hw.priors.inter_latency_s
-    table = model.table(phase.tail_tp)
-    work = []
-    for j in range(phase.tail_replicas):
-        mine, rec = dest == j, (dest == j) & recompute
-        work.append((remaining[mine], ctx[mine], float(ctx[rec].sum()), float(ctx[rec].mean()) if rec.any() else 0.0))
-    runs = run_replicas(table, work, slots, bulk.bucket, f)
+    runs = _run_tail(model, bulk, phase, dest, recompute, remaining, ctx, slots, f)
     tail_start = t_star + commit
     prefill = max((r.prefill_s for r in runs), default=0.0)
     end = tail_start + max(r.end_s for r in runs)
@@ -420,12 +410,43 @@ def with_tail(model: GenModel, bulk: BulkRun, phase: TailPhase, f: Factors,
     freed = set(gpus) - set(tail_gpus)
     share = len(freed & inference_gpus) / len(inference_gpus) if phase.overlap and inference_gpus else 0.0
     idle += len(freed) * (end - tail_start)  # the caller moves the overlapped inference out of it
-    segs = [(f"replica {r}", "bulk", 0.0, min(t_star, run.end_s)) for r, run in enumerate(bulk.runs)]
-    segs += [("all", "migration", t_star, tail_start + prefill)]
-    segs += [(f"tail {j}", "tail", tail_start + prefill, tail_start + run.end_s) for j, run in enumerate(runs)]
+    segs = _segments(bulk, runs, t_star, tail_start, prefill)
     return GenOutcome(end, t_star, migration, end - t_star - migration, idle, True, "", len(ids), int(send.sum()),
                       int(recompute.sum()), float(sum(ctx[send]) * model.arch.kv_bytes_per_token()), peak, share,
                       end - tail_start, segs)
+
+
+def _run_tail(model: GenModel, bulk: BulkRun, phase: TailPhase, dest: np.ndarray, recompute: np.ndarray,
+              remaining: np.ndarray, ctx: np.ndarray, slots: int, f: Factors) -> list:
+    """Decode each tail replica's sequences (remaining tokens after their context; re-prefilled ones first)."""
+    work = []
+    for j in range(phase.tail_replicas):
+        mine, rec = dest == j, (dest == j) & recompute
+        work.append((remaining[mine], ctx[mine], float(ctx[rec].sum()), float(ctx[rec].mean()) if rec.any() else 0.0))
+    return run_replicas(model.table(phase.tail_tp), work, slots, bulk.bucket, f)
+
+
+def _tail_refusal(model: GenModel, bulk: BulkRun, phase: TailPhase) -> GenOutcome | None:
+    """The stage without a move when ``phase`` cannot apply: a tail layout the placement cannot hold, no
+    sequence left at the trigger, or a tail replica too small for one full-length sequence."""
+    too_wide = phase.tail_tp > model.hw.cluster.gpus_per_node or model.arch.heads % phase.tail_tp
+    if phase.tail_gpus > len(model.placement.gpus) or too_wide:
+        why = f"tail layout TP {phase.tail_tp} x {phase.tail_replicas} does not fit the placement"
+        return _refused(model, bulk, why)
+    if not np.any(bulk.finish_s > trigger_time(bulk, phase.trigger_live)):
+        return _refused(model, bulk, "")
+    if model.tail_slots(phase.tail_tp) < 1:
+        return _refused(model, bulk, f"a TP {phase.tail_tp} tail replica holds no full-length sequence")
+    return None
+
+
+def _segments(bulk: BulkRun, runs: list, t_star: float, tail_start: float,
+              prefill: float) -> list[tuple[str, str, float, float]]:
+    """Timeline segments of a phased stage: each bulk replica up to the trigger, the move, each tail replica."""
+    segs = [(f"replica {r}", "bulk", 0.0, min(t_star, run.end_s)) for r, run in enumerate(bulk.runs)]
+    segs += [("all", "migration", t_star, tail_start + prefill)]
+    segs += [(f"tail {j}", "tail", tail_start + prefill, tail_start + run.end_s) for j, run in enumerate(runs)]
+    return segs
 
 
 def _refused(model: GenModel, bulk: BulkRun, why: str, peak: float = 0.0) -> GenOutcome:
