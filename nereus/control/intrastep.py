@@ -19,6 +19,7 @@ its decisions it sets the phases of the next step's generation stage on the plan
 from __future__ import annotations
 
 import statistics
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -79,15 +80,16 @@ def predict(model: GenModel, bulk, phase: TailPhase, f: Factors, inference_s: fl
     return Prediction(base.generation_s + inference_s, out.generation_s + after, out.migration_s, out)
 
 
-class TailRule:
+class TailRule(ABC):
     """Chooses the next step's generation phases; ``observe`` sees each measured step."""
 
     name = "none"
 
+    @abstractmethod
     def choose(self, job: JobSpec, plan: Plan, factors: dict[str, float]) -> TailPhase | None:
-        raise NotImplementedError
+        """The phases of the next step's generation stage, or None to run it in one layout."""
 
-    def observe(self, m: StepMetrics) -> None:
+    def observe(self, m: StepMetrics) -> None:  # noqa: B027 - a rule that learns nothing keeps this default
         """Default: learn nothing from measurements."""
 
     @staticmethod
