@@ -55,11 +55,30 @@ def start_local_ray(num_cpus: int, temp_dir: Path) -> None:
     if "RAY_AUTH_MODE" not in os.environ or os.environ["RAY_AUTH_MODE"] == "token":
         _use_token(secrets.token_hex(32))
     kept = _signal_handlers()
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(Path(temp_dir).absolute()),
-             _node_ip_address=LOOPBACK, log_to_driver=False)
+    _init_with_retries(num_cpus, temp_dir)
     for sig, handler in kept.items():  # ray.init installs its own (log and die): the caller's come back
         signal.signal(sig, handler)
     atexit.register(shutdown_local_ray)  # after ray.init's own: runs first, shuts Ray down, then reaps
+
+
+# Ray 2.60 waits a fixed 30 s for its raylet to register with the GCS (ray/_private/node.py,
+# ``raylet_start_wait_time_s = 30``, not configurable); on a machine whose cores are all busy that can
+# pass. A bounded number of fresh starts keeps such a run (and tests run under load) from failing at once.
+START_ATTEMPTS = 3
+
+
+def _init_with_retries(num_cpus: int, temp_dir: Path) -> None:
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(Path(temp_dir).absolute()),
+                     _node_ip_address=LOOPBACK, log_to_driver=False)
+            return
+        except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this timeout
+            if "timed out during startup" not in str(err) or attempt == START_ATTEMPTS:
+                raise
+            print(f"nereus: warning: local Ray did not start (attempt {attempt} of {START_ATTEMPTS}: {err}); "
+                  "starting it again", file=sys.stderr)
+            ray.shutdown()
 
 
 def _signal_handlers() -> dict[int, object]:
