@@ -34,6 +34,8 @@ from pathlib import Path
 
 import ray
 
+from nereus.spec.errors import RuntimeFailure
+
 LOOPBACK = "127.0.0.1"
 LOOPBACK_ENV: dict[str, str] = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
@@ -65,18 +67,29 @@ def start_local_ray(num_cpus: int, temp_dir: Path) -> None:
 # ``raylet_start_wait_time_s = 30``, not configurable); on a machine whose cores are all busy that can
 # pass. A bounded number of fresh starts keeps such a run (and tests run under load) from failing at once.
 START_ATTEMPTS = 3
+# What Ray 2.60 says when its own processes did not come up (ray/_private/node.py: the raylet's wait above;
+# ``_init_gcs_client``'s "Failed to start GCS"; the head node's info missing): the machine, not our code.
+_RETRIED = "timed out during startup"
+_START_FAILURES = (_RETRIED, "Failed to start GCS", "may not have started successfully")
 
 
 def _init_with_retries(num_cpus: int, temp_dir: Path) -> None:
+    """``ray.init`` of a local instance; raises ``RuntimeFailure`` (one line for the CLI, exit 1) when Ray's
+    processes do not come up — after ``START_ATTEMPTS`` tries when the raylet missed its registration wait."""
     for attempt in range(1, START_ATTEMPTS + 1):
         try:
             ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(Path(temp_dir).absolute()),
                      _node_ip_address=LOOPBACK, log_to_driver=False)
             return
         except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this timeout
-            if "timed out during startup" not in str(err) or attempt == START_ATTEMPTS:
+            said = " ".join(str(err).split())[:200]  # Ray's messages span lines (the GCS's log tail)
+            if not any(failure in str(err) for failure in _START_FAILURES):
                 raise
-            print(f"nereus: warning: local Ray did not start (attempt {attempt} of {START_ATTEMPTS}: {err}); "
+            if _RETRIED not in str(err) or attempt == START_ATTEMPTS:
+                tries = f"after {attempt} attempts" if attempt > 1 else "at the first attempt"
+                raise RuntimeFailure(f"local Ray did not start {tries} ({said}); free CPU or memory, or run "
+                                     f"`nereus cleanup` to kill leftovers of earlier runs, then retry") from err
+            print(f"nereus: warning: local Ray did not start (attempt {attempt} of {START_ATTEMPTS}: {said}); "
                   "starting it again", file=sys.stderr)
             ray.shutdown()
 
