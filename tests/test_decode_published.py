@@ -105,23 +105,26 @@ def ceilings() -> list[tuple[dict[str, str], float, float]]:
 
 
 def test_fixed_batch_rows_meet_issue_thresholds(fixed) -> None:
-    """Issue 15: mean absolute error <= 15% and every row within ±30% (measured: MAE 12.6%, worst row 66,
-    70B FP8 TP4 batch 512, +29.6%)."""
+    """Issue 15: mean absolute error <= 15% and every row within ±30% (measured: MAE 7.0%, worst row 60,
+    70B FP8 TP1 batch 64 2048/2048 on H200, +18.3%)."""
     errors = [e for _, _, e in fixed]
     assert sum(abs(e) for e in errors) / len(errors) <= 0.15
     assert all(abs(e) <= 0.30 for e in errors)
 
 
-@pytest.mark.xfail(strict=True, reason="51 of 74 max-load rows exceeded by >10% (up to 1.79x, 70B at large "
-                                        "KV-limited batches); see docs/cost-model.md")
+@pytest.mark.xfail(strict=True, reason="16 of 74 max-load rows exceeded by >10% (up to 1.65x: 70B FP16 at TP 4-8 "
+                                        "on H100/A100, H100 FP8 70B at TP 2-8, 8B FP16 on H100); see "
+                                        "docs/cost-model.md")
 def test_max_load_rows_are_ceilings(ceilings) -> None:
     assert all(ratio <= 1.1 for _, _, ratio in ceilings)
 
 
 def test_max_load_rows_of_the_small_model_are_within_a_quarter(ceilings) -> None:
-    """What holds today for the max-load rows: 8B predictions within 0.9-1.25x the published figure."""
+    """What holds today for the max-load rows: 8B predictions within 0.85-1.15x the published figure (the
+    lowest are TensorRT-LLM 0.20's H100 FP8 rows 94, 96 and 98, up to 1.13x its own 0.14 figure for the
+    same configuration; a ceiling allows under-prediction)."""
     small = [ratio for row, _, ratio in ceilings if "8B" in row["model"]]
-    assert small and all(0.9 <= ratio <= 1.25 for ratio in small)
+    assert small and all(0.85 <= ratio <= 1.15 for ratio in small)
 
 
 def _replica_at(gpu: str, model: str, tp: int) -> Replica:

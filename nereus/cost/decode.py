@@ -88,10 +88,21 @@ class DecodePriors:
     # (vLLM, vllm/distributed/device_communicators/custom_all_reduce.py; TensorRT-LLM's custom
     # AllReduce plugin); 5 µs is the order of a cross-GPU flag handshake plus a launch.
     all_reduce_call_s: float = 5e-6
-    # FP8 GEMMs reach a smaller share of their (twice as high) peak than BF16 ones: DeepGEMM, a
-    # hand-tuned Hopper FP8 library, reports "1350+ FP8 TFLOPS" at best (deepseek-ai/DeepGEMM README),
-    # 0.68 of the 1,979 TFLOPS dense FP8 peak of an H100/H800 SXM; general FP8 kernels do no better.
-    fp8_gemm_efficiency: float = 0.68
+    # FP8 GEMMs reach a smaller share of their (twice as high) peak than BF16 ones. Like the BF16 prior
+    # this is the large-GEMM efficiency (small batches lose more through tile and wave quantization):
+    # DeepGEMM, a hand-tuned Hopper FP8 library, measured its six dense M = 4096 shapes at 1058, 990,
+    # 590, 1358, 1304 and 1025 TFLOPS on H800 (deepseek-ai/DeepGEMM README at its first release,
+    # "Normal GEMMs for dense models"; "1350+" is only its best shape): mean 1054, 0.53 of the 1,979
+    # TFLOPS dense FP8 peak of an H100/H800 SXM.
+    fp8_gemm_efficiency: float = 0.53
+    # TP all-reduces of decode-sized messages (b·h activations, ~0.5–32 MB) reach only part of the bus
+    # bandwidth NCCL reaches on large ones, which ``Priors.intra_link_efficiency`` describes (0.8 of the
+    # link: 360 GB/s on H100). nccl-tests all_reduce_perf on 8×H100 (AWS p5;
+    # aws-samples/awsome-distributed-training, 1.architectures/3.aws-batch/README.md) took 55.4, 84.3
+    # and 124.0 µs at 4, 8 and 16 MB: after the fixed cost charged apart (14 ring steps × 1 µs + the
+    # 5 µs call) that is 201, 225 and 280 GB/s of bus bandwidth, ~240 GB/s, 2/3 of 360 (the same run
+    # reaches 440–480 GB/s at 1–16 GB). The share scales a measured profile's link rate alike.
+    decode_link_share: float = 0.67
 
 
 @dataclass(frozen=True)
@@ -163,13 +174,32 @@ class Replica:
             (a.vocab // t, a.hidden, 1),
         ]
 
+    def lm_head_bytes(self) -> float:
+        """Bytes per weight of the embedding and the LM head: 16-bit even in FP8 engines (NVIDIA
+        ModelOpt's FP8_DEFAULT_CFG disables the ``*lm_head*`` quantizer and quantizes only linear layers,
+        modelopt/torch/quantization/config.py, ``_default_disabled_quantizer_cfg``)."""
+        return max(2.0, self.precision.weight_bytes)
+
+    def lm_head_peak(self) -> tuple[float, float]:
+        """Peak FLOP/s and large-GEMM efficiency of the LM head's GEMM (16-bit: ``lm_head_bytes``)."""
+        if self.precision.name == "fp8":
+            return self.hw.cluster.gpu.peak_flops, self.hw.priors.gemm_efficiency
+        return self.peak_flops, self.gemm_efficiency
+
     def kv_bytes_per_token(self) -> float:
         """KV cache per token on one rank: KV heads split over TP, replicated beyond kv_heads."""
         return self.arch.kv_bytes_per_token(1) * self.precision.kv_bytes / min(self.tp, self.arch.kv_heads)
 
     def weight_bytes(self) -> float:
-        """Weights held per rank (embedding included: the engine keeps it resident)."""
-        return self.arch.params() * self.precision.weight_bytes / self.tp
+        """Weights held per rank (embedding included: the engine keeps it resident; embedding and LM
+        head at ``lm_head_bytes``)."""
+        a = self.arch
+        vocab = a.embedding_params() + (0 if a.tied_embeddings else a.vocab * a.hidden)
+        return ((a.params() - vocab) * self.precision.weight_bytes + vocab * self.lm_head_bytes()) / self.tp
+
+
+def _weights(gemms: list[tuple[int, int, int]]) -> int:
+    return sum(cols * inner * count for cols, inner, count in gemms)
 
 
 def gemm_efficiency(r: Replica, rows: int, cols: int) -> float:
@@ -235,23 +265,27 @@ class StepModel:
         hbm = hw.cluster.gpu.hbm_bytes_per_s * hw.priors.hbm_efficiency
         self.replica, self.peak = r, r.peak_flops
         self.gemm_list = r.gemms()
-        self.weights_s = sum(cols * inner * count for cols, inner, count in self.gemm_list) \
-            * r.precision.weight_bytes / hbm
+        body, head = self.gemm_list[:-1], self.gemm_list[-1:]
+        self.weights_s = (_weights(body) * r.precision.weight_bytes + _weights(head) * r.lm_head_bytes()) / hbm
         self.kv_s_per_token = r.kv_bytes_per_token() / hbm
         self.attn_s_per_token = 4 * a.heads * a.head_dim * a.layers / r.tp / (self.peak * r.gemm_efficiency)
         # Two all-reduces of b·h bf16 activations per layer (attention out, MLP out), Shoeybi et al. 2019;
         # ring all-reduce time is linear in the bytes: latency + bytes / bandwidth.
         self.comm_fixed = 2 * a.layers * all_reduce_call(r, 0.0)
-        self.comm_per_seq = 2 * a.layers * (hw.all_reduce_time(a.hidden * 2.0, r.tp) - hw.all_reduce_time(0.0, r.tp))
+        self.comm_per_seq = 2 * a.layers * (hw.all_reduce_time(a.hidden * 2.0, r.tp)
+                                            - hw.all_reduce_time(0.0, r.tp)) / r.priors.decode_link_share
         eng = r.costs
         self.per_seq_s = eng.sequence_s
         self.fixed_s = eng.step_s + a.layers * r.priors.kernels_per_layer * r.priors.kernel_gap_s
 
     def compute_s(self, b: int) -> float:
-        """GEMM FLOP time at ``b`` rows (each GEMM at its tile- and wave-quantized efficiency)."""
-        r = self.replica
-        return _gemm_compute_s(tuple(self.gemm_list), self.peak, r.gemm_efficiency, r.sms,
-                               r.priors.tile_rows, r.priors.tile_cols, b)
+        """GEMM FLOP time at ``b`` rows (each GEMM at its tile- and wave-quantized efficiency; the LM
+        head at 16-bit peak and efficiency, see ``Replica.lm_head_bytes``)."""
+        r, p = self.replica, self.replica.priors
+        body, head = tuple(self.gemm_list[:-1]), tuple(self.gemm_list[-1:])
+        head_peak, head_eff = r.lm_head_peak()
+        return (_gemm_compute_s(body, self.peak, r.gemm_efficiency, r.sms, p.tile_rows, p.tile_cols, b)
+                + _gemm_compute_s(head, head_peak, head_eff, r.sms, p.tile_rows, p.tile_cols, b))
 
     def kinds(self, batch: float, context: float) -> tuple[tuple[str, float], ...]:
         """The step's seconds other than its GEMMs, under the cost model's term names."""
@@ -281,10 +315,11 @@ def prefill_time(r: Replica, tokens: float, prompt: float) -> float:
     """Prefill of ``tokens`` prompt tokens (prompts of ``prompt`` tokens): compute-bound GEMMs at the
     large-GEMM efficiency, causal attention (2·s²·h FLOPs per layer per prompt, halved by the mask), and
     the two all-reduces per layer of tokens·h activations."""
-    a = r.arch
-    gemm_flops = sum(2 * tokens * cols * inner * count for cols, inner, count in r.gemms())
+    a, gemms = r.arch, r.gemms()
     attn_flops = 2 * tokens * prompt * a.heads * a.head_dim * a.layers / r.tp
-    compute = (gemm_flops + attn_flops) / (r.peak_flops * r.gemm_efficiency)
+    head_peak, head_eff = r.lm_head_peak()
+    compute = ((2 * tokens * _weights(gemms[:-1]) + attn_flops) / (r.peak_flops * r.gemm_efficiency)
+               + 2 * tokens * _weights(gemms[-1:]) / (head_peak * head_eff))
     return compute + 2 * a.layers * all_reduce_call(r, tokens * a.hidden * 2)
 
 
