@@ -2,11 +2,9 @@
 
 One model prices the stage for both sides of the control loop: the simulator's ground truth runs it on each
 step's drawn lengths under its hidden factors, the controller on the forecast's quantiles under its
-calibrated factors. Per decode step it uses the decode model's step cost (``nereus.cost.decode.StepModel``:
-weight reads vs GEMM FLOPs, KV reads at the live context, two all-reduces per layer, engine costs) at the
-step's live batch; a replica keeps ``slots`` sequences in flight and refills a slot as soon as its sequence
-ends (continuous batching; Yu et al. 2022, "Orca"), then drains. Decode steps are grouped into columns of
-``bucket`` tokens (fine length buckets) so a 20k-token tail costs a few hundred array entries.
+calibrated factors. Each replica's decode timing under continuous batching is ``control.batching``'s
+(``Factors``, ``step_table``, ``run_replicas``; re-exported here): the decode model's step cost at the
+live batch, ``slots`` sequences in flight, a freed slot refilled at once (Yu et al. 2022, "Orca").
 
 A ``TailPhase`` (carried in ``Plan.meta["generation_phases"]``, typed and JSON-serializable) switches the
 stage at a trigger — at most ``trigger_live`` sequences still generating — from the bulk layout (the plan's
@@ -21,17 +19,15 @@ inference model-stages on finished samples (RLHFuse's inter-stage fusion, arXiv 
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
 
 import numpy as np
 
-from nereus.cost.decode import StepModel, prefill_time
+from nereus.control.batching import Factors, ReplicaRun, StepTable, run_replicas, step_table
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import PlanEstimate, resident_per_device
-from nereus.cost.stages import ENGINE_MAX_SEQUENCES, generation_replica
+from nereus.cost.stages import ENGINE_MAX_SEQUENCES
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import ModelStage, Placement, Plan
 from nereus.spec.model import ModelArch
@@ -77,111 +73,6 @@ class TailPhase:
 def phases_of(plan: Plan) -> TailPhase | None:
     d = plan.meta.get("generation_phases")
     return TailPhase.from_dict(d) if d else None
-
-
-@dataclass(frozen=True)
-class Factors:
-    """Multipliers on the decode terms, on prefill and on transfers (hidden truth or calibrated fit)."""
-
-    memory: float = 1.0
-    compute: float = 1.0
-    tp_comm: float = 1.0
-    overhead: float = 1.0
-    transfer: float = 1.0
-
-    @staticmethod
-    def of(factors: dict[str, float] | None, transfer: float = 1.0) -> Factors:
-        f = factors or {}
-
-        def g(t: str) -> float:
-            return f.get(f"generation.{t}", f.get(t, 1.0)) or 1.0
-        return Factors(g("memory"), g("compute"), g("tp_comm"), g("overhead"), transfer)
-
-
-class StepTable:
-    """A replica's decode-step cost as arrays over the live batch (``StepModel`` worked out per batch)."""
-
-    def __init__(self, hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, bmax: int) -> None:
-        self.replica = generation_replica(hw, arch, tp, weight_bytes)
-        m = StepModel(self.replica)
-        self.model = m
-        self.weights_s, self.kv_s = m.weights_s, max(m.kv_s_per_token, m.attn_s_per_token)
-        self.comm_fixed, self.comm_per_seq = m.comm_fixed, m.comm_per_seq
-        self.per_seq, self.fixed = m.per_seq_s, m.fixed_s
-        self.compute = np.array([0.0] + [m.compute_s(b) for b in range(1, bmax + 1)])
-
-    def seconds(self, live: np.ndarray, ctx_sum: np.ndarray, f: Factors) -> np.ndarray:
-        """One decode step at each (live batch, summed context); 0 where nothing is live."""
-        comp = self.compute[np.minimum(live, len(self.compute) - 1).astype(int)]
-        mem_bound = self.weights_s >= comp
-        gemm = np.where(mem_bound, self.weights_s * f.memory, comp * f.compute)
-        tp = (self.comm_fixed + live * self.comm_per_seq) * f.tp_comm if self.comm_fixed else 0.0
-        t = gemm + ctx_sum * self.kv_s * f.memory + tp + (live * self.per_seq + self.fixed) * f.overhead
-        return np.where(live > 0, t, 0.0)
-
-    def prefill(self, tokens: float, context: float, f: Factors) -> float:
-        return prefill_time(self.replica, tokens, context) * f.compute if tokens > 0 else 0.0
-
-
-@lru_cache(maxsize=64)
-def step_table(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int) -> StepTable:
-    return StepTable(hw, arch, tp, weight_bytes, ENGINE_MAX_SEQUENCES)
-
-
-@dataclass
-class ReplicaRun:
-    """One replica's continuous-batching run: per-sequence start and finish times (seconds from its start)."""
-
-    start_s: np.ndarray
-    finish_s: np.ndarray
-    cum_s: np.ndarray  # seconds at the end of each column (prefill included)
-    start_col: np.ndarray
-    prefill_s: float
-    bucket: int
-
-    @property
-    def end_s(self) -> float:
-        return float(self.finish_s.max()) if len(self.finish_s) else 0.0
-
-
-def run_replicas(table: StepTable, work: list[tuple[np.ndarray, np.ndarray, float, float]], slots: int,
-                 bucket: int, f: Factors) -> list[ReplicaRun]:
-    """Each replica decodes its ``remaining`` tokens per sequence (arrival order) after ``context`` tokens,
-    ``slots`` in flight, a freed slot refilled at once, after a prefill of (tokens, context); columns of
-    ``bucket`` decode steps. All replicas in one array pass (a row each)."""
-    starts, ends, ctxs = [], [], []
-    for remaining, context, _, _ in work:
-        cols = np.maximum(1, np.ceil(remaining / bucket)).astype(np.int64)
-        start = np.zeros(len(cols), np.int64)
-        if len(cols) > slots:  # list scheduling: each queued sequence takes the slot that frees first
-            free = [int(c) for c in cols[:slots]]
-            heapq.heapify(free)
-            for i in range(slots, len(cols)):
-                start[i] = free[0]
-                heapq.heapreplace(free, free[0] + int(cols[i]))
-        starts.append(start)
-        ends.append(start + cols)
-        ctxs.append(np.asarray(context, float))
-    width = max((int(e.max()) for e in ends if len(e)), default=0) + 1
-    rows = len(work)
-    row = np.concatenate([np.full(len(s), i) for i, s in enumerate(starts)]) if rows else np.zeros(0, int)
-    st, en, cx = (np.concatenate(v) if rows else np.zeros(0) for v in (starts, ends, ctxs))
-    size = rows * width
-
-    def live_sum(weights: np.ndarray | None) -> np.ndarray:
-        grid = np.bincount(row * width + st, weights, size) - np.bincount(row * width + en, weights, size)
-        return np.cumsum(grid.reshape(rows, width), axis=1)
-
-    live = live_sum(None)
-    ctx_sum = live_sum(cx) + bucket * (np.arange(width) * live - live_sum(st.astype(float)))
-    pre = np.array([table.prefill(t, c, f) for _, _, t, c in work])
-    cum = pre[:, None] + np.cumsum(bucket * table.seconds(live, ctx_sum, f), axis=1)
-    out = []
-    for i, (s, e) in enumerate(zip(starts, ends, strict=True)):
-        c = cum[i]
-        start_s = np.where(s > 0, c[np.maximum(s - 1, 0)], pre[i])
-        out.append(ReplicaRun(start_s, c[e - 1] if len(e) else np.zeros(0), c, s, float(pre[i]), bucket))
-    return out
 
 
 @dataclass
