@@ -57,14 +57,27 @@ def job_for(tmp: Path, mode: str, steps: int, warmstart: int, slots: int) -> obj
     return job_from_dict(spec)
 
 
-def run_mode(rt: Runtime, tmp: Path, mode: str, args: argparse.Namespace, rnd: int) -> list[dict]:
-    out = tmp / f"{mode}-{rnd}"
-    rl = RLJob(job_for(tmp, mode, args.steps, args.warmstart, args.slots), runtime=rt, out_dir=out, quiet=True)
+def run_job(rl: RLJob) -> tuple[list[dict], dict]:
+    """Run ``rl`` to its last step on the runtime it was given (its keys released after); returns every
+    step's metric line (``metrics.jsonl``) and the job's summary (warm-start and final accuracy)."""
     try:
-        rl.execute()
+        summary = rl.execute()
     finally:
         rl.release()
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (rl.dir / "metrics.jsonl").read_text().splitlines()], summary
+
+
+def rotated(names: list[str], rnd: int) -> list[str]:
+    """The modes' order in round ``rnd``: rotated by one each round, so no mode always runs first (the load
+    of a shared machine drifts; each mode meets each position)."""
+    k = rnd % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def run_mode(rt: Runtime, tmp: Path, mode: str, args: argparse.Namespace, rnd: int) -> list[dict]:
+    out = tmp / f"{mode}-{rnd}"
+    return run_job(RLJob(job_for(tmp, mode, args.steps, args.warmstart, args.slots), runtime=rt, out_dir=out,
+                         quiet=True))[0]
 
 
 def mean(rounds: list[list[dict]], key: str) -> float:
@@ -89,8 +102,7 @@ def main() -> None:
         runs: dict[str, list[list[dict]]] = {mode: [] for mode in MODES}
         try:
             for rnd in range(args.rounds):
-                order = list(MODES)[rnd % len(MODES):] + list(MODES)[: rnd % len(MODES)]
-                for mode in order:
+                for mode in rotated(list(MODES), rnd):
                     runs[mode].append(run_mode(rt, tmp, mode, args, rnd))
         finally:
             rt.shutdown()
