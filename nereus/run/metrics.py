@@ -25,6 +25,19 @@ PACKAGES = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": 
             "mlflow": ("mlflow", "mlflow")}
 
 
+# After "\r", ECMA-48's "erase in line" (CSI 2 K) blanks the whole line: a metric line written over the
+# progress bar keeps none of the bar's characters. Only on a terminal; a file or a pipe gets plain lines.
+ERASE_LINE = "\r\x1b[2K"
+
+
+def is_terminal(stream: TextIO) -> bool:
+    """Whether ``stream`` is a terminal (False for a file, a pipe, a StringIO or a closed stream)."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def lines_through(text: str, step: int) -> list[str]:
     """The metric lines of ``text`` for steps up to ``step``. A line that does not parse (torn when a driver
     was killed while writing it) or names no step is dropped: resuming redoes those steps anyway."""
@@ -136,7 +149,8 @@ class MetricsLog:
         if not self.quiet:
             shown = "  ".join(f"{k.split('/', 1)[-1] if k.startswith('val') else k}={metrics[k]:.4g}"
                               for k in CONSOLE if k in metrics)
-            self.stream.write(f"\rstep {step}: {shown}\n")
+            lead = ERASE_LINE if is_terminal(self.stream) else ""  # the bar's line, taken over
+            self.stream.write(f"{lead}step {step}: {shown}\n")
 
     def rewind(self, step: int) -> None:
         """Drop the JSONL lines after ``step`` steps (they are about to be redone; the other sinks get the
@@ -154,11 +168,12 @@ class MetricsLog:
 
 
 class Progress:
-    """A one-line progress bar on ``stream`` (steps done, rate, time left)."""
+    """A one-line progress bar on ``stream`` (steps done, rate, time left), redrawn in place; drawn only on a
+    terminal (a log file or pipe gets the per-step metric lines alone) and ended by a newline at ``total``."""
 
     def __init__(self, total: int, start: int = 0, stream: TextIO = sys.stderr, quiet: bool = False) -> None:
         self.total, self.start, self.done = total, start, start
-        self.t0, self.stream, self.quiet = time.perf_counter(), stream, quiet
+        self.t0, self.stream, self.quiet = time.perf_counter(), stream, quiet or not is_terminal(stream)
 
     def update(self, done: int) -> None:
         self.done = done
@@ -169,6 +184,6 @@ class Progress:
         elapsed = time.perf_counter() - self.t0
         rate = (done - self.start) / elapsed if elapsed > 0 else 0.0
         left = (self.total - done) / rate if rate > 0 else float("nan")
-        self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} steps  "
-                          f"{elapsed:6.0f}s elapsed  ~{left:5.0f}s left")
+        self.stream.write(f"{ERASE_LINE}[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} steps  "
+                          f"{elapsed:6.0f}s elapsed  ~{left:5.0f}s left" + ("\n" if done >= self.total else ""))
         self.stream.flush()

@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from nereus.run.metrics import MetricsLog, check_loggers
+from nereus.run.metrics import MetricsLog, Progress, check_loggers
 from nereus.spec.errors import SpecError
 
 STEP = {"critic/score/mean": 0.5, "actor/pg_loss": -0.25, "timing_s/step": 1.5}
@@ -102,3 +102,49 @@ def test_mlflow_call_path(monkeypatch, tmp_path):
     log.close()
     assert [c[0] for c in calls] == ["start_run", "log_metrics", "end_run"]
     assert calls[0][2] == {"run_name": "job-y"} and calls[1][1] == (STEP,) and calls[1][2] == {"step": 4}
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _screen(text: str) -> list[str]:
+    """The lines a terminal shows for ``text``: "\\r" returns to column 0, ESC [2K blanks the line, other
+    characters overwrite the line from the cursor on."""
+    shown = []
+    for raw in text.split("\n"):
+        line, col = [], 0
+        for part in raw.split("\r"):
+            col = 0
+            while part.startswith("\x1b[2K"):
+                line, part = [], part[4:]
+            for ch in part:
+                line[col:col + 1] = [ch]
+                col += 1
+        shown.append("".join(line))
+    return shown
+
+
+def test_a_metric_line_takes_over_the_progress_bars_line_on_a_terminal(tmp_path):
+    term = _Terminal()
+    bar = Progress(2, stream=term)
+    log = MetricsLog(tmp_path / "metrics.jsonl", resume=False, stream=term, loggers=("console",))
+    for step in (1, 2):
+        log.log(step, {"actor/pg_loss": 0.5})  # far shorter than the bar it is written over
+        bar.update(step)
+    log.close()
+    screen = _screen(term.getvalue())
+    assert screen[:2] == ["step 1: actor/pg_loss=0.5", "step 2: actor/pg_loss=0.5"]
+    assert screen[2].startswith("[" + "#" * 30 + "] 2/2 steps") and screen[3:] == [""]  # ended at the last step
+
+
+def test_a_log_file_or_pipe_gets_plain_metric_lines_and_no_bar(tmp_path):
+    out = io.StringIO()
+    bar = Progress(2, stream=out)
+    log = MetricsLog(tmp_path / "metrics.jsonl", resume=False, stream=out, loggers=("console",))
+    for step in (1, 2):
+        bar.update(step)
+        log.log(step, {"actor/pg_loss": 0.5})
+    log.close()
+    assert out.getvalue() == "step 1: actor/pg_loss=0.5\nstep 2: actor/pg_loss=0.5\n"
