@@ -57,7 +57,14 @@ def start_local_ray(num_cpus: int, temp_dir: Path) -> None:
     if "RAY_AUTH_MODE" not in os.environ or os.environ["RAY_AUTH_MODE"] == "token":
         _use_token(secrets.token_hex(32))
     kept = _signal_handlers()
-    _init_with_retries(num_cpus, temp_dir)
+    try:
+        _init_with_retries(num_cpus, temp_dir)
+    except RuntimeFailure:
+        try:  # what the failed starts left running (their processes carry this driver's tag)
+            shutdown_local_ray()
+        except RuntimeError as err:  # one stuck in the kernel: said, and the start's own error goes through
+            print(f"nereus: warning: {err}", file=sys.stderr)
+        raise
     for sig, handler in kept.items():  # ray.init installs its own (log and die): the caller's come back
         signal.signal(sig, handler)
     atexit.register(shutdown_local_ray)  # after ray.init's own: runs first, shuts Ray down, then reaps
