@@ -20,6 +20,7 @@ from nereus.rl.data import Prompt
 from nereus.rl.rewards import RewardRouter
 from nereus.rl.tokenizer import Tokenizer
 from nereus.run import remote
+from nereus.run.asyncmode import AsyncRollouts
 from nereus.run.overlap import Calls, EarlyInference, cat_parts
 from nereus.run.report import step_metrics
 from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack, repeat_prompts
@@ -43,6 +44,7 @@ class Stepper:
         self.grad_norms: dict[str, float] = {}  # model → mean global gradient norm of the last step
         self.calls = Calls(rt)  # the step's worker calls: futures and per-worker busy time
         self.early: EarlyInference | None = None  # this step's inference started during generation
+        self.asynchronous = AsyncRollouts(self) if job.run.async_mode.on else None  # run.async (run.asyncmode)
 
     @contextmanager
     def timer(self, name: str):
@@ -248,6 +250,8 @@ class Stepper:
         return stats
 
     def step(self, step: int) -> dict[str, float]:
+        if self.asynchronous is not None and self.asynchronous.enabled:  # run.async: generation one step ahead
+            return self.asynchronous.step(step)
         self.timing, self.grad_norms = {}, {}
         self.calls.reset()
         t0 = time.perf_counter()
@@ -261,6 +265,8 @@ class Stepper:
         m = self.metrics(step, roll, inf, adv, stats)
         m.update(self.calls.worker_metrics(len(self.rt.workers), self.timing["timing_s/step"],
                                            self.timing.get("timing_s/update_weights", 0.0)))
+        if self.asynchronous is not None:  # run.async auto: decides from the synchronous steps' times
+            self.asynchronous.observe(step, m)
         return m
 
     def metrics(self, step: int, roll: Rollout, inf: dict, adv: dict, stats: dict) -> dict[str, float]:

@@ -11,6 +11,7 @@ from functools import partial
 import torch
 
 from nereus.rl.core import clipped_policy_loss, clipped_value_loss, kl_estimate, masked_mean
+from nereus.rl.offpolicy import decoupled_policy_loss
 from nereus.runtime.engine import Loss
 
 
@@ -37,7 +38,11 @@ def actor_loss(out: torch.Tensor, mb: dict[str, torch.Tensor], clip_low: float, 
     eq. 3); every term aggregated by the job's ``loss_agg_mode`` as verl's ``update_policy`` does
     (pg_loss − entropy_coeff · entropy + kl_loss_coef · kl_loss)."""
     logp, mask = _response(out, mb), mb["mask"]
-    pg, clipped, lower = clipped_policy_loss(logp, mb["old_logp"], mb["adv"], clip_low, clip_high, clip_ratio_c)
+    if "is_weight" in mb:  # run.async: each token weighted by pi_old / pi_rollout (decoupled PPO, rl.offpolicy)
+        pg, clipped, lower = decoupled_policy_loss(logp, mb["old_logp"], mb["adv"], mb["is_weight"], clip_low,
+                                                   clip_high, clip_ratio_c)
+    else:
+        pg, clipped, lower = clipped_policy_loss(logp, mb["old_logp"], mb["adv"], clip_low, clip_high, clip_ratio_c)
     loss = pg
     kl = torch.zeros_like(pg)
     if kl_loss_coef and "ref_logp" in mb:

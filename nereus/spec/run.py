@@ -72,6 +72,36 @@ class AdaptSpec:
         return value_at(self.availability, step, default)
 
 
+# run.async.enabled: off, on, or chosen by the step-time prediction after the warm-up steps (nereus.run.asyncmode)
+ASYNC_MODES = ("false", "true", "auto")
+# run.async.rollout_is: verl's algorithm.rollout_correction.rollout_is (token, sequence, null); "none" is null
+ROLLOUT_IS_LEVELS = ("token", "sequence", "none")
+# run.async.rollout_is_mode: truncate = verl's TIS clamp (Yao et al. 2025); mask = AReaL's behav_imp_weight_cap
+ROLLOUT_IS_MODES = ("truncate", "mask")
+
+
+@dataclass(frozen=True)
+class AsyncSpec:
+    """``run.async``: generation of step k+1 overlaps inference and training of step k (docs/async.md).
+
+    ``staleness``: the most policy versions a trained sample may lag the policy being trained (AReaL's
+    ``rollout.max_head_offpolicyness``; verl's fully-async recipe bounds it as a share of samples,
+    ``async_training.staleness_threshold``). The off-policy correction weights each token by
+    π_old/π_rollout (decoupled PPO, Fu et al. 2025, arXiv:2505.24298), names as verl's
+    ``algorithm.rollout_correction``."""
+
+    enabled: str = "false"  # one of ASYNC_MODES
+    staleness: int = 1
+    rollout_is: str = "token"
+    rollout_is_threshold: float = 2.0  # verl's default
+    rollout_is_mode: str = "truncate"
+
+    @property
+    def on(self) -> bool:
+        """Whether the async machinery runs at all (``true``, or ``auto`` deciding)."""
+        return self.enabled != "false"
+
+
 @dataclass(frozen=True)
 class RunSpec:
     seed: int = 0
@@ -119,6 +149,8 @@ class RunSpec:
     rollout_pad_to_max: bool = False
     # run.overlap: model-stages on disjoint workers run at once (run.overlap.Calls); results are identical
     overlap: bool = False
+    # run.async (a Python keyword, hence the field name): one-step-off-policy generation, see AsyncSpec
+    async_mode: AsyncSpec = field(default_factory=AsyncSpec)
 
     @property
     def max_workers(self) -> int:
@@ -159,6 +191,33 @@ def _adapt(f: Fields) -> AdaptSpec | None:
                      margin=a.get("margin", float, 0.5, minimum=0),
                      replan_every=a.get("replan_every", int, 25, minimum=1),
                      fit_every=a.get("fit_every", int, 5, minimum=1), calibrate=a.get("calibrate", bool, True))
+    a.finish()
+    return spec
+
+
+def _async(f: Fields) -> AsyncSpec:
+    """``run.async``: ``enabled`` (true, false, auto), ``staleness``, ``rollout_is``,
+    ``rollout_is_threshold``, ``rollout_is_mode``."""
+    a = f.sub("async")
+    raw = a.data.get("enabled", False)
+    if isinstance(raw, bool):
+        a.get("enabled", bool, False)
+        enabled = "true" if raw else "false"
+    else:
+        enabled = a.get("enabled", str, "false", choices=ASYNC_MODES)
+    staleness = a.get("staleness", int, 1, minimum=1)
+    if staleness != 1:  # the weight sync waits for every queued generation: a deeper queue adds staleness only
+        raise SpecError(a.key_path("staleness"), f"{staleness}: only 1 is supported (generation runs one step "
+                        "ahead; the per-step weight sync waits for queued generations, so a deeper queue would "
+                        "add staleness without more overlap). Use 1, or enabled: false for on-policy steps")
+    threshold = a.get("rollout_is_threshold", float, 2.0)
+    if threshold <= 1:
+        raise SpecError(a.key_path("rollout_is_threshold"), f"{threshold} must exceed 1 (it caps the importance "
+                        "weight pi_old/pi_rollout from above; verl's default is 2.0)")
+    spec = AsyncSpec(enabled=enabled, staleness=staleness,
+                     rollout_is=a.get("rollout_is", str, "token", choices=ROLLOUT_IS_LEVELS),
+                     rollout_is_threshold=threshold,
+                     rollout_is_mode=a.get("rollout_is_mode", str, "truncate", choices=ROLLOUT_IS_MODES))
     a.finish()
     return spec
 
@@ -272,10 +331,13 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         snapshot_every=ckpt.get("snapshot_every", int, 1, minimum=0),
         layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=slots,
         rollout_pad_to_max=pad_to_max,
-        overlap=f.get("overlap", bool, False))
+        overlap=f.get("overlap", bool, False), async_mode=_async(f))
     if spec.adapt is not None and layouts:
         raise SpecError(f.key_path("layouts"), "with run.adapt the controller chooses every layout: remove "
                                                "run.layouts (or run.adapt to keep them fixed)")
+    if spec.adapt is not None and spec.async_mode.on:
+        raise SpecError(f.key_path("async.enabled"), "run.async with run.adapt is not supported yet (the controller "
+                                                     "reads stage times a run-ahead generation changes): remove one")
     ckpt.finish()
     f.finish()
     for key, rk in spec.ranks.items():

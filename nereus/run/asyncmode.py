@@ -1,0 +1,214 @@
+"""``run.async``: generation of step k+1 overlaps inference and training of step k (one-step off-policy).
+
+The step (``AsyncRollouts.step``, used by ``Stepper.step`` while the mode is on):
+
+1. take step k's rollout: the one generated during step k−1 if there is one, else generate it now;
+2. issue the generation of step k+1 (``Calls.submit``, a Ray future) with the weights the generation
+   layout holds now — those of step k's start, one update older than the policy step k's training produces;
+3. inference, advantages and training of step k, exactly as the synchronous step; the actor's loss weights
+   each token by π_old/π_rollout (``rl.offpolicy``; π_old is the inference stage's recomputed log-prob);
+4. collect the generation issued in 2, then the weight sync of step k.
+
+Why it cannot deadlock and why the weights are the ones said: every Ray actor runs its calls in the order
+they were issued (``run.overlap``'s argument). The driver issues generation k+1 before any call of step
+k's inference and training, and the sync of step k after them, so on a generation worker generation k+1
+runs before the sync that would bring it the new weights, and the earliest unfinished call in the global
+order always has every worker of its layout free of earlier calls. Generation overlaps only the stages
+whose workers it does not share; stages on its workers queue behind it (allowed, but then nothing is
+gained: a warning says so).
+
+Staleness: the weights at the start of step k have taken k updates (a resumed or recovered run starts
+from a checkpoint or snapshot of step k's start), so a rollout generated during step k−1 is one version
+behind the policy step k trains (``async/staleness/*``), never more (asserted: at most one generation is
+in flight, and the sync of step k waits for it).
+
+Checkpoints and recovery: the generation of step k+1 is not issued when a checkpoint follows step k
+(``run.checkpoint.every``) or when k is the last step, so every checkpoint is written with no generation
+in flight and a run resumed from it generates its first step afresh — exactly what the uninterrupted run
+did there. A step redone after a lost worker (``Runtime.recover``) drops the queued rollout and generates
+anew with the snapshot's weights (staleness 0 for that step).
+
+``auto``: the first ``AUTO_WARMUP`` steps run synchronously; from their measured stage times (the first
+step excluded) the predicted async step is max(generation, everything else) + weight sync, against the
+measured sequential step; async is switched on for the rest of the run when it is predicted at least
+``AUTO_MARGIN`` shorter and generation shares no worker with another stage (otherwise nothing can
+overlap). The decision and both predictions are in that step's metric line.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nereus.rl.offpolicy import correction_metrics, raw_weights, rollout_is_weights
+from nereus.run.overlap import Call
+from nereus.run.rollout import Rollout, pack, repeat_prompts
+from nereus.runtime.generate import SamplingParams
+
+AUTO_WARMUP = 4  # synchronous steps before `auto` decides; the first one (warm caches, first calls) is not used
+AUTO_MARGIN = 0.05  # the predicted async step must be at least 5% shorter than the measured sequential one
+
+
+@dataclass
+class Pending:
+    """A generation issued ahead: step ``step``'s rollout from the weights of version ``version``."""
+
+    step: int
+    call: Call
+    rows: list
+    prompts: list[list[int]]
+    version: int
+    fixed: tuple[int, int] | None
+    answer: list | None = None
+
+
+def shared_workers(placed: list) -> set[int]:
+    """Workers of the actor's generation layout that also run another model-stage (nothing overlaps there)."""
+    gen = {r for p in placed if (p.model, p.stage) == ("actor", "generation") for r in p.ranks}
+    return gen & {r for p in placed if p.stage != "generation" for r in p.ranks}
+
+
+def predict(steps: list[dict[str, float]], shared: bool) -> tuple[float, float]:
+    """(measured sequential step, predicted async step) in seconds from synchronous steps' metrics: the
+    async step is max(generation, the rest) + weight sync; with a shared worker nothing overlaps."""
+    def mean(key: str) -> float:
+        return sum(m.get(key, 0.0) for m in steps) / len(steps)
+
+    step, gen, sync = mean("timing_s/step"), mean("timing_s/gen"), mean("timing_s/update_weights")
+    rest = max(0.0, step - gen - sync)
+    return step, (step if shared else max(gen, rest) + sync)
+
+
+class AsyncRollouts:
+    """The asynchronous mode of a ``Stepper`` (``st``); ``events`` records, in order, when each step's
+    generation was issued and answered and when each step's training answered."""
+
+    def __init__(self, st: object) -> None:
+        self.st, self.spec = st, st.run.async_mode
+        self.enabled = self.spec.enabled == "true"
+        self.pending: Pending | None = None
+        self.events: list[tuple[str, int]] = []
+        self.warmup: list[dict[str, float]] = []  # auto: the synchronous steps' metrics
+        self.decided = self.spec.enabled != "auto"
+        shared = shared_workers(st.placed)
+        if self.enabled and shared:
+            print(f"nereus: warning: run.async: actor/generation shares workers {sorted(shared)} with other "
+                  "model-stages; generation cannot overlap them there, so the step gains nothing (give generation "
+                  "its own workers in run.layouts)", file=sys.stderr, flush=True)
+
+    # ----- auto ---------------------------------------------------------------------------------------
+    def observe(self, step: int, m: dict[str, float]) -> None:
+        """After a synchronous step: ``async/enabled`` 0 and, in ``auto``, the decision once warmed up."""
+        m["async/enabled"] = 0.0
+        if self.decided:
+            return
+        self.warmup.append({k: v for k, v in m.items() if k.startswith("timing_s/")})
+        if len(self.warmup) < AUTO_WARMUP:
+            return
+        shared = bool(shared_workers(self.st.placed))
+        seq_s, async_s = predict(self.warmup[1:], shared)
+        self.enabled, self.decided = async_s < (1 - AUTO_MARGIN) * seq_s, True
+        m.update({"async/decision/sequential_s": seq_s, "async/decision/predicted_async_s": async_s,
+                  "async/decision/enabled": float(self.enabled)})
+        print(f"nereus: run.async auto after step {step + 1}: sequential step {seq_s:.3f} s measured, async "
+              f"{async_s:.3f} s predicted{' (generation shares a worker)' if shared else ''} -> "
+              f"{'on' if self.enabled else 'off'}", file=sys.stderr, flush=True)
+
+    # ----- the step -----------------------------------------------------------------------------------
+    def ahead(self, step: int) -> bool:
+        """Whether step ``step`` issues the next step's generation: not after the last step, and not when
+        a checkpoint follows (it is written with nothing in flight)."""
+        every = self.st.run.checkpoint_every
+        return step + 1 < self.st.run.steps and not (every and (step + 1) % every == 0)
+
+    def issue(self, step: int, version: int) -> None:
+        """Submit step ``step``'s generation, with the same sampling parameters ``Stepper.generate`` uses."""
+        st = self.st
+        rows = repeat_prompts(st.prompts(step), st.alg.samples_per_prompt)
+        limit = st.run.max_response_length(step, st.job.workload.response.max)
+        params = SamplingParams(max_new_tokens=limit, temperature=st.run.temperature, top_p=st.run.top_p,
+                                eos_token_id=st.tok.eos_token_id, pad_token_id=st.tok.pad_token_id,
+                                seed=st.run.seed * 100_003 + step, slots=st.run.rollout_slots)
+        prompts = [list(p.ids) for p in rows]
+        fixed = (max(len(p) for p in prompts), limit) if st.run.rollout_pad_to_max else None
+        call = st.calls.submit("gen", "generate", st.key["actor", "generation"], "generate_with_logprobs", prompts,
+                               params)
+        self.pending = Pending(step, call, rows, prompts, version, fixed)
+        self.events.append(("generation_issued", step))
+
+    def collect(self) -> None:
+        """Wait for the generation issued ahead (its time counts as this step's ``timing_s/gen``)."""
+        p = self.pending
+        p.answer = self.st.calls.wait([p.call])[0]
+        self.st.timing["timing_s/gen"] = self.st.timing.get("timing_s/gen", 0.0) + self.st.calls.seconds(p.call)
+        self.events.append(("generation_answered", p.step))
+
+    def rollout(self, step: int) -> tuple[Rollout, list, int]:
+        """Step ``step``'s rollout, its rows and the policy version that generated it."""
+        st, p, self.pending = self.st, self.pending, None
+        if p is not None and p.step == step and p.answer is not None:
+            out = [row for part in p.answer for row in part]
+            st.early = None
+            return pack(p.prompts, [r for r, _ in out], [lp for _, lp in out], st.tok.eos_token_id, p.fixed), \
+                p.rows, p.version
+        self.events.append(("generation_issued", step))
+        roll, rows = st.generate(step, st.prompts(step))  # first step, after a checkpoint, or a redone step
+        self.events.append(("generation_answered", step))
+        return roll, rows, step
+
+    def correct(self, roll: Rollout, inf: dict, batch: dict) -> dict[str, float]:
+        """Put the importance weights π_old/π_rollout in the actor's batch (``remote.actor_loss``); with
+        ``rollout_is_mode: mask`` the dropped tokens leave its mask. Returns verl's ``rollout_corr/*``."""
+        s = self.spec
+        prox, behav, mask = inf["old_logp"], roll.gen_logp, roll.mask
+        if s.rollout_is == "none":  # metrics only, as verl's rollout_is: null
+            w = raw_weights(prox, behav, mask) * mask
+            return correction_metrics(prox, behav, mask, w, mask, s.rollout_is_threshold)
+        w, keep = rollout_is_weights(prox, behav, mask, s.rollout_is, s.rollout_is_threshold, s.rollout_is_mode)
+        batch["is_weight"] = w
+        if s.rollout_is_mode == "mask":
+            batch["mask"] = mask * keep
+        return correction_metrics(prox, behav, mask, w, keep, s.rollout_is_threshold, s.rollout_is)
+
+    def step(self, step: int) -> dict[str, float]:
+        """One asynchronous step (the module's steps 1-4); the metric line adds ``async/*`` and
+        ``rollout_corr/*``."""
+        st = self.st
+        st.timing, st.grad_norms = {}, {}
+        st.calls.reset()
+        t0 = time.perf_counter()
+        try:
+            roll, rows, version = self.rollout(step)
+            if self.ahead(step):
+                self.issue(step + 1, version=step)
+            inf = st.infer(roll, rows)
+            adv = st.advantages(roll, rows, inf)
+            jobs = st.training_jobs(roll, inf, adv)
+            corr = self.correct(roll, inf, jobs["actor"][0])
+            stats = st.train_models(step, jobs)
+            self.events.append(("training_answered", step))
+            if self.pending is not None:
+                self.collect()
+            st.sync()
+        except BaseException:
+            self.pending = None  # a failed step (a lost worker): its queued rollout is not used
+            raise
+        st.timing["timing_s/step"] = time.perf_counter() - t0
+        m = st.metrics(step, roll, inf, adv, stats)
+        m.update(st.calls.worker_metrics(len(st.rt.workers), st.timing["timing_s/step"],
+                                         st.timing.get("timing_s/update_weights", 0.0)))
+        m.update(corr)
+        m.update(self.staleness(step, torch.full((len(rows),), version)))
+        return m
+
+    def staleness(self, step: int, versions: torch.Tensor) -> dict[str, float]:
+        """``async/staleness/{max,mean}`` over the step's samples (policy versions behind the trained one)."""
+        lag = (step - versions).float()
+        if float(lag.max()) > self.spec.staleness:
+            raise RuntimeError(f"run.async: a sample {int(lag.max())} versions stale exceeds the bound "
+                               f"{self.spec.staleness} (a bug in the run-ahead bookkeeping)")
+        return {"async/enabled": 1.0, "async/staleness/max": float(lag.max()),
+                "async/staleness/mean": float(lag.mean()), "async/generation_ahead": float(self.pending is not None)}
