@@ -195,3 +195,35 @@ def test_the_live_batch_drains_to_the_longest_response() -> None:
     assert all(a <= b for a, b in zip(times, times[1:], strict=False))
     assert gen.time_at_live(255) >= gen.prefill_s + gen.bulk_s  # fewer than the slots: the tail has begun
     assert gen.bulk_step_s > gen.tail_step_s  # a full batch's step costs more than the last sequence's
+
+
+def _markdown_tables() -> str:
+    """The two tables of docs/cost-model.md (``python tests/test_decode_published.py``)."""
+    out = ["| row | GPU | model | precision | TP | batch | ISL/OSL | unit | published | predicted | error |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    errors = _fixed_errors()
+    for row, pred, err in errors:
+        out.append(f"| {row['row_id']} | {row['gpu'][:4]} | {row['model'].split(' ')[0]} | {row['precision'][:4]} | "
+                   f"{row['tp']} | {row['batch_or_concurrency']} | {row['input_len']}/{row['output_len']} | "
+                   f"{'ms' if row['unit'] == 'ms' else 'tokens/s/GPU'} | {float(row['value']):,.1f} | {pred:,.1f} | "
+                   f"{err:+.1%} |")
+    mae = sum(abs(e) for _, _, e in errors) / len(errors)
+    worst = max(errors, key=lambda t: abs(t[2]))
+    out += [f"\nMAE {mae:.1%}; worst row {worst[0]['row_id']} {worst[2]:+.1%}\n",
+            "| row | source | GPU | model | precision | TP | ISL/OSL | batch (KV-bound) | published tok/s | "
+            "predicted tok/s | predicted/published |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [row for row in _rows() if row["source_id"] in KV_FRACTION]
+    over = 0
+    for row in rows:
+        pred, batch = _max_load(row)
+        ratio = pred / float(row["value"])
+        over += ratio > 1.1
+        out.append(f"| {row['row_id']} | {row['source_id']} | {row['gpu'][:4]} | {row['model'].split(' ')[0]} | "
+                   f"{row['precision'].split(' ')[0]} | {row['tp']} | {row['input_len']}/{row['output_len']} | "
+                   f"{batch} | {float(row['value']):,.0f} | {pred:,.0f} | {ratio:.2f}{' **over**' * (ratio > 1.1)} |")
+    out.append(f"\nexceeded by more than 10%: {over} of {len(rows)}")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(_markdown_tables())

@@ -147,3 +147,13 @@ def test_rows_one_and_two_train_faster_than_the_h20_peak_allows_at_the_assumed_l
         est = estimate_plan(hw, job, verl_colocated_plan(job))
         at_peak = est.costs["actor/training"].terms["compute"] * hw.priors.gemm_efficiency
         assert at_peak > float(rows[row_id]["update_actor_s"])
+
+
+if __name__ == "__main__":  # the table of docs/cost-model.md: python tests/test_rl_step_breakdown.py
+    print("| row | GPUs | stage | published s | predicted s | error | within 25% |\n|---|---|---|---|---|---|---|")
+    for row_id in ROWS:
+        for column in STAGES:
+            err = relative_error(row_id, column)
+            print(f"| {row_id} | {published()[row_id]['num_gpus']} | {column.removesuffix('_s')} | "
+                  f"{float(published()[row_id][column]):.1f} | {predicted(row_id)[column]:.1f} | {err:+.0%} | "
+                  f"{'yes' if abs(err) <= 0.25 else '**no**'} |")
