@@ -100,9 +100,10 @@ class DecodePriors:
     # link: 360 GB/s on H100). nccl-tests all_reduce_perf on 8×H100 (AWS p5;
     # aws-samples/awsome-distributed-training, 1.architectures/3.aws-batch/README.md) took 55.4, 84.3
     # and 124.0 µs at 4, 8 and 16 MB: after the fixed cost charged apart (14 ring steps × 1 µs + the
-    # 5 µs call) that is 201, 225 and 280 GB/s of bus bandwidth, ~240 GB/s, 2/3 of 360 (the same run
-    # reaches 440–480 GB/s at 1–16 GB). The share scales a measured profile's link rate alike.
-    decode_link_share: float = 0.67
+    # 5 µs call) that is 201, 225 and 280 GB/s of bus bandwidth (2(n−1)/n of the bytes), mean 235 GB/s,
+    # 0.65 of 360 (the same run reaches 440–480 GB/s at 1–16 GB). The share scales a measured profile's
+    # link rate alike.
+    decode_link_share: float = 0.65
 
 
 @dataclass(frozen=True)
