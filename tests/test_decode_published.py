@@ -112,7 +112,7 @@ def test_fixed_batch_rows_meet_issue_thresholds(fixed) -> None:
     assert all(abs(e) <= 0.30 for e in errors)
 
 
-@pytest.mark.xfail(strict=True, reason="16 of 74 max-load rows exceeded by >10% (up to 1.65x: 70B FP16 at TP 4-8 on "
+@pytest.mark.xfail(strict=True, reason="16 of 74 max-load rows exceeded by >10% (up to 1.63x: 70B FP16 at TP 4-8 on "
                                         "H100/A100, 70B FP8 rows 7, 8, 30, 34, 35, 82, 8B FP16 rows 39, 47); see "
                                         "docs/cost-model.md")
 def test_max_load_rows_are_ceilings(ceilings) -> None:
