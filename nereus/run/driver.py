@@ -21,6 +21,7 @@ from nereus.rl.rewards import RewardRouter
 from nereus.rl.tokenizer import Tokenizer
 from nereus.run import remote
 from nereus.run.asyncmode import AsyncRollouts
+from nereus.run.midstep import MidStep
 from nereus.run.overlap import Calls, EarlyInference, cat_parts
 from nereus.run.report import step_metrics
 from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack, repeat_prompts
@@ -45,6 +46,8 @@ class Stepper:
         self.calls = Calls(rt)  # the step's worker calls: futures and per-worker busy time
         self.early: EarlyInference | None = None  # this step's inference started during generation
         self.asynchronous = AsyncRollouts(self) if job.run.async_mode.on else None  # run.async (run.asyncmode)
+        # run.rollout.midstep: generation in chunks, unfinished sequences moved between replicas mid-step
+        self.midstep = MidStep(job.run.rollout_midstep) if job.run.rollout_midstep else None
 
     @contextmanager
     def timer(self, name: str):
@@ -78,6 +81,11 @@ class Stepper:
         prompts, eos = [list(p.ids) for p in rows], self.tok.eos_token_id
         fixed = (max(len(p) for p in prompts), limit) if self.run.rollout_pad_to_max else None
         key = self.key["actor", "generation"]
+        if self.midstep is not None and self.midstep.applies(self.rt, key):
+            with self.timer("gen"):
+                self.early = None
+                out = self.midstep.generate(self.calls, self.rt, key, prompts, params, step)
+            return pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows
         with self.timer("gen"):
             call = self.calls.submit("gen", "generate", key, "generate_with_logprobs", prompts, params)
             self.early = None
@@ -263,6 +271,8 @@ class Stepper:
         self.sync()
         self.timing["timing_s/step"] = time.perf_counter() - t0
         m = self.metrics(step, roll, inf, adv, stats)
+        if self.midstep is not None:
+            m.update(self.midstep.step_metrics())
         m.update(self.calls.worker_metrics(len(self.rt.workers), self.timing["timing_s/step"],
                                            self.timing.get("timing_s/update_weights", 0.0)))
         if self.asynchronous is not None:  # run.async auto: decides from the synchronous steps' times

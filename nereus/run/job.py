@@ -44,6 +44,7 @@ from nereus.run.checkpoint import (
 from nereus.run.driver import Stepper
 from nereus.run.manifest import verify_manifest, write_manifest, write_text_atomic
 from nereus.run.metrics import MetricsLog, Progress, check_loggers, lines_through
+from nereus.run.midstep import report_decisions
 from nereus.run.setup import (
     TRAINED,
     Placed,
@@ -95,6 +96,7 @@ class RLJob(Observer):
         self.warnings: list[str] = []  # broken checkpoints a resume skipped
         self.last: dict[str, float] = {}
         self.adaptation: AdaptationLog | None = None
+        self.midstep_log: AdaptationLog | None = None
         self._ran_on: Plan | None = None  # the plan the step being observed ran on (its metric line names it)
         self.log: MetricsLog | None = None
         self.bar: Progress | None = None
@@ -253,6 +255,8 @@ class RLJob(Observer):
                          f"{d.current_s:.2f} s -> {d.candidate_s:.2f} s")
                 self.say(f"    new plan: {plan_text(o.plan)}")
         self._ran_on = o.plan
+        if self.midstep_log is not None:  # run.rollout.midstep: the step's mid-step decisions
+            report_decisions(self.backend.stepper.midstep, self.midstep_log.write, self.record, self.say)
         done = step + 1
         if done % self.run.eval_every == 0 or done == self.run.steps:
             last["val/accuracy"] = self.evaluate(self.val)
@@ -308,6 +312,8 @@ class RLJob(Observer):
         self.bar = Progress(self.run.steps, start, quiet=self.quiet)
         if self.run.adapt is not None:
             self.adaptation = AdaptationLog(self.dir / "decisions.jsonl")
+        if self.run.rollout_midstep is not None:  # a second appender of the same decision log
+            self.midstep_log = AdaptationLog(self.dir / "decisions.jsonl")
         loop = ControlLoop(self.policy, self.backend, self.record, observer=self)
         self._ran_on = loop.start(self.backend.plan, start)
         try:
@@ -316,6 +322,8 @@ class RLJob(Observer):
             self.log.close()
             if self.adaptation is not None:
                 self.adaptation.close()
+            if self.midstep_log is not None:
+                self.midstep_log.close()
             self.record.save(self.dir / "run_record.json")
         return self._summary()
 

@@ -40,6 +40,7 @@ class Worker:
         self._abort = threading.Event()
         self._stuck: list[threading.Thread] = []  # calls abandoned by ``abort``, still blocked
         self.faults = FaultHook()  # does nothing unless a test's fault plan armed it
+        self.engines: dict[str, object] = {}  # key -> its generation engine across calls (run.midstep)
 
     # ----- failure handling -----------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -143,6 +144,7 @@ class Worker:
         self._stuck = [t for t in self._stuck if t.is_alive()]
         self._abort.clear()
         self.world, self.groups, self.pending = world, {}, {}
+        self.engines = {}
         self.rank = self.rank if rank is None else rank
         self.init_dist(master, port, timeout_s)
         return self.init_comm(min(timeout_s, 120.0))
@@ -283,6 +285,39 @@ class Worker:
 
         return self._on(key, lambda sm: self._output(sm, generate_with_logprobs(sm, prompts, params)))
 
+    # ----- a generation engine that lives across calls (``gen_session``: mid-step moves) -------------
+    def gen_open(self, key: str, prompts: list[list[int]], params: object) -> tuple[int, bool] | None:
+        """A fresh continuous-batching engine on this replica's rows of ``prompts`` (``params.slots``)."""
+        from nereus.runtime.gen_session import open_engine
+
+        def run(sm: ShardedModel) -> tuple[int, bool] | None:
+            self.engines[key] = open_engine(sm, prompts, params)
+            return self._output(sm, True)
+
+        return self._on(key, run)
+
+    def gen_run(self, key: str, iterations: int) -> tuple[int, dict] | None:
+        """Up to ``iterations`` iterations of ``key``'s engine; (DP replica, status) from output ranks."""
+        from nereus.runtime.gen_session import run_chunk
+
+        return self._on(key, lambda sm: self._output(sm, run_chunk(self.engines[key], iterations)))
+
+    def gen_migrate(self, key: str, plan: dict) -> dict:
+        """This worker's part of moving unfinished sequences between ``key``'s replicas (every worker of
+        the world calls it: the commit vote is world-wide); ``ok: False`` when it did not commit."""
+        from nereus.runtime.gen_session import migrate_sequences
+
+        return self._guarded(migrate_sequences, self.engines.get(key), plan, self.comm, self.faults)
+
+    def gen_close(self, key: str) -> tuple[int, dict] | None:
+        """Drop ``key``'s engine; (DP replica, sequence id -> (tokens, log-probs)) from output ranks."""
+        from nereus.runtime.gen_session import close_engine
+
+        engine = self.engines.pop(key, None)
+        if engine is None:
+            return None
+        return self._on(key, lambda sm: self._output(sm, close_engine(engine)))
+
     def memory(self, key: str) -> dict | None:
         sm = self.models.get(key)
         return asdict(sm.last_report) if sm is not None and sm.last_report else None
@@ -314,6 +349,7 @@ class Worker:
 
     def release(self, key: str) -> None:
         self.models.pop(key, None)
+        self.engines.pop(key, None)
         groups = self.groups.pop(key, None)
         if groups is not None:
             groups.destroy()

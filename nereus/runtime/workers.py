@@ -218,6 +218,11 @@ class Runtime:
             self.failover.changed(self.specs[key].model)
         return [(r, getattr(self.workers[r], op).remote(key, *args)) for r in self.specs[key].ranks]
 
+    def submit_all(self, op: str, *args: object) -> list[tuple[int, object]]:
+        """Issue ``Worker.<op>(*args)`` on every worker of the world (a call with a world-wide collective,
+        such as a migration's commit vote), like ``submit``: (worker rank, Ray future) by rank."""
+        return [(r, getattr(w, op).remote(*args)) for r, w in enumerate(self.workers)]
+
     def answers(self, refs: list) -> list:
         """The answers of ``submit``'s futures, with the runtime's deadline and lost-worker detection."""
         return self._get(refs)

@@ -68,6 +68,31 @@ def markdown_table(runs: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def _cell(d: dict, key: str, fmt: str) -> str:
+    return "—" if d.get(key) is None else format(d[key], fmt)
+
+
+def midstep_table(runs: list[dict]) -> str:
+    """Mid-step decisions of real runs (``run.midstep``: ``action: midstep`` in a record's decisions), one
+    row each: where, what moved how, predicted gain and cost, measured move time and gain; "" when none."""
+    rows = []
+    for r in runs:
+        for d in r.get("decisions", []):
+            if not isinstance(d, dict) or d.get("action") != "midstep":
+                continue
+            outcome = "moved" if d.get("committed") else "aborted" if d.get("admitted") else "refused"
+            rows.append(f"| {r['policy']} | {d.get('step')} | {d.get('iteration')} | {outcome} | "
+                        f"{d.get('donor')} → {d.get('receiver')} | {len(d.get('moved', []))} | {d.get('kv', 0)} | "
+                        f"{d.get('refill', 0)} | {d.get('queued', 0)} | {_cell(d, 'bytes', ',')} | "
+                        f"{_cell(d, 'predicted_gain_s', '.3f')} | {_cell(d, 'predicted_cost_s', '.3f')} | "
+                        f"{_cell(d, 'move_s', '.3f')} | {_cell(d, 'measured_gain_s', '+.3f')} |")
+    if not rows:
+        return ""
+    head = ("| policy | step | iteration | outcome | replicas | sequences | KV | re-prefill | not started | bytes "
+            "| predicted gain (s) | predicted cost (s) | measured move (s) | measured gain (s) |")
+    return "\n".join(["## Mid-step decisions", "", head, "|" + "---|" * 14, *rows])
+
+
 def plot_runs(runs: list[dict], out_dir: Path) -> list[Path]:
     """step_latency.png (transitions marked) and workload.png (GPUs and response length)."""
     import matplotlib
@@ -142,6 +167,9 @@ def write_report(paths: list[str], out_dir: str | Path) -> dict[str, Path]:
     table = out / "report.md"
     pngs = plot_runs(runs, out)
     lines = ["# Runs", "", markdown_table(runs), ""] + [f"![{p.stem}]({p.name})" for p in pngs]
+    midstep = midstep_table(runs)
+    if midstep:
+        lines += ["", midstep]
     table.write_text("\n".join(lines) + "\n")
     trace = out / "timeline.json"
     trace.write_text(json.dumps(timeline(runs)))

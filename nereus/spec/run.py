@@ -72,6 +72,25 @@ class AdaptSpec:
         return value_at(self.availability, step, default)
 
 
+# run.rollout.midstep.transfer: how a moved sequence's KV caches reach the other replica
+MIDSTEP_TRANSFERS = ("auto", "kv", "refill")
+
+
+@dataclass(frozen=True)
+class MidstepSpec:
+    """``run.rollout.midstep``: the controller moves unfinished sequences between generation replicas
+    mid-step (``run.midstep``). ``trigger``: a replica takes sequences once its unfinished ones fill less
+    than this share of its slots; ``margin``: a move is admitted when its predicted gain exceeds
+    ``margin`` × its predicted cost; ``chunk``: iterations between two looks; ``transfer``: ``kv`` sends
+    the caches, ``refill`` re-prefills them, ``auto`` picks the cheaper per sequence by the cost model."""
+
+    trigger: float = 0.5
+    margin: float = 1.5
+    chunk: int = 4
+    transfer: str = "auto"
+    calibrate: bool = True  # False: decide on the cost model's priors alone (reproducible decisions)
+
+
 # run.async.enabled: off, on, or chosen by the step-time prediction after the warm-up steps (nereus.run.asyncmode)
 ASYNC_MODES = ("false", "true", "auto")
 # run.async.rollout_is: verl's algorithm.rollout_correction.rollout_is (token, sequence, null); "none" is null
@@ -147,6 +166,8 @@ class RunSpec:
     # run.rollout.pad_to_max: pack rollouts to the longest possible prompt + response (not the longest
     # present), so that with run.overlap inference starts on a generation replica's rows once it finishes
     rollout_pad_to_max: bool = False
+    # run.rollout.midstep: mid-step moves of unfinished sequences between generation replicas; None: off
+    rollout_midstep: MidstepSpec | None = None
     # run.overlap: model-stages on disjoint workers run at once (run.overlap.Calls); results are identical
     overlap: bool = False
     # run.async (a Python keyword, hence the field name): one-step-off-policy generation, see AsyncSpec
@@ -193,6 +214,24 @@ def _adapt(f: Fields) -> AdaptSpec | None:
                      fit_every=a.get("fit_every", int, 5, minimum=1), calibrate=a.get("calibrate", bool, True))
     a.finish()
     return spec
+
+
+def _midstep(rollout: Fields, slots: int) -> MidstepSpec | None:
+    """``run.rollout.midstep`` (None unless ``enabled``); it needs the continuous-batching engine."""
+    if not rollout.has("midstep"):
+        return None
+    m = rollout.sub("midstep")
+    enabled = m.get("enabled", bool, False)
+    spec = MidstepSpec(trigger=m.get("trigger", float, 0.5, minimum=0, maximum=1),
+                       margin=m.get("margin", float, 1.5, minimum=0),
+                       chunk=m.get("chunk", int, 4, minimum=1, maximum=MAX_STEPS),
+                       transfer=m.get("transfer", str, "auto", choices=MIDSTEP_TRANSFERS),
+                       calibrate=m.get("calibrate", bool, True))
+    m.finish()
+    if enabled and slots < 1:
+        raise SpecError(m.key_path("enabled"), "mid-step moves run on the continuous-batching engine: set "
+                                               "run.rollout.slots > 0 (sequences per replica)")
+    return spec if enabled else None
 
 
 def _async(f: Fields) -> AsyncSpec:
@@ -302,6 +341,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
     ckpt, rollout = f.sub("checkpoint"), f.sub("rollout")
     slots = rollout.get("slots", int, 0, minimum=0, maximum=MAX_SLOTS)
     pad_to_max = rollout.get("pad_to_max", bool, False)
+    midstep = _midstep(rollout, slots)
     rollout.finish()
     spec = RunSpec(
         seed=f.get("seed", int, 0, minimum=0, maximum=MAX_SEED),
@@ -330,7 +370,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         checkpoint_dir=ckpt.get("dir", str, "runs/job"), checkpoint_every=ckpt.get("every", int, 0, minimum=0),
         snapshot_every=ckpt.get("snapshot_every", int, 1, minimum=0),
         layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=slots,
-        rollout_pad_to_max=pad_to_max,
+        rollout_pad_to_max=pad_to_max, rollout_midstep=midstep,
         overlap=f.get("overlap", bool, False), async_mode=_async(f))
     if spec.adapt is not None and layouts:
         raise SpecError(f.key_path("layouts"), "with run.adapt the controller chooses every layout: remove "
@@ -346,4 +386,8 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
     for key, lay in spec.layouts.items():
         if key not in spec.ranks and lay.world > spec.workers:
             raise SpecError(f"{f.key_path('layouts')}.{key}", f"{lay.world} ranks exceed workers ({spec.workers})")
+    gen = spec.layouts.get("actor/generation")
+    if spec.rollout_midstep is not None and gen is not None and gen.dp < 2:
+        raise SpecError(f"{f.key_path('rollout')}.midstep.enabled", f"mid-step moves go between generation "
+                        f"replicas, and run.layouts.actor/generation has dp={gen.dp}: give it dp >= 2")
     return spec

@@ -1,0 +1,255 @@
+"""Mid-step moves of unfinished sequences between generation replicas (``run.rollout.midstep``), decided
+by a small cost model calibrated on the run's own measurements.
+
+The continuous-batching engine runs each live sequence as its own one-row micro-batch, so an iteration
+of a replica costs about (live sequences) × (seconds per row). When one DP replica has drained its queue
+and another still holds a backlog of long sequences, the first idles while the second finishes: moving
+some of the second's unfinished sequences — with their KV caches, or as records the receiver re-prefills
+(``elastic.kvplan``, ``runtime.kv_migrate``) — splits the tail between them.
+
+The driver runs every replica's engine (``Worker.gen_open``/``gen_run``, ``runtime.gen_session``) in
+chunks of ``chunk`` iterations. After each chunk, when a replica's unfinished sequences fill less than
+``trigger`` of its slots (the *receiver*) while the replica with the most predicted work left (the
+*donor*) holds at least two, the controller decides:
+
+- *remaining work*: each unfinished sequence's final length is forecast as the mean of the lengths seen
+  so far in the run that exceed what it has generated (``forecast``), and each replica's engine schedule
+  is replayed to the end (``drain``: slots refilled from the queue, an iteration costing its live rows);
+  a replica's remaining seconds are its rows × its measured seconds per row (this step's chunk timings);
+- *candidates*: the donor's queued sequences from the back, then its active ones, longest forecast first,
+  while the receiver has free slots and each one lowers the pair's predicted finish; per sequence, its
+  KV caches are sent (modelled bytes × calibrated seconds per byte) or re-prefilled (the generated tokens
+  replayed, one row each at the receiver; ``transfer: auto`` picks the cheaper);
+- *admission*: predicted gain (the pair's predicted finish without the move minus with it) >
+  ``margin`` × predicted cost (a fixed cost per move — the driver round trip, the commit vote — plus
+  bytes × seconds per byte, both calibrated on the moves measured so far: median of measured − modelled).
+
+*Measured gain* of an admitted move, once generation has ended: the no-move counterfactual from the
+decision point minus the measured wall time from the decision point to the end of generation. The
+counterfactual replays every replica's engine schedule without the move (``drain``) with the sequences'
+actual final lengths; each replica's rows × its measured seconds per row in this step, the slowest
+replica's, plus the measured driver overhead per chunk (a chunk's wall time minus its slowest replica's
+busy time, averaged over the step) × the chunks the replay needs. Later moves of the same step count in
+the earlier one's measured figure (it measures "this move and what followed" against "no move from here").
+It is a figure of the run, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from nereus.elastic.kvplan import GenPlacement, KVShape, SeqMove
+from nereus.run.overlap import Call, Calls
+from nereus.runtime.sampling import SamplingParams
+from nereus.spec.run import MidstepSpec
+
+HISTORY = 4096  # response lengths kept for the forecast: a few steps' worth of rows
+MOVE_FIXED_PRIOR_S = 0.05  # before any move is measured: a Ray round trip plus a gloo vote on this machine
+S_PER_BYTE_PRIOR = 1e-9  # 1 GB/s: loopback gloo moves far faster; tiny caches make it negligible either way
+ROW_PRIOR_S = 1e-3  # seconds per row with ``calibrate: false``: a tiny model's one-row forward on this CPU
+
+
+def slot_iterations(prompt: int, generated: int, cached: int, final: int) -> int:
+    """Iterations a sequence still occupies a slot until it ends at ``final`` tokens: until its next
+    sample (one when caught up; the prompt plus each generated token replayed when its caches are gone),
+    then one per further token (``DecodeEngine.step``)."""
+    first = 1 + generated if cached == 0 else prompt + generated - cached
+    return first + max(0, final - generated - 1)
+
+
+def drain(active: list[int], queued: list[int], slots: int) -> tuple[int, int]:
+    """(rows, iterations) until every sequence ends: ``active``/``queued`` hold each sequence's remaining
+    slot iterations; free slots take queued sequences in order, every iteration costs its live rows."""
+    live, queue, rows, its = list(active), deque(queued), 0, 0
+    while live or queue:
+        while len(live) < slots and queue:
+            live.append(queue.popleft())
+        rows += len(live)
+        its += 1
+        live = [r - 1 for r in live if r > 1]
+    return rows, its
+
+
+@dataclass
+class Replica:
+    """One DP replica's status after a chunk (``gen_session.run_chunk``): records are [seq id, prompt,
+    generated, cached, stream-state bytes]."""
+
+    dp: int
+    active: list[list[int]]
+    queued: list[list[int]]
+
+    @property
+    def unfinished(self) -> int:
+        return len(self.active) + len(self.queued)
+
+    def work(self, final: dict[int, int], slots: int, extra: tuple[list[list[int]], list[list[int]]] = ((), ()),
+             drop: frozenset[int] = frozenset()) -> tuple[int, int]:
+        """``drain`` of this replica with final lengths ``final``; ``extra``: (installed records, of them the
+        refilled ones' ids as records) taking the next free slots; ``drop``: ids moved away."""
+        inst, refill = extra
+        refilled = {r[0] for r in refill}
+        act = [slot_iterations(p, g, c, final[i]) for i, p, g, c, _ in self.active if i not in drop]
+        front = [slot_iterations(p, g, 0 if i in refilled else c, final[i]) for i, p, g, c, _ in inst]
+        back = [slot_iterations(p, g, c, final[i]) for i, p, g, c, _ in self.queued if i not in drop]
+        return drain(act, front + back, slots)
+
+
+@dataclass
+class Decision:
+    """One mid-step decision, as logged (``decisions.jsonl``, ``run_record.json``)."""
+
+    step: int
+    iteration: int
+    donor: int
+    receiver: int
+    admitted: bool
+    reason: str
+    moved: list[int] = field(default_factory=list)
+    kv: int = 0  # running sequences whose caches travel
+    refill: int = 0  # running sequences re-prefilled at the receiver
+    queued: int = 0  # sequences that had not started (only their records travel)
+    bytes: int = 0
+    predicted_gain_s: float = 0.0
+    predicted_cost_s: float = 0.0
+    committed: bool = False  # the migration passed its commit point (an aborted one moved nothing)
+    move_s: float | None = None  # measured: the migration call's wall time
+    measured_gain_s: float | None = None
+    overhead_s: float = 0.0  # the controller's own time deciding
+
+    def entry(self) -> dict:
+        return {"action": "midstep", **asdict(self)}
+
+
+class MidStep:
+    """The controller's mid-step rule and its calibration across the run's steps."""
+
+    def __init__(self, spec: MidstepSpec, force: bool = False) -> None:
+        self.spec = spec
+        self.force = force  # tests only: move the first running sequence found, whatever the model predicts
+        self.lengths: deque[int] = deque(maxlen=HISTORY)
+        self.moves_measured: list[tuple[int, float]] = []  # (bytes, seconds) of committed moves
+        self.decisions: list[Decision] = []  # the last step's, until the job takes them
+        self.metrics: dict[str, float] = {}
+
+    @staticmethod
+    def applies(rt: object, key: str) -> bool:
+        return rt.specs[key].layout.dp >= 2
+
+    # ----- the cost model -----------------------------------------------------------------------------
+    def forecast(self, generated: int, limit: int) -> int:
+        """Expected final length of a sequence that has generated ``generated`` tokens (the mean of the
+        run's lengths above it; halfway to the limit before any is seen)."""
+        above = [n for n in self.lengths if n > generated]
+        guess = statistics.fmean(above) if above else (generated + limit) / 2
+        return max(generated + 1, min(limit, math.ceil(guess)))
+
+    def move_cost(self, nbytes: int) -> float:
+        fixed = statistics.median([s - b * S_PER_BYTE_PRIOR for b, s in self.moves_measured]) \
+            if self.moves_measured and self.spec.calibrate else MOVE_FIXED_PRIOR_S
+        return max(0.0, fixed) + nbytes * S_PER_BYTE_PRIOR
+
+    # ----- the decision -------------------------------------------------------------------------------
+    def decide(self, step: int, iteration: int, reps: list[Replica], row_s: list[float], slots: int,
+               limit: int, shape: KVShape) -> tuple[Decision, list[SeqMove]] | None:
+        t0 = time.perf_counter()
+        if not self.spec.calibrate:  # reproducible decisions: the priors, never a measured time
+            row_s = [ROW_PRIOR_S] * len(reps)
+        final = {r[0]: self.forecast(r[2], limit) for rep in reps for r in rep.active + rep.queued}
+        secs = [rep.work(final, slots)[0] * row_s[rep.dp] for rep in reps]
+        spare = [rep for rep in reps if rep.unfinished < self.spec.trigger * slots]
+        if not spare:
+            return None
+        donor = max(reps, key=lambda rep: secs[rep.dp])
+        receiver = min(spare, key=lambda rep: secs[rep.dp])
+        if donor is receiver or donor.unfinished < 2:
+            return None
+        base = max(secs[donor.dp], secs[receiver.dp])
+        room = slots - receiver.unfinished
+        chosen: list[list[int]] = []
+        refilled: list[list[int]] = []
+        best = base
+        running = sorted(donor.active, key=lambda r: -(final[r[0]] - r[2]))
+        order = running + donor.queued[::-1] if self.force else donor.queued[::-1] + running
+        for rec in order[: max(0, min(room, donor.unfinished - 1))]:
+            kv_bytes = 2 * shape.layers * shape.kv_heads * rec[3] * shape.head_dim * shape.elem_bytes
+            use_refill = rec[3] > 0 and (self.spec.transfer == "refill" or (
+                self.spec.transfer == "auto" and rec[2] * row_s[receiver.dp] < kv_bytes * S_PER_BYTE_PRIOR))
+            trial, trial_refill = chosen + [rec], refilled + ([rec] if use_refill else [])
+            drop = frozenset(r[0] for r in trial)
+            after = max(donor.work(final, slots, drop=drop)[0] * row_s[donor.dp],
+                        receiver.work(final, slots, (trial, trial_refill))[0] * row_s[receiver.dp])
+            if after >= best and not (self.force and not chosen):
+                break
+            chosen, refilled, best = trial, trial_refill, after
+        if not chosen:
+            return None
+        ids = {r[0] for r in refilled}
+        moves = [SeqMove(i, p, g, c, rng, donor.dp, receiver.dp, refill=i in ids) for i, p, g, c, rng in chosen]
+        nbytes = sum(2 * shape.layers * shape.kv_heads * m.cached * shape.head_dim * shape.elem_bytes
+                     for m in moves if not m.refill)
+        gain, cost = base - best, self.move_cost(nbytes)
+        admitted = gain > self.spec.margin * cost
+        reason = (f"predicted gain {gain:.3f} s {'>' if admitted else '<='} margin {self.spec.margin:g} × "
+                  f"cost {cost:.3f} s" + ("; forced (a test)" if self.force else ""))
+        admitted = admitted or self.force
+        kv, refill = sum(1 for m in moves if m.cached and not m.refill), sum(1 for m in moves if m.refill)
+        d = Decision(step, iteration, donor.dp, receiver.dp, admitted, reason, [m.seq for m in moves], kv, refill,
+                     len(moves) - kv - refill, nbytes, gain, cost, overhead_s=time.perf_counter() - t0)
+        return d, moves
+
+    # ----- the generation call ------------------------------------------------------------------------
+    def generate(self, calls: Calls, rt: object, key: str, prompts: list[list[int]], params: SamplingParams,
+                 step: int) -> list[tuple[list[int], list[float]]]:
+        """``generate_with_logprobs``'s answer for ``prompts``, run in chunks with mid-step moves."""
+        from nereus.run.midstep_run import GenerationRun
+
+        return GenerationRun(self, calls, rt, key, params, step).run(prompts)
+
+    def step_metrics(self) -> dict[str, float]:
+        return dict(self.metrics)
+
+    def take_decisions(self) -> list[Decision]:
+        out, self.decisions = self.decisions, []
+        return out
+
+
+def kv_shape(spec: object) -> KVShape:
+    """The KV-cache geometry of a runtime key (``KeySpec``)."""
+    import torch
+
+    a = spec.cfg.arch
+    return KVShape(a.layers, a.kv_heads, a.head_dim, torch.empty(0, dtype=getattr(torch, spec.dtype)).element_size())
+
+
+def placement(spec: object) -> GenPlacement:
+    return GenPlacement(spec.layout, tuple(spec.ranks))
+
+
+def migrate_on_world(calls: Calls, rt: object, key: str, plan: dict) -> list[dict]:
+    """``Worker.gen_migrate`` on every worker of the world (the commit vote is world-wide), accounted as
+    generation time of each worker; every worker's answer, by rank."""
+    call = Call("gen", "generate", rt.submit_all("gen_migrate", key, plan), time.perf_counter())
+    calls.calls.append(call)
+    answers = rt.answers([ref for _, ref in call.refs])
+    now = time.perf_counter()
+    call.done.update({rank: now for rank, _ in call.refs})
+    return answers
+
+
+def report_decisions(ctl: MidStep, write: object, record: object, say: object) -> None:
+    """The last step's decisions into the run's decision log (``write``: a ``decisions.jsonl`` writer)
+    and record (``RunRecord.decisions``, which ``nereus report`` tables); a line of progress per move."""
+    for d in ctl.take_decisions():
+        write(d.entry())
+        record.decisions.append(d.entry())
+        if d.committed:
+            say(f"\n  mid-step move in step {d.step} after iteration {d.iteration}: {len(d.moved)} sequences, replica "
+                f"{d.donor} -> {d.receiver} ({d.kv} with KV caches, {d.refill} re-prefilled, {d.queued} not started; "
+                f"{d.bytes / 1024:.1f} KiB):"
+                f" cost {d.move_s:.3f} s measured ({d.predicted_cost_s:.3f} s predicted); gain "
+                f"{d.predicted_gain_s:.3f} s predicted, {d.measured_gain_s:+.3f} s measured")

@@ -1,0 +1,92 @@
+"""Mid-step moves of unfinished sequences between generation replicas in the RL step (run.rollout.midstep):
+a step whose controller moves sequences — KV caches sent, or re-prefilled — gives the very tokens and
+log-probs of the same step without moves; a migration that fails before its commit point moves nothing and
+the step still ends with the same output; every decision lands in decisions.jsonl, the run record and
+`nereus report`. Decisions use the cost model's priors (``calibrate: false``), so they do not depend on
+the machine's timing; no timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nereus.run.job import RLJob
+from nereus.run.midstep import MidStep
+from nereus.runtime.faults import Fault, FaultPlan
+from nereus.sim.report import write_report
+from nereus.spec.errors import SpecError
+from nereus.spec.run import MidstepSpec
+from tests.rl.jobs import tiny_job
+
+# margin 0: any move the model predicts to shorten the step is admitted; trigger 1: a replica takes
+# sequences as soon as it has a free slot; chunk 1: a look after every iteration
+FORCED = {"trigger": 1.0, "margin": 0.0, "chunk": 1, "calibrate": False}
+
+
+def _same(a, b) -> None:
+    for name in ("tokens", "gen_logp", "mask", "response_len", "finished"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.distributed
+def test_midstep_moves_keep_rollouts_identical(ray_runtime, tmp_path):
+    out = tmp_path / "run"
+    job = tiny_job("ppo", str(out), steps=2, rollout={"slots": 2, "midstep": {"enabled": True, **FORCED}})
+    rl = RLJob(job, runtime=ray_runtime, out_dir=out, quiet=True)
+    try:
+        rl.execute()
+        st = rl.backend.stepper
+        prompts = [p for s in range(2, 6) for p in st.prompts(s)]  # 32 rows: 16 per replica, 2 slots each
+        ctl = st.midstep
+        st.midstep = None  # the same step without moves: the engine run to the end in one call
+        base, _ = st.generate(2, prompts)
+        for transfer in ("kv", "refill"):
+            # KV moves as the rule admits them (margin 0); re-prefill forced: replaying a running sequence's
+            # tokens costs more iterations than these short responses leave to gain, so the rule refuses it
+            st.midstep = MidStep(MidstepSpec(**FORCED, transfer=transfer), force=transfer == "refill")
+            moved, _ = st.generate(2, prompts)
+            done = [d for d in st.midstep.take_decisions() if d.committed]
+            assert done, transfer
+            assert sum(d.kv if transfer == "kv" else d.refill for d in done) > 0  # running sequences moved
+            assert sum(d.refill if transfer == "kv" else d.kv for d in done) == 0
+            _same(base, moved)
+        # a failure before the commit point, on both replicas' workers (nobody posts) or at install (after
+        # every piece landed): the sequences stay where they were, and the step's output is unchanged
+        for faults in ((Fault(0, "migration.transfer", "fail"), Fault(1, "migration.transfer", "fail")),
+                       (Fault(1, "migration.install", "fail"),)):
+            ray_runtime.inject(FaultPlan(faults))
+            st.midstep = MidStep(MidstepSpec(**FORCED, transfer="kv"), force=True)
+            failed, _ = st.generate(2, prompts)
+            decisions = st.midstep.take_decisions()
+            assert any(d.admitted and not d.committed and "aborted" in d.reason for d in decisions)
+            _same(base, failed)
+        st.midstep = ctl
+    finally:
+        rl.release()
+
+    logged = [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()]
+    moves = [d for d in logged if d["action"] == "midstep" and d["committed"]]
+    assert moves and all(d["move_s"] > 0 and d["measured_gain_s"] is not None for d in moves)
+    assert {"predicted_gain_s", "predicted_cost_s", "bytes", "kv", "refill", "iteration"} <= set(moves[0])
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["midstep/moves"] for m in metrics) == len(moves)
+    record = json.loads((out / "run_record.json").read_text())
+    mine = [d for d in logged if d["action"] == "midstep"]
+    assert [d for d in record["decisions"] if d["action"] == "midstep"] == mine
+    text = write_report([str(out / "run_record.json")], tmp_path / "report")["markdown"].read_text()
+    assert "Mid-step decisions" in text and f"| {moves[0]['step']} | {moves[0]['iteration']} |" in text
+
+
+def test_midstep_keys_validated(tmp_path):
+    with pytest.raises(SpecError, match=r"run\.rollout\.midstep\.enabled.*slots"):
+        tiny_job("ppo", str(tmp_path), rollout={"midstep": {"enabled": True}})
+    with pytest.raises(SpecError, match=r"run\.rollout\.midstep\.transfer"):
+        tiny_job("ppo", str(tmp_path), rollout={"slots": 2, "midstep": {"enabled": True, "transfer": "copy"}})
+    with pytest.raises(SpecError, match=r"run\.rollout\.midstep\.enabled.*dp=1"):
+        tiny_job("ppo", str(tmp_path), rollout={"slots": 2, "midstep": {"enabled": True}},
+                 layouts={"actor/generation": {"layout": "tp=2", "ranks": [0, 1]}})
+    assert tiny_job("ppo", str(tmp_path)).run.rollout_midstep is None
+    off = tiny_job("ppo", str(tmp_path), rollout={"slots": 2, "midstep": {"enabled": False}})
+    assert off.run.rollout_midstep is None
