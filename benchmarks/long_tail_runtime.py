@@ -93,6 +93,9 @@ def asynchronous(spec: dict) -> dict:
     return spec
 
 
+# the modes' own per-step metrics worth a mean in the figures (mid-step moves; the async mode's staleness)
+EXTRA = ("midstep/moves", "midstep/moved_sequences", "midstep/move_s", "midstep/predicted_gain_s",
+         "midstep/measured_gain_s", "async/staleness/mean", "rollout_corr/rollout_is_mean")
 MODES: dict[str, Callable[[dict], dict]] = {"static": static, "overlap": overlap, "intra": intra,
                                              "intra+midstep": intra_midstep, "async": asynchronous}
 
@@ -201,18 +204,25 @@ def mode_figures(rounds: list[dict], skip: int) -> dict:
             "response_mean": metric("response_length/mean"), "response_max": metric("response_length/max"),
             "warmstart_accuracy": statistics.mean(r["warmstart_accuracy"] for r in rounds),
             "final_accuracy": statistics.mean(r["final_accuracy"] for r in rounds),
-            "final_accuracy_per_round": [r["final_accuracy"] for r in rounds]}
+            "final_accuracy_per_round": [r["final_accuracy"] for r in rounds],
+            "extra": {k: metric(k) for k in EXTRA if any(k in r for rnd in rounds for r in rnd["metrics"])}}
+
+
+def ratio(runs: dict, mode: str, base: str, skip: int) -> float:
+    """``mode``'s mean step time over ``base``'s: the median over rounds of the ratio within a round."""
+    return statistics.median(mean_after(a["wall_s"], skip) / mean_after(b["wall_s"], skip)
+                             for a, b in zip(runs[mode], runs[base], strict=True))
 
 
 def against_static(figures: dict, runs: dict, skip: int) -> None:
-    """Ratio of step time to static's (median over rounds of the ratio within a round), accuracy delta in
-    points, and whether the goal holds; added to each mode's figures in place."""
+    """Step time against static's (and mid-step moves' against the engine alone), accuracy delta in points,
+    and whether the goal holds; added to each mode's figures in place."""
+    if "intra+midstep" in figures and "intra" in figures:
+        figures["intra+midstep"]["vs_intra"] = ratio(runs, "intra+midstep", "intra", skip)
     if "static" not in figures:
         return
-    base = runs["static"]
     for mode, f in figures.items():
-        f["vs_static"] = statistics.median(mean_after(a["wall_s"], skip) / mean_after(b["wall_s"], skip)
-                                           for a, b in zip(runs[mode], base, strict=True))
+        f["vs_static"] = ratio(runs, mode, "static", skip)
         f["accuracy_delta_points"] = 100 * (f["final_accuracy"] - figures["static"]["final_accuracy"])
         f["goal_met"] = (mode != "static" and f["vs_static"] <= GOAL_RATIO
                          and f["accuracy_delta_points"] >= -GOAL_POINTS)
@@ -244,6 +254,11 @@ def table(figures: dict, skipped: dict, failed: dict, args: argparse.Namespace) 
         if mode != "static" and "vs_static" in f:
             lines.append(f"  {mode}: step time {100 * (f['vs_static'] - 1):+.0f}% vs static, accuracy "
                          f"{f['accuracy_delta_points']:+.1f} points -> goal {'MET' if f['goal_met'] else 'not met'}")
+    extra = figures.get("intra+midstep", {})
+    if "vs_intra" in extra:
+        lines.append(f"  intra+midstep against intra (the moves alone): step time "
+                     f"{100 * (extra['vs_intra'] - 1):+.0f}%; {extra['extra'].get('midstep/moves', 0):.1f} moves, "
+                     f"{extra['extra'].get('midstep/moved_sequences', 0):.1f} sequences moved per step")
     return "\n".join(lines)
 
 

@@ -38,6 +38,10 @@ def test_quick_run_writes_table_json_and_plot(tmp_path: Path) -> None:
         assert rnd["accuracy_curve"][0] == [0, rnd["warmstart_accuracy"]], mode
         assert rnd["accuracy_curve"][-1] == [steps, rnd["final_accuracy"]], mode
         assert f["vs_static"] > 0 and isinstance(f["goal_met"], bool), mode
+        if mode == "intra+midstep":
+            assert f["vs_intra"] > 0 and "midstep/moves" in f["extra"]
+        if mode == "async":
+            assert "async/staleness/mean" in f["extra"]
         assert mode in proc.stdout
     # every mode started from the same warm-started actor: one warm-start, the same greedy accuracy before RL
     # (async generates on other layouts, whose padding may round a greedy choice differently)
