@@ -9,12 +9,13 @@ reference's inference and the actor's training on worker 1), same seed and warm-
 
 For each mode it prints the mean step time (first step left out), generation time, each worker's idle
 fraction, the step time against static, the mean staleness, the mean importance weight, and the held-out
-accuracy after the warm-start and after the last step (greedy, exact match). The machine is shared and its
+accuracy after the warm-start, every ``--eval-every`` steps and after the last step (greedy, exact match;
+evaluation runs between steps and is not in the step time). The machine is shared and its
 load drifts, so the modes run in ``--rounds`` rounds (order rotated); step figures are means over all
 rounds, "vs static" the median over rounds of the within-round ratio. Accuracy is the first round's (the
 runs are seeded; a later round differing is reported).
 
-    python benchmarks/async_runtime.py [--steps 20] [--rounds 2] [--warmstart 300]
+    python benchmarks/async_runtime.py [--steps 20] [--rounds 2] [--warmstart 300] [--eval-every 10]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ MODES = ("static", "async")
 
 def job_for(tmp: Path, mode: str, rnd: int, args: argparse.Namespace) -> object:
     spec = yaml.safe_load((ROOT / "examples" / "grpo_longtail_async.yaml").read_text())
-    spec["run"].update(steps=args.steps, eval_every=args.steps,
+    spec["run"].update(steps=args.steps, eval_every=args.eval_every,
                        warmstart={"actor_steps": args.warmstart, "batch": 64, "lr": 0.003},
                        data={"train": str(tmp / "repeat_train.parquet"), "val": str(tmp / "repeat_val.parquet")},
                        checkpoint={"dir": str(tmp / f"{mode}-{rnd}"), "every": 0})  # only at the end
@@ -64,6 +65,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmstart", type=int, default=300, help="supervised warm-start steps of the actor")
+    p.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations (not timed)")
     args = p.parse_args()
     runs: dict[str, list[list[dict]]] = {m: [] for m in MODES}
     acc: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
@@ -93,6 +95,9 @@ def main() -> None:
               f"{mean(rows, 'perf/idle_fraction/worker_0'):8.2f}{mean(rows, 'perf/idle_fraction/worker_1'):8.2f}"
               f"{mean(rows, 'async/staleness/mean'):10.2f}{mean(rows, 'rollout_corr/rollout_is_mean') or 1.0:8.3f}"
               f"{100 * warm:14.1f}%{100 * final:9.1f}%{note}")
+    print("held-out accuracy by step (first round): " + "; ".join(
+        f"{mode} " + ", ".join(f"{int(r['step'])}: {100 * r['val/accuracy']:.1f}%" for r in runs[mode][0]
+                               if "val/accuracy" in r) for mode in MODES))
 
 
 if __name__ == "__main__":
