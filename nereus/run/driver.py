@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -81,11 +82,13 @@ class Stepper:
         prompts, eos = [list(p.ids) for p in rows], self.tok.eos_token_id
         fixed = (max(len(p) for p in prompts), limit) if self.run.rollout_pad_to_max else None
         key = self.key["actor", "generation"]
-        if self.midstep is not None and self.midstep.applies(self.rt, key):
+        if self.midstep is not None and self.midstep.applies(self.rt, key, step):
             with self.timer("gen"):
                 self.early = None
                 out = self.midstep.generate(self.calls, self.rt, key, prompts, params, step)
             return pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows
+        if self.midstep is not None and self.midstep.fixed_batch(step):
+            params = replace(params, slots=0)
         with self.timer("gen"):
             call = self.calls.submit("gen", "generate", key, "generate_with_logprobs", prompts, params)
             self.early = None

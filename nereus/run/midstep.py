@@ -136,9 +136,14 @@ class MidStep:
         self.decisions: list[Decision] = []  # the last step's, until the job takes them
         self.metrics: dict[str, float] = {}
 
-    @staticmethod
-    def applies(rt: object, key: str) -> bool:
-        return rt.specs[key].layout.dp >= 2
+    def applies(self, rt: object, key: str, step: int) -> bool:
+        """Whether ``step`` generates with mid-step moves: every ``every``-th step, on DP ≥ 2 (an adaptive
+        run may hold one replica for a while: then the step generates in one call)."""
+        return step % self.spec.every == 0 and rt.specs[key].layout.dp >= 2
+
+    def fixed_batch(self, step: int) -> bool:
+        """A step between two mid-step steps (``every`` > 1) generates with the fixed batch."""
+        return step % self.spec.every != 0
 
     # ----- the cost model -----------------------------------------------------------------------------
     def forecast(self, generated: int, limit: int) -> int:

@@ -102,8 +102,8 @@ class GenerationRun:
         self.ctl.metrics = {
             "midstep/decisions": float(len(self.ctl.decisions)), "midstep/moves": float(len(moved)),
             "midstep/moved_sequences": float(sum(len(d.moved) for d in moved)),
-            "midstep/move_s": sum(d.move_s for d in moved),
-            "midstep/predicted_gain_s": sum(d.predicted_gain_s for d in moved),
-            "midstep/predicted_cost_s": sum(d.predicted_cost_s for d in moved),
-            "midstep/measured_gain_s": sum(d.measured_gain_s for d in moved),
+            "midstep/move_s": float(sum(d.move_s for d in moved)),
+            "midstep/predicted_gain_s": float(sum(d.predicted_gain_s for d in moved)),
+            "midstep/predicted_cost_s": float(sum(d.predicted_cost_s for d in moved)),
+            "midstep/measured_gain_s": float(sum(d.measured_gain_s for d in moved)),
             "midstep/chunks": float(len(self.chunks)), "midstep/row_ms": 1e3 * sum(self.busy) / max(1, sum(self.rows))}

@@ -73,24 +73,30 @@ def _cell(d: dict, key: str, fmt: str) -> str:
 
 
 def midstep_table(runs: list[dict]) -> str:
-    """Mid-step decisions of real runs (``run.midstep``: ``action: midstep`` in a record's decisions), one
-    row each: where, what moved how, predicted gain and cost, measured move time and gain; "" when none."""
-    rows = []
+    """Mid-step decisions of real runs (``run.midstep``: ``action: midstep`` in a record's decisions): a row
+    per admitted move (where, what moved how, predicted gain and cost, measured move time and gain), then
+    how many were refused; "" when a run has none."""
+    rows, refused = [], 0
     for r in runs:
         for d in r.get("decisions", []):
             if not isinstance(d, dict) or d.get("action") != "midstep":
                 continue
-            outcome = "moved" if d.get("committed") else "aborted" if d.get("admitted") else "refused"
+            if not d.get("admitted"):
+                refused += 1
+                continue
+            outcome = "moved" if d.get("committed") else "aborted"
             rows.append(f"| {r['policy']} | {d.get('step')} | {d.get('iteration')} | {outcome} | "
                         f"{d.get('donor')} → {d.get('receiver')} | {len(d.get('moved', []))} | {d.get('kv', 0)} | "
                         f"{d.get('refill', 0)} | {d.get('queued', 0)} | {_cell(d, 'bytes', ',')} | "
                         f"{_cell(d, 'predicted_gain_s', '.3f')} | {_cell(d, 'predicted_cost_s', '.3f')} | "
                         f"{_cell(d, 'move_s', '.3f')} | {_cell(d, 'measured_gain_s', '+.3f')} |")
-    if not rows:
+    if not rows and not refused:
         return ""
     head = ("| policy | step | iteration | outcome | replicas | sequences | KV | re-prefill | not started | bytes "
             "| predicted gain (s) | predicted cost (s) | measured move (s) | measured gain (s) |")
-    return "\n".join(["## Mid-step decisions", "", head, "|" + "---|" * 14, *rows])
+    return "\n".join(["## Mid-step decisions", "", head, "|" + "---|" * 14, *rows, "",
+                      f"{len(rows)} admitted, {refused} refused (predicted gain under margin × cost); every "
+                      "decision, with its reason, is in the run's decisions.jsonl."])
 
 
 def plot_runs(runs: list[dict], out_dir: Path) -> list[Path]:

@@ -89,6 +89,9 @@ class MidstepSpec:
     chunk: int = 4
     transfer: str = "auto"
     calibrate: bool = True  # False: decide on the cost model's priors alone (reproducible decisions)
+    # the engine with mid-step moves generates every k-th step (0, k, 2k...); with k > 1 the steps between
+    # generate with the fixed batch (on a CPU the engine's one-row micro-batches cost ~8x the fixed batch)
+    every: int = 1
 
 
 # run.async.enabled: off, on, or chosen by the step-time prediction after the warm-up steps (nereus.run.asyncmode)
@@ -226,7 +229,8 @@ def _midstep(rollout: Fields, slots: int) -> MidstepSpec | None:
                        margin=m.get("margin", float, 1.5, minimum=0),
                        chunk=m.get("chunk", int, 4, minimum=1, maximum=MAX_STEPS),
                        transfer=m.get("transfer", str, "auto", choices=MIDSTEP_TRANSFERS),
-                       calibrate=m.get("calibrate", bool, True))
+                       calibrate=m.get("calibrate", bool, True),
+                       every=m.get("every", int, 1, minimum=1, maximum=MAX_STEPS))
     m.finish()
     if enabled and slots < 1:
         raise SpecError(m.key_path("enabled"), "mid-step moves run on the continuous-batching engine: set "

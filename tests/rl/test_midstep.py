@@ -12,8 +12,9 @@ import json
 import pytest
 import torch
 
+from nereus.elastic.kvplan import KVShape
 from nereus.run.job import RLJob
-from nereus.run.midstep import MidStep
+from nereus.run.midstep import MidStep, Replica, drain, slot_iterations
 from nereus.runtime.faults import Fault, FaultPlan
 from nereus.sim.report import write_report
 from nereus.spec.errors import SpecError
@@ -90,3 +91,33 @@ def test_midstep_keys_validated(tmp_path):
     assert tiny_job("ppo", str(tmp_path)).run.rollout_midstep is None
     off = tiny_job("ppo", str(tmp_path), rollout={"slots": 2, "midstep": {"enabled": False}})
     assert off.run.rollout_midstep is None
+
+
+def test_rule_replays_the_engine_schedule():
+    # slots 2: [3, 1] run, the queued 2 takes the freed slot: rows 2 + 2 + 2 over 3 iterations
+    assert drain([3, 1], [2], 2) == (6, 3)
+    assert drain([], [], 4) == (0, 0)
+    # caught up (cached = length - 1): one iteration per token left; caches dropped: prompt + replay first
+    assert slot_iterations(prompt=5, generated=2, cached=6, final=4) == 2
+    assert slot_iterations(prompt=5, generated=2, cached=0, final=4) == 4
+    assert slot_iterations(prompt=5, generated=0, cached=0, final=3) == 3
+
+
+def test_rule_moves_the_tail_only_when_it_pays():
+    shape = KVShape(layers=2, kv_heads=2, head_dim=8, elem_bytes=4)
+    rec = lambda i, g: [i, 4, g, 4 + g - 1, 16]  # noqa: E731 - a running sequence, caught up
+    donor = Replica(0, [rec(0, 1), rec(1, 1)], [[2, 4, 0, 0, 16], [3, 4, 0, 0, 16]])
+    receiver = Replica(1, [], [])
+    ctl = MidStep(MidstepSpec(trigger=1.0, margin=0.0, calibrate=False, transfer="kv"))
+    ctl.lengths.extend([20] * 8)  # the run's responses so far: 20 tokens each
+    d, moves = ctl.decide(3, 7, [donor, receiver], [1.0, 1.0], slots=2, limit=32, shape=shape)
+    assert d.admitted and d.donor == 0 and d.receiver == 1 and d.predicted_gain_s > 0
+    assert [m.seq for m in moves] == [3, 2] and d.queued == 2 and d.bytes == 0  # the queue's back first
+    # the same state under the default margin: the gain (in the 1 ms prior per row) is under 1.5 × 50 ms
+    ctl = MidStep(MidstepSpec(trigger=1.0, calibrate=False))
+    ctl.lengths.extend([20] * 8)
+    d, _ = ctl.decide(3, 7, [donor, receiver], [1.0, 1.0], slots=2, limit=32, shape=shape)
+    assert not d.admitted and "<=" in d.reason
+    # nobody under the trigger: no decision
+    assert MidStep(MidstepSpec(trigger=0.1, calibrate=False)).decide(
+        3, 7, [donor, Replica(1, [rec(5, 1)], [])], [1.0, 1.0], slots=2, limit=32, shape=shape) is None
