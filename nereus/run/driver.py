@@ -23,6 +23,7 @@ from nereus.rl.tokenizer import Tokenizer
 from nereus.run import remote
 from nereus.run.asyncmode import AsyncRollouts
 from nereus.run.midstep import MidStep
+from nereus.run.midstep_run import generate_midstep
 from nereus.run.overlap import Calls, EarlyInference, cat_parts
 from nereus.run.report import step_metrics
 from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack, repeat_prompts
@@ -85,7 +86,7 @@ class Stepper:
         if self.midstep is not None and self.midstep.applies(self.rt, key, step):
             with self.timer("gen"):
                 self.early = None
-                out = self.midstep.generate(self.calls, self.rt, key, prompts, params, step)
+                out = generate_midstep(self.midstep, self.calls, self.rt, key, prompts, params, step)
             return pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows
         if self.midstep is not None and self.midstep.fixed_batch(step):
             params = replace(params, slots=0)

@@ -44,7 +44,6 @@ from dataclasses import asdict, dataclass, field
 
 from nereus.elastic.kvplan import GenPlacement, KVShape, SeqMove
 from nereus.run.overlap import Call, Calls
-from nereus.runtime.sampling import SamplingParams
 from nereus.spec.run import MidstepSpec
 
 HISTORY = 4096  # response lengths kept for the forecast: a few steps' worth of rows
@@ -206,14 +205,6 @@ class MidStep:
         d = Decision(step, iteration, donor.dp, receiver.dp, admitted, reason, [m.seq for m in moves], kv, refill,
                      len(moves) - kv - refill, nbytes, gain, cost, overhead_s=time.perf_counter() - t0)
         return d, moves
-
-    # ----- the generation call ------------------------------------------------------------------------
-    def generate(self, calls: Calls, rt: object, key: str, prompts: list[list[int]], params: SamplingParams,
-                 step: int) -> list[tuple[list[int], list[float]]]:
-        """``generate_with_logprobs``'s answer for ``prompts``, run in chunks with mid-step moves."""
-        from nereus.run.midstep_run import GenerationRun
-
-        return GenerationRun(self, calls, rt, key, params, step).run(prompts)
 
     def step_metrics(self) -> dict[str, float]:
         return dict(self.metrics)

@@ -107,3 +107,9 @@ class GenerationRun:
             "midstep/predicted_cost_s": float(sum(d.predicted_cost_s for d in moved)),
             "midstep/measured_gain_s": float(sum(d.measured_gain_s for d in moved)),
             "midstep/chunks": float(len(self.chunks)), "midstep/row_ms": 1e3 * sum(self.busy) / max(1, sum(self.rows))}
+
+
+def generate_midstep(ctl: MidStep, calls: Calls, rt: object, key: str, prompts: list[list[int]],
+                     params: SamplingParams, step: int) -> list[tuple[list[int], list[float]]]:
+    """``generate_with_logprobs``'s answer for ``prompts`` on key ``key``, run in chunks with mid-step moves."""
+    return GenerationRun(ctl, calls, rt, key, params, step).run(prompts)
