@@ -21,8 +21,9 @@ chunks of ``chunk`` iterations. After each chunk, when a replica's unfinished se
   KV caches are sent (modelled bytes × calibrated seconds per byte) or re-prefilled (the generated tokens
   replayed, one row each at the receiver; ``transfer: auto`` picks the cheaper);
 - *admission*: predicted gain (the pair's predicted finish without the move minus with it) >
-  ``margin`` × predicted cost (a fixed cost per move — the driver round trip, the commit vote — plus
-  bytes × seconds per byte, both calibrated on the moves measured so far: median of measured − modelled).
+  ``margin`` × predicted cost: a fixed part per move (a call to every worker and the commit vote: the
+  median of the measured moves less their modelled bytes; before the first, two of this step's measured
+  driver round trips per chunk) plus bytes × seconds per byte.
 
 *Measured gain* of an admitted move, once generation has ended: the no-move counterfactual from the
 decision point minus the measured wall time from the decision point to the end of generation. The
@@ -46,6 +47,9 @@ from nereus.elastic.kvplan import GenPlacement, KVShape, SeqMove
 from nereus.run.overlap import Call, Calls
 from nereus.spec.run import MidstepSpec
 
+METRICS = ("midstep/decisions", "midstep/moves", "midstep/moved_sequences", "midstep/move_s",
+           "midstep/predicted_gain_s", "midstep/predicted_cost_s", "midstep/measured_gain_s", "midstep/chunks",
+           "midstep/row_ms")
 HISTORY = 4096  # response lengths kept for the forecast: a few steps' worth of rows
 MOVE_FIXED_PRIOR_S = 0.05  # before any move is measured: a Ray round trip plus a gloo vote on this machine
 S_PER_BYTE_PRIOR = 1e-9  # 1 GB/s: loopback gloo moves far faster; tiny caches make it negligible either way
@@ -134,6 +138,7 @@ class MidStep:
         self.moves_measured: list[tuple[int, float]] = []  # (bytes, seconds) of committed moves
         self.decisions: list[Decision] = []  # the last step's, until the job takes them
         self.metrics: dict[str, float] = {}
+        self.round_trip_s: float | None = None  # this step's driver overhead per chunk (``GenerationRun``)
 
     def applies(self, rt: object, key: str, step: int) -> bool:
         """Whether ``step`` generates with mid-step moves: every ``every``-th step, on DP ≥ 2 (an adaptive
@@ -153,8 +158,15 @@ class MidStep:
         return max(generated + 1, min(limit, math.ceil(guess)))
 
     def move_cost(self, nbytes: int) -> float:
-        fixed = statistics.median([s - b * S_PER_BYTE_PRIOR for b, s in self.moves_measured]) \
-            if self.moves_measured and self.spec.calibrate else MOVE_FIXED_PRIOR_S
+        """Predicted seconds of a move: a fixed part (the median of measured moves less their bytes; before
+        the first, two of this step's measured driver round trips per chunk — a move is one call to every
+        worker plus a vote — or the prior without ``calibrate``) plus its bytes."""
+        if not self.spec.calibrate:
+            fixed = MOVE_FIXED_PRIOR_S
+        elif self.moves_measured:
+            fixed = statistics.median([s - b * S_PER_BYTE_PRIOR for b, s in self.moves_measured])
+        else:
+            fixed = 2 * self.round_trip_s if self.round_trip_s is not None else MOVE_FIXED_PRIOR_S
         return max(0.0, fixed) + nbytes * S_PER_BYTE_PRIOR
 
     # ----- the decision -------------------------------------------------------------------------------
@@ -207,7 +219,9 @@ class MidStep:
         return d, moves
 
     def step_metrics(self) -> dict[str, float]:
-        return dict(self.metrics)
+        """The last generation's ``midstep/*`` metrics, once (zeros for a step generated otherwise)."""
+        out, self.metrics = {k: 0.0 for k in METRICS} | self.metrics, {}
+        return out
 
     def take_decisions(self) -> list[Decision]:
         out, self.decisions = self.decisions, []

@@ -31,7 +31,7 @@ class GenerationRun:
         return self.calls.wait([self.calls.submit("gen", "generate", self.key, op, *args)])[0]
 
     def run(self, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-        self.ctl.decisions, self.ctl.metrics = [], {}
+        self.ctl.decisions, self.ctl.metrics, self.ctl.round_trip_s = [], {}, None
         self._op("gen_open", prompts, self.params)
         while True:
             reps = self.chunk()
@@ -55,6 +55,7 @@ class GenerationRun:
             self.busy[d] += st["busy_s"]
             self.ctl.lengths.extend(st["finished"].values())
         self.chunks.append((wall, max(st["busy_s"] for st in states)))
+        self.ctl.round_trip_s = statistics.fmean(max(0.0, w - b) for w, b in self.chunks)
         self.iteration += max(st["iterations"] for st in states)
         return [Replica(d, st["active"], st["queued"]) for d, st in enumerate(states)]
 
