@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import shutil
 import statistics
@@ -185,6 +186,7 @@ def run_mode(rt: object, job: JobSpec, out: Path, label: str, report_every: int)
             "warmstart_accuracy": summary["warmstart_accuracy"], "final_accuracy": summary["final_accuracy"],
             "accuracy_curve": [[0, summary["warmstart_accuracy"]]] + [[r["step"], r["val/accuracy"]] for r in rows
                                                                       if "val/accuracy" in r],
+            "init_actor_sha256": hashlib.sha256((out / "init/actor/model.safetensors").read_bytes()).hexdigest(),
             "seconds": time.perf_counter() - t0}
 
 
