@@ -16,6 +16,7 @@ rounds, "vs static" the median over rounds of the within-round ratio. Accuracy i
 runs are seeded; a later round differing is reported).
 
     python benchmarks/async_runtime.py [--steps 20] [--rounds 2] [--warmstart 300] [--eval-every 10]
+                                       [--modes static,async,async-nocorr,async-mask]
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from nereus.runtime.workers import Runtime
 from nereus.spec.job import job_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
+# mode -> run.async (enabled, rollout_is, rollout_is_mode); the first two are the default comparison
+VARIANTS = {"static": (False, "token", "truncate"), "async": (True, "token", "truncate"),
+            "async-nocorr": (True, "none", "truncate"), "async-mask": (True, "token", "mask")}
 MODES = ("static", "async")
 
 
@@ -43,7 +47,8 @@ def job_for(tmp: Path, mode: str, rnd: int, args: argparse.Namespace) -> object:
                        warmstart={"actor_steps": args.warmstart, "batch": 64, "lr": 0.003},
                        data={"train": str(tmp / "repeat_train.parquet"), "val": str(tmp / "repeat_val.parquet")},
                        checkpoint={"dir": str(tmp / f"{mode}-{rnd}"), "every": 0})  # only at the end
-    spec["run"]["async"]["enabled"] = mode == "async"
+    enabled, level, how = VARIANTS[mode]
+    spec["run"]["async"].update(enabled=enabled, rollout_is=level, rollout_is_mode=how)
     return job_from_dict(spec)
 
 
@@ -66,16 +71,22 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmstart", type=int, default=300, help="supervised warm-start steps of the actor")
     p.add_argument("--eval-every", type=int, default=10, help="steps between held-out evaluations (not timed)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(VARIANTS)}; "
+                   "'async-nocorr': no importance weights, 'async-mask': weights above the threshold masked")
     args = p.parse_args()
-    runs: dict[str, list[list[dict]]] = {m: [] for m in MODES}
-    acc: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in VARIANTS]
+    if bad or not modes:
+        p.error(f"--modes: unknown {bad}; choose from {list(VARIANTS)}")
+    runs: dict[str, list[list[dict]]] = {m: [] for m in modes}
+    acc: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         write_task(tmp, *task_rows(2000, 200, seed=0))
         rt = Runtime(2, temp_dir=ROOT / ".tmp" / "ray", timeout_s=300)
         try:
             for rnd in range(args.rounds):
-                for mode in (MODES if rnd % 2 == 0 else MODES[::-1]):
+                for mode in (modes if rnd % 2 == 0 else modes[::-1]):
                     rows, summary = run_mode(rt, tmp, mode, rnd, args)
                     runs[mode].append(rows)
                     acc[mode].append((summary["warmstart_accuracy"], summary["final_accuracy"]))
@@ -83,21 +94,23 @@ def main() -> None:
             rt.shutdown()
     print(f"GRPO long-tail, 2 workers (generation on 0; inference and training on 1), {args.rounds} rounds x "
           f"{args.steps} RL steps after {args.warmstart} warm-start steps (means over steps 2..{args.steps})")
-    print(f"{'mode':<8}{'step s':>8}{'vs static':>10}{'gen s':>8}{'idle w0':>8}{'idle w1':>8}{'staleness':>10}"
+    print(f"{'mode':<13}{'step s':>8}{'vs base':>10}{'gen s':>8}{'idle w0':>8}{'idle w1':>8}{'staleness':>10}"
           f"{'IS mean':>8}{'acc warm-start':>15}{'acc final':>10}")
-    for mode in MODES:
-        rows, base = runs[mode], runs["static"]
+    base_mode = "static" if "static" in runs else modes[0]
+    print(f"(step time against {base_mode})")
+    for mode in modes:
+        rows, base = runs[mode], runs[base_mode]
         ratio = statistics.median(mean([a], "timing_s/step") / mean([b], "timing_s/step")
                                   for a, b in zip(rows, base, strict=True))
         warm, final = acc[mode][0]
         note = "" if len(set(acc[mode])) == 1 else f"  (rounds differ: {acc[mode]})"
-        print(f"{mode:<8}{mean(rows, 'timing_s/step'):8.3f}{ratio:9.2f}x{mean(rows, 'timing_s/gen'):8.3f}"
+        print(f"{mode:<13}{mean(rows, 'timing_s/step'):8.3f}{ratio:9.2f}x{mean(rows, 'timing_s/gen'):8.3f}"
               f"{mean(rows, 'perf/idle_fraction/worker_0'):8.2f}{mean(rows, 'perf/idle_fraction/worker_1'):8.2f}"
               f"{mean(rows, 'async/staleness/mean'):10.2f}{mean(rows, 'rollout_corr/rollout_is_mean') or 1.0:8.3f}"
               f"{100 * warm:14.1f}%{100 * final:9.1f}%{note}")
     print("held-out accuracy by step (first round): " + "; ".join(
         f"{mode} " + ", ".join(f"{int(r['step'])}: {100 * r['val/accuracy']:.1f}%" for r in runs[mode][0]
-                               if "val/accuracy" in r) for mode in MODES))
+                               if "val/accuracy" in r) for mode in modes))
 
 
 if __name__ == "__main__":
