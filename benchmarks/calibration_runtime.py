@@ -59,7 +59,8 @@ def run(fit_steps: int, steps: int) -> dict:
     adapt = replace(job.run.adapt, availability=((0, WORKERS),))
     out = Path(tempfile.mkdtemp(prefix="calib_", dir=ROOT / ".tmp"))
     job = replace(job, run=replace(job.run, adapt=adapt, steps=fit_steps + 10 * steps, workers=WORKERS,
-                                   checkpoint_dir=str(out)))
+                                   checkpoint_dir=str(out),
+                                   rollout_slots=0, rollout_midstep=None))  # the fixed batch every step
     rl = RLJob(job, quiet=True)
     ctrl = controller_for(job)
     ctrl.resume(rl.plan)

@@ -67,6 +67,7 @@ def test_adaptive_run_replans_after_losing_a_worker(ray_runtime, tmp_path, monke
                        data={"train_size": 200, "val_size": 16}, checkpoint={"dir": str(tmp_path / "run")})
     spec["run"]["adapt"] = {"availability": [{"step": 0, "workers": 2}], "cooldown": 0, "horizon": 20}
     spec["workload"]["prompts_per_step"] = 8
+    spec["run"].pop("rollout", None)  # the demo's mid-step moves: tests/rl/test_midstep.py
     spec["cluster"]["profile"] = str(EXAMPLES / spec["cluster"]["profile"])
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
 
