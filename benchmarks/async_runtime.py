@@ -94,10 +94,10 @@ def main() -> None:
             rt.shutdown()
     print(f"GRPO long-tail, 2 workers (generation on 0; inference and training on 1), {args.rounds} rounds x "
           f"{args.steps} RL steps after {args.warmstart} warm-start steps (means over steps 2..{args.steps})")
+    base_mode = "static" if "static" in runs else modes[0]
+    print(f"step time against {base_mode}")
     print(f"{'mode':<13}{'step s':>8}{'vs base':>10}{'gen s':>8}{'idle w0':>8}{'idle w1':>8}{'staleness':>10}"
           f"{'IS mean':>8}{'acc warm-start':>15}{'acc final':>10}")
-    base_mode = "static" if "static" in runs else modes[0]
-    print(f"(step time against {base_mode})")
     for mode in modes:
         rows, base = runs[mode], runs[base_mode]
         ratio = statistics.median(mean([a], "timing_s/step") / mean([b], "timing_s/step")
