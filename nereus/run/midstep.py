@@ -175,11 +175,12 @@ class MidStep:
         t0 = time.perf_counter()
         if not self.spec.calibrate:  # reproducible decisions: the priors, never a measured time
             row_s = [ROW_PRIOR_S] * len(reps)
-        final = {r[0]: self.forecast(r[2], limit) for rep in reps for r in rep.active + rep.queued}
-        secs = [rep.work(final, slots)[0] * row_s[rep.dp] for rep in reps]
         spare = [rep for rep in reps if rep.unfinished < self.spec.trigger * slots]
         if not spare:
             return None
+        by_generated = {g: self.forecast(g, limit) for g in {r[2] for rep in reps for r in rep.active + rep.queued}}
+        final = {r[0]: by_generated[r[2]] for rep in reps for r in rep.active + rep.queued}
+        secs = [rep.work(final, slots)[0] * row_s[rep.dp] for rep in reps]
         donor = max(reps, key=lambda rep: secs[rep.dp])
         receiver = min(spare, key=lambda rep: secs[rep.dp])
         if donor is receiver or donor.unfinished < 2:
