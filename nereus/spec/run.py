@@ -376,14 +376,20 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=slots,
         rollout_pad_to_max=pad_to_max, rollout_midstep=midstep,
         overlap=f.get("overlap", bool, False), async_mode=_async(f))
-    if spec.adapt is not None and layouts:
+    ckpt.finish()
+    f.finish()
+    _check_run(f, spec)
+    return spec
+
+
+def _check_run(f: Fields, spec: RunSpec) -> None:
+    """Checks across ``run`` keys, once each key is valid on its own."""
+    if spec.adapt is not None and spec.layouts:
         raise SpecError(f.key_path("layouts"), "with run.adapt the controller chooses every layout: remove "
                                                "run.layouts (or run.adapt to keep them fixed)")
     if spec.adapt is not None and spec.async_mode.on:
         raise SpecError(f.key_path("async.enabled"), "run.async with run.adapt is not supported yet (the controller "
                                                      "reads stage times a run-ahead generation changes): remove one")
-    ckpt.finish()
-    f.finish()
     for key, rk in spec.ranks.items():
         if max(rk) >= spec.workers:
             raise SpecError(f"{f.key_path('layouts')}.{key}.ranks", f"ranks must be below workers ({spec.workers})")
@@ -394,4 +400,3 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
     if spec.rollout_midstep is not None and gen is not None and gen.dp < 2:
         raise SpecError(f"{f.key_path('rollout')}.midstep.enabled", f"mid-step moves go between generation "
                         f"replicas, and run.layouts.actor/generation has dp={gen.dp}: give it dp >= 2")
-    return spec
