@@ -85,8 +85,11 @@ class Stepper:
         key = self.key["actor", "generation"]
         if self.midstep is not None and self.midstep.applies(self.rt, key, step):
             with self.timer("gen"):
-                self.early = None
-                out = generate_midstep(self.midstep, self.calls, self.rt, key, prompts, params, step)
+                early = None
+                if self.run.overlap and fixed is not None:  # as below, on the final call (run.midstep_run)
+                    early = ([(t, self.key[m, "inference"], op) for t, m, op in self.inference_calls()],
+                             lambda a, b, out: pack(prompts[a:b], [r for r, _ in out], None, eos, fixed).tokens)
+                out, self.early = generate_midstep(self.midstep, self.calls, self.rt, key, prompts, params, step, early)
             return pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows
         if self.midstep is not None and self.midstep.fixed_batch(step):
             params = replace(params, slots=0)

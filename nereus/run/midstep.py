@@ -8,12 +8,25 @@ some of the second's unfinished sequences — with their KV caches, or as record
 (``elastic.kvplan``, ``runtime.kv_migrate``) — splits the tail between them.
 
 The driver runs every replica's engine (``Worker.gen_open``/``gen_run``, ``runtime.gen_session``) in
-chunks of ``chunk`` iterations. After each chunk, when a replica's unfinished sequences fill less than
-``trigger`` of its slots (the *receiver*) while the replica with the most predicted work left (the
-*donor*) holds at least two, the controller decides:
+chunks of iterations, each a round trip to every worker that also holds the replicas in lockstep, so the
+controller looks only when a move could be decided and could pay (``MidStep.next_look``):
+
+- *before any replica is under the trigger*: the chunk runs every replica up to the iteration at which the
+  first of them is predicted to fall under it (``until_below`` on the engine schedule replayed with the
+  forecast lengths below);
+- *while one is*: ``chunk`` iterations between two looks;
+- *no later look*: once no move can be admitted any more — no replica holds two unfinished sequences, or
+  (while one is under the trigger) even the best split of the remaining predicted work between two
+  replicas gains no more than ``margin`` × a move's fixed cost (``gain_bound``) — the final call runs
+  every replica to the end and answers. The bound holds for the forecasts of the moment: a sequence that
+  outlives its forecast is not looked at again.
+
+After each chunk, when a replica's unfinished sequences fill less than ``trigger`` of its slots (the
+*receiver*) while the replica with the most predicted work left (the *donor*) holds at least two, the
+controller decides:
 
 - *remaining work*: each unfinished sequence's final length is forecast as the mean of the lengths seen
-  so far in the run that exceed what it has generated (``forecast``), and each replica's engine schedule
+  so far in the run that exceed what it has generated (``final_lengths``), and each replica's engine schedule
   is replayed to the end (``drain``: slots refilled from the queue, an iteration costing its live rows);
   a replica's remaining seconds are its rows × its measured seconds per row (this step's chunk timings);
 - *candidates*: the donor's queued sequences from the back, then its active ones, longest forecast first,
@@ -27,16 +40,23 @@ chunks of ``chunk`` iterations. After each chunk, when a replica's unfinished se
 
 *Measured gain* of an admitted move, once generation has ended: the no-move counterfactual from the
 decision point minus the measured wall time from the decision point to the end of generation. The
-counterfactual replays every replica's engine schedule without the move (``drain``) with the sequences'
-actual final lengths; each replica's rows × its measured seconds per row in this step, the slowest
-replica's, plus the measured driver overhead per chunk (a chunk's wall time minus its slowest replica's
-busy time, averaged over the step) × the chunks the replay needs. Later moves of the same step count in
-the earlier one's measured figure (it measures "this move and what followed" against "no move from here").
-It is a figure of the run, never asserted in tests.
+counterfactual is the plain engine's: no move and no further look, every replica run to the end in one
+call — its engine schedule replayed without the move (``drain``) with the sequences' actual final lengths,
+each replica's rows × its measured seconds per row in this step, the slowest replica's, plus one call's
+measured driver overhead (a chunk's wall time minus its slowest replica's busy time, averaged over the
+step). The looks, lockstep waits and decisions the mode makes after the decision point are thus on the
+measured side: a move that only pays for its polling reads as no gain. Later moves of the same step count
+in the earlier one's measured figure (it measures "this move and what followed" against "no move and no
+look from here"). The step's ``midstep/step_gain_s`` is the same comparison for the whole generation: the
+plain engine from the start (one call; the replay from the step's initial queues) minus the measured wall
+time from ``gen_open`` to the final answer, so every round trip the mode adds counts against it. They are
+figures of the run, never asserted in tests.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import statistics
 import time
@@ -49,7 +69,7 @@ from nereus.spec.run import MidstepSpec
 
 METRICS = ("midstep/decisions", "midstep/moves", "midstep/moved_sequences", "midstep/move_s",
            "midstep/predicted_gain_s", "midstep/predicted_cost_s", "midstep/measured_gain_s", "midstep/chunks",
-           "midstep/row_ms")
+           "midstep/row_ms", "midstep/step_gain_s", "midstep/poll_s")
 HISTORY = 4096  # response lengths kept for the forecast: a few steps' worth of rows
 MOVE_FIXED_PRIOR_S = 0.05  # before any move is measured: a Ray round trip plus a gloo vote on this machine
 S_PER_BYTE_PRIOR = 1e-9  # 1 GB/s: loopback gloo moves far faster; tiny caches make it negligible either way
@@ -77,6 +97,38 @@ def drain(active: list[int], queued: list[int], slots: int) -> tuple[int, int]:
     return rows, its
 
 
+def until_below(active: list[int], queued: list[int], slots: int, below: float) -> int:
+    """Iterations of ``drain``'s schedule until fewer than ``below`` sequences are unfinished (0: already
+    fewer; the drain's whole length when that happens only at the end)."""
+    live, queue, its = list(active), deque(queued), 0
+    while (live or queue) and len(live) + len(queue) >= below:
+        while len(live) < slots and queue:
+            live.append(queue.popleft())
+        its += 1
+        live = [r - 1 for r in live if r > 1]
+    return its
+
+
+def gain_bound(rows: list[int], longest: list[int], row_s: list[float], donors: list[bool]) -> float:
+    """The most predicted gain any move between two replicas could have: over donor d (``donors[d]``: it
+    holds two unfinished sequences) and receiver r, with a, b their seconds per row, the pair's predicted
+    finish max(rows_d·a, rows_r·b) minus a floor under its finish after any move. A KV or queued move
+    carries a sequence's remaining slot iterations along (a re-prefill adds some), so the pair's rows
+    stay ≥ R = rows_d + rows_r and the finish ≥ R / (1/a + 1/b) (the perfect split); a sequence's
+    remaining iterations run on one replica, so ≥ L_d·min(a, b) and ≥ L_r·b (``longest``). Each term falls
+    by at most the wall time that passes while the replicas run, so with fixed forecasts the bound never
+    grows: once it is under the admission threshold, no later look can admit a move."""
+    best = 0.0
+    for d, r in itertools.permutations(range(len(rows)), 2):
+        a, b = row_s[d], row_s[r]
+        if not donors[d] or a <= 0 or b <= 0:
+            continue
+        split = (rows[d] + rows[r]) / (1 / a + 1 / b)
+        floor = max(split, longest[d] * min(a, b), longest[r] * b)
+        best = max(best, max(rows[d] * a, rows[r] * b) - floor)
+    return best
+
+
 @dataclass
 class Replica:
     """One DP replica's status after a chunk (``gen_session.run_chunk``): records are [seq id, prompt,
@@ -89,6 +141,11 @@ class Replica:
     @property
     def unfinished(self) -> int:
         return len(self.active) + len(self.queued)
+
+    def left(self, final: dict[int, int]) -> tuple[list[int], list[int]]:
+        """Each active and each queued sequence's remaining slot iterations (``slot_iterations``)."""
+        return ([slot_iterations(p, g, c, final[i]) for i, p, g, c, _ in self.active],
+                [slot_iterations(p, g, c, final[i]) for i, p, g, c, _ in self.queued])
 
     def work(self, final: dict[int, int], slots: int, extra: tuple[list[list[int]], list[list[int]]] = ((), ()),
              drop: frozenset[int] = frozenset()) -> tuple[int, int]:
@@ -150,12 +207,45 @@ class MidStep:
         return step % self.spec.every != 0
 
     # ----- the cost model -----------------------------------------------------------------------------
-    def forecast(self, generated: int, limit: int) -> int:
-        """Expected final length of a sequence that has generated ``generated`` tokens (the mean of the
-        run's lengths above it; halfway to the limit before any is seen)."""
-        above = [n for n in self.lengths if n > generated]
-        guess = statistics.fmean(above) if above else (generated + limit) / 2
-        return max(generated + 1, min(limit, math.ceil(guess)))
+    def final_lengths(self, reps: list[Replica], limit: int, rounding: object = math.ceil) -> dict[int, int]:
+        """Expected final length of every unfinished sequence, by id: for one that has generated g tokens,
+        the mean of the run's lengths above g (halfway from g to the limit before any is seen), at least
+        g + 1 and at most the limit, rounded up (``rounding``). One sort of the lengths, then a binary search
+        and a suffix sum per distinct g."""
+        lengths = sorted(self.lengths)
+        top = [0, *itertools.accumulate(reversed(lengths))]  # top[k]: sum of the k largest lengths
+        by_generated = {}
+        for g in {r[2] for rep in reps for r in rep.active + rep.queued}:
+            n = len(lengths) - bisect.bisect_right(lengths, g)
+            guess = top[n] / n if n else (g + limit) / 2
+            by_generated[g] = max(g + 1, min(limit, rounding(guess)))
+        return {r[0]: by_generated[r[2]] for rep in reps for r in rep.active + rep.queued}
+
+    def next_look(self, reps: list[Replica], row_s: list[float] | None, slots: int, limit: int) -> int | None:
+        """Engine iterations to run before the controller looks again; None: no later look can admit a
+        move, so the final call runs every replica to the end. ``row_s`` None: nothing measured yet (the
+        bound waits for the first chunk's timings)."""
+        below = self.spec.trigger * slots
+        if below <= 0 or not any(rep.unfinished >= 2 for rep in reps):  # no receiver or no donor, ever
+            return None
+        if not any(rep.unfinished < below for rep in reps):
+            # the forecast rounded down: a look that comes too early costs a round trip, one that comes too
+            # late may find the window closed (every replica drained)
+            early = [rep.left(self.final_lengths(reps, limit, math.floor)) for rep in reps]
+            return max(1, min(until_below(act, queued, slots, below) for act, queued in early))
+        final = self.final_lengths(reps, limit)
+        left = [rep.left(final) for rep in reps]
+        # in the decision window only: before it the replicas' queues hold sequences of one forecast length,
+        # so the replay sees them balanced, whatever lengths they will reach
+        if not self.spec.calibrate:
+            row_s = [ROW_PRIOR_S] * len(reps)
+        if row_s is not None and not self.force:
+            rows = [drain(act, queued, slots)[0] for act, queued in left]
+            longest = [max(act + queued, default=0) for act, queued in left]
+            if gain_bound(rows, longest, row_s, [rep.unfinished >= 2 for rep in reps]) <= \
+                    self.spec.margin * self.move_cost(0):
+                return None
+        return self.spec.chunk
 
     def move_cost(self, nbytes: int) -> float:
         """Predicted seconds of a move: a fixed part (the median of measured moves less their bytes; before
@@ -178,8 +268,7 @@ class MidStep:
         spare = [rep for rep in reps if rep.unfinished < self.spec.trigger * slots]
         if not spare:
             return None
-        by_generated = {g: self.forecast(g, limit) for g in {r[2] for rep in reps for r in rep.active + rep.queued}}
-        final = {r[0]: by_generated[r[2]] for rep in reps for r in rep.active + rep.queued}
+        final = self.final_lengths(reps, limit)
         secs = [rep.work(final, slots)[0] * row_s[rep.dp] for rep in reps]
         donor = max(reps, key=lambda rep: secs[rep.dp])
         receiver = min(spare, key=lambda rep: secs[rep.dp])

@@ -5,8 +5,9 @@ iterations and move unfinished sequences between its DP replicas mid-step (``run
 (sequence id = global row index, so each sequence samples from the stream ``generate_continuous`` gives
 it); ``gen_run`` runs a chunk of iterations and answers the replica's status; ``gen_migrate`` executes a
 ``MigrationPlan`` (``runtime.kv_migrate.migrate``: every worker of the world takes part, because the
-commit vote is a collective over the whole world); ``gen_close`` answers every sequence the replica
-finished. Every rank of a replica makes the same calls, so its engines stay in lockstep.
+commit vote is a collective over the whole world); ``gen_close`` runs the replica to the end and answers
+every sequence it finished (one call instead of a last chunk and a close). Every rank of a replica makes
+the same calls, so its engines stay in lockstep.
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ def migrate_sequences(engine: DecodeEngine | None, plan: dict, comm: TransferCom
             "released": res.released, "bytes_sent": res.bytes_sent, "bytes_received": res.bytes_received}
 
 
-def close_engine(engine: DecodeEngine) -> dict[int, tuple[list[int], list[float]]]:
-    """Every sequence the replica finished (its own and those moved in), by id: (tokens, log-probs)."""
-    if not engine.idle:
-        raise RuntimeError(f"the engine still holds {len(engine.unfinished())} unfinished sequences")
+def close_engine(engine: DecodeEngine) -> dict:
+    """Runs the replica to the end (``run_chunk`` without a limit); ``done``: every sequence it finished
+    (its own and those moved in), by id: (tokens, log-probs); with the last iterations' ``rows``,
+    ``busy_s`` and ``iterations``."""
+    last = run_chunk(engine, 2**62)
     engine.sm.record_memory("generate", kv_cache=engine.peak_kv_bytes)
-    return {i: (s.tokens, s.logprobs) for i, s in engine.finished.items()}
+    return {"done": {i: (s.tokens, s.logprobs) for i, s in engine.finished.items()},
+            **{k: last[k] for k in ("rows", "busy_s", "iterations")}}

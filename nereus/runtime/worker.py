@@ -310,7 +310,8 @@ class Worker:
         return self._guarded(migrate_sequences, self.engines.get(key), plan, self.comm, self.faults)
 
     def gen_close(self, key: str) -> tuple[int, dict] | None:
-        """Drop ``key``'s engine; (DP replica, sequence id -> (tokens, log-probs)) from output ranks."""
+        """Run ``key``'s engine to the end and drop it; (DP replica, ``gen_session.close_engine``'s answer:
+        sequence id -> (tokens, log-probs) under ``done``) from output ranks."""
         from nereus.runtime.gen_session import close_engine
 
         engine = self.engines.pop(key, None)
