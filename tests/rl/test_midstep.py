@@ -71,23 +71,8 @@ def test_midstep_moves_keep_rollouts_identical(ray_runtime, tmp_path):
             decisions = st.midstep.take_decisions()
             assert any(d.admitted and not d.committed and "aborted" in d.reason for d in decisions)
             _same(base, failed)
-        # run.overlap + pad_to_max: inference starts on a finished replica's rows during the final call, as
-        # on the plain engine, when no move committed (trigger 0: the final call is the whole generation),
-        # and gives the sequential step's very numbers; a step whose moves committed starts none
-        run = st.run
-        st.run, st.midstep = replace(run, rollout_pad_to_max=True), None
-        roll, rows = st.generate(2, prompts)
-        sequential = st.infer(roll, rows)
-        st.run, st.midstep = replace(run, overlap=True, rollout_pad_to_max=True), MidStep(MidstepSpec(trigger=0.0))
-        early_roll, _ = st.generate(2, prompts)
-        assert st.early is not None and any(st.early.early.values())
-        _same(roll, early_roll)
-        early = st.infer(early_roll, rows)
-        assert early.keys() == sequential.keys() and all(torch.equal(early[k], sequential[k]) for k in early)
-        st.midstep = MidStep(MidstepSpec(**FORCED, transfer="kv"))
-        _same(roll, st.generate(2, prompts)[0])
-        assert any(d.committed for d in st.midstep.take_decisions()) and st.early is None
-        st.run, st.midstep = run, ctl
+        _early_inference_kept_without_moves(st, prompts)
+        st.midstep = ctl
     finally:
         rl.release()
 
@@ -102,6 +87,27 @@ def test_midstep_moves_keep_rollouts_identical(ray_runtime, tmp_path):
     assert [d for d in record["decisions"] if d["action"] == "midstep"] == mine
     text = write_report([str(out / "run_record.json")], tmp_path / "report")["markdown"].read_text()
     assert "Mid-step decisions" in text and f"| {moves[0]['step']} | {moves[0]['iteration']} |" in text
+
+
+def _early_inference_kept_without_moves(st, prompts) -> None:
+    """With run.overlap + pad_to_max, mid-step steps without a committed move keep early inference."""
+    # run.overlap + pad_to_max: inference starts on a finished replica's rows during the final call, as
+    # on the plain engine, when no move committed (trigger 0: the final call is the whole generation),
+    # and gives the sequential step's very numbers; a step whose moves committed starts none
+    run = st.run
+    st.run, st.midstep = replace(run, rollout_pad_to_max=True), None
+    roll, rows = st.generate(2, prompts)
+    sequential = st.infer(roll, rows)
+    st.run, st.midstep = replace(run, overlap=True, rollout_pad_to_max=True), MidStep(MidstepSpec(trigger=0.0))
+    early_roll, _ = st.generate(2, prompts)
+    assert st.early is not None and any(st.early.early.values())
+    _same(roll, early_roll)
+    early = st.infer(early_roll, rows)
+    assert early.keys() == sequential.keys() and all(torch.equal(early[k], sequential[k]) for k in early)
+    st.midstep = MidStep(MidstepSpec(**FORCED, transfer="kv"))
+    _same(roll, st.generate(2, prompts)[0])
+    assert any(d.committed for d in st.midstep.take_decisions()) and st.early is None
+    st.run = run
 
 
 def test_midstep_keys_validated(tmp_path):
