@@ -46,7 +46,6 @@ import torch
 from nereus.rl.offpolicy import correction_metrics, raw_weights, rollout_is_weights
 from nereus.run.overlap import Call
 from nereus.run.rollout import Rollout, pack, repeat_prompts
-from nereus.runtime.generate import SamplingParams
 
 AUTO_WARMUP = 4  # synchronous steps before `auto` decides; the first one (warm caches, first calls) is not used
 AUTO_MARGIN = 0.05  # the predicted async step must be at least 5% shorter than the measured sequential one
@@ -128,12 +127,7 @@ class AsyncRollouts:
         """Submit step ``step``'s generation, with the same sampling parameters ``Stepper.generate`` uses."""
         st = self.st
         rows = repeat_prompts(st.prompts(step), st.alg.samples_per_prompt)
-        limit = st.run.max_response_length(step, st.job.workload.response.max)
-        params = SamplingParams(max_new_tokens=limit, temperature=st.run.temperature, top_p=st.run.top_p,
-                                eos_token_id=st.tok.eos_token_id, pad_token_id=st.tok.pad_token_id,
-                                seed=st.run.seed * 100_003 + step, slots=st.run.rollout_slots)
-        prompts = [list(p.ids) for p in rows]
-        fixed = (max(len(p) for p in prompts), limit) if st.run.rollout_pad_to_max else None
+        prompts, params, fixed = st.generation_inputs(step, rows)
         call = st.calls.submit("gen", "generate", st.key["actor", "generation"], "generate_with_logprobs", prompts,
                                params)
         self.pending = Pending(step, call, rows, prompts, version, fixed)

@@ -73,22 +73,28 @@ class Stepper:
         return out
 
     # ----- stages -------------------------------------------------------------------------------------
-    def generate(self, step: int, prompts: list[Prompt]) -> tuple[Rollout, list[Prompt]]:
-        n = self.alg.samples_per_prompt
-        rows = repeat_prompts(prompts, n)
+    def generation_inputs(self, step: int, rows: list[Prompt]) -> tuple[list[list[int]], SamplingParams,
+                                                                      tuple[int, int] | None]:
+        """Step ``step``'s generation: the rows' prompt ids, the sampling parameters, and the fixed
+        (prompt, response) width of the packed rollout with ``run.rollout.pad_to_max`` (else None)."""
         limit = self.run.max_response_length(step, self.job.workload.response.max)
         params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
                                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
                                 seed=self.run.seed * 100_003 + step, slots=self.run.rollout_slots)
-        prompts, eos = [list(p.ids) for p in rows], self.tok.eos_token_id
+        prompts = [list(p.ids) for p in rows]
         fixed = (max(len(p) for p in prompts), limit) if self.run.rollout_pad_to_max else None
-        key = self.key["actor", "generation"]
+        return prompts, params, fixed
+
+    def generate(self, step: int, prompts: list[Prompt]) -> tuple[Rollout, list[Prompt]]:
+        rows = repeat_prompts(prompts, self.alg.samples_per_prompt)
+        prompts, params, fixed = self.generation_inputs(step, rows)
+        eos, key = self.tok.eos_token_id, self.key["actor", "generation"]
+        early = None  # with run.overlap + pad_to_max inference starts on each replica's rows as it ends
+        if self.run.overlap and fixed is not None:
+            early = ([(t, self.key[m, "inference"], op) for t, m, op in self.inference_calls()],
+                     lambda a, b, out: pack(prompts[a:b], [r for r, _ in out], None, eos, fixed).tokens)
         if self.midstep is not None and self.midstep.applies(self.rt, key, step):
-            with self.timer("gen"):
-                early = None
-                if self.run.overlap and fixed is not None:  # as below, on the final call (run.midstep_run)
-                    early = ([(t, self.key[m, "inference"], op) for t, m, op in self.inference_calls()],
-                             lambda a, b, out: pack(prompts[a:b], [r for r, _ in out], None, eos, fixed).tokens)
+            with self.timer("gen"):  # early inference on the final call (run.midstep_run)
                 out, self.early = generate_midstep(self.midstep, self.calls, self.rt, key, prompts, params, step, early)
             return pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows
         if self.midstep is not None and self.midstep.fixed_batch(step):
@@ -96,11 +102,9 @@ class Stepper:
         with self.timer("gen"):
             call = self.calls.submit("gen", "generate", key, "generate_with_logprobs", prompts, params)
             self.early = None
-            if self.run.overlap and fixed is not None:  # inference starts on each replica's rows as it ends
-                stages = [(t, self.key[m, "inference"], op) for t, m, op in self.inference_calls()]
-                self.early = EarlyInference(self.calls, call, key, stages, len(rows))
-                parts = self.early.run(
-                    lambda a, b, out: pack(prompts[a:b], [r for r, _ in out], None, eos, fixed).tokens)
+            if early is not None:
+                self.early = EarlyInference(self.calls, call, key, early[0], len(rows))
+                parts = self.early.run(early[1])
             else:
                 parts = self.calls.wait([call])[0]
             out = [row for part in parts for row in part]
