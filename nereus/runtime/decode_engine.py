@@ -130,6 +130,11 @@ class DecodeEngine:
     def _generator(self, seq_id: int) -> torch.Generator:
         return torch.Generator(device=self.sm.groups.device).manual_seed(stream_seed(self.params.seed, seq_id))
 
+    @property
+    def rng_bytes(self) -> int:
+        """Bytes of a sequence's stream state (the same for every sequence of this engine's device)."""
+        return self._generator(0).get_state().numel()
+
     def sequences(self) -> dict[int, Sequence]:
         """Every sequence this engine holds, unfinished and finished."""
         out = {s.seq_id: s for s in (*self.active, *self.queue)}
@@ -255,14 +260,20 @@ class DecodeEngine:
         return tokens.tolist(), logps.tolist()
 
 
+def replica_engine(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams, slots: int) -> DecodeEngine:
+    """A fresh engine of ``slots`` slots with this replica's rows of ``prompts`` queued (sequence ids = their
+    indices in ``prompts``, so each samples from the same stream whichever replica runs it)."""
+    engine = DecodeEngine(sm, params, slots)
+    for i in range(len(prompts))[sm.replica_rows(len(prompts))]:
+        engine.submit(i, prompts[i])
+    return engine
+
+
 def generate_continuous(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams,
                         slots: int) -> list[tuple[list[int], list[float]]]:
     """``generate_with_logprobs``'s answer from the continuous-batching engine: this replica's rows of
     ``prompts`` (sequence ids = their indices in ``prompts``), on every rank of the replica."""
-    rows = sm.replica_rows(len(prompts))
-    engine = DecodeEngine(sm, params, slots)
-    ids = range(len(prompts))[rows]
-    for i in ids:
-        engine.submit(i, prompts[i])
+    engine = replica_engine(sm, prompts, params, slots)
+    ids = [s.seq_id for s in engine.queue]
     done = engine.run()
     return [(done[i].tokens, done[i].logprobs) for i in ids]

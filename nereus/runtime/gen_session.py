@@ -1,13 +1,13 @@
 """A worker's generation engine that lives across calls, so the driver can look at it between chunks of
 iterations and move unfinished sequences between its DP replicas mid-step (``run.midstep``).
 
-``Worker.gen_open`` builds one ``DecodeEngine`` per DP replica on that replica's rows of the step's prompts
-(sequence id = global row index, so each sequence samples from the stream ``generate_continuous`` gives
-it); ``gen_run`` runs a chunk of iterations and answers the replica's status; ``gen_migrate`` executes a
-``MigrationPlan`` (``runtime.kv_migrate.migrate``: every worker of the world takes part, because the
-commit vote is a collective over the whole world); ``gen_close`` runs the replica to the end and answers
-every sequence it finished (one call instead of a last chunk and a close). Every rank of a replica makes
-the same calls, so its engines stay in lockstep.
+``Worker.gen_open`` builds one ``DecodeEngine`` per DP replica on that replica's rows of the step's
+prompts (``decode_engine.replica_engine``: sequence id = global row index, so each sequence samples from
+the stream ``generate_continuous`` gives it); ``gen_run`` runs a chunk of iterations and answers the
+replica's status; ``gen_migrate`` executes a ``MigrationPlan`` (``runtime.kv_migrate.migrate``: every
+worker of the world takes part, because the commit vote is a collective over the whole world);
+``gen_close`` runs the replica to the end and answers every sequence it finished (one call instead of a
+last chunk and a close). Every rank of a replica makes the same calls, so its engines stay in lockstep.
 """
 
 from __future__ import annotations
@@ -16,20 +16,9 @@ import time
 
 from nereus.elastic.kvplan import MigrationPlan
 from nereus.runtime.decode_engine import DecodeEngine, Sequence
-from nereus.runtime.engine import ShardedModel
 from nereus.runtime.executor import TransferComm
 from nereus.runtime.faults import FaultHook
 from nereus.runtime.kv_migrate import MigrationAborted, migrate
-from nereus.runtime.sampling import SamplingParams
-
-
-def open_engine(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams) -> DecodeEngine:
-    """This replica's rows of ``prompts`` queued in a fresh engine of ``params.slots`` slots."""
-    engine = DecodeEngine(sm, params, params.slots)
-    rows = sm.replica_rows(len(prompts))
-    for i in range(len(prompts))[rows]:
-        engine.submit(i, prompts[i])
-    return engine
 
 
 def _record(s: Sequence, rng_bytes: int) -> list[int]:
@@ -48,7 +37,7 @@ def run_chunk(engine: DecodeEngine, iterations: int) -> dict:
         for s in engine.step():
             finished[s.seq_id] = len(s.tokens)
         ran += 1
-    rng = engine._generator(0).get_state().numel()  # the stream state's size, the same for every sequence
+    rng = engine.rng_bytes
     return {"iterations": ran, "rows": rows, "busy_s": time.perf_counter() - t0, "finished": finished,
             "active": [_record(s, rng) for s in engine.active], "queued": [_record(s, rng) for s in engine.queue]}
 

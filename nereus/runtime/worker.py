@@ -288,10 +288,10 @@ class Worker:
     # ----- a generation engine that lives across calls (``gen_session``: mid-step moves) -------------
     def gen_open(self, key: str, prompts: list[list[int]], params: object) -> tuple[int, bool] | None:
         """A fresh continuous-batching engine on this replica's rows of ``prompts`` (``params.slots``)."""
-        from nereus.runtime.gen_session import open_engine
+        from nereus.runtime.decode_engine import replica_engine
 
         def run(sm: ShardedModel) -> tuple[int, bool] | None:
-            self.engines[key] = open_engine(sm, prompts, params)
+            self.engines[key] = replica_engine(sm, prompts, params, params.slots)
             return self._output(sm, True)
 
         return self._on(key, run)
