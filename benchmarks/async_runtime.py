@@ -31,7 +31,7 @@ import yaml
 
 from nereus.rl.longtail import task_rows, write_task
 from nereus.run.job import RLJob
-from nereus.runtime.workers import Runtime
+from nereus.runtime.cluster.workers import Runtime
 from nereus.spec.job import job_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent

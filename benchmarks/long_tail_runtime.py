@@ -318,7 +318,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def run_all(args: argparse.Namespace, tmp: Path) -> tuple[dict, dict, dict, WarmStartOnce]:
     """Every available mode ``--rounds`` times on one runtime; returns runs, skipped and failed modes and
     the warm-start cache (how many warm-starts ran, their seconds)."""
-    from nereus.runtime.workers import Runtime
+    from nereus.runtime.cluster.workers import Runtime
 
     write_task(tmp, *task_rows(args.train_size, args.val_size, seed=args.seed))
     base = base_spec(tmp, args)

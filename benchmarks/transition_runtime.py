@@ -4,9 +4,9 @@ For a Llama-like model of >= 100M parameters (``--small``: a tiny one for smoke 
 ranks, each transition below moves the whole model state (fp32 weights and, for the trained actor, ZeRO-1
 Adam state: master, exp_avg, exp_avg_sq) from the old layout to the new one three ways, on the same state:
 
-* ``exec``: the live executor (``nereus.runtime.live.transition_keys``) following the transition graph;
+* ``exec``: the live executor (``nereus.runtime.transitions.live.transition_keys``) following the transition graph;
 * ``dcp``: torch.distributed.checkpoint save of the old shards and resharded load through local disk
-  (``nereus.runtime.reshard.checkpoint_reshard``; files go to ``.tmp/`` and are deleted afterwards);
+  (``nereus.runtime.transitions.reshard.checkpoint_reshard``; files go to ``.tmp/`` and are deleted afterwards);
 * ``g/s``: every tensor gathered on rank 0, then the new pieces scattered (``reshard.gather_scatter``).
 
 Each is timed as the max over ranks of its elapsed time (barrier before, all_reduce MAX after), repeated
@@ -41,15 +41,15 @@ import torch.distributed as dist
 
 from nereus.cost.hardware import Hardware
 from nereus.elastic.transition import plan_transition
-from nereus.runtime.engine import ShardedModel, shard_boxes, tied_head
-from nereus.runtime.executor import TransferComm
-from nereus.runtime.groups import ParallelGroups
-from nereus.runtime.hf import slice_boxes
-from nereus.runtime.holdings import WEIGHTS, holdings_of
-from nereus.runtime.launch import run_world
-from nereus.runtime.live import KeySpec, new_needs, plan_of, transition_keys
-from nereus.runtime.model import ModelConfig
-from nereus.runtime.reshard import all_pairs_bandwidth, checkpoint_reshard, gather_scatter, p2p_bandwidth
+from nereus.runtime.cluster.groups import ParallelGroups
+from nereus.runtime.cluster.launch import run_world
+from nereus.runtime.model.decoder import ModelConfig
+from nereus.runtime.model.hf import slice_boxes
+from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
+from nereus.runtime.transitions.executor import TransferComm
+from nereus.runtime.transitions.holdings import WEIGHTS, holdings_of
+from nereus.runtime.transitions.live import KeySpec, new_needs, plan_of, transition_keys
+from nereus.runtime.transitions.reshard import all_pairs_bandwidth, checkpoint_reshard, gather_scatter, p2p_bandwidth
 from nereus.spec import Layout, job_from_dict
 from nereus.spec.model import ModelArch
 from nereus.spec.sharding import model_tensors

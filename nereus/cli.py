@@ -217,7 +217,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     try:
         import torch.multiprocessing as mp
 
-        from nereus.runtime import profile
+        from nereus.runtime.cluster import profile
     except ImportError as err:
         raise SpecError("profile", f"needs the runtime's dependencies ({err.name} is missing); "
                                    "install them with: pip install -e '.[runtime]'") from None

@@ -13,13 +13,21 @@ def ray_runtime():
     """One local Ray instance and one 4-worker runtime for the whole session (runtime and RL tests)."""
     ray = pytest.importorskip("ray")
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    from nereus.runtime.workers import Runtime
+    from nereus.runtime.cluster.workers import Runtime
 
     (ROOT / ".tmp").mkdir(exist_ok=True)
     runtime = Runtime(4, temp_dir=ROOT / ".tmp" / "ray", timeout_s=60)
     yield runtime
     runtime.shutdown()
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The fast tier (``make test-fast``: ``-m "not slow"``) leaves out every test that starts processes:
+    those marked ``distributed`` and those that use the session's Ray runtime are ``slow`` too."""
+    for item in items:
+        if item.get_closest_marker("distributed") or "ray_runtime" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 settings.register_profile("ci", deadline=None, max_examples=60)

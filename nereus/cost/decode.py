@@ -1,7 +1,7 @@
 """Decode (generation) time of one inference-engine replica: per-step roofline and continuous batching.
 
 Validated against published TensorRT-LLM and vLLM figures (``decode_published.csv``, package data;
-``tests/test_decode_published.py``); ``nereus.cost.stages`` prices every generation model-stage with
+``tests/cost/test_decode_published.py``); ``nereus.cost.stages`` prices every generation model-stage with
 ``decode_phases`` (the analytic form of ``generation_time`` the planner can afford).
 
 One decode step of a tensor-parallel replica (Pope et al. 2022, "Efficiently Scaling Transformer

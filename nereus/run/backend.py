@@ -24,11 +24,11 @@ from nereus.cost.hardware import Hardware
 from nereus.elastic.schedule import schedule_graph
 from nereus.run.driver import Stepper
 from nereus.run.setup import Placed, placed_from_plan
-from nereus.runtime.failover import WorkerLostError
-from nereus.runtime.live import KeySpec
-from nereus.runtime.model import ModelConfig
-from nereus.runtime.nodes import PlacementError
-from nereus.runtime.workers import Runtime
+from nereus.runtime.cluster.nodes import PlacementError
+from nereus.runtime.cluster.workers import Runtime
+from nereus.runtime.model.decoder import ModelConfig
+from nereus.runtime.recovery.failover import WorkerLostError
+from nereus.runtime.transitions.live import KeySpec
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan

@@ -25,7 +25,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise SpecError("run", f"needs the runtime's dependencies ({err.name} is missing); "
                                "install them with: pip install -e '.[runtime]'") from None
     if args.address:  # before any work: an unreachable cluster is one line, not minutes of Ray's retries
-        from nereus.runtime.nodes import check_address
+        from nereus.runtime.cluster.nodes import check_address
 
         check_address(args.address)
     try:
@@ -40,7 +40,7 @@ def cmd_run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     for p in rl.placed:
         print(f"  {p.model + '/' + p.stage:<22} {p.layout.short():<22} workers {list(p.ranks)}", file=sys.stderr)
-    from nereus.runtime.raylocal import exit_on_signals
+    from nereus.runtime.cluster.raylocal import exit_on_signals
 
     # SIGTERM, SIGINT, SIGHUP: workers released, Ray shut down and reaped, exit 128 + signal (docs/reliability.md)
     signalled = exit_on_signals()
@@ -103,7 +103,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
 def _check_capacity(run_dir: Path, workers: int) -> None:
     """Refuse at once a size the run's own local Ray cannot place (its CPUs, from ray_session.json; issue 19:
     `scale 6` on a 4-CPU Ray used to leave the run waiting). The run refuses it too, and keeps going."""
-    from nereus.runtime.raylocal import SESSION
+    from nereus.runtime.cluster.raylocal import SESSION
     from nereus.spec.errors import SpecError
 
     try:
@@ -119,7 +119,7 @@ def _check_capacity(run_dir: Path, workers: int) -> None:
 def cmd_cleanup(args: argparse.Namespace) -> int:
     """Kill what a killed driver left of its local Ray (``raylocal.cleanup_run``): the run's in ``--dir``,
     else of every driver that is gone."""
-    from nereus.runtime.raylocal import SESSION, cleanup_run
+    from nereus.runtime.cluster.raylocal import SESSION, cleanup_run
     from nereus.spec.errors import SpecError
 
     record = None

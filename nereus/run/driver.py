@@ -16,11 +16,11 @@ from functools import partial
 
 import torch
 
+from nereus.rl import losses
 from nereus.rl.core import AdvantageInputs, advantage_estimator
 from nereus.rl.data import Prompt
 from nereus.rl.rewards import RewardRouter
 from nereus.rl.tokenizer import Tokenizer
-from nereus.run import remote
 from nereus.run.asyncmode import AsyncRollouts
 from nereus.run.midstep import MidStep
 from nereus.run.midstep_run import generate_midstep
@@ -28,8 +28,8 @@ from nereus.run.overlap import Calls, EarlyInference, cat_parts
 from nereus.run.report import step_metrics
 from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack, repeat_prompts
 from nereus.run.setup import Placed
-from nereus.runtime.engine import TrainStats
-from nereus.runtime.generate import SamplingParams
+from nereus.runtime.generation.fixed_batch import SamplingParams
+from nereus.runtime.model.sharded import TrainStats
 from nereus.spec.job import JobSpec
 
 
@@ -239,7 +239,7 @@ class Stepper:
         if self.has("critic"):
             batch = {"tokens": roll.tokens, "index": roll.index, "mask": mask, "old_values": inf["values"],
                      "returns": adv["returns"]}
-            out["critic"] = (batch, partial(remote.critic_loss, clip=r.value_clip), r.critic_lr)
+            out["critic"] = (batch, partial(losses.critic_loss, clip=r.value_clip), r.critic_lr)
         batch = {"tokens": roll.tokens, "index": roll.index, "mask": mask, "old_logp": inf["old_logp"],
                  "adv": adv["adv"]}
         kl_coef = r.kl_loss_coef if r.use_kl_loss and "ref_logp" in inf else 0.0
@@ -248,7 +248,7 @@ class Stepper:
         # verl: clip_ratio_low and clip_ratio_high each default to clip_ratio
         low = r.clip_ratio if r.clip_ratio_low is None else r.clip_ratio_low
         high = r.clip_ratio if r.clip_ratio_high is None else r.clip_ratio_high
-        loss = remote.policy_loss(clip_low=low, clip_high=high, kl_loss_coef=kl_coef, kl_loss_type=r.kl_loss_type,
+        loss = losses.policy_loss(clip_low=low, clip_high=high, kl_loss_coef=kl_coef, kl_loss_type=r.kl_loss_type,
                                   clip_ratio_c=r.clip_ratio_c, entropy_coeff=r.entropy_coeff)
         out["actor"] = (batch, loss, r.actor_lr)
         return out

@@ -56,11 +56,11 @@ from nereus.run.setup import (
     tokenizer_for,
 )
 from nereus.run.warmstart import initial_checkpoints, initial_sources, pretrained_checkpoints
-from nereus.runtime.generate import SamplingParams
-from nereus.runtime.hf import save_checkpoint
-from nereus.runtime.live import KeySpec
-from nereus.runtime.raylocal import SESSION, session_record
-from nereus.runtime.workers import Runtime
+from nereus.runtime.cluster.raylocal import SESSION, session_record
+from nereus.runtime.cluster.workers import Runtime
+from nereus.runtime.generation.fixed_batch import SamplingParams
+from nereus.runtime.model.hf import save_checkpoint
+from nereus.runtime.transitions.live import KeySpec
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan

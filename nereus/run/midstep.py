@@ -5,9 +5,9 @@ The continuous-batching engine runs each live sequence as its own one-row micro-
 of a replica costs about (live sequences) × (seconds per row). When one DP replica has drained its queue
 and another still holds a backlog of long sequences, the first idles while the second finishes: moving
 some of the second's unfinished sequences — with their KV caches, or as records the receiver re-prefills
-(``elastic.kvplan``, ``runtime.kv_migrate``) — splits the tail between them.
+(``elastic.kvplan``, ``runtime.generation.kv_migrate``) — splits the tail between them.
 
-The driver runs every replica's engine (``Worker.gen_open``/``gen_run``, ``runtime.gen_session``) in
+The driver runs every replica's engine (``Worker.gen_open``/``gen_run``, ``runtime.generation.session``) in
 chunks of iterations, each a round trip to every worker that also holds the replicas in lockstep, so the
 controller looks only when a move could be decided and could pay (``MidStep.next_look``):
 

@@ -1,6 +1,6 @@
 """One generation call of the RL step with mid-step moves (``run.midstep``): the replicas' engines run in
 chunks of iterations, each sized by the controller (``MidStep.next_look``); between chunks the controller
-(``MidStep.decide``) may move unfinished sequences from one replica to another (``runtime.kv_migrate`` over
+(``MidStep.decide``) may move unfinished sequences from one replica to another (``runtime.generation.kv_migrate`` over
 the workers' world); once no move can be admitted any more the final call runs every replica to the end and
 answers; at the end each admitted move gets its measured gain (``run.midstep``'s docstring says how it is
 measured). With ``run.overlap`` and ``pad_to_max``, inference starts on a finished replica's rows during
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from nereus.elastic.kvplan import plan_migration
 from nereus.run.midstep import Decision, MidStep, Replica, kv_shape, migrate_on_world, placement
 from nereus.run.overlap import Calls, EarlyInference
-from nereus.runtime.sampling import SamplingParams
+from nereus.runtime.generation.sampling import SamplingParams
 
 # ``Stepper.generate``'s early inference: (timer, inference key, operation) per stage, and the packer of a
 # block of rows (start, stop, [(tokens, log-probs)] in row order) to the step's fixed width

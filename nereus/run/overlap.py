@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import ray
 import torch
 
-from nereus.runtime.waits import GRACE_S, WaitTimeout
+from nereus.runtime.cluster.waits import GRACE_S, WaitTimeout
 
 # what each kind of call is counted as (metric names: timing_s/worker_<i>/<kind>)
 KINDS = ("generate", "infer", "train", "sync")

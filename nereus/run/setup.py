@@ -12,8 +12,8 @@ from nereus.rl.rewards import RewardRouter
 from nereus.rl.task import reverse_rows
 from nereus.rl.tokenizer import HFTokenizer, Tokenizer
 from nereus.runtime.capability import CAPABILITY
-from nereus.runtime.hf import read_config
-from nereus.runtime.model import ModelConfig
+from nereus.runtime.model.decoder import ModelConfig
+from nereus.runtime.model.hf import read_config
 from nereus.runtime.parallel.tp import check_tp
 from nereus.spec.capability import UnsupportedLayout
 from nereus.spec.errors import SpecError

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from nereus.rl.data import EOS, PAD, CharTokenizer, Prompt
-from nereus.runtime.hf import load_boxes, read_config, save_checkpoint
-from nereus.runtime.model import CausalLM, ModelConfig, build_model
+from nereus.runtime.model.decoder import CausalLM, ModelConfig, build_model
+from nereus.runtime.model.hf import load_boxes, read_config, save_checkpoint
 from nereus.spec.layout import Layout
 from nereus.spec.sharding import rank_tensors
 

@@ -88,7 +88,7 @@ HF_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 def arch_from_hf(cfg: object, where: str) -> ModelArch:
     """The architecture of a parsed HuggingFace Llama/Qwen2/Mistral ``config.json`` (transformers 4.x or
-    5.x spelling). The one parser of these files: ``nereus.runtime.hf`` reads a checkpoint's config
+    5.x spelling). The one parser of these files: ``nereus.runtime.model.hf`` reads a checkpoint's config
     through it. It refuses what ``ModelArch`` cannot describe, naming the key: another model type, a
     ``head_dim`` other than hidden / heads, attention or MLP biases (Qwen2's QKV bias is implied by its
     type), and head counts that do not divide; and what would load but compute other logits than
@@ -125,7 +125,7 @@ def arch_from_hf(cfg: object, where: str) -> ModelArch:
 
 
 def _check_runtime_keys(f: Fields, vocab: int) -> None:
-    """What the runtime reads besides the architecture (``nereus.runtime.hf.config_from_hf``): the norm
+    """What the runtime reads besides the architecture (``nereus.runtime.model.hf.config_from_hf``): the norm
     epsilon, the RoPE base and the special token ids, checked here so that a bad value is refused by key on
     load rather than turning into NaN logits or an index error on the workers."""
     f.get("rms_norm_eps", float, None, minimum=1e-12, maximum=1.0)
@@ -141,9 +141,9 @@ def _check_runtime_keys(f: Fields, vocab: int) -> None:
                                              "give the config that belongs to this model")
 
 
-# transformers maps both names to SiLU; the runtime's MLP is SwiGLU with SiLU (nereus.runtime.model)
+# transformers maps both names to SiLU; the runtime's MLP is SwiGLU with SiLU (nereus.runtime.model.decoder)
 SILU_NAMES = ("silu", "swish")
-# RoPE variants nereus.runtime.model.rope_inv_freq implements, and the keys llama3 scaling reads
+# RoPE variants nereus.runtime.model.decoder.rope_inv_freq implements, and the keys llama3 scaling reads
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # transformers' defaults where a config leaves a key out: (sliding_window, max_position_embeddings)

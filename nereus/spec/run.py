@@ -164,7 +164,7 @@ class RunSpec:
     adapt: AdaptSpec | None = None
     logger: tuple[str, ...] | None = None  # verl's trainer.logger; None: console, JSONL, TensorBoard if installed
     # run.rollout.slots (verl: actor_rollout_ref.rollout.max_num_seqs): > 0 generates with the continuous-
-    # batching engine, this many sequences at a time per replica (runtime.decode_engine); 0: the fixed batch
+    # batching engine, this many sequences at a time per replica (runtime.generation.decode_engine); 0: the fixed batch
     rollout_slots: int = 0
     # run.rollout.pad_to_max: pack rollouts to the longest possible prompt + response (not the longest
     # present), so that with run.overlap inference starts on a generation replica's rows once it finishes

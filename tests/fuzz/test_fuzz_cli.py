@@ -375,7 +375,7 @@ def _tripwire(*args: object, **kwargs: object) -> None:
 def no_runtime(monkeypatch):
     """`nereus run` and `nereus profile` stop where they would start workers or measure."""
     from nereus.run.job import RLJob
-    from nereus.runtime import profile
+    from nereus.runtime.cluster import profile
 
     monkeypatch.setattr(RLJob, "_fresh", _tripwire)
     monkeypatch.setattr(RLJob, "_start", _tripwire)

@@ -11,7 +11,7 @@ from nereus.rl.data import CharTokenizer, DataError, load_prompts, write_rows
 from nereus.rl.task import digit_match, exact_match, reverse_rows
 from nereus.spec.errors import SpecError
 from nereus.spec.job import job_from_dict
-from tests.rl.jobs import tiny_job
+from tests.run.jobs import tiny_job
 
 TOK = CharTokenizer()
 

@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import torch
 
-from nereus.runtime.model import ModelConfig, build_model
+from nereus.runtime.model.decoder import ModelConfig, build_model
 from nereus.spec.layout import Layout
 from nereus.spec.model import ModelArch
 

@@ -14,7 +14,7 @@ from nereus.spec import load_job
 from nereus.spec.layout import Plan
 from nereus.spec.trace import load_trace
 from tests.conftest import EXAMPLES, ROOT
-from tests.sim.test_controller import small_job, trace
+from tests.control.test_controller import small_job, trace
 
 
 @pytest.mark.parametrize("name", POLICIES)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from nereus.runtime.model import CausalLM
+from nereus.runtime.model.decoder import CausalLM
 from nereus.runtime.parallel.pp import split_stage
 from nereus.runtime.parallel.tp import apply_tp
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.groups import ParallelGroups
-from nereus.runtime.model import CausalLM, ModelConfig
+from nereus.runtime.cluster.groups import ParallelGroups
+from nereus.runtime.model.decoder import CausalLM, ModelConfig
 from nereus.spec.sharding import layer_range
 
 FWD, BWD = 1, 2  # message tags: activations downstream, their gradients upstream

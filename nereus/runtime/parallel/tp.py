@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nereus.runtime.model import CausalLM
+from nereus.runtime.model.decoder import CausalLM
 from nereus.spec.model import ModelArch
 from nereus.spec.sharding import TensorSpec, model_tensors, tp_box
 

@@ -1,0 +1,356 @@
+"""The Ray actor of one device (``Worker``): holds the shards of every loaded model-stage by key, and
+answers the runtime's typed calls on them; ``workers.Runtime`` drives a world of them.
+
+Each operation on a key runs on every worker of the key's layout at once (collectives need all of
+them); workers outside it answer None, and of a layout's workers only each data-parallel replica's output
+rank (last pipeline stage, TP rank 0) returns a result, as (DP replica, result).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import asdict
+from datetime import timedelta
+
+import ray
+import torch
+
+from nereus.runtime.model.decoder import ModelConfig
+from nereus.runtime.model.sharded import ReplicaStats, ShardedModel
+from nereus.runtime.recovery.faults import FaultHook
+from nereus.spec.layout import Layout
+
+
+class WorldAborted(RuntimeError):
+    """The driver aborted this worker's world (a peer was lost); the call in flight was abandoned."""
+
+
+# Calls run one at a time, in order ("default" group); ``abort`` and ``pid`` answer from their own thread
+# even while a call is blocked in a collective with a lost peer.
+@ray.remote(concurrency_groups={"control": 1})
+class Worker:
+    """One device: holds the shards of every loaded model-stage, keyed by name."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        torch.set_num_threads(1)
+        self.rank, self.world = rank, world
+        self.models: dict[str, object] = {}
+        self.groups: dict[str, object] = {}
+        self._abort = threading.Event()
+        self._stuck: list[threading.Thread] = []  # calls abandoned by ``abort``, still blocked
+        self.faults = FaultHook()  # does nothing unless a test's fault plan armed it
+        self.engines: dict[str, object] = {}  # key -> its generation engine across calls (run.midstep)
+
+    # ----- failure handling -----------------------------------------------------------------------
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    def abort(self) -> bool:
+        """Give up the call in flight (blocked on a lost peer): it returns ``WorldAborted`` at once and
+        the world is re-formed by ``reinit``."""
+        self._abort.set()
+        return True
+
+    @ray.method(concurrency_group="control")
+    def arm_faults(self, actions: dict[str, str]) -> bool:
+        """Arm this worker's fault hook (``Runtime.inject``: tests and benchmarks only)."""
+        self.faults.arm(actions)
+        return True
+
+    def _guarded(self, fn, *args: object) -> object:
+        """``fn(*args)`` on a helper thread, so that ``abort`` can release this worker from a collective
+        that will never complete; a gloo collective cannot be interrupted, so the thread is abandoned (it
+        fails once ``reinit`` destroys its world) and never touches state the recovery rebuilds."""
+        if self._abort.is_set():
+            raise WorldAborted("this worker's world was aborted; re-form it (Runtime.recover)")
+        out: dict = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                out["value"] = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                out["error"] = exc
+            finally:
+                done.set()
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        while not done.wait(0.05):
+            if self._abort.is_set():
+                self._stuck.append(t)
+                raise WorldAborted("a peer was lost; the call in flight was abandoned")
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+    def address(self) -> tuple[str, int]:
+        from nereus.runtime.cluster.launch import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init_dist(self, master: str, port: int, timeout_s: float) -> str:
+        import torch.distributed as dist
+
+        from nereus.runtime.cluster.groups import default_backend, local_device
+
+        backend = default_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(local_device())
+        os.environ["LOCAL_RANK"] = "0"
+        if master.startswith("store://"):  # several nodes: the head node's store (``nodes.RendezvousStore``)
+            from nereus.runtime.cluster.nodes import open_store
+
+            dist.init_process_group(backend, store=open_store(master, timeout_s), rank=self.rank,
+                                    world_size=self.world, timeout=timedelta(seconds=timeout_s))
+            return backend
+        if master.startswith("file://"):  # one host: a file rendezvous, so no TCP store listens on any interface
+            init = master
+        else:
+            os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
+            init = "env://"
+        dist.init_process_group(backend, init_method=init, rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=timeout_s))
+        return backend
+
+    def load(self, key: str, cfg: ModelConfig, layout: Layout, ranks: list[int], checkpoint: str | None,
+             state: dict | None, dtype: str, schedule: str) -> bool:
+        from nereus.runtime.cluster.groups import ParallelGroups
+        from nereus.runtime.model.hf import load_boxes, slice_boxes
+        from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
+
+        groups = ParallelGroups(layout, ranks, tied_embeddings=tied_head(cfg))
+        self.groups[key] = groups
+        if not groups.member:
+            return False
+        boxes = shard_boxes(cfg, groups)
+        tensors = load_boxes(checkpoint, boxes) if checkpoint else slice_boxes(state, boxes)
+        self.models[key] = ShardedModel(cfg, groups, tensors, getattr(torch, dtype), schedule)
+        return True
+
+    def reinit(self, master: str, port: int, world: int, timeout_s: float, rank: int | None = None) -> bool:
+        """Leave the current world (every group with it) and join one of ``world`` workers as ``rank``
+        (default: the same), keeping this worker's shards in memory; ``regroup`` then rebuilds them on the
+        new world's groups. Calls abandoned by ``abort`` fail once their world is gone."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for t in self._stuck:
+            t.join(timeout=2.0)  # it fails once its world is destroyed; never wait long on it
+        self._stuck = [t for t in self._stuck if t.is_alive()]
+        self._abort.clear()
+        self.world, self.groups, self.pending = world, {}, {}
+        self.engines = {}
+        self.rank = self.rank if rank is None else rank
+        self.init_dist(master, port, timeout_s)
+        return self.init_comm(min(timeout_s, 120.0))
+
+    def state_image(self, key_model: dict[str, str], optimizer_for: list[str], weights_dp0_only: bool) -> dict:
+        """A copy of this worker's state of the keys in ``key_model`` (``recovery.state_image``); as a
+        return value it lives in Ray's object store, owned by the driver: a host-memory snapshot that
+        outlives this process."""
+        from nereus.runtime.recovery.snapshots import state_image
+
+        return state_image(self.models, key_model, set(optimizer_for), weights_dp0_only)
+
+    def state_images(self, models: list[str], keys: dict[str, dict[str, str]], optimizer_for: list[str]):
+        """``state_image`` of each of ``models`` (its keys in ``keys``), one return value each (a snapshot:
+        data-parallel replica 0's weights, every rank's optimizer state)."""
+        images = tuple(self.state_image(keys[m], optimizer_for, True) for m in models)
+        return images if len(images) > 1 else images[0]
+
+    def restore(self, specs: list, images: dict[str, list]) -> bool:
+        """Replace every key by ``specs`` (groups from ``prepare_groups`` in the re-formed world), each
+        buffer filled from ``images`` (model → object refs of state images, in preference order)."""
+        from nereus.runtime.recovery.snapshots import restore_state
+
+        pending, self.pending = self.pending, {}
+        fetched = {m: ray.get(refs) for m, refs in images.items()}
+        models = restore_state(specs, pending, fetched, self.comm)
+        self.models, self.groups = models, dict(pending)
+        return True
+
+    def regroup(self, specs: list) -> bool:
+        """Every key's groups in the new world (collective, same order everywhere), and its shard rebuilt
+        around the same tensors: parameters adopted, Adam's segments and moments handed over."""
+        from nereus.runtime.cluster.groups import ParallelGroups
+        from nereus.runtime.model.sharded import tied_head
+        from nereus.runtime.transitions.live import rebuild
+
+        for s in specs:
+            g = ParallelGroups(s.layout, list(s.ranks), tied_embeddings=tied_head(s.cfg))
+            self.groups[s.key] = g
+            if s.key in self.models:
+                self.models[s.key] = rebuild(self.models[s.key], g)
+        return True
+
+    def init_comm(self, timeout_s: float) -> bool:
+        from nereus.runtime.transitions.executor import TransferComm
+
+        self.comm = TransferComm(timeout_s)
+        return True
+
+    def prepare_groups(self, specs: list) -> bool:
+        """The process groups of every key of a coming transition, created ahead (collective: every
+        worker, same order); a key whose layout and workers do not change keeps its groups."""
+        from nereus.runtime.cluster.groups import ParallelGroups
+        from nereus.runtime.model.sharded import tied_head
+
+        self.pending = {}
+        for s in specs:
+            cur = self.groups.get(s.key)
+            if cur is not None and (cur.layout, tuple(cur.ranks)) == (s.layout, tuple(s.ranks)):
+                self.pending[s.key] = cur
+            else:
+                self.pending[s.key] = ParallelGroups(s.layout, list(s.ranks), tied_embeddings=tied_head(s.cfg))
+        return True
+
+    def transition(self, graph: object, old_specs: list, new_specs: list, sources: list | None = None) -> dict:
+        """Replace the keys of ``old_specs`` by ``new_specs``, state moved as ``graph`` plans (groups from
+        ``prepare_groups``) from the keys of ``sources`` (default ``old_specs``; a weight sync reads the
+        training key only). On failure every worker keeps its old shards and reports the error."""
+        return self._guarded(self._transition, graph, old_specs, new_specs, sources)
+
+    def _transition(self, graph: object, old_specs: list, new_specs: list, sources: list | None) -> dict:
+        import time
+
+        from nereus.runtime.transitions.live import transition_keys
+
+        t0 = time.perf_counter()
+        sources = old_specs if sources is None else sources
+        old = {s.key: self.models[s.key] for s in sources if s.key in self.models}
+        pending, self.pending = self.pending, {}
+        try:
+            models, measured = transition_keys(graph, old, sources, new_specs, pending, self.comm, self.faults)
+        except Exception as exc:  # noqa: BLE001 - reported to the driver; the old layout stays
+            for key, g in pending.items():
+                if g is not self.groups.get(key):
+                    g.destroy()
+            self.comm.renew()
+            return {"ok": False, "error": str(exc), "wall_s": time.perf_counter() - t0}
+        keep = {id(g) for g in pending.values()}
+        for s in old_specs:
+            self.models.pop(s.key, None)
+            g = self.groups.pop(s.key, None)
+            if g is not None and id(g) not in keep:
+                g.destroy()
+        self.models.update(models)
+        self.groups.update(pending)
+        return {"ok": True, "error": "", "wall_s": time.perf_counter() - t0, "measured": measured.to_dict()}
+
+    # ----- typed operations on one key's shard (None on workers outside its layout) -------------------
+    def _on(self, key: str, fn, *args: object) -> object:
+        """``fn(shard, *args)`` on this worker's shard of ``key`` (guarded), or None without one."""
+        sm = self.models.get(key)
+        return None if sm is None else self._guarded(fn, sm, *args)
+
+    @staticmethod
+    def _output(sm: ShardedModel, out: object) -> tuple[int, object] | None:
+        """(DP replica, result) from each replica's output rank, whose result is complete; else None."""
+        return (sm.groups.coords.dp, out) if sm.is_output_rank else None
+
+    def logprobs(self, key: str, tokens: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        return self._on(key, lambda sm: self._output(sm, sm.logprobs(tokens)))
+
+    def logprobs_and_entropy(self, key: str, tokens: torch.Tensor) -> tuple[int, tuple] | None:
+        return self._on(key, lambda sm: self._output(sm, sm.logprobs_and_entropy(tokens)))
+
+    def values(self, key: str, tokens: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        return self._on(key, lambda sm: self._output(sm, sm.values(tokens)))
+
+    def train_step(self, key: str, batch: dict, loss_fn: object, lr: float,
+                   max_grad_norm: float | None) -> tuple[int, ReplicaStats] | None:
+        """One optimizer step; the fault point ``train_step`` lies between the backward pass and Adam."""
+
+        def run(sm: ShardedModel) -> tuple[int, ReplicaStats] | None:
+            metrics: list[dict[str, float]] = []
+            losses = sm.backward(batch, loss_fn, metrics)
+            self.faults.at("train_step")
+            norm = sm.step(lr, max_grad_norm)
+            return self._output(sm, ReplicaStats(losses, metrics, norm))
+
+        return self._on(key, run)
+
+    def generate(self, key: str, prompts: list[list[int]], params: object) -> tuple[int, list] | None:
+        from nereus.runtime.generation.fixed_batch import generate
+
+        return self._on(key, lambda sm: self._output(sm, generate(sm, prompts, params)))
+
+    def generate_with_logprobs(self, key: str, prompts: list[list[int]], params: object) -> tuple[int, list] | None:
+        from nereus.runtime.generation.fixed_batch import generate_with_logprobs
+
+        return self._on(key, lambda sm: self._output(sm, generate_with_logprobs(sm, prompts, params)))
+
+    # ----- a generation engine that lives across calls (``gen_session``: mid-step moves) -------------
+    def gen_open(self, key: str, prompts: list[list[int]], params: object) -> tuple[int, bool] | None:
+        """A fresh continuous-batching engine on this replica's rows of ``prompts`` (``params.slots``)."""
+        from nereus.runtime.generation.decode_engine import replica_engine
+
+        def run(sm: ShardedModel) -> tuple[int, bool] | None:
+            self.engines[key] = replica_engine(sm, prompts, params, params.slots)
+            return self._output(sm, True)
+
+        return self._on(key, run)
+
+    def gen_run(self, key: str, iterations: int) -> tuple[int, dict] | None:
+        """Up to ``iterations`` iterations of ``key``'s engine; (DP replica, status) from output ranks."""
+        from nereus.runtime.generation.session import run_chunk
+
+        return self._on(key, lambda sm: self._output(sm, run_chunk(self.engines[key], iterations)))
+
+    def gen_migrate(self, key: str, plan: dict) -> dict:
+        """This worker's part of moving unfinished sequences between ``key``'s replicas (every worker of
+        the world calls it: the commit vote is world-wide); ``ok: False`` when it did not commit."""
+        from nereus.runtime.generation.session import migrate_sequences
+
+        return self._guarded(migrate_sequences, self.engines.get(key), plan, self.comm, self.faults)
+
+    def gen_close(self, key: str) -> tuple[int, dict] | None:
+        """Run ``key``'s engine to the end and drop it; (DP replica, ``gen_session.close_engine``'s answer:
+        sequence id -> (tokens, log-probs) under ``done``) from output ranks."""
+        from nereus.runtime.generation.session import close_engine
+
+        engine = self.engines.pop(key, None)
+        if engine is None:
+            return None
+        return self._on(key, lambda sm: self._output(sm, close_engine(engine)))
+
+    def memory(self, key: str) -> dict | None:
+        sm = self.models.get(key)
+        return asdict(sm.last_report) if sm is not None and sm.last_report else None
+
+    def shard_shapes(self, key: str) -> dict[str, tuple[int, ...]] | None:
+        sm = self.models.get(key)
+        return None if sm is None else {name: tuple(p.shape) for name, p in sm.shards().items()}
+
+    def read_shards(self, key: str) -> dict | None:
+        """name → (global box, tensor) of DP replica 0's shard (``shard_state.read_shards``)."""
+        from nereus.runtime.model.shard_state import read_shards
+
+        return self._on(key, read_shards)
+
+    def read_optimizer(self, key: str) -> dict[str, torch.Tensor] | None:
+        from nereus.runtime.model.shard_state import read_optimizer
+
+        return self._on(key, read_optimizer)
+
+    def write_optimizer(self, key: str, state: dict[str, torch.Tensor], lr: float) -> bool:
+        from nereus.runtime.model.shard_state import write_optimizer
+
+        self._on(key, write_optimizer, state, lr)
+        return key in self.models
+
+    def holdings(self, key: str, model: str) -> dict:
+        """A state image (``recovery.state_image``) of ``key``: weights and Adam state by global box."""
+        return self.state_image({key: model}, [model], False)
+
+    def release(self, key: str) -> None:
+        self.models.pop(key, None)
+        self.engines.pop(key, None)
+        groups = self.groups.pop(key, None)
+        if groups is not None:
+            groups.destroy()

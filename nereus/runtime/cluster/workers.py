@@ -1,0 +1,388 @@
+"""The runtime: Ray actors (``worker.Worker``), one per device, joined into one torch.distributed world;
+models load onto them under a layout, several layouts coexisting (each under its own key, with its own
+process groups). Its methods are typed: each names one operation and returns its result.
+
+``Runtime`` starts a local Ray instance by default (loopback only, no dashboard) or joins the cluster at
+``address``. On a cluster of several nodes (``nodes``) workers are pinned to nodes so that TP groups stay
+inside one, worlds meet at a store on the head node, and snapshots are copied to a second node. Workers
+use gloo on CPU and NCCL with one GPU each when CUDA is present. Every call that creates groups goes to
+all workers, because torch.distributed creates each group collectively.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+import torch
+
+from nereus.runtime.capability import CAPABILITY
+from nereus.runtime.cluster.nodes import (
+    NodeMap,
+    PlacementError,
+    check_address,
+    pinned,
+    replica_ring,
+    several_nodes,
+    start_store,
+    tp_split,
+    world_address,
+)
+from nereus.runtime.cluster.raylocal import start_local_ray
+from nereus.runtime.cluster.waits import GRACE_S, await_started, check_room, get_within
+from nereus.runtime.cluster.worker import Worker, WorldAborted
+from nereus.runtime.model.decoder import ModelConfig
+from nereus.runtime.model.sharded import TrainStats
+from nereus.runtime.recovery.failover import Failover, WorkerLostError
+from nereus.runtime.recovery.faults import FaultPlan
+from nereus.runtime.transitions.live import KeySpec
+from nereus.spec.layout import Layout
+
+__all__ = ["PlacementError", "Runtime", "Worker", "WorkerLostError", "WorldAborted"]
+
+
+def _world_job(job: object, world: int) -> object:
+    """The job on the runtime's ``world`` devices; a count that is not whole nodes (survivors of a lost
+    worker) counts as one node of that many."""
+    from dataclasses import replace
+
+    if world <= job.cluster.gpus_per_node or world % job.cluster.gpus_per_node == 0:
+        return job.with_gpus(world)
+    return replace(job, cluster=replace(job.cluster, nodes=1, gpus_per_node=world))
+
+
+class Runtime:
+    """``world`` workers (Ray actors) in one process group; ``load`` places a model under a layout. A lost
+    worker raises ``WorkerLostError``; ``recover`` continues on the survivors (``failover``).
+    ``capability`` says which layouts it runs; ``specs`` (key → ``KeySpec``) is what each key holds."""
+
+    capability = CAPABILITY
+
+    def __init__(self, world: int, address: str | None = None, temp_dir: str | Path | None = None,
+                 timeout_s: float = 600.0, max_workers: int | None = None) -> None:
+        gpu = torch.cuda.is_available()
+        self._store_dir = None if address else Path(temp_dir or Path.cwd() / ".tmp" / "ray").absolute() / "rendezvous"
+        if not ray.is_initialized():
+            if address:
+                check_address(address)  # a one-line error at once, not minutes of ray.init retries
+                ray.init(address=address)
+            else:
+                root = Path(temp_dir or Path.cwd() / ".tmp" / "ray").absolute()
+                start_local_ray(max(world, max_workers or 0, os.cpu_count() or 1), root)
+        self.timeout_s = timeout_s
+        self.start_timeout_s = min(timeout_s, GRACE_S)  # for a joining worker to be placed and answer
+        self.worker_options = {"num_gpus": 1} if gpu else {"num_cpus": 1}
+        # a cluster: workers pinned to nodes (TP groups inside one; too few slots refused at once rather than
+        # left pending), worlds meet at the head node's store
+        self.nodes = NodeMap("GPU" if gpu else "CPU") if address or several_nodes() else None
+        self._store = start_store(min(timeout_s, 60.0)) if address or self.nodes else None
+        self.workers = self._new_workers(0, world, world)
+        master, port = self._rendezvous()
+        self.backend = self._all([w.init_dist.remote(master, port, timeout_s) for w in self.workers], "init_dist")[0]
+        self._all([w.init_comm.remote(min(timeout_s, 120.0)) for w in self.workers], "init_comm")
+        self.specs: dict[str, KeySpec] = {}  # what each key holds: the one record of placements
+        self._graphs: dict[tuple, object] = {}
+        self.failover = Failover()
+        self.failover.timeout_s = timeout_s + GRACE_S  # snapshot waits too have a deadline (issue 19)
+
+    def _new_workers(self, first: int, count: int, world: int) -> list:
+        """Ray actors for ranks ``first``..``first + count - 1`` of a world of ``world``; on several nodes
+        each pinned to the node ``NodeMap.place`` gives it (``PlacementError`` when the cluster lacks room)."""
+        homes = self.nodes.place(count) if self.nodes else [None] * count
+        return [Worker.options(**self.worker_options, **(pinned(h) if h else {})).remote(first + i, world)
+                for i, h in enumerate(homes)]
+
+    @property
+    def homes(self) -> list[str]:
+        """Each worker's Ray node id, by rank (empty on a single node)."""
+        return list(self.nodes.homes) if self.nodes else []
+
+    def _rendezvous(self) -> tuple[str, int]:
+        """Where a new world meets: a fresh prefix of the head node's store on a cluster, a fresh file under
+        Ray's temp folder when Ray is local (nothing listens), else a free port on worker 0's host."""
+        if self._store is not None:
+            return world_address(self._store), 0
+        if self._store_dir is not None:
+            self._store_dir.mkdir(parents=True, exist_ok=True)
+            return f"file://{self._store_dir / f'world-{uuid.uuid4().hex}'}", 0
+        return self._all([self.workers[0].address.remote()], "address")[0]
+
+    def load(self, key: str, cfg: ModelConfig, layout: Layout, ranks: list[int] | None = None,
+             checkpoint: str | Path | None = None, state: dict | None = None, dtype: str = "float32",
+             schedule: str = "1f1b", model: str | None = None, stage: str | None = None) -> None:
+        """Place ``cfg``'s model under ``layout`` on workers ``ranks`` (default the first ``layout.world``),
+        each reading its boxes from an HF ``checkpoint`` directory or cutting them from whole ``state``.
+        ``model``/``stage`` name what the key holds in a plan (default: from a key "model/stage")."""
+        ranks = list(range(layout.world)) if ranks is None else list(ranks)
+        self._check_nodes(key, layout, ranks)
+        ckpt = str(checkpoint) if checkpoint else None
+        self._all([w.load.remote(key, cfg, layout, ranks, ckpt, state, dtype, schedule) for w in self.workers],
+                  f"load {key}")
+        head, _, tail = key.partition("/")
+        self.specs[key] = KeySpec(key, model or head, stage or tail or "inference", cfg, layout, tuple(ranks), dtype)
+
+    def _check_nodes(self, key: str, layout: Layout, ranks: list[int]) -> None:
+        """Refuse a layout whose TP group would cross nodes (``nodes.tp_split``), naming it."""
+        why = tp_split(layout, ranks, self.homes)
+        if why:
+            raise PlacementError(why, f"run.layouts.{key}")
+
+    # ----- live transitions -----------------------------------------------------------------------
+    def transition(self, new_specs: list[KeySpec], job: object) -> dict:
+        """Move the keys of ``new_specs`` (all currently loaded) to their new layouts and workers, weights and
+        Adam state, following the transition graph; other keys are untouched. Returns the per-worker
+        measurements; raises ``TransitionExecutionError`` (every worker still on the old layout) on failure."""
+        old_specs = [self.specs[s.key] for s in new_specs]
+        for s in new_specs:
+            self._check_nodes(s.key, s.layout, list(s.ranks))
+        out = self._move(job, old_specs, new_specs, old_specs)
+        for s in new_specs:
+            self.specs[s.key] = s
+        return out
+
+    def sync_weights(self, model: str, job: object) -> dict:
+        """The training key's weights to every other key of ``model`` (the per-step training → generation
+        and inference sync), through the same executor: boxes that coincide on a device become one shared
+        tensor, the rest move point to point."""
+        train = next(s for s in self.specs.values() if s.model == model and s.training)
+        keys = [train] + [s for s in self.specs.values() if s.model == model and not s.training]
+        return self._move(job, keys, keys, [train]) if len(keys) > 1 else {"wall_s": 0.0}
+
+    def _move(self, job: object, old_specs: list[KeySpec], new_specs: list[KeySpec], sources: list[KeySpec]) -> dict:
+        """Groups ahead, then every worker replaces the keys of ``old_specs`` by ``new_specs``, state read from
+        the keys of ``sources``, as the (cached) graph between the two says."""
+        from nereus.runtime.transitions.holdings import TransitionExecutionError
+
+        graph = self._graph(job, sources, new_specs)
+        self._all([w.prepare_groups.remote(new_specs) for w in self.workers], "prepare_groups")
+        results = self._get([w.transition.remote(graph, old_specs, new_specs, sources) for w in self.workers])
+        if not all(r["ok"] for r in results):
+            raise TransitionExecutionError(next(r["error"] for r in results if not r["ok"]))
+        return {"wall_s": max(r["wall_s"] for r in results), "workers": [r["measured"] for r in results],
+                "graph": graph}
+
+    def resize(self, n: int) -> None:
+        """Grow or shrink to ``n`` workers without losing state: new Ray actors join (or the highest-ranked
+        ones, which must hold nothing — transition off them first — are stopped), every worker joins a
+        fresh torch.distributed world of ``n`` and rebuilds its shards on new groups around the same
+        tensors. Workers keep their ranks."""
+        cur = len(self.workers)
+        if n == cur:
+            return
+        if n < 1:
+            raise ValueError(f"cannot resize to {n} workers")
+        busy = sorted({s.key for s in self.specs.values() if max(s.ranks) >= n})
+        if busy:
+            raise ValueError(f"workers {n}..{cur - 1} still hold {busy}: transition off them before shrinking")
+        if n < cur:
+            for w in self.workers[n:]:
+                ray.kill(w)
+            self.workers = self.workers[:n]
+            if self.nodes:
+                self.nodes.truncate(n)
+        else:  # a join Ray cannot place fails here, before any worker leaves its world (issue 19)
+            if not self.nodes:
+                check_room(n, self.worker_options, cur)
+            new = self._new_workers(cur, n - cur, n)
+            await_started(new, self.start_timeout_s)
+            self.workers += new
+        master, port = self._rendezvous()
+        self._all([w.reinit.remote(master, port, n, self.timeout_s) for w in self.workers], "reinit")
+        self._all([w.regroup.remote(list(self.specs.values())) for w in self.workers], "regroup")
+        self._graphs.clear()
+
+    def _graph(self, job: object, old: list[KeySpec], new: list[KeySpec]) -> object:
+        from nereus.elastic.graph import build_graph
+        from nereus.runtime.transitions.live import plan_of
+
+        key = (tuple(old), tuple(new))
+        if key not in self._graphs:
+            world = len(self.workers)
+            self._graphs[key] = build_graph(_world_job(job, world), plan_of(old, world), plan_of(new, world))
+        return self._graphs[key]
+
+    # ----- operations on a key --------------------------------------------------------------------
+    def _on(self, key: str, op: str, *args: object) -> list:
+        """``Worker.<op>(key, *args)`` on every worker of ``key``'s layout (all together, as collectives
+        need); their answers in layout rank order."""
+        return self._get([getattr(self.workers[r], op).remote(key, *args) for r in self.specs[key].ranks])
+
+    def submit(self, key: str, op: str, *args: object) -> list[tuple[int, object]]:
+        """Issue ``Worker.<op>(key, *args)`` on every worker of ``key``'s layout without waiting: (worker
+        rank, Ray future) in layout rank order. Each actor runs its calls in the order they were issued,
+        so calls issued in one global order never deadlock on their collectives; ``answers`` waits."""
+        if op == "train_step":
+            self.failover.changed(self.specs[key].model)
+        return [(r, getattr(self.workers[r], op).remote(key, *args)) for r in self.specs[key].ranks]
+
+    def submit_all(self, op: str, *args: object) -> list[tuple[int, object]]:
+        """Issue ``Worker.<op>(*args)`` on every worker of the world (a call with a world-wide collective,
+        such as a migration's commit vote), like ``submit``: (worker rank, Ray future) by rank."""
+        return [(r, getattr(w, op).remote(*args)) for r, w in enumerate(self.workers)]
+
+    def answers(self, refs: list) -> list:
+        """The answers of ``submit``'s futures, with the runtime's deadline and lost-worker detection."""
+        return self._get(refs)
+
+    @staticmethod
+    def _by_replica(answers: list) -> list:
+        """The output ranks' results in data-parallel order."""
+        return [out for _, out in sorted((a for a in answers if a is not None), key=lambda a: a[0])]
+
+    def logprobs(self, key: str, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._by_replica(self._on(key, "logprobs", tokens)))
+
+    def logprobs_and_entropy(self, key: str, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and full-vocabulary entropies [B, T−1] from one forward pass (verl's old_log_prob
+        stage computes both)."""
+        parts = self._by_replica(self._on(key, "logprobs_and_entropy", tokens))
+        return torch.cat([lp for lp, _ in parts]), torch.cat([h for _, h in parts])
+
+    def values(self, key: str, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._by_replica(self._on(key, "values", tokens)))
+
+    def train_step(self, key: str, batch: dict, loss_fn: object, lr: float = 1e-3,
+                   max_grad_norm: float | None = None) -> TrainStats:
+        """One optimizer step; ``max_grad_norm`` clips the global gradient norm first (``ShardedModel.step``).
+        Returns each replica's losses, loss statistics and gradient norm."""
+        self.failover.changed(self.specs[key].model)
+        return TrainStats(tuple(self._by_replica(self._on(key, "train_step", batch, loss_fn, lr, max_grad_norm))))
+
+    def generate(self, key: str, prompts: list[list[int]], params: object) -> list[list[int]]:
+        return [row for part in self._by_replica(self._on(key, "generate", prompts, params)) for row in part]
+
+    def generate_with_logprobs(self, key: str, prompts: list[list[int]],
+                               params: object) -> list[tuple[list[int], list[float]]]:
+        """New tokens and their sampling-time log-probs per prompt (``generate.generate_with_logprobs``)."""
+        answers = self._on(key, "generate_with_logprobs", prompts, params)
+        return [row for part in self._by_replica(answers) for row in part]
+
+    def memory(self, key: str) -> list[dict | None]:
+        """The last operation's memory report of every worker of ``key``'s layout, in layout rank order."""
+        return self._all([self.workers[r].memory.remote(key) for r in self.specs[key].ranks], "memory")
+
+    def shard_shapes(self, key: str) -> list[dict]:
+        return self._all([self.workers[r].shard_shapes.remote(key) for r in self.specs[key].ranks], "shard_shapes")
+
+    # ----- state (checkpoints, tests) ----------------------------------------------------------------
+    def read_weights(self, key: str) -> dict[str, torch.Tensor]:
+        """``key``'s whole weights by checkpoint name, assembled from its shards."""
+        from nereus.runtime.model.shard_state import assemble
+
+        return assemble(self._on(key, "read_shards"))
+
+    def read_optimizer(self, key: str) -> dict[int, dict[str, torch.Tensor]]:
+        """worker rank → its Adam state of ``key`` (``shard_state.read_optimizer``); ranks without one yet
+        (no step taken) are left out."""
+        states = self._on(key, "read_optimizer")
+        return {r: st for r, st in zip(self.specs[key].ranks, states, strict=True) if st is not None}
+
+    def write_optimizer(self, key: str, states: dict[int, dict[str, torch.Tensor]], lr: float) -> None:
+        """Install what ``read_optimizer`` returned, under the same layout on the same workers; raises
+        ``ValueError`` naming what does not match."""
+        ranks = self.specs[key].ranks
+        if set(states) != set(ranks):
+            raise ValueError(f"optimizer state of workers {sorted(states)} for {key!r}, whose layout runs on "
+                             f"{sorted(ranks)}: resume under the layout the checkpoint was written with")
+        self._get([self.workers[r].write_optimizer.remote(key, states[r], lr) for r in ranks])
+
+    def holdings(self, key: str) -> list:
+        """Every worker's state of ``key`` (weights and Adam state) by global box, as ``holdings.Holdings``,
+        in layout rank order."""
+        from nereus.runtime.recovery.snapshots import unpack
+
+        model = self.specs[key].model
+        return [unpack(p) for p in self._get([self.workers[r].holdings.remote(key, model)
+                                                for r in self.specs[key].ranks])]
+
+    # ----- failover -------------------------------------------------------------------------------
+    def recover(self, place: Callable[[int], list[KeySpec]], lost: list[int] | None = None) -> dict:
+        """Continue on the surviving workers: abandon the call in flight, re-form the world, and load
+        ``place(n)`` (the ``KeySpec`` of every key for ``n`` survivors, ranks 0..n-1) from live replicas and
+        the snapshot. Returns what it did and how long each part took; the state is the snapshot's step's
+        (``resume_step``)."""
+        import time
+
+        from nereus.runtime.recovery.snapshots import StateLostError
+
+        t0 = time.perf_counter()
+        lost = sorted(lost if lost is not None else self.lost_workers())
+        if not lost:
+            raise ValueError("no worker is lost: nothing to recover")
+        survivors = [w for r, w in enumerate(self.workers) if r not in lost]
+        if not survivors:
+            raise StateLostError("every worker is lost: restart from a disk checkpoint (nereus run --resume)")
+        old_specs = list(self.specs.values())
+        dirty = self.failover.recovery_sources(self.workers, old_specs)
+        self._all([w.abort.remote() for w in survivors], "abort")
+        self.failover.settle_in_flight()
+        for r in lost:
+            ray.kill(self.workers[r])  # a hung (not dead) worker must not come back into the new world
+        n = len(survivors)
+        self.workers = survivors
+        lost_nodes = self.nodes.drop(lost) if self.nodes else []
+        master, port = self._rendezvous()
+        self._all([w.reinit.remote(master, port, n, self.timeout_s, i) for i, w in enumerate(survivors)], "reinit")
+        t_world = time.perf_counter()
+        new_specs = list(place(n))
+        for s in new_specs:
+            self._check_nodes(s.key, s.layout, list(s.ranks))
+        # images are read on nodes known to be up: the survivors' and the driver's (a lost node's, from copies)
+        alive = set(self.homes) | {ray.get_runtime_context().get_node_id()} if self.nodes else None
+        images = self.failover.images(survivors, old_specs, dirty, alive)
+        self._all([w.prepare_groups.remote(new_specs) for w in survivors], "prepare_groups")
+        self._get([w.restore.remote(new_specs, images) for w in survivors])
+        self.specs = {s.key: s for s in new_specs}
+        self._graphs.clear()
+        self.failover.recovered(node_lost=bool(lost_nodes))
+        t1 = time.perf_counter()
+        return {"lost": lost, "workers": n, "resume_step": self.failover.snapshot_step, "wall_s": t1 - t0,
+                "seconds": {"world": t_world - t0, "restore": t1 - t_world},
+                "live_state": sorted({s.model for s in new_specs} - dirty), "snapshot_only": sorted(dirty),
+                "lost_nodes": lost_nodes, "images_from_copies": self.failover.from_copies}
+
+    def inject(self, plan: FaultPlan) -> None:
+        """Arm ``plan``'s faults on their workers (tests and benchmarks); nothing else ever arms them."""
+        self._all([w.arm_faults.remote(plan.actions_of(r)) for r, w in enumerate(self.workers) if plan.actions_of(r)],
+                  "arm_faults")
+
+    def _get(self, refs: list) -> list:
+        return self.failover.get(self.workers, refs, self.timeout_s + GRACE_S)
+
+    def _all(self, refs: list, what: str) -> list:
+        """Every answer of a call to the workers, within the runtime's deadline (``waits.get_within``)."""
+        return get_within(refs, self.timeout_s + GRACE_S, what)
+
+    def lost_workers(self, timeout_s: float = 10.0) -> list[int]:
+        return self.failover.lost_workers(self.workers, timeout_s)
+
+    def snapshot(self, step: int) -> float:
+        """A host-memory snapshot labelled ``step`` (``Failover.snapshot``); returns the driver's seconds."""
+        ring = replica_ring(self.homes, ray.get_runtime_context().get_node_id()) if self.nodes else None
+        return self.failover.snapshot(step, self.workers, list(self.specs.values()), self.homes or None, ring)
+
+    def forget_snapshots(self) -> None:
+        self.failover.forget()
+
+    @property
+    def snapshot_step(self) -> int | None:
+        return self.failover.snapshot_step
+
+    @property
+    def latest_snapshot_step(self) -> int | None:
+        return self.failover.latest_snapshot_step
+
+    def release(self, key: str) -> None:
+        self._all([w.release.remote(key) for w in self.workers], f"release {key}")
+        self.specs.pop(key, None)
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        if self._store is not None:
+            ray.kill(self._store)
+            self._store = None

@@ -1,0 +1,279 @@
+"""Continuous-batching generation: per-sequence KV caches, a fixed number of slots refilled from a queue
+as sequences end, per-sequence stop and per-sequence sampling streams.
+
+Why per-sequence everything: a sequence's tokens and log-probs must not depend on which slot it ran in,
+which sequences ran beside it, or whether it moved to another worker mid-generation (``kv_migrate``). So
+
+- each sequence owns its caches (one ``KVCache`` of batch 1 per layer of this rank's pipeline stage,
+  holding this rank's KV-head shard), sized to its own prompt plus ``max_new_tokens``;
+- each sequence is its own micro-batch of one row: one forward over all busy slots runs them one after
+  another through the pipeline (``parallel.pp.forward_only``, so under PP stage s works on slot i+1 while
+  stage s+1 works on slot i), and no matrix product ever mixes two sequences' rows — results are
+  bit-identical to generating the sequence alone;
+- each sequence samples from its own ``torch.Generator`` seeded from ``(seed, sequence id)``
+  (``stream_seed``), so its draws do not depend on its neighbours; its state travels with it.
+
+Continuous batching itself is Orca's iteration-level scheduling (Yu et al., OSDI 2022,
+https://www.usenix.org/conference/osdi22/presentation/yu): after every decode iteration finished sequences
+leave their slots and queued ones take them. Every rank of a DP replica runs the same engine in lockstep:
+TP ranks sample identically (same full-vocabulary logits, same generator state) and the last pipeline
+stage broadcasts each iteration's tokens and log-probs over the pipeline group, so every rank of the
+replica holds the same sequence records; only the caches differ (each rank's layers and KV heads).
+
+A sequence whose caches were dropped (``drop``) is refilled from its tokens: by default its prompt in one
+forward, then its generated tokens one per iteration (``refill="replay"``: the same computations as the
+first time, hence bit-identical caches); ``refill="prefill"`` does prompt and generated tokens in one
+forward (faster, equal up to rounding).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from nereus.runtime.generation.sampling import SamplingParams, sample
+from nereus.runtime.model.decoder import KVCache, logprobs_from_logits
+from nereus.runtime.model.sharded import ShardedModel
+from nereus.runtime.parallel.pp import forward_only
+from nereus.runtime.parallel.tp import gather_vocab
+
+REFILLS = ("replay", "prefill")
+_MASK64 = (1 << 64) - 1
+
+
+def stream_seed(seed: int, seq_id: int) -> int:
+    """The seed of sequence ``seq_id``'s sampling stream: SplitMix64 (Steele et al., OOPSLA 2014) of the
+    pair, so neighbouring ids get unrelated streams; reduced to 63 bits for ``manual_seed``."""
+    z = (seed * 0x9E3779B97F4A7C15 + seq_id + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class Sequence:
+    """One request and where it stands. ``cached``: positions whose keys and values are in ``caches``
+    (None while queued or dropped); ``tokens``/``logprobs``: generated so far (log p under the unscaled
+    model distribution, as ``generate_with_logprobs``)."""
+
+    seq_id: int
+    prompt: list[int]
+    max_len: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    gen: torch.Generator | None = None
+    caches: dict[int, KVCache] | None = None
+    cached: int = 0
+    refill: str = "replay"
+    done: bool = False
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.tokens
+
+    def next_chunk(self) -> tuple[int, int]:
+        """Positions [start, end) to feed next: the prompt (and, refilling with ``prefill``, the generated
+        tokens) when nothing is cached, else one token."""
+        if self.cached == 0:
+            return 0, (self.length if self.refill == "prefill" else len(self.prompt))
+        return self.cached, self.cached + 1
+
+    def kv_bytes(self) -> int:
+        return sum(c.nbytes() for c in (self.caches or {}).values())
+
+
+@dataclass(frozen=True)
+class SeqInfo:
+    """What a migration plan needs to know of a sequence (``elastic.kvplan``)."""
+
+    seq_id: int
+    prompt_len: int
+    generated: int
+    cached: int
+    max_len: int
+    rng_bytes: int
+
+
+class DecodeEngine:
+    """The continuous-batching engine of one DP replica on ``sm`` (every rank of the replica builds one
+    with the same arguments and makes the same calls). ``slots``: sequences decoded together."""
+
+    def __init__(self, sm: ShardedModel, params: SamplingParams, slots: int) -> None:
+        if sm.cfg.value_head:
+            raise ValueError("generation needs a model with an LM head")
+        if slots < 1:
+            raise ValueError(f"slots must be at least 1, got {slots}")
+        self.sm, self.params, self.slots = sm, params, slots
+        self.queue: deque[Sequence] = deque()
+        self.active: list[Sequence] = []
+        self.finished: dict[int, Sequence] = {}
+        self.iterations = 0
+        self.peak_kv_bytes = 0
+
+    # ----- requests -----------------------------------------------------------------------------------
+    def submit(self, seq_id: int, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError(f"prompt of sequence {seq_id} is empty")
+        if seq_id in self.sequences():
+            raise ValueError(f"sequence {seq_id} is already in this engine")
+        seq = Sequence(seq_id, list(prompt), len(prompt) + self.params.max_new_tokens)
+        seq.gen = self._generator(seq_id)
+        self.queue.append(seq)
+
+    def _generator(self, seq_id: int) -> torch.Generator:
+        return torch.Generator(device=self.sm.groups.device).manual_seed(stream_seed(self.params.seed, seq_id))
+
+    @property
+    def rng_bytes(self) -> int:
+        """Bytes of a sequence's stream state (the same for every sequence of this engine's device)."""
+        return self._generator(0).get_state().numel()
+
+    def sequences(self) -> dict[int, Sequence]:
+        """Every sequence this engine holds, unfinished and finished."""
+        out = {s.seq_id: s for s in (*self.active, *self.queue)}
+        out.update(self.finished)
+        return out
+
+    def unfinished(self) -> list[Sequence]:
+        return [*self.active, *self.queue]
+
+    def info(self, seq_ids: Iterable[int]) -> list[SeqInfo]:
+        held = self.sequences()
+        rng = self._generator(0).get_state().numel()
+        return [SeqInfo(i, len(held[i].prompt), len(held[i].tokens), held[i].cached, held[i].max_len, rng)
+                for i in seq_ids]
+
+    @property
+    def idle(self) -> bool:
+        return not self.active and not self.queue
+
+    # ----- moving sequences in and out (``kv_migrate``) ---------------------------------------------
+    def take(self, seq_ids: Iterable[int]) -> list[Sequence]:
+        """Remove unfinished sequences (after a migration committed, or to drop them elsewhere)."""
+        wanted = set(seq_ids)
+        out = [s for s in self.unfinished() if s.seq_id in wanted]
+        if len(out) != len(wanted):
+            raise KeyError(f"sequences {sorted(wanted - {s.seq_id for s in out})} are not unfinished here")
+        self.active = [s for s in self.active if s.seq_id not in wanted]
+        self.queue = deque(s for s in self.queue if s.seq_id not in wanted)
+        return out
+
+    def install(self, seqs: Iterable[Sequence]) -> None:
+        """Adopt sequences that already ran elsewhere (their caches, if any, in this rank's shard); they
+        take the next free slots, before the queued ones that never started."""
+        for seq in reversed(list(seqs)):
+            if seq.seq_id in self.sequences():
+                raise ValueError(f"sequence {seq.seq_id} is already in this engine")
+            self.queue.appendleft(seq)
+
+    def drop(self, seq_ids: Iterable[int], refill: str = "replay") -> None:
+        """Free the caches of unfinished sequences; they are refilled from their tokens when next run."""
+        if refill not in REFILLS:
+            raise ValueError(f"refill must be one of {REFILLS}, got {refill!r}")
+        wanted = set(seq_ids)
+        for s in self.unfinished():
+            if s.seq_id in wanted:
+                s.caches, s.cached, s.refill = None, 0, refill
+
+    # ----- running ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[Sequence]:
+        """One iteration: refill free slots from the queue, feed every busy slot its next chunk, sample
+        the sequences that caught up. Returns the sequences that finished in it."""
+        while len(self.active) < self.slots and self.queue:
+            self.active.append(self.queue.popleft())
+        if not self.active:
+            return []
+        chunks = [s.next_chunk() for s in self.active]
+        for s in self.active:
+            if s.caches is None:
+                s.caches = self._new_caches(s.max_len)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, sum(s.kv_bytes() for s in self.active))
+        outs = self._forward(chunks)
+        sampling = [i for i, (s, (_, end)) in enumerate(zip(self.active, chunks, strict=True)) if end == s.length]
+        new, logps = self._sample(outs, sampling)
+        for s, (_, end) in zip(self.active, chunks, strict=True):
+            s.cached = end
+        done = []
+        for i, tok, lp in zip(sampling, new, logps, strict=True):
+            s = self.active[i]
+            s.tokens.append(tok)
+            s.logprobs.append(lp)
+            if tok == self.params.eos_token_id or len(s.tokens) >= self.params.max_new_tokens:
+                s.done, s.caches = True, None
+                done.append(s)
+        self.active = [s for s in self.active if not s.done]
+        self.finished.update((s.seq_id, s) for s in done)
+        self.iterations += 1
+        return done
+
+    def run(self) -> dict[int, Sequence]:
+        """Step until nothing is left; every finished sequence by id."""
+        while not self.idle:
+            self.step()
+        self.sm.record_memory("generate", kv_cache=self.peak_kv_bytes)
+        return self.finished
+
+    def _new_caches(self, max_len: int) -> dict[int, KVCache]:
+        sm = self.sm
+        return {int(i): KVCache(1, layer.self_attn.kv_heads, max_len, sm.cfg.arch.head_dim, sm.dtype,
+                                sm.groups.device) for i, layer in sm.model.model.layers.items()}
+
+    def _forward(self, chunks: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Each busy slot's chunk as its own micro-batch through the pipeline; last-stage outputs."""
+        sm, dev = self.sm, self.sm.groups.device
+        inputs = [torch.tensor([s.all_tokens()[a:b]], device=dev) for s, (a, b) in zip(self.active, chunks,
+                                                                                          strict=True)]
+
+        def run(x: torch.Tensor, i: int) -> torch.Tensor:
+            a, b = chunks[i]
+            positions = torch.arange(a, b, device=dev)[None]
+            # query position q attends to keys 0..q (causal, aligned to the end of the cached prefix)
+            mask = torch.ones(b - a, b, dtype=torch.bool, device=dev).tril(diagonal=a)[None, None]
+            return sm.model(x, positions, mask, self.active[i].caches, a)
+
+        shape = lambda i: (1, chunks[i][1] - chunks[i][0], sm.cfg.arch.hidden)  # noqa: E731
+        return forward_only(run, sm.comm, inputs, shape, sm.dtype)
+
+    def _sample(self, outs: list[torch.Tensor], sampling: list[int]) -> tuple[list[int], list[float]]:
+        """Tokens and log-probs of the sampling slots, on every rank of the replica."""
+        g = self.sm.groups
+        tokens = torch.zeros(len(sampling), dtype=torch.long, device=g.device)
+        logps = torch.zeros(len(sampling), dtype=torch.float64, device=g.device)
+        if outs:  # last stage: every TP rank samples the same token from the same logits and stream
+            for j, i in enumerate(sampling):
+                logits = gather_vocab(outs[i][:, -1], g.tp_group)
+                tok = sample(logits, self.params, self.active[i].gen)
+                tokens[j] = tok[0]
+                logps[j] = logprobs_from_logits(logits, tok.to(logits.device))[0].double()
+        if g.layout.pp > 1 and sampling:
+            src = g.pp_peer(g.layout.pp - 1)
+            dist.broadcast(tokens, src=src, group=g.pp_group)
+            dist.broadcast(logps, src=src, group=g.pp_group)
+        return tokens.tolist(), logps.tolist()
+
+
+def replica_engine(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams, slots: int) -> DecodeEngine:
+    """A fresh engine of ``slots`` slots with this replica's rows of ``prompts`` queued (sequence ids = their
+    indices in ``prompts``, so each samples from the same stream whichever replica runs it)."""
+    engine = DecodeEngine(sm, params, slots)
+    for i in range(len(prompts))[sm.replica_rows(len(prompts))]:
+        engine.submit(i, prompts[i])
+    return engine
+
+
+def generate_continuous(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams,
+                        slots: int) -> list[tuple[list[int], list[float]]]:
+    """``generate_with_logprobs``'s answer from the continuous-batching engine: this replica's rows of
+    ``prompts`` (sequence ids = their indices in ``prompts``), on every rank of the replica."""
+    engine = replica_engine(sm, prompts, params, slots)
+    ids = [s.seq_id for s in engine.queue]
+    done = engine.run()
+    return [(done[i].tokens, done[i].logprobs) for i in ids]

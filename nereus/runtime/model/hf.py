@@ -1,0 +1,147 @@
+"""HuggingFace Llama/Qwen2 checkpoints: ``config.json`` ↔ ``ModelConfig`` and safetensors ↔ tensors.
+
+Tensor names are the checkpoint's own, so loading a rank's shard reads only the global boxes that
+``nereus.spec.sharding.rank_tensors`` assigns it (``safe_open(...).get_slice``), never the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from nereus.runtime.model.decoder import ModelConfig
+from nereus.spec.model import arch_from_hf
+from nereus.spec.sharding import Box
+
+INDEX = "model.safetensors.index.json"
+# Local names that read another tensor: a tied checkpoint has no ``lm_head.weight``, and the last
+# pipeline stage's copy of a tied embedding (``tied_head``) is the embedding.
+ALIASES = {"lm_head.weight": "model.embed_tokens.weight", "tied_head": "model.embed_tokens.weight"}
+SINGLE = "model.safetensors"
+# Tokenizer files (``PreTrainedTokenizerFast.save_pretrained`` and older spellings) and the generation
+# config, copied from the model a checkpoint started from so that ``AutoTokenizer`` loads the checkpoint too.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                   "generation_config.json")
+# keys of a source config.json that describe another head or dtype than the tensors written
+_HEAD_KEYS = ("id2label", "label2id", "num_labels", "problem_type", "dtype", "torch_dtype", "architectures")
+
+
+def config_from_hf(data: dict, where: str = "config.json") -> ModelConfig:
+    """Map a Llama/Qwen2/Mistral ``config.json`` dict (transformers 4.x or 5.x spelling) to ``ModelConfig``:
+    the architecture by the spec's parser (``arch_from_hf``, whose errors name the key), plus what only
+    the runtime needs (RoPE, norm epsilon, value head, special tokens)."""
+    arch = arch_from_hf(data, where)
+    rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", data.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.pop("type", "default"))  # ``type``: the older spelling
+    if rope.get("rope_type", "default") == "default":
+        rope = {}
+    eos = data.get("eos_token_id")
+    return ModelConfig(arch=arch, rope_theta=float(theta), rms_eps=float(data.get("rms_norm_eps", 1e-6)),
+                       rope_scaling=rope, value_head=_labels(data) == 1 and _is_scorer(data),
+                       bos_token_id=data.get("bos_token_id"),
+                       eos_token_id=eos[0] if isinstance(eos, list) else eos)
+
+
+def _labels(data: dict) -> int | None:
+    """``num_labels``, or the size of ``id2label`` (transformers 5 writes only the mapping)."""
+    return data.get("num_labels", len(data.get("id2label") or {}) or None)
+
+
+def _is_scorer(data: dict) -> bool:
+    return any(a.endswith("ForSequenceClassification") or a.endswith("ForTokenClassification")
+               for a in data.get("architectures") or [])
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """A ``config.json`` that transformers loads as LlamaForCausalLM / Qwen2ForCausalLM (or a scorer)."""
+    a = cfg.arch
+    kind = "qwen2" if a.qkv_bias else "llama"
+    head = "ForSequenceClassification" if cfg.value_head else "ForCausalLM"
+    rope = {"rope_type": "default", **cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    out = {
+        "architectures": [("Qwen2" if kind == "qwen2" else "Llama") + head], "model_type": kind,
+        "num_hidden_layers": a.layers, "hidden_size": a.hidden, "intermediate_size": a.ffn_hidden,
+        "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "vocab_size": a.vocab,
+        "tie_word_embeddings": a.tied_embeddings, "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta,
+        "rope_parameters": rope, "hidden_act": "silu", "torch_dtype": "float32", "dtype": "float32",
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+    }
+    if cfg.value_head:
+        out["num_labels"] = 1
+    return out
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    file = Path(path) / "config.json"
+    return config_from_hf(json.loads(file.read_text()), str(file))
+
+
+def _files(path: Path) -> dict[str, Path]:
+    """Tensor name → the safetensors file holding it."""
+    if (path / INDEX).exists():
+        index = json.loads((path / INDEX).read_text())["weight_map"]
+        return {name: path / file for name, file in index.items()}
+    with safe_open(path / SINGLE, framework="pt") as f:
+        return dict.fromkeys(f.keys(), path / SINGLE)
+
+
+def load_boxes(path: str | Path, boxes: dict[str, Box], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Read exactly ``boxes`` (name → global box) from a checkpoint directory (names in ``ALIASES`` read
+    their source when the checkpoint lacks them)."""
+    path = Path(path)
+    where = _files(path)
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in boxes:
+        source = name if name in where else ALIASES.get(name, name)
+        if source not in where:
+            raise KeyError(f"{name} is not in the checkpoint at {path}")
+        by_file.setdefault(where[source], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                source = name if name in where else ALIASES[name]
+                sl = f.get_slice(source)
+                index = tuple(slice(lo, hi) for lo, hi in boxes[name])
+                out[name] = sl[index].to(dtype).contiguous()
+    return out
+
+
+def slice_boxes(full: dict[str, torch.Tensor], boxes: dict[str, Box]) -> dict[str, torch.Tensor]:
+    """``boxes`` cut from whole tensors ``full`` (a reference model's state dict), ``ALIASES`` applied."""
+    out = {}
+    for name, box in boxes.items():
+        source = full[name] if name in full else full[ALIASES[name]]
+        out[name] = source.detach()[tuple(slice(lo, hi) for lo, hi in box)].clone()
+    return out
+
+
+def save_checkpoint(path: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
+                    source: str | Path | None = None) -> None:
+    """Write a full checkpoint (``config.json`` + ``model.safetensors``) from whole tensors. With
+    ``source`` (the HF model directory the model started from) the config keeps the source's other keys
+    (``max_position_embeddings``, ``pad_token_id``...) and its tokenizer files are copied alongside."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = config_to_hf(cfg)
+    if source is not None:
+        base = json.loads((Path(source) / "config.json").read_text())
+        config = {**{k: v for k, v in base.items() if k not in _HEAD_KEYS}, **config}
+        for name in TOKENIZER_FILES:
+            if (Path(source) / name).is_file():
+                shutil.copyfile(Path(source) / name, path / name)
+    if cfg.value_head:
+        config["id2label"] = {"0": "LABEL_0"}
+        config["label2id"] = {"LABEL_0": 0}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    if cfg.arch.tied_embeddings:
+        data.pop("lm_head.weight", None)
+    save_file(data, str(path / SINGLE), metadata={"format": "pt"})

@@ -1,0 +1,172 @@
+"""Live transitions of a worker's model shards: every runtime key (a model-stage, or several stages of one
+model sharing a layout) moves from its old layout to its new one in one graph, weights and Adam state.
+
+``KeySpec`` is the plain description of one key's placement, the same on every rank. ``plan_of`` turns a
+list of them into the ``Plan`` the transition graph is built from, so the executor moves exactly what the
+graph planned. ``transition_keys`` runs on every rank of the world (a Ray worker, or a forked rank in
+tests and benchmarks): it views the rank's old shards as ``Holdings``, lists the buffers its new keys
+need, runs the ``Execution`` and installs new ``ShardedModel``\\ s (with their ``ShardedAdam``) around the
+new buffers. New buffers identical on one device for two keys of a model are one tensor, as the graph
+counts them once. The new layouts' process groups are created by the caller beforehand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nereus.elastic.plan import TransitionPlan
+from nereus.runtime.cluster.groups import ParallelGroups
+from nereus.runtime.model.decoder import ModelConfig
+from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
+from nereus.runtime.recovery.faults import FaultHook
+from nereus.runtime.transitions.executor import Execution, Measured, NewBuffers, TransferComm, new_tensor
+from nereus.runtime.transitions.holdings import (
+    OPTIMIZER,
+    WEIGHTS,
+    BufferKey,
+    Holdings,
+    extent,
+    holdings_of,
+    optimizer_boxes,
+    weight_boxes,
+)
+from nereus.spec.layout import Layout, ModelStage, Placement, Plan
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One runtime key: the model it holds, the stage it stands for in the plan, its layout and ranks."""
+
+    key: str
+    model: str
+    stage: str
+    cfg: ModelConfig
+    layout: Layout
+    ranks: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def training(self) -> bool:
+        return self.stage == "training"
+
+
+def plan_of(specs: list[KeySpec], world: int) -> Plan:
+    return Plan(tuple(Placement(ModelStage(s.model, s.stage), s.layout, tuple(s.ranks)) for s in specs), world)
+
+
+def new_needs(specs: list[KeySpec], groups: dict[str, ParallelGroups]) -> dict[BufferKey, tuple[torch.dtype, ...]]:
+    """Buffer key → component dtypes of every buffer this rank's new keys hold."""
+    needs: dict[BufferKey, tuple[torch.dtype, ...]] = {}
+    for s in specs:
+        g = groups[s.key]
+        if not g.member:
+            continue
+        for name, box in weight_boxes(s.cfg, g).items():
+            needs[(s.model, WEIGHTS, name, (box,))] = (getattr(torch, s.dtype),)
+        if s.training:
+            for name, bset in optimizer_boxes(s.cfg, g):
+                needs[(s.model, OPTIMIZER, name, bset)] = (torch.float32,) * 3
+    return needs
+
+
+def _adam_facts(old: dict[str, ShardedModel], specs: list[KeySpec], comm: TransferComm) -> dict[str, tuple]:
+    """Per trained model: (Adam hyper-parameters, step count), agreed over all ranks (a rank new to the
+    model's training layout holds no old optimizer to read them from)."""
+    mine = {}
+    for s in specs:
+        sm = old.get(s.key)
+        if s.training and sm is not None:
+            opt = sm.optimizer or sm.make_optimizer()
+            opt.ensure_state()
+            moments = opt.moments()
+            mine[s.model] = (dict(opt.hyper), moments[2] if moments else 0.0)
+    facts: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(facts, mine, group=comm.control)
+    out: dict[str, tuple] = {}
+    for f in facts:
+        out.update(f)
+    return out
+
+
+def _fill_tied_heads(models: list[ShardedModel], comm: TransferComm) -> None:
+    """Each first pipeline stage sends its (new) embedding rows to its last stage's ``tied_head``:
+    point to point with the transfer timeout, so a failed peer cannot hang the install."""
+    ops = []
+    for sm in models:
+        g = sm.groups
+        if g.embed_group is None or not tied_head(sm.cfg):
+            continue
+        if g.first_stage:
+            ops.append(dist.P2POp(dist.isend, sm.model.model.embed_tokens.weight.data, g.pp_peer(g.layout.pp - 1),
+                                  group=comm.transfer))
+        if g.last_stage:
+            ops.append(dist.P2POp(dist.irecv, sm.model.tied_head.data, g.pp_peer(0), group=comm.transfer))
+    if ops:
+        comm.wait(dist.batch_isend_irecv(ops))
+
+
+def _install(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict[str, tuple], schedule: str,
+             comm: TransferComm):
+    def install(h: Holdings) -> dict[str, ShardedModel]:
+        models = {}
+        for s in specs:
+            g = groups[s.key]
+            if not g.member:
+                continue
+            tensors = {name: new_tensor(h.get((s.model, WEIGHTS, name, (box,))), box)
+                       for name, box in weight_boxes(s.cfg, g).items()}
+            box = shard_boxes(s.cfg, g).get("tied_head")
+            if box is not None:  # filled from the first stage's embedding below (_fill_tied_heads)
+                tensors["tied_head"] = torch.empty(extent(box), dtype=getattr(torch, s.dtype), device=g.device)
+            sm = ShardedModel(s.cfg, g, tensors, dtype=getattr(torch, s.dtype), schedule=schedule, assign=True)
+            if s.training and s.model in adam:
+                hyper, step = adam[s.model]
+                opt = sm.make_optimizer(init_master=False, **hyper)
+                bufs = [h.get((s.model, OPTIMIZER, name, bset)) for name, bset in optimizer_boxes(s.cfg, g)]
+                opt.install_state([b.comps[0] for b in bufs], [b.comps[1] for b in bufs],
+                                  [b.comps[2] for b in bufs], step)
+            models[s.key] = sm
+        _fill_tied_heads(list(models.values()), comm)
+        return models
+    return install
+
+
+def transition_keys(graph: TransitionPlan, old: dict[str, ShardedModel], old_specs: list[KeySpec],
+                    new_specs: list[KeySpec], new_groups: dict[str, ParallelGroups], comm: TransferComm,
+                    faults: FaultHook | None = None,
+                    schedule: str = "1f1b") -> tuple[dict[str, ShardedModel], Measured]:
+    """This rank's new shards (key → ``ShardedModel``) once every rank committed; raises
+    ``TransitionExecutionError`` on every rank otherwise, ``old`` untouched. ``old``: this rank's shards by
+    key (keys of ``old_specs``); ``new_groups``: every new key's groups, created by all ranks beforehand."""
+    adam = _adam_facts(old, old_specs, comm)
+    held = Holdings()
+    dtypes: dict[str, torch.dtype] = {}
+    for s in old_specs + new_specs:
+        dtypes.setdefault(s.model, getattr(torch, s.dtype))
+    for s in old_specs:
+        if s.key in old:
+            holdings_of(s.model, old[s.key], into=held)
+    resident = [sm.model.tied_head for sm in old.values() if sm.model.tied_head is not None]
+    device = next((g.device for g in new_groups.values()), torch.device("cpu"))
+    ex = Execution(graph, held, NewBuffers(new_needs(new_specs, new_groups), device), comm, dtypes, faults, resident)
+    models = ex.run(_install(new_specs, new_groups, adam, schedule, comm))
+    ex.resident = [sm.model.tied_head for sm in models.values() if sm.model.tied_head is not None]
+    ex.finish()
+    return models, ex.measured
+
+
+def rebuild(sm: ShardedModel, groups: ParallelGroups) -> ShardedModel:
+    """``sm`` on new process groups of the same layout (after the world was re-formed): the same
+    parameter tensors adopted, the same Adam segments, moments and step count handed over."""
+    tensors = {name: p.data for name, p in sm.model.named_parameters()}
+    new = ShardedModel(sm.cfg, groups, tensors, dtype=sm.dtype, schedule=sm.schedule, assign=True)
+    old = sm.optimizer
+    if old is not None:
+        old.ensure_state()
+        opt = new.make_optimizer(init_master=False, **old.hyper)
+        avg, sq, step = old.moments() or ([], [], None)
+        opt.install_state(old.master, avg, sq, step)
+    return new

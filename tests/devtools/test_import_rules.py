@@ -1,0 +1,108 @@
+"""The package's import rules (nereus/devtools/imports.py) hold on the real source, and the checker catches
+each kind of violation when one is planted in a small synthetic package."""
+
+from pathlib import Path
+
+import pytest
+
+from nereus.devtools.imports import check, file_cycles, forbidden_imports, package_cycles, scan
+
+PACKAGE = Path(__file__).resolve().parents[2] / "nereus"
+
+
+def test_torch_and_ray_stay_out_of_the_planning_layers():
+    problems = [p for p in forbidden_imports(scan(PACKAGE)) if "must not import torch" in p
+                or "must not import ray" in p]
+    assert not problems, "\n".join(problems)
+
+
+def test_control_imports_no_backend_and_run_runtime_no_sim():
+    problems = [p for p in forbidden_imports(scan(PACKAGE)) if "/):" in p]
+    assert not problems, "\n".join(problems)
+
+
+def test_no_package_cycles():
+    problems = package_cycles(scan(PACKAGE))
+    assert not problems, "\n".join(problems)
+
+
+def test_no_file_cycles():
+    problems = file_cycles(scan(PACKAGE))
+    assert not problems, "\n".join(problems)
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A package ``nereus`` under tmp_path with the given files (relative path -> source)."""
+    root = tmp_path / "nereus"
+    for rel, text in {"__init__.py": "", **files}.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+CLEAN = {
+    "spec/__init__.py": "",
+    "spec/layout.py": "import math\n",
+    "cost/model.py": "from nereus.spec.layout import math\n",
+    "control/controller.py": "from nereus.cost import model\n",
+    "runtime/engine.py": "import torch\nfrom nereus.control.controller import model\n",
+}
+
+
+def test_checker_accepts_a_clean_package(tmp_path):
+    assert check(_package(tmp_path, CLEAN)) == []
+
+
+def test_checker_reports_torch_in_spec_with_file_and_line(tmp_path):
+    root = _package(tmp_path, {**CLEAN, "spec/layout.py": "import math\n\n\ndef f():\n    import torch\n"})
+    problems = forbidden_imports(scan(root))
+    # the spec file itself, and cost and control that reach it
+    assert any(p.startswith("nereus/spec/layout.py (spec/ must not import torch)")
+               and "nereus/spec/layout.py:5 `import torch`" in p for p in problems), problems
+    assert any(p.startswith("nereus/control/controller.py (control/ must not import torch)")
+               and "nereus/cost/model.py:1 `from nereus.spec.layout import math`" in p for p in problems), problems
+
+
+def test_checker_reports_ray_reached_through_a_package_init(tmp_path):
+    # importing nereus.spec.layout runs nereus/spec/__init__.py, which imports ray
+    root = _package(tmp_path, {**CLEAN, "spec/__init__.py": "import ray\n"})
+    problems = forbidden_imports(scan(root))
+    assert any(p.startswith("nereus/cost/model.py (cost/ must not import ray)")
+               and "nereus/spec/__init__.py:1 `import ray`" in p for p in problems), problems
+
+
+def test_checker_reports_control_importing_a_backend(tmp_path):
+    root = _package(tmp_path, {**CLEAN, "control/controller.py": "from nereus.runtime import engine\n"})
+    problems = forbidden_imports(scan(root))
+    assert any(p.startswith("nereus/control/controller.py (control/ must not import runtime/)")
+               and "nereus/control/controller.py:1 `from nereus.runtime import engine`" in p
+               for p in problems), problems
+
+
+def test_checker_reports_run_importing_sim(tmp_path):
+    deferred = "def f():\n    from nereus.sim.run import x\n"  # inside a function: still counts
+    root = _package(tmp_path, {**CLEAN, "sim/run.py": "", "run/driver.py": deferred})
+    problems = forbidden_imports(scan(root))
+    assert any("(run/ must not import sim/)" in p and "nereus/run/driver.py:2" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("relative", [False, True])
+def test_checker_reports_file_and_package_cycles(tmp_path, relative):
+    back = "from . import model\n" if relative else "from nereus.cost import model\n"
+    root = _package(tmp_path, {**CLEAN, "spec/layout.py": "def f():\n    " + back.replace(
+        "from . ", "from ..cost ")})
+    files, packages = file_cycles(scan(root)), package_cycles(scan(root))
+    assert len(files) == 1 and "nereus/cost/model.py -> nereus/spec/layout.py -> nereus/cost/model.py" in files[0]
+    assert "nereus/spec/layout.py:2 `from " in files[0]
+    assert len(packages) == 1 and "cost -> spec -> cost" in packages[0]
+
+
+def test_checker_reports_a_cycle_inside_one_package(tmp_path):
+    root = _package(tmp_path, {**CLEAN, "spec/a.py": "from nereus.spec import b\n",
+                               "spec/b.py": "import nereus.spec.c\n", "spec/c.py": "from nereus.spec.a import x\n"})
+    files = file_cycles(scan(root))
+    assert len(files) == 1, files
+    assert "nereus/spec/a.py -> nereus/spec/b.py -> nereus/spec/c.py -> nereus/spec/a.py" in files[0]
+    assert "nereus/spec/c.py:1 `from nereus.spec.a import x`" in files[0]
+    assert package_cycles(scan(root)) == []

@@ -1,0 +1,179 @@
+"""The verl user's path end to end: a tiny Qwen2 saved by transformers, a BPE tokenizer trained with
+``tokenizers`` and saved with a chat template, verl-format GSM8K-style Parquet rows
+(``examples/make_tiny_hf.py``); ``examples/grpo_gsm8k_hf.yaml`` pointed at them runs GRPO and PPO steps
+under TP2 and DP2 layouts on the shared 4-worker runtime and writes HF checkpoints that transformers
+loads, with logits equal to Nereus's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+pytest.importorskip("pyarrow")
+
+from nereus.run.job import RLJob  # noqa: E402
+from nereus.runtime.model.decoder import CausalLM  # noqa: E402
+from nereus.spec.errors import SpecError  # noqa: E402
+from nereus.spec.job import load_job  # noqa: E402
+from tests.conftest import EXAMPLES  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+TOL = 1e-4  # as tests/runtime/model/test_hf.py: fp32 on CPU, another kernel order
+
+
+def varied_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """A user reward function (verl's signature) that differs between responses, so that a random
+    model's GRPO groups have non-zero advantages and the actor's weights move."""
+    assert data_source == "openai/gsm8k" and "question" in extra_info
+    return (len(solution_str) % 4) / 3.0
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", EXAMPLES / "make_tiny_hf.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    root = maker.make(tmp_path_factory.mktemp("tiny_hf"), rows=24, val=4)
+    torch.manual_seed(1)  # a reward model: a sequence-classification checkpoint with one label
+    cfg = transformers.AutoConfig.from_pretrained(root / "model", num_labels=1)
+    transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(root / "rm")
+    return root
+
+
+def _job_file(tiny_hf, tmp_path, algorithm: str) -> str:
+    spec = yaml.safe_load((EXAMPLES / "grpo_gsm8k_hf.yaml").read_text())
+    model = str(tiny_hf / "model")
+    spec["models"] = {"actor": {"path": model}, "reference": {"path": model}}
+    run = spec["run"]
+    run.update(steps=2, eval_every=2, data={"train": str(tiny_hf / "train.parquet"),
+                                            "val": str(tiny_hf / "val.parquet")},
+               checkpoint={"dir": str(tmp_path), "every": 2}, actor_lr=0.01)
+    spec["workload"].update(prompts_per_step=2, response_length={"mean": 4, "max": 6})
+    if algorithm == "grpo":
+        run["reward_function"] = "tests.run.test_hf_job:varied_score"
+        run["layouts"]["actor/training"]["layout"] = "tp=2,dp=2,micro_batch_size=1"
+        run["layouts"]["actor/inference"]["layout"] = "dp=2,micro_batch_size=2"
+        run["layouts"]["reference/inference"]["layout"] = "tp=2,micro_batch_size=4"
+    else:  # PPO: the critic from the actor's directory with a new value head, a reward model of its own
+        spec["models"] |= {"critic": {"path": model}, "reward": {"path": str(tiny_hf / "rm")}}
+        spec["algorithm"] = {"name": "ppo", "samples_per_prompt": 2, "mini_batches": 1}
+        run.update(use_kl_loss=False, kl_coef=0.01, reward_model_coef=1.0)
+        run["layouts"] = {
+            "actor/generation": {"layout": "dp=2", "ranks": [0, 1]},
+            "actor/inference": {"layout": "tp=2,micro_batch_size=2", "ranks": [2, 3]},
+            "reference/inference": {"layout": "dp=2,micro_batch_size=1", "ranks": [1, 0]},
+            "critic/inference": {"layout": "dp=2,micro_batch_size=2", "ranks": [2, 3]},
+            "reward/inference": {"layout": "tp=2,micro_batch_size=4", "ranks": [0, 3]},
+            "actor/training": {"layout": "tp=2,dp=2,micro_batch_size=1", "ranks": [0, 1, 2, 3]},
+            "critic/training": {"layout": "dp=2,micro_batch_size=1", "ranks": [3, 2]}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+def _tokens(tok, n: int = 3) -> torch.Tensor:
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 3+4? #### 7"}], add_generation_prompt=True,
+                                  tokenize=False)
+    row = tok(ids, add_special_tokens=False)["input_ids"]
+    return torch.tensor([row] * n)
+
+
+def _ours(folder, weights: dict) -> CausalLM:
+    from nereus.runtime.model.hf import read_config
+
+    model = CausalLM(read_config(folder))
+    model.load_state_dict(weights, strict=True)
+    return model.eval()
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_hf_model_and_verl_dataset(ray_runtime, tiny_hf, tmp_path, algorithm):
+    rl = RLJob(load_job(_job_file(tiny_hf, tmp_path, algorithm)), runtime=ray_runtime, out_dir=tmp_path, quiet=True)
+    try:
+        assert type(rl.tok).__name__ == "HFTokenizer" and rl.train[0].data_source == "openai/gsm8k"
+        summary = rl.execute()
+        trained = {m: rl.rt.read_weights(next(p.key for p in rl.placed if p.model == m and p.stage == "training"))
+                   for m in ("actor", "critic") if m in rl.job.algorithm.models}
+    finally:
+        rl.release()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and summary["final_accuracy"] is not None
+    assert any(r["critic/score/mean"] != 0 for r in rows)  # the user's function / the reward model scored
+
+    step = tmp_path / "step_2" / "actor"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(step).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(step)  # the tokenizer files travel with the checkpoint
+    start = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf / "model")
+    moved = max((a - b).abs().max().item() for a, b in zip(hf.parameters(), start.parameters(), strict=True))
+    assert moved > 0  # the run trained the actor
+    x = _tokens(tok)
+    with torch.no_grad():
+        err = (hf(x).logits - _ours(step, trained["actor"])(x)).abs().max().item()
+    assert err <= TOL, err
+    if algorithm == "ppo":  # the critic: a Qwen2ForSequenceClassification whose score is our value head's
+        critic = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "step_2" / "critic")
+        with torch.no_grad():
+            want = critic.eval()(x).logits[:, 0]
+            got = _ours(tmp_path / "step_2" / "critic", trained["critic"])(x)[:, -1]
+        assert (want - got).abs().max().item() <= TOL
+        # resume: the reference and reward model reload from their HF directories, the critic's new
+        # value head from init/critic, the trained models from step_2
+        longer = replace(rl.job, run=replace(rl.job.run, steps=3))
+        again = RLJob(longer, runtime=ray_runtime, out_dir=tmp_path, quiet=True)
+        try:
+            again.execute(resume=True)
+        finally:
+            again.release()
+        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert (tmp_path / "init" / "critic" / "model.safetensors").exists()
+        assert not (tmp_path / "init" / "reference").exists()  # read from its directory, not copied
+
+
+def test_pretrained_job_refusals(tiny_hf, tmp_path):
+    spec = yaml.safe_load(open(_job_file(tiny_hf, tmp_path, "ppo")).read())
+    spec["models"]["reward"] = {"path": str(tiny_hf / "model")}  # a causal LM is not a reward model
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(SpecError, match=r"models\.reward\.path: .* is not a reward model"):
+        RLJob(load_job(tmp_path / "bad.yaml"), out_dir=tmp_path, quiet=True)
+    spec["models"]["reward"] = {"layers": 2, "hidden": 32, "ffn_hidden": 64, "heads": 4, "vocab": 320}
+    (tmp_path / "mixed.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(SpecError, match=r"models\.reward: give path:"):
+        load_job(tmp_path / "mixed.yaml")
+    spec = yaml.safe_load(open(_job_file(tiny_hf, tmp_path, "grpo")).read())
+    spec["run"]["reward_function"] = "tests.run.test_hf_job:no_such_function"
+    (tmp_path / "fn.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(SpecError, match=r"run\.reward_function: 'tests\.rl\.test_hf_job' has no function"):
+        RLJob(load_job(tmp_path / "fn.yaml"), out_dir=tmp_path, quiet=True)
+
+
+def test_critic_and_reward_sources(tiny_hf, tmp_path):
+    """A critic from a causal LM gets the decoder and a zero score head in init/critic; a critic or reward
+    model from a sequence-classification checkpoint loads from its own directory, uncopied."""
+    from safetensors.torch import load_file
+
+    from nereus.run.warmstart import initial_sources, pretrained_checkpoints
+    from nereus.runtime.model.hf import read_config
+
+    model, rm = str(tiny_hf / "model"), str(tiny_hf / "rm")
+    cfg = read_config(model).with_value_head()
+    pretrained_checkpoints(tmp_path / "a", {"critic": cfg}, {"critic": model})
+    written = load_file(str(tmp_path / "a" / "critic" / "model.safetensors"))
+    source = load_file(str(tiny_hf / "model" / "model.safetensors"))
+    assert torch.equal(written["score.weight"], torch.zeros_like(written["score.weight"]))
+    assert torch.equal(written["model.layers.1.mlp.up_proj.weight"], source["model.layers.1.mlp.up_proj.weight"])
+    assert "lm_head.weight" not in written
+    got = initial_sources(tmp_path / "a", ("actor", "critic"), {"actor": model, "critic": model})
+    assert got == {"actor": tiny_hf / "model", "critic": tmp_path / "a" / "critic"}
+    pretrained_checkpoints(tmp_path / "b", {"critic": cfg}, {"critic": rm})
+    assert not (tmp_path / "b" / "critic").exists()
+    assert read_config(rm).value_head and not read_config(model).value_head

@@ -1,0 +1,78 @@
+"""Generation under every layout with TP·PP·DP ≤ 4: greedy tokens with a KV cache, left-padded prompts of
+different lengths and EOS stopping equal single-process greedy decoding without a cache; so do those of
+the continuous-batching engine (``SamplingParams.slots``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nereus.runtime.cluster.groups import ParallelGroups
+from nereus.runtime.cluster.launch import run_world
+from nereus.runtime.generation.fixed_batch import SamplingParams, generate, reference_generate, sample
+from nereus.runtime.model.decoder import build_model
+from nereus.runtime.model.hf import slice_boxes
+from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
+from tests.runtime.common import GQA, MQA, all_layouts
+
+NEW = 6
+
+
+def _prompts(cfg) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, cfg.arch.vocab, (3 + (i * 5) % 7,), generator=g).tolist() for i in range(12)]
+
+
+@lru_cache(maxsize=4)
+def _expected(cfg) -> tuple[dict, SamplingParams, list[list[int]]]:
+    model = build_model(cfg, seed=1).eval()
+    prompts = _prompts(cfg)
+    free = reference_generate(model, prompts[0], SamplingParams(max_new_tokens=NEW))
+    params = SamplingParams(max_new_tokens=NEW, eos_token_id=free[2])  # prompt 0 stops at its 3rd token
+    want = [reference_generate(model, p, params) for p in prompts]
+    return model.state_dict(), params, want
+
+
+def _check(cfg, layout) -> None:
+    groups = ParallelGroups(layout, tied_embeddings=tied_head(cfg))
+    if groups.member:
+        state, params, want = _expected(cfg)
+        sm = ShardedModel(cfg, groups, slice_boxes(state, shard_boxes(cfg, groups)))
+        rows = sm.replica_rows(len(want))
+        prompts = _prompts(cfg)
+        got = generate(sm, prompts, params)
+        assert got == want[rows], (layout.short(), got, want[rows])
+        assert len(got[0]) < NEW or rows.start > 0  # EOS cut prompt 0 short
+        nucleus = generate(sm, prompts, replace(params, temperature=1.0, top_p=1e-6, seed=3))
+        assert nucleus == want[rows], layout.short()  # top-p this small keeps only the top token
+        engine = generate(sm, prompts, replace(params, slots=5))  # the continuous-batching engine
+        assert engine == want[rows], (layout.short(), engine)
+        assert sm.last_report.kv_cache > 0
+    dist.barrier()
+    groups.destroy()
+
+
+def _body(rank: int, world: int) -> None:
+    for layout in all_layouts(world):
+        _check(MQA, layout)
+    for layout in (lay for lay in all_layouts(world) if lay.tp in (2, 4) and lay.pp > 1 or lay.tp == 4):
+        _check(GQA, layout)
+
+
+@pytest.mark.distributed
+def test_greedy_generation_matches_reference_under_every_layout():
+    run_world(_body, 4, timeout_s=30)
+
+
+def test_top_p_keeps_the_nucleus_only():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, top_p=0.7)
+    drawn = {int(sample(logits, params, gen)) for _ in range(300)}
+    assert drawn == {0, 1}
+    assert {int(sample(logits, replace(params, top_p=1.0), gen)) for _ in range(300)} == {0, 1, 2}
+    assert int(sample(logits, SamplingParams(), None)) == 0
