@@ -1,15 +1,19 @@
-"""Import rules of the package, checked on the source with ``ast`` (nothing is imported or run).
+"""The package's source rules, checked with ``ast`` (nothing is imported or run): import layering and
+cycles here, computed-name dispatch in ``dispatch``, module-level mutable state in ``module_state``.
 
-Every ``import`` statement counts, including those inside functions and under ``if TYPE_CHECKING``:
-an import deferred into a function still couples the two files, and hiding a cycle that way only moves
-the failure from import time to call time. The rules (see ``docs`` and the design's dependency rules):
+Every ``import`` statement counts, including those inside functions: an import deferred into a function
+still couples the two files, and hiding a cycle that way only moves the failure from import time to call
+time. An import under ``if TYPE_CHECKING`` counts for the layering rules (a torch-free layer names no
+torch type either) but not for file cycles: it never runs, and a type-only reference from a helper back
+to its owner (``run.asyncmode`` typing the ``Stepper`` that drives it) is how the two are annotated. The
+rules (see ``docs`` and the design's dependency rules):
 
 * the torch-free layers (spec, cost, planner, elastic, control, sim) never reach torch or ray, directly
   or through other nereus modules (importing ``nereus.a.b`` also runs ``nereus/a/__init__.py``);
 * control reaches none of runtime, run, sim, rl; run and runtime never reach sim;
 * the package graph (first component under ``nereus``) and the file graph have no cycle.
 
-``python -m nereus.devtools.imports`` prints the violations and exits 1 when there are any.
+``python -m nereus.devtools.imports`` prints every violation of every rule and exits 1 when there are any.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Import:
     line: int
     text: str  # the statement as written, for messages
     path: str  # the importing file, relative to the package's parent
+    typing_only: bool = False  # under ``if TYPE_CHECKING``: never runs
 
     def where(self) -> str:
         return f"{self.path}:{self.line} `{self.text}`"
@@ -108,6 +113,27 @@ def _targets(node: ast.AST, module: str, is_package: bool, modules: dict[str, st
     return list(dict.fromkeys(out))
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    """``TYPE_CHECKING`` or ``typing.TYPE_CHECKING``."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(tree: ast.AST) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement with whether it sits under ``if TYPE_CHECKING`` (its body, not its else)."""
+    out: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
+    todo: list[tuple[ast.AST, bool]] = [(tree, False)]
+    while todo:
+        node, typing_only = todo.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            out.append((node, typing_only))
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo += [(n, True) for n in node.body] + [(n, typing_only) for n in node.orelse]
+            continue
+        todo += [(child, typing_only) for child in ast.iter_child_nodes(node)]
+    return out
+
+
 def scan(package_dir: str | Path) -> Tree:
     """Parse every ``.py`` file under ``package_dir`` (a package directory such as ``.../nereus``)."""
     package_dir = Path(package_dir).resolve()
@@ -121,13 +147,12 @@ def scan(package_dir: str | Path) -> Tree:
         source = path.read_text()
         lines = source.splitlines()
         found = []
-        for node in ast.walk(ast.parse(source, str(path))):
-            if not isinstance(node, ast.Import | ast.ImportFrom):
-                continue
+        for node, typing_only in _import_nodes(ast.parse(source, str(path))):
             text = " ".join(line.strip() for line in lines[node.lineno - 1:node.end_lineno])
             for target in _targets(node, module, path.name == "__init__.py", modules, root):
                 if target != module:
-                    found.append(Import(module, target, node.lineno, text, str(path.relative_to(base))))
+                    found.append(Import(module, target, node.lineno, text, str(path.relative_to(base)),
+                                        typing_only))
         imports[module] = sorted(found, key=lambda i: i.line)
     return Tree(root, modules, imports)
 
@@ -250,12 +275,13 @@ def package_cycles(tree: Tree) -> list[str]:
 
 
 def file_cycles(tree: Tree) -> list[str]:
-    """Rule (d): cycles between files through explicit imports (a package's implicit ``__init__`` run is
-    left out: Python has the package object in place before its submodules run)."""
+    """Rule (d): cycles between files through explicit imports that run (a package's implicit ``__init__``
+    run is left out: Python has the package object in place before its submodules run; so are imports
+    under ``if TYPE_CHECKING``, which never run)."""
     edges: dict[str, dict[str, Import]] = {}
     for module, imps in tree.imports.items():
         for imp in imps:
-            if tree.internal(imp):
+            if tree.internal(imp) and not imp.typing_only:
                 edges.setdefault(module, {}).setdefault(imp.target, imp)
     by_path = {tree.modules[a]: {tree.modules[b]: imp for b, imp in tgt.items()} for a, tgt in edges.items()}
     return ["file cycle " + _describe([tree.modules[m] for m in cycle], [tree.modules[m] for m in members], by_path)
@@ -263,9 +289,14 @@ def file_cycles(tree: Tree) -> list[str]:
 
 
 def check(package_dir: str | Path) -> list[str]:
-    """Every violation of every rule, as messages naming files and import lines."""
+    """Every violation of every rule (layering, cycles, computed-name dispatch, module state), as
+    messages naming files and lines."""
+    from nereus.devtools.dispatch import dispatch
+    from nereus.devtools.module_state import module_state
+
     tree = scan(package_dir)
-    return forbidden_imports(tree) + package_cycles(tree) + file_cycles(tree)
+    return (forbidden_imports(tree) + package_cycles(tree) + file_cycles(tree) + dispatch(package_dir)
+            + module_state(package_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,9 +38,9 @@ def plan_from_layout(hw: Hardware, job: JobSpec, text: str) -> Plan:
     dp = int(given.get("dp", n // (tp * pp)))
     if tp * pp * dp > n or dp < 1:
         raise SpecError("--layout", f"tp·pp·dp = {tp * pp * dp} does not fit the {n} GPUs of the cluster")
+    options = {k: v for k, v in given.items() if k not in ("tp", "pp", "dp")}  # the other fields written
     matches = [lay for lay in enumerate_layouts(job, ms, tp * pp * dp)
-               if (lay.tp, lay.pp, lay.dp) == (tp, pp, dp)
-               and all(getattr(lay, k) == v for k, v in given.items() if k not in ("tp", "pp", "dp"))]
+               if (lay.tp, lay.pp, lay.dp) == (tp, pp, dp) and options.items() <= lay.to_dict().items()]
     if not matches:  # everything given explicitly, or outside what the search enumerates
         matches = [Layout.from_dict({**given, "dp": dp}, "--layout")]
     best, best_key = None, None

@@ -29,9 +29,10 @@ import importlib
 import importlib.util
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from pathlib import Path
+from types import MappingProxyType
 
 from nereus.rl.longtail import TASK_SOURCE as REPEAT_SOURCE
 from nereus.rl.task import TASK_SOURCE, digit_match, exact_match
@@ -129,19 +130,15 @@ def _digits(response: str, ground_truth: str, finished: bool, extra_info: dict) 
     return digit_match(response, ground_truth, finished)
 
 
-# data_source -> scorer; ``register_source`` adds to it. Sources not listed fall back by substring.
-SOURCES: dict[str, Scorer] = {
+# data_source -> scorer. Sources not listed fall back by substring; any other rule comes in as the user's
+# function (``run.reward_function``, verl's custom_reward_function).
+SOURCES: Mapping[str, Scorer] = MappingProxyType({
     TASK_SOURCE: _exact, REPEAT_SOURCE: _exact, "openai/gsm8k": gsm8k_score, "gsm8k": gsm8k_score,
     "lighteval/MATH": boxed_score, "DigitalLearningGmbH/MATH-lighteval": boxed_score,
     "HuggingFaceH4/MATH-500": boxed_score,
-}
+})
 _FALLBACKS: tuple[tuple[str, Scorer], ...] = (("gsm8k", gsm8k_score), ("math", boxed_score))
-NAMED = {"exact_match": _exact, "digit_match": _digits}
-
-
-def register_source(data_source: str, scorer: Scorer) -> None:
-    """Route rows of ``data_source`` to ``scorer`` (a Python user's way to add a rule)."""
-    SOURCES[data_source] = scorer
+NAMED: Mapping[str, Scorer] = MappingProxyType({"exact_match": _exact, "digit_match": _digits})
 
 
 def scorer_for_source(data_source: str) -> Scorer | None:

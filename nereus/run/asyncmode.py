@@ -40,12 +40,17 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from nereus.rl.offpolicy import correction_metrics, raw_weights, rollout_is_weights
 from nereus.run.overlap import Call
 from nereus.run.rollout import Rollout, pack, repeat_prompts
+from nereus.runtime.cluster.calls import GenerateWithLogprobs
+
+if TYPE_CHECKING:
+    from nereus.run.driver import Stepper
 
 AUTO_WARMUP = 4  # synchronous steps before `auto` decides; the first one (warm caches, first calls) is not used
 AUTO_MARGIN = 0.05  # the predicted async step must be at least 5% shorter than the measured sequential one
@@ -85,7 +90,7 @@ class AsyncRollouts:
     """The asynchronous mode of a ``Stepper`` (``st``); ``events`` records, in order, when each step's
     generation was issued and answered and when each step's training answered."""
 
-    def __init__(self, st: object) -> None:
+    def __init__(self, st: Stepper) -> None:
         self.st, self.spec = st, st.run.async_mode
         self.enabled = self.spec.enabled == "true"
         self.pending: Pending | None = None
@@ -128,8 +133,7 @@ class AsyncRollouts:
         st = self.st
         rows = repeat_prompts(st.prompts(step), st.alg.samples_per_prompt)
         prompts, params, fixed = st.generation_inputs(step, rows)
-        call = st.calls.submit("gen", "generate", st.key["actor", "generation"], "generate_with_logprobs", prompts,
-                               params)
+        call = st.calls.submit("gen", "generate", st.key["actor", "generation"], GenerateWithLogprobs(prompts, params))
         self.pending = Pending(step, call, rows, prompts, version, fixed)
         self.events.append(("generation_issued", step))
 

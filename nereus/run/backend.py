@@ -135,9 +135,9 @@ class RuntimeBackend:
             self.rt.resize(keep)
         self._use(new, placed)
         world_job = self.job.with_gpus(len(self.rt.workers))
-        predicted = schedule_graph(out["graph"], Hardware(world_job.cluster)).makespan_s
-        moved = sum(w["bytes_received"] for w in out["workers"])
-        return TransitionMetrics(time.perf_counter() - t0, predicted, moved, {"executor_s": out["wall_s"]})
+        predicted = schedule_graph(out.graph, Hardware(world_job.cluster)).makespan_s
+        moved = sum(w.bytes_received for w in out.workers)
+        return TransitionMetrics(time.perf_counter() - t0, predicted, moved, {"executor_s": out.wall_s})
 
     # ----- losses --------------------------------------------------------------------------------------
     def recover(self, lost: WorkersLost, plan_for: SurvivorPlanner) -> RecoveryMetrics:
@@ -161,6 +161,6 @@ class RuntimeBackend:
         self._use(chosen["plan"], chosen["placed"])
         if self.adaptive and self.plan.num_gpus < len(self.rt.workers):
             self.rt.resize(self.plan.num_gpus)  # survivors beyond what the schedule grants leave
-        self.carry.update({"nereus/recovery_s": out["wall_s"], "nereus/lost_work_s": lost.elapsed_s,
-                           "nereus/lost_workers": float(len(out["lost"]))})
-        return RecoveryMetrics(out["resume_step"], self.plan, out["wall_s"], out)
+        self.carry.update({"nereus/recovery_s": out.wall_s, "nereus/lost_work_s": lost.elapsed_s,
+                           "nereus/lost_workers": float(len(out.lost))})
+        return RecoveryMetrics(out.resume_step, self.plan, out.wall_s, out.to_dict())

@@ -24,19 +24,24 @@ from nereus.rl.tokenizer import Tokenizer
 from nereus.run.asyncmode import AsyncRollouts
 from nereus.run.midstep import MidStep
 from nereus.run.midstep_run import generate_midstep
-from nereus.run.overlap import Calls, EarlyInference, cat_parts
+from nereus.run.overlap import Call, Calls, EarlyInference, InferenceStage, cat_parts
 from nereus.run.report import step_metrics
 from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack, repeat_prompts
 from nereus.run.setup import Placed
+from nereus.runtime.cluster.calls import GenerateWithLogprobs, Logprobs, LogprobsAndEntropy, TrainStep, Values
+from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.generation.fixed_batch import SamplingParams
-from nereus.runtime.model.sharded import TrainStats
+from nereus.runtime.model.sharded import Batch, LossFn, TrainStats
 from nereus.spec.job import JobSpec
+
+# model -> (batch, loss function, learning rate) of its update (``Stepper.training_jobs``)
+TrainingJobs = dict[str, tuple[Batch, LossFn, float]]
 
 
 class Stepper:
     """Runs steps of ``job`` on runtime ``rt`` whose models are loaded under ``placed``."""
 
-    def __init__(self, job: JobSpec, rt: object, placed: list[Placed], tok: Tokenizer,
+    def __init__(self, job: JobSpec, rt: Runtime, placed: list[Placed], tok: Tokenizer,
                  train: list[Prompt], reward: RewardRouter | None = None) -> None:
         self.job, self.rt, self.tok, self.train = job, rt, tok, train
         self.reward = reward or RewardRouter(job.run.rule_reward, job.run.reward_function)
@@ -91,7 +96,7 @@ class Stepper:
         eos, key = self.tok.eos_token_id, self.key["actor", "generation"]
         early = None  # with run.overlap + pad_to_max inference starts on each replica's rows as it ends
         if self.run.overlap and fixed is not None:
-            early = ([(t, self.key[m, "inference"], op) for t, m, op in self.inference_calls()],
+            early = (self.inference_stages(),
                      lambda a, b, out: pack(prompts[a:b], [r for r, _ in out], None, eos, fixed).tokens)
         if self.midstep is not None and self.midstep.applies(self.rt, key, step):
             with self.timer("gen"):  # early inference on the final call (run.midstep_run)
@@ -100,7 +105,7 @@ class Stepper:
         if self.midstep is not None and self.midstep.fixed_batch(step):
             params = replace(params, slots=0)
         with self.timer("gen"):
-            call = self.calls.submit("gen", "generate", key, "generate_with_logprobs", prompts, params)
+            call = self.calls.submit("gen", "generate", key, GenerateWithLogprobs(prompts, params))
             self.early = None
             if early is not None:
                 self.early = EarlyInference(self.calls, call, key, early[0], len(rows))
@@ -110,22 +115,22 @@ class Stepper:
             out = [row for part in parts for row in part]
         return pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows
 
-    def inference_calls(self) -> list[tuple[str, str, str]]:
-        """(timer, model, worker operation) of each inference stage, in the order they are issued. One
-        pass of the actor gives the old log-probs and the rollout policy's full-vocabulary entropy."""
-        out = [("old_log_prob", "actor", "logprobs_and_entropy")]
-        out += [("ref", "reference", "logprobs")] if self.has("reference") else []
-        out += [("values", "critic", "values")] if self.has("critic") else []
-        return out + ([("reward", "reward", "values")] if self.has("reward") else [])
+    def inference_stages(self) -> list[InferenceStage]:
+        """Each inference stage (timer, inference key, request), in the order they are issued. One pass
+        of the actor gives the old log-probs and the rollout policy's full-vocabulary entropy."""
+        out = [InferenceStage("old_log_prob", self.key["actor", "inference"], LogprobsAndEntropy)]
+        out += [InferenceStage("ref", self.key["reference", "inference"], Logprobs)] if self.has("reference") else []
+        out += [InferenceStage("values", self.key["critic", "inference"], Values)] if self.has("critic") else []
+        return out + ([InferenceStage("reward", self.key["reward", "inference"], Values)]
+                      if self.has("reward") else [])
 
     def infer(self, roll: Rollout, rows: list[Prompt]) -> dict[str, torch.Tensor]:
         got: dict[str, torch.Tensor | tuple] = {}
         if self.run.overlap:  # every stage issued at once; the rule reward is computed while they run
             calls = {}
-            for t, m, op in self.inference_calls():
-                key = self.key[m, "inference"]
-                calls[t] = [c for _, c in self.early.rest(t, key, op, roll.tokens)] if self.early else [
-                    self.calls.submit(t, "infer", key, op, roll.tokens)]
+            for s in self.inference_stages():
+                calls[s.timer] = [c for _, c in self.early.rest(s, roll.tokens)] if self.early else [
+                    self.calls.submit(s.timer, "infer", s.key, s.call(roll.tokens))]
             with self.timer("reward"):
                 rule = self.rule_scores(roll, rows)
             answers = iter(self.calls.wait([c for cs in calls.values() for c in cs]))
@@ -133,17 +138,17 @@ class Stepper:
             for t, cs in calls.items():
                 self.timing[f"timing_s/{t}"] = self.timing.get(f"timing_s/{t}", 0.0) + sum(map(self.calls.seconds, cs))
         else:
-            for t, m, op in self.inference_calls():
-                if t == "reward":
-                    continue  # timed with the rule reward below, as always
-                with self.timer(t):
-                    got[t] = cat_parts(self.calls.wait([self.calls.submit(t, "infer", self.key[m, "inference"], op,
-                                                                          roll.tokens)])[0])
+            def run(s: InferenceStage) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                return cat_parts(self.calls.wait([self.calls.submit(s.timer, "infer", s.key, s.call(roll.tokens))])[0])
+
+            stages = self.inference_stages()
+            for s in stages:
+                if s.timer != "reward":  # the reward model is timed with the rule reward below, as always
+                    with self.timer(s.timer):
+                        got[s.timer] = run(s)
             with self.timer("reward"):
                 rule = self.rule_scores(roll, rows)
-                if self.has("reward"):
-                    got["reward"] = cat_parts(self.calls.wait([self.calls.submit(
-                        "reward", "infer", self.key["reward", "inference"], "values", roll.tokens)])[0])
+                got.update({s.timer: run(s) for s in stages if s.timer == "reward"})
         logp, entropy = got["old_log_prob"]
         out = {"old_logp": roll.response_frame(logp), "entropy": roll.response_frame(entropy)}
         if "ref" in got:
@@ -191,13 +196,11 @@ class Stepper:
                 kl_coef=r.kl_coef, gamma=r.gamma, lam=r.lam, norm_adv_by_std=r.norm_adv_by_std_in_grpo)
             return advantage_estimator(self.alg.adv_estimator)(x)
 
-    def update(self, model: str, batch: dict[str, torch.Tensor], loss_fn: object, lr: float,
-               step: int) -> list[dict[str, float]]:
+    def update(self, model: str, batch: Batch, loss_fn: LossFn, lr: float, step: int) -> list[dict[str, float]]:
         """``epochs`` × ``mini_batches`` optimizer steps on ``model``'s training layout."""
         return self.update_stats(model, self.submit_update(model, batch, loss_fn, lr, step))
 
-    def submit_update(self, model: str, batch: dict[str, torch.Tensor], loss_fn: object, lr: float,
-                      step: int) -> list:
+    def submit_update(self, model: str, batch: Batch, loss_fn: LossFn, lr: float, step: int) -> list[Call]:
         """Issue ``model``'s optimizer steps; sequentially each is answered before the next is issued,
         with ``run.overlap`` all are issued at once (the worker runs them in order either way)."""
         key = self.key[model, "training"]
@@ -207,13 +210,13 @@ class Stepper:
                  for mb in mini_batches(batch, self.alg.mini_batches, gen, self.run.loss_agg_mode, horizon)]
         calls = []
         for mb in parts:
-            calls.append(self.calls.submit(f"update_{model}", "train", key, "train_step", mb, loss_fn, lr,
-                                           self.run.grad_clip or None))
+            calls.append(self.calls.submit(f"update_{model}", "train", key,
+                                           TrainStep(mb, loss_fn, lr, self.run.grad_clip or None)))
             if not self.run.overlap:
                 self.calls.wait(calls[-1:])
         return calls
 
-    def update_stats(self, model: str, calls: list) -> list[dict[str, float]]:
+    def update_stats(self, model: str, calls: list[Call]) -> list[dict[str, float]]:
         """The statistics of ``model``'s optimizer steps ``calls``, as ``update`` returns them."""
         steps = [TrainStats(tuple(parts)) for parts in self.calls.wait(calls)]
         replicas = range(len(steps[0].replicas))  # replica-major, as the statistics have always been summed
@@ -232,7 +235,7 @@ class Stepper:
                     self.rt.sync_weights(model, self.job)
 
     # ----- one step -----------------------------------------------------------------------------------
-    def training_jobs(self, roll: Rollout, inf: dict, adv: dict) -> dict[str, tuple[dict, object, float]]:
+    def training_jobs(self, roll: Rollout, inf: dict, adv: dict) -> TrainingJobs:
         """model -> (batch, loss function, learning rate) of its update, critic first."""
         r, mask = self.run, roll.mask
         out = {}
@@ -253,7 +256,7 @@ class Stepper:
         out["actor"] = (batch, loss, r.actor_lr)
         return out
 
-    def train_models(self, step: int, jobs: dict[str, tuple[dict, object, float]]) -> dict[str, list[dict[str, float]]]:
+    def train_models(self, step: int, jobs: TrainingJobs) -> dict[str, list[dict[str, float]]]:
         """Both models' updates: one after the other, or (``run.overlap``) all their optimizer steps issued
         together, so a critic and an actor trained on disjoint workers train at the same time."""
         if not self.run.overlap:

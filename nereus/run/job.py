@@ -70,7 +70,7 @@ class RLJob(Observer):
     """One RL job on the runtime: set-up, then the control loop (``control.loop``) over its backend
     (``run.backend.RuntimeBackend``); as the loop's observer it logs, evaluates and checkpoints each step."""
 
-    def __init__(self, job: JobSpec, runtime: object | None = None, out_dir: str | Path | None = None,
+    def __init__(self, job: JobSpec, runtime: Runtime | None = None, out_dir: str | Path | None = None,
                  quiet: bool = False, workers: int | None = None, address: str | None = None) -> None:
         if job.run is None:
             raise SpecError("run", "`nereus run` needs a `run:` section (see docs/rl.md)")
@@ -279,8 +279,7 @@ class RLJob(Observer):
         self.say(f"  recovered in {out['wall_s']:.2f} s on {out['workers']} workers (live state: {live}; "
                  f"from the snapshot: {snap}); redoing from step {out['resume_step'] + 1}\n"
                  f"    plan: {plan_text(rec.plan)}")
-        self.recoveries.append({"step": lost.step, "lost_work_s": lost.elapsed_s,
-                                **{k: v for k, v in out.items() if k != "seconds"}, **out["seconds"]})
+        self.recoveries.append({"step": lost.step, "lost_work_s": lost.elapsed_s, **out})
 
     def _fresh(self) -> None:
         # one thread: the workers share the same cores, and oversubscribed BLAS threads slow tiny models ~10x

@@ -61,11 +61,18 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from nereus.elastic.kvplan import GenPlacement, KVShape, SeqMove
 from nereus.run.overlap import Call, Calls
 from nereus.spec.run import MidstepSpec
+
+if TYPE_CHECKING:
+    from nereus.control.record import RunRecord
+    from nereus.runtime.cluster.workers import Runtime
+    from nereus.runtime.transitions.live import KeySpec
 
 METRICS = ("midstep/decisions", "midstep/moves", "midstep/moved_sequences", "midstep/move_s",
            "midstep/predicted_gain_s", "midstep/predicted_cost_s", "midstep/measured_gain_s", "midstep/chunks",
@@ -197,7 +204,7 @@ class MidStep:
         self.metrics: dict[str, float] = {}
         self.round_trip_s: float | None = None  # this step's driver overhead per chunk (``GenerationRun``)
 
-    def applies(self, rt: object, key: str, step: int) -> bool:
+    def applies(self, rt: Runtime, key: str, step: int) -> bool:
         """Whether ``step`` generates with mid-step moves: every ``every``-th step, on DP ≥ 2 (an adaptive
         run may hold one replica for a while: then the step generates in one call)."""
         return step % self.spec.every == 0 and rt.specs[key].layout.dp >= 2
@@ -207,7 +214,8 @@ class MidStep:
         return step % self.spec.every != 0
 
     # ----- the cost model -----------------------------------------------------------------------------
-    def final_lengths(self, reps: list[Replica], limit: int, rounding: object = math.ceil) -> dict[int, int]:
+    def final_lengths(self, reps: list[Replica], limit: int,
+                      rounding: Callable[[float], int] = math.ceil) -> dict[int, int]:
         """Expected final length of every unfinished sequence, by id: for one that has generated g tokens,
         the mean of the run's lengths above g (halfway from g to the limit before any is seen), at least
         g + 1 and at most the limit, rounded up (``rounding``). One sort of the lengths, then a binary search
@@ -318,30 +326,33 @@ class MidStep:
         return out
 
 
-def kv_shape(spec: object) -> KVShape:
+def kv_shape(spec: KeySpec) -> KVShape:
     """The KV-cache geometry of a runtime key (``KeySpec``)."""
-    import torch
+    from nereus.runtime.model.dtypes import torch_dtype
 
     a = spec.cfg.arch
-    return KVShape(a.layers, a.kv_heads, a.head_dim, torch.empty(0, dtype=getattr(torch, spec.dtype)).element_size())
+    return KVShape(a.layers, a.kv_heads, a.head_dim, torch_dtype(spec.dtype).itemsize)
 
 
-def placement(spec: object) -> GenPlacement:
+def placement(spec: KeySpec) -> GenPlacement:
     return GenPlacement(spec.layout, tuple(spec.ranks))
 
 
-def migrate_on_world(calls: Calls, rt: object, key: str, plan: dict) -> list[dict]:
+def migrate_on_world(calls: Calls, rt: Runtime, key: str, plan: dict) -> list[dict]:
     """``Worker.gen_migrate`` on every worker of the world (the commit vote is world-wide), accounted as
     generation time of each worker; every worker's answer, by rank."""
-    call = Call("gen", "generate", rt.submit_all("gen_migrate", key, plan), time.perf_counter())
+    from nereus.runtime.cluster.calls import GenMigrate
+
+    call = Call("gen", "generate", rt.submit_all(GenMigrate(key, plan)), time.perf_counter())
     calls.calls.append(call)
-    answers = rt.answers([ref for _, ref in call.refs])
+    answers = rt.answers(list(call.refs.values()))
     now = time.perf_counter()
-    call.done.update({rank: now for rank, _ in call.refs})
+    call.done.update({rank: now for rank in call.refs})
     return answers
 
 
-def report_decisions(ctl: MidStep, write: object, record: object, say: object) -> None:
+def report_decisions(ctl: MidStep, write: Callable[[dict], None], record: RunRecord,
+                     say: Callable[[str], None]) -> None:
     """The last step's decisions into the run's decision log (``write``: a ``decisions.jsonl`` writer)
     and record (``RunRecord.decisions``, which ``nereus report`` tables); a line of progress per move."""
     for d in ctl.take_decisions():

@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
 
 from nereus.elastic.kvplan import plan_migration
 from nereus.run.midstep import Decision, MidStep, Replica, kv_shape, migrate_on_world, placement
-from nereus.run.overlap import Calls, EarlyInference
+from nereus.run.overlap import BlockPacker, Calls, EarlyInference, InferenceStage
+from nereus.runtime.cluster.calls import GenClose, GenOpen, GenRun, KeyCall
+from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.generation.sampling import SamplingParams
 
-# ``Stepper.generate``'s early inference: (timer, inference key, operation) per stage, and the packer of a
-# block of rows (start, stop, [(tokens, log-probs)] in row order) to the step's fixed width
-Early = tuple[list[tuple[str, str, str]], Callable[[int, int, list], object]]
+# ``Stepper.generate``'s early inference: the inference stages, and the packer of a block of rows (start,
+# stop, [(tokens, log-probs)] in row order) to the step's fixed width
+Early = tuple[list[InferenceStage], BlockPacker]
 
 
 class GenerationRun:
     """The chunks, decisions and measurements of one step's generation on key ``key``."""
 
-    def __init__(self, ctl: MidStep, calls: Calls, rt: object, key: str, params: SamplingParams, step: int) -> None:
+    def __init__(self, ctl: MidStep, calls: Calls, rt: Runtime, key: str, params: SamplingParams, step: int) -> None:
         self.ctl, self.calls, self.rt, self.key, self.params, self.step = ctl, calls, rt, key, params, step
         self.spec = rt.specs[key]
         dp = self.spec.layout.dp
@@ -36,14 +37,14 @@ class GenerationRun:
         self.seen: set[int] = set()  # sequences whose final length the forecast history holds already
         self.early: EarlyInference | None = None  # the final call's early inference, when it ran
 
-    def _op(self, op: str, *args: object) -> list:
-        return self.calls.wait([self.calls.submit("gen", "generate", self.key, op, *args)])[0]
+    def _op(self, request: KeyCall) -> list:
+        return self.calls.wait([self.calls.submit("gen", "generate", self.key, request)])[0]
 
     def run(self, prompts: list[list[int]], early: Early | None = None) -> list[tuple[list[int], list[float]]]:
         self.ctl.decisions, self.ctl.metrics, self.ctl.round_trip_s = [], {}, None
         slots, limit = self.params.slots, self.params.max_new_tokens
         t_open = time.perf_counter()
-        self._op("gen_open", prompts, self.params)
+        self._op(GenOpen(prompts, self.params))
         start = reps = self.queued(prompts)
         look = self.ctl.next_look(reps, None, slots, limit)
         while look is not None:
@@ -77,7 +78,7 @@ class GenerationRun:
 
     def chunk(self, iterations: int) -> list[Replica]:
         t0 = time.perf_counter()
-        states = self._op("gen_run", iterations)
+        states = self._op(GenRun(iterations))
         wall = time.perf_counter() - t0
         for d, st in enumerate(states):
             self.account(d, st)
@@ -92,7 +93,7 @@ class GenerationRun:
         """The final call: every replica runs to the end and answers its sequences (``gen_close``). Early
         inference takes a finished replica's block only when no move committed in this step, so that the
         replica's answer holds exactly its block of rows, the very rows the plain engine's call answers."""
-        call = self.calls.submit("gen", "generate", self.key, "gen_close")
+        call = self.calls.submit("gen", "generate", self.key, GenClose())
         if early is None or any(d.committed for d in self.ctl.decisions):
             return self.calls.wait([call])[0]
         stages, pack_block = early
@@ -162,7 +163,7 @@ class GenerationRun:
             "midstep/poll_s": wall - max(self.busy)}
 
 
-def generate_midstep(ctl: MidStep, calls: Calls, rt: object, key: str, prompts: list[list[int]],
+def generate_midstep(ctl: MidStep, calls: Calls, rt: Runtime, key: str, prompts: list[list[int]],
                      params: SamplingParams, step: int, early: Early | None = None,
                      ) -> tuple[list[tuple[list[int], list[float]]], EarlyInference | None]:
     """``generate_with_logprobs``'s answer for ``prompts`` on key ``key``, run in chunks with mid-step moves,

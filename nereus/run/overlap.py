@@ -1,6 +1,7 @@
 """The RL step's worker calls as futures, and what each worker did with its time.
 
-``Calls.submit`` issues one model-stage's operation on the workers of its layout and returns at once;
+``Calls.submit`` issues one model-stage's operation (a typed request, ``runtime.cluster.calls``) on the
+workers of its layout and returns at once;
 ``Calls.wait`` collects answers. The sequential step waits on each call before issuing the next (today's
 behaviour); with ``run.overlap`` the driver issues every independent call of a phase together — all
 inference stages, then both models' optimizer steps — so stages on disjoint workers run at the same time
@@ -17,12 +18,16 @@ waiting inside a collective for a slower peer of the same stage. What is left of
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import ray
 import torch
+from ray import ObjectRef
 
+from nereus.runtime.cluster.calls import InferenceCall, KeyCall, ReplicaOutput, by_replica
 from nereus.runtime.cluster.waits import GRACE_S, WaitTimeout
+from nereus.runtime.cluster.workers import Runtime
 
 # what each kind of call is counted as (metric names: timing_s/worker_<i>/<kind>)
 KINDS = ("generate", "infer", "train", "sync")
@@ -34,28 +39,34 @@ class Call:
 
     stage: str  # the driver's timer name (verl's: gen, old_log_prob, ref, values, reward, update_actor...)
     kind: str  # one of KINDS
-    refs: list[tuple[int, object]]  # (worker rank, Ray future), layout rank order
+    refs: dict[int, ObjectRef]  # worker rank -> Ray future, layout rank order
     submitted: float
     done: dict[int, float] = field(default_factory=dict)  # worker rank -> when its answer arrived
 
 
-def by_replica(answers: list) -> list:
-    """The output ranks' results (``(dp replica, result)``; None elsewhere) in data-parallel order."""
-    return [out for _, out in sorted((a for a in answers if a is not None), key=lambda a: a[0])]
+@dataclass(frozen=True)
+class InferenceStage:
+    """One inference stage of the step: its timer (verl's name), the runtime key it runs on, and its
+    request, built from the tokens it scores."""
+
+    timer: str
+    key: str
+    call: InferenceCall
 
 
 class Calls:
     """The futures of one step on runtime ``rt`` (``Runtime.submit``/``Runtime.answers``)."""
 
-    def __init__(self, rt: object) -> None:
+    def __init__(self, rt: Runtime) -> None:
         self.rt = rt
         self.calls: list[Call] = []
 
     def reset(self) -> None:
         self.calls = []
 
-    def submit(self, stage: str, kind: str, key: str, op: str, *args: object) -> Call:
-        call = Call(stage, kind, self.rt.submit(key, op, *args), time.perf_counter())
+    def submit(self, stage: str, kind: str, key: str, request: KeyCall) -> Call:
+        """Issue ``request`` on ``key``'s workers, timed as ``stage`` and counted as ``kind``."""
+        call = Call(stage, kind, self.rt.submit(key, request), time.perf_counter())
         self.calls.append(call)
         return call
 
@@ -63,8 +74,8 @@ class Calls:
         """Each call's answers by replica, noting when each worker answered. A lost worker or a failed
         call raises as the runtime's own wait does (``Runtime.answers``); past the runtime's deadline,
         ``WaitTimeout``."""
-        owner = {ref: (c, rank) for c in calls for rank, ref in c.refs if rank not in c.done}
-        refs = [ref for c in calls for _, ref in c.refs]
+        owner = {ref: (c, rank) for c in calls for rank, ref in c.refs.items() if rank not in c.done}
+        refs = [ref for c in calls for ref in c.refs.values()]
         pending = list(owner)
         limit = self.rt.timeout_s + GRACE_S  # the runtime's own deadline for a call (Runtime._get)
         deadline = time.monotonic() + limit
@@ -91,7 +102,7 @@ class Calls:
         out: dict[int, dict[str, float]] = {}
         last: dict[int, float] = {}
         for c in self.calls:
-            for rank, _ in c.refs:
+            for rank in c.refs:
                 if rank not in c.done:
                     continue
                 start = max(c.submitted, last.get(rank, c.submitted))
@@ -103,7 +114,7 @@ class Calls:
         """A call's own duration: from when its first worker could start it to its last answer."""
         starts, prev = [], {}
         for c in self.calls:
-            for rank, _ in c.refs:
+            for rank in c.refs:
                 if c is call:
                     starts.append(max(c.submitted, prev.get(rank, c.submitted)))
                 if rank in c.done:
@@ -135,6 +146,10 @@ def cat_parts(parts: list) -> torch.Tensor | tuple[torch.Tensor, ...]:
     return torch.cat(parts)
 
 
+# packs a block of rows (start, stop, a generation replica's answer for them) to the step's fixed width
+BlockPacker = Callable[[int, int, list], torch.Tensor]
+
+
 class EarlyInference:
     """Inference on a generation replica's rows as soon as that replica finishes, on workers that have no
     generation left (``run.overlap`` with ``run.rollout.pad_to_max``).
@@ -147,23 +162,23 @@ class EarlyInference:
     the same weights as in the whole-batch call, so its outputs are the same numbers. (Without the fixed
     width they are not: another padding width changes the attention's rounding.)"""
 
-    def __init__(self, calls: Calls, gen: Call, gen_key: str, stages: list[tuple[str, str, str]], rows: int) -> None:
+    def __init__(self, calls: Calls, gen: Call, gen_key: str, stages: list[InferenceStage], rows: int) -> None:
         rt = calls.rt
         spec = rt.specs[gen_key]
         lay = spec.layout
         self.calls, self.gen, self.stages = calls, gen, stages
         self.per = rows // lay.dp
         self.replicas = {d: {spec.ranks[i] for i in range(lay.world) if lay.coords(i)[1] == d} for d in range(lay.dp)}
-        self.early: dict[str, dict[int, Call]] = {t: {} for t, _, _ in stages}  # stage -> block start -> call
+        self.early: dict[str, dict[int, Call]] = {s.timer: {} for s in stages}  # timer -> block start -> call
 
     def eligible(self, key: str) -> bool:
         lay = self.calls.rt.specs[key].layout
         return self.per % (lay.dp * lay.micro_batch_size) == 0
 
-    def run(self, pack_block: object) -> list:
+    def run(self, pack_block: BlockPacker) -> list:
         """Wait for generation, issuing early calls; ``pack_block(start, stop, rows)`` packs a block's
         responses to the fixed width. Returns the generation call's answers by replica."""
-        owner = {ref: rank for rank, ref in self.gen.refs}
+        owner = {ref: rank for rank, ref in self.gen.refs.items()}
         pending, running = list(owner), set(self.replicas)
         deadline = time.monotonic() + self.calls.rt.timeout_s + GRACE_S
         while pending and len(running) > 1:
@@ -182,30 +197,32 @@ class EarlyInference:
                     self.start(d, running, pack_block)
         return self.calls.wait([self.gen])[0]
 
-    def start(self, d: int, running: set[int], pack_block: object) -> None:
+    def start(self, d: int, running: set[int], pack_block: BlockPacker) -> None:
         busy = {r for e in running for r in self.replicas[e]}
         ranks = [r for r in self.replicas[d] if r in self.gen.done]
-        answer = next(a for r, ref in self.gen.refs if r in ranks for a in [ray.get(ref)] if a is not None)
+        answer: ReplicaOutput = next(a for r, ref in self.gen.refs.items() if r in ranks
+                                     for a in [ray.get(ref)] if a is not None)
         start = d * self.per
         tokens = None
-        for timer, key, op in self.stages:
-            if busy & set(self.calls.rt.specs[key].ranks) or not self.eligible(key):
+        for s in self.stages:
+            if busy & set(self.calls.rt.specs[s.key].ranks) or not self.eligible(s.key):
                 continue
-            tokens = pack_block(start, start + self.per, answer[1]) if tokens is None else tokens
-            self.early[timer][start] = self.calls.submit(timer, "infer", key, op, tokens)
+            tokens = pack_block(start, start + self.per, answer.value) if tokens is None else tokens
+            self.early[s.timer][start] = self.calls.submit(s.timer, "infer", s.key, s.call(tokens))
 
-    def rest(self, timer: str, key: str, op: str, tokens: torch.Tensor) -> list[tuple[int, Call]]:
+    def rest(self, stage: InferenceStage, tokens: torch.Tensor) -> list[tuple[int, Call]]:
         """The stage's calls for the rows no early call took, one per run of consecutive blocks; with
         the early ones, (block start, call) in row order."""
+        timer, key = stage.timer, stage.key
         taken = self.early[timer]
         if not taken:
-            return [(0, self.calls.submit(timer, "infer", key, op, tokens))]
+            return [(0, self.calls.submit(timer, "infer", key, stage.call(tokens)))]
         out, run = list(taken.items()), []
         for start in range(0, len(tokens), self.per):
             if start not in taken:
                 run.append(start)
             if run and (start in taken or start + self.per >= len(tokens)):
                 a, b = run[0], run[-1] + self.per
-                out.append((a, self.calls.submit(timer, "infer", key, op, tokens[a:b])))
+                out.append((a, self.calls.submit(timer, "infer", key, stage.call(tokens[a:b]))))
                 run = []
         return sorted(out, key=lambda x: x[0])

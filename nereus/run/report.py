@@ -3,13 +3,18 @@ side by side is in docs/rl.md)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from nereus.rl.core import agg_loss, kl_estimate, masked_mean
 from nereus.run.rollout import Rollout
 
+if TYPE_CHECKING:
+    from nereus.run.driver import Stepper
 
-def step_metrics(st: object, step: int, roll: Rollout, inf: dict, adv: dict, stats: dict) -> dict[str, float]:
+
+def step_metrics(st: Stepper, step: int, roll: Rollout, inf: dict, adv: dict, stats: dict) -> dict[str, float]:
     mask, r = roll.mask, st.run
     limit = r.max_response_length(step, st.job.workload.response.max)
     rlen = roll.response_len.float()

@@ -4,7 +4,7 @@ the datasets."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nereus.rl.data import CharTokenizer, Prompt, load_prompts, write_rows
@@ -126,10 +126,13 @@ def _written(layout: Layout) -> Layout:
     """A layout from ``run.layouts``: ``Layout.parse`` fills the options the text leaves out with the
     planner's defaults (recompute, sequence parallelism), which the text did not ask for; those become the
     runtime's own. An option written with another value stays, and ``place`` refuses it if unsupported."""
-    defaults = {f.name: f.default for f in fields(Layout)}
-    return replace(layout, **{k: v for k, v in (("recompute", CAPABILITY.recompute[0]),
-                                                 ("sequence_parallel", CAPABILITY.sequence_parallel))
-                              if getattr(layout, k) == defaults[k]})
+    planner = Layout()
+    own = {}
+    if layout.recompute == planner.recompute:
+        own["recompute"] = CAPABILITY.recompute[0]
+    if layout.sequence_parallel == planner.sequence_parallel:
+        own["sequence_parallel"] = CAPABILITY.sequence_parallel
+    return replace(layout, **own)
 
 
 def placed_from_plan(plan) -> list[Placed]:

@@ -25,6 +25,7 @@ from nereus.rl.data import EOS, PAD, CharTokenizer, Prompt
 from nereus.runtime.model.decoder import CausalLM, ModelConfig, build_model
 from nereus.runtime.model.hf import load_boxes, read_config, save_checkpoint
 from nereus.spec.layout import Layout
+from nereus.spec.run import WarmStart
 from nereus.spec.sharding import rank_tensors
 
 
@@ -105,7 +106,7 @@ def value_model_from(actor: CausalLM, cfg: ModelConfig) -> CausalLM:
 
 
 def initial_checkpoints(root: Path, cfgs: dict[str, ModelConfig], data: list[Prompt], tok: CharTokenizer,
-                        warm: object, seed: int) -> dict[str, float]:
+                        warm: WarmStart, seed: int) -> dict[str, float]:
     """Write ``root/<model>`` for every model in ``cfgs``; returns the warm-start losses."""
     torch.manual_seed(seed)
     actor = build_model(cfgs["actor"], seed=seed)

@@ -106,3 +106,14 @@ def test_checker_reports_a_cycle_inside_one_package(tmp_path):
     assert "nereus/spec/a.py -> nereus/spec/b.py -> nereus/spec/c.py -> nereus/spec/a.py" in files[0]
     assert "nereus/spec/c.py:1 `from nereus.spec.a import x`" in files[0]
     assert package_cycles(scan(root)) == []
+
+
+def test_a_type_checking_import_is_no_file_cycle_but_still_counts_for_layering(tmp_path):
+    typed = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from nereus.cost.model import X\n"
+    root = _package(tmp_path, {**CLEAN, "spec/layout.py": typed})
+    assert file_cycles(scan(root)) == []  # it never runs
+    assert len(package_cycles(scan(root))) == 1  # the packages still depend on each other
+    torch_typed = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    import torch\n"
+    root = _package(tmp_path / "b", {**CLEAN, "spec/layout.py": torch_typed})
+    assert any(p.startswith("nereus/spec/layout.py (spec/ must not import torch)") and
+               "nereus/spec/layout.py:4 `import torch`" in p for p in forbidden_imports(scan(root)))

@@ -26,12 +26,22 @@ import socket
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import ray
+from ray import ObjectRef
+from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from nereus.spec.errors import SpecError
 from nereus.spec.layout import Layout
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from ray._private.node import Node as RayNode
+    from ray.cluster_utils import Cluster
+
+    from nereus.runtime.recovery.snapshots import StateImage
 
 HEAD_RESOURCE = "node:__internal_head__"  # the resource Ray gives the head node only
 STORE_SCHEME = "store://"
@@ -167,20 +177,20 @@ class RendezvousStore:
         return self.ip, self.store.port
 
 
-def start_store(timeout_s: float) -> object:
+def start_store(timeout_s: float) -> ActorHandle:
     """The rendezvous store's actor, on the head node (or the driver's node when no head is visible)."""
     nodes = alive_nodes("CPU")
     head = next((n.node_id for n in nodes if n.head), ray.get_runtime_context().get_node_id())
     return RendezvousStore.options(**pinned(head)).remote(timeout_s)
 
 
-def world_address(store: object) -> str:
+def world_address(store: ActorHandle) -> str:
     """A fresh meeting point for one world: ``store://ip:port/world-<uuid>``."""
     ip, port = ray.get(store.address.remote(), timeout=60)
     return f"{STORE_SCHEME}{ip}:{port}/world-{uuid.uuid4().hex}"
 
 
-def open_store(address: str, timeout_s: float) -> object:
+def open_store(address: str, timeout_s: float) -> dist.Store:
     """The worker side of ``world_address``: a client of the head's store under the world's prefix."""
     import torch.distributed as dist
 
@@ -203,13 +213,13 @@ def replica_ring(homes: list[str], driver_node: str) -> dict[str, str]:
 
 
 @ray.remote(num_cpus=0, num_returns=2, max_retries=0)
-def _copy(image: object) -> tuple[object, bool]:
+def _copy(image: StateImage) -> tuple[StateImage, bool]:
     """``image`` again, stored on the node this task runs on, and a small acknowledgement the driver waits
     for (so that the image itself is never pulled to the driver)."""
     return image, True
 
 
-def replicate(ref: object, node: str) -> tuple[object, object]:
+def replicate(ref: ObjectRef, node: str) -> tuple[ObjectRef, ObjectRef]:
     """(the copy's ref, its acknowledgement's ref): ``ref``'s object copied into ``node``'s object store."""
     image, ack = _copy.options(**pinned(node)).remote(ref)
     return image, ack
@@ -217,7 +227,7 @@ def replicate(ref: object, node: str) -> tuple[object, object]:
 
 # ----- a cluster of several nodes on one machine (tests, benchmarks, trying it out) ----------------------
 def start_local_cluster(worker_nodes: int, cpus_per_node: int, head_cpus: int = 0,
-                        system_config: dict | None = None) -> tuple[object, list[object]]:
+                        system_config: dict | None = None) -> tuple[Cluster, list[RayNode]]:
     """A Ray cluster of a head (``head_cpus``: 0 keeps workers off it) and ``worker_nodes`` nodes of
     ``cpus_per_node`` CPUs, each its own raylet and object store, all on this machine and on loopback
     (``ray.cluster_utils.Cluster``); the driver is connected to it. Returns (cluster, worker nodes):

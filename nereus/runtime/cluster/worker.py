@@ -3,23 +3,39 @@ answers the runtime's typed calls on them; ``workers.Runtime`` drives a world of
 
 Each operation on a key runs on every worker of the key's layout at once (collectives need all of
 them); workers outside it answer None, and of a layout's workers only each data-parallel replica's output
-rank (last pipeline stage, TP rank 0) returns a result, as (DP replica, result).
+rank (last pipeline stage, TP rank 0) returns a result, as ``calls.ReplicaOutput(dp, value)``.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from dataclasses import asdict
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING, TypeVar
 
 import ray
 import torch
+from ray import ObjectRef
 
+from nereus.runtime.cluster.calls import ReplicaOutput
+from nereus.runtime.generation.sampling import SamplingParams
 from nereus.runtime.model.decoder import ModelConfig
-from nereus.runtime.model.sharded import ReplicaStats, ShardedModel
+from nereus.runtime.model.memory import MemoryReport
+from nereus.runtime.model.sharded import Batch, LossFn, ReplicaStats, ShardedModel
 from nereus.runtime.recovery.faults import FaultHook
 from nereus.spec.layout import Layout
+
+if TYPE_CHECKING:
+    from nereus.elastic.plan import TransitionPlan
+    from nereus.runtime.cluster.groups import ParallelGroups
+    from nereus.runtime.generation.decode_engine import DecodeEngine
+    from nereus.runtime.model.shard_state import Shards
+    from nereus.runtime.recovery.snapshots import StateImage
+    from nereus.runtime.transitions.executor import TransferComm
+    from nereus.runtime.transitions.live import KeySpec, TransitionAnswer
+
+T = TypeVar("T")
 
 
 class WorldAborted(RuntimeError):
@@ -35,12 +51,14 @@ class Worker:
     def __init__(self, rank: int, world: int) -> None:
         torch.set_num_threads(1)
         self.rank, self.world = rank, world
-        self.models: dict[str, object] = {}
-        self.groups: dict[str, object] = {}
+        self.models: dict[str, ShardedModel] = {}
+        self.groups: dict[str, ParallelGroups] = {}
+        self.pending: dict[str, ParallelGroups] = {}  # a coming transition's groups (``prepare_groups``)
+        self.comm: TransferComm | None = None  # the world's transfer groups (``init_comm``)
         self._abort = threading.Event()
         self._stuck: list[threading.Thread] = []  # calls abandoned by ``abort``, still blocked
         self.faults = FaultHook()  # does nothing unless a test's fault plan armed it
-        self.engines: dict[str, object] = {}  # key -> its generation engine across calls (run.midstep)
+        self.engines: dict[str, DecodeEngine] = {}  # key -> its generation engine across calls (run.midstep)
 
     # ----- failure handling -----------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -60,7 +78,7 @@ class Worker:
         self.faults.arm(actions)
         return True
 
-    def _guarded(self, fn, *args: object) -> object:
+    def _guarded(self, fn: Callable[..., T], *args: object) -> T:
         """``fn(*args)`` on a helper thread, so that ``abort`` can release this worker from a collective
         that will never complete; a gloo collective cannot be interrupted, so the thread is abandoned (it
         fails once ``reinit`` destroys its world) and never touches state the recovery rebuilds."""
@@ -119,6 +137,7 @@ class Worker:
     def load(self, key: str, cfg: ModelConfig, layout: Layout, ranks: list[int], checkpoint: str | None,
              state: dict | None, dtype: str, schedule: str) -> bool:
         from nereus.runtime.cluster.groups import ParallelGroups
+        from nereus.runtime.model.dtypes import torch_dtype
         from nereus.runtime.model.hf import load_boxes, slice_boxes
         from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
 
@@ -128,7 +147,7 @@ class Worker:
             return False
         boxes = shard_boxes(cfg, groups)
         tensors = load_boxes(checkpoint, boxes) if checkpoint else slice_boxes(state, boxes)
-        self.models[key] = ShardedModel(cfg, groups, tensors, getattr(torch, dtype), schedule)
+        self.models[key] = ShardedModel(cfg, groups, tensors, torch_dtype(dtype), schedule)
         return True
 
     def reinit(self, master: str, port: int, world: int, timeout_s: float, rank: int | None = None) -> bool:
@@ -149,7 +168,7 @@ class Worker:
         self.init_dist(master, port, timeout_s)
         return self.init_comm(min(timeout_s, 120.0))
 
-    def state_image(self, key_model: dict[str, str], optimizer_for: list[str], weights_dp0_only: bool) -> dict:
+    def state_image(self, key_model: dict[str, str], optimizer_for: list[str], weights_dp0_only: bool) -> StateImage:
         """A copy of this worker's state of the keys in ``key_model`` (``recovery.state_image``); as a
         return value it lives in Ray's object store, owned by the driver: a host-memory snapshot that
         outlives this process."""
@@ -157,13 +176,14 @@ class Worker:
 
         return state_image(self.models, key_model, set(optimizer_for), weights_dp0_only)
 
-    def state_images(self, models: list[str], keys: dict[str, dict[str, str]], optimizer_for: list[str]):
+    def state_images(self, models: list[str], keys: dict[str, dict[str, str]],
+                     optimizer_for: list[str]) -> StateImage | tuple[StateImage, ...]:
         """``state_image`` of each of ``models`` (its keys in ``keys``), one return value each (a snapshot:
         data-parallel replica 0's weights, every rank's optimizer state)."""
         images = tuple(self.state_image(keys[m], optimizer_for, True) for m in models)
         return images if len(images) > 1 else images[0]
 
-    def restore(self, specs: list, images: dict[str, list]) -> bool:
+    def restore(self, specs: list[KeySpec], images: dict[str, list[ObjectRef]]) -> bool:
         """Replace every key by ``specs`` (groups from ``prepare_groups`` in the re-formed world), each
         buffer filled from ``images`` (model → object refs of state images, in preference order)."""
         from nereus.runtime.recovery.snapshots import restore_state
@@ -174,7 +194,7 @@ class Worker:
         self.models, self.groups = models, dict(pending)
         return True
 
-    def regroup(self, specs: list) -> bool:
+    def regroup(self, specs: list[KeySpec]) -> bool:
         """Every key's groups in the new world (collective, same order everywhere), and its shard rebuilt
         around the same tensors: parameters adopted, Adam's segments and moments handed over."""
         from nereus.runtime.cluster.groups import ParallelGroups
@@ -194,7 +214,7 @@ class Worker:
         self.comm = TransferComm(timeout_s)
         return True
 
-    def prepare_groups(self, specs: list) -> bool:
+    def prepare_groups(self, specs: list[KeySpec]) -> bool:
         """The process groups of every key of a coming transition, created ahead (collective: every
         worker, same order); a key whose layout and workers do not change keeps its groups."""
         from nereus.runtime.cluster.groups import ParallelGroups
@@ -209,16 +229,18 @@ class Worker:
                 self.pending[s.key] = ParallelGroups(s.layout, list(s.ranks), tied_embeddings=tied_head(s.cfg))
         return True
 
-    def transition(self, graph: object, old_specs: list, new_specs: list, sources: list | None = None) -> dict:
+    def transition(self, graph: TransitionPlan, old_specs: list[KeySpec], new_specs: list[KeySpec],
+                   sources: list[KeySpec] | None = None) -> TransitionAnswer:
         """Replace the keys of ``old_specs`` by ``new_specs``, state moved as ``graph`` plans (groups from
         ``prepare_groups``) from the keys of ``sources`` (default ``old_specs``; a weight sync reads the
         training key only). On failure every worker keeps its old shards and reports the error."""
         return self._guarded(self._transition, graph, old_specs, new_specs, sources)
 
-    def _transition(self, graph: object, old_specs: list, new_specs: list, sources: list | None) -> dict:
+    def _transition(self, graph: TransitionPlan, old_specs: list[KeySpec], new_specs: list[KeySpec],
+                    sources: list[KeySpec] | None) -> TransitionAnswer:
         import time
 
-        from nereus.runtime.transitions.live import transition_keys
+        from nereus.runtime.transitions.live import TransitionAnswer, transition_keys
 
         t0 = time.perf_counter()
         sources = old_specs if sources is None else sources
@@ -231,7 +253,7 @@ class Worker:
                 if g is not self.groups.get(key):
                     g.destroy()
             self.comm.renew()
-            return {"ok": False, "error": str(exc), "wall_s": time.perf_counter() - t0}
+            return TransitionAnswer(False, str(exc), time.perf_counter() - t0)
         keep = {id(g) for g in pending.values()}
         for s in old_specs:
             self.models.pop(s.key, None)
@@ -240,63 +262,66 @@ class Worker:
                 g.destroy()
         self.models.update(models)
         self.groups.update(pending)
-        return {"ok": True, "error": "", "wall_s": time.perf_counter() - t0, "measured": measured.to_dict()}
+        return TransitionAnswer(True, "", time.perf_counter() - t0, measured)
 
     # ----- typed operations on one key's shard (None on workers outside its layout) -------------------
-    def _on(self, key: str, fn, *args: object) -> object:
+    def _on(self, key: str, fn: Callable[..., T], *args: object) -> T | None:
         """``fn(shard, *args)`` on this worker's shard of ``key`` (guarded), or None without one."""
         sm = self.models.get(key)
         return None if sm is None else self._guarded(fn, sm, *args)
 
     @staticmethod
-    def _output(sm: ShardedModel, out: object) -> tuple[int, object] | None:
-        """(DP replica, result) from each replica's output rank, whose result is complete; else None."""
-        return (sm.groups.coords.dp, out) if sm.is_output_rank else None
+    def _output(sm: ShardedModel, out: T) -> ReplicaOutput[T] | None:
+        """The result from each replica's output rank, whose result is complete; else None."""
+        return ReplicaOutput(sm.groups.coords.dp, out) if sm.is_output_rank else None
 
-    def logprobs(self, key: str, tokens: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    def logprobs(self, key: str, tokens: torch.Tensor) -> ReplicaOutput[torch.Tensor] | None:
         return self._on(key, lambda sm: self._output(sm, sm.logprobs(tokens)))
 
-    def logprobs_and_entropy(self, key: str, tokens: torch.Tensor) -> tuple[int, tuple] | None:
+    def logprobs_and_entropy(self, key: str,
+                             tokens: torch.Tensor) -> ReplicaOutput[tuple[torch.Tensor, torch.Tensor]] | None:
         return self._on(key, lambda sm: self._output(sm, sm.logprobs_and_entropy(tokens)))
 
-    def values(self, key: str, tokens: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    def values(self, key: str, tokens: torch.Tensor) -> ReplicaOutput[torch.Tensor] | None:
         return self._on(key, lambda sm: self._output(sm, sm.values(tokens)))
 
-    def train_step(self, key: str, batch: dict, loss_fn: object, lr: float,
-                   max_grad_norm: float | None) -> tuple[int, ReplicaStats] | None:
+    def train_step(self, key: str, batch: Batch, loss_fn: LossFn, lr: float,
+                   max_grad_norm: float | None) -> ReplicaOutput[ReplicaStats] | None:
         """One optimizer step; the fault point ``train_step`` lies between the backward pass and Adam."""
 
-        def run(sm: ShardedModel) -> tuple[int, ReplicaStats] | None:
+        def run(sm: ShardedModel) -> ReplicaOutput[ReplicaStats] | None:
             metrics: list[dict[str, float]] = []
             losses = sm.backward(batch, loss_fn, metrics)
             self.faults.at("train_step")
             norm = sm.step(lr, max_grad_norm)
-            return self._output(sm, ReplicaStats(losses, metrics, norm))
+            return self._output(sm, ReplicaStats(tuple(losses), tuple(metrics), norm))
 
         return self._on(key, run)
 
-    def generate(self, key: str, prompts: list[list[int]], params: object) -> tuple[int, list] | None:
+    def generate(self, key: str, prompts: list[list[int]],
+                 params: SamplingParams) -> ReplicaOutput[list[list[int]]] | None:
         from nereus.runtime.generation.fixed_batch import generate
 
         return self._on(key, lambda sm: self._output(sm, generate(sm, prompts, params)))
 
-    def generate_with_logprobs(self, key: str, prompts: list[list[int]], params: object) -> tuple[int, list] | None:
+    def generate_with_logprobs(self, key: str, prompts: list[list[int]], params: SamplingParams,
+                               ) -> ReplicaOutput[list[tuple[list[int], list[float]]]] | None:
         from nereus.runtime.generation.fixed_batch import generate_with_logprobs
 
         return self._on(key, lambda sm: self._output(sm, generate_with_logprobs(sm, prompts, params)))
 
     # ----- a generation engine that lives across calls (``gen_session``: mid-step moves) -------------
-    def gen_open(self, key: str, prompts: list[list[int]], params: object) -> tuple[int, bool] | None:
+    def gen_open(self, key: str, prompts: list[list[int]], params: SamplingParams) -> ReplicaOutput[bool] | None:
         """A fresh continuous-batching engine on this replica's rows of ``prompts`` (``params.slots``)."""
         from nereus.runtime.generation.decode_engine import replica_engine
 
-        def run(sm: ShardedModel) -> tuple[int, bool] | None:
+        def run(sm: ShardedModel) -> ReplicaOutput[bool] | None:
             self.engines[key] = replica_engine(sm, prompts, params, params.slots)
             return self._output(sm, True)
 
         return self._on(key, run)
 
-    def gen_run(self, key: str, iterations: int) -> tuple[int, dict] | None:
+    def gen_run(self, key: str, iterations: int) -> ReplicaOutput[dict] | None:
         """Up to ``iterations`` iterations of ``key``'s engine; (DP replica, status) from output ranks."""
         from nereus.runtime.generation.session import run_chunk
 
@@ -309,7 +334,7 @@ class Worker:
 
         return self._guarded(migrate_sequences, self.engines.get(key), plan, self.comm, self.faults)
 
-    def gen_close(self, key: str) -> tuple[int, dict] | None:
+    def gen_close(self, key: str) -> ReplicaOutput[dict] | None:
         """Run ``key``'s engine to the end and drop it; (DP replica, ``gen_session.close_engine``'s answer:
         sequence id -> (tokens, log-probs) under ``done``) from output ranks."""
         from nereus.runtime.generation.session import close_engine
@@ -319,15 +344,15 @@ class Worker:
             return None
         return self._on(key, lambda sm: self._output(sm, close_engine(engine)))
 
-    def memory(self, key: str) -> dict | None:
+    def memory(self, key: str) -> MemoryReport | None:
         sm = self.models.get(key)
-        return asdict(sm.last_report) if sm is not None and sm.last_report else None
+        return sm.last_report if sm is not None else None
 
     def shard_shapes(self, key: str) -> dict[str, tuple[int, ...]] | None:
         sm = self.models.get(key)
         return None if sm is None else {name: tuple(p.shape) for name, p in sm.shards().items()}
 
-    def read_shards(self, key: str) -> dict | None:
+    def read_shards(self, key: str) -> Shards | None:
         """name → (global box, tensor) of DP replica 0's shard (``shard_state.read_shards``)."""
         from nereus.runtime.model.shard_state import read_shards
 
@@ -344,7 +369,7 @@ class Worker:
         self._on(key, write_optimizer, state, lr)
         return key in self.models
 
-    def holdings(self, key: str, model: str) -> dict:
+    def holdings(self, key: str, model: str) -> StateImage:
         """A state image (``recovery.state_image``) of ``key``: weights and Adam state by global box."""
         return self.state_image({key: model}, [model], False)
 

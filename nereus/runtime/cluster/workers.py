@@ -2,6 +2,9 @@
 models load onto them under a layout, several layouts coexisting (each under its own key, with its own
 process groups). Its methods are typed: each names one operation and returns its result.
 
+Driver-side calls are typed requests (``calls``): ``submit`` issues one on every worker of a key's layout,
+``submit_all`` on every worker of the world, and each request calls its ``Worker`` method by name.
+
 ``Runtime`` starts a local Ray instance by default (loopback only, no dashboard) or joins the cluster at
 ``address``. On a cluster of several nodes (``nodes``) workers are pinned to nodes so that TP groups stay
 inside one, worlds meet at a store on the head node, and snapshots are copied to a second node. Workers
@@ -15,11 +18,25 @@ import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 import torch
+from ray import ObjectRef
+from ray.actor import ActorHandle
 
 from nereus.runtime.capability import CAPABILITY
+from nereus.runtime.cluster.calls import (
+    Generate,
+    GenerateWithLogprobs,
+    KeyCall,
+    Logprobs,
+    LogprobsAndEntropy,
+    TrainStep,
+    Values,
+    WorldCall,
+    by_replica,
+)
 from nereus.runtime.cluster.nodes import (
     NodeMap,
     PlacementError,
@@ -34,17 +51,24 @@ from nereus.runtime.cluster.nodes import (
 from nereus.runtime.cluster.raylocal import start_local_ray
 from nereus.runtime.cluster.waits import GRACE_S, await_started, check_room, get_within
 from nereus.runtime.cluster.worker import Worker, WorldAborted
+from nereus.runtime.generation.sampling import SamplingParams
 from nereus.runtime.model.decoder import ModelConfig
-from nereus.runtime.model.sharded import TrainStats
-from nereus.runtime.recovery.failover import Failover, WorkerLostError
+from nereus.runtime.model.memory import MemoryReport
+from nereus.runtime.model.sharded import Batch, LossFn, TrainStats
+from nereus.runtime.recovery.failover import Failover, RecoveryResult, WorkerLostError
 from nereus.runtime.recovery.faults import FaultPlan
-from nereus.runtime.transitions.live import KeySpec
+from nereus.runtime.transitions.live import KeySpec, MoveResult, TransitionAnswer
+from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout
+
+if TYPE_CHECKING:
+    from nereus.elastic.plan import TransitionPlan
+    from nereus.runtime.transitions.holdings import Holdings
 
 __all__ = ["PlacementError", "Runtime", "Worker", "WorkerLostError", "WorldAborted"]
 
 
-def _world_job(job: object, world: int) -> object:
+def _world_job(job: JobSpec, world: int) -> JobSpec:
     """The job on the runtime's ``world`` devices; a count that is not whole nodes (survivors of a lost
     worker) counts as one node of that many."""
     from dataclasses import replace
@@ -84,11 +108,11 @@ class Runtime:
         self.backend = self._all([w.init_dist.remote(master, port, timeout_s) for w in self.workers], "init_dist")[0]
         self._all([w.init_comm.remote(min(timeout_s, 120.0)) for w in self.workers], "init_comm")
         self.specs: dict[str, KeySpec] = {}  # what each key holds: the one record of placements
-        self._graphs: dict[tuple, object] = {}
+        self._graphs: dict[tuple, TransitionPlan] = {}
         self.failover = Failover()
         self.failover.timeout_s = timeout_s + GRACE_S  # snapshot waits too have a deadline (issue 19)
 
-    def _new_workers(self, first: int, count: int, world: int) -> list:
+    def _new_workers(self, first: int, count: int, world: int) -> list[ActorHandle]:
         """Ray actors for ranks ``first``..``first + count - 1`` of a world of ``world``; on several nodes
         each pinned to the node ``NodeMap.place`` gives it (``PlacementError`` when the cluster lacks room)."""
         homes = self.nodes.place(count) if self.nodes else [None] * count
@@ -131,10 +155,11 @@ class Runtime:
             raise PlacementError(why, f"run.layouts.{key}")
 
     # ----- live transitions -----------------------------------------------------------------------
-    def transition(self, new_specs: list[KeySpec], job: object) -> dict:
+    def transition(self, new_specs: list[KeySpec], job: JobSpec) -> MoveResult:
         """Move the keys of ``new_specs`` (all currently loaded) to their new layouts and workers, weights and
         Adam state, following the transition graph; other keys are untouched. Returns the per-worker
-        measurements; raises ``TransitionExecutionError`` (every worker still on the old layout) on failure."""
+        measurements and the graph; raises ``TransitionExecutionError`` (every worker still on the old
+        layout) on failure."""
         old_specs = [self.specs[s.key] for s in new_specs]
         for s in new_specs:
             self._check_nodes(s.key, s.layout, list(s.ranks))
@@ -143,26 +168,27 @@ class Runtime:
             self.specs[s.key] = s
         return out
 
-    def sync_weights(self, model: str, job: object) -> dict:
+    def sync_weights(self, model: str, job: JobSpec) -> MoveResult:
         """The training key's weights to every other key of ``model`` (the per-step training → generation
         and inference sync), through the same executor: boxes that coincide on a device become one shared
         tensor, the rest move point to point."""
         train = next(s for s in self.specs.values() if s.model == model and s.training)
         keys = [train] + [s for s in self.specs.values() if s.model == model and not s.training]
-        return self._move(job, keys, keys, [train]) if len(keys) > 1 else {"wall_s": 0.0}
+        return self._move(job, keys, keys, [train]) if len(keys) > 1 else MoveResult(0.0)
 
-    def _move(self, job: object, old_specs: list[KeySpec], new_specs: list[KeySpec], sources: list[KeySpec]) -> dict:
+    def _move(self, job: JobSpec, old_specs: list[KeySpec], new_specs: list[KeySpec],
+              sources: list[KeySpec]) -> MoveResult:
         """Groups ahead, then every worker replaces the keys of ``old_specs`` by ``new_specs``, state read from
         the keys of ``sources``, as the (cached) graph between the two says."""
         from nereus.runtime.transitions.holdings import TransitionExecutionError
 
         graph = self._graph(job, sources, new_specs)
         self._all([w.prepare_groups.remote(new_specs) for w in self.workers], "prepare_groups")
-        results = self._get([w.transition.remote(graph, old_specs, new_specs, sources) for w in self.workers])
-        if not all(r["ok"] for r in results):
-            raise TransitionExecutionError(next(r["error"] for r in results if not r["ok"]))
-        return {"wall_s": max(r["wall_s"] for r in results), "workers": [r["measured"] for r in results],
-                "graph": graph}
+        results: list[TransitionAnswer] = self._get([w.transition.remote(graph, old_specs, new_specs, sources)
+                                                     for w in self.workers])
+        if not all(r.ok for r in results):
+            raise TransitionExecutionError(next(r.error for r in results if not r.ok))
+        return MoveResult(max(r.wall_s for r in results), tuple(r.measured for r in results), graph)
 
     def resize(self, n: int) -> None:
         """Grow or shrink to ``n`` workers without losing state: new Ray actors join (or the highest-ranked
@@ -194,7 +220,7 @@ class Runtime:
         self._all([w.regroup.remote(list(self.specs.values())) for w in self.workers], "regroup")
         self._graphs.clear()
 
-    def _graph(self, job: object, old: list[KeySpec], new: list[KeySpec]) -> object:
+    def _graph(self, job: JobSpec, old: list[KeySpec], new: list[KeySpec]) -> TransitionPlan:
         from nereus.elastic.graph import build_graph
         from nereus.runtime.transitions.live import plan_of
 
@@ -205,66 +231,60 @@ class Runtime:
         return self._graphs[key]
 
     # ----- operations on a key --------------------------------------------------------------------
-    def _on(self, key: str, op: str, *args: object) -> list:
-        """``Worker.<op>(key, *args)`` on every worker of ``key``'s layout (all together, as collectives
-        need); their answers in layout rank order."""
-        return self._get([getattr(self.workers[r], op).remote(key, *args) for r in self.specs[key].ranks])
-
-    def submit(self, key: str, op: str, *args: object) -> list[tuple[int, object]]:
-        """Issue ``Worker.<op>(key, *args)`` on every worker of ``key``'s layout without waiting: (worker
-        rank, Ray future) in layout rank order. Each actor runs its calls in the order they were issued,
-        so calls issued in one global order never deadlock on their collectives; ``answers`` waits."""
-        if op == "train_step":
+    def submit(self, key: str, call: KeyCall) -> dict[int, ObjectRef]:
+        """Issue ``call`` on every worker of ``key``'s layout without waiting: worker rank → Ray future, in
+        layout rank order. Each actor runs its calls in the order they were issued, so calls issued in one
+        global order never deadlock on their collectives; ``answers`` waits. A call that changes its
+        model's state (``changes_state``) leaves the model's snapshot behind (``Failover.changed``)."""
+        if call.changes_state:
             self.failover.changed(self.specs[key].model)
-        return [(r, getattr(self.workers[r], op).remote(key, *args)) for r in self.specs[key].ranks]
+        return {r: call.issue(self.workers[r], key) for r in self.specs[key].ranks}
 
-    def submit_all(self, op: str, *args: object) -> list[tuple[int, object]]:
-        """Issue ``Worker.<op>(*args)`` on every worker of the world (a call with a world-wide collective,
-        such as a migration's commit vote), like ``submit``: (worker rank, Ray future) by rank."""
-        return [(r, getattr(w, op).remote(*args)) for r, w in enumerate(self.workers)]
+    def submit_all(self, call: WorldCall) -> dict[int, ObjectRef]:
+        """Issue ``call`` on every worker of the world (a call with a world-wide collective, such as a
+        migration's commit vote), like ``submit``: worker rank → Ray future."""
+        return {r: call.issue(w) for r, w in enumerate(self.workers)}
 
-    def answers(self, refs: list) -> list:
+    def answers(self, refs: list[ObjectRef]) -> list:
         """The answers of ``submit``'s futures, with the runtime's deadline and lost-worker detection."""
         return self._get(refs)
 
-    @staticmethod
-    def _by_replica(answers: list) -> list:
-        """The output ranks' results in data-parallel order."""
-        return [out for _, out in sorted((a for a in answers if a is not None), key=lambda a: a[0])]
+    def _on(self, key: str, call: KeyCall) -> list:
+        """``call`` on every worker of ``key``'s layout (all together, as collectives need); the output
+        ranks' values in data-parallel order."""
+        return by_replica(self.answers(list(self.submit(key, call).values())))
 
     def logprobs(self, key: str, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self._by_replica(self._on(key, "logprobs", tokens)))
+        return torch.cat(self._on(key, Logprobs(tokens)))
 
     def logprobs_and_entropy(self, key: str, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and full-vocabulary entropies [B, T−1] from one forward pass (verl's old_log_prob
         stage computes both)."""
-        parts = self._by_replica(self._on(key, "logprobs_and_entropy", tokens))
+        parts = self._on(key, LogprobsAndEntropy(tokens))
         return torch.cat([lp for lp, _ in parts]), torch.cat([h for _, h in parts])
 
     def values(self, key: str, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self._by_replica(self._on(key, "values", tokens)))
+        return torch.cat(self._on(key, Values(tokens)))
 
-    def train_step(self, key: str, batch: dict, loss_fn: object, lr: float = 1e-3,
+    def train_step(self, key: str, batch: Batch, loss_fn: LossFn, lr: float = 1e-3,
                    max_grad_norm: float | None = None) -> TrainStats:
         """One optimizer step; ``max_grad_norm`` clips the global gradient norm first (``ShardedModel.step``).
         Returns each replica's losses, loss statistics and gradient norm."""
-        self.failover.changed(self.specs[key].model)
-        return TrainStats(tuple(self._by_replica(self._on(key, "train_step", batch, loss_fn, lr, max_grad_norm))))
+        return TrainStats(tuple(self._on(key, TrainStep(batch, loss_fn, lr, max_grad_norm))))
 
-    def generate(self, key: str, prompts: list[list[int]], params: object) -> list[list[int]]:
-        return [row for part in self._by_replica(self._on(key, "generate", prompts, params)) for row in part]
+    def generate(self, key: str, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        return [row for part in self._on(key, Generate(prompts, params)) for row in part]
 
     def generate_with_logprobs(self, key: str, prompts: list[list[int]],
-                               params: object) -> list[tuple[list[int], list[float]]]:
+                               params: SamplingParams) -> list[tuple[list[int], list[float]]]:
         """New tokens and their sampling-time log-probs per prompt (``generate.generate_with_logprobs``)."""
-        answers = self._on(key, "generate_with_logprobs", prompts, params)
-        return [row for part in self._by_replica(answers) for row in part]
+        return [row for part in self._on(key, GenerateWithLogprobs(prompts, params)) for row in part]
 
-    def memory(self, key: str) -> list[dict | None]:
+    def memory(self, key: str) -> list[MemoryReport | None]:
         """The last operation's memory report of every worker of ``key``'s layout, in layout rank order."""
         return self._all([self.workers[r].memory.remote(key) for r in self.specs[key].ranks], "memory")
 
-    def shard_shapes(self, key: str) -> list[dict]:
+    def shard_shapes(self, key: str) -> list[dict[str, tuple[int, ...]] | None]:
         return self._all([self.workers[r].shard_shapes.remote(key) for r in self.specs[key].ranks], "shard_shapes")
 
     # ----- state (checkpoints, tests) ----------------------------------------------------------------
@@ -272,12 +292,12 @@ class Runtime:
         """``key``'s whole weights by checkpoint name, assembled from its shards."""
         from nereus.runtime.model.shard_state import assemble
 
-        return assemble(self._on(key, "read_shards"))
+        return assemble(self._get([self.workers[r].read_shards.remote(key) for r in self.specs[key].ranks]))
 
     def read_optimizer(self, key: str) -> dict[int, dict[str, torch.Tensor]]:
         """worker rank → its Adam state of ``key`` (``shard_state.read_optimizer``); ranks without one yet
         (no step taken) are left out."""
-        states = self._on(key, "read_optimizer")
+        states = self._get([self.workers[r].read_optimizer.remote(key) for r in self.specs[key].ranks])
         return {r: st for r, st in zip(self.specs[key].ranks, states, strict=True) if st is not None}
 
     def write_optimizer(self, key: str, states: dict[int, dict[str, torch.Tensor]], lr: float) -> None:
@@ -289,7 +309,7 @@ class Runtime:
                              f"{sorted(ranks)}: resume under the layout the checkpoint was written with")
         self._get([self.workers[r].write_optimizer.remote(key, states[r], lr) for r in ranks])
 
-    def holdings(self, key: str) -> list:
+    def holdings(self, key: str) -> list[Holdings]:
         """Every worker's state of ``key`` (weights and Adam state) by global box, as ``holdings.Holdings``,
         in layout rank order."""
         from nereus.runtime.recovery.snapshots import unpack
@@ -299,7 +319,7 @@ class Runtime:
                                                 for r in self.specs[key].ranks])]
 
     # ----- failover -------------------------------------------------------------------------------
-    def recover(self, place: Callable[[int], list[KeySpec]], lost: list[int] | None = None) -> dict:
+    def recover(self, place: Callable[[int], list[KeySpec]], lost: list[int] | None = None) -> RecoveryResult:
         """Continue on the surviving workers: abandon the call in flight, re-form the world, and load
         ``place(n)`` (the ``KeySpec`` of every key for ``n`` survivors, ranks 0..n-1) from live replicas and
         the snapshot. Returns what it did and how long each part took; the state is the snapshot's step's
@@ -339,20 +359,19 @@ class Runtime:
         self._graphs.clear()
         self.failover.recovered(node_lost=bool(lost_nodes))
         t1 = time.perf_counter()
-        return {"lost": lost, "workers": n, "resume_step": self.failover.snapshot_step, "wall_s": t1 - t0,
-                "seconds": {"world": t_world - t0, "restore": t1 - t_world},
-                "live_state": sorted({s.model for s in new_specs} - dirty), "snapshot_only": sorted(dirty),
-                "lost_nodes": lost_nodes, "images_from_copies": self.failover.from_copies}
+        return RecoveryResult(tuple(lost), n, self.failover.snapshot_step, t1 - t0, t_world - t0, t1 - t_world,
+                              tuple(sorted({s.model for s in new_specs} - dirty)), tuple(sorted(dirty)),
+                              tuple(lost_nodes), self.failover.from_copies)
 
     def inject(self, plan: FaultPlan) -> None:
         """Arm ``plan``'s faults on their workers (tests and benchmarks); nothing else ever arms them."""
         self._all([w.arm_faults.remote(plan.actions_of(r)) for r, w in enumerate(self.workers) if plan.actions_of(r)],
                   "arm_faults")
 
-    def _get(self, refs: list) -> list:
+    def _get(self, refs: list[ObjectRef]) -> list:
         return self.failover.get(self.workers, refs, self.timeout_s + GRACE_S)
 
-    def _all(self, refs: list, what: str) -> list:
+    def _all(self, refs: list[ObjectRef], what: str) -> list:
         """Every answer of a call to the workers, within the runtime's deadline (``waits.get_within``)."""
         return get_within(refs, self.timeout_s + GRACE_S, what)
 

@@ -27,6 +27,7 @@ import torch
 from nereus.cost.hardware import Hardware
 from nereus.cost.stages import generation_cost, training_cost
 from nereus.spec import job_from_dict
+from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage
 from nereus.spec.model import ModelArch
 
@@ -39,7 +40,7 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-@dataclass
+@dataclass(frozen=True)
 class MemoryReport:
     """Bytes one rank holds during an operation, by kind."""
 
@@ -82,7 +83,7 @@ class ActivationMeter:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield self
 
-    def _pack(self, t: torch.Tensor) -> object:
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | _Saved:
         if isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in self._exclude:
             return t
         key = t.untyped_storage().data_ptr()
@@ -105,11 +106,11 @@ class ActivationMeter:
             del self._live[key]
 
     @staticmethod
-    def _unpack(packed: object) -> torch.Tensor:
+    def _unpack(packed: torch.Tensor | _Saved) -> torch.Tensor:
         return packed.tensor if isinstance(packed, _Saved) else packed
 
 
-def _job(arch: ModelArch, value_head: bool, layout: Layout, training: dict, **workload) -> object:
+def _job(arch: ModelArch, value_head: bool, layout: Layout, training: dict, **workload) -> tuple[str, JobSpec]:
     role = "critic" if value_head else "actor"
     models = {m: arch.to_dict() for m in ("actor", "critic")}
     opts = {"recompute": layout.recompute, "sequence_parallel": layout.sequence_parallel, "zero1": layout.zero1,

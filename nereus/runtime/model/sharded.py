@@ -58,8 +58,8 @@ class ReplicaStats:
     the statistics its loss function reported per micro-batch (in the order it ran them), and the global
     gradient norm before clipping (None when not clipping)."""
 
-    losses: list[float]
-    metrics: list[dict[str, float]]
+    losses: tuple[float, ...]
+    metrics: tuple[dict[str, float], ...]  # the loss function's statistics by verl's metric names
     grad_norm: float | None
 
 

@@ -10,11 +10,29 @@ elementwise, so the sharded update equals the unsharded one.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from nereus.spec.sharding import split_range
+
+
+@dataclass(frozen=True)
+class AdamFacts:
+    """A model's Adam settings and step count: what a rank needs besides the moments to continue the
+    optimizer under another layout (live transitions, recovery from snapshots)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    step: float = 0.0
+
+    def settings(self) -> dict[str, float | tuple[float, float]]:
+        """The keyword arguments of ``ShardedAdam`` (and ``ShardedModel.make_optimizer``)."""
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay}
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
@@ -135,6 +153,12 @@ class ShardedAdam:
             return None
         states = [self.opt.state[m] for m in self.master]
         return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], float(states[0]["step"])
+
+    def facts(self) -> AdamFacts:
+        """The settings and step count (0 before the first step)."""
+        moments = self.moments()
+        h = self.hyper
+        return AdamFacts(h["lr"], tuple(h["betas"]), h["eps"], h["weight_decay"], moments[2] if moments else 0.0)
 
     def step(self) -> None:
         if self.opt is not None:

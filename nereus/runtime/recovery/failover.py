@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import ray
+from ray import ObjectRef
+from ray.actor import ActorHandle
 
 from nereus.runtime.transitions.live import KeySpec
 
@@ -36,6 +39,50 @@ class WorkerLostError(RuntimeError):
         self.lost = lost
 
 
+@dataclass(frozen=True)
+class RecoveryResult:
+    """What ``Runtime.recover`` did: the workers lost and left, the step the state is at, the seconds it
+    took (re-forming the world, then restoring the state), which models came from live replicas and which
+    from the snapshot only, the nodes lost and how many images were read from their copies."""
+
+    lost: tuple[int, ...]
+    workers: int
+    resume_step: int | None
+    wall_s: float
+    world_s: float
+    restore_s: float
+    live_state: tuple[str, ...]
+    snapshot_only: tuple[str, ...]
+    lost_nodes: tuple[str, ...] = ()
+    images_from_copies: int = 0
+
+    def to_dict(self) -> dict:
+        """The run's record of it (``recoveries`` in the job's state; JSON)."""
+        return {"lost": list(self.lost), "workers": self.workers, "resume_step": self.resume_step,
+                "wall_s": self.wall_s, "live_state": list(self.live_state), "snapshot_only": list(self.snapshot_only),
+                "lost_nodes": list(self.lost_nodes), "images_from_copies": self.images_from_copies,
+                "world": self.world_s, "restore": self.restore_s}
+
+
+@dataclass(frozen=True)
+class ImageCopy:
+    """A snapshot image's copy on another node (several nodes only)."""
+
+    ref: ObjectRef  # the copy
+    node: str  # the Ray node that holds it
+
+
+@dataclass(frozen=True)
+class PendingSnapshot:
+    """A snapshot being taken: it counts once every image (and, on several nodes, every copy) is in."""
+
+    step: int
+    images: dict[str, list[ObjectRef]]  # model -> one state-image ref per worker
+    homes: dict[str, list[str]]  # model -> the node of each image (several nodes only)
+    copies: dict[str, list[ImageCopy]] = field(default_factory=dict)  # model -> each image's copy
+    acks: list[ObjectRef] = field(default_factory=list)  # the copies' acknowledgements
+
+
 class Failover:
     """The driver's failover state: the snapshots (one state-image ref per worker and model), the models
     changed since the newest one, and the calls abandoned when a loss showed. Methods take the runtime's
@@ -43,14 +90,14 @@ class Failover:
 
     def __init__(self) -> None:
         self.dirty: set[str] = set()  # models whose state changed since the newest snapshot
-        self.snapshots: dict[str, list] = {}  # model → one state-image ref per worker (complete)
+        self.snapshots: dict[str, list[ObjectRef]] = {}  # model → one state-image ref per worker (complete)
         self.homes: dict[str, list[str]] = {}  # model → the node of each of its images (several nodes only)
-        self.replicas: dict[str, list[tuple]] = {}  # model → (copy's ref, its node) per image (several nodes)
+        self.replicas: dict[str, list[ImageCopy]] = {}  # model → each image's copy (several nodes)
         self.refresh: set[str] = set()  # frozen models whose images must be taken again (a node was lost)
         self.from_copies = 0  # images the last recovery read from their copies (their node was lost)
         self.snapshot_step: int | None = None
-        self._pending: tuple | None = None  # (step, refs, homes, replicas, acks) of a snapshot being taken
-        self._in_flight: list = []  # calls still out when a loss showed, collected by ``settle_in_flight``
+        self._pending: PendingSnapshot | None = None  # a snapshot being taken
+        self._in_flight: list[ObjectRef] = []  # calls still out when a loss showed, collected by ``settle_in_flight``
         self.timeout_s: float | None = None  # the owner's deadline for a wait (``get``) that names none
 
     def changed(self, model: str) -> None:
@@ -59,7 +106,7 @@ class Failover:
 
     # ----- detection ------------------------------------------------------------------------------
     @staticmethod
-    def lost_workers(workers: list, timeout_s: float = 10.0) -> list[int]:
+    def lost_workers(workers: list[ActorHandle], timeout_s: float = 10.0) -> list[int]:
         """Ranks whose actor is dead or does not answer on its control thread within ``timeout_s``."""
         pings = [w.pid.remote() for w in workers]
         lost = []
@@ -70,7 +117,7 @@ class Failover:
                 lost.append(rank)
         return lost
 
-    def get(self, workers: list, refs: list, timeout_s: float | None = None) -> list:
+    def get(self, workers: list[ActorHandle], refs: list[ObjectRef], timeout_s: float | None = None) -> list:
         """``ray.get(refs)``, but a lost worker raises ``WorkerLostError`` as soon as it shows (a dead
         actor, or a survivor's collective failing) instead of waiting on survivors blocked on it; past
         ``timeout_s`` in all, ``waits.WaitTimeout`` (issue 19: every wait reaches the driver)."""
@@ -115,7 +162,7 @@ class Failover:
         self.homes, self.replicas, self.refresh = {}, {}, set()
         self.dirty.clear()
 
-    def snapshot(self, step: int, workers: list, specs: Iterable[KeySpec], homes: list[str] | None = None,
+    def snapshot(self, step: int, workers: list[ActorHandle], specs: Iterable[KeySpec], homes: list[str] | None = None,
                  ring: dict[str, str] | None = None) -> float:
         """Copy the state a lost worker could take with it (trained models every call, frozen ones once)
         to host memory, labelled ``step``; returns the seconds the driver spent. The copies are taken by
@@ -138,31 +185,32 @@ class Failover:
             if len(models) == 1:
                 per_worker = [[r] for r in per_worker]
             refs = {m: [refs[i] for refs in per_worker] for i, m in enumerate(models)}
-            replicas: dict[str, list[tuple]] = {}
+            copies: dict[str, list[ImageCopy]] = {}
             acks = []
             if ring and homes:
                 for m, rs in refs.items():
-                    copies = [replicate(r, ring[h]) + (ring[h],) for r, h in zip(rs, homes, strict=True)]
-                    replicas[m] = [(ref, node) for ref, _, node in copies]
-                    acks += [ack for _, ack, _ in copies]
-            self._pending = (step, refs, {m: list(homes or []) for m in models}, replicas, acks)
+                    copies[m] = []
+                    for r, h in zip(rs, homes, strict=True):
+                        copy, ack = replicate(r, ring[h])
+                        copies[m].append(ImageCopy(copy, ring[h]))
+                        acks.append(ack)
+            self._pending = PendingSnapshot(step, refs, {m: list(homes or []) for m in models}, copies, acks)
         self.dirty.clear()
         return time.perf_counter() - t0
 
     @property
     def latest_snapshot_step(self) -> int | None:
         """The step of the newest snapshot taken or being taken."""
-        return self._pending[0] if self._pending else self.snapshot_step
+        return self._pending.step if self._pending else self.snapshot_step
 
-    def _promote(self, workers: list, pending: tuple | None, wait: bool) -> bool:
+    def _promote(self, workers: list[ActorHandle], pending: PendingSnapshot | None, wait: bool) -> bool:
         """Make a pending snapshot the one recovery uses, once each of its copies is in (``wait``: block
         for them; else only if they all already made it)."""
         if pending is None:
             return False
         self._pending = None
-        step, refs, homes, replicas, acks = pending
         # with copies, their acknowledgements (which fail if the image failed): the images stay on their nodes
-        flat = acks or [r for rs in refs.values() for r in rs]
+        flat = pending.acks or [r for rs in pending.images.values() for r in rs]
         if wait:
             self.get(workers, flat)
         else:
@@ -173,15 +221,15 @@ class Failover:
                 return False
             if len(ready) < len(flat):
                 return False
-        self.snapshots.update(refs)
-        self.homes.update(homes)
-        self.replicas.update(replicas)
-        self.refresh -= set(refs)
-        self.snapshot_step = step
+        self.snapshots.update(pending.images)
+        self.homes.update(pending.homes)
+        self.replicas.update(pending.copies)
+        self.refresh -= set(pending.images)
+        self.snapshot_step = pending.step
         return True
 
     # ----- recovery -------------------------------------------------------------------------------
-    def recovery_sources(self, workers: list, specs: list[KeySpec]) -> set[str]:
+    def recovery_sources(self, workers: list[ActorHandle], specs: list[KeySpec]) -> set[str]:
         """Before re-forming the world: settle the newest snapshot and return the models whose live state
         changed since it (they come from the snapshot only); raises ``StateLostError`` when one of them
         has no snapshot."""
@@ -197,8 +245,8 @@ class Failover:
                                  "snapshots (run.checkpoint.snapshot_every) to survive a lost worker")
         return set(self.dirty)
 
-    def images(self, survivors: list, specs: list[KeySpec], dirty: set[str],
-               alive: set[str] | None = None) -> dict[str, list]:
+    def images(self, survivors: list[ActorHandle], specs: list[KeySpec], dirty: set[str],
+               alive: set[str] | None = None) -> dict[str, list[ObjectRef]]:
         """Per model, state images in preference order: the survivors' live state of models unchanged
         since the snapshot, then the snapshot — each image from a node in ``alive`` (nodes known to be up:
         the survivors' and the driver's), its copy when its own node may be lost."""
@@ -213,7 +261,7 @@ class Failover:
             images[model] = live + self._snapshot_images(model, alive)
         return images
 
-    def _snapshot_images(self, model: str, alive: set[str] | None) -> list:
+    def _snapshot_images(self, model: str, alive: set[str] | None) -> list[ObjectRef]:
         """``model``'s snapshot images, each read where it survives: on its own node when that node is up
         (or nothing says otherwise: one node), else from its copy on a node that is up; an image whose two
         nodes are both lost is left out (``recovery.fill`` then names what no image covers)."""
@@ -224,8 +272,8 @@ class Failover:
         for i, ref in enumerate(refs):
             if homes[i] in alive:
                 out.append(ref)
-            elif i < len(copies) and copies[i][1] in alive:
-                out.append(copies[i][0])
+            elif i < len(copies) and copies[i].node in alive:
+                out.append(copies[i].ref)
                 self.from_copies += 1
         return out
 

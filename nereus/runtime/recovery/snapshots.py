@@ -18,11 +18,16 @@ every element was covered; then installs new ``ShardedModel``\\ s around the fil
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from nereus.runtime.cluster.groups import ParallelGroups
+from nereus.runtime.model.dtypes import dtype_name, torch_dtype
 from nereus.runtime.model.sharded import ShardedModel
+from nereus.runtime.parallel.dp import AdamFacts
 from nereus.runtime.transitions.executor import TransferComm
 from nereus.runtime.transitions.holdings import (
     OPTIMIZER,
@@ -36,7 +41,37 @@ from nereus.runtime.transitions.holdings import (
 )
 from nereus.spec.sharding import box_volume, intersect
 
-Packed = dict  # {"meta": [(BufferKey, ((dtype name, numel), ...))], "data": uint8 ndarray, "adam": ...}
+if TYPE_CHECKING:
+    import numpy as np
+
+    from nereus.runtime.transitions.live import KeySpec
+
+
+@dataclass(frozen=True)
+class Component:
+    """One tensor of a buffer in an image's bytes: its dtype (``dtypes.DTYPES`` name) and element count."""
+
+    dtype: str
+    numel: int
+
+
+@dataclass(frozen=True)
+class ImagePiece:
+    """One buffer of a state image: its key and its components, stored one after another."""
+
+    key: BufferKey
+    components: tuple[Component, ...]
+
+
+@dataclass(frozen=True)
+class StateImage:
+    """One worker's state of some models: every buffer's bytes in one host array (Ray stores a numpy
+    array without copying it through pickle: ~100× faster than a dict of tensors for a model's few hundred
+    pieces), what each piece is, and each trained model's Adam settings and step count."""
+
+    pieces: tuple[ImagePiece, ...]
+    data: np.ndarray  # uint8: the components' bytes in piece order
+    adam: Mapping[str, AdamFacts]
 
 
 class StateLostError(RuntimeError):
@@ -44,12 +79,12 @@ class StateLostError(RuntimeError):
 
 
 def state_image(models: dict[str, ShardedModel], key_model: dict[str, str], optimizer_for: set[str],
-                weights_dp0_only: bool = False) -> Packed:
+                weights_dp0_only: bool = False) -> StateImage:
     """Copies of the weights (and, for models in ``optimizer_for``, the Adam state) of the keys in
     ``key_model`` (key → model) this worker holds. With ``weights_dp0_only`` only data-parallel replica 0
     contributes weights (the other replicas hold the same values)."""
     held = Holdings()
-    adam: dict[str, tuple] = {}
+    adam: dict[str, AdamFacts] = {}
     for key, model in key_model.items():
         sm = models.get(key)
         if sm is None:
@@ -61,37 +96,36 @@ def state_image(models: dict[str, ShardedModel], key_model: dict[str, str], opti
             if bkey[1] == OPTIMIZER and model not in optimizer_for:
                 continue
             held.add(bkey, buf)
-        moments = sm.optimizer.moments() if model in optimizer_for and sm.optimizer is not None else None
-        if moments is not None:
-            adam[model] = (dict(sm.optimizer.hyper), moments[2])
+        has_moments = model in optimizer_for and sm.optimizer is not None and sm.optimizer.moments() is not None
+        if has_moments:
+            adam[model] = sm.optimizer.facts()
     return pack({k: b.comps for k, b in held.buffers.items()}, adam)
 
 
-def pack(buffers: dict[BufferKey, tuple[torch.Tensor, ...]], adam: dict) -> Packed:
-    """One host byte array for all components (Ray stores a numpy array without pickling it: ~100× faster
-    than a dict of tensors for a model's few hundred pieces) and what each piece is."""
-    meta, parts = [], []
+def pack(buffers: dict[BufferKey, tuple[torch.Tensor, ...]], adam: Mapping[str, AdamFacts]) -> StateImage:
+    """One host byte array for all components, and what each piece is."""
+    pieces, parts = [], []
     for key, comps in buffers.items():
-        meta.append((key, tuple((str(c.dtype).removeprefix("torch."), c.numel()) for c in comps)))
+        pieces.append(ImagePiece(key, tuple(Component(dtype_name(c.dtype), c.numel()) for c in comps)))
         parts += [c.detach().reshape(-1).to("cpu").view(torch.uint8) for c in comps]
     data = torch.cat(parts).numpy() if parts else torch.zeros(0, dtype=torch.uint8).numpy()
-    return {"meta": meta, "data": data, "adam": adam}
+    return StateImage(tuple(pieces), data, dict(adam))
 
 
-def unpack(packed: Packed) -> Holdings:
+def unpack(image: StateImage) -> Holdings:
     """The image's buffers as (read-only) tensors over the packed bytes, no copy."""
     with warnings.catch_warnings():  # Ray hands out the stored array read-only; it is only read here
         warnings.simplefilter("ignore", UserWarning)
-        data = torch.from_numpy(packed["data"])
+        data = torch.from_numpy(image.data)
     held, offset = Holdings(), 0
-    for key, comps in packed["meta"]:
+    for piece in image.pieces:
         out = []
-        for dtype_name, numel in comps:
-            dtype = getattr(torch, dtype_name)
-            n = numel * dtype.itemsize
+        for c in piece.components:
+            dtype = torch_dtype(c.dtype)
+            n = c.numel * dtype.itemsize
             out.append(data[offset: offset + n].view(dtype))
             offset += n
-        held.add(key, Buffer(key[3], tuple(out)))
+        held.add(piece.key, Buffer(piece.key[3], tuple(out)))
     return held
 
 
@@ -126,15 +160,15 @@ def fill(key: BufferKey, dtypes: tuple[torch.dtype, ...], images: list[Holdings]
     return target
 
 
-def restore_state(specs: list, groups: dict[str, ParallelGroups], images: dict[str, list[Packed]],
+def restore_state(specs: list[KeySpec], groups: dict[str, ParallelGroups], images: dict[str, list[StateImage]],
                   comm: TransferComm, schedule: str = "1f1b") -> dict[str, ShardedModel]:
     """This rank's shards of ``specs`` (``KeySpec``) under ``groups``, filled from ``images`` (model → images
     in preference order). Collective over the world (tied heads move point to point)."""
     from nereus.runtime.transitions.live import _install, new_needs
 
-    adam: dict[str, tuple] = {}
+    adam: dict[str, AdamFacts] = {}
     for model, packs in images.items():
-        facts = next((p["adam"][model] for p in packs if model in p["adam"]), None)
+        facts = next((p.adam[model] for p in packs if model in p.adam), None)
         if facts is not None:
             adam[model] = facts
     unpacked = {m: [unpack(p) for p in packs] for m, packs in images.items()}

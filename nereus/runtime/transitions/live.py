@@ -12,6 +12,7 @@ counts them once. The new layouts' process groups are created by the caller befo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,9 @@ import torch.distributed as dist
 from nereus.elastic.plan import TransitionPlan
 from nereus.runtime.cluster.groups import ParallelGroups
 from nereus.runtime.model.decoder import ModelConfig
+from nereus.runtime.model.dtypes import torch_dtype
 from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
+from nereus.runtime.parallel.dp import AdamFacts
 from nereus.runtime.recovery.faults import FaultHook
 from nereus.runtime.transitions.executor import Execution, Measured, NewBuffers, TransferComm, new_tensor
 from nereus.runtime.transitions.holdings import (
@@ -53,6 +56,28 @@ class KeySpec:
         return self.stage == "training"
 
 
+@dataclass(frozen=True)
+class TransitionAnswer:
+    """One worker's answer to a transition (``Worker.transition``): committed (``ok``) or the error, its
+    wall time, and what it measured (None when it failed: every worker then keeps its old shards)."""
+
+    ok: bool
+    error: str
+    wall_s: float
+    measured: Measured | None = None
+
+
+@dataclass(frozen=True)
+class MoveResult:
+    """A transition or weight sync over the world (``Runtime.transition``, ``Runtime.sync_weights``): the
+    slowest worker's wall time, each worker's measurements by rank, and the graph it ran (None when there
+    was nothing to move)."""
+
+    wall_s: float
+    workers: tuple[Measured, ...] = ()
+    graph: TransitionPlan | None = None
+
+
 def plan_of(specs: list[KeySpec], world: int) -> Plan:
     return Plan(tuple(Placement(ModelStage(s.model, s.stage), s.layout, tuple(s.ranks)) for s in specs), world)
 
@@ -65,15 +90,15 @@ def new_needs(specs: list[KeySpec], groups: dict[str, ParallelGroups]) -> dict[B
         if not g.member:
             continue
         for name, box in weight_boxes(s.cfg, g).items():
-            needs[(s.model, WEIGHTS, name, (box,))] = (getattr(torch, s.dtype),)
+            needs[(s.model, WEIGHTS, name, (box,))] = (torch_dtype(s.dtype),)
         if s.training:
             for name, bset in optimizer_boxes(s.cfg, g):
                 needs[(s.model, OPTIMIZER, name, bset)] = (torch.float32,) * 3
     return needs
 
 
-def _adam_facts(old: dict[str, ShardedModel], specs: list[KeySpec], comm: TransferComm) -> dict[str, tuple]:
-    """Per trained model: (Adam hyper-parameters, step count), agreed over all ranks (a rank new to the
+def _adam_facts(old: dict[str, ShardedModel], specs: list[KeySpec], comm: TransferComm) -> dict[str, AdamFacts]:
+    """Per trained model: its Adam settings and step count, agreed over all ranks (a rank new to the
     model's training layout holds no old optimizer to read them from)."""
     mine = {}
     for s in specs:
@@ -81,11 +106,10 @@ def _adam_facts(old: dict[str, ShardedModel], specs: list[KeySpec], comm: Transf
         if s.training and sm is not None:
             opt = sm.optimizer or sm.make_optimizer()
             opt.ensure_state()
-            moments = opt.moments()
-            mine[s.model] = (dict(opt.hyper), moments[2] if moments else 0.0)
+            mine[s.model] = opt.facts()
     facts: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(facts, mine, group=comm.control)
-    out: dict[str, tuple] = {}
+    out: dict[str, AdamFacts] = {}
     for f in facts:
         out.update(f)
     return out
@@ -108,8 +132,8 @@ def _fill_tied_heads(models: list[ShardedModel], comm: TransferComm) -> None:
         comm.wait(dist.batch_isend_irecv(ops))
 
 
-def _install(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict[str, tuple], schedule: str,
-             comm: TransferComm):
+def _install(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict[str, AdamFacts], schedule: str,
+             comm: TransferComm) -> Callable[[Holdings], dict[str, ShardedModel]]:
     def install(h: Holdings) -> dict[str, ShardedModel]:
         models = {}
         for s in specs:
@@ -120,14 +144,14 @@ def _install(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict
                        for name, box in weight_boxes(s.cfg, g).items()}
             box = shard_boxes(s.cfg, g).get("tied_head")
             if box is not None:  # filled from the first stage's embedding below (_fill_tied_heads)
-                tensors["tied_head"] = torch.empty(extent(box), dtype=getattr(torch, s.dtype), device=g.device)
-            sm = ShardedModel(s.cfg, g, tensors, dtype=getattr(torch, s.dtype), schedule=schedule, assign=True)
+                tensors["tied_head"] = torch.empty(extent(box), dtype=torch_dtype(s.dtype), device=g.device)
+            sm = ShardedModel(s.cfg, g, tensors, dtype=torch_dtype(s.dtype), schedule=schedule, assign=True)
             if s.training and s.model in adam:
-                hyper, step = adam[s.model]
-                opt = sm.make_optimizer(init_master=False, **hyper)
+                facts = adam[s.model]
+                opt = sm.make_optimizer(init_master=False, **facts.settings())
                 bufs = [h.get((s.model, OPTIMIZER, name, bset)) for name, bset in optimizer_boxes(s.cfg, g)]
                 opt.install_state([b.comps[0] for b in bufs], [b.comps[1] for b in bufs],
-                                  [b.comps[2] for b in bufs], step)
+                                  [b.comps[2] for b in bufs], facts.step)
             models[s.key] = sm
         _fill_tied_heads(list(models.values()), comm)
         return models
@@ -145,7 +169,7 @@ def transition_keys(graph: TransitionPlan, old: dict[str, ShardedModel], old_spe
     held = Holdings()
     dtypes: dict[str, torch.dtype] = {}
     for s in old_specs + new_specs:
-        dtypes.setdefault(s.model, getattr(torch, s.dtype))
+        dtypes.setdefault(s.model, torch_dtype(s.dtype))
     for s in old_specs:
         if s.key in old:
             holdings_of(s.model, old[s.key], into=held)

@@ -39,7 +39,7 @@ def test_two_layouts_on_ray_workers(ray_runtime, tmp_path):
     assert len(stats.losses) == len(data["tokens"])  # one per micro-batch of one sequence
     assert len(stats.replicas) == a.dp and stats.grad_norm is None and stats.metrics == []
     reports = rt.memory("a")
-    assert all(r["op"] == "train" and r["optimizer"] > 0 and r["activations"] > 0 for r in reports)
+    assert all(r.op == "train" and r.optimizer > 0 and r.activations > 0 for r in reports)
     params = SamplingParams(max_new_tokens=4)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]]
     want = [reference_generate(model, p, params) for p in prompts]

@@ -84,8 +84,8 @@ def test_worker_killed_mid_step_with_dp2(ray_runtime):
 
         new = [spec("actor", lay(pp=2), [2, 0]), spec("reference", lay(), [1])]
         out = rt.recover(lambda n: new)
-        assert (out["lost"], out["workers"], out["resume_step"]) == ([3], 3, 2)
-        assert out["snapshot_only"] == ["actor"] and out["live_state"] == ["reference"]
+        assert (out.lost, out.workers, out.resume_step) == ((3,), 3, 2)
+        assert out.snapshot_only == ("actor",) and out.live_state == ("reference",)
         assert_states(global_state(rt, train.key, "actor"), before, exact=True)  # bit-equal step-start state
         assert_states(global_state(rt, ref.key, "reference"),
                       {("weights", k, 0): v for k, v in initial_state("reference").items()}, exact=True)
@@ -113,7 +113,7 @@ def test_worker_killed_mid_transition(ray_runtime):
             rt.transition([spec("actor", lay(pp=2, dp=2), [3, 2, 1, 0])], j)
         assert lost.value.lost == [2]
         out = rt.recover(lambda n: [spec("actor", lay(tp=2), [2, 0]), spec("reference", lay(), [2])])
-        assert out["live_state"] == ["actor", "reference"] and out["snapshot_only"] == []
+        assert out.live_state == ("actor", "reference") and out.snapshot_only == ()
         assert_states(global_state(rt, train.key, "actor"), before, exact=True)
         rt.train_step(train.key, make_batch(ACTOR, 2), loss, lr=ADAM_LR)
     finally:
