@@ -32,7 +32,7 @@ import re
 from collections.abc import Callable, Mapping
 from fractions import Fraction
 from pathlib import Path
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 
 from nereus.rl.longtail import TASK_SOURCE as REPEAT_SOURCE
 from nereus.rl.task import TASK_SOURCE, digit_match, exact_match
@@ -149,7 +149,7 @@ def scorer_for_source(data_source: str) -> Scorer | None:
 
 
 # ----- user functions -------------------------------------------------------------------------------------
-def _import_target(module: str, where: str) -> object:
+def _import_target(module: str, where: str) -> ModuleType:
     if module.endswith(".py"):
         path = Path(module)
         if not path.is_file():

@@ -71,7 +71,8 @@ def test_a_fields_loop_does_not_excuse_another_name(tmp_path):
 
 # ----- module-level mutable state ------------------------------------------------------------------------
 @pytest.mark.parametrize(("files", "where", "name"), [
-    ({"rl/rewards.py": "SOURCES = {}\n\n\ndef register(k, v):\n    SOURCES[k] = v\n"}, "nereus/rl/rewards.py:5", "SOURCES"),
+    ({"rl/rewards.py": "SOURCES = {}\n\n\ndef register(k, v):\n    SOURCES[k] = v\n"},
+     "nereus/rl/rewards.py:5", "SOURCES"),
     ({"run/log.py": "SEEN = []\n\n\ndef note(x):\n    SEEN.append(x)\n"}, "nereus/run/log.py:5", "SEEN"),
     ({"run/log.py": "from collections import defaultdict\n\nBY = defaultdict(list)\n\n\n"
                     "def note(k, x):\n    BY[k].append(x)\n    del BY[k]\n"}, "nereus/run/log.py:8", "BY"),
@@ -99,8 +100,10 @@ def test_checker_reports_a_global_statement(tmp_path):
 
 def test_checker_accepts_read_only_tables_and_local_containers(tmp_path):
     source = ("from types import MappingProxyType\n\nTIMERS = {'a': 'gen'}\nKINDS = ('a', 'b')\n"
-              "TABLE = MappingProxyType({'x': 1})\nBUILT = {}\nfor k in KINDS:\n    BUILT[k] = len(k)  # at import\n\n\n"
-              "def f(TIMERS):\n    TIMERS['b'] = 1  # a parameter, not the module's\n    out = []\n    out.append(BUILT['a'])\n"
+              "TABLE = MappingProxyType({'x': 1})\nBUILT = {}\n"
+              "for k in KINDS:\n    BUILT[k] = len(k)  # at import\n\n\n"
+              "def f(TIMERS):\n    TIMERS['b'] = 1  # a parameter, not the module's\n"
+              "    out = []\n    out.append(BUILT['a'])\n"
               "    seen = {}\n    seen.update(TABLE)\n    return TIMERS.get('a'), out, seen\n")
     assert module_state.module_state(_package(tmp_path, {"run/backend.py": source})) == []
 

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import ray
 
@@ -101,7 +102,11 @@ def _init_with_retries(num_cpus: int, temp_dir: Path) -> None:
             ray.shutdown()
 
 
-def _signal_handlers() -> dict[int, object]:
+# what ``signal.getsignal`` answers: a Python handler, or ``signal.SIG_DFL``/``SIG_IGN``
+SignalHandler = Callable[[int, FrameType | None], object] | int | signal.Handlers
+
+
+def _signal_handlers() -> dict[int, SignalHandler]:
     """The Python-level handlers of the termination signals, when this is the main thread (else none)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
@@ -140,7 +145,7 @@ def exit_on_signals(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, s
     exception raised while it waits (``KeyboardInterrupt`` included) into ``SystemExit(1)``, losing it."""
     received: list[int] = []
 
-    def stop(signum: int, _frame: object) -> None:
+    def stop(signum: int, _frame: FrameType | None) -> None:
         received.append(signum)
         raise SystemExit(128 + signum)
 

@@ -111,12 +111,13 @@ def test_replica_ring_sends_each_node_to_another() -> None:
 
 
 def test_snapshot_images_come_from_copies_when_their_node_is_lost() -> None:
-    from nereus.runtime.recovery.failover import Failover
+    from nereus.runtime.recovery.failover import Failover, ImageCopy
 
     f = Failover()
     f.snapshots = {"actor": ["p0", "p1", "p2", "p3"]}
     f.homes = {"actor": ["a", "a", "b", "b"]}
-    f.replicas = {"actor": [("c0", "b"), ("c1", "b"), ("c2", "head"), ("c3", "head")]}
+    f.replicas = {"actor": [ImageCopy("c0", "b"), ImageCopy("c1", "b"), ImageCopy("c2", "head"),
+                            ImageCopy("c3", "head")]}
     assert f._snapshot_images("actor", {"a", "b", "head"}) == ["p0", "p1", "p2", "p3"]
     assert f._snapshot_images("actor", {"a", "head"}) == ["p0", "p1", "c2", "c3"] and f.from_copies == 2
     assert f._snapshot_images("actor", {"a"}) == ["p0", "p1"]  # both copies of 2 and 3 gone: left out
