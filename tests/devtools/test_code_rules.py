@@ -7,17 +7,9 @@ import pytest
 
 from nereus.devtools import dispatch, module_state
 from nereus.devtools.imports import check, main
+from tests.devtools.synthetic import write_package
 
 PACKAGE = Path(__file__).resolve().parents[2] / "nereus"
-
-
-def _package(tmp_path: Path, files: dict[str, str]) -> Path:
-    root = tmp_path / "nereus"
-    for rel, text in {"__init__.py": "", **files}.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
 
 
 def test_no_computed_name_dispatch_in_the_package():
@@ -47,7 +39,7 @@ def test_every_allowance_still_matches_something():
     ("from operator import attrgetter\n\n\ndef f(name):\n    return attrgetter(name)\n", 5, "attrgetter(name)"),
 ])
 def test_checker_reports_computed_name_dispatch_with_file_and_line(tmp_path, source, line, shown):
-    root = _package(tmp_path, {"runtime/workers.py": source})
+    root = write_package(tmp_path, {"runtime/workers.py": source})
     problems = dispatch.dispatch(root)
     assert len(problems) == 1, problems
     assert problems[0].startswith(f"nereus/runtime/workers.py:{line} computed-name dispatch `{shown}`"), problems
@@ -60,12 +52,12 @@ def test_checker_accepts_literal_names_and_dataclass_serialisation(tmp_path):
         "def to_dict(self):\n    return {f.name: getattr(self, f.name) for f in fields(self)}\n\n\n"
         "def rows(records):\n    return [[getattr(r, f.name) for f in dataclasses.fields(r)] for r in records]\n\n\n"
         "def copy(a, b):\n    for f in fields(a):\n        setattr(b, f.name, getattr(a, f.name))\n")
-    assert dispatch.dispatch(_package(tmp_path, {"spec/plan.py": source})) == []
+    assert dispatch.dispatch(write_package(tmp_path, {"spec/plan.py": source})) == []
 
 
 def test_a_fields_loop_does_not_excuse_another_name(tmp_path):
     source = "from dataclasses import fields\n\n\ndef f(o, op):\n    return [getattr(o, op) for f in fields(o)]\n"
-    problems = dispatch.dispatch(_package(tmp_path, {"spec/plan.py": source}))
+    problems = dispatch.dispatch(write_package(tmp_path, {"spec/plan.py": source}))
     assert len(problems) == 1 and problems[0].startswith("nereus/spec/plan.py:5 "), problems
 
 
@@ -86,14 +78,14 @@ def test_a_fields_loop_does_not_excuse_another_name(tmp_path):
      "nereus/elastic/steps.py:5", "KINDS"),
 ])
 def test_checker_reports_a_mutated_module_container_with_file_and_line(tmp_path, files, where, name):
-    problems = module_state.module_state(_package(tmp_path, files))
+    problems = module_state.module_state(write_package(tmp_path, files))
     assert problems and problems[0].startswith(f"{where} module state:"), problems
     assert f"the module-level `{name}` (" in problems[0]
 
 
 def test_checker_reports_a_global_statement(tmp_path):
     source = "_RUNTIME = None\n\n\ndef runtime():\n    global _RUNTIME\n    _RUNTIME = object()\n    return _RUNTIME\n"
-    problems = module_state.module_state(_package(tmp_path, {"run/cache.py": source}))
+    problems = module_state.module_state(write_package(tmp_path, {"run/cache.py": source}))
     assert problems == ["nereus/run/cache.py:5 module state: `global _RUNTIME` rebinds a module-level name from a "
                         "function; keep the state in an object"]
 
@@ -105,11 +97,11 @@ def test_checker_accepts_read_only_tables_and_local_containers(tmp_path):
               "def f(TIMERS):\n    TIMERS['b'] = 1  # a parameter, not the module's\n"
               "    out = []\n    out.append(BUILT['a'])\n"
               "    seen = {}\n    seen.update(TABLE)\n    return TIMERS.get('a'), out, seen\n")
-    assert module_state.module_state(_package(tmp_path, {"run/backend.py": source})) == []
+    assert module_state.module_state(write_package(tmp_path, {"run/backend.py": source})) == []
 
 
 def test_the_command_prints_every_rule(tmp_path, capsys):
-    root = _package(tmp_path, {"spec/layout.py": "import torch\n\nSEEN = []\n\n\ndef f(w, op):\n"
+    root = write_package(tmp_path, {"spec/layout.py": "import torch\n\nSEEN = []\n\n\ndef f(w, op):\n"
                                                  "    SEEN.append(op)\n    return getattr(w, op)\n"})
     assert main([str(root)]) == 1
     out = capsys.readouterr().out

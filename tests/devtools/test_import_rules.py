@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from nereus.devtools.imports import check, file_cycles, forbidden_imports, package_cycles, scan
+from tests.devtools.synthetic import write_package
 
 PACKAGE = Path(__file__).resolve().parents[2] / "nereus"
 
@@ -31,16 +32,6 @@ def test_no_file_cycles():
     assert not problems, "\n".join(problems)
 
 
-def _package(tmp_path: Path, files: dict[str, str]) -> Path:
-    """A package ``nereus`` under tmp_path with the given files (relative path -> source)."""
-    root = tmp_path / "nereus"
-    for rel, text in {"__init__.py": "", **files}.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
-
-
 CLEAN = {
     "spec/__init__.py": "",
     "spec/layout.py": "import math\n",
@@ -51,11 +42,11 @@ CLEAN = {
 
 
 def test_checker_accepts_a_clean_package(tmp_path):
-    assert check(_package(tmp_path, CLEAN)) == []
+    assert check(write_package(tmp_path, CLEAN)) == []
 
 
 def test_checker_reports_torch_in_spec_with_file_and_line(tmp_path):
-    root = _package(tmp_path, {**CLEAN, "spec/layout.py": "import math\n\n\ndef f():\n    import torch\n"})
+    root = write_package(tmp_path, {**CLEAN, "spec/layout.py": "import math\n\n\ndef f():\n    import torch\n"})
     problems = forbidden_imports(scan(root))
     # the spec file itself, and cost and control that reach it
     assert any(p.startswith("nereus/spec/layout.py (spec/ must not import torch)")
@@ -66,14 +57,14 @@ def test_checker_reports_torch_in_spec_with_file_and_line(tmp_path):
 
 def test_checker_reports_ray_reached_through_a_package_init(tmp_path):
     # importing nereus.spec.layout runs nereus/spec/__init__.py, which imports ray
-    root = _package(tmp_path, {**CLEAN, "spec/__init__.py": "import ray\n"})
+    root = write_package(tmp_path, {**CLEAN, "spec/__init__.py": "import ray\n"})
     problems = forbidden_imports(scan(root))
     assert any(p.startswith("nereus/cost/model.py (cost/ must not import ray)")
                and "nereus/spec/__init__.py:1 `import ray`" in p for p in problems), problems
 
 
 def test_checker_reports_control_importing_a_backend(tmp_path):
-    root = _package(tmp_path, {**CLEAN, "control/controller.py": "from nereus.runtime import engine\n"})
+    root = write_package(tmp_path, {**CLEAN, "control/controller.py": "from nereus.runtime import engine\n"})
     problems = forbidden_imports(scan(root))
     assert any(p.startswith("nereus/control/controller.py (control/ must not import runtime/)")
                and "nereus/control/controller.py:1 `from nereus.runtime import engine`" in p
@@ -82,7 +73,7 @@ def test_checker_reports_control_importing_a_backend(tmp_path):
 
 def test_checker_reports_run_importing_sim(tmp_path):
     deferred = "def f():\n    from nereus.sim.run import x\n"  # inside a function: still counts
-    root = _package(tmp_path, {**CLEAN, "sim/run.py": "", "run/driver.py": deferred})
+    root = write_package(tmp_path, {**CLEAN, "sim/run.py": "", "run/driver.py": deferred})
     problems = forbidden_imports(scan(root))
     assert any("(run/ must not import sim/)" in p and "nereus/run/driver.py:2" in p for p in problems), problems
 
@@ -90,7 +81,7 @@ def test_checker_reports_run_importing_sim(tmp_path):
 @pytest.mark.parametrize("relative", [False, True])
 def test_checker_reports_file_and_package_cycles(tmp_path, relative):
     back = "from . import model\n" if relative else "from nereus.cost import model\n"
-    root = _package(tmp_path, {**CLEAN, "spec/layout.py": "def f():\n    " + back.replace(
+    root = write_package(tmp_path, {**CLEAN, "spec/layout.py": "def f():\n    " + back.replace(
         "from . ", "from ..cost ")})
     files, packages = file_cycles(scan(root)), package_cycles(scan(root))
     assert len(files) == 1 and "nereus/cost/model.py -> nereus/spec/layout.py -> nereus/cost/model.py" in files[0]
@@ -99,7 +90,7 @@ def test_checker_reports_file_and_package_cycles(tmp_path, relative):
 
 
 def test_checker_reports_a_cycle_inside_one_package(tmp_path):
-    root = _package(tmp_path, {**CLEAN, "spec/a.py": "from nereus.spec import b\n",
+    root = write_package(tmp_path, {**CLEAN, "spec/a.py": "from nereus.spec import b\n",
                                "spec/b.py": "import nereus.spec.c\n", "spec/c.py": "from nereus.spec.a import x\n"})
     files = file_cycles(scan(root))
     assert len(files) == 1, files
@@ -110,10 +101,10 @@ def test_checker_reports_a_cycle_inside_one_package(tmp_path):
 
 def test_a_type_checking_import_is_no_file_cycle_but_still_counts_for_layering(tmp_path):
     typed = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from nereus.cost.model import X\n"
-    root = _package(tmp_path, {**CLEAN, "spec/layout.py": typed})
+    root = write_package(tmp_path, {**CLEAN, "spec/layout.py": typed})
     assert file_cycles(scan(root)) == []  # it never runs
     assert len(package_cycles(scan(root))) == 1  # the packages still depend on each other
     torch_typed = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    import torch\n"
-    root = _package(tmp_path / "b", {**CLEAN, "spec/layout.py": torch_typed})
+    root = write_package(tmp_path / "b", {**CLEAN, "spec/layout.py": torch_typed})
     assert any(p.startswith("nereus/spec/layout.py (spec/ must not import torch)") and
                "nereus/spec/layout.py:4 `import torch`" in p for p in forbidden_imports(scan(root)))
