@@ -21,17 +21,19 @@ from __future__ import annotations
 import ast
 import sys
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 TORCH_FREE = ("spec", "cost", "planner", "elastic", "control", "sim")
 HEAVY = ("torch", "ray")
 # package -> packages it must not reach, directly or transitively
-FORBIDDEN_PACKAGES: dict[str, tuple[str, ...]] = {
+FORBIDDEN_PACKAGES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "control": ("runtime", "run", "sim", "rl"),
     "run": ("sim",),
     "runtime": ("sim",),
-}
+})
 
 
 @dataclass(frozen=True)

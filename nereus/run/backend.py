@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 from nereus.control.backend import (
     ClusterState,
@@ -34,9 +35,10 @@ from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
 
 # the driver's timers (verl's names) that measure each model-stage
-STAGE_TIMERS = {"actor/generation": "gen", "actor/inference": "old_log_prob", "reference/inference": "ref",
-                "critic/inference": "values", "reward/inference": "reward", "critic/training": "update_critic",
-                "actor/training": "update_actor"}
+STAGE_TIMERS: Mapping[str, str] = MappingProxyType({
+    "actor/generation": "gen", "actor/inference": "old_log_prob", "reference/inference": "ref",
+    "critic/inference": "values", "reward/inference": "reward", "critic/training": "update_critic",
+    "actor/training": "update_actor"})
 
 
 def step_metrics(step: int, metrics: dict, gpus: int) -> StepMetrics:

@@ -8,7 +8,9 @@ import importlib
 import json
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, TextIO
 
 from nereus.spec.errors import SpecError
@@ -21,8 +23,9 @@ CONSOLE = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/
 DEFAULT = ("console", "jsonl", "tensorboard?")
 
 # logger -> (module it needs, pip extra that installs it)
-PACKAGES = {"tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
-            "mlflow": ("mlflow", "mlflow")}
+PACKAGES: Mapping[str, tuple[str, str]] = MappingProxyType({
+    "tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow")})
 
 
 # After "\r", ECMA-48's "erase in line" (CSI 2 K) blanks the whole line: a metric line written over the

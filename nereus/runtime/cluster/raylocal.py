@@ -29,16 +29,16 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import FrameType
+from types import FrameType, MappingProxyType
 
 import ray
 
 from nereus.spec.errors import RuntimeFailure
 
 LOOPBACK = "127.0.0.1"
-LOOPBACK_ENV: dict[str, str] = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+LOOPBACK_ENV: Mapping[str, str] = MappingProxyType({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
 
 
 OWNER_ENV = "NEREUS_RAY_OWNER"

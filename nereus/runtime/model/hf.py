@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from safetensors import safe_open
@@ -21,7 +23,8 @@ from nereus.spec.sharding import Box
 INDEX = "model.safetensors.index.json"
 # Local names that read another tensor: a tied checkpoint has no ``lm_head.weight``, and the last
 # pipeline stage's copy of a tied embedding (``tied_head``) is the embedding.
-ALIASES = {"lm_head.weight": "model.embed_tokens.weight", "tied_head": "model.embed_tokens.weight"}
+ALIASES: Mapping[str, str] = MappingProxyType({"lm_head.weight": "model.embed_tokens.weight",
+                                               "tied_head": "model.embed_tokens.weight"})
 SINGLE = "model.safetensors"
 # Tokenizer files (``PreTrainedTokenizerFast.save_pretrained`` and older spellings) and the generation
 # config, copied from the model a checkpoint started from so that ``AutoTokenizer`` loads the checkpoint too.
