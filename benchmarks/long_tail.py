@@ -1,4 +1,4 @@
-"""Adaptation inside the step (issue 16), measured: every policy on every repo trace in one run.
+"""Adaptation inside the step, measured: every policy on every repo trace in one run.
 
 Generation runs at sequence granularity in the simulator's ground truth (``control.phased``: each step's
 lengths drawn from the trace, slots refilled, the tail drained) for every policy alike. Per trace it prints
@@ -24,7 +24,7 @@ from nereus.spec.trace import load_trace
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("nereus", "nereus-interstep", "pat-like", "rlhfuse-like", "fixed-oracle", "fixed-recipe", "verl-like",
             "openrlhf-like")
-LONG_TAIL = ("long_tail_dapo", "deepscaler_stages", "r1_zero_growth")  # issue 16's goal traces
+LONG_TAIL = ("long_tail_dapo", "deepscaler_stages", "r1_zero_growth")  # the long-tail traces the target is set on
 
 
 def run_trace(job, name: str, policies: tuple[str, ...], seed: int, steps: int | None) -> dict[str, dict]:
