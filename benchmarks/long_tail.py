@@ -80,7 +80,7 @@ def main() -> None:
             goal.append((name, 100 * (1 - n["mean_step_s"] / o["mean_step_s"]),
                          n["tokens_per_s"] / v["tokens_per_s"], beats))
     if goal:
-        print("issue 16 goal on the long-tail traces (>= 25% below fixed-oracle, >= 1.4x verl-like, "
+        print("goal on the long-tail traces (>= 25% below fixed-oracle, >= 1.4x verl-like, "
               "beats pat-like and rlhfuse-like):")
         for name, lower, thr, beats in goal:
             print(f"  {name:<20} {lower:+.1f}% lower step latency  {thr:.2f}x verl-like throughput  "

@@ -250,7 +250,7 @@ def table(figures: dict, skipped: dict, failed: dict, args: argparse.Namespace) 
     for mode, why in {**skipped, **failed}.items():
         why = why.split("; allowed keys")[0]  # the spec's list of keys says nothing here
         lines.append(f"{mode:<15}{'skipped' if mode in skipped else 'FAILED'}: {why}")
-    lines.append(f"goal (issue 17): >= {100 * (1 - GOAL_RATIO):.0f}% lower mean step time than static, held-out "
+    lines.append(f"goal: >= {100 * (1 - GOAL_RATIO):.0f}% lower mean step time than static, held-out "
                  f"accuracy at most {GOAL_POINTS:g} points below static's")
     for mode, f in figures.items():
         if mode != "static" and "vs_static" in f:
