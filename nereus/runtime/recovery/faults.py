@@ -21,7 +21,7 @@ import signal
 from dataclasses import dataclass
 
 POINTS = ("train_step", "transition.prepare", "transition.transfer", "transition.install", "migration.transfer",
-          "migration.install")
+          "migration.install", "generate")
 ACTIONS = ("kill", "fail")
 
 
