@@ -38,6 +38,7 @@ from nereus.runtime.generation.decode_engine import stream_seed
 from nereus.runtime.generation.sampling import SamplingParams
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.hf import config_to_hf
+from nereus.runtime.recovery.faults import FaultHook
 from nereus.spec.rollout import RolloutEngine
 
 # The engine process's environment: vLLM in-process (no engine-core subprocess), one OpenMP thread per
@@ -125,10 +126,13 @@ class VllmEngine:
         self.config = config
         self._dir = tempfile.TemporaryDirectory(prefix="nereus-vllm-")
         path = write_engine_dir(config.cfg, config.max_model_len, Path(self._dir.name))
+        # on CPU a fixed KV-cache size: vLLM otherwise reserves gpu_memory_utilization x the host's memory
+        memory = ({"gpu_memory_utilization": config.settings.gpu_memory_utilization} if torch.cuda.is_available()
+                  else {"kv_cache_memory_bytes": config.settings.cpu_kv_cache_gib * 2**30})
         self.llm = LLM(model=str(path), skip_tokenizer_init=True, load_format="dummy", dtype=config.dtype,
                        enforce_eager=config.settings.enforce_eager, max_model_len=config.max_model_len,
                        max_num_seqs=config.max_num_seqs, seed=config.seed, enable_prefix_caching=True,
-                       gpu_memory_utilization=config.settings.gpu_memory_utilization, tensor_parallel_size=1)
+                       tensor_parallel_size=1, **memory)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> float:
         """Replace every weight in place from checkpoint-named tensors; seconds taken. The prefix cache is
@@ -195,10 +199,14 @@ class ReplicaEngine:
         self.last_load_s = ray.get(self.server.load_weights.remote(weights))
         return self.last_load_s
 
-    def generate(self, prompts: list[list[int]], rows: slice,
-                 params: SamplingParams) -> list[tuple[list[int], list[float]]]:
-        """This replica's rows ``rows`` of ``prompts``."""
-        return ray.get(self.server.generate.remote(prompts[rows], rows.start, params))
+    def generate(self, prompts: list[list[int]], rows: slice, params: SamplingParams,
+                 faults: FaultHook | None = None) -> list[tuple[list[int], list[float]]]:
+        """This replica's rows ``rows`` of ``prompts``; the fault point ``generate`` lies while the engine
+        generates (a worker killed there takes its engine with it)."""
+        ref = self.server.generate.remote(prompts[rows], rows.start, params)
+        if faults is not None:
+            faults.at("generate")
+        return ray.get(ref)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return ray.get(self.server.tensors.remote())
