@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import ray
 import torch
 
 from nereus.runtime.generation.decode_engine import stream_seed
@@ -164,9 +163,8 @@ class VllmEngine:
         return {n: p.detach().clone() for n, p in runner.model.named_parameters()}
 
 
-@ray.remote(num_cpus=0)
 class EngineServer:
-    """A ``VllmEngine`` in its own Ray actor process (see the module docstring for why)."""
+    """A ``VllmEngine`` in its own Ray actor process (``server_actor``; see the module docstring for why)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine = VllmEngine(config)
@@ -182,20 +180,32 @@ class EngineServer:
         return self.engine.tensors()
 
 
+def server_actor(config: EngineConfig, **options: object):
+    """An ``EngineServer`` Ray actor (no CPU of its own: its owner waits while it generates) in the
+    engine environment, started with ``options`` (scheduling strategy...)."""
+    import ray
+
+    env = {**ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": str(config.settings.cpu_kv_cache_gib)}
+    actor = ray.remote(num_cpus=0)(EngineServer)
+    return actor.options(runtime_env={"env_vars": env}, **options).remote(config)
+
+
 class ReplicaEngine:
     """A worker's handle on its replica's engine: started beside the worker (same node, the engine
     environment), loaded with the replica's weights, asked to generate the replica's rows."""
 
     def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor]) -> None:
+        import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        env = {**ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": str(config.settings.cpu_kv_cache_gib)}
         self.config = config
-        self.server = EngineServer.options(scheduling_strategy=here, runtime_env={"env_vars": env}).remote(config)
+        self.server = server_actor(config, scheduling_strategy=here)
         self.last_load_s = ray.get(self.server.load_weights.remote(weights))
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> float:
+        import ray
+
         self.last_load_s = ray.get(self.server.load_weights.remote(weights))
         return self.last_load_s
 
@@ -203,13 +213,19 @@ class ReplicaEngine:
                  faults: FaultHook | None = None) -> list[tuple[list[int], list[float]]]:
         """This replica's rows ``rows`` of ``prompts``; the fault point ``generate`` lies while the engine
         generates (a worker killed there takes its engine with it)."""
+        import ray
+
         ref = self.server.generate.remote(prompts[rows], rows.start, params)
         if faults is not None:
             faults.at("generate")
         return ray.get(ref)
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        import ray
+
         return ray.get(self.server.tensors.remote())
 
     def close(self) -> None:
+        import ray
+
         ray.kill(self.server)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nereus.runtime.generation.fixed_batch import SamplingParams, reference_generate
-from nereus.runtime.generation.vllm_engine import ENGINE_ENV, EngineConfig, EngineServer, engine_layout
+from nereus.runtime.generation.vllm_engine import EngineConfig, engine_layout, server_actor
 from nereus.runtime.model.decoder import ModelConfig, build_model
 from nereus.spec.model import ModelArch
 from nereus.spec.rollout import RolloutEngine
@@ -49,8 +49,7 @@ def engines(ray_runtime):
     import ray
 
     config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm"))
-    opts = {"runtime_env": {"env_vars": {**ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": "1"}}}
-    a, fresh = EngineServer.options(**opts).remote(config), EngineServer.options(**opts).remote(config)
+    a, fresh = server_actor(config), server_actor(config)
     ray.get([a.load_weights.remote(weights(1)), fresh.load_weights.remote(weights(2))])
     yield a, fresh
     ray.kill(a)
