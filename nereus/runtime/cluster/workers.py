@@ -264,8 +264,12 @@ class Runtime:
     def open_engine(self, key: str, config: object) -> None:
         """One vLLM engine per data-parallel replica of ``key`` (tp=1, pp=1), loaded with the key's weights;
         from then on ``generate_with_logprobs`` on ``key`` generates with them. After a recovery or a
-        transition the caller opens them again on the new layout (a re-formed world closes them)."""
-        self._on(key, "engine_open", config)
+        transition the caller opens them again on the new layout (a re-formed world closes them). An
+        engine's start has its own deadline (``ENGINE_START_S``): importing vLLM alone takes 10–30 s."""
+        from nereus.runtime.generation.vllm_engine import ENGINE_START_S
+
+        refs = [self.workers[r].engine_open.remote(key, config) for r in self.specs[key].ranks]
+        self.failover.get(self.workers, refs, max(self.timeout_s, ENGINE_START_S))
 
     def update_engine(self, key: str) -> float:
         """The key's current weights into its engines in place (after ``sync_weights``); the slowest

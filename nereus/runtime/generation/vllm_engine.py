@@ -46,6 +46,10 @@ from nereus.spec.rollout import RolloutEngine
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
 
+# Deadline of an engine's start: vLLM's import (10-30 s) and engine start (4-50 s) measured on this
+# 2-core host while other jobs ran, with room for a busier one.
+ENGINE_START_S = 900.0
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -190,6 +194,11 @@ def server_actor(config: EngineConfig, **options: object):
     return actor.options(runtime_env={"env_vars": env}, **options).remote(config)
 
 
+def detached(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The shard's tensors without autograd history, as the engine's loader copies them."""
+    return {name: t.detach() for name, t in weights.items()}
+
+
 class ReplicaEngine:
     """A worker's handle on its replica's engine: started beside the worker (same node, the engine
     environment), loaded with the replica's weights, asked to generate the replica's rows."""
@@ -201,12 +210,12 @@ class ReplicaEngine:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.config = config
         self.server = server_actor(config, scheduling_strategy=here)
-        self.last_load_s = ray.get(self.server.load_weights.remote(weights))
+        self.last_load_s = ray.get(self.server.load_weights.remote(detached(weights)))
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> float:
         import ray
 
-        self.last_load_s = ray.get(self.server.load_weights.remote(weights))
+        self.last_load_s = ray.get(self.server.load_weights.remote(detached(weights)))
         return self.last_load_s
 
     def generate(self, prompts: list[list[int]], rows: slice, params: SamplingParams,
