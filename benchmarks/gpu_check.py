@@ -142,7 +142,8 @@ def vllm_part(shape: str, small: bool) -> dict:
     cfg = ModelConfig(ModelArch(**SHAPES[shape]))
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     engine = VllmEngine(EngineConfig(cfg, sizes.prompt + sizes.new_tokens + 8, max_num_seqs=max(sizes.batches),
-                                     dtype=dtype, settings=RolloutEngine(engine="vllm", gpu_memory_utilization=0.5)))
+                                     dtype=dtype, settings=RolloutEngine(engine="vllm", gpu_memory_utilization=0.5,
+                                                                  cpu_kv_cache_gib=0.25)))
     state = build_model(cfg, seed=1, dtype=getattr(torch, dtype)).state_dict()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     state = {k: v.to(device) for k, v in state.items()}

@@ -29,13 +29,13 @@ INSTALL_HINT = "pip install 'nereus[vllm]' on CUDA, or `make install` (the CPU b
 
 @dataclass(frozen=True)
 class RolloutEngine:
-    """``run.rollout``'s engine keys. ``cpu_kv_cache_gib`` becomes ``VLLM_CPU_KVCACHE_SPACE`` (the CPU
-    build preallocates this much KV cache per engine); ``gpu_memory_utilization`` is vLLM's share of a
-    GPU's memory (verl's default 0.5: the trainer shares the device)."""
+    """``run.rollout``'s engine keys. ``cpu_kv_cache_gib``: the KV cache a CPU engine preallocates (vLLM's
+    ``kv_cache_memory_bytes``; its ``VLLM_CPU_KVCACHE_SPACE`` in whole GiB); ``gpu_memory_utilization`` is
+    vLLM's share of a GPU's memory (verl's default 0.5: the trainer shares the device)."""
 
     engine: str = "native"
     gpu_memory_utilization: float = 0.5
-    cpu_kv_cache_gib: int = 1
+    cpu_kv_cache_gib: float = 1.0
     enforce_eager: bool = True
 
     @property
@@ -47,7 +47,8 @@ def read_engine(rollout: Fields) -> RolloutEngine:
     return RolloutEngine(engine=rollout.get("engine", str, "native", choices=ENGINES),
                          gpu_memory_utilization=rollout.get("gpu_memory_utilization", float, 0.5, minimum=0.01,
                                                             maximum=1.0),
-                         cpu_kv_cache_gib=rollout.get("cpu_kv_cache_gib", int, 1, minimum=1, maximum=1024),
+                         cpu_kv_cache_gib=rollout.get("cpu_kv_cache_gib", float, 1.0, minimum=0.001,
+                                                      maximum=1024),
                          enforce_eager=rollout.get("enforce_eager", bool, True))
 
 

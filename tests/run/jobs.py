@@ -45,4 +45,6 @@ VLLM_ARCH = {"layers": 2, "hidden": 64, "ffn_hidden": 128, "heads": 2, "kv_heads
 
 def vllm_job(algorithm: str, out_dir: str, steps: int = 3, **run: object) -> JobSpec:
     """``tiny_job`` generating with vLLM (two engines: actor/generation is dp=2 on workers 0 and 1)."""
-    return tiny_job(algorithm, out_dir, steps, arch=VLLM_ARCH, rollout={"engine": "vllm"}, **run)
+    # 64 MiB of KV cache per engine: the tiny model's sequences need a few hundred KiB
+    return tiny_job(algorithm, out_dir, steps, arch=VLLM_ARCH, rollout={"engine": "vllm", "cpu_kv_cache_gib": 0.0625},
+                    **run)

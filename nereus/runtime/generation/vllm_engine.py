@@ -25,6 +25,7 @@ replicas.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import time
@@ -106,6 +107,11 @@ def write_engine_dir(cfg: ModelConfig, max_model_len: int, root: Path) -> Path:
     return root
 
 
+def kv_space_gib(config: EngineConfig) -> str:
+    """``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, at least 1; the exact size goes as ``kv_cache_memory_bytes``)."""
+    return str(max(1, math.ceil(config.settings.cpu_kv_cache_gib)))
+
+
 def vllm_sampling(params: SamplingParams, rows: range) -> list:
     """One ``vllm.SamplingParams`` per row: temperature, top-p, max tokens, EOS as a stop token, the row's
     own seed, and the sampled token's log-prob (``logprobs=0``)."""
@@ -123,7 +129,7 @@ class VllmEngine:
     def __init__(self, config: EngineConfig) -> None:
         for k, v in ENGINE_ENV.items():
             os.environ.setdefault(k, v)
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.settings.cpu_kv_cache_gib))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", kv_space_gib(config))
         from vllm import LLM
 
         self.config = config
@@ -131,7 +137,7 @@ class VllmEngine:
         path = write_engine_dir(config.cfg, config.max_model_len, Path(self._dir.name))
         # on CPU a fixed KV-cache size: vLLM otherwise reserves gpu_memory_utilization x the host's memory
         memory = ({"gpu_memory_utilization": config.settings.gpu_memory_utilization} if torch.cuda.is_available()
-                  else {"kv_cache_memory_bytes": config.settings.cpu_kv_cache_gib * 2**30})
+                  else {"kv_cache_memory_bytes": int(config.settings.cpu_kv_cache_gib * 2**30)})
         self.llm = LLM(model=str(path), skip_tokenizer_init=True, load_format="dummy", dtype=config.dtype,
                        enforce_eager=config.settings.enforce_eager, max_model_len=config.max_model_len,
                        max_num_seqs=config.max_num_seqs, seed=config.seed, enable_prefix_caching=True,
@@ -189,7 +195,7 @@ def server_actor(config: EngineConfig, **options: object):
     engine environment, started with ``options`` (scheduling strategy...)."""
     import ray
 
-    env = {**ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": str(config.settings.cpu_kv_cache_gib)}
+    env = {**ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": kv_space_gib(config)}
     actor = ray.remote(num_cpus=0)(EngineServer)
     return actor.options(runtime_env={"env_vars": env}, **options).remote(config)
 

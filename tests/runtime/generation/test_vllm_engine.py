@@ -48,7 +48,7 @@ def engines(ray_runtime):
     updated to weights 2 by the tests; ``fresh`` loaded once with weights 2."""
     import ray
 
-    config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm"))
+    config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625))
     a, fresh = server_actor(config), server_actor(config)
     ray.get([a.load_weights.remote(weights(1)), fresh.load_weights.remote(weights(2))])
     yield a, fresh
