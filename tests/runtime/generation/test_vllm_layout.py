@@ -25,7 +25,7 @@ def test_every_checkpoint_tensor_has_a_place_and_fused_parameters_are_tiled(arch
         rows.setdefault(d.param, []).append((d.offset, d.offset + d.rows))
     for param, spans in rows.items():
         spans.sort()
-        assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:])), param  # no gap, no overlap
+        assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)), param
     a = arch
     assert rows["model.layers.0.self_attn.qkv_proj.weight"][-1][1] == (a.heads + 2 * a.kv_heads) * a.head_dim
     assert rows["model.layers.0.mlp.gate_up_proj.weight"][-1][1] == 2 * a.ffn_hidden
