@@ -34,16 +34,20 @@ def check_on_policy(metrics: list[dict]) -> None:
 
 
 def check_engines_hold_trained_weights(rl: RLJob) -> None:
-    """Each engine's fused parameters hold exactly the trainer's tensors (``engine_layout``)."""
+    """Each engine's parameters hold exactly the trainer's final tensors where ``engine_layout`` puts
+    them (those the CPU build keeps as tensors: it repacks linear weights into its GEMM format)."""
     rt = rl.rt
     trained = rt.read_weights(rl.backend.stepper.key["actor", "training"])
     gen = rl.backend.stepper.key["actor", "generation"]
-    layout = engine_layout(rt.specs[gen].cfg)
     engines = [t for t in rt.engine_tensors(gen) if t is not None]
     assert len(engines) == rt.specs[gen].layout.dp
     for tensors in engines:
-        for name, d in layout.items():
-            assert tensors[d.param][d.offset: d.offset + d.rows].equal(trained[name]), name
+        compared = 0
+        for name, d in engine_layout(rt.specs[gen].cfg).items():
+            if tensors[d.param].numel():
+                assert tensors[d.param][d.offset: d.offset + d.rows].equal(trained[name]), name
+                compared += 1
+        assert compared >= 2 * rt.specs[gen].cfg.arch.layers + 2  # norms and embeddings at least
 
 
 def test_ppo_with_vllm_recovers_a_worker_killed_mid_generation(ray_runtime, tmp_path, monkeypatch):

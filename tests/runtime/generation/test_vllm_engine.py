@@ -83,8 +83,18 @@ def test_update_in_place_equals_a_fresh_engine(engines):
         after = ray.get(a.generate.remote(prompts(), 0, params))
         assert after == ray.get(fresh.generate.remote(prompts(), 0, params))
     assert ray.get(a.generate.remote(prompts(), 0, GREEDY)) != before
-    tensors, state = ray.get(a.tensors.remote()), weights(2)
-    layout = engine_layout(CFG)
-    assert {d.param for d in layout.values()} == set(tensors)  # every engine parameter is written
-    for name, d in layout.items():
-        assert tensors[d.param][d.offset: d.offset + d.rows].equal(state[name]), name
+    tensors = ray.get(a.tensors.remote())
+    assert {d.param for d in engine_layout(CFG).values()} == set(tensors)  # every engine parameter is written
+    assert kept_tensors_equal(tensors, weights(2), CFG) >= 2 * CFG.arch.layers + 2  # norms and embeddings at least
+
+
+def kept_tensors_equal(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], cfg: ModelConfig) -> int:
+    """Every engine parameter the engine keeps as a tensor holds the checkpoint tensors ``engine_layout``
+    puts there; returns how many were compared. The CPU build repacks linear layers' weights into its GEMM
+    library's format and empties their parameters: those are checked by generation (above)."""
+    compared = 0
+    for name, d in engine_layout(cfg).items():
+        if tensors[d.param].numel():
+            assert tensors[d.param][d.offset: d.offset + d.rows].equal(state[name]), name
+            compared += 1
+    return compared
