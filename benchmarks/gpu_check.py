@@ -115,13 +115,15 @@ def native_decode(cfg: ModelConfig, sizes: Sizes, device: str, dtype: torch.dtyp
     from nereus.runtime.model.hf import slice_boxes
     from nereus.runtime.model.sharded import ShardedModel, shard_boxes
 
+    if device == "cuda":
+        torch.cuda.set_device(0)
     if not dist.is_initialized():
         store = Path(tempfile.mkdtemp()) / "store"
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}", rank=0,
                                 world_size=1)
     groups = ParallelGroups(Layout(recompute="none", sequence_parallel=False), [0])
     state = build_model(cfg, seed=0, dtype=dtype).state_dict()
-    sm = ShardedModel(cfg, groups, slice_boxes(state, shard_boxes(cfg, groups)), dtype=dtype, assign=True)
+    sm = ShardedModel(cfg, groups, slice_boxes(state, shard_boxes(cfg, groups)), dtype=dtype)  # copied to the device
     out = {}
     for b in sizes.batches:
         prompts = torch.randint(3, cfg.arch.vocab, (b, sizes.prompt)).tolist()
@@ -196,6 +198,8 @@ def check_shape(shape: str, device: str, preset: str | None, small: bool) -> dic
     rows = [row(f"training step ({sizes.train_rows} x {sizes.prompt + sizes.new_tokens} tokens)",
                 training_step_s(cfg, sizes, device, dtype),
                 training_cost(hw, job, ModelStage("actor", "training"), layout).time())]
+    if device == "cuda":
+        torch.cuda.empty_cache()  # vLLM's child process reserves a share of the device's free memory
     vllm = run_vllm_child(shape, small)
     for engine, figures in (("native", native_decode(cfg, sizes, device, dtype)),
                             ("vllm", (vllm or {}).get("batches"))):
