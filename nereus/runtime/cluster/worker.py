@@ -147,7 +147,6 @@ class Worker:
         self._abort.clear()
         self.world, self.groups, self.pending = world, {}, {}
         self.engines = {}
-        self.close_engines()  # the driver opens them anew on the re-formed world's layout
         self.rank = self.rank if rank is None else rank
         self.init_dist(master, port, timeout_s)
         return self.init_comm(min(timeout_s, 120.0))
@@ -172,6 +171,7 @@ class Worker:
         from nereus.runtime.recovery.snapshots import restore_state
 
         pending, self.pending = self.pending, {}
+        self.close_engines()  # their keys are rebuilt on a new layout: the driver opens engines anew
         fetched = {m: ray.get(refs) for m, refs in images.items()}
         models = restore_state(specs, pending, fetched, self.comm)
         self.models, self.groups = models, dict(pending)
