@@ -60,7 +60,12 @@ class Sizes:
 
 
 GPU_SIZES = Sizes(prompt=256, new_tokens=32, batches=(1, 4, 16, 64), train_rows=8, repeats=3)
-CPU_SIZES = Sizes(prompt=16, new_tokens=8, batches=(1, 4, 16), train_rows=4, repeats=2)
+CPU_SIZES = Sizes(prompt=16, new_tokens=32, batches=(1, 4, 16), train_rows=4, repeats=3)
+
+
+def fresh_prompts(b: int, sizes: Sizes, vocab: int) -> list[list[int]]:
+    """New random prompts for every timed call, so that no engine serves them from its prefix cache."""
+    return torch.randint(3, vocab, (b, sizes.prompt)).tolist()
 
 
 def job_for(arch: dict, sizes: Sizes, preset: str | None) -> JobSpec:
@@ -125,11 +130,12 @@ def native_decode(cfg: ModelConfig, sizes: Sizes, device: str, dtype: torch.dtyp
     state = build_model(cfg, seed=0, dtype=dtype).state_dict()
     sm = ShardedModel(cfg, groups, slice_boxes(state, shard_boxes(cfg, groups)), dtype=dtype)  # copied to the device
     out = {}
+    v = cfg.arch.vocab
     for b in sizes.batches:
-        prompts = torch.randint(3, cfg.arch.vocab, (b, sizes.prompt)).tolist()
-        one = timed(lambda p=prompts: generate(sm, p, SamplingParams(max_new_tokens=1)), sizes.repeats)
-        full = timed(lambda p=prompts: generate(sm, p, SamplingParams(max_new_tokens=sizes.new_tokens)),
-                     sizes.repeats)
+        one = timed(lambda b=b: generate(sm, fresh_prompts(b, sizes, v), SamplingParams(max_new_tokens=1)),
+                    sizes.repeats)
+        full = timed(lambda b=b: generate(sm, fresh_prompts(b, sizes, v),
+                                          SamplingParams(max_new_tokens=sizes.new_tokens)), sizes.repeats)
         out[b] = {"prefill_s": one, "decode_per_token_s": (full - one) / (sizes.new_tokens - 1)}
     return out
 
@@ -151,11 +157,12 @@ def vllm_part(shape: str, small: bool) -> dict:
     state = {k: v.to(device) for k, v in state.items()}
     reload = timed(lambda: engine.load_weights(state), sizes.repeats)
     out = {"reload_s": reload, "batches": {}}
+    v = cfg.arch.vocab
     for b in sizes.batches:
-        prompts = torch.randint(3, cfg.arch.vocab, (b, sizes.prompt)).tolist()
-        one = timed(lambda p=prompts: engine.generate(p, 0, SamplingParams(max_new_tokens=1)), sizes.repeats)
-        full = timed(lambda p=prompts: engine.generate(p, 0, SamplingParams(max_new_tokens=sizes.new_tokens)),
-                     sizes.repeats)
+        one = timed(lambda b=b: engine.generate(fresh_prompts(b, sizes, v), 0, SamplingParams(max_new_tokens=1)),
+                    sizes.repeats)
+        full = timed(lambda b=b: engine.generate(fresh_prompts(b, sizes, v), 0,
+                                                 SamplingParams(max_new_tokens=sizes.new_tokens)), sizes.repeats)
         out["batches"][b] = {"prefill_s": one, "decode_per_token_s": (full - one) / (sizes.new_tokens - 1)}
     return out
 
