@@ -63,6 +63,7 @@ from nereus.spec.layout import Layout
 
 if TYPE_CHECKING:
     from nereus.elastic.plan import TransitionPlan
+    from nereus.runtime.generation.vllm_engine import EngineConfig
     from nereus.runtime.transitions.holdings import Holdings
 
 __all__ = ["PlacementError", "Runtime", "Worker", "WorkerLostError", "WorldAborted"]
@@ -279,6 +280,27 @@ class Runtime:
                                params: SamplingParams) -> list[tuple[list[int], list[float]]]:
         """New tokens and their sampling-time log-probs per prompt (``generate.generate_with_logprobs``)."""
         return [row for part in self._on(key, GenerateWithLogprobs(prompts, params)) for row in part]
+
+    # ----- vLLM engines of a generation key (run.rollout.engine: vllm; runtime.generation.vllm_engine) -----
+    def open_engine(self, key: str, config: EngineConfig) -> None:
+        """One vLLM engine per data-parallel replica of ``key`` (tp=1, pp=1), loaded with the key's weights;
+        from then on ``generate_with_logprobs`` on ``key`` generates with them. After a recovery or a
+        transition the caller opens them again on the new layout (a re-formed world closes them). An
+        engine's start has its own deadline (``ENGINE_START_S``): importing vLLM alone takes 10–30 s."""
+        from nereus.runtime.generation.vllm_engine import ENGINE_START_S
+
+        refs = [self.workers[r].engine_open.remote(key, config) for r in self.specs[key].ranks]
+        self.failover.get(self.workers, refs, max(self.timeout_s, ENGINE_START_S))
+
+    def update_engine(self, key: str) -> float:
+        """The key's current weights into its engines in place (after ``sync_weights``); the slowest
+        engine's reload seconds."""
+        seconds = self._get([self.workers[r].engine_update.remote(key) for r in self.specs[key].ranks])
+        return max((t for t in seconds if t is not None), default=0.0)
+
+    def engine_tensors(self, key: str) -> list[dict[str, torch.Tensor] | None]:
+        """Each worker's engine parameters in the engine's own layout, in layout rank order (tests)."""
+        return self._get([self.workers[r].engine_tensors.remote(key) for r in self.specs[key].ranks])
 
     def memory(self, key: str) -> list[MemoryReport | None]:
         """The last operation's memory report of every worker of ``key``'s layout, in layout rank order."""
