@@ -135,7 +135,7 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
         train = plan.placement(ModelStage("actor", "training"))
         gen = plan.placement(ModelStage("actor", "generation"))
         # a plan run by another system's mechanism says so (nereus.cost.weight_sync; simulator baselines)
-        mechanism = SYNC_TIMES.get(plan.meta.get("weight_sync", "direct"), weight_sync_time)
+        mechanism = SYNC_TIMES.get(plan.weight_sync, weight_sync_time)
         sync = mechanism(hw, job, train, gen)
         sync *= (factors or {}).get("sync", 1.0)
     phase_times["weight_sync"] = sync

@@ -149,9 +149,9 @@ class AsyncRollouts:
             return pack(p.prompts, [r for r, _ in out], [lp for _, lp in out], st.tok.eos_token_id, p.fixed), \
                 p.rows, p.version
         self.events.append(("generation_issued", step))
-        roll, rows = st.generate(step, st.prompts(step))  # first step, after a checkpoint, or a redone step
+        gen = st.generate(step, st.prompts(step))  # first step, after a checkpoint, or a redone step
         self.events.append(("generation_answered", step))
-        return roll, rows, step
+        return gen.rollout, gen.rows, step
 
     def correct(self, roll: Rollout, inf: dict, batch: dict) -> dict[str, float]:
         """Put the importance weights π_old/π_rollout in the actor's batch (``remote.actor_loss``); with
