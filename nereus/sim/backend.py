@@ -104,10 +104,10 @@ class SimBackend:
             phases[stage] = max(phases[stage], est.phase_times[stage] * noise[name])
         phases["weight_sync"] = est.phase_times["weight_sync"] * float(math.exp(rng.normal(0, self.truth.noise)))
         model = GenModel.of(self.hw, job, plan, est)
+        status = status_at(model, None, step, "start", 0.0, 0, r.max, plan.generation)
         t0 = time.perf_counter()
-        start = status_at(model, None, step, "start", 0.0, 0, r.max, plan.generation)
-        start = Look(0.0, start, policy.during_generation(start), 0.0)
-        start.overhead_s = time.perf_counter() - t0
+        answer = policy.during_generation(status)
+        start = Look(0.0, status, answer, time.perf_counter() - t0)
         detail, entries = {}, ()
         if self.truth.sequence_level or start.decision.acts or not start.decision.look.none:
             detail, entries = self._sequence_level(plan, step, model, lengths, noise, stage_times, phases,

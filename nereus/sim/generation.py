@@ -45,7 +45,7 @@ ROLLOUT = ModelStage("actor", "generation")
 NOT_HERE = "the simulator carries out tail layouts (change_tail_layout), not moves between replicas of one layout"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Look:
     """A decision point the loop reached: its time and iteration, the status shown, the answer."""
 
