@@ -87,7 +87,7 @@ class NereusTail(TailRule):
 
     def __init__(self, margin: float = 0.5, min_gain: float = 0.01, wait_for_fit: bool = True) -> None:
         self.margin, self.min_gain = margin, min_gain
-        # as the controller's optional moves (issue 15): none before the first calibration fit
+        # as the controller's optional moves: none before the first calibration fit
         self.wait_for_fit = wait_for_fit
         self.ratios: list[float] = []  # realised ÷ modelled migration transfer time, per measured move
 

@@ -1,6 +1,6 @@
 """``run.async``: generation of step k+1 overlaps inference and training of step k (one-step off-policy).
 
-The step (``AsyncRollouts.step``, used by ``Stepper.step`` while the mode is on):
+The step (``AsyncRollouts.step``, used by ``Stepper.run_step`` while the mode is on):
 
 1. take step k's rollout: the one generated during step k−1 if there is one, else generate it now;
 2. issue the generation of step k+1 (``Calls.submit``, a Ray future) with the weights the generation
