@@ -17,6 +17,7 @@ import ray
 import torch
 
 from nereus.elastic.kvplan import MigrationPlan
+from nereus.runtime.generation.decode_engine import DecodeEngine
 from nereus.runtime.generation.session import ClosedReplica, MigrationOutcome
 from nereus.runtime.generation.vllm_engine import EngineConfig, ReplicaEngine
 from nereus.runtime.model.decoder import ModelConfig
@@ -44,7 +45,7 @@ class Worker:
         self._abort = threading.Event()
         self._stuck: list[threading.Thread] = []  # calls abandoned by ``abort``, still blocked
         self.faults = FaultHook()  # does nothing unless a test's fault plan armed it
-        self.engines: dict[str, object] = {}  # key -> its generation engine across calls (run.midstep)
+        self.engines: dict[str, DecodeEngine] = {}  # key -> its generation engine across calls (run.midstep)
         self.rollout: dict[str, ReplicaEngine] = {}  # key -> this replica's vLLM engine (run.rollout.engine)
 
     # ----- failure handling -----------------------------------------------------------------------
