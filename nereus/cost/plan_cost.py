@@ -135,7 +135,7 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
         train = plan.placement(ModelStage("actor", "training"))
         gen = plan.placement(ModelStage("actor", "generation"))
         # a plan run by another system's mechanism says so (nereus.cost.weight_sync; simulator baselines)
-        mechanism = SYNC_TIMES.get(plan.meta.get("weight_sync", "direct"), weight_sync_time)
+        mechanism = SYNC_TIMES.get(plan.weight_sync, weight_sync_time)
         sync = mechanism(hw, job, train, gen)
         if job.run is not None and job.run.rollout_engine.vllm:  # then into the engines (run.rollout.engine)
             sync += engine_reload_time(hw, job, gen.layout)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from nereus.control.backend import (
     ClusterState,
+    GenerationPolicy,
     RecoveryMetrics,
     StepMetrics,
     SurvivorPlanner,
@@ -30,6 +31,7 @@ from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.recovery.failover import WorkerLostError
 from nereus.runtime.transitions.live import KeySpec
 from nereus.spec.errors import SpecError
+from nereus.spec.generation import GenerationEntry
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
 
@@ -39,8 +41,9 @@ STAGE_TIMERS = {"actor/generation": "gen", "actor/inference": "old_log_prob", "r
                 "actor/training": "update_actor"}
 
 
-def step_metrics(step: int, metrics: dict, gpus: int) -> StepMetrics:
-    """The controller's view of a step of the RL job; the job's whole metric line rides along as ``detail``."""
+def step_metrics(step: int, metrics: dict, gpus: int, generation: tuple[GenerationEntry, ...] = ()) -> StepMetrics:
+    """The controller's view of a step of the RL job; the job's whole metric line rides along as ``detail``,
+    the decisions taken inside its generation as ``generation``."""
     stages = {ms: metrics[f"timing_s/{t}"] for ms, t in STAGE_TIMERS.items() if metrics.get(f"timing_s/{t}", 0) > 0}
     phases = {"generation": 0.0, "inference": 0.0, "training": 0.0}
     for ms, t in stages.items():
@@ -50,7 +53,7 @@ def step_metrics(step: int, metrics: dict, gpus: int) -> StepMetrics:
                                                            + metrics.get("prompt_length/mean", 0.0))
     return StepMetrics(step, stages, phases, metrics["timing_s/step"], metrics["response_length/mean"],
                        metrics["response_length/max"], int(round(rows)), metrics.get("perf/total_num_tokens", 0.0),
-                       gpus=gpus, detail=metrics)
+                       gpus=gpus, detail=metrics, generation=generation)
 
 
 def plan_text(plan: Plan) -> str:
@@ -99,7 +102,7 @@ class RuntimeBackend:
         return ClusterState(n)
 
     # ----- steps ---------------------------------------------------------------------------------------
-    def run_step(self, plan: Plan, step: int) -> StepMetrics:
+    def run_step(self, plan: Plan, step: int, policy: GenerationPolicy) -> StepMetrics:
         if plan != self.plan:
             raise ValueError("run_step: the plan is not the one the runtime holds; apply_transition moves to it")
         every = self.job.run.snapshot_every
@@ -108,13 +111,13 @@ class RuntimeBackend:
             self.carry["nereus/snapshot_s"] = self.rt.snapshot(step)
         t0 = time.perf_counter()
         try:
-            metrics = self.stepper.step(step)
+            metrics, generation = self.stepper.run_step(step, policy)
         except WorkerLostError as err:
             raise WorkersLost(step, err.lost, time.perf_counter() - t0, str(err)) from err
         metrics["nereus/snapshot_s"] = 0.0
         metrics.update(self.carry)
         self.carry = {}
-        return step_metrics(step, metrics, len(self.rt.workers))
+        return step_metrics(step, metrics, len(self.rt.workers), generation)
 
     def _use(self, plan: Plan, placed: list[Placed]) -> None:
         self.plan, self.placed = plan, placed

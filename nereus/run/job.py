@@ -44,7 +44,7 @@ from nereus.run.checkpoint import (
 from nereus.run.driver import Stepper
 from nereus.run.manifest import verify_manifest, write_manifest, write_text_atomic
 from nereus.run.metrics import MetricsLog, Progress, check_loggers, lines_through
-from nereus.run.midstep import report_decisions
+from nereus.run.midstep import move_line
 from nereus.run.setup import (
     TRAINED,
     Placed,
@@ -256,8 +256,11 @@ class RLJob(Observer):
                          f"{d.current_s:.2f} s -> {d.candidate_s:.2f} s")
                 self.say(f"    new plan: {plan_text(o.plan)}")
         self._ran_on = o.plan
-        if self.midstep_log is not None:  # run.rollout.midstep: the step's mid-step decisions
-            report_decisions(self.backend.stepper.midstep, self.midstep_log.write, self.record, self.say)
+        for entry in o.metrics.generation:  # decisions inside the step (the loop put them in the record)
+            if self.midstep_log is not None:
+                self.midstep_log.write(entry.to_json())
+            if (line := move_line(entry)) is not None:
+                self.say(line)
         done = step + 1
         if done % self.run.eval_every == 0 or done == self.run.steps:
             last["val/accuracy"] = self.evaluate(self.val)

@@ -39,6 +39,16 @@ class Call:
     done: dict[int, float] = field(default_factory=dict)  # worker rank -> when its answer arrived
 
 
+@dataclass(frozen=True)
+class InferenceStage:
+    """One inference stage of the step: the driver's timer name, the runtime key it runs on, the worker
+    operation (``logprobs``, ``logprobs_and_entropy``, ``values``)."""
+
+    timer: str
+    key: str
+    op: str
+
+
 def by_replica(answers: list) -> list:
     """The output ranks' results (``(dp replica, result)``; None elsewhere) in data-parallel order."""
     return [out for _, out in sorted((a for a in answers if a is not None), key=lambda a: a[0])]
@@ -147,14 +157,14 @@ class EarlyInference:
     the same weights as in the whole-batch call, so its outputs are the same numbers. (Without the fixed
     width they are not: another padding width changes the attention's rounding.)"""
 
-    def __init__(self, calls: Calls, gen: Call, gen_key: str, stages: list[tuple[str, str, str]], rows: int) -> None:
+    def __init__(self, calls: Calls, gen: Call, gen_key: str, stages: tuple[InferenceStage, ...], rows: int) -> None:
         rt = calls.rt
         spec = rt.specs[gen_key]
         lay = spec.layout
         self.calls, self.gen, self.stages = calls, gen, stages
         self.per = rows // lay.dp
         self.replicas = {d: {spec.ranks[i] for i in range(lay.world) if lay.coords(i)[1] == d} for d in range(lay.dp)}
-        self.early: dict[str, dict[int, Call]] = {t: {} for t, _, _ in stages}  # stage -> block start -> call
+        self.early: dict[str, dict[int, Call]] = {s.timer: {} for s in stages}  # stage -> block start -> call
 
     def eligible(self, key: str) -> bool:
         lay = self.calls.rt.specs[key].layout
@@ -188,11 +198,11 @@ class EarlyInference:
         answer = next(a for r, ref in self.gen.refs if r in ranks for a in [ray.get(ref)] if a is not None)
         start = d * self.per
         tokens = None
-        for timer, key, op in self.stages:
-            if busy & set(self.calls.rt.specs[key].ranks) or not self.eligible(key):
+        for s in self.stages:
+            if busy & set(self.calls.rt.specs[s.key].ranks) or not self.eligible(s.key):
                 continue
             tokens = pack_block(start, start + self.per, answer[1]) if tokens is None else tokens
-            self.early[timer][start] = self.calls.submit(timer, "infer", key, op, tokens)
+            self.early[s.timer][start] = self.calls.submit(s.timer, "infer", s.key, s.op, tokens)
 
     def rest(self, timer: str, key: str, op: str, tokens: torch.Tensor) -> list[tuple[int, Call]]:
         """The stage's calls for the rows no early call took, one per run of consecutive blocks; with

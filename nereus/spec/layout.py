@@ -10,9 +10,12 @@ from dataclasses import asdict, dataclass, field
 
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_GPUS, MAX_LAYERS, MAX_SEQUENCES, Fields
+from nereus.spec.generation import TailPhase
 
 STAGES = ("generation", "inference", "training")
 RECOMPUTE = ("none", "selective", "full")
+# how the trained weights reach the generation engine every step (priced in ``cost.weight_sync``)
+WEIGHT_SYNCS = ("direct", "hybrid-reshard", "gather-broadcast")
 
 
 @dataclass(frozen=True, order=True)
@@ -137,11 +140,23 @@ class Placement:
 @dataclass(frozen=True)
 class Plan:
     """A layout and GPU set for every model-stage. Stages run in order generation → inference → training;
-    within a stage, model-stages on disjoint GPUs run concurrently and those sharing GPUs take turns."""
+    within a stage, model-stages on disjoint GPUs run concurrently and those sharing GPUs take turns.
+
+    Besides the placements a plan names the planner's ``strategy`` (colocated, disaggregated, ...), the
+    per-step ``weight_sync`` mechanism (``WEIGHT_SYNCS``) and the generation stage's ``generation``
+    phases (a mid-step switch to a tail layout, ``spec.generation.TailPhase``). Two plans are equal when
+    their placements are: that is what a transition moves; the other fields change from one step to the
+    next without one."""
 
     placements: tuple[Placement, ...]
     num_gpus: int
-    meta: dict = field(default_factory=dict, compare=False, hash=False)
+    strategy: str = field(default="", compare=False)
+    weight_sync: str = field(default="direct", compare=False)
+    generation: TailPhase | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.weight_sync not in WEIGHT_SYNCS:
+            raise SpecError("plan.weight_sync", f"{self.weight_sync!r}; one of {', '.join(WEIGHT_SYNCS)}")
 
     def placement(self, ms: ModelStage | str) -> Placement:
         key = ModelStage.parse(ms) if isinstance(ms, str) else ms
@@ -154,13 +169,25 @@ class Plan:
         return [p.model_stage for p in self.placements]
 
     def to_dict(self) -> dict:
-        return {"num_gpus": self.num_gpus, "placements": [p.to_dict() for p in self.placements]}
+        """JSON-ready; the optional fields only when they are set (a plan of hand-picked layouts is just
+        its placements)."""
+        out: dict = {"num_gpus": self.num_gpus, "placements": [p.to_dict() for p in self.placements]}
+        if self.strategy:
+            out["strategy"] = self.strategy
+        if self.weight_sync != "direct":
+            out["weight_sync"] = self.weight_sync
+        if self.generation is not None:
+            out["generation_phases"] = self.generation.to_dict()
+        return out
 
     @staticmethod
     def from_dict(data: object, where: str = "plan") -> Plan:
         f = Fields(data, where)
         num_gpus = f.get("num_gpus", int, minimum=1, maximum=MAX_GPUS)
         raw = f.get("placements", list)
+        strategy = f.get("strategy", str, "")
+        sync = f.get("weight_sync", str, "direct", choices=WEIGHT_SYNCS)
+        phases = f.get("generation_phases", dict, None)
         f.finish()
         placements = tuple(Placement.from_dict(p, f"{where}.placements[{i}]") for i, p in enumerate(raw))
         seen = set()
@@ -170,4 +197,5 @@ class Plan:
             seen.add(p.model_stage)
             if max(p.gpus) >= num_gpus:
                 raise SpecError(f"{where}.placements[{i}].gpus", f"GPU {max(p.gpus)} is beyond num_gpus={num_gpus}")
-        return Plan(placements, num_gpus)
+        generation = None if phases is None else TailPhase.from_dict(phases, f"{where}.generation_phases")
+        return Plan(placements, num_gpus, strategy, sync, generation)

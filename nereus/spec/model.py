@@ -18,6 +18,13 @@ MAX_FFN_HIDDEN = 2**20
 MAX_VOCAB = 2**24
 
 
+def kv_token_bytes(layers: int, kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """KV cache of one token position over ``layers`` and ``kv_heads``: 2 (K and V) · layers · kv_heads ·
+    head_dim · bytes per element (design: memory). Every KV size in the package is this times positions:
+    the cost model's per-rank caches, a migration's pieces (``elastic.kvplan.KVShape``), a move's bytes."""
+    return 2 * layers * kv_heads * head_dim * elem_bytes
+
+
 @dataclass(frozen=True)
 class ModelArch:
     """A Llama/Qwen2-style decoder (or a GPT-style one with a GeLU MLP, for published training data)."""
@@ -61,8 +68,8 @@ class ModelArch:
         return self.layers * self.layer_params() + self.embedding_params() + head + self.hidden
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """KV cache per token: 2 (K and V) · layers · kv_heads · head_dim · bytes (design: memory)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+        """KV cache per token over the whole model (``kv_token_bytes``)."""
+        return kv_token_bytes(self.layers, self.kv_heads, self.head_dim, dtype_bytes)
 
     def to_dict(self) -> dict:
         return {

@@ -16,10 +16,14 @@ from datetime import timedelta
 import ray
 import torch
 
+from nereus.elastic.kvplan import MigrationPlan
+from nereus.runtime.generation.decode_engine import DecodeEngine
+from nereus.runtime.generation.session import ClosedReplica, MigrationOutcome
 from nereus.runtime.generation.vllm_engine import EngineConfig, ReplicaEngine
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.sharded import ReplicaStats, ShardedModel
 from nereus.runtime.recovery.faults import FaultHook
+from nereus.spec.generation import ReplicaStatus
 from nereus.spec.layout import Layout
 
 
@@ -41,7 +45,7 @@ class Worker:
         self._abort = threading.Event()
         self._stuck: list[threading.Thread] = []  # calls abandoned by ``abort``, still blocked
         self.faults = FaultHook()  # does nothing unless a test's fault plan armed it
-        self.engines: dict[str, object] = {}  # key -> its generation engine across calls (run.midstep)
+        self.engines: dict[str, DecodeEngine] = {}  # key -> its generation engine across calls (run.midstep)
         self.rollout: dict[str, ReplicaEngine] = {}  # key -> this replica's vLLM engine (run.rollout.engine)
 
     # ----- failure handling -----------------------------------------------------------------------
@@ -332,28 +336,29 @@ class Worker:
 
         return self._on(key, run)
 
-    def gen_run(self, key: str, iterations: int) -> tuple[int, dict] | None:
-        """Up to ``iterations`` iterations of ``key``'s engine; (DP replica, status) from output ranks."""
+    def gen_run(self, key: str, iterations: int) -> tuple[int, ReplicaStatus] | None:
+        """Up to ``iterations`` iterations of ``key``'s engine; (DP replica, its status) from output ranks."""
         from nereus.runtime.generation.session import run_chunk
 
-        return self._on(key, lambda sm: self._output(sm, run_chunk(self.engines[key], iterations)))
+        return self._on(key, lambda sm: self._output(sm, run_chunk(self.engines[key], iterations,
+                                                                   sm.groups.coords.dp)))
 
-    def gen_migrate(self, key: str, plan: dict) -> dict:
+    def gen_migrate(self, key: str, plan: MigrationPlan) -> MigrationOutcome:
         """This worker's part of moving unfinished sequences between ``key``'s replicas (every worker of
-        the world calls it: the commit vote is world-wide); ``ok: False`` when it did not commit."""
+        the world calls it: the commit vote is world-wide); ``ok=False`` when it did not commit."""
         from nereus.runtime.generation.session import migrate_sequences
 
         return self._guarded(migrate_sequences, self.engines.get(key), plan, self.comm, self.faults)
 
-    def gen_close(self, key: str) -> tuple[int, dict] | None:
-        """Run ``key``'s engine to the end and drop it; (DP replica, ``gen_session.close_engine``'s answer:
-        sequence id -> (tokens, log-probs) under ``done``) from output ranks."""
+    def gen_close(self, key: str) -> tuple[int, ClosedReplica] | None:
+        """Run ``key``'s engine to the end and drop it; (DP replica, every sequence it finished) from
+        output ranks."""
         from nereus.runtime.generation.session import close_engine
 
         engine = self.engines.pop(key, None)
         if engine is None:
             return None
-        return self._on(key, lambda sm: self._output(sm, close_engine(engine)))
+        return self._on(key, lambda sm: self._output(sm, close_engine(engine, sm.groups.coords.dp)))
 
     def memory(self, key: str) -> dict | None:
         sm = self.models.get(key)
