@@ -17,6 +17,7 @@ from nereus.runtime.model.hf import read_config
 from nereus.runtime.parallel.tp import check_tp
 from nereus.spec.capability import UnsupportedLayout
 from nereus.spec.errors import SpecError
+from nereus.spec.hf_files import check_model_dir
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout
 
@@ -48,8 +49,12 @@ def model_configs(job: JobSpec, tok: Tokenizer) -> dict[str, ModelConfig]:
         raise SpecError("run.warmstart", "the warm-start trains random weights on the built-in task; remove it "
                                          "when models.<name>.path gives pretrained weights")
     out = {}
+    checked: set[str] = set()
     for name, arch in job.models.items():
         key = f"models.{name}.path" if name in job.paths else f"models.{name}.vocab"
+        if name in job.paths and job.paths[name] not in checked:  # weights against config, before any process
+            check_model_dir(Path(job.paths[name]), key)
+            checked.add(job.paths[name])
         if arch.vocab < tok.vocab_size:
             raise SpecError(key, f"vocab_size {arch.vocab} is smaller than the tokenizer's {tok.vocab_size} tokens")
         if name in job.paths:
@@ -63,12 +68,17 @@ def model_configs(job: JobSpec, tok: Tokenizer) -> dict[str, ModelConfig]:
     return out
 
 
-def reward_router(job: JobSpec, prompts: list[Prompt]) -> RewardRouter:
-    """The job's rule reward (``run.rule_reward``, ``run.reward_function``), checked against the data:
-    under ``auto`` every ``data_source`` of ``prompts`` needs a scorer."""
-    router = RewardRouter(job.run.rule_reward, job.run.reward_function)
-    router.check_sources({p.data_source for p in prompts}, "run.rule_reward")
-    return router
+def check_rule_reward(job: JobSpec, prompts: list[Prompt]) -> None:
+    """Under ``run.rule_reward: auto`` without a user function, every ``data_source`` of ``prompts`` needs
+    a scorer (checked before anything runs; the error lists them)."""
+    if job.run.reward_function is None:
+        RewardRouter(job.run.rule_reward).check_sources({p.data_source for p in prompts}, "run.rule_reward")
+
+
+def reward_router(job: JobSpec) -> RewardRouter:
+    """The job's rule reward (``run.rule_reward``, ``run.reward_function``). A user function is imported
+    here, so this is called only once the job is accepted (``RLJob.execute``): a refused job never ran it."""
+    return RewardRouter(job.run.rule_reward, job.run.reward_function)
 
 
 def _planned(job: JobSpec) -> dict[str, tuple[Layout, tuple[int, ...]]]:

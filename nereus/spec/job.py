@@ -16,6 +16,7 @@ from nereus.spec.overrides import apply_overrides
 from nereus.spec.response import ResponseLength
 from nereus.spec.run import RunSpec, read_run
 from nereus.spec.trace import load_trace
+from nereus.spec.user_code import check_target, resolve_target
 
 # PPO's epochs over one step's batch: published runs use 1-4; a count past 1,000 is a typo, and each epoch
 # is a full pass of every training stage.
@@ -260,8 +261,19 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         if algorithm.name == "train":
             raise SpecError("run", "`nereus run` runs RL jobs (ppo, grpo); this is a training-only job")
         job = replace(job, run=read_run(root.sub("run"), job.model_stages(), job.workload.response.max))
+        job = replace(job, run=_reward_function(job.run, base_dir))
     root.finish()
     return job
+
+
+def _reward_function(run: RunSpec, base_dir: Path) -> RunSpec:
+    """``run.reward_function`` with a relative file resolved against the job file's folder, checked
+    without running it (``spec.user_code``): the code runs only once the job is accepted."""
+    if run.reward_function is None:
+        return run
+    target = resolve_target(run.reward_function, base_dir, "run.reward_function")
+    check_target(target, "run.reward_function")
+    return replace(run, reward_function=target)
 
 
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
