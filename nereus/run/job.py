@@ -65,7 +65,7 @@ from nereus.runtime.transitions.live import KeySpec
 from nereus.spec.errors import SpecError
 from nereus.spec.files import read_json_file
 from nereus.spec.job import JobSpec
-from nereus.spec.layout import Plan
+from nereus.spec.layout import Plan, check_runnable
 
 
 class RLJob(Observer):
@@ -206,7 +206,10 @@ class RLJob(Observer):
             raise SpecError("--resume", f"{path / STATE} holds {type(state).__name__}, not a checkpoint state")
         self.state = state
         if self.run.adapt is not None and "plan" in self.state:
-            self.plan = Plan.from_dict(self.state["plan"], f"{path / 'state.json'}.plan")
+            where = f"{path / 'state.json'}.plan"
+            self.plan = Plan.from_dict(self.state["plan"], where)
+            for p in self.plan.placements:  # the same check a job file's layouts pass
+                check_runnable(self.job.models[p.model_stage.model], p.layout, f"{where}.{p.model_stage}")
             self._placed = placed_from_plan(self.plan)
         return step, path, prepare_resume(self.dir / "metrics.jsonl", step)
 

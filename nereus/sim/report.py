@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from nereus.spec.errors import SpecError
@@ -54,6 +57,27 @@ def _check_record(data: dict) -> None:
         phases = s.sub("phases", required=True)
         for name in phases.data:
             phases.get(name, float, minimum=0, maximum=MAX_SECONDS)
+    for i, item in enumerate(root.get("decisions", list, [])):
+        _check_decision(Fields(item, f"decisions[{i}]"))
+
+
+def _check_decision(d: Fields) -> None:
+    """A decision the report reads: its action, and for mid-step decisions (``run.midstep.Decision``) every
+    field ``midstep_table`` prints, each its type and in range (a hand-edited record fails by key, not
+    half-way through writing the report)."""
+    action = d.get("action", str)
+    if action != "midstep":
+        return
+    for key in ("step", "iteration", "donor", "receiver"):
+        d.get(key, int, None, minimum=0, maximum=MAX_STEPS if key == "step" else MAX_TOKENS)
+    for key in ("admitted", "committed"):
+        d.get(key, bool, False)
+    d.get_list("moved", int, [])
+    for key in ("kv", "refill", "queued", "bytes"):
+        d.get(key, int, 0, minimum=0)
+    for key in ("predicted_gain_s", "predicted_cost_s", "move_s"):
+        d.get(key, float, None, minimum=0, maximum=MAX_SECONDS)
+    d.get("measured_gain_s", float, None, minimum=-MAX_SECONDS, maximum=MAX_SECONDS)
 
 
 def markdown_table(runs: list[dict]) -> str:
@@ -167,9 +191,27 @@ def timeline(runs: list[dict]) -> dict:
 
 
 def write_report(paths: list[str], out_dir: str | Path) -> dict[str, Path]:
+    """Write the report of the runs ``paths`` into ``out_dir``: everything is written into a temporary
+    folder beside it first, then moved in, so a failure leaves no half-written report (and an existing
+    folder keeps its other files). Returns each output's final path."""
     runs = [load_run(p) for p in paths]
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        written = _write_outputs(runs, staging)
+        if not out.exists():
+            staging.chmod(0o755)  # mkdtemp makes it private; a report is for reading
+            staging.rename(out)
+        else:
+            for path in written.values():
+                os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {name: out / path.name for name, path in written.items()}
+
+
+def _write_outputs(runs: list[dict], out: Path) -> dict[str, Path]:
     table = out / "report.md"
     pngs = plot_runs(runs, out)
     lines = ["# Runs", "", markdown_table(runs), ""] + [f"![{p.stem}]({p.name})" for p in pngs]

@@ -10,7 +10,7 @@ from nereus.spec.cluster import ClusterSpec, read_cluster
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS, Fields
 from nereus.spec.files import read_yaml_file
-from nereus.spec.layout import RECOMPUTE, ModelStage
+from nereus.spec.layout import RECOMPUTE, ModelStage, check_runnable
 from nereus.spec.model import ModelArch, arch_from_hf_config, read_arch
 from nereus.spec.overrides import apply_overrides
 from nereus.spec.response import ResponseLength
@@ -262,6 +262,8 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
             raise SpecError("run", "`nereus run` runs RL jobs (ppo, grpo); this is a training-only job")
         job = replace(job, run=read_run(root.sub("run"), job.model_stages(), job.workload.response.max))
         job = replace(job, run=_reward_function(job.run, base_dir))
+        for name, layout in job.run.layouts.items():
+            check_runnable(job.models[name.split("/")[0]], layout, f"run.layouts.{name}")
     root.finish()
     return job
 
