@@ -104,7 +104,8 @@ def _check_capacity(run_dir: Path, workers: int) -> None:
     from nereus.run.records import read_session_record
     from nereus.spec.errors import SpecError
 
-    record = read_session_record(run_dir)  # strict: a FIFO, a directory or garbage is refused by name
+    # strict: a FIFO, a directory or garbage is refused by name
+    record = read_session_record(run_dir, "remove it if no run uses that folder (the next run writes a new one)")
     if record is None:
         return  # joined a cluster: the run itself refuses what it cannot place
     cpus = record["num_cpus"]
@@ -123,7 +124,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
     record = None
     if args.dir is not None:
-        record = read_session_record(args.dir)
+        record = read_session_record(args.dir, "run `nereus cleanup` without --dir (it needs no record)")
         if record is None:
             raise SpecError("--dir", f"{args.dir / SESSION} does not exist: the run in {args.dir} did not start a "
                                      "local Ray (run `nereus cleanup` without --dir to clean every dead driver's)")

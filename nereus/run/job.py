@@ -49,6 +49,7 @@ from nereus.run.setup import (
     TRAINED,
     Placed,
     check_batches,
+    check_model_dirs,
     check_rule_reward,
     datasets,
     model_configs,
@@ -81,6 +82,7 @@ class RLJob(Observer):
         self.job, self.run, self.quiet = job, job.run, quiet
         self.address = address  # a Ray cluster to join (``nereus run --address``); None: a local Ray
         self.dir = Path(out_dir or job.run.checkpoint_dir)
+        check_model_dirs(job)  # HF directories' files, before any library reads them (spec.hf_files)
         self.tok = tokenizer_for(job)  # the actor's HF tokenizer (models.actor.path) or the built-in one
         self.cfgs = model_configs(job, self.tok)
         # adaptive: the controller picks (and later changes) every layout; fixed: the job's own layouts

@@ -28,8 +28,9 @@ MAX_RECORD_BYTES = 2**20
 MAX_PID = 2**22
 
 
-def read_session_record(run_dir: Path, flag: str = "--dir") -> dict | None:
-    """The ``ray_session.json`` of ``run_dir``, checked; None when the run wrote none (it joined a cluster)."""
+def read_session_record(run_dir: Path, fix: str, flag: str = "--dir") -> dict | None:
+    """The ``ray_session.json`` of ``run_dir``, checked; None when the run wrote none (it joined a cluster).
+    A bad record is a SpecError naming it, with ``fix``."""
     path = run_dir / SESSION
     if not os.path.lexists(path):
         return None
@@ -44,7 +45,7 @@ def read_session_record(run_dir: Path, flag: str = "--dir") -> dict | None:
                   "num_cpus": f.get("num_cpus", int, minimum=0, maximum=MAX_WORKERS * 1024),
                   "pids": f.get_list("pids", int, [])}
     except SpecError as err:
-        raise SpecError(flag, f"{err}; run `nereus cleanup` without --dir (it needs no record)") from None
+        raise SpecError(flag, f"{err}; {fix}") from None
     return record
 
 

@@ -35,6 +35,17 @@ class Placed:
     key: str
 
 
+def check_model_dirs(job: JobSpec) -> None:
+    """Every HF model directory the job names (``models.<name>.path``), checked before any library loads a
+    file of it and before any process starts: config, every safetensors header against the config,
+    tokenizer files (``spec.hf_files.check_model_dir``). A directory shared by several models is read once."""
+    seen: set[str] = set()
+    for name, path in job.paths.items():
+        if path not in seen:
+            seen.add(path)
+            check_model_dir(Path(path), f"models.{name}.path")
+
+
 def tokenizer_for(job: JobSpec) -> Tokenizer:
     """The actor's HF tokenizer (chat template included) when the job gives ``models.actor.path``; the
     built-in character tokenizer of the built-in task otherwise."""
@@ -49,12 +60,8 @@ def model_configs(job: JobSpec, tok: Tokenizer) -> dict[str, ModelConfig]:
         raise SpecError("run.warmstart", "the warm-start trains random weights on the built-in task; remove it "
                                          "when models.<name>.path gives pretrained weights")
     out = {}
-    checked: set[str] = set()
     for name, arch in job.models.items():
         key = f"models.{name}.path" if name in job.paths else f"models.{name}.vocab"
-        if name in job.paths and job.paths[name] not in checked:  # weights against config, before any process
-            check_model_dir(Path(job.paths[name]), key)
-            checked.add(job.paths[name])
         if arch.vocab < tok.vocab_size:
             raise SpecError(key, f"vocab_size {arch.vocab} is smaller than the tokenizer's {tok.vocab_size} tokens")
         if name in job.paths:

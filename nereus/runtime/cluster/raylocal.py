@@ -68,6 +68,21 @@ def start_local_ray(num_cpus: int, temp_dir: Path) -> None:
     for sig, handler in kept.items():  # ray.init installs its own (log and die): the caller's come back
         signal.signal(sig, handler)
     atexit.register(shutdown_local_ray)  # after ray.init's own: runs first, shuts Ray down, then reaps
+    make_private(Path(temp_dir).absolute(), ray._private.worker._global_node.get_session_dir_path())
+
+
+def make_private(root: Path, session_dir: str) -> None:
+    """Ray makes its temp folder and every folder of a session world-writable (mode 0777,
+    ``ray._common.utils.try_make_directory_shared``, so that several users can share /tmp/ray). A local
+    instance of one driver has no such users: the temp folder and the session's folders become the
+    owner's only (0700), which also closes every folder Ray creates later inside them to other users."""
+    folders = [root, *(Path(d) for d, _, _ in os.walk(session_dir))]
+    for folder in folders:
+        try:
+            if not folder.is_symlink() and folder.stat().st_mode & 0o077:
+                folder.chmod(0o700)
+        except OSError:  # a folder removed meanwhile, or one we do not own
+            pass
 
 
 # Ray 2.60 waits a fixed 30 s for its raylet to register with the GCS (ray/_private/node.py,
