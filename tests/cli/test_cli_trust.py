@@ -1,8 +1,9 @@
-"""Every class of bad input of the second trust round (docs/reliability.md, "Trust: inputs checked before
-anything runs"), each as a named regression test: HF directories (config, tokenizer, safetensors, Parquet),
-user reward code, error messages of bounded work, session and run records, resume history, layouts and
-sampling that cannot run, hygiene, and YAML 1.2 numbers. The CLI runs in this process; where a test must
-prove that nothing started, ``RLJob`` set-up past the checks and ``ray.init`` are tripwires."""
+"""Every class of bad input that must be refused before anything runs (docs/reliability.md, "Trust: inputs
+checked before anything runs"), each as a named regression test: HF directories (config, tokenizer,
+safetensors, Parquet), user reward code, error messages of bounded work, session and run records, resume
+history, layouts and sampling that cannot run, hygiene, and YAML 1.2 numbers. The CLI runs in this process;
+where a test must prove that nothing started, ``RLJob`` set-up past the checks and ``ray.init`` are
+tripwires."""
 
 from __future__ import annotations
 
