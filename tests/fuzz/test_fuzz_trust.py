@@ -2,9 +2,9 @@
 anything runs"): 850 seeded bad inputs on the surfaces the first suite (``test_fuzz_cli``) does not reach:
 HF model directories (``config.json``, tokenizer files, safetensors headers and indexes), user reward
 files and modules, Ray session records and scale requests, damaged run records (report decisions,
-``metrics.jsonl`` on resume), alias bombs, layouts and sampling that cannot run, and cluster addresses. Each must exit 2 (or
-1 for a cluster failure) with one error line and no traceback, and none may hang: a case that runs past
-``CASE_DEADLINE_S`` dumps every thread's stack and ends the test process.
+``metrics.jsonl`` on resume), alias bombs, layouts and sampling that cannot run, and cluster addresses.
+Each must exit 2 (or 1 for a cluster failure) with one error line and no traceback, and none may hang: a
+case that runs past ``CASE_DEADLINE_S`` dumps every thread's stack and ends the test process.
 
 Every mutation is bad by construction, per field: a value of another type, NaN, an infinity, past 64 bits,
 out of range, null where nothing means null, a list that must not be empty; a tensor whose name, shape,
