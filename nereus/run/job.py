@@ -175,24 +175,28 @@ class RLJob(Observer):
         """Write ``step_<step>`` (after ``step`` steps) and point ``latest`` at it (``checkpoint.StepWriter``:
         a temporary folder renamed when complete, ``latest`` replaced atomically)."""
         out = StepWriter(self.dir, step, self.write_hook)
-        for model in TRAINED:
-            if model not in self.job.algorithm.models:
-                continue
-            p = next(p for p in self.placed if p.model == model and p.stage == "training")
-            save_checkpoint(out.folder / model, self.cfgs[model], self.rt.read_weights(p.key),
-                            source=self.job.paths.get(model))
-            out.wrote(f"{model}/")
-            (out.folder / "optim" / model).mkdir(parents=True, exist_ok=True)
-            for rank, st in self.rt.read_optimizer(p.key).items():
-                name = f"optim/{model}/rank{rank}.safetensors"
-                save_file(st, str(out.folder / name), metadata=optimizer_tag(model, p.layout, p.ranks, rank))
-                out.wrote(name)
-        if self.run.adapt is not None:  # the plan in force: a resumed run starts on it (optimizer files per rank)
-            self.state["plan"] = self.backend.plan.to_dict()
-        self.state["placements"] = placement_record(self.placed)  # which shard each optimizer file holds
-        (out.folder / STATE).write_text(json.dumps({**self.state, "step": step}, indent=1))
-        out.wrote(STATE)
-        return out.commit()
+        try:
+            for model in TRAINED:
+                if model not in self.job.algorithm.models:
+                    continue
+                p = next(p for p in self.placed if p.model == model and p.stage == "training")
+                save_checkpoint(out.folder / model, self.cfgs[model], self.rt.read_weights(p.key),
+                                source=self.job.paths.get(model))
+                out.wrote(f"{model}/")
+                (out.folder / "optim" / model).mkdir(parents=True, exist_ok=True)
+                for rank, st in self.rt.read_optimizer(p.key).items():
+                    name = f"optim/{model}/rank{rank}.safetensors"
+                    save_file(st, str(out.folder / name), metadata=optimizer_tag(model, p.layout, p.ranks, rank))
+                    out.wrote(name)
+            if self.run.adapt is not None:  # the plan in force: a resumed run starts on it (optimizer files per rank)
+                self.state["plan"] = self.backend.plan.to_dict()
+            self.state["placements"] = placement_record(self.placed)  # which shard each optimizer file holds
+            (out.folder / STATE).write_text(json.dumps({**self.state, "step": step}, indent=1))
+            out.wrote(STATE)
+            return out.commit()
+        except BaseException:
+            out.discard()  # no half-written folder stays behind
+            raise
 
     def _resume_point(self) -> tuple[int, Path, list[str]]:
         """Everything a resume checks before any process starts or user code runs: the checkpoint
