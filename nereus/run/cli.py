@@ -105,7 +105,8 @@ def _check_capacity(run_dir: Path, workers: int) -> None:
     from nereus.spec.errors import SpecError
 
     # strict: a FIFO, a directory or garbage is refused by name
-    record = read_session_record(run_dir, "remove it if no run uses that folder (the next run writes a new one)")
+    record = read_session_record(run_dir, ("num_cpus",),
+                                 "remove it if no run uses that folder (the next run writes a new one)")
     if record is None:
         return  # joined a cluster: the run itself refuses what it cannot place
     cpus = record["num_cpus"]
@@ -124,7 +125,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
     record = None
     if args.dir is not None:
-        record = read_session_record(args.dir, "run `nereus cleanup` without --dir (it needs no record)")
+        record = read_session_record(args.dir, ("owner",), "run `nereus cleanup` without --dir (it needs no record)")
         if record is None:
             raise SpecError("--dir", f"{args.dir / SESSION} does not exist: the run in {args.dir} did not start a "
                                      "local Ray (run `nereus cleanup` without --dir to clean every dead driver's)")

@@ -28,22 +28,25 @@ MAX_RECORD_BYTES = 2**20
 MAX_PID = 2**22
 
 
-def read_session_record(run_dir: Path, fix: str, flag: str = "--dir") -> dict | None:
+def read_session_record(run_dir: Path, need: tuple[str, ...], fix: str, flag: str = "--dir") -> dict | None:
     """The ``ray_session.json`` of ``run_dir``, checked; None when the run wrote none (it joined a cluster).
-    A bad record is a SpecError naming it, with ``fix``."""
+    Every key the readers use is checked when present; those of ``need`` must be present. A bad record is
+    a SpecError naming it, with ``fix``."""
     path = run_dir / SESSION
     if not os.path.lexists(path):
         return None
     try:
-        data = read_json_file(path, "Ray session record", MAX_RECORD_BYTES)
-        f = Fields(data, str(path))
-        owner = f.get("owner", str)
-        pid, _, start = owner.partition("-")
+        f = Fields(read_json_file(path, "Ray session record", MAX_RECORD_BYTES), str(path))
+        for key in need:
+            if not f.has(key) or f.data[key] is None:
+                raise SpecError(f.key_path(key), "required key is missing (the record a run's driver writes has it)")
+        record = {"owner": f.get("owner", str, None),
+                  "driver_pid": f.get("driver_pid", int, None, minimum=1, maximum=MAX_PID),
+                  "num_cpus": f.get("num_cpus", int, None, minimum=0, maximum=MAX_WORKERS * 1024),
+                  "pids": f.get_list("pids", int, [])}
+        pid, _, start = (record["owner"] or "0-0").partition("-")
         if not (pid.isascii() and pid.isdigit() and start.isascii() and start.isdigit()):
             raise SpecError(f.key_path("owner"), "is not <pid>-<start time> as a driver writes it")
-        record = {"owner": owner, "driver_pid": f.get("driver_pid", int, minimum=1, maximum=MAX_PID),
-                  "num_cpus": f.get("num_cpus", int, minimum=0, maximum=MAX_WORKERS * 1024),
-                  "pids": f.get_list("pids", int, [])}
     except SpecError as err:
         raise SpecError(flag, f"{err}; {fix}") from None
     return record

@@ -365,10 +365,11 @@ def reward_cases(rng: random.Random) -> list[Case]:
 # ----- session records and scale requests -----------------------------------------------------------------
 SESSION = {"owner": "4194000-123", "driver_pid": 4194000, "session_dir": "/nowhere", "gcs_address": "127.0.0.1:1",
            "num_cpus": 4, "auth": "token", "pids": [4194001, 4194002]}
-SESSION_BAD = {"owner": [5, None, ["x"], "x", "12", "12-", "-5", "a-b", "1-2-3", "１-2"],
-               "driver_pid": [*GENERIC_BAD, None, 0, -1, 2**22 + 1, 1.5],
-               "num_cpus": [*GENERIC_BAD, None, -1, 1.5, 10**6],
+SESSION_BAD = {"owner": [5, ["x"], "x", "12", "12-", "-5", "a-b", "1-2-3", "１-2"],
+               "driver_pid": [*GENERIC_BAD, 0, -1, 2**22 + 1, 1.5],
+               "num_cpus": [*GENERIC_BAD, -1, 1.5, 10**6],
                "pids": [5, "x", [NAN], [10**30], [True], ["1"], {"a": 1}, [[1]]]}
+NEEDS = {"scale": "num_cpus", "cleanup": "owner"}  # the key each command cannot do without
 
 
 def session_cases(rng: random.Random) -> list[Case]:
@@ -383,10 +384,11 @@ def session_cases(rng: random.Random) -> list[Case]:
             record = copy.deepcopy(SESSION)
             key = rng.choice(sorted(SESSION_BAD))
             record[key] = copy.deepcopy(rng.choice(SESSION_BAD[key]))
-            if rng.random() < 0.15:
-                del record[key]
-                if key == "pids":  # pids may be left out; then another key is wrong
-                    record["num_cpus"] = "four"
+            if rng.random() < 0.15:  # the key the command needs, missing or null
+                key = NEEDS[argv[0]]
+                record[key] = None
+                if rng.random() < 0.5:
+                    del record[key]
             what = f"{key}={record.get(key)!r}"[:50]
             files["run/ray_session.json"] = json.dumps(record)
         elif roll < 0.9:

@@ -72,8 +72,16 @@ def gcs():
 
 
 def _here() -> str:
-    """This machine's address as Ray sees it from a driver (what a loopback address is rewritten to)."""
+    """The address the probe looks for among the cluster's nodes: this machine's as Ray's driver sees it
+    (loopback while the session's local-only Ray runs in this process)."""
     return services.get_node_ip_address("192.0.2.1:1")
+
+
+def _host() -> str:
+    """This machine's routable address (what Ray rewrites a loopback address to when joining a cluster)."""
+    from ray._raylet import node_ip_address_from_perspective
+
+    return node_ip_address_from_perspective("192.0.2.1:1")
 
 
 def _refused(address: str, *needles: str, within_s: float = 30) -> str:
@@ -146,12 +154,11 @@ def test_a_matching_cluster_passes_and_its_address_is_what_ray_will_connect_to(g
 def test_a_loopback_spelling_is_probed_where_ray_will_connect(gcs, monkeypatch):
     """Ray rewrites a loopback address to this host's address for a cluster it joins; the probe resolves it
     the same way, probes there and returns that address (so nothing is rewritten after the probe)."""
-    address = gcs({"ray_version": RAY_VERSION, "python_version": PYTHON_VERSION})
-    port = address.rsplit(":", 1)[1]
-    monkeypatch.setattr(services, "resolve_ip_for_localhost", lambda host: _here() if host in (
+    port = gcs({"ray_version": RAY_VERSION, "python_version": PYTHON_VERSION}).rsplit(":", 1)[1]
+    monkeypatch.setattr(services, "resolve_ip_for_localhost", lambda host: _host() if host in (
         "127.0.0.1", "localhost", "::1") else host)
     for spelling in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"):
-        assert check_address(spelling) == address
+        assert check_address(spelling) == f"{_host()}:{port}"
     loop_only = socket.create_server(("127.0.0.1", 0))
     try:
         _refused(f"127.0.0.1:{loop_only.getsockname()[1]}", "answers on loopback only", "--node-ip-address")
