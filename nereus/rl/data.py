@@ -95,9 +95,14 @@ def read_rows(path: str | Path) -> list[dict]:
         except ImportError:
             raise DataError(path, None, None, "reading Parquet needs pyarrow (pip install pyarrow)") from None
         try:
-            return pq.read_table(path).to_pylist()
-        except Exception as err:  # pyarrow raises several types for a damaged file
-            raise DataError(path, None, None, f"not a readable Parquet file: {err}") from None
+            dataset = pq.ParquetDataset(path)
+            check_parquet_schema(path, dataset.schema, sum(f.metadata.num_rows for f in dataset.fragments))
+            return dataset.read().to_pylist()
+        except DataError:
+            raise
+        except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            text = " ".join(str(err).split())[:200] or type(err).__name__
+            raise DataError(path, None, None, f"not a readable Parquet file: {text}") from None
     if path.suffix not in (".jsonl", ".json"):
         raise DataError(path, None, None, "expected a .jsonl or .parquet file")
     try:
@@ -119,6 +124,42 @@ def read_rows(path: str | Path) -> list[dict]:
             raise DataError(path, i, None, f"expected a JSON object, got {type(row).__name__}")
         rows.append(row)
     return rows
+
+
+# Rows of one data file: verl's largest preprocessed sets hold ~10^5-10^6 prompts; every row is tokenised
+# up front, so past this a file is refused before its rows are read.
+MAX_ROWS = 10**7
+
+
+def check_parquet_schema(path: Path, schema: object, rows: int) -> None:
+    """Refuse a Parquet file whose columns cannot hold verl's rows, before any row is read: ``prompt`` (chat
+    messages or text) and ``reward_model`` (with ``ground_truth``) present; ``data_source`` text;
+    ``extra_info`` a struct or map. Values are still checked row by row (``load_prompts``)."""
+    import pyarrow as pa
+
+    if rows > MAX_ROWS:
+        raise DataError(path, None, None, f"{rows:,} rows is more than a data file holds (at most {MAX_ROWS:,})")
+    names = set(schema.names)
+    for name in ("prompt", "reward_model"):
+        if name not in names:
+            raise DataError(path, None, name, f"column is missing (columns: {sorted(names)[:12]}); give verl's "
+                                              "format: data_source, prompt, ability, reward_model, extra_info")
+    prompt = schema.field("prompt").type
+    if not (pa.types.is_string(prompt) or pa.types.is_large_string(prompt) or
+            (pa.types.is_list(prompt) or pa.types.is_large_list(prompt)) and pa.types.is_struct(prompt.value_type)
+            and prompt.value_type.get_field_index("content") >= 0):
+        raise DataError(path, None, "prompt", f"column has type {prompt}; give a list of chat messages "
+                                              "(struct<role: string, content: string>) or text")
+    reward = schema.field("reward_model").type
+    if not pa.types.is_struct(reward) or reward.get_field_index("ground_truth") < 0:
+        raise DataError(path, None, "reward_model", f"column has type {reward}; give a struct with ground_truth")
+    if "data_source" in names and not pa.types.is_string(source := schema.field("data_source").type) and \
+            not pa.types.is_large_string(source) and not pa.types.is_null(source):
+        raise DataError(path, None, "data_source", f"column has type {source}; give text")
+    if "extra_info" in names:
+        extra = schema.field("extra_info").type
+        if not (pa.types.is_struct(extra) or pa.types.is_map(extra) or pa.types.is_null(extra)):
+            raise DataError(path, None, "extra_info", f"column has type {extra}; give a struct or map")
 
 
 def load_prompts(path: str | Path, tokenizer: Tokenizer, max_prompt_length: int) -> list[Prompt]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from nereus.spec.errors import SpecError
+from nereus.spec.errors import SpecError, cut
+from nereus.spec.hf_files import check_tokenizer_files
 
 
 @runtime_checkable
@@ -42,16 +43,23 @@ class HFTokenizer:
             raise SpecError(where, "an HF model's tokenizer needs the transformers package "
                                    "(pip install transformers tokenizers)") from None
         self.path = Path(path)
+        check_tokenizer_files(self.path, where)  # no FIFO, directory or oversized file for the library to meet
         try:
             self.hf = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-        except (OSError, ValueError) as err:
-            raise SpecError(where, f"no loadable tokenizer in {self.path} ({str(err).splitlines()[0]}); the "
-                                   "directory needs tokenizer.json and tokenizer_config.json") from None
+        except Exception as err:  # noqa: BLE001 - the library raises many types (and Rust's bare Exception)
+            what = _culprit(self.path) or f"no loadable tokenizer in {self.path} ({type(err).__name__}: " \
+                                          f"{_first_line(err)})"
+            raise SpecError(where, f"{what}; the directory needs the model's own tokenizer.json and "
+                                   "tokenizer_config.json") from None
         if self.hf.eos_token_id is None:
             raise SpecError(where, f"the tokenizer in {self.path} has no eos_token; set it in tokenizer_config.json")
         if not getattr(self.hf, "chat_template", None):
             raise SpecError(where, f"the tokenizer in {self.path} has no chat_template; prompts are chat "
                                    "messages (verl's format) and are rendered through it")
+        try:  # a template of the wrong type, or one that fails to render, is refused now rather than per row
+            self.prompt_ids([{"role": "user", "content": "1+1"}])
+        except ValueError as err:
+            raise SpecError(where, str(err)) from None
         self.eos_token_id = int(self.hf.eos_token_id)
         # no pad token (Llama): pad with EOS, as verl does; padding is masked everywhere it appears
         self.pad_token_id = int(self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_token_id)
@@ -68,6 +76,33 @@ class HFTokenizer:
         return self.hf.decode(ids, skip_special_tokens=True)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        """Token ids of ``messages`` rendered by the chat template; a template that fails (a Jinja error, a
+        ``raise_exception`` for messages it refuses) is a ValueError naming the template's folder."""
+        try:
+            text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # noqa: BLE001 - Jinja and transformers raise many types
+            raise ValueError(f"the chat template of {self.path} fails on these messages ({type(err).__name__}: "
+                             f"{_first_line(err)})") from None
+        if not isinstance(text, str):
+            raise ValueError(f"the chat template of {self.path} renders {type(text).__name__}, not text")
         return self.encode(text)
 
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return cut(text.splitlines()[0] if text else "no message", 300)
+
+
+def _culprit(folder: Path) -> str:
+    """Which file the library failed on, when it is ``tokenizer.json`` (its errors do not name the file):
+    loading that file alone with the ``tokenizers`` package tells. Only run once loading has failed."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return ""
+    try:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        RustTokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 - the Rust library raises a bare Exception
+        return f"{path} does not load as a tokenizer ({_first_line(err)})"
+    return ""

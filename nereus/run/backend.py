@@ -7,7 +7,6 @@ job reads them from it (``placed``) and never rewrites them.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from nereus.control.backend import (
 from nereus.cost.hardware import Hardware
 from nereus.elastic.schedule import schedule_graph
 from nereus.run.driver import Stepper
+from nereus.run.records import read_scale_request
 from nereus.run.setup import Placed, placed_from_plan
 from nereus.runtime.cluster.nodes import PlacementError
 from nereus.runtime.cluster.workers import Runtime
@@ -77,12 +77,11 @@ class RuntimeBackend:
         """Workers available at ``step``: a ``nereus scale`` request wins over the availability schedule."""
         if not self.adaptive:
             return self.job.run.workers
-        if self.scale_file is not None and self.scale_file.exists():
-            try:
-                self.requested = int(json.loads(self.scale_file.read_text())["workers"])
-            except (ValueError, KeyError, TypeError):
-                print(f"nereus: ignoring {self.scale_file}: expected {{\"workers\": N}}", file=sys.stderr)
-            self.scale_file.unlink(missing_ok=True)
+        if self.scale_file is not None:  # strict: a FIFO or a directory there must not stop the run
+            requested, why = read_scale_request(self.scale_file)
+            if why is not None:
+                print(f"nereus: {why}", file=sys.stderr)
+            self.requested = requested if requested is not None else self.requested
         default = self.job.run.adapt.workers_at(step, self.job.run.workers)
         return self.requested if self.requested is not None else default
 

@@ -27,7 +27,7 @@ from nereus.control.backend import RecoveryMetrics, WorkersLost
 from nereus.control.loop import ControlLoop, Observer, StepOutcome
 from nereus.control.record import RunRecord
 from nereus.rl.data import Prompt
-from nereus.rl.rewards import correct
+from nereus.rl.rewards import RewardRouter, correct
 from nereus.run.adaptive import AdaptationLog, policy_for
 from nereus.run.backend import RuntimeBackend, plan_text
 from nereus.run.checkpoint import (
@@ -43,12 +43,14 @@ from nereus.run.checkpoint import (
 )
 from nereus.run.driver import Stepper
 from nereus.run.manifest import verify_manifest, write_manifest, write_text_atomic
-from nereus.run.metrics import MetricsLog, Progress, check_loggers, lines_through
+from nereus.run.metrics import MetricsLog, Progress, check_loggers, prepare_resume
 from nereus.run.midstep import move_line
 from nereus.run.setup import (
     TRAINED,
     Placed,
     check_batches,
+    check_model_dirs,
+    check_rule_reward,
     datasets,
     model_configs,
     placed_from_plan,
@@ -62,8 +64,9 @@ from nereus.runtime.generation.fixed_batch import SamplingParams
 from nereus.runtime.model.hf import save_checkpoint
 from nereus.runtime.transitions.live import KeySpec
 from nereus.spec.errors import SpecError
+from nereus.spec.files import read_json_file
 from nereus.spec.job import JobSpec
-from nereus.spec.layout import Plan
+from nereus.spec.layout import Plan, check_runnable
 
 
 class RLJob(Observer):
@@ -79,6 +82,7 @@ class RLJob(Observer):
         self.job, self.run, self.quiet = job, job.run, quiet
         self.address = address  # a Ray cluster to join (``nereus run --address``); None: a local Ray
         self.dir = Path(out_dir or job.run.checkpoint_dir)
+        check_model_dirs(job)  # HF directories' files, before any library reads them (spec.hf_files)
         self.tok = tokenizer_for(job)  # the actor's HF tokenizer (models.actor.path) or the built-in one
         self.cfgs = model_configs(job, self.tok)
         # adaptive: the controller picks (and later changes) every layout; fixed: the job's own layouts
@@ -86,7 +90,9 @@ class RLJob(Observer):
         check_batches(job, self._placed)
         check_loggers(self.run.logger)  # a missing wandb/mlflow fails now, not after the warm-start
         self.train, self.val = datasets(job, self.tok, self.dir)
-        self.reward = reward_router(job, self.train + self.val)
+        check_rule_reward(job, self.train + self.val)
+        # the user's reward function (run.reward_function) is imported by ``execute`` once every check passed
+        self.reward: RewardRouter | None = None
         self._own_runtime = runtime is None
         self.rt = runtime
         self.backend: RuntimeBackend | None = None
@@ -133,6 +139,8 @@ class RLJob(Observer):
                 loaded.add(p.key)
         if optim is not None:
             self._install_optimizers(optim, written)
+        if self.reward is None:  # workers run: the job was accepted (``execute`` imports it before this)
+            self.reward = reward_router(self.job)
         stepper = Stepper(self.job, self.rt, self.placed, self.tok, self.train, self.reward)
         stepper.open_engine()
         self.backend = RuntimeBackend(self.job, self.rt, self.cfgs, stepper, self._placed, self.plan, self.say)
@@ -168,40 +176,59 @@ class RLJob(Observer):
         """Write ``step_<step>`` (after ``step`` steps) and point ``latest`` at it (``checkpoint.StepWriter``:
         a temporary folder renamed when complete, ``latest`` replaced atomically)."""
         out = StepWriter(self.dir, step, self.write_hook)
-        for model in TRAINED:
-            if model not in self.job.algorithm.models:
-                continue
-            p = next(p for p in self.placed if p.model == model and p.stage == "training")
-            save_checkpoint(out.folder / model, self.cfgs[model], self.rt.read_weights(p.key),
-                            source=self.job.paths.get(model))
-            out.wrote(f"{model}/")
-            (out.folder / "optim" / model).mkdir(parents=True, exist_ok=True)
-            for rank, st in self.rt.read_optimizer(p.key).items():
-                name = f"optim/{model}/rank{rank}.safetensors"
-                save_file(st, str(out.folder / name), metadata=optimizer_tag(model, p.layout, p.ranks, rank))
-                out.wrote(name)
-        if self.run.adapt is not None:  # the plan in force: a resumed run starts on it (optimizer files per rank)
-            self.state["plan"] = self.backend.plan.to_dict()
-        self.state["placements"] = placement_record(self.placed)  # which shard each optimizer file holds
-        (out.folder / STATE).write_text(json.dumps({**self.state, "step": step}, indent=1))
-        out.wrote(STATE)
-        return out.commit()
+        try:
+            for model in TRAINED:
+                if model not in self.job.algorithm.models:
+                    continue
+                p = next(p for p in self.placed if p.model == model and p.stage == "training")
+                save_checkpoint(out.folder / model, self.cfgs[model], self.rt.read_weights(p.key),
+                                source=self.job.paths.get(model))
+                out.wrote(f"{model}/")
+                (out.folder / "optim" / model).mkdir(parents=True, exist_ok=True)
+                for rank, st in self.rt.read_optimizer(p.key).items():
+                    name = f"optim/{model}/rank{rank}.safetensors"
+                    save_file(st, str(out.folder / name), metadata=optimizer_tag(model, p.layout, p.ranks, rank))
+                    out.wrote(name)
+            if self.run.adapt is not None:  # the plan in force: a resumed run starts on it (optimizer files per rank)
+                self.state["plan"] = self.backend.plan.to_dict()
+            self.state["placements"] = placement_record(self.placed)  # which shard each optimizer file holds
+            (out.folder / STATE).write_text(json.dumps({**self.state, "step": step}, indent=1))
+            out.wrote(STATE)
+            return out.commit()
+        except BaseException:
+            out.discard()  # no half-written folder stays behind
+            raise
 
-    def _restore(self) -> int:
-        """Load the checkpoint ``checkpoint.resumable`` picks (warning about each broken one it skips)."""
+    def _resume_point(self) -> tuple[int, Path, list[str]]:
+        """Everything a resume checks before any process starts or user code runs: the checkpoint
+        ``checkpoint.resumable`` picks (warning about each broken one it skips), ``init/``, ``state.json``,
+        and ``metrics.jsonl`` (a damaged one is refused, never cut). Returns (step, folder, metric lines kept)."""
         step, path, warnings = resumable(self.dir)
         for text in warnings:
             print(f"nereus: warning: {text}", file=sys.stderr, flush=True)
         self.warnings = warnings
         verify_manifest(self.dir / "init")
-        self.state = json.loads((path / STATE).read_text())
+        state = read_json_file(path / STATE, "checkpoint state")
+        if not isinstance(state, dict):
+            raise SpecError("--resume", f"{path / STATE} holds {type(state).__name__}, not a checkpoint state")
+        self.state = state
         if self.run.adapt is not None and "plan" in self.state:
-            self.plan = Plan.from_dict(self.state["plan"], f"{path / 'state.json'}.plan")
+            where = f"{path / 'state.json'}.plan"
+            self.plan = Plan.from_dict(self.state["plan"], where)
+            for p in self.plan.placements:  # the same check a job file's layouts pass
+                check_runnable(self.job.models[p.model_stage.model], p.layout, f"{where}.{p.model_stage}")
             self._placed = placed_from_plan(self.plan)
+        return step, path, prepare_resume(self.dir / "metrics.jsonl", step)
+
+    def _restore(self, point: tuple[int, Path, list[str]] | None = None) -> int:
+        """Load the checkpoint ``_resume_point`` chose (``point``, or chosen now) and rewrite
+        ``metrics.jsonl`` to the lines it keeps."""
+        step, path, metric_lines = point if point is not None else self._resume_point()
         init = initial_sources(self.dir / "init", self.job.algorithm.models, self.job.paths)
         source = {m: (path / m if m in TRAINED else init[m]) for m in self.job.algorithm.models}
         self._start(source, optim=path)
-        self._trim_metrics(step)
+        if (self.dir / "metrics.jsonl").exists():
+            write_text_atomic(self.dir / "metrics.jsonl", "".join(line + "\n" for line in metric_lines))
         return step
 
     def _written(self, path: Path) -> dict[str, tuple]:
@@ -235,12 +262,6 @@ class RLJob(Observer):
                 moved.append(KeySpec(p.key, p.model, p.stage, self.cfgs[p.model], p.layout, p.ranks))
         if moved:
             self.rt.transition(moved, self.job)
-
-    def _trim_metrics(self, step: int) -> None:
-        path = self.dir / "metrics.jsonl"
-        if path.exists():
-            keep = lines_through(path.read_text(errors="replace"), step)
-            path.write_text("".join(line + "\n" for line in keep))
 
     # ----- the run: the loop's observer ---------------------------------------------------------------
     def step_done(self, o: StepOutcome) -> None:
@@ -308,8 +329,10 @@ class RLJob(Observer):
     def execute(self, resume: bool = False) -> dict:
         """Run the job to ``run.steps``; returns the summary (accuracies, metrics of the last step)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        start = self._restore() if resume else 0
-        if not resume:
+        point = self._resume_point() if resume else None
+        self.reward = reward_router(self.job)  # user code runs only now: the job is accepted
+        start = self._restore(point) if point is not None else 0
+        if point is None:
             self._fresh()
         self.log = MetricsLog(self.dir / "metrics.jsonl", resume, quiet=self.quiet, loggers=self.run.logger,
                               name=self.job.name)

@@ -17,6 +17,7 @@ from nereus.runtime.model.hf import read_config
 from nereus.runtime.parallel.tp import check_tp
 from nereus.spec.capability import UnsupportedLayout
 from nereus.spec.errors import SpecError
+from nereus.spec.hf_files import check_model_dir
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout
 
@@ -32,6 +33,17 @@ class Placed:
     layout: Layout
     ranks: tuple[int, ...]
     key: str
+
+
+def check_model_dirs(job: JobSpec) -> None:
+    """Every HF model directory the job names (``models.<name>.path``), checked before any library loads a
+    file of it and before any process starts: config, every safetensors header against the config,
+    tokenizer files (``spec.hf_files.check_model_dir``). A directory shared by several models is read once."""
+    seen: set[str] = set()
+    for name, path in job.paths.items():
+        if path not in seen:
+            seen.add(path)
+            check_model_dir(Path(path), f"models.{name}.path")
 
 
 def tokenizer_for(job: JobSpec) -> Tokenizer:
@@ -63,12 +75,17 @@ def model_configs(job: JobSpec, tok: Tokenizer) -> dict[str, ModelConfig]:
     return out
 
 
-def reward_router(job: JobSpec, prompts: list[Prompt]) -> RewardRouter:
-    """The job's rule reward (``run.rule_reward``, ``run.reward_function``), checked against the data:
-    under ``auto`` every ``data_source`` of ``prompts`` needs a scorer."""
-    router = RewardRouter(job.run.rule_reward, job.run.reward_function)
-    router.check_sources({p.data_source for p in prompts}, "run.rule_reward")
-    return router
+def check_rule_reward(job: JobSpec, prompts: list[Prompt]) -> None:
+    """Under ``run.rule_reward: auto`` without a user function, every ``data_source`` of ``prompts`` needs
+    a scorer (checked before anything runs; the error lists them)."""
+    if job.run.reward_function is None:
+        RewardRouter(job.run.rule_reward).check_sources({p.data_source for p in prompts}, "run.rule_reward")
+
+
+def reward_router(job: JobSpec) -> RewardRouter:
+    """The job's rule reward (``run.rule_reward``, ``run.reward_function``). A user function is imported
+    here, so this is called only once the job is accepted (``RLJob.execute``): a refused job never ran it."""
+    return RewardRouter(job.run.rule_reward, job.run.reward_function)
 
 
 def _planned(job: JobSpec) -> dict[str, tuple[Layout, tuple[int, ...]]]:

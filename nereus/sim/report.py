@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_GPUS, MAX_STEPS, MAX_TOKENS, Fields, read_json_file
 from nereus.spec.files import MAX_RECORD_BYTES
-from nereus.spec.generation import ChangeTailLayout, GenerationEntry, MoveSequences
+from nereus.spec.generation import DECISION_KINDS, ChangeTailLayout, GenerationEntry, MoveSequences
 
 PHASES = ("generation", "inference", "training", "weight_sync")
 # What the report reads of a run record (``control.record.RunRecord.to_dict``), checked up front so that a
@@ -17,6 +20,7 @@ SUMMARY_KEYS = ("mean_step_s", "run_s", "transition_share", "tokens_per_s", "con
 STEP_KEYS = ("step_time_s", "transition_s", "response_mean", "response_max")
 # A step or phase over 10^12 s (30,000 years) is not a run; bounding it keeps the plots' axis arithmetic finite.
 MAX_SECONDS = 1e12
+MAX_FIGURE = 1e18  # a backend's figure (tokens, bytes, seconds): past an exabyte it is not a measurement
 
 
 def load_run(path: str | Path) -> dict:
@@ -56,10 +60,47 @@ def _check_record(data: dict) -> None:
         for name in phases.data:
             phases.get(name, float, minimum=0, maximum=MAX_SECONDS)
     for i, item in enumerate(root.get("generation_decisions", list, [])):
-        try:
-            GenerationEntry.from_json(item)
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise SpecError(f"generation_decisions[{i}]", f"not a decision inside a step ({err!r})") from None
+        _check_generation_entry(Fields(item, f"generation_decisions[{i}]"))
+    for i, item in enumerate(root.get("decisions", list, [])):
+        Fields(item, f"decisions[{i}]").get("action", str)
+
+
+def _check_generation_entry(e: Fields) -> None:
+    """A decision inside a step (``spec.generation.GenerationEntry``): every field ``generation_table``
+    prints, each its type and in range, then the typed value itself (a hand-edited record fails by key,
+    not half-way through writing the report)."""
+    for key in ("step", "iteration", "live"):
+        e.get(key, int, minimum=0, maximum=MAX_STEPS if key == "step" else MAX_TOKENS)
+    e.get("model_stage", str)
+    e.get("overhead_s", float, 0.0, minimum=0, maximum=MAX_SECONDS)
+    d = e.sub("decision", required=True)
+    d.get("kind", str, choices=DECISION_KINDS)
+    for key in ("gain_s", "cost_s"):
+        d.get(key, float, 0.0, minimum=-MAX_SECONDS, maximum=MAX_SECONDS)
+    d.get("bytes", int, 0, minimum=0)
+    look = d.sub("look")
+    for key in ("iterations", "live_at_most"):
+        look.get(key, int, 0, minimum=0, maximum=MAX_TOKENS)
+    for j, move in enumerate(d.get("moves", list, [])):
+        m = Fields(move, f"{d.path}.moves[{j}]")
+        record = m.get_list("seq", (int, float))
+        if not 5 <= len(record) <= 7 or any(v < 0 for v in record):
+            raise SpecError(m.key_path("seq"), "expected a sequence record [id, replica, prompt, generated, "
+                            "cached, rng_bytes, forecast] of non-negative numbers")
+        m.get("dst", int, minimum=0, maximum=MAX_GPUS)
+        m.get("refill", bool)
+    o = e.sub("outcome", required=True)
+    o.get("applied", bool)
+    o.get("reason", str, "")
+    for key in ("cost_s", "gain_s"):
+        o.get(key, float, None, minimum=-MAX_SECONDS, maximum=MAX_SECONDS)
+    figures = o.sub("figures")
+    for name in figures.data:
+        figures.get(name, float, minimum=-MAX_FIGURE, maximum=MAX_FIGURE)
+    try:
+        GenerationEntry.from_json(e.data)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise SpecError(e.path, f"not a decision inside a step ({type(err).__name__}: {err})"[:300]) from None
 
 
 def markdown_table(runs: list[dict]) -> str:
@@ -193,9 +234,27 @@ def timeline(runs: list[dict]) -> dict:
 
 
 def write_report(paths: list[str], out_dir: str | Path) -> dict[str, Path]:
+    """Write the report of the runs ``paths`` into ``out_dir``: everything is written into a temporary
+    folder beside it first, then moved in, so a failure leaves no half-written report (and an existing
+    folder keeps its other files). Returns each output's final path."""
     runs = [load_run(p) for p in paths]
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        written = _write_outputs(runs, staging)
+        if not out.exists():
+            staging.chmod(0o755)  # mkdtemp makes it private; a report is for reading
+            staging.rename(out)
+        else:
+            for path in written.values():
+                os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {name: out / path.name for name, path in written.items()}
+
+
+def _write_outputs(runs: list[dict], out: Path) -> dict[str, Path]:
     table = out / "report.md"
     pngs = plot_runs(runs, out)
     lines = ["# Runs", "", markdown_table(runs), ""] + [f"![{p.stem}]({p.name})" for p in pngs]

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_GPUS, MAX_LAYERS, MAX_SEQUENCES, Fields
 from nereus.spec.generation import TailPhase
+from nereus.spec.model import ModelArch
 
 STAGES = ("generation", "inference", "training")
 RECOMPUTE = ("none", "selective", "full")
@@ -32,6 +33,34 @@ class ModelStage:
         if not sep or not model or stage not in STAGES:
             raise SpecError(where, f"{text!r} is not MODEL/STAGE with STAGE one of {list(STAGES)}")
         return ModelStage(model, stage)
+
+
+def check_runnable(arch: ModelArch, layout: Layout, where: str) -> None:
+    """The one check that a layout can run the model at all, for ``estimate``, ``plan`` and ``run`` alike
+    (job files' ``run.layouts``, plan files, ``--layout``, a resumed run's plan):
+
+    - every pipeline stage gets the same number of layers (at least one): Megatron-LM requires the
+      layers to divide evenly over the stages, the planner proposes only such depths
+      (``planner.candidates.pp_degrees``), and the cost model prices each stage as the fullest one;
+    - interleaved stages split each device's layers evenly again (``layers % (pp * interleave) == 0``);
+    - TP splits whole attention heads and gives every rank the KV heads its query heads read (whole GQA
+      groups: ``tp`` divides ``kv_heads``, or is a multiple of it)."""
+    layers = arch.layers
+    if layout.pp > layers:
+        raise SpecError(where, f"pp={layout.pp} asks for {layout.pp} pipeline stages but the model has {layers} "
+                               f"layers: every stage needs at least one; give pp <= {layers}")
+    if layers % layout.pp:
+        fits = [d for d in range(1, min(layers, 64) + 1) if layers % d == 0]
+        raise SpecError(where, f"pp={layout.pp} does not split the {layers} layers evenly; give a pp that divides "
+                               f"them ({', '.join(map(str, fits))}{', ...' if layers > 64 else ''})")
+    if layout.interleave > 1 and (layout.pp == 1 or layers % (layout.pp * layout.interleave)):
+        raise SpecError(where, f"interleave={layout.interleave} needs pp > 1 and pp x interleave dividing the "
+                               f"{layers} layers (pp={layout.pp})")
+    if arch.heads % layout.tp:
+        raise SpecError(where, f"tp={layout.tp} does not divide the {arch.heads} attention heads")
+    if arch.kv_heads % layout.tp and layout.tp % arch.kv_heads:
+        raise SpecError(where, f"tp={layout.tp} splits the {arch.kv_heads} KV heads unevenly: give a tp that "
+                               f"divides {arch.kv_heads} or is a multiple of it (and divides {arch.heads})")
 
 
 @dataclass(frozen=True)

@@ -386,8 +386,24 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
     return spec
 
 
+# Below this a temperature divides logits past float32's range (vLLM's _SAMPLING_EPS treats it as greedy)
+MIN_TEMPERATURE = 1e-5
+
+
+def _check_sampling(f: Fields, spec: RunSpec) -> None:
+    """Sampling parameters that would leave no token to draw (``runtime.generation.sampling.sample``):
+    ``top_p`` 0 keeps no token, a temperature just above 0 turns the logits into infinities."""
+    if spec.top_p <= 0:
+        raise SpecError(f.key_path("top_p"), f"{spec.top_p} keeps no token to sample from; give a value in (0, 1] "
+                                             "(1: no nucleus cut; greedy decoding is temperature: 0)")
+    if 0 < spec.temperature < MIN_TEMPERATURE:
+        raise SpecError(f.key_path("temperature"), f"{spec.temperature} overflows the logits; give 0 for greedy "
+                                                   f"decoding or at least {MIN_TEMPERATURE:g}")
+
+
 def _check_run(f: Fields, spec: RunSpec) -> None:
     """Checks across ``run`` keys, once each key is valid on its own."""
+    _check_sampling(f, spec)
     if spec.adapt is not None and spec.layouts:
         raise SpecError(f.key_path("layouts"), "with run.adapt the controller chooses every layout: remove "
                                                "run.layouts (or run.adapt to keep them fixed)")

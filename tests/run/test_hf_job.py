@@ -152,8 +152,9 @@ def test_pretrained_job_refusals(tiny_hf, tmp_path):
     spec = yaml.safe_load(open(_job_file(tiny_hf, tmp_path, "grpo")).read())
     spec["run"]["reward_function"] = "tests.run.test_hf_job:no_such_function"
     (tmp_path / "fn.yaml").write_text(yaml.safe_dump(spec))
+    rl = RLJob(load_job(tmp_path / "fn.yaml"), out_dir=tmp_path, quiet=True)  # user code is not run in set-up
     with pytest.raises(SpecError, match=r"run\.reward_function: 'tests\.run\.test_hf_job' has no function"):
-        RLJob(load_job(tmp_path / "fn.yaml"), out_dir=tmp_path, quiet=True)
+        rl.execute()  # imported once the job is accepted, before any worker starts
 
 
 def test_critic_and_reward_sources(tiny_hf, tmp_path):

@@ -20,10 +20,10 @@ import ray
 import torch
 
 from nereus.runtime.capability import CAPABILITY
+from nereus.runtime.cluster.address import check_address
 from nereus.runtime.cluster.nodes import (
     NodeMap,
     PlacementError,
-    check_address,
     pinned,
     replica_ring,
     several_nodes,
@@ -67,8 +67,8 @@ class Runtime:
         self._store_dir = None if address else Path(temp_dir or Path.cwd() / ".tmp" / "ray").absolute() / "rendezvous"
         if not ray.is_initialized():
             if address:
-                check_address(address)  # a one-line error at once, not minutes of ray.init retries
-                ray.init(address=address)
+                # a one-line error at once, not minutes of ray.init retries; the address Ray itself will use
+                ray.init(address=check_address(address))
             else:
                 root = Path(temp_dir or Path.cwd() / ".tmp" / "ray").absolute()
                 start_local_ray(max(world, max_workers or 0, os.cpu_count() or 1), root)
