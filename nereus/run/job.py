@@ -55,7 +55,13 @@ from nereus.run.setup import (
     reward_router,
     tokenizer_for,
 )
-from nereus.run.warmstart import initial_checkpoints, initial_sources, pretrained_checkpoints
+from nereus.run.warmstart import (
+    check_sources,
+    initial_checkpoints,
+    initial_sources,
+    pretrained_checkpoints,
+    write_sources,
+)
 from nereus.runtime.cluster.raylocal import SESSION, session_record
 from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.generation.fixed_batch import SamplingParams
@@ -64,6 +70,7 @@ from nereus.runtime.transitions.live import KeySpec
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
+from nereus.spec.run import resolve_steps
 
 
 class RLJob(Observer):
@@ -81,11 +88,15 @@ class RLJob(Observer):
         self.dir = Path(out_dir or job.run.checkpoint_dir)
         self.tok = tokenizer_for(job)  # the actor's HF tokenizer (models.actor.path) or the built-in one
         self.cfgs = model_configs(job, self.tok)
+        self.notes: list[str] = []  # what loading the data dropped (run.data.filter_overlong_prompts)
+        self.train, self.val = datasets(job, self.tok, self.dir, self.notes)
+        if not job.run.steps:  # run.total_epochs: the steps follow from the training rows
+            job = replace(job, run=resolve_steps(job.run, len(self.train), job.workload.prompts_per_step))
+            self.job, self.run = job, job.run
         # adaptive: the controller picks (and later changes) every layout; fixed: the job's own layouts
         self.policy, self.plan, self._placed = policy_for(job)
         check_batches(job, self._placed)
         check_loggers(self.run.logger)  # a missing wandb/mlflow fails now, not after the warm-start
-        self.train, self.val = datasets(job, self.tok, self.dir)
         self.reward = reward_router(job, self.train + self.val)
         self._own_runtime = runtime is None
         self.rt = runtime
@@ -153,11 +164,12 @@ class RLJob(Observer):
         ids = [list(p.ids) for p in prompts]
         pad = (-len(ids)) % gen.layout.dp
         params = SamplingParams(max_new_tokens=self.job.workload.response.max, temperature=0.0,
-                                eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
+                                eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
+                                stop_token_ids=self.tok.stop_token_ids)
         out = self.rt.generate(gen.key, ids + ids[:1] * pad, params)[: len(ids)]
-        eos = self.tok.eos_token_id
-        hits = [correct(p.data_source, self.tok.decode([t for t in r if t != eos]), p.ground_truth,
-                        bool(r) and r[-1] == eos, p.extra_info) >= 1.0 for p, r in zip(prompts, out, strict=True)]
+        stops = self.tok.stop_token_ids
+        hits = [correct(p.data_source, self.tok.decode([t for t in r if t not in stops]), p.ground_truth,
+                        bool(r) and r[-1] in stops, p.extra_info) >= 1.0 for p, r in zip(prompts, out, strict=True)]
         return sum(hits) / len(hits)
 
     # ----- checkpoints --------------------------------------------------------------------------------
@@ -193,6 +205,7 @@ class RLJob(Observer):
             print(f"nereus: warning: {text}", file=sys.stderr, flush=True)
         self.warnings = warnings
         verify_manifest(self.dir / "init")
+        check_sources(self.dir / "init", self.job.paths)
         self.state = json.loads((path / STATE).read_text())
         if self.run.adapt is not None and "plan" in self.state:
             self.plan = Plan.from_dict(self.state["plan"], f"{path / 'state.json'}.plan")
@@ -258,7 +271,7 @@ class RLJob(Observer):
         if self.midstep_log is not None:  # run.rollout.midstep: the step's mid-step decisions
             report_decisions(self.backend.stepper.midstep, self.midstep_log.write, self.record, self.say)
         done = step + 1
-        if done % self.run.eval_every == 0 or done == self.run.steps:
+        if (self.run.eval_every and done % self.run.eval_every == 0) or done == self.run.steps:
             last["val/accuracy"] = self.evaluate(self.val)
         self.log.log(done, last)
         self.bar.update(done)
@@ -291,9 +304,11 @@ class RLJob(Observer):
             losses = {}
             pretrained_checkpoints(init, cfgs, self.job.paths)
         else:
-            losses = initial_checkpoints(init, cfgs, self.train, self.tok, self.run.warmstart, self.run.seed)
+            losses = initial_checkpoints(init, cfgs, self.train, self.tok, self.run.warmstart, self.run.seed,
+                                         self.job.workload.response.max)
             self.say(f"warm-start: {time.perf_counter() - t0:.1f}s, " +
-                     ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in losses.items()))
+                     ", ".join(f"{k.split('/')[1]} {v:.4g}" for k, v in losses.items()))
+        write_sources(init, self.job.paths)  # the manifest of a job read wholly from HF directories lists this
         write_manifest(init)
         self._start(initial_sources(init, self.job.algorithm.models, self.job.paths))
         acc = self.evaluate(self.val)
@@ -304,6 +319,8 @@ class RLJob(Observer):
     def execute(self, resume: bool = False) -> dict:
         """Run the job to ``run.steps``; returns the summary (accuracies, metrics of the last step)."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        for note in self.notes:
+            self.say(f"nereus: {note}")
         start = self._restore() if resume else 0
         if not resume:
             self._fresh()
