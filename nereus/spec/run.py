@@ -145,10 +145,10 @@ class RunSpec:
     curriculum: tuple[tuple[int, int], ...] = ()  # (from step, max response length)
     temperature: float = 1.0
     top_p: float = 1.0
-    actor_lr: float = 1e-3
+    actor_lr: float = 3e-4  # 1e-3 collapses the tiny examples on some seeds (docs/rl.md, "Learning settings")
     critic_lr: float = 1e-3
     clip_ratio: float = 0.2
-    grad_clip: float = 0.0  # global gradient-norm clipping of actor and critic updates (verl: 1.0); 0: off
+    grad_clip: float = 1.0  # global gradient-norm clipping of actor and critic updates (verl's default); 0: off
     # verl's optim.lr_warmup_steps / lr_warmup_steps_ratio (constant schedule with linear warm-up), both models
     lr_warmup_steps: int = 0  # <= 0 (verl's default -1): the ratio decides
     lr_warmup_steps_ratio: float = 0.0  # used when lr_warmup_steps is 0: int(ratio × steps)
@@ -416,9 +416,9 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         workers=f.get("workers", int, 4, minimum=1, maximum=MAX_WORKERS), data=data, warmstart=warm,
         curriculum=_curriculum(f, final_response),
         temperature=f.get("temperature", float, 1.0, minimum=0), top_p=f.get("top_p", float, 1.0, minimum=0, maximum=1),
-        actor_lr=f.get("actor_lr", float, 1e-3, minimum=0), critic_lr=f.get("critic_lr", float, 1e-3, minimum=0),
+        actor_lr=f.get("actor_lr", float, 3e-4, minimum=0), critic_lr=f.get("critic_lr", float, 1e-3, minimum=0),
         clip_ratio=f.get("clip_ratio", float, 0.2, minimum=0),
-        grad_clip=f.get("grad_clip", float, 0.0, minimum=0),
+        grad_clip=f.get("grad_clip", float, 1.0, minimum=0),
         lr_warmup_steps=f.get("lr_warmup_steps", int, 0, minimum=-1, maximum=MAX_STEPS),
         lr_warmup_steps_ratio=f.get("lr_warmup_steps_ratio", float, 0.0, minimum=0, maximum=1),
         weight_decay=f.get("weight_decay", float, 0.0, minimum=0),
