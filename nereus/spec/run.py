@@ -64,7 +64,7 @@ def value_at(schedule: tuple[tuple[int, int], ...], step: int, default: int) -> 
 
 @dataclass(frozen=True)
 class AdaptSpec:
-    """``run.adapt``: the controller chooses and changes the layouts while the job runs (issue 8).
+    """``run.adapt``: the controller chooses and changes the layouts while the job runs.
     ``availability``: (from step, workers) — Ray workers that join or leave; the rest tune the controller
     (``nereus.control.ControllerConfig``)."""
 

@@ -86,7 +86,7 @@ class Runtime:
         self.specs: dict[str, KeySpec] = {}  # what each key holds: the one record of placements
         self._graphs: dict[tuple, object] = {}
         self.failover = Failover()
-        self.failover.timeout_s = timeout_s + GRACE_S  # snapshot waits too have a deadline (issue 19)
+        self.failover.timeout_s = timeout_s + GRACE_S  # snapshot waits too have a deadline
 
     def _new_workers(self, first: int, count: int, world: int) -> list:
         """Ray actors for ranks ``first``..``first + count - 1`` of a world of ``world``; on several nodes
@@ -183,7 +183,7 @@ class Runtime:
             self.workers = self.workers[:n]
             if self.nodes:
                 self.nodes.truncate(n)
-        else:  # a join Ray cannot place fails here, before any worker leaves its world (issue 19)
+        else:  # a join Ray cannot place fails here, before any worker leaves its world
             if not self.nodes:
                 check_room(n, self.worker_options, cur)
             new = self._new_workers(cur, n - cur, n)
