@@ -116,8 +116,8 @@ TABLE: dict[str, VerlKey] = {
     f"{_A}.fsdp_config.optimizer_offload": _FSDP,
     f"{_REF}.fsdp_config.param_offload": _FSDP,
     f"{_REF}.log_prob_micro_batch_size_per_gpu": _MICRO,
-    f"{_R}.name": _ignored("Nereus generates with its own engine on the actor's generation layout (fixed batch "
-                           "or continuous batching: run.rollout.slots), not vLLM or SGLang"),
+    f"{_R}.name": _mapped("run.rollout.engine", "native (Nereus's default) or vllm (docs/vllm.md); verl's sglang "
+                                                "and hf are refused by the value check"),
     f"{_R}.n": _mapped("algorithm.samples_per_prompt", "GRPO needs >= 2"),
     f"{_R}.temperature": _mapped("run.temperature"),
     f"{_R}.top_p": _mapped("run.top_p"),
@@ -127,10 +127,11 @@ TABLE: dict[str, VerlKey] = {
                                                        "default 0 keeps the fixed batch"),
     f"{_R}.tensor_model_parallel_size": _ignored("generation's TP is part of the actor/generation layout "
                                                  "(run.layouts or the planner's)"),
-    f"{_R}.gpu_memory_utilization": _ignored("each sequence's KV cache is sized to it; there is no preallocated "
-                                             "pool"),
+    f"{_R}.gpu_memory_utilization": _mapped("run.rollout.gpu_memory_utilization", "the vLLM engine's share; the "
+                                                                                 "native engine sizes each "
+                                                                                 "sequence's cache to it"),
     f"{_R}.log_prob_micro_batch_size_per_gpu": _MICRO,
-    f"{_R}.enforce_eager": _ignored("there are no CUDA graphs to capture on the CPU runtime"),
+    f"{_R}.enforce_eager": _mapped("run.rollout.enforce_eager", "the vLLM engine's"),
     f"{_R}.free_cache_engine": _ignored("caches live only while their sequence generates"),
     # ----- critic ---------------------------------------------------------------------------------------
     "critic.model.path": _mapped("models.critic.path", "a causal LM gets a zero value head"),

@@ -155,9 +155,11 @@ def test_verl_grpo_script_keys_are_all_known():
 
 
 def test_ignored_verl_keys_are_noted_and_refused_ones_say_why(capsys):
-    apply_overrides({}, ["actor_rollout_ref.rollout.name=vllm", "data.truncation=error", "trainer.critic_warmup=0"])
+    apply_overrides({}, ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40", "data.truncation=error",
+                         "trainer.critic_warmup=0"])
     err = capsys.readouterr().err
-    assert "ignoring actor_rollout_ref.rollout.name='vllm': Nereus generates with its own engine" in err
+    assert ("ignoring actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40: the micro-batch size is part "
+            "of each model-stage's layout") in err
     assert "truncation" not in err and "critic_warmup" not in err  # verl's values that mean what Nereus does
     for text, why in [("data.truncation=left", "Nereus never truncates a prompt"),
                       ("trainer.critic_warmup=5", "critic-only warm-up steps are not implemented"),
