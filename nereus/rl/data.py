@@ -37,6 +37,7 @@ class CharTokenizer:
         self.alphabet = alphabet
         self.index = {c: i + 3 for i, c in enumerate(alphabet)}
         self.pad_token_id, self.bos_token_id, self.eos_token_id = PAD, BOS, EOS
+        self.stop_token_ids = (EOS,)
 
     @property
     def vocab_size(self) -> int:
@@ -162,9 +163,12 @@ def check_parquet_schema(path: Path, schema: object, rows: int) -> None:
             raise DataError(path, None, "extra_info", f"column has type {extra}; give a struct or map")
 
 
-def load_prompts(path: str | Path, tokenizer: Tokenizer, max_prompt_length: int) -> list[Prompt]:
-    """Validated, tokenised prompts of a verl-format file; any bad row raises ``DataError``."""
-    out = []
+def load_prompts(path: str | Path, tokenizer: Tokenizer, max_prompt_length: int, drop_overlong: bool = False,
+                 notes: list[str] | None = None) -> list[Prompt]:
+    """Validated, tokenised prompts of a verl-format file; any bad row raises ``DataError``. A prompt past
+    ``max_prompt_length`` tokens is one too, unless ``drop_overlong`` (verl's ``data.filter_overlong_prompts``):
+    then it is left out and ``notes`` gets a line with the count."""
+    out, dropped = [], 0
     for i, row in enumerate(read_rows(path)):
         for key in ("prompt", "reward_model"):
             if key not in row or row[key] is None:
@@ -173,6 +177,9 @@ def load_prompts(path: str | Path, tokenizer: Tokenizer, max_prompt_length: int)
             ids = tokenizer.prompt_ids(_messages(row["prompt"]))
         except (ValueError, KeyError) as err:
             raise DataError(path, i, "prompt", str(err).strip('"')) from None
+        if len(ids) > max_prompt_length and drop_overlong:
+            dropped += 1
+            continue
         if len(ids) > max_prompt_length:
             raise DataError(path, i, "prompt", f"{len(ids)} tokens exceed the maximum prompt length "
                                                f"{max_prompt_length} (workload.prompt_length)")
@@ -187,8 +194,12 @@ def load_prompts(path: str | Path, tokenizer: Tokenizer, max_prompt_length: int)
         if not isinstance(extra, dict):
             raise DataError(path, i, "extra_info", f"expected a mapping, got {extra!r}")
         out.append(Prompt(tuple(ids), str(truth), source, i, extra))
+    if dropped and notes is not None:
+        notes.append(f"{path}: {dropped} rows dropped, their prompts exceed {max_prompt_length} tokens "
+                     "(run.data.filter_overlong_prompts)")
     if not out:
-        raise DataError(path, None, None, "no rows")
+        raise DataError(path, None, None, "no rows" + (f" left ({dropped} over the maximum prompt length)"
+                                                       if dropped else ""))
     return out
 
 

@@ -6,9 +6,13 @@ Built-in scorers (1.0 for a correct answer, 0.0 otherwise):
 - GSM8K (``openai/gsm8k``, any source containing ``gsm8k``): the number after the *last* ``####`` of the
   response, compared with the ground truth as numbers (GSM8K's own answer format, Cobbe et al. 2021,
   https://arxiv.org/abs/2110.14168);
-- math (``lighteval/MATH``, ``HuggingFaceH4/MATH-500``, any source containing ``math``): the contents of
-  the *last* ``\\boxed{...}`` (or ``\\fbox{...}``) of the response, braces balanced, compared with the
-  ground truth (itself unwrapped from ``\\boxed{}`` if it is boxed) after ``normalize_answer``;
+- MATH (``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500``): the
+  contents of the *last* ``\\boxed{...}`` (or ``\\fbox{...}``) of the response, braces balanced, compared
+  with the ground truth (itself unwrapped from ``\\boxed{}`` if it is boxed) after ``normalize_answer``;
+- DAPO (``math_dapo``, ``math``, ``math_dapo_reasoning``, ``aime*``): the answer after the last
+  ``Answer:``, +1 when right and −1 when wrong (``rl.math_dapo``, verl's routing of these sources);
+- any other source containing ``math`` is refused by ``check_sources`` rather than scored by a guessed
+  rule (verl raises for an unknown source too): give ``run.reward_function``;
 - the built-in tasks (``nereus/reverse``, ``nereus/repeat``): exact match of the whole response, ended with EOS.
 
 ``normalize_answer`` (documented in README "Bring a verl dataset and an HF model"): drop ``$`` signs
@@ -18,9 +22,10 @@ and a trailing period; unwrap ``\\text{...}``; remove ``\\left``/``\\right``, La
 answers are equal when their normalised strings are, or when both are numbers (integers, decimals,
 ``a/b`` or ``\\frac{a}{b}``) of equal value.
 
-User functions use verl's signature ``fn(data_source, solution_str, ground_truth, extra_info=None) ->
-float`` so a verl user's function works unchanged; the job names it ``run.reward_function:
-"package.module:function"`` or ``"path/to/file.py:function"``.
+User functions use verl's signature ``fn(data_source, solution_str, ground_truth, extra_info=None)`` and
+return a number or, as verl's scorers may, a dict whose ``score`` is the reward (its other keys, such as
+``acc`` or ``pred``, are not used), so a verl user's function works unchanged; the job names it
+``run.reward_function: "package.module:function"`` or ``"path/to/file.py:function"``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import math
 import re
 import signal
 import threading
@@ -38,6 +44,7 @@ from fractions import Fraction
 from pathlib import Path
 from types import ModuleType
 
+from nereus.rl import math_dapo
 from nereus.rl.longtail import TASK_SOURCE as REPEAT_SOURCE
 from nereus.rl.task import TASK_SOURCE, digit_match, exact_match
 from nereus.spec.errors import SpecError, brief, cut
@@ -139,9 +146,9 @@ def _digits(response: str, ground_truth: str, finished: bool, extra_info: dict) 
 SOURCES: dict[str, Scorer] = {
     TASK_SOURCE: _exact, REPEAT_SOURCE: _exact, "openai/gsm8k": gsm8k_score, "gsm8k": gsm8k_score,
     "lighteval/MATH": boxed_score, "DigitalLearningGmbH/MATH-lighteval": boxed_score,
-    "HuggingFaceH4/MATH-500": boxed_score,
+    "HuggingFaceH4/MATH-500": boxed_score, **dict.fromkeys(math_dapo.SOURCES, math_dapo.dapo_score),
 }
-_FALLBACKS: tuple[tuple[str, Scorer], ...] = (("gsm8k", gsm8k_score), ("math", boxed_score))
+_FALLBACKS: tuple[tuple[str, Scorer], ...] = (("gsm8k", gsm8k_score),)
 NAMED = {"exact_match": _exact, "digit_match": _digits}
 
 
@@ -153,6 +160,8 @@ def register_source(data_source: str, scorer: Scorer) -> None:
 def scorer_for_source(data_source: str) -> Scorer | None:
     if data_source in SOURCES:
         return SOURCES[data_source]
+    if math_dapo.is_source(data_source):  # aime24, aime_2025...
+        return math_dapo.dapo_score
     lower = data_source.lower()
     return next((s for key, s in _FALLBACKS if key in lower), None)
 
@@ -268,16 +277,31 @@ class RewardRouter:
             return
         missing = sorted(s for s in sources if scorer_for_source(s) is None)
         if missing:
-            raise SpecError(where, f"no rule reward for data_source {missing[0]!r}; built-in sources: "
-                                   f"{sorted(SOURCES)} (and any containing 'gsm8k' or 'math'); give "
+            guess = " (a math source whose answer format Nereus does not know: no rule is guessed)" \
+                if "math" in missing[0].lower() else ""
+            raise SpecError(where, f"no rule reward for data_source {missing[0]!r}{guess}; built-in sources: "
+                                   f"{sorted(SOURCES)} (and any starting with 'aime' or containing 'gsm8k'); give "
                                    "run.reward_function: 'module:function' or run.rule_reward: exact_match")
 
     def score(self, data_source: str, response: str, ground_truth: str, finished: bool, extra_info: dict) -> float:
         if self.user is not None:
-            return float(self.user(data_source, response, ground_truth, extra_info=extra_info))
+            return user_score(self.user(data_source, response, ground_truth, extra_info=extra_info))
         if self.rule == "auto":
             return correct(data_source, response, ground_truth, finished, extra_info)
         return NAMED[self.rule](response, ground_truth, finished, extra_info)
+
+
+def user_score(result: object) -> float:
+    """The reward of a user function's ``result``: a number (bool included), or verl's dict with the reward
+    under ``score``; anything else is a ``TypeError`` that says what came back."""
+    value = result.get("score") if isinstance(result, dict) else result
+    if isinstance(result, dict) and "score" not in result:
+        raise TypeError(f"run.reward_function returned a dict without 'score' (keys {sorted(result)[:6]}); "
+                        "return a number or {'score': number, ...} as verl's reward functions do")
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"run.reward_function returned {type(value).__name__} {str(value)[:40]!r}; return a "
+                        "finite number or {'score': number, ...}")
+    return float(value)
 
 
 def correct(data_source: str, response: str, ground_truth: str, finished: bool, extra_info: dict) -> float:

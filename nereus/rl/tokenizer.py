@@ -6,6 +6,7 @@ template renders a row's messages as verl does (``apply_chat_template`` with ``a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -20,6 +21,7 @@ class Tokenizer(Protocol):
     pad_token_id: int
     eos_token_id: int
     bos_token_id: int | None
+    stop_token_ids: tuple[int, ...]  # every id that ends a response, eos_token_id first
 
     @property
     def vocab_size(self) -> int: ...
@@ -64,6 +66,7 @@ class HFTokenizer:
         # no pad token (Llama): pad with EOS, as verl does; padding is masked everywhere it appears
         self.pad_token_id = int(self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_token_id)
         self.bos_token_id = self.hf.bos_token_id
+        self.stop_token_ids = model_stop_ids(self.path, self.eos_token_id)
 
     @property
     def vocab_size(self) -> int:
@@ -106,3 +109,24 @@ def _culprit(folder: Path) -> str:
     except Exception as err:  # noqa: BLE001 - the Rust library raises a bare Exception
         return f"{path} does not load as a tokenizer ({_first_line(err)})"
     return ""
+
+
+def _ids(value: object) -> list[int]:
+    """An ``eos_token_id`` entry of a config: one id or a list of them (anything else: none)."""
+    items = value if isinstance(value, list) else [value]
+    return [int(v) for v in items if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def model_stop_ids(path: Path, eos: int) -> tuple[int, ...]:
+    """The ids that end a response of the model in ``path``: the tokenizer's EOS, then the ``eos_token_id``
+    list of ``generation_config.json`` and of ``config.json`` (Llama 3 Instruct lists ``<|end_of_text|>``
+    and ``<|eot_id|>``; transformers' ``generate`` and vLLM stop on every id of the generation config)."""
+    out = [eos]
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if file.is_file():
+            try:
+                out += _ids(json.loads(file.read_text()).get("eos_token_id"))
+            except (ValueError, AttributeError):  # not a JSON object: config.json's own check names it
+                continue
+    return tuple(dict.fromkeys(out))

@@ -146,7 +146,7 @@ class AsyncRollouts:
         if p is not None and p.step == step and p.answer is not None:
             out = [row for part in p.answer for row in part]
             st.early = None
-            return pack(p.prompts, [r for r, _ in out], [lp for _, lp in out], st.tok.eos_token_id, p.fixed), \
+            return pack(p.prompts, [r for r, _ in out], [lp for _, lp in out], st.tok.stop_token_ids, p.fixed), \
                 p.rows, p.version
         self.events.append(("generation_issued", step))
         gen = st.generate(step, st.prompts(step))  # first step, after a checkpoint, or a redone step

@@ -28,8 +28,9 @@ from nereus.run.midstep import METRICS, EarlyRequest, EngineLoop
 from nereus.run.overlap import Calls, EarlyInference, InferenceStage, cat_parts
 from nereus.run.report import step_metrics
 from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack, repeat_prompts
-from nereus.run.setup import Placed
+from nereus.run.setup import MINI_BATCH_ORDER, PROMPT_ORDER, SAMPLING, Placed
 from nereus.runtime.generation.fixed_batch import SamplingParams
+from nereus.runtime.generation.sampling import derive_seed
 from nereus.runtime.model.sharded import TrainStats
 from nereus.spec.generation import GenerationEntry
 from nereus.spec.job import JobSpec
@@ -109,7 +110,8 @@ class Stepper:
         out = []
         for i in range(step * per, (step + 1) * per):
             epoch, pos = divmod(i, len(self.train))
-            order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(self.run.seed + epoch))
+            order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(
+                derive_seed(self.run.seed, PROMPT_ORDER, epoch)))
             out.append(self.train[int(order[pos])])
         return out
 
@@ -121,7 +123,8 @@ class Stepper:
         limit = self.run.max_response_length(step, self.job.workload.response.max)
         params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
                                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
-                                seed=self.run.seed * 100_003 + step, slots=self.run.rollout_slots)
+                                seed=derive_seed(self.run.seed, SAMPLING, step), slots=self.run.rollout_slots,
+                                stop_token_ids=self.tok.stop_token_ids)
         prompts = [list(p.ids) for p in rows]
         fixed = (max(len(p) for p in prompts), limit) if self.run.rollout_pad_to_max else None
         return prompts, params, fixed
@@ -144,7 +147,7 @@ class Stepper:
         if not self.run.overlap or fixed is None:
             return None
         stages = tuple(InferenceStage(t, self.key[m, "inference"], op) for t, m, op in self.inference_calls())
-        eos = self.tok.eos_token_id
+        eos = self.tok.stop_token_ids
         return EarlyRequest(stages, lambda a, b, out: pack(prompts[a:b], [r for r, _ in out], None, eos, fixed).tokens)
 
     def generate(self, step: int, prompts: list[Prompt], policy: GenerationPolicy | None = None) -> Generated:
@@ -152,7 +155,7 @@ class Stepper:
         asked at the decision points of a generation that has them (none: it runs to its end)."""
         rows = repeat_prompts(prompts, self.alg.samples_per_prompt)
         prompts, params, fixed = self.generation_inputs(step, rows)
-        eos, key = self.tok.eos_token_id, self.key["actor", "generation"]
+        eos, key = self.tok.stop_token_ids, self.key["actor", "generation"]
         mode, early = self.generation_mode(step, params), self.early_request(prompts, fixed)
         if isinstance(mode, WithDecisionPoints):
             loop = EngineLoop(self.calls, self.rt, key, mode.params, step, policy or RunToEnd(), self.engine_prices)
@@ -236,8 +239,8 @@ class Stepper:
         if self.run.rule_reward != "none":
             for i, p in enumerate(rows):
                 start, n = int(roll.prompt_len[i]), int(roll.response_len[i])
-                eos = self.tok.eos_token_id
-                text = self.tok.decode([t for t in responses[i][start: start + n] if t != eos])
+                stops = self.tok.stop_token_ids
+                text = self.tok.decode([t for t in responses[i][start: start + n] if t not in stops])
                 rule[i] = self.reward.score(p.data_source, text, p.ground_truth, bool(roll.finished[i]), p.extra_info)
             return rule
         return None
@@ -261,28 +264,33 @@ class Stepper:
     def submit_update(self, model: str, batch: dict[str, torch.Tensor], loss_fn: object, lr: float,
                       step: int) -> list:
         """Issue ``model``'s optimizer steps; sequentially each is answered before the next is issued,
-        with ``run.overlap`` all are issued at once (the worker runs them in order either way)."""
+        with ``run.overlap`` all are issued at once (the worker runs them in order either way). ``lr`` is
+        the base rate, scaled by the warm-up (``RunSpec.lr_at``)."""
         key = self.key[model, "training"]
-        gen = torch.Generator().manual_seed(self.run.seed * 7_919 + step)
+        lr = self.run.lr_at(lr, step)
+        gen = torch.Generator().manual_seed(derive_seed(self.run.seed, MINI_BATCH_ORDER, step))
         horizon = self.run.max_response_length(step, self.job.workload.response.max)
         parts = [mb for _ in range(self.alg.epochs)
                  for mb in mini_batches(batch, self.alg.mini_batches, gen, self.run.loss_agg_mode, horizon)]
         calls = []
         for mb in parts:
             calls.append(self.calls.submit(f"update_{model}", "train", key, "train_step", mb, loss_fn, lr,
-                                           self.run.grad_clip or None))
+                                           self.run.grad_clip or None, self.run.weight_decay))
             if not self.run.overlap:
                 self.calls.wait(calls[-1:])
         return calls
 
     def update_stats(self, model: str, calls: list) -> list[dict[str, float]]:
-        """The statistics of ``model``'s optimizer steps ``calls``, as ``update`` returns them."""
+        """The statistics of ``model``'s optimizer steps ``calls``, as ``update`` returns them: one dict per
+        micro-batch, each with ``update``, the index of its optimizer step in the step (the last mini-batch's
+        are the last ones, ``report.step_metrics``)."""
         steps = [TrainStats(tuple(parts)) for parts in self.calls.wait(calls)]
         replicas = range(len(steps[0].replicas))  # replica-major, as the statistics have always been summed
         if self.run.grad_clip:  # norms are measured while clipping: verl's actor/grad_norm, critic/grad_norm
             norms = [st.replicas[d].grad_norm for d in replicas for st in steps]
             self.grad_norms[model] = sum(norms) / len(norms)
-        return [m for d in replicas for st in steps for m in st.replicas[d].metrics]
+        return [{**m, "update": float(i)} for d in replicas for i, st in enumerate(steps)
+                for m in st.replicas[d].metrics]
 
     def sync(self) -> None:
         """Each trained model's new weights from its training layout to its other layouts, by the live

@@ -57,7 +57,13 @@ from nereus.run.setup import (
     reward_router,
     tokenizer_for,
 )
-from nereus.run.warmstart import initial_checkpoints, initial_sources, pretrained_checkpoints
+from nereus.run.warmstart import (
+    check_sources,
+    initial_checkpoints,
+    initial_sources,
+    pretrained_checkpoints,
+    write_sources,
+)
 from nereus.runtime.cluster.raylocal import SESSION, session_record
 from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.generation.fixed_batch import SamplingParams
@@ -67,6 +73,7 @@ from nereus.spec.errors import SpecError
 from nereus.spec.files import read_json_file
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan, check_runnable
+from nereus.spec.run import resolve_steps
 
 
 class RLJob(Observer):
@@ -85,11 +92,15 @@ class RLJob(Observer):
         check_model_dirs(job)  # HF directories' files, before any library reads them (spec.hf_files)
         self.tok = tokenizer_for(job)  # the actor's HF tokenizer (models.actor.path) or the built-in one
         self.cfgs = model_configs(job, self.tok)
+        self.notes: list[str] = []  # what loading the data dropped (run.data.filter_overlong_prompts)
+        self.train, self.val = datasets(job, self.tok, self.dir, self.notes)
+        if not job.run.steps:  # run.total_epochs: the steps follow from the training rows
+            job = replace(job, run=resolve_steps(job.run, len(self.train), job.workload.prompts_per_step))
+            self.job, self.run = job, job.run
         # adaptive: the controller picks (and later changes) every layout; fixed: the job's own layouts
         self.policy, self.plan, self._placed = policy_for(job)
         check_batches(job, self._placed)
         check_loggers(self.run.logger)  # a missing wandb/mlflow fails now, not after the warm-start
-        self.train, self.val = datasets(job, self.tok, self.dir)
         check_rule_reward(job, self.train + self.val)
         # the user's reward function (run.reward_function) is imported by ``execute`` once every check passed
         self.reward: RewardRouter | None = None
@@ -162,11 +173,12 @@ class RLJob(Observer):
         ids = [list(p.ids) for p in prompts]
         pad = (-len(ids)) % gen.layout.dp
         params = SamplingParams(max_new_tokens=self.job.workload.response.max, temperature=0.0,
-                                eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
+                                eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
+                                stop_token_ids=self.tok.stop_token_ids)
         out = self.rt.generate(gen.key, ids + ids[:1] * pad, params)[: len(ids)]
-        eos = self.tok.eos_token_id
-        hits = [correct(p.data_source, self.tok.decode([t for t in r if t != eos]), p.ground_truth,
-                        bool(r) and r[-1] == eos, p.extra_info) >= 1.0 for p, r in zip(prompts, out, strict=True)]
+        stops = self.tok.stop_token_ids
+        hits = [correct(p.data_source, self.tok.decode([t for t in r if t not in stops]), p.ground_truth,
+                        bool(r) and r[-1] in stops, p.extra_info) >= 1.0 for p, r in zip(prompts, out, strict=True)]
         return sum(hits) / len(hits)
 
     # ----- checkpoints --------------------------------------------------------------------------------
@@ -208,6 +220,7 @@ class RLJob(Observer):
             print(f"nereus: warning: {text}", file=sys.stderr, flush=True)
         self.warnings = warnings
         verify_manifest(self.dir / "init")
+        check_sources(self.dir / "init", self.job.paths)
         state = read_json_file(path / STATE, "checkpoint state")
         if not isinstance(state, dict):
             raise SpecError("--resume", f"{path / STATE} holds {type(state).__name__}, not a checkpoint state")
@@ -283,7 +296,7 @@ class RLJob(Observer):
             if (line := move_line(entry)) is not None:
                 self.say(line)
         done = step + 1
-        if done % self.run.eval_every == 0 or done == self.run.steps:
+        if (self.run.eval_every and done % self.run.eval_every == 0) or done == self.run.steps:
             last["val/accuracy"] = self.evaluate(self.val)
         self.log.log(done, last)
         self.bar.update(done)
@@ -316,9 +329,11 @@ class RLJob(Observer):
             losses = {}
             pretrained_checkpoints(init, cfgs, self.job.paths)
         else:
-            losses = initial_checkpoints(init, cfgs, self.train, self.tok, self.run.warmstart, self.run.seed)
+            losses = initial_checkpoints(init, cfgs, self.train, self.tok, self.run.warmstart, self.run.seed,
+                                         self.job.workload.response.max)
             self.say(f"warm-start: {time.perf_counter() - t0:.1f}s, " +
-                     ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in losses.items()))
+                     ", ".join(f"{k.split('/')[1]} {v:.4g}" for k, v in losses.items()))
+        write_sources(init, self.job.paths)  # the manifest of a job read wholly from HF directories lists this
         write_manifest(init)
         self._start(initial_sources(init, self.job.algorithm.models, self.job.paths))
         acc = self.evaluate(self.val)
@@ -329,6 +344,8 @@ class RLJob(Observer):
     def execute(self, resume: bool = False) -> dict:
         """Run the job to ``run.steps``; returns the summary (accuracies, metrics of the last step)."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        for note in self.notes:
+            self.say(f"nereus: {note}")
         point = self._resume_point() if resume else None
         self.reward = reward_router(self.job)  # user code runs only now: the job is accepted
         start = self._restore(point) if point is not None else 0

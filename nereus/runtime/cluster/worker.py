@@ -270,14 +270,14 @@ class Worker:
         return self._on(key, lambda sm: self._output(sm, sm.values(tokens)))
 
     def train_step(self, key: str, batch: dict, loss_fn: object, lr: float,
-                   max_grad_norm: float | None) -> tuple[int, ReplicaStats] | None:
+                   max_grad_norm: float | None, weight_decay: float = 0.0) -> tuple[int, ReplicaStats] | None:
         """One optimizer step; the fault point ``train_step`` lies between the backward pass and Adam."""
 
         def run(sm: ShardedModel) -> tuple[int, ReplicaStats] | None:
             metrics: list[dict[str, float]] = []
             losses = sm.backward(batch, loss_fn, metrics)
             self.faults.at("train_step")
-            norm = sm.step(lr, max_grad_norm)
+            norm = sm.step(lr, max_grad_norm, weight_decay)
             return self._output(sm, ReplicaStats(losses, metrics, norm))
 
         return self._on(key, run)

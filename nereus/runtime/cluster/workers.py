@@ -245,11 +245,13 @@ class Runtime:
         return torch.cat(self._by_replica(self._on(key, "values", tokens)))
 
     def train_step(self, key: str, batch: dict, loss_fn: object, lr: float = 1e-3,
-                   max_grad_norm: float | None = None) -> TrainStats:
-        """One optimizer step; ``max_grad_norm`` clips the global gradient norm first (``ShardedModel.step``).
-        Returns each replica's losses, loss statistics and gradient norm."""
+                   max_grad_norm: float | None = None, weight_decay: float = 0.0) -> TrainStats:
+        """One optimizer step; ``max_grad_norm`` clips the global gradient norm first, ``weight_decay`` is
+        AdamW's decoupled decay (``ShardedModel.step``). Returns each replica's losses, loss statistics and
+        gradient norm."""
         self.failover.changed(self.specs[key].model)
-        return TrainStats(tuple(self._by_replica(self._on(key, "train_step", batch, loss_fn, lr, max_grad_norm))))
+        return TrainStats(tuple(self._by_replica(self._on(key, "train_step", batch, loss_fn, lr, max_grad_norm,
+                                                          weight_decay))))
 
     def generate(self, key: str, prompts: list[list[int]], params: object) -> list[list[int]]:
         return [row for part in self._by_replica(self._on(key, "generate", prompts, params)) for row in part]
