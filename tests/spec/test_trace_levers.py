@@ -11,7 +11,8 @@ from tests.conftest import ROOT
 def good() -> dict:
     return {"source": "test", "steps": 100,
             "response_length": {"sigma": 0.5, "points": [{"step": 0, "mean": 100, "max": 400}]},
-            "acceptance": {"source": "vLLM issue 20780", "suffix": [{"step": 0, "alpha": 0.6}, {"step": 50, "alpha": 0.8}],
+            "acceptance": {"source": "vLLM issue 20780",
+                           "suffix": [{"step": 0, "alpha": 0.6}, {"step": 50, "alpha": 0.8}],
                            "draft_head": [{"step": 10, "alpha": 0.75}]},
             "length_correlation": {"siblings": 0.4, "source": "Seer"}}
 
@@ -32,18 +33,21 @@ def test_traces_without_the_sections_keep_their_defaults():
     assert t.acceptance == () and t.sibling_correlation == 0.0 and t.acceptance_at("suffix", 0) is None
 
 
+ACC, COR = r"trace\.acceptance", r"trace\.length_correlation"
+
+
 @pytest.mark.parametrize("mutate,pattern", [
-    (lambda d: d["acceptance"].pop("source"), r"trace\.acceptance\.source: required key is missing"),
+    (lambda d: d["acceptance"].pop("source"), ACC + r"\.source: required key is missing"),
     (lambda d: d["acceptance"].update(medusa=[{"step": 0, "alpha": 0.5}]),
-     r"trace\.acceptance\.medusa: unknown draft kind; use one of \['ngram', 'suffix', 'draft_model', 'draft_head'\]"),
-    (lambda d: d["acceptance"]["suffix"][1].update(step=0), r"trace\.acceptance\.suffix\[1\]\.step: steps must increase"),
-    (lambda d: d["acceptance"]["suffix"][0].update(alpha=1.2), r"trace\.acceptance\.suffix\[0\]\.alpha: 1.2 is out of range"),
-    (lambda d: d["acceptance"]["suffix"][0].update(rate=0.5), r"trace\.acceptance\.suffix\[0\]\.rate: unknown key"),
-    (lambda d: d["acceptance"].update(suffix=[]), r"trace\.acceptance\.suffix: give at least one \{step, alpha\} point"),
-    (lambda d: d.update(acceptance={"source": "x"}), r"trace\.acceptance: give acceptance points for at least one"),
-    (lambda d: d["length_correlation"].update(siblings=1.5), r"trace\.length_correlation\.siblings: 1.5 is out of range"),
-    (lambda d: d["length_correlation"].pop("source"), r"trace\.length_correlation\.source: required key is missing"),
-    (lambda d: d["length_correlation"].update(sibling=0.3), r"trace\.length_correlation\.sibling: unknown key; did you mean"),
+     ACC + r"\.medusa: unknown draft kind; use one of \['ngram', 'suffix', 'draft_model', 'draft_head'\]"),
+    (lambda d: d["acceptance"]["suffix"][1].update(step=0), ACC + r"\.suffix\[1\]\.step: steps must increase"),
+    (lambda d: d["acceptance"]["suffix"][0].update(alpha=1.2), ACC + r"\.suffix\[0\]\.alpha: 1.2 is out of range"),
+    (lambda d: d["acceptance"]["suffix"][0].update(rate=0.5), ACC + r"\.suffix\[0\]\.rate: unknown key"),
+    (lambda d: d["acceptance"].update(suffix=[]), ACC + r"\.suffix: give at least one \{step, alpha\} point"),
+    (lambda d: d.update(acceptance={"source": "x"}), ACC + r": give acceptance points for at least one"),
+    (lambda d: d["length_correlation"].update(siblings=1.5), COR + r"\.siblings: 1.5 is out of range"),
+    (lambda d: d["length_correlation"].pop("source"), COR + r"\.source: required key is missing"),
+    (lambda d: d["length_correlation"].update(sibling=0.3), COR + r"\.sibling: unknown key; did you mean"),
 ])
 def test_bad_lever_fields_name_the_field(mutate, pattern):
     d = good()

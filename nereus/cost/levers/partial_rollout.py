@@ -54,7 +54,8 @@ def _chunks(length: float, budget: int) -> list[float]:
     return [length - (steps - 1) * budget] + [float(budget)] * (steps - 1)
 
 
-def partial_rollout(pool: RolloutPool, lengths: GroupLengths, responses: int, round_tokens: int) -> PartialRolloutEstimate:
+def partial_rollout(pool: RolloutPool, lengths: GroupLengths, responses: int,
+                    round_tokens: int) -> PartialRolloutEstimate:
     """Price a step of partial rollout training ``responses`` a step with a per-step budget of ``round_tokens``."""
     budget = max(1, min(int(round_tokens), lengths.max))
     q = lengths.response_quantiles(LENGTH_POINTS * 4)

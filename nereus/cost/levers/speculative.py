@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from enum import Enum
+from enum import StrEnum
 from functools import lru_cache
 
 from nereus.cost.decode import DecodePhases, EngineCosts, Replica, StepModel
 from nereus.spec.model import ModelArch
 
 
-class DraftKind(str, Enum):
+class DraftKind(StrEnum):
     """Where the draft tokens come from (the trace's ``acceptance`` keys, ``nereus.spec.trace.DRAFT_KINDS``)."""
 
     NGRAM = "ngram"  # n-gram lookup in the prompt and the response so far (vLLM "ngram", prompt lookup)
@@ -127,6 +127,11 @@ class Drafter:
     arch: ModelArch | None = None
     host_s: float = 0.0
     forward_host_s: float | None = None
+    # Host costs a speculative iteration pays that the engine's plain step hides: SGLang overlaps its
+    # scheduler with the GPU only without speculation (its docs: the overlap scheduler with speculation
+    # is the experimental "SpecV2", topk 1 only), so for such an engine its Python scheduler's per-step
+    # and per-sequence work reappears (0 for engines that never overlap, like vLLM's).
+    exposed_host: EngineCosts = EngineCosts(0.0, 0.0)
 
     def with_alpha(self, alpha: float, source: str) -> Drafter:
         return replace(self, acceptance=Acceptance(alpha, self.acceptance.weight, source))
@@ -220,7 +225,8 @@ def iteration(target: StepModel, drafter: Drafter, batch: float, context: float,
     if k <= 0:
         return SpecIteration(0, batch, a, plain, 0.0, plain, 1.0)
     rows = verify_tokens or k + 1
-    return SpecIteration(k, batch, a, verify_seconds(target, batch, context, rows),
+    exposed = drafter.exposed_host.step_s + max(1.0, batch) * drafter.exposed_host.sequence_s
+    return SpecIteration(k, batch, a, verify_seconds(target, batch, context, rows) + exposed,
                          draft_seconds(target, drafter, batch, context, k), plain, expected_tokens(a, k))
 
 
