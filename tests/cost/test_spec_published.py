@@ -138,7 +138,7 @@ def markdown(preds) -> str:
     for row, it in preds:
         err = it.speedup / float(row["speedup"]) - 1
         tag = f"{err:+.0%}" if row["use"] == "predict" else "(calibration)"
-        out.append(f"| {row['row_id']} | {row['source_id']} | {row['gpu'][:4]} | {row['engine']} | "
+        out.append(f"| {row['row_id']} | {row['source_id']} | {GPUS[row['gpu']]} | {row['engine']} | "
                    f"{row['draft_vocab']} | {row['k'] or '-'} | {row['batch']} | {row['acceptance_length'] or '-'} | "
                    f"{float(row['speedup']):.2f}x | {it.speedup:.2f}x | {it.k} (α {it.alpha:.2f}) | {tag} |")
     errs = errors(preds)
