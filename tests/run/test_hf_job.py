@@ -152,7 +152,7 @@ def test_pretrained_job_refusals(tiny_hf, tmp_path):
     spec = yaml.safe_load(open(_job_file(tiny_hf, tmp_path, "grpo")).read())
     spec["run"]["reward_function"] = "tests.run.test_hf_job:no_such_function"
     (tmp_path / "fn.yaml").write_text(yaml.safe_dump(spec))
-    with pytest.raises(SpecError, match=r"run\.reward_function: 'tests\.rl\.test_hf_job' has no function"):
+    with pytest.raises(SpecError, match=r"run\.reward_function: 'tests\.run\.test_hf_job' has no function"):
         RLJob(load_job(tmp_path / "fn.yaml"), out_dir=tmp_path, quiet=True)
 
 
