@@ -55,11 +55,10 @@ class EngineCosts:
 # remains (the same blog's TPOT figures), with per-sequence work on the order of tens of µs. TensorRT-LLM
 # schedules in C++ (in-flight batching in its batch manager) and replays CUDA graphs, so both costs are
 # several times smaller. Orders of magnitude from those sources, not fitted to the validation rows.
-# Two more engines hide their host work behind the GPU, so a step costs only its GPU time: SGLang from
-# 0.4 prepares step n + 1 on the CPU while the GPU runs step n ("SGLang v0.4: Zero-Overhead Batch
-# Scheduler", LMSYS blog, 2024-12-04), and a loop that replays a CUDA graph per token without reading the
-# sampled token back on the host ("graph": gpt-fast's generate.py, pytorch-labs/gpt-fast) lets the CPU
-# run ahead. The published small-batch rows of both (``decode_small_batch.csv``) validate the GPU side.
+# Engines that hide their host work behind the GPU (a step costs its GPU time): SGLang >= 0.4 prepares
+# step n + 1 while the GPU runs step n ("SGLang v0.4: Zero-Overhead Batch Scheduler", LMSYS blog,
+# 2024-12-04); "graph": a loop replaying a CUDA graph per token that never reads the sampled token back
+# (gpt-fast's generate.py), so the CPU runs ahead.
 ENGINES: dict[str, EngineCosts] = {
     "vllm": EngineCosts(step_s=1.0e-3, sequence_s=20e-6),
     "trtllm": EngineCosts(step_s=0.3e-3, sequence_s=5e-6),
@@ -84,14 +83,10 @@ class DecodePriors:
     # (mma.sync m16n8k16, with the batch as its 8-wide operand; NVIDIA PTX ISA, "Matrix shape"), so
     # batch-1 decode is not charged 64 rows of FLOPs (it is memory-bound on every GPU, H20 included).
     tile_cols: int = 128
-    # The floor of one kernel of a decode layer beyond the bytes it reads: a short kernel costs about
-    # 3 µs even when replayed from a CUDA graph (NVIDIA Technical Blog, "Getting Started with CUDA
-    # Graphs", 2019: a chain of short kernels ran at 3.4 µs per kernel from a graph and 3.8 µs from
-    # back-to-back stream launches, ~2.9 µs of it each kernel's own run; NVIDIA CUDA C++ Best Practices
-    # Guide on launch overhead). A Llama layer runs ~10 kernels (norm, QKV, rope, attention, O, add+norm,
-    # gate/up, act, down, add). Was 2 µs: at 3 µs the 13 validated small-batch rows of gpt-fast, SGLang,
-    # vLLM V1 and TensorRT-LLM (NIM) go from 9.3% to 6.0% mean error (``decode_small_batch.csv``,
-    # tests/cost/test_decode_small_batch.py) and the fixed-batch calibration rows from 6.9% to 5.7%.
+    # A short kernel costs ~3 µs even replayed from a CUDA graph (NVIDIA Technical Blog, "Getting Started
+    # with CUDA Graphs", 2019: 3.4 µs per kernel from a graph, 3.8 µs launched back to back); a Llama layer
+    # runs ~10 kernels (norm, QKV, rope, attention, O, add+norm, gate/up, act, down, add). Was 2 µs: at
+    # 3 µs the 13 validated small-batch rows (``decode_small_batch.csv``) go from 9.3% to 6.0% mean error.
     kernel_gap_s: float = 3e-6
     kernels_per_layer: int = 10
     # Each TP all-reduce is its own kernel ending in a barrier across the group: a few µs per call on

@@ -13,6 +13,7 @@ longest response. Expectations over Z_prompt use equally weighted normal quantil
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from statistics import NormalDist
@@ -69,15 +70,10 @@ class GroupLengths:
 
     def group_quantile(self, q: float) -> float:
         """The length by which a share ``q`` of the groups has finished (bisection on ``group_cdf``)."""
-        if q >= 1:
-            return float(self.max)
-        lo, hi = 1.0, float(self.max)
-        for _ in range(60):
-            mid = math.sqrt(lo * hi)
-            lo, hi = (mid, hi) if self.group_cdf(mid) < q else (lo, mid)
-        return hi
+        return float(self.max) if q >= 1 else self._quantile(self.group_cdf, q)
 
-    def _quantile(self, cdf, q: float) -> float:
+    def _quantile(self, cdf: Callable[[float], float], q: float) -> float:
+        """The length at which ``cdf`` reaches ``q`` (bisection in log length; the max if it never does)."""
         lo, hi = 1.0, float(self.max)
         if cdf(hi * (1 - 1e-9)) < q:
             return hi
@@ -138,7 +134,7 @@ def _mean_below(g: GroupLengths, z: float, stop: float, inside: float, grid: tup
         f = g.response_cdf(x, z)
         total += (f - prev_f) * (x + prev_x) / 2
         prev_x, prev_f = x, f
-    return total / inside if inside > 0 else stop
+    return total / inside
 
 
 @dataclass(frozen=True)

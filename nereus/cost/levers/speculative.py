@@ -253,11 +253,13 @@ def largest_paying_batch(target: StepModel, drafter: Drafter, context: float, k_
     lo = 1
     while lo < limit and pays(min(limit, 2 * lo)):
         lo = min(limit, 2 * lo)
-    hi = min(limit, 2 * lo)
-    while hi - lo > 1 and not pays(hi):
+    if lo >= limit:
+        return limit
+    hi = min(limit, 2 * lo)  # pays at lo, not at hi
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if pays(mid) else (lo, mid)
-    return hi if pays(hi) else lo
+    return lo
 
 
 def draft_memory_bytes(drafter: Drafter, tp: int, kv_tokens: float, weight_bytes: float = 2.0) -> float:
