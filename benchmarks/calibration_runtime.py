@@ -1,4 +1,4 @@
-"""Calibration on the real runtime: fit the cost model to one plan, predict others (issue 8).
+"""Calibration on the real runtime: fit the cost model to one plan, predict others.
 
 Runs the PPO job of ``examples/ppo_tiny.yaml`` on local Ray workers. It runs ``--fit-steps`` steps on one
 plan (every model-stage DP over the workers), feeding each step's measured stage times to the controller's

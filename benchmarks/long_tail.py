@@ -1,4 +1,4 @@
-"""Adaptation inside the step (issue 16), measured: every policy on every repo trace in one run.
+"""Adaptation inside the step, measured: every policy on every repo trace in one run.
 
 Generation runs at sequence granularity in the simulator's ground truth (``control.phased``: each step's
 lengths drawn from the trace, slots refilled, the tail drained) for every policy alike. Per trace it prints
@@ -24,7 +24,7 @@ from nereus.spec.trace import load_trace
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("nereus", "nereus-interstep", "pat-like", "rlhfuse-like", "fixed-oracle", "fixed-recipe", "verl-like",
             "openrlhf-like")
-LONG_TAIL = ("long_tail_dapo", "deepscaler_stages", "r1_zero_growth")  # issue 16's goal traces
+LONG_TAIL = ("long_tail_dapo", "deepscaler_stages", "r1_zero_growth")  # the long-tail traces the target is set on
 
 
 def run_trace(job, name: str, policies: tuple[str, ...], seed: int, steps: int | None) -> dict[str, dict]:
@@ -80,7 +80,7 @@ def main() -> None:
             goal.append((name, 100 * (1 - n["mean_step_s"] / o["mean_step_s"]),
                          n["tokens_per_s"] / v["tokens_per_s"], beats))
     if goal:
-        print("issue 16 goal on the long-tail traces (>= 25% below fixed-oracle, >= 1.4x verl-like, "
+        print("goal on the long-tail traces (>= 25% below fixed-oracle, >= 1.4x verl-like, "
               "beats pat-like and rlhfuse-like):")
         for name, lower, thr, beats in goal:
             print(f"  {name:<20} {lower:+.1f}% lower step latency  {thr:.2f}x verl-like throughput  "

@@ -1,4 +1,4 @@
-"""Static vs intra-step adaptation vs asynchronous RL on the long-tail task (issue 17, item 6), measured:
+"""Static vs intra-step adaptation vs asynchronous RL on the long-tail task, measured:
 one GRPO job on the `repeat` task (response lengths ~10x from median to maximum, docs/generation.md), the
 same seed, data and warm-started actor, on two local Ray workers, in each mode, in one run:
 
@@ -57,7 +57,7 @@ from nereus.spec.job import JobSpec, job_from_dict
 # Continuous-batching slots per generation replica: 16 of a replica's 64 sequences at a time, as in
 # overlap_runtime.py's engine run (docs/generation.md).
 SLOTS = 16
-# Goal of issue 17: >= 20% lower mean step time than static, held-out accuracy within 2 points.
+# Target: >= 20% lower mean step time than static, held-out accuracy within 2 points.
 GOAL_RATIO, GOAL_POINTS = 0.80, 2.0
 # The asynchronous mode's keys and layouts: generation on worker 0, the actor's inference and training on
 # worker 1 (disjoint, so step k+1's generation runs while step k trains).
@@ -250,7 +250,7 @@ def table(figures: dict, skipped: dict, failed: dict, args: argparse.Namespace) 
     for mode, why in {**skipped, **failed}.items():
         why = why.split("; allowed keys")[0]  # the spec's list of keys says nothing here
         lines.append(f"{mode:<15}{'skipped' if mode in skipped else 'FAILED'}: {why}")
-    lines.append(f"goal (issue 17): >= {100 * (1 - GOAL_RATIO):.0f}% lower mean step time than static, held-out "
+    lines.append(f"goal: >= {100 * (1 - GOAL_RATIO):.0f}% lower mean step time than static, held-out "
                  f"accuracy at most {GOAL_POINTS:g} points below static's")
     for mode, f in figures.items():
         if mode != "static" and "vs_static" in f:

@@ -1,4 +1,4 @@
-"""Overlapped stages on the Ray workers (issue 17, item 3), measured: the same GRPO job on the long-tail
+"""Overlapped stages on the Ray workers, measured: the same GRPO job on the long-tail
 `repeat` task, same seed, on two workers, once per mode, in one run:
 
 - ``sequential``: today's step, each model-stage's call answered before the next is issued;

@@ -1,7 +1,7 @@
 """Planner search time against cluster size, for the 8B four-model PPO example.
 
 Prints the median and worst of several searches per size on this machine (no assertion: timings are
-noisy here). Acceptance (issue 2): median <= 1 s at 1,024 GPUs; aim 0.1 s.
+noisy here). Target: median <= 1 s at 1,024 GPUs; aim 0.1 s.
 
     python benchmarks/plan_search.py [--job examples/ppo_8b_h100.yaml] [--repeats 5]
 """

@@ -1,7 +1,7 @@
 """Learning check of the RL job: runs `nereus run` on examples/ppo_tiny.yaml (adaptive: the controller's
 layouts, a worker leaving and rejoining), examples/ppo_tiny_fixed.yaml (hand-picked layouts on 4 workers)
 and examples/grpo_tiny.yaml, and prints wall time and held-out exact-match accuracy after the supervised
-warm-start and at the end. Acceptance (issue 5): each run finishes in <= 15 minutes on the 2-core
+warm-start and at the end. Target: each run finishes in <= 15 minutes on the 2-core
 development machine and gains >= 20 accuracy points.
 
     python benchmarks/rl_learning.py [--only ppo|ppo-fixed|grpo] [--out DIR]

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("nereus", "verl-like", "fixed-oracle")
 TRACES = ("long_tail_dapo", "r1_zero_growth", "deepscaler_stages")
 JOBS = ("ppo_8b_h100", "grpo_7b_h100")
-TARGETS = {0: 1.6, 1: 2.2}  # issue's acceptance: nereus over verl-like at policy lag 0 and 1
+TARGETS = {0: 1.6, 1: 2.2}  # the goal: nereus over verl-like at policy lag 0 and 1
 
 
 @dataclass

@@ -3,7 +3,7 @@ and the time to build and schedule the graph at 1,024 GPUs.
 
 For each transition it prints the scheduled (predicted) time, the bandwidth bound, their ratio, and how
 many times slower each baseline is (checkpoint through storage and reload, gather to one rank then
-scatter, per-tensor broadcast from one source replica; ``nereus.elastic.baselines``). Goals (issue 3):
+scatter, per-tensor broadcast from one source replica; ``nereus.elastic.baselines``). Targets:
 predicted within 1.2x of the bound, checkpoint-and-reload >= 10x slower at 2 GB/s per node, and graph
 build + schedule <= 2 s for the four-model job at 1,024 GPUs. No assertions: this prints what it measures.
 

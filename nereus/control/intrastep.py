@@ -1,4 +1,4 @@
-"""Decisions inside the step (issue 16): when to switch a generation stage to its tail layout, and to which.
+"""Decisions inside the step: when to switch a generation stage to its tail layout, and to which.
 
 ``PhasedPolicy`` wraps a between-step policy (the controller, or a static baseline) unchanged: after each of
 its decisions it sets the phases of the next step's generation stage on the plan in force
@@ -125,7 +125,7 @@ class NereusTail(TailRule):
 
     def __init__(self, margin: float = 0.5, min_gain: float = 0.01, wait_for_fit: bool = True) -> None:
         self.margin, self.min_gain = margin, min_gain
-        # as the controller's optional moves (issue 15): none before the first calibration fit
+        # as the controller's optional moves: none before the first calibration fit
         self.wait_for_fit = wait_for_fit
         self.ratios: list[float] = []  # realised ÷ modelled migration transfer time, per measured move
 

@@ -1,4 +1,4 @@
-"""Generation at sequence granularity, and a generation stage that changes layout mid-stage (issue 16).
+"""Generation at sequence granularity, and a generation stage that changes layout mid-stage.
 
 One model prices the stage for both sides of the control loop: the simulator's ground truth runs it on each
 step's drawn lengths under its hidden factors, the controller on the forecast's quantiles under its

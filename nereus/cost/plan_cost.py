@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from nereus.cost.hardware import Hardware
 from nereus.cost.memory import BF16
 from nereus.cost.stages import StageCost, stage_cost
-from nereus.cost.weight_sync import SYNC_TIMES
+from nereus.cost.weight_sync import SYNC_TIMES, engine_reload_time
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import STAGES, Layout, ModelStage, Placement, Plan
@@ -137,6 +137,8 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
         # a plan run by another system's mechanism says so (nereus.cost.weight_sync; simulator baselines)
         mechanism = SYNC_TIMES.get(plan.meta.get("weight_sync", "direct"), weight_sync_time)
         sync = mechanism(hw, job, train, gen)
+        if job.run is not None and job.run.rollout_engine.vllm:  # then into the engines (run.rollout.engine)
+            sync += engine_reload_time(hw, job, gen.layout)
         sync *= (factors or {}).get("sync", 1.0)
     phase_times["weight_sync"] = sync
     usable = hw.usable_bytes()

@@ -26,7 +26,7 @@ from collections import defaultdict
 from nereus.elastic.links import Links
 from nereus.elastic.plan import TransitionPlan
 
-DEFAULT_STORAGE_BYTES_PER_S = 2e9  # per node: the reference point (Tenplex reports similar NFS rates)
+DEFAULT_STORAGE_BYTES_PER_S = 2e9  # per node: shared-storage checkpointing (Tenplex reports similar NFS rates)
 
 
 def _changed(graph: TransitionPlan) -> dict[str, list[tuple[int, int, int, int]]]:

@@ -36,7 +36,7 @@ DEFAULT_HOST_BYTES_PER_DEVICE = 128 * GIB
 class TransitionOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     host_bytes_per_device: float = DEFAULT_HOST_BYTES_PER_DEVICE
-    # Process groups are created ahead of the move while the old layout still runs (issue 6), so by
+    # Process groups are created ahead of the move while the old layout still runs, so by
     # default they cost nothing on the critical path; set this to charge each new layout's groups.
     group_setup_s: float = 0.0
 

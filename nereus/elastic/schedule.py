@@ -231,7 +231,7 @@ class _Scheduler:
 # Weights of an operation's own duration in the dispatch score, tried in turn: no single weight wins on
 # every transition (on the benchmark ones the best of the three is up to 9% shorter than any one alone).
 LENGTH_WEIGHTS = (2.0, 0.0, 1.0)
-# Larger graphs get one pass (the first weight) to stay within the planning-time budget (issue 3: build
+# Larger graphs get one pass (the first weight) to stay within the planning-time budget (build
 # and schedule a 1,024-GPU four-model job in <= 2 s).
 MULTI_PASS_MAX_OPS = 8000
 

@@ -5,7 +5,7 @@ written ``k`` times (``7777``), then EOS. ``k`` is drawn per prompt from a heavy
 P(k ≥ n) = 2 / (n + 1) for n ≥ 1 (a discrete Pareto of index 1, ``k = ⌊2/u⌋ − 1`` for u uniform on
 (0, 1]), capped at ``max_repeat``: half of the answers have at most 3 digits, while one in 18 reaches the
 cap of 36 — about 10× the median response length (answer plus EOS), the spread that leaves most workers
-idle while one finishes a long response (the motivation of issue 17; the long tail of RL rollouts and the
+idle while one finishes a long response (the long tail of RL rollouts and the
 idle "bubbles" it causes: Gao et al. 2025, "RollPacker", https://arxiv.org/abs/2509.21009, Sec. 1).
 
 Rewards are the rule-based ones of ``rl.task`` (``exact_match``, ``digit_match``) on the decoded response

@@ -159,6 +159,7 @@ class RuntimeBackend:
 
         out = self.rt.recover(place, lost.lost)
         self._use(chosen["plan"], chosen["placed"])
+        self.stepper.open_engine()  # the re-formed world closed the vLLM engines: rebuilt on the new layout
         if self.adaptive and self.plan.num_gpus < len(self.rt.workers):
             self.rt.resize(self.plan.num_gpus)  # survivors beyond what the schedule grants leave
         self.carry.update({"nereus/recovery_s": out["wall_s"], "nereus/lost_work_s": lost.elapsed_s,

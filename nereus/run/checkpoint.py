@@ -1,5 +1,5 @@
 """A run folder's checkpoints on disk: written so that a driver killed between any two writes leaves a
-resumable run, and chosen at resume so that a broken one is skipped by name (issue 19, resume integrity).
+resumable run, and chosen at resume so that a broken one is skipped by name (resume integrity).
 
 Writing ``step_<N>`` (``StepWriter``): every file goes into a temporary sibling ``.step_<N>.partial``;
 ``MANIFEST.json`` is written last inside it; the folder is then renamed to ``step_<N>`` (an existing one —
@@ -118,7 +118,7 @@ def placement_record(placed: list) -> dict[str, dict]:
 
 def written_training(state: dict, path: Path, models: list[str]) -> dict[str, tuple[Layout, tuple[int, ...]]]:
     """model → (layout, ranks) of its training key when ``path`` was written; refuses a checkpoint that
-    does not record them (written before issue 19) by name."""
+    does not record them (written by an older format) by name."""
     where = f"{path / STATE}.placements"
     record = state.get("placements")
     if not isinstance(record, dict):

@@ -101,8 +101,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def _check_capacity(run_dir: Path, workers: int) -> None:
-    """Refuse at once a size the run's own local Ray cannot place (its CPUs, from ray_session.json; issue 19:
-    `scale 6` on a 4-CPU Ray used to leave the run waiting). The run refuses it too, and keeps going."""
+    """Refuse at once a size the run's own local Ray cannot place (its CPUs, from ray_session.json:
+    `scale 6` on a 4-CPU Ray would otherwise leave the run waiting). The run refuses it too, and keeps going."""
     from nereus.runtime.cluster.raylocal import SESSION
     from nereus.spec.errors import SpecError
 

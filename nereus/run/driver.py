@@ -51,6 +51,20 @@ class Stepper:
         # run.rollout.midstep: generation in chunks, unfinished sequences moved between replicas mid-step
         self.midstep = MidStep(job.run.rollout_midstep) if job.run.rollout_midstep else None
 
+    def open_engine(self) -> None:
+        """With ``run.rollout.engine: vllm``: the actor's generation key's engines, one per replica, loaded
+        with its weights (at the start, and again after a recovery re-formed the layout)."""
+        if not self.run.rollout_engine.vllm:
+            return
+        from nereus.runtime.generation.vllm_engine import EngineConfig
+
+        key = self.key["actor", "generation"]
+        w = self.job.workload
+        self.rt.open_engine(key, EngineConfig(self.rt.specs[key].cfg, w.prompt_length + w.response.max,
+                                              max_num_seqs=self.run.rollout_slots or 256,
+                                              dtype=self.rt.specs[key].dtype, seed=self.run.seed,
+                                              settings=self.run.rollout_engine))
+
     @contextmanager
     def timer(self, name: str):
         t0 = time.perf_counter()
@@ -230,6 +244,8 @@ class Stepper:
             for model in ("actor", "critic"):
                 if self.has(model):
                     self.rt.sync_weights(model, self.job)
+            if self.run.rollout_engine.vllm:  # then into the engines, in place (runtime.generation.vllm_engine)
+                self.timing["timing_s/update_weights_engine"] = self.rt.update_engine(self.key["actor", "generation"])
 
     # ----- one step -----------------------------------------------------------------------------------
     def training_jobs(self, roll: Rollout, inf: dict, adv: dict) -> dict[str, tuple[dict, object, float]]:

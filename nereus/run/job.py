@@ -134,6 +134,7 @@ class RLJob(Observer):
         if optim is not None:
             self._install_optimizers(optim, written)
         stepper = Stepper(self.job, self.rt, self.placed, self.tok, self.train, self.reward)
+        stepper.open_engine()
         self.backend = RuntimeBackend(self.job, self.rt, self.cfgs, stepper, self._placed, self.plan, self.say)
         self.backend.scale_file = self.dir / "scale.json"
         self.rt.forget_snapshots()  # a runtime handed in may hold another job's

@@ -1,6 +1,6 @@
 """Checksums of a checkpoint folder: ``MANIFEST.json`` lists every file's size and SHA-256, written after
 the files themselves, so a checkpoint without one was not finished. Resuming verifies it first and
-refuses by name, before anything is loaded (issue 9: untrusted files; issue 19: resume integrity):
+refuses by name, before anything is loaded (untrusted files; resume integrity):
 
 - a listed file that is missing, truncated or corrupted;
 - a file in the folder that the manifest does not list (nothing unverified is ever read);
@@ -22,7 +22,7 @@ from pathlib import Path
 from nereus.spec.errors import SpecError
 
 MANIFEST = "MANIFEST.json"
-FORMAT = 2  # 2: lists every file and checksums itself (issue 19); 1 had no self-checksum
+FORMAT = 2  # 2: lists every file and checksums itself; 1 had no self-checksum
 _BLOCK = 1 << 20
 
 

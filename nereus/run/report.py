@@ -53,6 +53,7 @@ def step_metrics(st: object, step: int, roll: Rollout, inf: dict, adv: dict, sta
         m["actor/reward_kl_penalty_coeff"] = r.kl_coef
     diff = ((roll.gen_logp - inf["old_logp"]).abs() * mask)
     m["rollout/logprob_diff_max"] = float(diff.max())
+    m.update(rollout_probs_diff(roll.gen_logp, inf["old_logp"], mask))
     m.update({f"{model}/grad_norm": norm for model, norm in st.grad_norms.items()})
     m.update(st.timing)
     tokens = int(roll.prompt_len.sum() + roll.response_len.sum())
@@ -61,6 +62,23 @@ def step_metrics(st: object, step: int, roll: Rollout, inf: dict, adv: dict, sta
     m["perf/throughput"] = tokens / max(st.timing["timing_s/step"], 1e-9) / max(1, r.workers)
     m["perf/time_per_step"] = st.timing["timing_s/step"]
     return {k: float(v) for k, v in m.items() if not torch.is_tensor(v)}
+
+
+def rollout_probs_diff(rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """verl's on-policy check of the rollout engine: |p_rollout − p_actor| of each response token, the
+    probabilities the engine recorded while sampling against the trainer's old log-probs of the same
+    tokens (verl's ``calculate_debug_metrics``: ``training/rollout_probs_diff_*``, with the Pearson
+    correlation of the two probabilities)."""
+    keep = mask.bool()
+    p_roll, p_actor = rollout_logp.exp()[keep].double(), old_logp.exp()[keep].double()
+    if p_roll.numel() < 2:
+        return {"training/rollout_probs_diff_valid": 0.0}
+    diff = (p_roll - p_actor).abs()
+    corr = torch.corrcoef(torch.stack([p_roll, p_actor]))[0, 1]
+    return {"training/rollout_probs_diff_valid": 1.0, "training/rollout_probs_diff_max": float(diff.max()),
+            "training/rollout_probs_diff_mean": float(diff.mean()),
+            "training/rollout_probs_diff_std": float(diff.std()),
+            "training/rollout_actor_probs_pearson_corr": float(corr) if torch.isfinite(corr) else 1.0}
 
 
 def mean(stats: list[dict[str, float]], name: str) -> float:

@@ -78,7 +78,8 @@ def _planned(job: JobSpec) -> dict[str, tuple[Layout, tuple[int, ...]]]:
 
     sized = job.with_gpus(job.run.workers)
     sized = replace(sized, options=CAPABILITY.planning_options(sized.options))
-    plan = search(Hardware(sized.cluster), sized, constraints=Constraints(capability=CAPABILITY)).plan
+    allowed = Constraints(layout_filter=lambda ms, lay: engine_runs(job, ms.stage, lay), capability=CAPABILITY)
+    plan = search(Hardware(sized.cluster), sized, constraints=allowed).plan
     return {str(p.model_stage): (p.layout, tuple(p.gpus)) for p in plan.placements}
 
 
@@ -114,6 +115,9 @@ def place(job: JobSpec) -> list[Placed]:
         except (UnsupportedLayout, ValueError) as err:
             raise SpecError(f"run.layouts.{name}", str(err)) from None
         ranks = tuple(ranks)
+        if not engine_runs(job, ms.stage, layout):  # the planner's choice; a written one is refused in spec
+            raise SpecError(f"run.layouts.{name}", f"{layout.short()}: the vLLM engine runs one engine per "
+                            "data-parallel replica (tp=1, pp=1): give a layout dp=N")
         if max(ranks) >= run.workers:
             raise SpecError(f"run.layouts.{name}", f"uses worker {max(ranks)} but the run has {run.workers} "
                                                    "workers (run.workers or --workers)")
@@ -142,10 +146,17 @@ def placed_from_plan(plan) -> list[Placed]:
             for p in sorted(plan.placements, key=lambda p: (order[p.model_stage.stage], str(p.model_stage)))]
 
 
+def engine_runs(job: JobSpec, stage: str, layout: Layout) -> bool:
+    """With ``run.rollout.engine: vllm`` a generation layout is one engine per DP replica: tp=1, pp=1."""
+    vllm = stage == "generation" and job.run is not None and job.run.rollout_engine.vllm
+    return not vllm or (layout.tp, layout.pp) == (1, 1)
+
+
 def runtime_layout_ok(job: JobSpec, stage: str, layout: Layout, model: str) -> bool:
-    """What the runtime can run of this job: a layout ``CAPABILITY`` supports for the stage, TP that
-    splits whole heads, batches that split over DP and micro-batches (``check_batches``)."""
-    if CAPABILITY.supports(layout, stage):
+    """What the runtime can run of this job: a layout ``CAPABILITY`` supports for the stage (and the
+    rollout engine for generation), TP that splits whole heads, batches that split over DP and
+    micro-batches (``check_batches``)."""
+    if CAPABILITY.supports(layout, stage) or not engine_runs(job, stage, layout):
         return False
     try:
         check_tp(job.models[model], layout.tp)

@@ -14,6 +14,7 @@ from nereus.spec.layout import RECOMPUTE, ModelStage
 from nereus.spec.model import ModelArch, arch_from_hf_config, read_arch
 from nereus.spec.overrides import apply_overrides
 from nereus.spec.response import ResponseLength
+from nereus.spec.rollout import check_rollout_engine, vllm_distribution
 from nereus.spec.run import RunSpec, read_run
 from nereus.spec.trace import load_trace
 
@@ -260,6 +261,9 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         if algorithm.name == "train":
             raise SpecError("run", "`nereus run` runs RL jobs (ppo, grpo); this is a training-only job")
         job = replace(job, run=read_run(root.sub("run"), job.model_stages(), job.workload.response.max))
+        run = job.run
+        check_rollout_engine(run.rollout_engine, {m: a.head_dim for m, a in job.models.items()}, run.layouts,
+                             run.adapt is not None, run.rollout_midstep is not None, vllm_distribution())
     root.finish()
     return job
 

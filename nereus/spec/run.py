@@ -10,6 +10,7 @@ from nereus.spec.algorithms import KL_KINDS, KL_UNSUPPORTED, LOGGERS, LOSS_AGG_M
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
+from nereus.spec.rollout import RolloutEngine, read_engine
 
 # auto: the row's data_source picks the rule (nereus.rl.rewards, as verl's default reward manager does)
 RULES = ("auto", "exact_match", "digit_match", "none")
@@ -54,7 +55,7 @@ def value_at(schedule: tuple[tuple[int, int], ...], step: int, default: int) -> 
 
 @dataclass(frozen=True)
 class AdaptSpec:
-    """``run.adapt``: the controller chooses and changes the layouts while the job runs (issue 8).
+    """``run.adapt``: the controller chooses and changes the layouts while the job runs.
     ``availability``: (from step, workers) — Ray workers that join or leave; the rest tune the controller
     (``nereus.control.ControllerConfig``)."""
 
@@ -171,6 +172,8 @@ class RunSpec:
     rollout_pad_to_max: bool = False
     # run.rollout.midstep: mid-step moves of unfinished sequences between generation replicas; None: off
     rollout_midstep: MidstepSpec | None = None
+    # run.rollout.engine (verl: actor_rollout_ref.rollout.name): native or vllm, with the engine's settings
+    rollout_engine: RolloutEngine = field(default_factory=RolloutEngine)
     # run.overlap: model-stages on disjoint workers run at once (run.overlap.Calls); results are identical
     overlap: bool = False
     # run.async (a Python keyword, hence the field name): one-step-off-policy generation, see AsyncSpec
@@ -346,6 +349,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
     slots = rollout.get("slots", int, 0, minimum=0, maximum=MAX_SLOTS)
     pad_to_max = rollout.get("pad_to_max", bool, False)
     midstep = _midstep(rollout, slots)
+    engine = read_engine(rollout)
     rollout.finish()
     spec = RunSpec(
         seed=f.get("seed", int, 0, minimum=0, maximum=MAX_SEED),
@@ -374,7 +378,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         checkpoint_dir=ckpt.get("dir", str, "runs/job"), checkpoint_every=ckpt.get("every", int, 0, minimum=0),
         snapshot_every=ckpt.get("snapshot_every", int, 1, minimum=0),
         layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=slots,
-        rollout_pad_to_max=pad_to_max, rollout_midstep=midstep,
+        rollout_pad_to_max=pad_to_max, rollout_midstep=midstep, rollout_engine=engine,
         overlap=f.get("overlap", bool, False), async_mode=_async(f))
     ckpt.finish()
     f.finish()

@@ -1,4 +1,4 @@
-"""Issue 19: every traceback, hang and silently accepted input the issue lists, as a named regression test.
+"""Every traceback, hang and silently accepted input met in review of the CLI, as a named regression test.
 Each is refused with exit code 2 and one stderr line naming the file, flag or key (docs/reliability.md,
 "One-line errors"); the hangs are refused before any work starts."""
 

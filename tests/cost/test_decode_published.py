@@ -105,7 +105,7 @@ def ceilings() -> list[tuple[dict[str, str], float, float]]:
 
 
 def test_fixed_batch_rows_meet_issue_thresholds(fixed) -> None:
-    """Issue 15: mean absolute error <= 15% and every row within ±30% (measured: MAE 5.7%, worst row 60,
+    """Mean absolute error <= 15% and every row within ±30% (measured: MAE 5.7%, worst row 60,
     70B FP8 TP1 batch 64 2048/2048 on H200, +15.8%)."""
     errors = [e for _, _, e in fixed]
     assert sum(abs(e) for e in errors) / len(errors) <= 0.15

@@ -19,7 +19,7 @@ rollout TP, so one set of assumptions, fixed here and not fitted, serves every r
   every GPU (colocated). Not modelled: Ulysses sequence parallelism 4 (same FLOPs per GPU), FSDP
   shards of 2 GPUs (fsdp_size=2) and parameter/optimizer offload to CPU (both add transfers).
 
-A stage counts when the prediction is within 25% of the published time (issue 15). Stages the model
+A stage counts when the prediction is within 25% of the published time. Stages the model
 misses are strict xfails that carry the measured error; docs/cost-model.md says why.
 """
 

@@ -1,4 +1,4 @@
-"""Fuzzing the command line (issue 19 item 6): over a thousand generated bad inputs across every subcommand
+"""Fuzzing the command line: over a thousand generated bad inputs across every subcommand
 and file kind — job, trace, profile, plan, run record, HuggingFace config, checkpoint folder (``latest``,
 ``MANIFEST.json``, step folders) and flag values — each must be refused with exit code 2 and one stderr line
 without a traceback (docs/reliability.md, "One-line errors").

@@ -1,5 +1,5 @@
 """Fuzzing job specs and traces: any input is either accepted or refused with a SpecError that names a
-key path — never another exception (issue 9: bad input everywhere)."""
+key path — never another exception (bad input everywhere)."""
 
 import copy
 import math

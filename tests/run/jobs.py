@@ -7,7 +7,7 @@ from nereus.spec.job import JobSpec, job_from_dict
 ARCH = {"layers": 2, "hidden": 32, "ffn_hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 64}
 
 
-def tiny_job(algorithm: str, out_dir: str, steps: int = 3, **run: object) -> JobSpec:
+def tiny_job(algorithm: str, out_dir: str, steps: int = 3, arch: dict | None = None, **run: object) -> JobSpec:
     ppo = algorithm == "ppo"
     models = ["actor", "critic", "reference", "reward"] if ppo else ["actor", "reference"]
     layouts = {
@@ -22,7 +22,7 @@ def tiny_job(algorithm: str, out_dir: str, steps: int = 3, **run: object) -> Job
                     "critic/training": {"layout": "tp=2,dp=2,micro_batch_size=2", "ranks": [3, 2, 1, 0]}}
     spec = {
         "name": f"{algorithm}-test",
-        "models": {m: dict(ARCH) for m in models},
+        "models": {m: dict(arch or ARCH) for m in models},
         "algorithm": {"name": algorithm, "samples_per_prompt": 2 if ppo else 4, "mini_batches": 2},
         "workload": {"prompts_per_step": 4 if ppo else 2, "prompt_length": 10,
                      "response_length": {"mean": 3, "max": 4}},
@@ -37,3 +37,14 @@ def tiny_job(algorithm: str, out_dir: str, steps: int = 3, **run: object) -> Job
                 "checkpoint": {"dir": out_dir, "every": 2}, "layouts": layouts, **run},
     }
     return job_from_dict(spec)
+
+
+# vLLM's CPU attention needs a head size of at least 32 (spec.rollout.VLLM_CPU_HEAD_SIZES)
+VLLM_ARCH = {"layers": 2, "hidden": 64, "ffn_hidden": 128, "heads": 2, "kv_heads": 2, "vocab": 64}
+
+
+def vllm_job(algorithm: str, out_dir: str, steps: int = 3, **run: object) -> JobSpec:
+    """``tiny_job`` generating with vLLM (two engines: actor/generation is dp=2 on workers 0 and 1)."""
+    # 64 MiB of KV cache per engine: the tiny model's sequences need a few hundred KiB
+    return tiny_job(algorithm, out_dir, steps, arch=VLLM_ARCH, rollout={"engine": "vllm", "cpu_kv_cache_gib": 0.0625},
+                    **run)

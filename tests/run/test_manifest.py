@@ -1,6 +1,6 @@
 """Checkpoint checksums: a finished checkpoint verifies; a missing manifest, a missing, truncated,
 corrupted or unlisted file, an empty or edited manifest are refused by name (the error a resume prints),
-before anything is loaded (issue 19: resume integrity)."""
+before anything is loaded (resume integrity)."""
 
 from __future__ import annotations
 

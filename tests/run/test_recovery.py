@@ -1,4 +1,4 @@
-"""`nereus run` loses a worker in the middle of a step (issue 9): the job re-plans onto the three
+"""`nereus run` loses a worker in the middle of a step: the job re-plans onto the three
 survivors, restores the step's starting state from live replicas and the host-memory snapshot, redoes the
 step and finishes the run — one line per step in the metrics, a complete checkpoint at the end."""
 

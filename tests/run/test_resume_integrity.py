@@ -1,4 +1,4 @@
-"""Resume integrity (issue 19): a checkpoint written to a temporary folder and renamed, ``latest`` replaced
+"""Resume integrity: a checkpoint written to a temporary folder and renamed, ``latest`` replaced
 atomically, the newest complete checkpoint chosen with a warning naming a broken one; optimizer shards
 installed only under the placement they were written with, or re-sharded onto the current one; a writer
 stopped after any one of its writes leaves a resumable run."""

@@ -1,4 +1,4 @@
-"""Adaptation inside the step (issue 16): sequence-level generation, phased generation with KV moves,
+"""Adaptation inside the step: sequence-level generation, phased generation with KV moves,
 the controller's per-step decision, and the policies that use them."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 15: on every trace in traces/, the adaptive controller is never worse than the fixed-oracle
+"""On every trace in traces/, the adaptive controller is never worse than the fixed-oracle
 baseline (the same initial plan, then DP scaling only) by more than 1% mean step latency: it must not pay
 for moves made before calibration knows the hardware (docs/simulator.md, admission rule). Checked for
 ``nereus`` (between and inside steps) and ``nereus-interstep`` (the between-step controller alone).

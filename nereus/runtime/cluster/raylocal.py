@@ -7,13 +7,13 @@ environment variable ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when ray is imported 
 Windows/macOS). With the flag off the node IP stays 127.0.0.1, and the GCS, the raylet, every core worker
 (driver and actors) and the runtime-env agent bind to it rather than to [::] or the host's IP.
 
-*Token authentication* (issue 19): Ray 2.60 authenticates every gRPC call to its control store, raylet and
+*Token authentication*: Ray 2.60 authenticates every gRPC call to its control store, raylet and
 agents with a bearer token when ``RAY_AUTH_MODE=token``
 (ray/_private/authentication/authentication_token_setup.py; https://docs.ray.io/en/latest/ray-security/token-auth.html).
 ``start_local_ray`` turns it on with a fresh random token for each instance, passed to Ray's processes in
 ``RAY_AUTH_TOKEN`` (readable only by the same user), unless the caller set ``RAY_AUTH_MODE`` itself.
 
-*Clean exits* (issue 19): every process a local instance starts inherits ``NEREUS_RAY_OWNER`` — the
+*Clean exits*: every process a local instance starts inherits ``NEREUS_RAY_OWNER`` — the
 driver's pid and start time. A process whose owner is gone is a leftover of a driver that died (SIGKILL
 skips every handler); the next ``start_local_ray`` and ``nereus cleanup`` kill them (``reap``), and a
 driver that exits normally or on SIGTERM/SIGINT shuts Ray down and reaps its own before it goes.

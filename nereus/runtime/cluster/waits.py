@@ -1,4 +1,4 @@
-"""Bounded waits of the driver on its workers (issue 19, bounded work): every wait has a deadline that
+"""Bounded waits of the driver on its workers (bounded work): every wait has a deadline that
 reaches the driver as ``WaitTimeout`` naming the operation, and a join that Ray cannot place fails fast
 with ``PlacementError`` naming the resource it lacks, before any existing worker is touched.
 

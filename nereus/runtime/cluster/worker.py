@@ -16,6 +16,7 @@ from datetime import timedelta
 import ray
 import torch
 
+from nereus.runtime.generation.vllm_engine import EngineConfig, ReplicaEngine
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.sharded import ReplicaStats, ShardedModel
 from nereus.runtime.recovery.faults import FaultHook
@@ -41,6 +42,7 @@ class Worker:
         self._stuck: list[threading.Thread] = []  # calls abandoned by ``abort``, still blocked
         self.faults = FaultHook()  # does nothing unless a test's fault plan armed it
         self.engines: dict[str, object] = {}  # key -> its generation engine across calls (run.midstep)
+        self.rollout: dict[str, ReplicaEngine] = {}  # key -> this replica's vLLM engine (run.rollout.engine)
 
     # ----- failure handling -----------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -169,6 +171,7 @@ class Worker:
         from nereus.runtime.recovery.snapshots import restore_state
 
         pending, self.pending = self.pending, {}
+        self.close_engines()  # their keys are rebuilt on a new layout: the driver opens engines anew
         fetched = {m: ray.get(refs) for m, refs in images.items()}
         models = restore_state(specs, pending, fetched, self.comm)
         self.models, self.groups = models, dict(pending)
@@ -281,9 +284,42 @@ class Worker:
         return self._on(key, lambda sm: self._output(sm, generate(sm, prompts, params)))
 
     def generate_with_logprobs(self, key: str, prompts: list[list[int]], params: object) -> tuple[int, list] | None:
+        """New tokens and their log-probs per prompt, by the key's vLLM engine where one is open."""
         from nereus.runtime.generation.fixed_batch import generate_with_logprobs
 
+        engine = self.rollout.get(key)
+        if engine is not None:
+            return self._on(key, lambda sm: self._output(sm, engine.generate(
+                prompts, sm.replica_rows(len(prompts)), params, self.faults)))
         return self._on(key, lambda sm: self._output(sm, generate_with_logprobs(sm, prompts, params)))
+
+    # ----- a vLLM engine per generation replica (run.rollout.engine: vllm; runtime.generation.vllm_engine) ----
+    def engine_open(self, key: str, config: EngineConfig) -> bool:
+        """Start this replica's engine for ``key`` loaded with the key's weights (replacing one open)."""
+        from nereus.runtime.generation.vllm_engine import ReplicaEngine
+
+        self.close_engines([key])
+        sm = self.models.get(key)
+        if sm is None:
+            return False
+        self.rollout[key] = self._guarded(ReplicaEngine, config, sm.shards())
+        return True
+
+    def engine_update(self, key: str) -> float | None:
+        """The key's current weights into its engine, in place (the per-step sync); the engine's seconds."""
+        engine, sm = self.rollout.get(key), self.models.get(key)
+        return None if engine is None or sm is None else self._guarded(engine.load_weights, sm.shards())
+
+    def engine_tensors(self, key: str) -> dict[str, torch.Tensor] | None:
+        """The engine's parameters in its own (fused) layout (tests)."""
+        engine = self.rollout.get(key)
+        return None if engine is None else self._guarded(engine.tensors)
+
+    def close_engines(self, keys: list[str] | None = None) -> None:
+        for key in list(self.rollout) if keys is None else keys:
+            engine = self.rollout.pop(key, None)
+            if engine is not None:
+                engine.close()
 
     # ----- a generation engine that lives across calls (``gen_session``: mid-step moves) -------------
     def gen_open(self, key: str, prompts: list[list[int]], params: object) -> tuple[int, bool] | None:
@@ -351,6 +387,7 @@ class Worker:
     def release(self, key: str) -> None:
         self.models.pop(key, None)
         self.engines.pop(key, None)
+        self.close_engines([key])
         groups = self.groups.pop(key, None)
         if groups is not None:
             groups.destroy()

@@ -86,7 +86,7 @@ class Runtime:
         self.specs: dict[str, KeySpec] = {}  # what each key holds: the one record of placements
         self._graphs: dict[tuple, object] = {}
         self.failover = Failover()
-        self.failover.timeout_s = timeout_s + GRACE_S  # snapshot waits too have a deadline (issue 19)
+        self.failover.timeout_s = timeout_s + GRACE_S  # snapshot waits too have a deadline
 
     def _new_workers(self, first: int, count: int, world: int) -> list:
         """Ray actors for ranks ``first``..``first + count - 1`` of a world of ``world``; on several nodes
@@ -183,7 +183,7 @@ class Runtime:
             self.workers = self.workers[:n]
             if self.nodes:
                 self.nodes.truncate(n)
-        else:  # a join Ray cannot place fails here, before any worker leaves its world (issue 19)
+        else:  # a join Ray cannot place fails here, before any worker leaves its world
             if not self.nodes:
                 check_room(n, self.worker_options, cur)
             new = self._new_workers(cur, n - cur, n)
@@ -259,6 +259,26 @@ class Runtime:
         """New tokens and their sampling-time log-probs per prompt (``generate.generate_with_logprobs``)."""
         answers = self._on(key, "generate_with_logprobs", prompts, params)
         return [row for part in self._by_replica(answers) for row in part]
+
+    # ----- vLLM engines of a generation key (run.rollout.engine: vllm; runtime.generation.vllm_engine) -----
+    def open_engine(self, key: str, config: object) -> None:
+        """One vLLM engine per data-parallel replica of ``key`` (tp=1, pp=1), loaded with the key's weights;
+        from then on ``generate_with_logprobs`` on ``key`` generates with them. After a recovery or a
+        transition the caller opens them again on the new layout (a re-formed world closes them). An
+        engine's start has its own deadline (``ENGINE_START_S``): importing vLLM alone takes 10–30 s."""
+        from nereus.runtime.generation.vllm_engine import ENGINE_START_S
+
+        refs = [self.workers[r].engine_open.remote(key, config) for r in self.specs[key].ranks]
+        self.failover.get(self.workers, refs, max(self.timeout_s, ENGINE_START_S))
+
+    def update_engine(self, key: str) -> float:
+        """The key's current weights into its engines in place (after ``sync_weights``); the slowest
+        engine's reload seconds."""
+        return max((t for t in self._on(key, "engine_update") if t is not None), default=0.0)
+
+    def engine_tensors(self, key: str) -> list[dict[str, torch.Tensor] | None]:
+        """Each worker's engine parameters in the engine's own layout, in layout rank order (tests)."""
+        return self._on(key, "engine_tensors")
 
     def memory(self, key: str) -> list[dict | None]:
         """The last operation's memory report of every worker of ``key``'s layout, in layout rank order."""

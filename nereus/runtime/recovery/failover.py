@@ -73,7 +73,7 @@ class Failover:
     def get(self, workers: list, refs: list, timeout_s: float | None = None) -> list:
         """``ray.get(refs)``, but a lost worker raises ``WorkerLostError`` as soon as it shows (a dead
         actor, or a survivor's collective failing) instead of waiting on survivors blocked on it; past
-        ``timeout_s`` in all, ``waits.WaitTimeout`` (issue 19: every wait reaches the driver)."""
+        ``timeout_s`` in all, ``waits.WaitTimeout`` (every wait reaches the driver)."""
         from nereus.runtime.cluster.waits import WaitTimeout
 
         pending = list(refs)

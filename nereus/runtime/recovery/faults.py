@@ -8,7 +8,8 @@ Points (where a fault hurts most):
 - ``"transition.prepare"``, ``"transition.transfer"``, ``"transition.install"``: the phases of a live
   transition before its commit point (``runtime.transitions.executor``);
 - ``"migration.transfer"``, ``"migration.install"``: a live migration of unfinished sequences before its
-  commit point (``runtime.generation.kv_migrate``): before this worker posts its messages, after they all landed.
+  commit point (``runtime.generation.kv_migrate``): before this worker posts its messages, after they all landed;
+- ``"generate"``: a vLLM engine's replica while its engine generates (``Worker.generate_with_logprobs``).
 
 Actions: ``kill`` SIGKILLs the worker's process (a lost worker: ``Runtime.recover``); ``fail`` raises
 ``InjectedFault`` there (a transition that fails before its commit point must leave the old layout).
@@ -21,7 +22,7 @@ import signal
 from dataclasses import dataclass
 
 POINTS = ("train_step", "transition.prepare", "transition.transfer", "transition.install", "migration.transfer",
-          "migration.install")
+          "migration.install", "generate")
 ACTIONS = ("kill", "fail")
 
 

@@ -1,4 +1,4 @@
-"""Bounded work (issue 19): a join Ray cannot place fails fast with the reason and the runtime keeps its
+"""Bounded work: a join Ray cannot place fails fast with the reason and the runtime keeps its
 workers (the `nereus scale 6` hang on a 4-CPU Ray); a join that cannot start is given up, not waited on;
 a call that never answers reaches the driver as ``WaitTimeout`` naming the operation."""
 

@@ -1,4 +1,4 @@
-"""Clean exits and token authentication (issue 19): a `nereus run` driver stopped by SIGTERM or SIGINT
+"""Clean exits and token authentication: a `nereus run` driver stopped by SIGTERM or SIGINT
 shuts its local Ray down and leaves no process of it; one killed by SIGKILL (here in the middle of writing
 a checkpoint) leaves processes that the next start reaps, and the run resumes from its newest complete
 checkpoint; `nereus cleanup` kills what a dead driver left; the local Ray refuses calls without its token.

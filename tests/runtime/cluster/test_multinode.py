@@ -1,4 +1,4 @@
-"""The runtime on a Ray cluster of several nodes (issue 19 item 5): a head and two worker nodes of two CPUs
+"""The runtime on a Ray cluster of several nodes: a head and two worker nodes of two CPUs
 each, every node its own raylet and object store (``ray.cluster_utils.Cluster`` on this machine). A GRPO
 job runs on 4 workers, two per node; in step 2 the node of workers 2 and 3 is killed (raylet, object
 store and workers, ``remove_node(allow_graceful=False)``), taking the primary copy of their snapshot

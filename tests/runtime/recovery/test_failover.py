@@ -1,4 +1,4 @@
-"""Lost workers on the Ray runtime (issue 9): a worker SIGKILLed in the middle of a training step with
+"""Lost workers on the Ray runtime: a worker SIGKILLed in the middle of a training step with
 DP = 2, and one killed in the middle of a live transition; the survivors re-form the world and carry on
 from live data-parallel replicas and the host-memory snapshot."""
 

@@ -1,4 +1,4 @@
-"""Training across live transitions on 4 forked gloo ranks (issue 6):
+"""Training across live transitions on 4 forked gloo ranks:
 
 - continuity: a run with a transition at step k gives the losses of the run without it (float tolerance of
   the changed reduction order), for TP, PP and mixed changes, actor and critic;

