@@ -1,6 +1,6 @@
 """Adaptation inside the step, measured: every policy on every repo trace in one run.
 
-Generation runs at sequence granularity in the simulator's ground truth (``control.phased``: each step's
+Generation runs at sequence granularity in the simulator's ground truth (``cost.generation``: each step's
 lengths drawn from the trace, slots refilled, the tail drained) for every policy alike. Per trace it prints
 each policy's mean step latency, its change against ``fixed-oracle``, its throughput (tokens/s) against
 ``verl-like``, and where the generation stage's time went: bulk (until the tail begins: the move's trigger,
@@ -37,7 +37,7 @@ def run_trace(job, name: str, policies: tuple[str, ...], seed: int, steps: int |
     for p in policies:
         start = time.perf_counter()
         record = simulate(job.with_gpus(biggest), trace, p, seed, n, initial_gpus=first)
-        s, g = record.summary(), record.intrastep_summary()
+        s, g = record.summary(), record.generation_summary()
         step_gpu_s = sum(st["step_time_s"] * st["gpus"] for st in record.steps)
         out[p] = {**s, **{f"gen_{k}": v for k, v in g.items()},
                   "idle_share": sum(st.get("generation", {}).get("idle_gpu_s", 0.0) for st in record.steps)

@@ -38,7 +38,7 @@ def main() -> None:
             result = search(hw, job)
             times.append(time.perf_counter() - start)
         print(f"{n:>6} {statistics.median(times):>10.3f} {max(times):>8.3f} {result.evaluated_layouts:>8} "
-              f"{result.estimate.step_time_s:>9.2f}  {result.plan.meta['strategy']}", flush=True)
+              f"{result.estimate.step_time_s:>9.2f}  {result.plan.strategy}", flush=True)
 
 
 if __name__ == "__main__":

@@ -173,14 +173,14 @@ def run_restart(args, out: Path) -> dict:
     rl = RLJob(job, quiet=True)
     t_step = None
     times: list[float] = []
-    real_step = Stepper.step
+    real_step = Stepper.run_step  # what the runtime backend calls for each step
 
-    def timed_step(stepper, step):
-        out = real_step(stepper, step)
-        times.append(out["timing_s/step"])
+    def timed_step(stepper, step, policy=None):
+        out = real_step(stepper, step, policy)
+        times.append(out[0]["timing_s/step"])
         return out
 
-    Stepper.step = timed_step
+    Stepper.run_step = timed_step
     with LoseWorker(args.lose_at) as lose:
         try:
             rl.execute()
@@ -192,7 +192,7 @@ def run_restart(args, out: Path) -> dict:
             if cause is None:
                 raise
         t_step = lose.t_kill_armed
-    Stepper.step = real_step
+    Stepper.run_step = real_step
     lost_work = time.perf_counter() - t_step  # the failed step until the job gave up
     t0 = time.perf_counter()
     for w in rl.rt.workers:  # the whole job goes down

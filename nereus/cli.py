@@ -10,10 +10,11 @@ import math
 import os
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
-from nereus.spec.errors import InfeasibleError, RuntimeFailure, SpecError
+from nereus.spec.errors import InfeasibleError, RuntimeFailure, SpecError, cut
 from nereus.spec.fields import MAX_SEED, MAX_STEPS
 from nereus.spec.files import write_text_file
 
@@ -312,9 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# One error line stays readable whatever the input (spec.errors caps its parts; Ray's messages are long)
+MAX_ERROR_CHARS = 4000
+
+
 def _one_line(text: str) -> str:
-    """A message as one line: a key or value from a file may hold newlines."""
-    return text.replace("\r", "\\r").replace("\n", "\\n")
+    """A message as one line of bounded length: a key or value from a file may hold newlines."""
+    return cut(text, MAX_ERROR_CHARS)
 
 
 def _stdout_gone() -> None:
@@ -327,15 +332,37 @@ def _stdout_gone() -> None:
         pass
 
 
+# Internal-error tracebacks go to one cache folder (not a new /tmp file per failure), newest kept.
+TRACEBACKS_KEPT = 20
+
+
+def traceback_folder() -> Path:
+    """``$NEREUS_CACHE_DIR/tracebacks``, else ``$XDG_CACHE_HOME/nereus/tracebacks`` (``~/.cache``): one folder,
+    owner-only, pruned to the newest ``TRACEBACKS_KEPT`` files."""
+    base = os.environ.get("NEREUS_CACHE_DIR") or str(Path(os.environ.get("XDG_CACHE_HOME") or
+                                                          Path.home() / ".cache") / "nereus")
+    return Path(base) / "tracebacks"
+
+
+def _save_traceback(err: BaseException) -> Path:
+    folder = traceback_folder()
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, log = tempfile.mkstemp(prefix=time.strftime("traceback-%Y%m%d-%H%M%S-"), suffix=".log", dir=folder)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"nereus {' '.join(sys.argv[1:])}\n")
+        traceback.print_exception(err, file=f)
+    old = sorted(folder.glob("traceback-*.log"), key=lambda p: p.stat().st_mtime)[:-TRACEBACKS_KEPT]
+    for path in old:
+        path.unlink(missing_ok=True)
+    return Path(log)
+
+
 def _internal_error(err: BaseException) -> int:
     """A bug, not bad input: one line naming the log file that holds the traceback."""
     head = _one_line(f"{type(err).__name__}: {err}")[:200]
     try:
-        fd, log = tempfile.mkstemp(prefix="nereus-traceback-", suffix=".log")
-        with os.fdopen(fd, "w") as f:
-            f.write(f"nereus {' '.join(sys.argv[1:])}\n")
-            traceback.print_exception(err, file=f)
-    except OSError as log_err:  # the temporary folder itself is full or unwritable
+        log = _save_traceback(err)
+    except OSError as log_err:  # the cache folder itself is full or unwritable
         print(f"nereus: internal error ({head}); the traceback could not be saved ({log_err.strerror}); "
               "please report it", file=sys.stderr)
         return EXIT_INTERNAL

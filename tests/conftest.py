@@ -6,6 +6,8 @@ from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
+# internal-error tracebacks of the suite (nereus.cli.traceback_folder) stay in the checkout, not ~/.cache
+os.environ.setdefault("NEREUS_CACHE_DIR", str(ROOT / ".tmp" / "nereus-cache"))
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,10 @@
 A backend runs steps of a plan, applies transitions and recovers from lost devices; the policy (the
 controller or a baseline) sees only what a real job could measure. ``control.loop`` drives both
 backends through this protocol; neither backend is imported here.
+
+Inside a step the backend's generation loop asks the same policy at each decision point of the
+generation stage (``Policy.during_generation``, with the typed values of ``spec.generation``); what it
+decided there and what came of it return with the step (``StepMetrics.generation``).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Protocol
 
+from nereus.spec.generation import Continue, GenerationDecision, GenerationEntry, GenerationStatus
 from nereus.spec.layout import Plan
 
 
@@ -27,9 +32,13 @@ class StepMetrics:
     peak_bytes: float = 0.0  # memory high-water mark over devices
     gpus: int = 0  # devices the plan ran on
     detail: dict = field(default_factory=dict)  # backend-specific measurements (the RL job's metric line)
+    # the decisions taken inside the step's generation (acting or declined), with what came of each
+    generation: tuple[GenerationEntry, ...] = ()
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["generation"] = [e.to_json() for e in self.generation]
+        return out
 
 
 @dataclass
@@ -68,14 +77,29 @@ class RecoveryMetrics:
 SurvivorPlanner = Callable[[int, int], Plan]  # (devices left, step) -> the plan to continue on
 
 
+class GenerationPolicy(Protocol):
+    """What a backend's generation loop asks at each decision point of a step's generation stage: the
+    stage's status in, a typed decision out (``spec.generation``)."""
+
+    def during_generation(self, status: GenerationStatus) -> GenerationDecision: ...
+
+
+class RunToEnd:
+    """A generation policy that never looks inside the step: every generation runs to its end."""
+
+    def during_generation(self, status: GenerationStatus) -> GenerationDecision:
+        return Continue()
+
+
 class Backend(Protocol):
     """A backend reports lost devices between steps through ``cluster`` (the simulator's failure traces)
     or, when they die while a step runs, by raising ``WorkersLost`` from ``run_step``; a backend that raises
-    it also implements ``recover`` (the runtime)."""
+    it also implements ``recover`` (the runtime). ``run_step`` asks ``policy`` at the decision points of
+    the step's generation stage."""
 
     def cluster(self, step: int) -> ClusterState: ...
 
-    def run_step(self, plan: Plan, step: int) -> StepMetrics: ...
+    def run_step(self, plan: Plan, step: int, policy: GenerationPolicy) -> StepMetrics: ...
 
     def apply_transition(self, old: Plan, new: Plan, step: int) -> TransitionMetrics: ...
 
@@ -107,11 +131,14 @@ class Decision:
                if f.name != "plan" and (f.name != "predicted_stage_s" or self.predicted_stage_s)}
         if self.plan is not None:
             out["plan"] = self.plan.to_dict()
-            out["strategy"] = self.plan.meta.get("strategy")
+            out["strategy"] = self.plan.strategy or None
         return out
 
 
-class Policy(Protocol):
+class Policy(GenerationPolicy, Protocol):
+    """Between steps: the initial plan, a decision after each step, a plan for survivors. Inside a step:
+    ``during_generation`` at each decision point of the generation stage (``GenerationPolicy``)."""
+
     name: str
 
     def initial_plan(self, num_gpus: int) -> Plan: ...

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from nereus.control.backend import ClusterState, Decision, StepMetrics
+from nereus.control.backend import ClusterState, Decision, GenerationPolicy, RunToEnd, StepMetrics
 from nereus.control.forecast import LengthForecaster, Schedule
 from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.calibration import Calibrator
@@ -23,6 +23,7 @@ from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.planner.search import Constraints, search
 from nereus.spec.errors import InfeasibleError
+from nereus.spec.generation import GenerationDecision, GenerationStatus
 from nereus.spec.job import JobSpec, ResponseLength
 from nereus.spec.layout import Plan
 
@@ -59,8 +60,9 @@ class Controller:
 
     def __init__(self, job: JobSpec, config: ControllerConfig | None = None, schedule: Schedule | None = None,
                  total_steps: int | None = None, transition_cost: TransitionCost | None = None,
-                 constraints: Constraints | None = None) -> None:
+                 constraints: Constraints | None = None, generation: GenerationPolicy | None = None) -> None:
         self.job, self.config = job, config or ControllerConfig()
+        self.generation = generation or RunToEnd()  # the rule inside the step (``control.midstep``)
         self.schedule = schedule or Schedule(default_max=job.workload.response.max)
         self.total_steps = total_steps
         self.transition_cost = transition_cost or TransitionCoster()
@@ -104,6 +106,10 @@ class Controller:
         return self.plan
 
     # -- the loop -----------------------------------------------------------------------------------
+    def during_generation(self, status: GenerationStatus) -> GenerationDecision:
+        """Inside the step: the controller's generation rule (none: the stage runs to its end)."""
+        return self.generation.during_generation(status)
+
     def after_step(self, m: StepMetrics, cluster: ClusterState) -> Decision:
         start = time.perf_counter()
         predicted = self.predict_measured(m) if self.config.predict_measured else {}

@@ -1,12 +1,14 @@
 """A policy that holds one plan: the hand-picked layouts of a fixed run (``run.layouts``). It never moves
 on its own; when devices die mid-step it hands the choice of the survivors' plan to a re-planner (the
-controller, restricted to what the backend can run), as an operator would after a crash."""
+controller, restricted to what the backend can run), as an operator would after a crash. Inside a step
+it answers with its ``generation`` rule (``run.rollout.midstep``'s, ``control.midstep``), if it has one."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nereus.control.backend import ClusterState, Decision, Policy, StepMetrics
+from nereus.control.backend import ClusterState, Decision, GenerationPolicy, Policy, RunToEnd, StepMetrics
+from nereus.spec.generation import GenerationDecision, GenerationStatus
 from nereus.spec.layout import Plan
 
 
@@ -15,7 +17,11 @@ class HeldPlan:
     plan: Plan
     replanner: Policy
     name: str = "fixed"
+    generation: GenerationPolicy = field(default_factory=RunToEnd)
     log: list[Decision] = field(default_factory=list)
+
+    def during_generation(self, status: GenerationStatus) -> GenerationDecision:
+        return self.generation.during_generation(status)
 
     def initial_plan(self, num_gpus: int) -> Plan:
         return self.plan

@@ -2,7 +2,10 @@
 
 ``PhasedPolicy`` wraps a between-step policy (the controller, or a static baseline) unchanged: after each of
 its decisions it sets the phases of the next step's generation stage on the plan in force
-(``Plan.meta["generation_phases"]``, a ``control.phased.TailPhase``). How it picks them is a ``TailRule``:
+(``Plan.generation``, a ``spec.generation.TailPhase``), and inside the step it answers the backend's
+decision points from them: at the start, look again once at most ``trigger_live`` sequences are still
+generating; there, ``ChangeTailLayout``. How it picks the phases is a ``TailRule``, on the generation
+stage's pricing (``cost.generation``):
 
 - ``NereusTail``: from the calibrated cost model, on the forecast's length quantiles — every tail TP (the
   bulk TP and its multiples within a node) × replicas (powers of two) × trigger (live sequences), the
@@ -20,64 +23,23 @@ from __future__ import annotations
 
 import statistics
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, replace
 
-import numpy as np
-
-from nereus.control.backend import ClusterState, Decision, StepMetrics
-from nereus.control.phased import (
-    Factors,
-    GenModel,
-    GenOutcome,
-    TailPhase,
-    no_move,
-    overlapped_inference,
-    run_bulk,
-    with_tail,
-)
+from nereus.control.backend import ClusterState, Decision, Policy, StepMetrics
+from nereus.cost.batching import Factors
+from nereus.cost.generation import GenModel, Prediction, forecast_lengths, no_move, predict, run_bulk
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
-from nereus.spec.job import JobSpec, ResponseLength
+from nereus.spec.generation import (
+    ChangeTailLayout,
+    Continue,
+    GenerationDecision,
+    GenerationStatus,
+    NextLook,
+    TailPhase,
+)
+from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
-
-
-def forecast_lengths(resp: ResponseLength, n: int) -> np.ndarray:
-    """``n`` response lengths standing for the forecast: equally weighted quantiles, the largest set to the
-    expected longest of ``n`` draws, in a fixed shuffled order (sequence i runs on replica i mod dp)."""
-    q = np.array(resp.quantiles(64), float)
-    lengths = np.interp(np.linspace(0, len(q) - 1, n), np.arange(len(q)), q)
-    lengths[-1] = max(lengths[-1], float(resp.longest(n)))
-    return np.maximum(1.0, lengths[np.random.default_rng(0).permutation(n)])
-
-
-def inference_gpus(plan: Plan) -> frozenset[int]:
-    return frozenset(g for p in plan.placements if p.model_stage.stage == "inference" for g in p.gpus)
-
-
-@dataclass
-class Prediction:
-    """The model's view of one step's generation and inference, with and without the move."""
-
-    base_s: float  # generation + inference without a move
-    phased_s: float  # with it (inference overlapped on the freed GPUs)
-    migration_s: float
-    outcome: GenOutcome
-
-    @property
-    def gain_s(self) -> float:
-        return self.base_s - self.phased_s
-
-    def to_dict(self) -> dict:
-        return {"base_s": self.base_s, "phased_s": self.phased_s, "gain_s": self.gain_s,
-                "migration_s": self.migration_s}
-
-
-def predict(model: GenModel, bulk, phase: TailPhase, f: Factors, inference_s: float,
-            base: GenOutcome | None = None) -> Prediction:
-    base = base or no_move(model, bulk)
-    out = with_tail(model, bulk, phase, f, inference_gpus(model.plan))
-    after, _ = overlapped_inference(inference_s, out, len(bulk.lengths))
-    return Prediction(base.generation_s + inference_s, out.generation_s + after, out.migration_s, out)
 
 
 class TailRule(ABC):
@@ -134,9 +96,10 @@ class NereusTail(TailRule):
         return statistics.median(self.ratios[-10:]) if self.ratios else 1.0
 
     def observe(self, m: StepMetrics) -> None:
-        rec = m.detail.get("intrastep")
-        if rec and rec.get("moved") and rec.get("migration_modelled_s", 0) > 0:
-            self.ratios.append(rec["migration_s"] / rec["migration_modelled_s"])
+        for e in m.generation:
+            modelled = e.outcome.figures.get("migration_modelled_s", 0.0)
+            if isinstance(e.decision, ChangeTailLayout) and e.outcome.applied and modelled > 0:
+                self.ratios.append(e.outcome.cost_s / modelled)
 
     def choose(self, job: JobSpec, plan: Plan, factors: dict[str, float]) -> TailPhase | None:
         if self.wait_for_fit and not factors:
@@ -203,11 +166,11 @@ class RlhfuseTail(TailRule):
 class PhasedPolicy:
     """A between-step policy whose generation stages switch to a tail layout inside the step."""
 
-    def __init__(self, name: str, inner, rule: TailRule, every: int = 10) -> None:
+    def __init__(self, name: str, inner: Policy, rule: TailRule, every: int = 10) -> None:
         self.name, self.inner, self.rule, self.every = name, inner, rule, every
         self._last: tuple[int, Plan | None] = (-10**9, None)
         self._phase: TailPhase | None = None
-        self._in_force: Plan | None = None  # the plan object the loop runs (it keeps its own on equal plans)
+        self._base: Plan | None = None  # the inner policy's plan object (a new one: re-choose the phases)
         self._fitted = False  # whether the controller had a calibration fit at the last choice
 
     @property
@@ -219,37 +182,43 @@ class PhasedPolicy:
     def log(self) -> list[Decision]:
         return self.inner.log
 
-    def _set_phases(self, plan: Plan, step: int) -> Plan:
+    def _phased(self, base: Plan, step: int) -> Plan:
+        """``base`` with the phases of step ``step``'s generation, chosen anew every ``every`` steps, on a
+        new plan and when the controller's first calibration fit arrives."""
+        self._base = base
         last_step, last_plan = self._last
         ctrl = self.controller
         fitted = bool(ctrl.factors)
-        if last_plan is not plan or step - last_step >= self.every or fitted != self._fitted:
+        if last_plan is not base or step - last_step >= self.every or fitted != self._fitted:
             self._fitted = fitted
-            job = ctrl.job_for(step, plan.num_gpus)
-            self._phase = self.rule.choose(job, plan, ctrl.factors)
-            self._last = (step, plan)
-        if self._phase is None:
-            plan.meta.pop("generation_phases", None)
-        else:
-            plan.meta["generation_phases"] = self._phase.to_dict()
-        return plan
+            job = ctrl.job_for(step, base.num_gpus)
+            self._phase = self.rule.choose(job, base, ctrl.factors)
+            self._last = (step, base)
+        return replace(base, generation=self._phase)
 
     def initial_plan(self, num_gpus: int) -> Plan:
-        self._in_force = self._set_phases(self.inner.initial_plan(num_gpus), 0)
-        return self._in_force
+        return self._phased(self.inner.initial_plan(num_gpus), 0)
 
     def resume(self, plan: Plan) -> None:
         self.inner.resume(plan)
-        self._in_force = plan
+        self._base = plan
 
     def survivor_plan(self, num_gpus: int, step: int) -> Plan:
-        self._in_force = self._set_phases(self.inner.survivor_plan(num_gpus, step), step)
-        return self._in_force
+        return self._phased(self.inner.survivor_plan(num_gpus, step), step)
 
     def after_step(self, m: StepMetrics, cluster: ClusterState) -> Decision:
         self.rule.observe(m)
         d = self.inner.after_step(m, cluster)
-        if d.plan is not None and d.plan != self._in_force:
-            self._in_force = d.plan
-        self._set_phases(self._in_force, m.step + 1)
-        return d
+        base = d.plan if d.plan is not None and d.plan != self._base else self._base
+        return replace(d, plan=self._phased(base, m.step + 1))
+
+    def during_generation(self, status: GenerationStatus) -> GenerationDecision:
+        """From the plan's phases: look again at their trigger, switch there."""
+        phase = status.phases
+        if phase is None:
+            return Continue()
+        if status.point == "start":
+            return Continue(look=NextLook(live_at_most=phase.trigger_live))
+        return ChangeTailLayout(phase=phase, gain_s=phase.predicted.get("gain_s", 0.0),
+                                cost_s=phase.predicted.get("migration_s", 0.0),
+                                reason=f"{phase.policy or self.name}: at most {phase.trigger_live} sequences left")

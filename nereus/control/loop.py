@@ -113,7 +113,9 @@ class ControlLoop:
     def step(self, step: int) -> StepOutcome:
         """One step: run it, observe the cluster, let the policy decide, apply a move."""
         plan = self.plan
-        m = self.backend.run_step(plan, step)
+        m = self.backend.run_step(plan, step, self.policy)  # the policy decides inside the step too
+        for entry in m.generation:
+            self.record.add_generation(entry)
         nxt = self.backend.cluster(step + 1)
         failed, lost_s = self._loss_between_steps(m, nxt, plan)
         lost_s += self._pending_lost_s
@@ -124,9 +126,11 @@ class ControlLoop:
             tm = self.backend.apply_transition(plan, decision.plan, step)
             self.plan = decision.plan
             self.record.add_plan(step + 1, self.plan)
+        elif decision.plan is not None:  # the same placements: the plan's per-step fields (its generation
+            self.plan = decision.plan    # phases) change without a transition
         restarted = failed and self.recovery.mode == "restart"
         transition_s = 0.0 if tm is None or restarted else tm.seconds  # a restart re-places for free
-        self.record.add_step(m, self.plan.num_gpus, self.plan.meta.get("strategy", ""), transition_s, lost_s)
+        self.record.add_step(m, self.plan.num_gpus, self.plan.strategy, transition_s, lost_s)
         self.record.add_decision(decision, transition_s)
         outcome = StepOutcome(m, decision, self.plan, tm, lost_s)
         self.observer.step_done(outcome)

@@ -1,4 +1,5 @@
-"""The record of a run, simulated or real: one entry per step, per decision and per plan in force.
+"""The record of a run, simulated or real: one entry per step, per decision between steps, per decision
+inside a step's generation (``spec.generation.GenerationEntry``) and per plan in force.
 
 ``nereus report`` renders it whichever backend produced it; ``control.loop`` fills it. It lives in
 control/ so that neither backend depends on the other for it.
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nereus.control.backend import Decision, StepMetrics
+from nereus.spec.generation import GenerationEntry
 from nereus.spec.layout import Plan
 
 
@@ -23,33 +25,40 @@ class RunRecord:
     steps: list[dict] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)
     plans: list[dict] = field(default_factory=list)  # the plan in force from each step on
+    generation_decisions: list[dict] = field(default_factory=list)  # GenerationEntry.to_json(), in order
     wall_s: float = 0.0
 
     def add_plan(self, step: int, plan: Plan) -> None:
-        self.plans.append({"step": step, "plan": plan.to_dict(), "strategy": plan.meta.get("strategy")})
+        self.plans.append({"step": step, "plan": plan.to_dict(), "strategy": plan.strategy or None})
 
     def add_step(self, m: StepMetrics, gpus: int, strategy: str, transition_s: float, lost_s: float) -> None:
         self.steps.append({"step": m.step, "step_time_s": m.step_time_s, "phases": m.phase_times_s, "gpus": gpus,
                            "response_mean": m.response_mean, "response_max": m.response_max, "tokens": m.tokens,
                            "transition_s": transition_s, "lost_s": lost_s, "strategy": strategy})
-        for key in ("generation", "intrastep"):  # sequence-level generation: where its time went, the
-            if key in m.detail:                   # mid-step move with its predicted and realised numbers
-                self.steps[-1][key] = m.detail[key]
+        if "generation" in m.detail:  # sequence-level generation (the simulator): where its time went
+            self.steps[-1]["generation"] = m.detail["generation"]
 
-    def intrastep_summary(self) -> dict:
-        """Mid-step moves: how many ran or were refused, predicted vs realised gain and migration cost,
-        and the generation stage's time split (bulk, migration, tail, idle GPU-seconds) per step."""
-        moves = [s["intrastep"] for s in self.steps if s.get("intrastep")]
-        ran = [m for m in moves if m["moved"]]
+    def add_generation(self, entry: GenerationEntry) -> None:
+        """A decision taken inside a step's generation (acting or declined) with its outcome."""
+        self.generation_decisions.append(entry.to_json())
+
+    def generation_summary(self) -> dict:
+        """Decisions inside the step that acted: how many were planned, applied or refused, predicted vs
+        realised gain and move cost (means over the applied ones), and the generation stage's time split
+        (bulk, migration, tail, idle GPU-seconds, overlapped inference) per step."""
+        acting = [GenerationEntry.from_json(d) for d in self.generation_decisions]
+        acting = [e for e in acting if e.decision.acts]
+        ran = [e for e in acting if e.outcome.applied]
         gen = [s["generation"] for s in self.steps if s.get("generation")]
 
         def mean(xs: list[float]) -> float:
             return sum(xs) / len(xs) if xs else 0.0
-        return {"planned": len(moves), "moved": len(ran), "refused": sum(1 for m in moves if m["refused"]),
-                "predicted_gain_s": mean([m["predicted"].get("gain_s", 0.0) for m in ran]),
-                "realised_gain_s": mean([m["realised_gain_s"] for m in ran]),
-                "predicted_migration_s": mean([m.get("predicted_migration_s", 0.0) for m in ran]),
-                "realised_migration_s": mean([m["migration_s"] for m in ran]),
+        return {"planned": len(acting), "moved": len(ran), "refused": sum(1 for e in acting if e.outcome.reason),
+                "predicted_gain_s": mean([e.decision.gain_s for e in ran]),
+                "realised_gain_s": mean([e.outcome.gain_s or 0.0 for e in ran]),
+                "predicted_migration_s": mean([e.outcome.figures.get("predicted_migration_s", e.decision.cost_s)
+                                               for e in ran]),
+                "realised_migration_s": mean([e.outcome.cost_s or 0.0 for e in ran]),
                 **{k: mean([g[k] for g in gen]) for k in ("bulk_s", "migration_s", "tail_s", "idle_gpu_s",
                                                          "overlap_s")}}
 
@@ -89,7 +98,8 @@ class RunRecord:
 
     def to_dict(self) -> dict:
         return {"policy": self.policy, "job": self.job, "trace": self.trace, "seed": self.seed,
-                "summary": self.summary(), "steps": self.steps, "decisions": self.decisions, "plans": self.plans}
+                "summary": self.summary(), "steps": self.steps, "decisions": self.decisions, "plans": self.plans,
+                "generation_decisions": self.generation_decisions}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict()))

@@ -10,7 +10,7 @@ from nereus.cost.stages import StageCost, stage_cost
 from nereus.cost.weight_sync import SYNC_TIMES, engine_reload_time
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
-from nereus.spec.layout import STAGES, Layout, ModelStage, Placement, Plan
+from nereus.spec.layout import STAGES, Layout, ModelStage, Placement, Plan, check_runnable
 
 
 @dataclass
@@ -135,7 +135,7 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
         train = plan.placement(ModelStage("actor", "training"))
         gen = plan.placement(ModelStage("actor", "generation"))
         # a plan run by another system's mechanism says so (nereus.cost.weight_sync; simulator baselines)
-        mechanism = SYNC_TIMES.get(plan.meta.get("weight_sync", "direct"), weight_sync_time)
+        mechanism = SYNC_TIMES.get(plan.weight_sync, weight_sync_time)
         sync = mechanism(hw, job, train, gen)
         if job.run is not None and job.run.rollout_engine.vllm:  # then into the engines (run.rollout.engine)
             sync += engine_reload_time(hw, job, gen.layout)
@@ -150,11 +150,7 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
 
 
 def _cost_or_error(hw: Hardware, job: JobSpec, p: Placement, others: float = 0.0) -> StageCost:
-    arch = job.models[p.model_stage.model]
-    if arch.heads % p.layout.tp:
-        raise SpecError(f"plan.{p.model_stage}.layout.tp", f"{p.layout.tp} does not divide heads ({arch.heads})")
-    if p.layout.pp > arch.layers:
-        raise SpecError(f"plan.{p.model_stage}.layout.pp", f"{p.layout.pp} exceeds the {arch.layers} layers")
+    check_runnable(job.models[p.model_stage.model], p.layout, f"plan.{p.model_stage}.layout")
     cost = stage_cost(hw, job, p.model_stage, p.layout, others)
     if cost is None:
         raise SpecError(f"plan.{p.model_stage}.layout",

@@ -315,7 +315,7 @@ def _decode_phases(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, pr
 
 
 def generation_replica(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int) -> Replica:
-    """The rollout engine's replica as the planner prices it (also the intra-step model's, control.phased)."""
+    """The rollout engine's replica as the planner prices it (also the intra-step model's, cost.generation)."""
     precision = Precision.of("bf16") if weight_bytes <= 2 else Precision("fp32", weight_bytes, weight_bytes)
     engine = EngineCosts(hw.priors.decode_step_overhead_s, ENGINES["vllm"].sequence_s)
     return Replica(hw, arch, tp, precision, "vllm", engine_costs=engine)

@@ -1,7 +1,7 @@
 """Per-step actor weight sync as other RL systems do it, priced with the cluster's collective and
 link times (``Hardware.all_gather_time``, ``p2p_time``, ``hbm_time``). The default, Nereus's own, is the
 bandwidth bound of a direct shard-to-shard copy (``plan_cost.sync_time``); a plan names another
-mechanism in ``plan.meta["weight_sync"]`` (the simulator's verl-like and OpenRLHF-like baselines do).
+mechanism in ``Plan.weight_sync`` (the simulator's verl-like and OpenRLHF-like baselines do).
 
 - ``hybrid-reshard`` (verl's hybrid engine; training and rollout on the same GPUs): every actor weight
   is gathered in full on every training rank (``DTensor.full_tensor()`` over the FSDP mesh) and handed

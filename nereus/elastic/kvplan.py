@@ -36,6 +36,7 @@ from nereus.elastic.plan import (
     step_from_json,
 )
 from nereus.spec.layout import Layout
+from nereus.spec.model import kv_token_bytes
 from nereus.spec.sharding import layer_range, split_range
 
 FORMAT = "nereus.kv-migration/1"
@@ -59,9 +60,15 @@ class KVShape:
     head_dim: int
     elem_bytes: int
 
+    @property
+    def token_bytes(self) -> int:
+        """Keys and values of one position over every layer and KV head (``spec.model.kv_token_bytes``)."""
+        return kv_token_bytes(self.layers, self.kv_heads, self.head_dim, self.elem_bytes)
+
     def piece_bytes(self, p: KVPiece) -> int:
         """Keys and values of a piece."""
-        return 2 * (p.layers[1] - p.layers[0]) * (p.heads[1] - p.heads[0]) * p.length * self.head_dim * self.elem_bytes
+        span = kv_token_bytes(p.layers[1] - p.layers[0], p.heads[1] - p.heads[0], self.head_dim, self.elem_bytes)
+        return span * p.length
 
 
 @dataclass(frozen=True)
@@ -176,7 +183,7 @@ def plan_migration(model: str, shape: KVShape, src: GenPlacement, dst: GenPlacem
         parts = tuple(StatePart(model, state, tuple(ps)) for state, ps in (("seq", records), ("kv", pieces)) if ps)
         steps.append(KVSend(len(steps), (), s, d, sum(shape.piece_bytes(p) for p in pieces), parts))
     for rank, records in sorted(refills.items()):
-        nbytes = sum(2 * shape.layers * shape.kv_heads * (r.prompt + r.generated) * shape.head_dim * shape.elem_bytes
+        nbytes = sum(shape.token_bytes * (r.prompt + r.generated)
                      for r in records)  # an upper bound: the whole model's heads, not this rank's shard
         steps.append(Refill(len(steps), (), rank, nbytes, (StatePart(model, "seq", tuple(records)),)))
     commit = len(steps)

@@ -79,7 +79,7 @@ def explain_text(job: JobSpec, result: SearchResult) -> str:
     c = job.cluster
     est, plan = result.estimate, result.plan
     lines = [f"Plan for '{job.name}' ({job.algorithm.name}) on {c.num_gpus} x {c.gpu.name} "
-             f"({c.nodes} node(s) x {c.gpus_per_node}); strategy: {plan.meta.get('strategy', '?')}"]
+             f"({c.nodes} node(s) x {c.gpus_per_node}); strategy: {plan.strategy or '?'}"]
     lines += estimate_text(job, est, {str(p.model_stage): p.gpus for p in plan.placements})
     if result.runners_up and result.best is not None:
         lines += ["", "runners-up (best plan of each other colocation strategy):"]
@@ -91,7 +91,7 @@ def explain_text(job: JobSpec, result: SearchResult) -> str:
 
 
 def result_json(job: JobSpec, result: SearchResult) -> dict:
-    out = {"plan": result.plan.to_dict(), "strategy": result.plan.meta.get("strategy"),
+    out = {"plan": result.plan.to_dict(), "strategy": result.plan.strategy or None,
            **result.estimate.to_dict(),
            "runners_up": [{"strategy": r.strategy, "step_time_s": r.step_time_s,
                            "why": why_lost(result.best, r) if result.best else ""} for r in result.runners_up],

@@ -10,7 +10,7 @@ from nereus.planner.candidates import enumerate_layouts
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import read_json_file
 from nereus.spec.job import JobSpec
-from nereus.spec.layout import Layout, Placement, Plan
+from nereus.spec.layout import Layout, Placement, Plan, check_runnable
 
 
 def read_plan_file(path: str | Path) -> Plan:
@@ -38,6 +38,8 @@ def plan_from_layout(hw: Hardware, job: JobSpec, text: str) -> Plan:
     dp = int(given.get("dp", n // (tp * pp)))
     if tp * pp * dp > n or dp < 1:
         raise SpecError("--layout", f"tp·pp·dp = {tp * pp * dp} does not fit the {n} GPUs of the cluster")
+    check_runnable(job.models[ms.model], Layout(tp=tp, pp=pp, dp=dp, interleave=int(given.get("interleave", 1))),
+                   "--layout")
     options = {k: v for k, v in given.items() if k not in ("tp", "pp", "dp")}  # the other fields written
     matches = [lay for lay in enumerate_layouts(job, ms, tp * pp * dp)
                if (lay.tp, lay.pp, lay.dp) == (tp, pp, dp) and options.items() <= lay.to_dict().items()]

@@ -14,7 +14,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from nereus.cost.hardware import Hardware
@@ -318,8 +318,8 @@ def search(hw: Hardware, job: JobSpec, factors: dict[str, float] | None = None, 
         plan = materialize(job, cand)
         estimate = estimate_plan(hw, job, plan, factors)
         if estimate.feasible:
-            plan.meta.update(strategy=cand.strategy, predicted_step_time_s=estimate.step_time_s)
-            return SearchResult(plan, estimate, [c for c in ranked if c is not cand][:keep], table.evaluated,
+            others = [c for c in ranked if c is not cand][:keep]
+            return SearchResult(replace(plan, strategy=cand.strategy), estimate, others, table.evaluated,
                                 time.perf_counter() - start, cand)
     raise _infeasible(table, job, n)
 

@@ -180,9 +180,11 @@ def gae_estimator(x: AdvantageInputs) -> dict[str, torch.Tensor]:
 
 def grpo_estimator(x: AdvantageInputs) -> dict[str, torch.Tensor]:
     """GRPO's advantages: each response's summed token rewards (its score, minus the KL penalty when one
-    is in the reward, as verl sums ``token_level_rewards``) normalised within its uid group."""
+    is in the reward, as verl sums ``token_level_rewards``) normalised within its uid group. The returns are
+    the advantages themselves, as verl's ``compute_grpo_outcome_advantage`` returns them (no critic)."""
     rewards = _rewards(x)
-    return {"adv": grpo_advantages(rewards.sum(-1), x.groups, x.mask, x.norm_adv_by_std), "rewards": rewards}
+    adv = grpo_advantages(rewards.sum(-1), x.groups, x.mask, x.norm_adv_by_std)
+    return {"adv": adv, "returns": adv, "rewards": rewards}
 
 
 ADVANTAGE_ESTIMATOR_FNS = _registry(ADVANTAGE_ESTIMATORS, {"gae": gae_estimator, "grpo": grpo_estimator})

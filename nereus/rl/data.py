@@ -37,6 +37,7 @@ class CharTokenizer:
         self.alphabet = alphabet
         self.index = {c: i + 3 for i, c in enumerate(alphabet)}
         self.pad_token_id, self.bos_token_id, self.eos_token_id = PAD, BOS, EOS
+        self.stop_token_ids = (EOS,)
 
     @property
     def vocab_size(self) -> int:
@@ -95,9 +96,14 @@ def read_rows(path: str | Path) -> list[dict]:
         except ImportError:
             raise DataError(path, None, None, "reading Parquet needs pyarrow (pip install pyarrow)") from None
         try:
-            return pq.read_table(path).to_pylist()
-        except Exception as err:  # pyarrow raises several types for a damaged file
-            raise DataError(path, None, None, f"not a readable Parquet file: {err}") from None
+            dataset = pq.ParquetDataset(path)
+            check_parquet_schema(path, dataset.schema, sum(f.metadata.num_rows for f in dataset.fragments))
+            return dataset.read().to_pylist()
+        except DataError:
+            raise
+        except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+            text = " ".join(str(err).split())[:200] or type(err).__name__
+            raise DataError(path, None, None, f"not a readable Parquet file: {text}") from None
     if path.suffix not in (".jsonl", ".json"):
         raise DataError(path, None, None, "expected a .jsonl or .parquet file")
     try:
@@ -121,9 +127,48 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def load_prompts(path: str | Path, tokenizer: Tokenizer, max_prompt_length: int) -> list[Prompt]:
-    """Validated, tokenised prompts of a verl-format file; any bad row raises ``DataError``."""
-    out = []
+# Rows of one data file: verl's largest preprocessed sets hold ~10^5-10^6 prompts; every row is tokenised
+# up front, so past this a file is refused before its rows are read.
+MAX_ROWS = 10**7
+
+
+def check_parquet_schema(path: Path, schema: object, rows: int) -> None:
+    """Refuse a Parquet file whose columns cannot hold verl's rows, before any row is read: ``prompt`` (chat
+    messages or text) and ``reward_model`` (with ``ground_truth``) present; ``data_source`` text;
+    ``extra_info`` a struct or map. Values are still checked row by row (``load_prompts``)."""
+    import pyarrow as pa
+
+    if rows > MAX_ROWS:
+        raise DataError(path, None, None, f"{rows:,} rows is more than a data file holds (at most {MAX_ROWS:,})")
+    names = set(schema.names)
+    for name in ("prompt", "reward_model"):
+        if name not in names:
+            raise DataError(path, None, name, f"column is missing (columns: {sorted(names)[:12]}); give verl's "
+                                              "format: data_source, prompt, ability, reward_model, extra_info")
+    prompt = schema.field("prompt").type
+    if not (pa.types.is_string(prompt) or pa.types.is_large_string(prompt) or
+            (pa.types.is_list(prompt) or pa.types.is_large_list(prompt)) and pa.types.is_struct(prompt.value_type)
+            and prompt.value_type.get_field_index("content") >= 0):
+        raise DataError(path, None, "prompt", f"column has type {prompt}; give a list of chat messages "
+                                              "(struct<role: string, content: string>) or text")
+    reward = schema.field("reward_model").type
+    if not pa.types.is_struct(reward) or reward.get_field_index("ground_truth") < 0:
+        raise DataError(path, None, "reward_model", f"column has type {reward}; give a struct with ground_truth")
+    if "data_source" in names and not pa.types.is_string(source := schema.field("data_source").type) and \
+            not pa.types.is_large_string(source) and not pa.types.is_null(source):
+        raise DataError(path, None, "data_source", f"column has type {source}; give text")
+    if "extra_info" in names:
+        extra = schema.field("extra_info").type
+        if not (pa.types.is_struct(extra) or pa.types.is_map(extra) or pa.types.is_null(extra)):
+            raise DataError(path, None, "extra_info", f"column has type {extra}; give a struct or map")
+
+
+def load_prompts(path: str | Path, tokenizer: Tokenizer, max_prompt_length: int, drop_overlong: bool = False,
+                 notes: list[str] | None = None) -> list[Prompt]:
+    """Validated, tokenised prompts of a verl-format file; any bad row raises ``DataError``. A prompt past
+    ``max_prompt_length`` tokens is one too, unless ``drop_overlong`` (verl's ``data.filter_overlong_prompts``):
+    then it is left out and ``notes`` gets a line with the count."""
+    out, dropped = [], 0
     for i, row in enumerate(read_rows(path)):
         for key in ("prompt", "reward_model"):
             if key not in row or row[key] is None:
@@ -132,6 +177,9 @@ def load_prompts(path: str | Path, tokenizer: Tokenizer, max_prompt_length: int)
             ids = tokenizer.prompt_ids(_messages(row["prompt"]))
         except (ValueError, KeyError) as err:
             raise DataError(path, i, "prompt", str(err).strip('"')) from None
+        if len(ids) > max_prompt_length and drop_overlong:
+            dropped += 1
+            continue
         if len(ids) > max_prompt_length:
             raise DataError(path, i, "prompt", f"{len(ids)} tokens exceed the maximum prompt length "
                                                f"{max_prompt_length} (workload.prompt_length)")
@@ -146,8 +194,12 @@ def load_prompts(path: str | Path, tokenizer: Tokenizer, max_prompt_length: int)
         if not isinstance(extra, dict):
             raise DataError(path, i, "extra_info", f"expected a mapping, got {extra!r}")
         out.append(Prompt(tuple(ids), str(truth), source, i, extra))
+    if dropped and notes is not None:
+        notes.append(f"{path}: {dropped} rows dropped, their prompts exceed {max_prompt_length} tokens "
+                     "(run.data.filter_overlong_prompts)")
     if not out:
-        raise DataError(path, None, None, "no rows")
+        raise DataError(path, None, None, "no rows" + (f" left ({dropped} over the maximum prompt length)"
+                                                       if dropped else ""))
     return out
 
 

@@ -49,6 +49,9 @@ def actor_loss(out: torch.Tensor, mb: dict[str, torch.Tensor], clip_low: float, 
         kl = kl_estimate(logp, mb["ref_logp"], kl_loss_type)
         loss = loss + kl_loss_coef * kl
     stats = {}
+    with torch.no_grad():  # the largest |r - 1| over the micro-batch's tokens: a collapse shows here first
+        ratio = torch.exp((logp - mb["old_logp"]).clamp(-20, 20))
+        stats["ratio_max_dev"] = float(((ratio - 1).abs() * mask).max()) if mask.numel() else 0.0
     if entropy_coeff:
         entropy = _response(mb["entropy"], mb)
         loss = loss - entropy_coeff * entropy

@@ -34,6 +34,16 @@ def reverse_rows(count: int, seed: int, max_digits: int, exclude: set[str] | Non
     return rows
 
 
+def split_rows(rows: list[dict], held_out: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(training, held-out) rows: ``held_out`` of ``rows`` drawn at random, so both follow one distribution.
+    Drawing the held-out prompts first instead (and the training ones without them) hands the held-out set
+    most of the few short strings (all ten of one digit), which training then never sees."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:held_out])
+    return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in sorted(held)]
+
+
 def exact_match(response: str, ground_truth: str, finished: bool) -> float:
     """1 when the decoded response equals the ground truth and ended with EOS (a truncated answer fails)."""
     return 1.0 if finished and response == ground_truth else 0.0

@@ -14,6 +14,10 @@ Each step's metrics add ``nereus/plan``, ``nereus/workers``, ``nereus/transition
 after that step), ``nereus/controller_s`` and, per model-stage, ``nereus/predicted_s/<stage>`` next to
 the measured ``nereus/measured_s/<stage>``; decisions go to ``decisions.jsonl`` and the whole run to
 ``run_record.json``, which ``nereus report`` renders like a simulated run.
+
+Either policy answers the generation stage's decision points inside a step with ``run.rollout.midstep``'s
+rule (``control.midstep.BalanceTail``), if the job has one, through the same ``Policy.during_generation``
+the simulator calls.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from nereus.control.backend import Decision, Policy
+from nereus.control.backend import Decision, GenerationPolicy, Policy, RunToEnd
 from nereus.control.controller import Controller, ControllerConfig
 from nereus.control.held import HeldPlan
 from nereus.control.loop import StepOutcome
+from nereus.control.midstep import BalanceTail
 from nereus.planner.search import Constraints
 from nereus.run.backend import plan_text
 from nereus.run.setup import Placed, place, placed_from_plan, runtime_layout_ok
@@ -60,7 +65,14 @@ def controller_for(job: JobSpec) -> Controller:
         predict_measured=True)
     allowed = Constraints(layout_filter=lambda ms, lay: runtime_layout_ok(job, ms.stage, lay, ms.model),
                           capability=CAPABILITY)
-    return Controller(job, cfg, schedule=CurriculumSchedule(job), total_steps=job.run.steps, constraints=allowed)
+    return Controller(job, cfg, schedule=CurriculumSchedule(job), total_steps=job.run.steps, constraints=allowed,
+                      generation=generation_rule(job))
+
+
+def generation_rule(job: JobSpec) -> GenerationPolicy:
+    """The rule inside the step: ``run.rollout.midstep``'s, or none (every generation runs to its end)."""
+    spec = job.run.rollout_midstep
+    return BalanceTail(spec) if spec is not None else RunToEnd()
 
 
 def plan_of(placed: list[Placed], workers: int) -> Plan:
@@ -73,7 +85,7 @@ def policy_for(job: JobSpec) -> tuple[Policy, Plan, list[Placed]]:
     if job.run.adapt is None:
         placed = place(job)
         plan = plan_of(placed, job.run.workers)
-        return HeldPlan(plan, controller_for(job)), plan, placed
+        return HeldPlan(plan, controller_for(job), generation=generation_rule(job)), plan, placed
     ctrl = controller_for(job)
     plan = ctrl.initial_plan(job.run.adapt.workers_at(0, job.run.workers))
     return ctrl, plan, placed_from_plan(plan)

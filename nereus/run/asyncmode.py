@@ -1,6 +1,6 @@
 """``run.async``: generation of step k+1 overlaps inference and training of step k (one-step off-policy).
 
-The step (``AsyncRollouts.step``, used by ``Stepper.step`` while the mode is on):
+The step (``AsyncRollouts.step``, used by ``Stepper.run_step`` while the mode is on):
 
 1. take step k's rollout: the one generated during step k−1 if there is one, else generate it now;
 2. issue the generation of step k+1 (``Calls.submit``, a Ray future) with the weights the generation
@@ -150,12 +150,12 @@ class AsyncRollouts:
         if p is not None and p.step == step and p.answer is not None:
             out = [row for part in p.answer for row in part]
             st.early = None
-            return pack(p.prompts, [r for r, _ in out], [lp for _, lp in out], st.tok.eos_token_id, p.fixed), \
+            return pack(p.prompts, [r for r, _ in out], [lp for _, lp in out], st.tok.stop_token_ids, p.fixed), \
                 p.rows, p.version
         self.events.append(("generation_issued", step))
-        roll, rows = st.generate(step, st.prompts(step))  # first step, after a checkpoint, or a redone step
+        gen = st.generate(step, st.prompts(step))  # first step, after a checkpoint, or a redone step
         self.events.append(("generation_answered", step))
-        return roll, rows, step
+        return gen.rollout, gen.rows, step
 
     def correct(self, roll: Rollout, inf: dict, batch: dict) -> dict[str, float]:
         """Put the importance weights π_old/π_rollout in the actor's batch (``remote.actor_loss``); with

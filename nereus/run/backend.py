@@ -7,7 +7,6 @@ job reads them from it (``placed``) and never rewrites them.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -15,6 +14,7 @@ from types import MappingProxyType
 
 from nereus.control.backend import (
     ClusterState,
+    GenerationPolicy,
     RecoveryMetrics,
     StepMetrics,
     SurvivorPlanner,
@@ -24,6 +24,7 @@ from nereus.control.backend import (
 from nereus.cost.hardware import Hardware
 from nereus.elastic.schedule import schedule_graph
 from nereus.run.driver import Stepper
+from nereus.run.records import read_scale_request
 from nereus.run.setup import Placed, placed_from_plan
 from nereus.runtime.cluster.nodes import PlacementError
 from nereus.runtime.cluster.workers import Runtime
@@ -31,6 +32,7 @@ from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.recovery.failover import WorkerLostError
 from nereus.runtime.transitions.live import KeySpec
 from nereus.spec.errors import SpecError
+from nereus.spec.generation import GenerationEntry
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
 
@@ -41,8 +43,9 @@ STAGE_TIMERS: Mapping[str, str] = MappingProxyType({
     "actor/training": "update_actor"})
 
 
-def step_metrics(step: int, metrics: dict, gpus: int) -> StepMetrics:
-    """The controller's view of a step of the RL job; the job's whole metric line rides along as ``detail``."""
+def step_metrics(step: int, metrics: dict, gpus: int, generation: tuple[GenerationEntry, ...] = ()) -> StepMetrics:
+    """The controller's view of a step of the RL job; the job's whole metric line rides along as ``detail``,
+    the decisions taken inside its generation as ``generation``."""
     stages = {ms: metrics[f"timing_s/{t}"] for ms, t in STAGE_TIMERS.items() if metrics.get(f"timing_s/{t}", 0) > 0}
     phases = {"generation": 0.0, "inference": 0.0, "training": 0.0}
     for ms, t in stages.items():
@@ -52,7 +55,7 @@ def step_metrics(step: int, metrics: dict, gpus: int) -> StepMetrics:
                                                            + metrics.get("prompt_length/mean", 0.0))
     return StepMetrics(step, stages, phases, metrics["timing_s/step"], metrics["response_length/mean"],
                        metrics["response_length/max"], int(round(rows)), metrics.get("perf/total_num_tokens", 0.0),
-                       gpus=gpus, detail=metrics)
+                       gpus=gpus, detail=metrics, generation=generation)
 
 
 def plan_text(plan: Plan) -> str:
@@ -76,12 +79,11 @@ class RuntimeBackend:
         """Workers available at ``step``: a ``nereus scale`` request wins over the availability schedule."""
         if not self.adaptive:
             return self.job.run.workers
-        if self.scale_file is not None and self.scale_file.exists():
-            try:
-                self.requested = int(json.loads(self.scale_file.read_text())["workers"])
-            except (ValueError, KeyError, TypeError):
-                print(f"nereus: ignoring {self.scale_file}: expected {{\"workers\": N}}", file=sys.stderr)
-            self.scale_file.unlink(missing_ok=True)
+        if self.scale_file is not None:  # strict: a FIFO or a directory there must not stop the run
+            requested, why = read_scale_request(self.scale_file)
+            if why is not None:
+                print(f"nereus: {why}", file=sys.stderr)
+            self.requested = requested if requested is not None else self.requested
         default = self.job.run.adapt.workers_at(step, self.job.run.workers)
         return self.requested if self.requested is not None else default
 
@@ -101,7 +103,7 @@ class RuntimeBackend:
         return ClusterState(n)
 
     # ----- steps ---------------------------------------------------------------------------------------
-    def run_step(self, plan: Plan, step: int) -> StepMetrics:
+    def run_step(self, plan: Plan, step: int, policy: GenerationPolicy) -> StepMetrics:
         if plan != self.plan:
             raise ValueError("run_step: the plan is not the one the runtime holds; apply_transition moves to it")
         every = self.job.run.snapshot_every
@@ -110,13 +112,13 @@ class RuntimeBackend:
             self.carry["nereus/snapshot_s"] = self.rt.snapshot(step)
         t0 = time.perf_counter()
         try:
-            metrics = self.stepper.step(step)
+            metrics, generation = self.stepper.run_step(step, policy)
         except WorkerLostError as err:
             raise WorkersLost(step, err.lost, time.perf_counter() - t0, str(err)) from err
         metrics["nereus/snapshot_s"] = 0.0
         metrics.update(self.carry)
         self.carry = {}
-        return step_metrics(step, metrics, len(self.rt.workers))
+        return step_metrics(step, metrics, len(self.rt.workers), generation)
 
     def _use(self, plan: Plan, placed: list[Placed]) -> None:
         self.plan, self.placed = plan, placed

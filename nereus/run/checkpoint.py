@@ -50,6 +50,11 @@ class StepWriter:
         if self.hook is not None:
             self.hook(what)
 
+    def discard(self) -> None:
+        """Remove the temporary folder of a write that failed (a full disk, an error): nothing half-written
+        stays behind. A driver killed mid-write leaves it; the next write of that step removes it."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
     def commit(self) -> Path:
         write_manifest(self.folder)  # last inside the folder: a manifest says the files are all there
         self.wrote("MANIFEST.json")

@@ -24,10 +24,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise SpecError("run", f"needs the runtime's dependencies ({err.name} is missing); "
                                "install them with: pip install -e '.[runtime]'") from None
-    if args.address:  # before any work: an unreachable cluster is one line, not minutes of Ray's retries
-        from nereus.runtime.cluster.nodes import check_address
+    if args.address:  # before any work: a bounded probe, not minutes of Ray's retries (runtime.cluster.address)
+        from nereus.runtime.cluster.address import check_address
 
-        check_address(args.address)
+        args.address = check_address(args.address)
     try:
         rl = RLJob(job, out_dir=args.out, workers=args.workers, address=args.address)
     except DataError as err:
@@ -82,6 +82,7 @@ def _check_run_args(args: argparse.Namespace, out: Path) -> None:
 
 def cmd_scale(args: argparse.Namespace) -> int:
     """Ask a running adaptive job to grow or shrink: it reads the request at its next step boundary."""
+    from nereus.run.records import write_scale_request
     from nereus.spec.errors import SpecError
     from nereus.spec.run import MAX_WORKERS
 
@@ -92,10 +93,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
         raise SpecError("--dir", f"{args.dir} is not a run's output folder (it has no init/ or metrics.jsonl); "
                                  "give the folder of the running job (run.checkpoint.dir or --out)")
     _check_capacity(args.dir, args.workers)
-    request = args.dir / "scale.json"
-    tmp = request.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"workers": args.workers}))
-    tmp.replace(request)  # atomic: the job never reads half a file
+    write_scale_request(args.dir, args.workers)  # atomic: the job never reads half a file
     print(f"asked the job in {args.dir} to run on {args.workers} workers (applied at its next step boundary)")
     return 0
 
@@ -103,13 +101,15 @@ def cmd_scale(args: argparse.Namespace) -> int:
 def _check_capacity(run_dir: Path, workers: int) -> None:
     """Refuse at once a size the run's own local Ray cannot place (its CPUs, from ray_session.json:
     `scale 6` on a 4-CPU Ray would otherwise leave the run waiting). The run refuses it too, and keeps going."""
-    from nereus.runtime.cluster.raylocal import SESSION
+    from nereus.run.records import read_session_record
     from nereus.spec.errors import SpecError
 
-    try:
-        cpus = int(json.loads((run_dir / SESSION).read_text())["num_cpus"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # joined a cluster, or an older run: the run itself refuses what it cannot place
+    # strict: a FIFO, a directory or garbage is refused by name
+    record = read_session_record(run_dir, ("num_cpus",),
+                                 "remove it if no run uses that folder (the next run writes a new one)")
+    if record is None:
+        return  # joined a cluster: the run itself refuses what it cannot place
+    cpus = record["num_cpus"]
     if workers > cpus:
         raise SpecError("workers", f"the run in {run_dir} started a local Ray with {cpus} CPUs, one per worker: "
                                    f"at most {cpus} workers fit, asked for {workers} (a larger run.max_workers "
@@ -119,22 +119,16 @@ def _check_capacity(run_dir: Path, workers: int) -> None:
 def cmd_cleanup(args: argparse.Namespace) -> int:
     """Kill what a killed driver left of its local Ray (``raylocal.cleanup_run``): the run's in ``--dir``,
     else of every driver that is gone."""
+    from nereus.run.records import read_session_record
     from nereus.runtime.cluster.raylocal import SESSION, cleanup_run
     from nereus.spec.errors import SpecError
 
     record = None
     if args.dir is not None:
-        path = args.dir / SESSION
-        try:
-            record = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise SpecError("--dir", f"{path} does not exist: the run in {args.dir} did not start a local Ray "
-                                     "(run `nereus cleanup` without --dir to clean every dead driver's)") from None
-        except (OSError, ValueError, RecursionError) as err:
-            raise SpecError("--dir", f"{path} cannot be read ({str(err)[:100]}); run `nereus cleanup` without --dir") \
-                from None
-        if not isinstance(record, dict):
-            raise SpecError("--dir", f"{path} is not a Ray session record; run `nereus cleanup` without --dir")
+        record = read_session_record(args.dir, ("owner",), "run `nereus cleanup` without --dir (it needs no record)")
+        if record is None:
+            raise SpecError("--dir", f"{args.dir / SESSION} does not exist: the run in {args.dir} did not start a "
+                                     "local Ray (run `nereus cleanup` without --dir to clean every dead driver's)")
     what, killed = cleanup_run(record)
     print(f"nereus cleanup: {what}: killed {len(killed)} process(es)" + (f" {killed}" if killed else ""))
     return 0

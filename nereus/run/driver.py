@@ -11,31 +11,60 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
 
+from nereus.control.backend import GenerationPolicy, RunToEnd
+from nereus.cost.engine import EngineCalibration
 from nereus.rl import losses
 from nereus.rl.core import AdvantageInputs, advantage_estimator
 from nereus.rl.data import Prompt
 from nereus.rl.rewards import RewardRouter
 from nereus.rl.tokenizer import Tokenizer
 from nereus.run.asyncmode import AsyncRollouts
-from nereus.run.midstep import MidStep
-from nereus.run.midstep_run import generate_midstep
+from nereus.run.midstep import METRICS, EarlyRequest, EngineLoop
 from nereus.run.overlap import Call, Calls, EarlyInference, InferenceStage, cat_parts
 from nereus.run.report import step_metrics
 from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack, repeat_prompts
-from nereus.run.setup import Placed
+from nereus.run.setup import MINI_BATCH_ORDER, PROMPT_ORDER, SAMPLING, Placed
 from nereus.runtime.cluster.calls import GenerateWithLogprobs, Logprobs, LogprobsAndEntropy, TrainStep, Values
 from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.generation.fixed_batch import SamplingParams
+from nereus.runtime.generation.sampling import derive_seed
 from nereus.runtime.model.sharded import Batch, LossFn, TrainStats
+from nereus.spec.generation import GenerationEntry
 from nereus.spec.job import JobSpec
 
 # model -> (batch, loss function, learning rate) of its update (``Stepper.training_jobs``)
 TrainingJobs = dict[str, tuple[Batch, LossFn, float]]
+
+
+@dataclass(frozen=True)
+class OneCall:
+    """Generation in one call of every generation worker: the fixed batch, or the continuous-batching
+    engine when ``params.slots`` > 0 (``run.rollout.slots``)."""
+
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class WithDecisionPoints:
+    """The engine in chunks, the policy asked between them (``run.rollout.midstep``: ``run.midstep``)."""
+
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Generated:
+    """A step's generation: the packed rollout and its rows, the decisions taken inside it with their
+    outcomes, and the ``midstep/*`` metrics of a generation with decision points."""
+
+    rollout: Rollout
+    rows: list[Prompt]
+    entries: tuple[GenerationEntry, ...] = ()
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class Stepper:
@@ -53,8 +82,7 @@ class Stepper:
         self.calls = Calls(rt)  # the step's worker calls: futures and per-worker busy time
         self.early: EarlyInference | None = None  # this step's inference started during generation
         self.asynchronous = AsyncRollouts(self) if job.run.async_mode.on else None  # run.async (run.asyncmode)
-        # run.rollout.midstep: generation in chunks, unfinished sequences moved between replicas mid-step
-        self.midstep = MidStep(job.run.rollout_midstep) if job.run.rollout_midstep else None
+        self.engine_prices = EngineCalibration()  # run.rollout.midstep: the engine's prices, measured over the run
 
     def open_engine(self) -> None:
         """With ``run.rollout.engine: vllm``: the actor's generation key's engines, one per replica, loaded
@@ -87,7 +115,8 @@ class Stepper:
         out = []
         for i in range(step * per, (step + 1) * per):
             epoch, pos = divmod(i, len(self.train))
-            order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(self.run.seed + epoch))
+            order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(
+                derive_seed(self.run.seed, PROMPT_ORDER, epoch)))
             out.append(self.train[int(order[pos])])
         return out
 
@@ -99,35 +128,57 @@ class Stepper:
         limit = self.run.max_response_length(step, self.job.workload.response.max)
         params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
                                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
-                                seed=self.run.seed * 100_003 + step, slots=self.run.rollout_slots)
+                                seed=derive_seed(self.run.seed, SAMPLING, step), slots=self.run.rollout_slots,
+                                stop_token_ids=self.tok.stop_token_ids)
         prompts = [list(p.ids) for p in rows]
         fixed = (max(len(p) for p in prompts), limit) if self.run.rollout_pad_to_max else None
         return prompts, params, fixed
 
-    def generate(self, step: int, prompts: list[Prompt]) -> tuple[Rollout, list[Prompt]]:
+    def generation_mode(self, step: int, params: SamplingParams) -> OneCall | WithDecisionPoints:
+        """With ``run.rollout.midstep``: every ``every``-th step generates with decision points (on DP ≥ 2; an
+        adaptive run may hold one replica for a while, then the step generates in one call), the steps
+        between with the fixed batch. Otherwise one call as ``run.rollout.slots`` says."""
+        spec = self.run.rollout_midstep
+        if spec is None:
+            return OneCall(params)
+        if step % spec.every != 0:
+            return OneCall(replace(params, slots=0))
+        dp = self.rt.specs[self.key["actor", "generation"]].layout.dp
+        return WithDecisionPoints(params) if dp >= 2 else OneCall(params)
+
+    def early_request(self, prompts: list[list[int]], fixed: tuple[int, int] | None) -> EarlyRequest | None:
+        """With ``run.overlap`` and ``pad_to_max``: inference starts on each generation replica's rows as it
+        ends (``EarlyInference``)."""
+        if not self.run.overlap or fixed is None:
+            return None
+        stages = tuple(self.inference_stages())
+        eos = self.tok.stop_token_ids
+        return EarlyRequest(stages, lambda a, b, out: pack(prompts[a:b], [r for r, _ in out], None, eos, fixed).tokens)
+
+    def generate(self, step: int, prompts: list[Prompt], policy: GenerationPolicy | None = None) -> Generated:
+        """Step ``step``'s rollout of ``prompts`` (each repeated ``samples_per_prompt`` times); ``policy`` is
+        asked at the decision points of a generation that has them (none: it runs to its end)."""
         rows = repeat_prompts(prompts, self.alg.samples_per_prompt)
         prompts, params, fixed = self.generation_inputs(step, rows)
-        eos, key = self.tok.eos_token_id, self.key["actor", "generation"]
-        early = None  # with run.overlap + pad_to_max inference starts on each replica's rows as it ends
-        if self.run.overlap and fixed is not None:
-            early = (self.inference_stages(),
-                     lambda a, b, out: pack(prompts[a:b], [r for r, _ in out], None, eos, fixed).tokens)
-        if self.midstep is not None and self.midstep.applies(self.rt, key, step):
-            with self.timer("gen"):  # early inference on the final call (run.midstep_run)
-                out, self.early = generate_midstep(self.midstep, self.calls, self.rt, key, prompts, params, step, early)
-            return pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows
-        if self.midstep is not None and self.midstep.fixed_batch(step):
-            params = replace(params, slots=0)
+        eos, key = self.tok.stop_token_ids, self.key["actor", "generation"]
+        mode, early = self.generation_mode(step, params), self.early_request(prompts, fixed)
+        if isinstance(mode, WithDecisionPoints):
+            loop = EngineLoop(self.calls, self.rt, key, mode.params, step, policy or RunToEnd(), self.engine_prices)
+            with self.timer("gen"):  # early inference on the final call (run.midstep)
+                out = loop.run(prompts, early)
+            self.early = loop.early
+            roll = pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed)
+            return Generated(roll, rows, loop.entries(), loop.metrics())
         with self.timer("gen"):
-            call = self.calls.submit("gen", "generate", key, GenerateWithLogprobs(prompts, params))
+            call = self.calls.submit("gen", "generate", key, GenerateWithLogprobs(prompts, mode.params))
             self.early = None
             if early is not None:
-                self.early = EarlyInference(self.calls, call, key, early[0], len(rows))
-                parts = self.early.run(early[1])
+                self.early = EarlyInference(self.calls, call, key, early.stages, len(rows))
+                parts = self.early.run(early.pack)
             else:
                 parts = self.calls.wait([call])[0]
             out = [row for part in parts for row in part]
-        return pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows
+        return Generated(pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows)
 
     def inference_stages(self) -> list[InferenceStage]:
         """Each inference stage (timer, inference key, request), in the order they are issued. One pass
@@ -193,8 +244,8 @@ class Stepper:
         if self.run.rule_reward != "none":
             for i, p in enumerate(rows):
                 start, n = int(roll.prompt_len[i]), int(roll.response_len[i])
-                eos = self.tok.eos_token_id
-                text = self.tok.decode([t for t in responses[i][start: start + n] if t != eos])
+                stops = self.tok.stop_token_ids
+                text = self.tok.decode([t for t in responses[i][start: start + n] if t not in stops])
                 rule[i] = self.reward.score(p.data_source, text, p.ground_truth, bool(roll.finished[i]), p.extra_info)
             return rule
         return None
@@ -216,28 +267,33 @@ class Stepper:
 
     def submit_update(self, model: str, batch: Batch, loss_fn: LossFn, lr: float, step: int) -> list[Call]:
         """Issue ``model``'s optimizer steps; sequentially each is answered before the next is issued,
-        with ``run.overlap`` all are issued at once (the worker runs them in order either way)."""
+        with ``run.overlap`` all are issued at once (the worker runs them in order either way). ``lr`` is
+        the base rate, scaled by the warm-up (``RunSpec.lr_at``)."""
         key = self.key[model, "training"]
-        gen = torch.Generator().manual_seed(self.run.seed * 7_919 + step)
+        lr = self.run.lr_at(lr, step)
+        gen = torch.Generator().manual_seed(derive_seed(self.run.seed, MINI_BATCH_ORDER, step))
         horizon = self.run.max_response_length(step, self.job.workload.response.max)
         parts = [mb for _ in range(self.alg.epochs)
                  for mb in mini_batches(batch, self.alg.mini_batches, gen, self.run.loss_agg_mode, horizon)]
         calls = []
         for mb in parts:
-            calls.append(self.calls.submit(f"update_{model}", "train", key,
-                                           TrainStep(mb, loss_fn, lr, self.run.grad_clip or None)))
+            calls.append(self.calls.submit(f"update_{model}", "train", key, TrainStep(
+                mb, loss_fn, lr, self.run.grad_clip or None, self.run.weight_decay)))
             if not self.run.overlap:
                 self.calls.wait(calls[-1:])
         return calls
 
     def update_stats(self, model: str, calls: list[Call]) -> list[dict[str, float]]:
-        """The statistics of ``model``'s optimizer steps ``calls``, as ``update`` returns them."""
+        """The statistics of ``model``'s optimizer steps ``calls``, as ``update`` returns them: one dict per
+        micro-batch, each with ``update``, the index of its optimizer step in the step (the last mini-batch's
+        are the last ones, ``report.step_metrics``)."""
         steps = [TrainStats(tuple(parts)) for parts in self.calls.wait(calls)]
         replicas = range(len(steps[0].replicas))  # replica-major, as the statistics have always been summed
         if self.run.grad_clip:  # norms are measured while clipping: verl's actor/grad_norm, critic/grad_norm
             norms = [st.replicas[d].grad_norm for d in replicas for st in steps]
             self.grad_norms[model] = sum(norms) / len(norms)
-        return [m for d in replicas for st in steps for m in st.replicas[d].metrics]
+        return [{**m, "update": float(i)} for d in replicas for i, st in enumerate(steps)
+                for m in st.replicas[d].metrics]
 
     def sync(self) -> None:
         """Each trained model's new weights from its training layout to its other layouts, by the live
@@ -287,27 +343,33 @@ class Stepper:
             self.timing[f"timing_s/update_{model}"] = sum(self.calls.seconds(c) for c in calls)
         return stats
 
-    def step(self, step: int) -> dict[str, float]:
+    def step(self, step: int, policy: GenerationPolicy | None = None) -> dict[str, float]:
+        """One RL step; its metric line."""
+        return self.run_step(step, policy)[0]
+
+    def run_step(self, step: int, policy: GenerationPolicy | None = None,
+                 ) -> tuple[dict[str, float], tuple[GenerationEntry, ...]]:
+        """One RL step: its metric line, and the decisions ``policy`` took inside its generation."""
         if self.asynchronous is not None and self.asynchronous.enabled:  # run.async: generation one step ahead
-            return self.asynchronous.step(step)
+            return self.asynchronous.step(step), ()
         self.timing, self.grad_norms = {}, {}
         self.calls.reset()
         t0 = time.perf_counter()
-        rows_p = self.prompts(step)
-        roll, rows = self.generate(step, rows_p)
+        gen = self.generate(step, self.prompts(step), policy)
+        roll, rows = gen.rollout, gen.rows
         inf = self.infer(roll, rows)
         adv = self.advantages(roll, rows, inf)
         stats = self.train_models(step, self.training_jobs(roll, inf, adv))
         self.sync()
         self.timing["timing_s/step"] = time.perf_counter() - t0
         m = self.metrics(step, roll, inf, adv, stats)
-        if self.midstep is not None:
-            m.update(self.midstep.step_metrics())
+        if self.run.rollout_midstep is not None:  # zeros for a step generated otherwise
+            m.update(dict.fromkeys(METRICS, 0.0) | gen.metrics)
         m.update(self.calls.worker_metrics(len(self.rt.workers), self.timing["timing_s/step"],
                                            self.timing.get("timing_s/update_weights", 0.0)))
         if self.asynchronous is not None:  # run.async auto: decides from the synchronous steps' times
             self.asynchronous.observe(step, m)
-        return m
+        return m, gen.entries
 
     def metrics(self, step: int, roll: Rollout, inf: dict, adv: dict, stats: dict) -> dict[str, float]:
         """verl's metric names (``critic/score/mean``, ``actor/pg_loss``, ``response_length/mean``...)."""

@@ -27,7 +27,7 @@ from nereus.control.backend import RecoveryMetrics, WorkersLost
 from nereus.control.loop import ControlLoop, Observer, StepOutcome
 from nereus.control.record import RunRecord
 from nereus.rl.data import Prompt
-from nereus.rl.rewards import correct
+from nereus.rl.rewards import RewardRouter, correct
 from nereus.run.adaptive import AdaptationLog, policy_for
 from nereus.run.backend import RuntimeBackend, plan_text
 from nereus.run.checkpoint import (
@@ -43,27 +43,37 @@ from nereus.run.checkpoint import (
 )
 from nereus.run.driver import Stepper
 from nereus.run.manifest import verify_manifest, write_manifest, write_text_atomic
-from nereus.run.metrics import MetricsLog, Progress, check_loggers, lines_through
-from nereus.run.midstep import report_decisions
+from nereus.run.metrics import MetricsLog, Progress, check_loggers, prepare_resume
+from nereus.run.midstep import move_line
 from nereus.run.setup import (
     TRAINED,
     Placed,
     check_batches,
+    check_model_dirs,
+    check_rule_reward,
     datasets,
     model_configs,
     placed_from_plan,
     reward_router,
     tokenizer_for,
 )
-from nereus.run.warmstart import initial_checkpoints, initial_sources, pretrained_checkpoints
+from nereus.run.warmstart import (
+    check_sources,
+    initial_checkpoints,
+    initial_sources,
+    pretrained_checkpoints,
+    write_sources,
+)
 from nereus.runtime.cluster.raylocal import SESSION, session_record
 from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.generation.fixed_batch import SamplingParams
 from nereus.runtime.model.hf import save_checkpoint
 from nereus.runtime.transitions.live import KeySpec
 from nereus.spec.errors import SpecError
+from nereus.spec.files import read_json_file
 from nereus.spec.job import JobSpec
-from nereus.spec.layout import Plan
+from nereus.spec.layout import Plan, check_runnable
+from nereus.spec.run import resolve_steps
 
 
 class RLJob(Observer):
@@ -79,14 +89,21 @@ class RLJob(Observer):
         self.job, self.run, self.quiet = job, job.run, quiet
         self.address = address  # a Ray cluster to join (``nereus run --address``); None: a local Ray
         self.dir = Path(out_dir or job.run.checkpoint_dir)
+        check_model_dirs(job)  # HF directories' files, before any library reads them (spec.hf_files)
         self.tok = tokenizer_for(job)  # the actor's HF tokenizer (models.actor.path) or the built-in one
         self.cfgs = model_configs(job, self.tok)
+        self.notes: list[str] = []  # what loading the data dropped (run.data.filter_overlong_prompts)
+        self.train, self.val = datasets(job, self.tok, self.dir, self.notes)
+        if not job.run.steps:  # run.total_epochs: the steps follow from the training rows
+            job = replace(job, run=resolve_steps(job.run, len(self.train), job.workload.prompts_per_step))
+            self.job, self.run = job, job.run
         # adaptive: the controller picks (and later changes) every layout; fixed: the job's own layouts
         self.policy, self.plan, self._placed = policy_for(job)
         check_batches(job, self._placed)
         check_loggers(self.run.logger)  # a missing wandb/mlflow fails now, not after the warm-start
-        self.train, self.val = datasets(job, self.tok, self.dir)
-        self.reward = reward_router(job, self.train + self.val)
+        check_rule_reward(job, self.train + self.val)
+        # the user's reward function (run.reward_function) is imported by ``execute`` once every check passed
+        self.reward: RewardRouter | None = None
         self._own_runtime = runtime is None
         self.rt = runtime
         self.backend: RuntimeBackend | None = None
@@ -133,6 +150,8 @@ class RLJob(Observer):
                 loaded.add(p.key)
         if optim is not None:
             self._install_optimizers(optim, written)
+        if self.reward is None:  # workers run: the job was accepted (``execute`` imports it before this)
+            self.reward = reward_router(self.job)
         stepper = Stepper(self.job, self.rt, self.placed, self.tok, self.train, self.reward)
         stepper.open_engine()
         self.backend = RuntimeBackend(self.job, self.rt, self.cfgs, stepper, self._placed, self.plan, self.say)
@@ -154,11 +173,12 @@ class RLJob(Observer):
         ids = [list(p.ids) for p in prompts]
         pad = (-len(ids)) % gen.layout.dp
         params = SamplingParams(max_new_tokens=self.job.workload.response.max, temperature=0.0,
-                                eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id)
+                                eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
+                                stop_token_ids=self.tok.stop_token_ids)
         out = self.rt.generate(gen.key, ids + ids[:1] * pad, params)[: len(ids)]
-        eos = self.tok.eos_token_id
-        hits = [correct(p.data_source, self.tok.decode([t for t in r if t != eos]), p.ground_truth,
-                        bool(r) and r[-1] == eos, p.extra_info) >= 1.0 for p, r in zip(prompts, out, strict=True)]
+        stops = self.tok.stop_token_ids
+        hits = [correct(p.data_source, self.tok.decode([t for t in r if t not in stops]), p.ground_truth,
+                        bool(r) and r[-1] in stops, p.extra_info) >= 1.0 for p, r in zip(prompts, out, strict=True)]
         return sum(hits) / len(hits)
 
     # ----- checkpoints --------------------------------------------------------------------------------
@@ -168,40 +188,60 @@ class RLJob(Observer):
         """Write ``step_<step>`` (after ``step`` steps) and point ``latest`` at it (``checkpoint.StepWriter``:
         a temporary folder renamed when complete, ``latest`` replaced atomically)."""
         out = StepWriter(self.dir, step, self.write_hook)
-        for model in TRAINED:
-            if model not in self.job.algorithm.models:
-                continue
-            p = next(p for p in self.placed if p.model == model and p.stage == "training")
-            save_checkpoint(out.folder / model, self.cfgs[model], self.rt.read_weights(p.key),
-                            source=self.job.paths.get(model))
-            out.wrote(f"{model}/")
-            (out.folder / "optim" / model).mkdir(parents=True, exist_ok=True)
-            for rank, st in self.rt.read_optimizer(p.key).items():
-                name = f"optim/{model}/rank{rank}.safetensors"
-                save_file(st, str(out.folder / name), metadata=optimizer_tag(model, p.layout, p.ranks, rank))
-                out.wrote(name)
-        if self.run.adapt is not None:  # the plan in force: a resumed run starts on it (optimizer files per rank)
-            self.state["plan"] = self.backend.plan.to_dict()
-        self.state["placements"] = placement_record(self.placed)  # which shard each optimizer file holds
-        (out.folder / STATE).write_text(json.dumps({**self.state, "step": step}, indent=1))
-        out.wrote(STATE)
-        return out.commit()
+        try:
+            for model in TRAINED:
+                if model not in self.job.algorithm.models:
+                    continue
+                p = next(p for p in self.placed if p.model == model and p.stage == "training")
+                save_checkpoint(out.folder / model, self.cfgs[model], self.rt.read_weights(p.key),
+                                source=self.job.paths.get(model))
+                out.wrote(f"{model}/")
+                (out.folder / "optim" / model).mkdir(parents=True, exist_ok=True)
+                for rank, st in self.rt.read_optimizer(p.key).items():
+                    name = f"optim/{model}/rank{rank}.safetensors"
+                    save_file(st, str(out.folder / name), metadata=optimizer_tag(model, p.layout, p.ranks, rank))
+                    out.wrote(name)
+            if self.run.adapt is not None:  # the plan in force: a resumed run starts on it (optimizer files per rank)
+                self.state["plan"] = self.backend.plan.to_dict()
+            self.state["placements"] = placement_record(self.placed)  # which shard each optimizer file holds
+            (out.folder / STATE).write_text(json.dumps({**self.state, "step": step}, indent=1))
+            out.wrote(STATE)
+            return out.commit()
+        except BaseException:
+            out.discard()  # no half-written folder stays behind
+            raise
 
-    def _restore(self) -> int:
-        """Load the checkpoint ``checkpoint.resumable`` picks (warning about each broken one it skips)."""
+    def _resume_point(self) -> tuple[int, Path, list[str]]:
+        """Everything a resume checks before any process starts or user code runs: the checkpoint
+        ``checkpoint.resumable`` picks (warning about each broken one it skips), ``init/``, ``state.json``,
+        and ``metrics.jsonl`` (a damaged one is refused, never cut). Returns (step, folder, metric lines kept)."""
         step, path, warnings = resumable(self.dir)
         for text in warnings:
             print(f"nereus: warning: {text}", file=sys.stderr, flush=True)
         self.warnings = warnings
         verify_manifest(self.dir / "init")
-        self.state = json.loads((path / STATE).read_text())
+        check_sources(self.dir / "init", self.job.paths)
+        state = read_json_file(path / STATE, "checkpoint state")
+        if not isinstance(state, dict):
+            raise SpecError("--resume", f"{path / STATE} holds {type(state).__name__}, not a checkpoint state")
+        self.state = state
         if self.run.adapt is not None and "plan" in self.state:
-            self.plan = Plan.from_dict(self.state["plan"], f"{path / 'state.json'}.plan")
+            where = f"{path / 'state.json'}.plan"
+            self.plan = Plan.from_dict(self.state["plan"], where)
+            for p in self.plan.placements:  # the same check a job file's layouts pass
+                check_runnable(self.job.models[p.model_stage.model], p.layout, f"{where}.{p.model_stage}")
             self._placed = placed_from_plan(self.plan)
+        return step, path, prepare_resume(self.dir / "metrics.jsonl", step)
+
+    def _restore(self, point: tuple[int, Path, list[str]] | None = None) -> int:
+        """Load the checkpoint ``_resume_point`` chose (``point``, or chosen now) and rewrite
+        ``metrics.jsonl`` to the lines it keeps."""
+        step, path, metric_lines = point if point is not None else self._resume_point()
         init = initial_sources(self.dir / "init", self.job.algorithm.models, self.job.paths)
         source = {m: (path / m if m in TRAINED else init[m]) for m in self.job.algorithm.models}
         self._start(source, optim=path)
-        self._trim_metrics(step)
+        if (self.dir / "metrics.jsonl").exists():
+            write_text_atomic(self.dir / "metrics.jsonl", "".join(line + "\n" for line in metric_lines))
         return step
 
     def _written(self, path: Path) -> dict[str, tuple]:
@@ -236,12 +276,6 @@ class RLJob(Observer):
         if moved:
             self.rt.transition(moved, self.job)
 
-    def _trim_metrics(self, step: int) -> None:
-        path = self.dir / "metrics.jsonl"
-        if path.exists():
-            keep = lines_through(path.read_text(errors="replace"), step)
-            path.write_text("".join(line + "\n" for line in keep))
-
     # ----- the run: the loop's observer ---------------------------------------------------------------
     def step_done(self, o: StepOutcome) -> None:
         """After a step and its transition: metrics line, evaluation, progress and checkpoint."""
@@ -256,10 +290,13 @@ class RLJob(Observer):
                          f"{d.current_s:.2f} s -> {d.candidate_s:.2f} s")
                 self.say(f"    new plan: {plan_text(o.plan)}")
         self._ran_on = o.plan
-        if self.midstep_log is not None:  # run.rollout.midstep: the step's mid-step decisions
-            report_decisions(self.backend.stepper.midstep, self.midstep_log.write, self.record, self.say)
+        for entry in o.metrics.generation:  # decisions inside the step (the loop put them in the record)
+            if self.midstep_log is not None:
+                self.midstep_log.write(entry.to_json())
+            if (line := move_line(entry)) is not None:
+                self.say(line)
         done = step + 1
-        if done % self.run.eval_every == 0 or done == self.run.steps:
+        if (self.run.eval_every and done % self.run.eval_every == 0) or done == self.run.steps:
             last["val/accuracy"] = self.evaluate(self.val)
         self.log.log(done, last)
         self.bar.update(done)
@@ -291,9 +328,11 @@ class RLJob(Observer):
             losses = {}
             pretrained_checkpoints(init, cfgs, self.job.paths)
         else:
-            losses = initial_checkpoints(init, cfgs, self.train, self.tok, self.run.warmstart, self.run.seed)
+            losses = initial_checkpoints(init, cfgs, self.train, self.tok, self.run.warmstart, self.run.seed,
+                                         self.job.workload.response.max)
             self.say(f"warm-start: {time.perf_counter() - t0:.1f}s, " +
-                     ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in losses.items()))
+                     ", ".join(f"{k.split('/')[1]} {v:.4g}" for k, v in losses.items()))
+        write_sources(init, self.job.paths)  # the manifest of a job read wholly from HF directories lists this
         write_manifest(init)
         self._start(initial_sources(init, self.job.algorithm.models, self.job.paths))
         acc = self.evaluate(self.val)
@@ -304,8 +343,12 @@ class RLJob(Observer):
     def execute(self, resume: bool = False) -> dict:
         """Run the job to ``run.steps``; returns the summary (accuracies, metrics of the last step)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        start = self._restore() if resume else 0
-        if not resume:
+        for note in self.notes:
+            self.say(f"nereus: {note}")
+        point = self._resume_point() if resume else None
+        self.reward = reward_router(self.job)  # user code runs only now: the job is accepted
+        start = self._restore(point) if point is not None else 0
+        if point is None:
             self._fresh()
         self.log = MetricsLog(self.dir / "metrics.jsonl", resume, quiet=self.quiet, loggers=self.run.logger,
                               name=self.job.name)

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from nereus.spec.errors import SpecError
+from nereus.spec.files import atomic_write_text
 
 MANIFEST = "MANIFEST.json"
 FORMAT = 2  # 2: lists every file and checksums itself; 1 had no self-checksum
@@ -42,20 +42,17 @@ def _self_checksum(body: dict) -> str:
 
 def _listing(folder: Path) -> list[str]:
     """Every file under ``folder`` (recursively), the manifest and its temporary excepted, as relative paths."""
-    skip = {MANIFEST, MANIFEST + ".tmp"}
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                  if p.is_file() and not (p.parent == folder and p.name in skip))
+    def skipped(p: Path) -> bool:  # the manifest, and a temporary of it left by a driver killed mid-write
+        return p.parent == folder and (p.name == MANIFEST or p.name.startswith(f".{MANIFEST}.") and
+                                       p.name.endswith(".tmp"))
+
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and not skipped(p))
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``path`` through a temporary sibling and a rename: a reader sees the old file or the new one,
-    never a half-written one (a driver killed mid-write leaves at most the temporary)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    never a half-written one; a failed write removes the temporary (``spec.files.atomic_write_text``)."""
+    atomic_write_text(path, text)
 
 
 def write_manifest(folder: Path) -> Path:

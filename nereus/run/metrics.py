@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import shutil
 import sys
 import time
 from collections.abc import Mapping
@@ -13,7 +15,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TextIO
 
-from nereus.spec.errors import SpecError
+from nereus.spec.errors import SpecError, brief
+from nereus.spec.files import MAX_RECORD_BYTES, read_text_file
 
 # What the console line shows per step (the JSONL file has every metric).
 CONSOLE = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/reward_kl_penalty",
@@ -41,18 +44,75 @@ def is_terminal(stream: TextIO) -> bool:
         return False
 
 
-def lines_through(text: str, step: int) -> list[str]:
-    """The metric lines of ``text`` for steps up to ``step``. A line that does not parse (torn when a driver
-    was killed while writing it) or names no step is dropped: resuming redoes those steps anyway."""
+class MetricsDamaged(ValueError):
+    """A line of ``metrics.jsonl`` that is not a metrics record (other than a last line torn by a kill)."""
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def resume_lines(text: str, step: int) -> tuple[list[str], str | None]:
+    """(the lines a run resumed after ``step`` steps keeps, the torn last line or None). Lines of later
+    steps are dropped: those steps are redone and logged again. A last line without its newline that does
+    not parse was torn by a driver killed while writing it; it is returned apart, for the caller to keep
+    aside. Any other line that is not a JSON object with a ``step`` raises ``MetricsDamaged``: history is
+    never cut silently."""
+    lines = text.splitlines()
+    torn = None
+    if lines and not text.endswith("\n") and _step_of(lines[-1]) is None:
+        torn = lines.pop()
     keep = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+        at = _step_of(line)
+        if at is None:
+            raise MetricsDamaged(f"line {number} is not a metrics record ({brief(line)})")
+        if at <= step:
             keep.append(line)
+    return keep, torn
+
+
+def rewound(text: str, step: int) -> list[str]:
+    """The lines of ``text`` kept when a recovery redoes the steps after ``step``: every line but the
+    records of later steps (a line that does not parse is kept: nothing is lost)."""
+    return [line for line in text.splitlines() if line.strip() and ((at := _step_of(line)) is None or at <= step)]
+
+
+def prepare_resume(path: Path, step: int, warn: TextIO = sys.stderr) -> list[str]:
+    """The lines ``metrics.jsonl`` keeps when a run resumes after ``step`` steps, read with the strict
+    reader (a directory, FIFO, binary or oversized file is refused by name) before any process starts. A
+    damaged file is refused; a torn last line is dropped only after the whole file is kept aside, with a
+    warning naming the copy."""
+    if not os.path.lexists(path):
+        return []
+    text = read_text_file(path, "metrics", MAX_RECORD_BYTES)
+    try:
+        keep, torn = resume_lines(text, step)
+    except MetricsDamaged as err:
+        raise SpecError("--resume", f"{path}: {err}; its step history would be lost: repair that line, or "
+                                    f"move the file aside (mv {path} {path.name}.old) to resume with a new "
+                                    "history") from None
+    if torn is not None:
+        aside = _free_name(path)
+        shutil.copyfile(path, aside)
+        print(f"nereus: warning: {path} ends in a line torn when its driver was killed ({brief(torn)}); kept the "
+              f"file as {aside.name} and resumed without that line", file=warn, flush=True)
     return keep
+
+
+def _free_name(path: Path) -> Path:
+    for k in range(1, 10_000):
+        candidate = path.with_name(f"{path.stem}.before-resume-{k}{path.suffix}")
+        if not os.path.lexists(candidate):
+            return candidate
+    raise SpecError("--resume", f"{path.parent} holds 10,000 kept metrics files; remove old ones")
 
 
 def _import(name: str, required: bool) -> Any:
@@ -159,7 +219,7 @@ class MetricsLog:
         """Drop the JSONL lines after ``step`` steps (they are about to be redone; the other sinks get the
         redone steps again)."""
         self.file.flush()
-        lines = lines_through(self.path.read_text(errors="replace"), step)
+        lines = rewound(self.path.read_text(errors="replace"), step)
         self.file.close()
         self.path.write_text("".join(ln + "\n" for ln in lines))
         self.file = self.path.open("a")

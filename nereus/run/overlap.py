@@ -162,7 +162,7 @@ class EarlyInference:
     the same weights as in the whole-batch call, so its outputs are the same numbers. (Without the fixed
     width they are not: another padding width changes the attention's rounding.)"""
 
-    def __init__(self, calls: Calls, gen: Call, gen_key: str, stages: list[InferenceStage], rows: int) -> None:
+    def __init__(self, calls: Calls, gen: Call, gen_key: str, stages: tuple[InferenceStage, ...], rows: int) -> None:
         rt = calls.rt
         spec = rt.specs[gen_key]
         lay = spec.layout

@@ -38,17 +38,23 @@ def step_metrics(st: Stepper, step: int, roll: Rollout, inf: dict, adv: dict, st
         seq = (adv["rewards"] * mask).sum(1)
         m.update({"critic/rewards/mean": float(seq.mean()), "critic/rewards/max": float(seq.max()),
                   "critic/rewards/min": float(seq.min())})
-    if "returns" in adv:
-        m.update(masked_stats("critic/returns", adv["returns"], mask))
+    m.update(masked_stats("critic/returns", adv["returns"], mask))  # GRPO: the advantages, as verl's
+    if "values" in inf:
         m.update(masked_stats("critic/values", inf["values"], mask))
         m["critic/vf_explained_var"] = explained_variance(adv["returns"], inf["values"], mask)
         c = stats["critic"]
         m.update({"critic/vf_loss": mean(c, "vf_loss"), "critic/vf_clipfrac": weighted(c, "vf_clipfrac"),
-                  "critic/vpred_mean": weighted(c, "vpred_mean"), "critic/lr": r.critic_lr})
+                  "critic/vpred_mean": weighted(c, "vpred_mean"), "critic/lr": r.lr_at(r.critic_lr, step)})
     a = stats["actor"]
     m.update({"actor/pg_loss": mean(a, "pg_loss"), "actor/pg_clipfrac": weighted(a, "pg_clipfrac"),
               "actor/pg_clipfrac_lower": weighted(a, "pg_clipfrac_lower"),
-              "actor/ppo_kl": weighted(a, "ppo_kl"), "actor/kl_loss": mean(a, "kl_loss"), "actor/lr": r.actor_lr})
+              "actor/ppo_kl": weighted(a, "ppo_kl"), "actor/kl_loss": mean(a, "kl_loss"),
+              "actor/lr": r.lr_at(r.actor_lr, step)})
+    # what warns of a collapse: the first mini-batch of a step is on-policy (ratio 1, ppo_kl 0), so the mean
+    # above halves the last update's drift; these show it undiluted
+    last = max(s["update"] for s in a)
+    m["actor/ppo_kl_last"] = weighted([s for s in a if s["update"] == last], "ppo_kl")
+    m["actor/ppo_ratio_max_deviation"] = max(s["ratio_max_dev"] for s in a)
     if "entropy" in inf:  # verl: the rollout policy's full-vocabulary entropy, aggregated as the loss
         m["actor/entropy"] = float(agg_loss(inf["entropy"], mask, r.loss_agg_mode, limit))
     if "ref_logp" in inf and r.kl_coef and not r.use_kl_loss:

@@ -38,8 +38,9 @@ class Rollout:
 
 
 def pack(prompts: list[list[int]], responses: list[list[int]], logps: list[list[float]] | None,
-         eos: int, fixed: tuple[int, int] | None = None) -> Rollout:
-    """Pack prompt/response pairs (``logps`` per response token, or None) into a ``Rollout``. ``fixed``:
+         eos: int | tuple[int, ...], fixed: tuple[int, int] | None = None) -> Rollout:
+    """Pack prompt/response pairs (``logps`` per response token, or None) into a ``Rollout``; a response
+    ending with ``eos`` (an id, or any of several) is finished. ``fixed``:
     (prompt length, response length) bounds to pad to instead of the longest present
     (``run.rollout.pad_to_max``: rows packed before the others finish have the same width)."""
     b = len(prompts)
@@ -62,7 +63,8 @@ def pack(prompts: list[list[int]], responses: list[list[int]], logps: list[list[
             gen_logp[i, :n] = torch.tensor(logps[i][:n])
     plen = torch.tensor([len(p) for p in prompts])
     rlen = torch.tensor([len(r) for r in responses])
-    finished = torch.tensor([bool(r) and r[-1] == eos for r in responses])
+    stops = {eos} if isinstance(eos, int) else set(eos)
+    finished = torch.tensor([bool(r) and r[-1] in stops for r in responses])
     return Rollout(tokens, index, mask, gen_logp, plen, rlen, finished)
 
 

@@ -9,18 +9,23 @@ from pathlib import Path
 
 from nereus.rl.data import CharTokenizer, Prompt, load_prompts, write_rows
 from nereus.rl.rewards import RewardRouter
-from nereus.rl.task import reverse_rows
+from nereus.rl.task import reverse_rows, split_rows
 from nereus.rl.tokenizer import HFTokenizer, Tokenizer
 from nereus.runtime.capability import CAPABILITY
+from nereus.runtime.generation.sampling import derive_seed
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.hf import read_config
 from nereus.runtime.parallel.tp import check_tp
 from nereus.spec.capability import UnsupportedLayout
 from nereus.spec.errors import SpecError
+from nereus.spec.hf_files import check_model_dir
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout
 
 TRAINED = ("actor", "critic")
+# What a seed drawn by ``derive_seed(run.seed, purpose, ...)`` is for: each purpose has its own streams, so
+# no two uses of one run's seed (or of two runs' seeds) share one
+PROMPT_ORDER, SAMPLING, MINI_BATCH_ORDER, HELD_OUT_SPLIT = 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,17 @@ class Placed:
     layout: Layout
     ranks: tuple[int, ...]
     key: str
+
+
+def check_model_dirs(job: JobSpec) -> None:
+    """Every HF model directory the job names (``models.<name>.path``), checked before any library loads a
+    file of it and before any process starts: config, every safetensors header against the config,
+    tokenizer files (``spec.hf_files.check_model_dir``). A directory shared by several models is read once."""
+    seen: set[str] = set()
+    for name, path in job.paths.items():
+        if path not in seen:
+            seen.add(path)
+            check_model_dir(Path(path), f"models.{name}.path")
 
 
 def tokenizer_for(job: JobSpec) -> Tokenizer:
@@ -63,12 +79,17 @@ def model_configs(job: JobSpec, tok: Tokenizer) -> dict[str, ModelConfig]:
     return out
 
 
-def reward_router(job: JobSpec, prompts: list[Prompt]) -> RewardRouter:
-    """The job's rule reward (``run.rule_reward``, ``run.reward_function``), checked against the data:
-    under ``auto`` every ``data_source`` of ``prompts`` needs a scorer."""
-    router = RewardRouter(job.run.rule_reward, job.run.reward_function)
-    router.check_sources({p.data_source for p in prompts}, "run.rule_reward")
-    return router
+def check_rule_reward(job: JobSpec, prompts: list[Prompt]) -> None:
+    """Under ``run.rule_reward: auto`` without a user function, every ``data_source`` of ``prompts`` needs
+    a scorer (checked before anything runs; the error lists them)."""
+    if job.run.reward_function is None:
+        RewardRouter(job.run.rule_reward).check_sources({p.data_source for p in prompts}, "run.rule_reward")
+
+
+def reward_router(job: JobSpec) -> RewardRouter:
+    """The job's rule reward (``run.rule_reward``, ``run.reward_function``). A user function is imported
+    here, so this is called only once the job is accepted (``RLJob.execute``): a refused job never ran it."""
+    return RewardRouter(job.run.rule_reward, job.run.reward_function)
 
 
 def _planned(job: JobSpec) -> dict[str, tuple[Layout, tuple[int, ...]]]:
@@ -188,25 +209,33 @@ def check_batches(job: JobSpec, placed: list[Placed]) -> None:
                             f"micro_batch_size={p.layout.micro_batch_size}")
 
 
-def datasets(job: JobSpec, tok: Tokenizer, root: Path) -> tuple[list[Prompt], list[Prompt]]:
-    """Training and held-out prompts: the job's files, or the built-in task written to ``root/data``."""
+def datasets(job: JobSpec, tok: Tokenizer, root: Path, notes: list[str] | None = None) -> tuple[list[Prompt],
+                                                                                             list[Prompt]]:
+    """Training and held-out prompts: the job's files (their rows in order), or the built-in task written to
+    ``root/data``. With ``run.data.filter_overlong_prompts`` rows past the maximum prompt length are dropped
+    and ``notes`` gets a line per file saying how many."""
     d, limit = job.run.data, job.workload.prompt_length
+    notes = [] if notes is None else notes
+
+    def read(files: tuple[str, ...]) -> list[Prompt]:
+        return [p for file in files for p in load_prompts(file, tok, limit, d.filter_overlong_prompts, notes)]
+
     if not d.train and not isinstance(tok, CharTokenizer):
         raise SpecError("run.data.train", "give a verl-format .parquet/.jsonl file: the built-in task is written "
                                           "for the built-in tokenizer, not the model's")
     if d.train:
-        train = load_prompts(d.train, tok, limit)
+        train = read(d.train)
         if d.val:
-            return train, load_prompts(d.val, tok, limit)
+            return train, read(d.val)
         # no validation file: hold out the last rows (at most a tenth) so accuracy is on unseen prompts
         k = min(d.val_size, len(train) // 10)
         if k < 1:
-            raise SpecError("run.data.val", f"{d.train} has {len(train)} rows: too few to hold out validation "
-                                            "prompts; give a val file")
+            raise SpecError("run.data.val", f"{', '.join(d.train)} has {len(train)} rows: too few to hold out "
+                                            "validation prompts; give a val file")
         return train[:-k], train[-k:]
-    val_rows = reverse_rows(d.val_size, job.run.seed + 10_000, d.max_digits)
-    held = {r["reward_model"]["ground_truth"][::-1] for r in val_rows}
-    train_rows = reverse_rows(d.train_size, job.run.seed, d.max_digits, exclude=held)
+    # one pool of distinct prompts, split at random: held-out and training prompts share a distribution
+    pool = reverse_rows(d.train_size + d.val_size, job.run.seed, d.max_digits)
+    train_rows, val_rows = split_rows(pool, d.val_size, derive_seed(job.run.seed, HELD_OUT_SPLIT))
     train = load_prompts(write_rows(root / "data" / "train.jsonl", train_rows), tok, limit)
     val = load_prompts(write_rows(root / "data" / "val.jsonl", val_rows), tok, limit)
     return train, val

@@ -9,18 +9,22 @@ sees only the measured times, as on real hardware, and must calibrate to predict
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from nereus.control.backend import ClusterState, StepMetrics, TransitionMetrics
-from nereus.control.phased import Factors, GenModel, no_move, overlapped_inference, phases_of, run_bulk, with_tail
+from nereus.control.backend import ClusterState, GenerationPolicy, StepMetrics, TransitionMetrics
 from nereus.control.transition_cost import TransitionCoster
+from nereus.cost.batching import Factors
+from nereus.cost.generation import GenModel, inference_gpus, no_move, overlapped_inference, run_bulk, with_tail
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import TERMS
 from nereus.cost.transition import estimate_transition
+from nereus.sim.generation import Look, entries_of, status_at, tail_outcome, walk
 from nereus.sim.workload import batch_at
+from nereus.spec.generation import ChangeTailLayout, GenerationEntry
 from nereus.spec.job import JobSpec, ResponseLength
 from nereus.spec.layout import STAGES, Plan
 from nereus.spec.trace import Trace
@@ -31,9 +35,9 @@ class TruthConfig:
     efficiency_spread: float = 0.25  # sigma of log hidden factors: most within 0.6–1.6× the model
     noise: float = 0.03  # per-step multiplicative noise on every measured time
     transition_spread: float = 0.3  # hidden factor on transition times
-    # generation at sequence granularity (control.phased): each drawn length decoded with slots refilled
-    # and the tail drained, instead of the analytic bulk/tail form at the drawn mean and longest; plans
-    # with generation phases (a mid-step tail layout) always run this way
+    # generation at sequence granularity (cost.generation, sim.generation): each drawn length decoded with
+    # slots refilled and the tail drained, instead of the analytic bulk/tail form at the drawn mean and
+    # longest; a step whose policy asks for a decision point inside the generation always runs this way
     sequence_level: bool = True
 
 
@@ -83,7 +87,7 @@ class SimBackend:
         mu = math.log(r.mean) - r.sigma**2 / 2
         return np.minimum(self._rng(step, 0).lognormal(mu, r.sigma, size=n), r.max)
 
-    def run_step(self, plan: Plan, step: int) -> StepMetrics:
+    def run_step(self, plan: Plan, step: int, policy: GenerationPolicy) -> StepMetrics:
         lengths = self.draw_lengths(step)
         mean, longest = float(lengths.mean()), float(lengths.max())
         r = self.trace.response_at(step)
@@ -99,26 +103,36 @@ class SimBackend:
             stage = name.split("/")[1]
             phases[stage] = max(phases[stage], est.phase_times[stage] * noise[name])
         phases["weight_sync"] = est.phase_times["weight_sync"] * float(math.exp(rng.normal(0, self.truth.noise)))
-        detail = {}
-        if self.truth.sequence_level or phases_of(plan) is not None:
-            detail = self._sequence_level(plan, step, job, est, lengths, noise, stage_times, phases)
+        model = GenModel.of(self.hw, job, plan, est)
+        status = status_at(model, None, step, "start", 0.0, 0, r.max, plan.generation)
+        t0 = time.perf_counter()
+        answer = policy.during_generation(status)
+        start = Look(0.0, status, answer, time.perf_counter() - t0)
+        detail, entries = {}, ()
+        if self.truth.sequence_level or start.decision.acts or not start.decision.look.none:
+            detail, entries = self._sequence_level(plan, step, model, lengths, noise, stage_times, phases,
+                                                   policy, start)
         tokens = float(job.sequences_per_step() * (job.workload.prompt_length + mean))
         return StepMetrics(step, stage_times, phases, sum(phases.values()), mean, longest,
-                           job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus, detail)
+                           job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus, detail,
+                           entries)
 
-    def _sequence_level(self, plan: Plan, step: int, job: JobSpec, est, lengths: np.ndarray, noise: dict,
-                        stage_times: dict, phases: dict) -> dict:
-        """Generation decoded sequence by sequence under the hidden factors (``control.phased``), the plan's
-        mid-step move if it has one, and inference overlapped on the GPUs its tail frees. Fills the stage
-        and phase times in place; returns where the time went and the move's predicted and realised numbers."""
-        model = GenModel.of(self.hw, job, plan, est)
+    def _sequence_level(self, plan: Plan, step: int, model: GenModel, lengths: np.ndarray, noise: dict,
+                        stage_times: dict, phases: dict, policy: GenerationPolicy,
+                        start: Look) -> tuple[dict, tuple[GenerationEntry, ...]]:
+        """Generation decoded sequence by sequence under the hidden factors (``cost.generation``), its
+        decision points walked with the policy (``sim.generation``), the tail layout it switched to if it
+        did, and inference overlapped on the GPUs its tail frees. Fills the stage and phase times in place;
+        returns where the time went and the recorded decisions with their predicted and realised numbers."""
         moved_noise = float(math.exp(self._rng(step, 3).normal(0, self.truth.noise)))
         f = Factors.of(self.factors, self.factors["transition"] * moved_noise)
         bulk = run_bulk(model, lengths, f)
         base = no_move(model, bulk)
-        phase = phases_of(plan)
-        inf_gpus = frozenset(g for p in plan.placements if p.model_stage.stage == "inference" for g in p.gpus)
-        out = with_tail(model, bulk, phase, f, inf_gpus) if phase else base
+        looks = walk(policy, start, model, bulk, self.trace.response_at(step).max)
+        act = looks[-1] if looks and isinstance(looks[-1].decision, ChangeTailLayout) else None
+        phase = act.decision.phase if act else None
+        inf_gpus = inference_gpus(plan)
+        out = with_tail(model, bulk, phase, f, inf_gpus, act.t) if act else base
         gen_noise = noise["actor/generation"]
         stage_times["actor/generation"] = out.generation_s * gen_noise
         inference = phases["inference"]
@@ -129,21 +143,9 @@ class SimBackend:
                                 "early_s": early, "phases": dict(phases)}  # for a step's timeline
         detail = {"generation": {"bulk_s": out.bulk_s, "migration_s": out.migration_s, "tail_s": out.tail_s,
                                  "idle_gpu_s": max(0.0, idle) * gen_noise, "overlap_s": early}}
-        if phase is None:
-            return detail
-        # The policy's model at the trigger, where the live sequences and their contexts are known: its
-        # predicted move cost on this step, and the same with transfers unscaled (what it calibrates on).
-        seen = Factors(**phase.predicted["factors"]) if "factors" in phase.predicted else Factors()
-        at_trigger = with_tail(model, bulk, phase, seen, inf_gpus) if out.moved else out
-        modelled = with_tail(model, bulk, phase, replace(seen, transfer=1.0), inf_gpus) if out.moved else out
-        detail["intrastep"] = {
-            **phase.to_dict(), "moved": out.moved, "refused": out.refused, "migration_s": out.migration_s,
-            "predicted_migration_s": at_trigger.migration_s, "migration_modelled_s": modelled.migration_s,
-            "realised_gain_s": (base.generation_s - out.generation_s) * gen_noise + inference - after,
-            "move_peak_bytes": out.move_peak_bytes, "usable_bytes": self.hw.usable_bytes(),
-            "unfinished": out.unfinished, "kv_sent": out.kv_sent, "recomputed": out.recomputed,
-            "bytes_sent": out.bytes_sent}
-        return detail
+        tail = None if act is None else tail_outcome(model, bulk, act, f, inf_gpus, base, out, gen_noise, inference,
+                                                     after, self.hw.usable_bytes())
+        return detail, entries_of(looks, tail)
 
     def apply_transition(self, old: Plan, new: Plan, step: int) -> TransitionMetrics:
         """The transition graph's schedule (shared, cached, with the controller's) under the hidden factor."""

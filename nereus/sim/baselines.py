@@ -37,6 +37,7 @@ from nereus.cost.plan_cost import estimate_plan
 from nereus.planner.search import Constraints, SearchResult, search
 from nereus.sim.recipes import fixed_recipe_tp, system_recipe_tp
 from nereus.spec.errors import InfeasibleError
+from nereus.spec.generation import GenerationDecision, GenerationStatus
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage, Plan
 
@@ -62,8 +63,10 @@ class StaticPolicy:
         self.pinned: dict[ModelStage, tuple[int, int]] = {}
 
     def _tag(self, plan: Plan) -> Plan:
-        plan.meta["weight_sync"] = self.weight_sync
-        return plan
+        """``plan`` with this system's weight sync, which the bookkeeping controller then holds."""
+        tagged = replace(plan, weight_sync=self.weight_sync)
+        self.inner.resume(tagged)
+        return tagged
 
     def initial_plan(self, num_gpus: int) -> Plan:
         if self.rollout_tp is None:
@@ -102,7 +105,7 @@ class StaticPolicy:
             ok = (layout.tp, layout.pp) == self.pinned.get(ms, (layout.tp, layout.pp))
             return ok and (base is None or base(ms, layout))
 
-        strategy = self.inner.plan.meta.get("strategy") if self.inner.plan else None
+        strategy = self.inner.plan.strategy if self.inner.plan else None
         strategies = (strategy,) if strategy else self.base_constraints.strategies
         return Constraints(strategies, keep_tp_pp)
 
@@ -126,9 +129,8 @@ class StaticPolicy:
         reason = ("plan infeasible or GPUs lost" if action == "forced"
                   else "GPU count changed: DP follows it" if self.pin_tp_pp else "GPU count changed: new search")
         d = Decision(m.step, action, reason, current.step_time_s if current else math.inf,
-                     result.estimate.step_time_s, 0.0, cost, 0, plan=result.plan)
+                     result.estimate.step_time_s, 0.0, cost, 0, plan=self._tag(result.plan))
         inner.log.append(d)
-        inner.resume(self._tag(result.plan))
         return d
 
     def _search(self, target: JobSpec) -> SearchResult:
@@ -140,13 +142,16 @@ class StaticPolicy:
             return result
 
     def resume(self, plan: Plan) -> None:
-        self.inner.resume(self._tag(plan))
+        self._tag(plan)
         self.pinned = {p.model_stage: (p.layout.tp, p.layout.pp) for p in plan.placements}
 
     def survivor_plan(self, num_gpus: int, step: int) -> Plan:
         """After devices died mid-step: the same re-search as after a loss between steps."""
-        self.inner.resume(self._tag(self._search(self.inner.job_for(step, num_gpus)).plan))
-        return self.inner.plan
+        return self._tag(self._search(self.inner.job_for(step, num_gpus)).plan)
+
+    def during_generation(self, status: GenerationStatus) -> GenerationDecision:
+        """Inside the step: none of these systems decides anything; the stage runs to its end."""
+        return self.inner.during_generation(status)
 
     @property
     def log(self) -> list[Decision]:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_GPUS, MAX_STEPS, MAX_TOKENS, Fields, read_json_file
 from nereus.spec.files import MAX_RECORD_BYTES
+from nereus.spec.generation import DECISION_KINDS, ChangeTailLayout, GenerationEntry, MoveSequences
 
 PHASES = ("generation", "inference", "training", "weight_sync")
 # What the report reads of a run record (``control.record.RunRecord.to_dict``), checked up front so that a
@@ -16,6 +20,7 @@ SUMMARY_KEYS = ("mean_step_s", "run_s", "transition_share", "tokens_per_s", "con
 STEP_KEYS = ("step_time_s", "transition_s", "response_mean", "response_max")
 # A step or phase over 10^12 s (30,000 years) is not a run; bounding it keeps the plots' axis arithmetic finite.
 MAX_SECONDS = 1e12
+MAX_FIGURE = 1e18  # a backend's figure (tokens, bytes, seconds): past an exabyte it is not a measurement
 
 
 def load_run(path: str | Path) -> dict:
@@ -54,6 +59,48 @@ def _check_record(data: dict) -> None:
         phases = s.sub("phases", required=True)
         for name in phases.data:
             phases.get(name, float, minimum=0, maximum=MAX_SECONDS)
+    for i, item in enumerate(root.get("generation_decisions", list, [])):
+        _check_generation_entry(Fields(item, f"generation_decisions[{i}]"))
+    for i, item in enumerate(root.get("decisions", list, [])):
+        Fields(item, f"decisions[{i}]").get("action", str)
+
+
+def _check_generation_entry(e: Fields) -> None:
+    """A decision inside a step (``spec.generation.GenerationEntry``): every field ``generation_table``
+    prints, each its type and in range, then the typed value itself (a hand-edited record fails by key,
+    not half-way through writing the report)."""
+    for key in ("step", "iteration", "live"):
+        e.get(key, int, minimum=0, maximum=MAX_STEPS if key == "step" else MAX_TOKENS)
+    e.get("model_stage", str)
+    e.get("overhead_s", float, 0.0, minimum=0, maximum=MAX_SECONDS)
+    d = e.sub("decision", required=True)
+    d.get("kind", str, choices=DECISION_KINDS)
+    for key in ("gain_s", "cost_s"):
+        d.get(key, float, 0.0, minimum=-MAX_SECONDS, maximum=MAX_SECONDS)
+    d.get("bytes", int, 0, minimum=0)
+    look = d.sub("look")
+    for key in ("iterations", "live_at_most"):
+        look.get(key, int, 0, minimum=0, maximum=MAX_TOKENS)
+    for j, move in enumerate(d.get("moves", list, [])):
+        m = Fields(move, f"{d.path}.moves[{j}]")
+        record = m.get_list("seq", (int, float))
+        if not 5 <= len(record) <= 7 or any(v < 0 for v in record):
+            raise SpecError(m.key_path("seq"), "expected a sequence record [id, replica, prompt, generated, "
+                            "cached, rng_bytes, forecast] of non-negative numbers")
+        m.get("dst", int, minimum=0, maximum=MAX_GPUS)
+        m.get("refill", bool)
+    o = e.sub("outcome", required=True)
+    o.get("applied", bool)
+    o.get("reason", str, "")
+    for key in ("cost_s", "gain_s"):
+        o.get(key, float, None, minimum=-MAX_SECONDS, maximum=MAX_SECONDS)
+    figures = o.sub("figures")
+    for name in figures.data:
+        figures.get(name, float, minimum=-MAX_FIGURE, maximum=MAX_FIGURE)
+    try:
+        GenerationEntry.from_json(e.data)
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise SpecError(e.path, f"not a decision inside a step ({type(err).__name__}: {err})"[:300]) from None
 
 
 def markdown_table(runs: list[dict]) -> str:
@@ -68,35 +115,55 @@ def markdown_table(runs: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def _cell(d: dict, key: str, fmt: str) -> str:
-    return "—" if d.get(key) is None else format(d[key], fmt)
+def _cell(value: float | int | None, fmt: str) -> str:
+    return "—" if value is None else format(value, fmt)
 
 
-def midstep_table(runs: list[dict]) -> str:
-    """Mid-step decisions of real runs (``run.midstep``: ``action: midstep`` in a record's decisions): a row
-    per admitted move (where, what moved how, predicted gain and cost, measured move time and gain), then
-    how many were refused; "" when a run has none."""
-    rows, refused = [], 0
+MAX_TABLED = 100  # rows of the generation table per run; the rest are counted
+
+
+def _generation_row(policy: str, e: GenerationEntry) -> str:
+    """One acting decision inside a step: where, what it moved how, predicted and measured numbers."""
+    d, o = e.decision, e.outcome
+    outcome = "applied" if o.applied else ("aborted" if o.reason.startswith("aborted") else "not applied")
+    if isinstance(d, MoveSequences):
+        what = (f"{d.donor} → {d.receiver} | {len(d.moves)} | {d.kv} | {d.refills} | {d.queued} | "
+                f"{_cell(d.bytes, ',')}")
+    elif isinstance(d, ChangeTailLayout):
+        f = o.figures
+        what = (f"TP{d.phase.tail_tp} × {d.phase.tail_replicas} | {_cell(f.get('unfinished'), '.0f')} | "
+                f"{_cell(f.get('kv_sent'), '.0f')} | {_cell(f.get('recomputed'), '.0f')} | — | "
+                f"{_cell(f.get('bytes_sent'), ',.0f')}")
+    else:
+        what = "— | — | — | — | — | —"
+    return (f"| {policy} | {e.step} | {e.iteration} | {d.kind} | {outcome} | {what} | {_cell(d.gain_s, '.3f')} | "
+            f"{_cell(d.cost_s, '.3f')} | {_cell(o.cost_s, '.3f')} | {_cell(o.gain_s, '+.3f')} |")
+
+
+def generation_table(runs: list[dict]) -> str:
+    """Decisions inside the step (``generation_decisions`` of a run record, either backend): a row per
+    acting decision (where, what it moved how, predicted gain and cost, measured cost and gain), then how
+    many were declined; "" when no run has any."""
+    rows, declined, left = [], 0, 0
     for r in runs:
-        for d in r.get("decisions", []):
-            if not isinstance(d, dict) or d.get("action") != "midstep":
-                continue
-            if not d.get("admitted"):
-                refused += 1
-                continue
-            outcome = "moved" if d.get("committed") else "aborted"
-            rows.append(f"| {r['policy']} | {d.get('step')} | {d.get('iteration')} | {outcome} | "
-                        f"{d.get('donor')} → {d.get('receiver')} | {len(d.get('moved', []))} | {d.get('kv', 0)} | "
-                        f"{d.get('refill', 0)} | {d.get('queued', 0)} | {_cell(d, 'bytes', ',')} | "
-                        f"{_cell(d, 'predicted_gain_s', '.3f')} | {_cell(d, 'predicted_cost_s', '.3f')} | "
-                        f"{_cell(d, 'move_s', '.3f')} | {_cell(d, 'measured_gain_s', '+.3f')} |")
-    if not rows and not refused:
+        tabled = 0
+        for raw in r.get("generation_decisions", []):
+            e = GenerationEntry.from_json(raw)
+            if not e.decision.acts:
+                declined += 1
+            elif tabled < MAX_TABLED:
+                rows.append(_generation_row(r["policy"], e))
+                tabled += 1
+            else:
+                left += 1
+    if not rows and not declined:
         return ""
-    head = ("| policy | step | iteration | outcome | replicas | sequences | KV | re-prefill | not started | bytes "
-            "| predicted gain (s) | predicted cost (s) | measured move (s) | measured gain (s) |")
-    return "\n".join(["## Mid-step decisions", "", head, "|" + "---|" * 14, *rows, "",
-                      f"{len(rows)} admitted, {refused} refused (predicted gain under margin × cost); every "
-                      "decision, with its reason, is in the run's decisions.jsonl."])
+    head = ("| policy | step | iteration | decision | outcome | replicas / tail | sequences | KV | re-prefill "
+            "| not started | bytes | predicted gain (s) | predicted cost (s) | measured cost (s) | measured gain (s) |")
+    more = f" ({left} more not tabled)" if left else ""
+    return "\n".join(["## Decisions inside the step", "", head, "|" + "---|" * 15, *rows, "",
+                      f"{len(rows) + left} acting{more}, {declined} declined (predicted gain under margin × cost); "
+                      "every decision, with its reason, is in the run record's generation_decisions."])
 
 
 def plot_runs(runs: list[dict], out_dir: Path) -> list[Path]:
@@ -167,15 +234,33 @@ def timeline(runs: list[dict]) -> dict:
 
 
 def write_report(paths: list[str], out_dir: str | Path) -> dict[str, Path]:
+    """Write the report of the runs ``paths`` into ``out_dir``: everything is written into a temporary
+    folder beside it first, then moved in, so a failure leaves no half-written report (and an existing
+    folder keeps its other files). Returns each output's final path."""
     runs = [load_run(p) for p in paths]
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        written = _write_outputs(runs, staging)
+        if not out.exists():
+            staging.chmod(0o755)  # mkdtemp makes it private; a report is for reading
+            staging.rename(out)
+        else:
+            for path in written.values():
+                os.replace(path, out / path.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {name: out / path.name for name, path in written.items()}
+
+
+def _write_outputs(runs: list[dict], out: Path) -> dict[str, Path]:
     table = out / "report.md"
     pngs = plot_runs(runs, out)
     lines = ["# Runs", "", markdown_table(runs), ""] + [f"![{p.stem}]({p.name})" for p in pngs]
-    midstep = midstep_table(runs)
-    if midstep:
-        lines += ["", midstep]
+    inside = generation_table(runs)
+    if inside:
+        lines += ["", inside]
     table.write_text("\n".join(lines) + "\n")
     trace = out / "timeline.json"
     trace.write_text(json.dumps(timeline(runs)))

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from nereus.spec import files
-from nereus.spec.errors import SpecError
+from nereus.spec.errors import SpecError, brief
 
 _MISSING = object()
 
@@ -56,11 +57,26 @@ def check_number(value: Any, where: str) -> None:
 
 
 def _short(value: Any) -> str:
-    """``repr`` of a value cut to one short line (a pasted blob must not flood the error)."""
-    if isinstance(value, int) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    text = repr(value).replace("\n", " ")
-    return text if len(text) <= 60 else text[:57] + "..."
+    """``repr`` of a value cut to one short line, in bounded work (a pasted blob or a YAML alias bomb
+    must not flood the error or take minutes to render: ``errors.brief``)."""
+    return brief(value)
+
+
+_YAML11_BOOLS = {"yes", "no", "on", "off", "y", "n"}
+# YAML 1.1 numbers that YAML 1.2 reads as text: binary, sexagesimal (1:30) and with _ separators (1_000)
+_YAML11_NUMBER = re.compile(r"[-+]?(?:0b[01_]+|[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?"
+                            r"|[0-9][0-9_]*_[0-9_]*(?:\.[0-9_]*)?)")
+
+
+def yaml11_hint(value: Any, kinds: tuple[type, ...]) -> str:
+    """Why a YAML 1.1 spelling is text here: job files are read as YAML 1.2 (``files.StrictLoader``)."""
+    if not isinstance(value, str):
+        return ""
+    if bool in kinds and value.lower() in _YAML11_BOOLS:
+        return " (job files are YAML 1.2, where yes/no/on/off are text: write true or false)"
+    if (int in kinds or float in kinds) and _YAML11_NUMBER.fullmatch(value):
+        return " (job files are YAML 1.2: write the number without _ separators, 0b prefixes or : parts)"
+    return ""
 
 
 class Fields:
@@ -106,7 +122,7 @@ class Fields:
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kinds):
-            raise SpecError(where, f"expected {_kind_name(kind)}, got {_short(value)}")
+            raise SpecError(where, f"expected {_kind_name(kind)}, got {_short(value)}{yaml11_hint(value, kinds)}")
         if choices is not None:
             allowed = list(choices)
             if value not in allowed:
@@ -137,7 +153,7 @@ class Fields:
         known = sorted(self._read)
         for key in self.data:
             if key not in self._read:
-                hint = difflib.get_close_matches(str(key), known, n=3)
+                hint = difflib.get_close_matches(str(key)[:200], known, n=3)  # a pasted blob: bounded work
                 fix = f"did you mean '{hint[0]}'?" if hint else f"allowed keys: {known}"
                 if len(hint) > 1:  # the next nearest too (a command-line override is easy to mistype)
                     fix += " (also close: " + ", ".join(f"'{h}'" for h in hint[1:]) + ")"

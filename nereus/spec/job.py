@@ -10,13 +10,14 @@ from nereus.spec.cluster import ClusterSpec, read_cluster
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS, Fields
 from nereus.spec.files import read_yaml_file
-from nereus.spec.layout import RECOMPUTE, ModelStage
+from nereus.spec.layout import RECOMPUTE, ModelStage, check_runnable
 from nereus.spec.model import ModelArch, arch_from_hf_config, read_arch
 from nereus.spec.overrides import apply_overrides
 from nereus.spec.response import ResponseLength
 from nereus.spec.rollout import check_rollout_engine, vllm_distribution
 from nereus.spec.run import RunSpec, read_run
 from nereus.spec.trace import load_trace
+from nereus.spec.user_code import check_target, resolve_target
 
 # PPO's epochs over one step's batch: published runs use 1-4; a count past 1,000 is a typo, and each epoch
 # is a full pass of every training stage.
@@ -261,11 +262,24 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         if algorithm.name == "train":
             raise SpecError("run", "`nereus run` runs RL jobs (ppo, grpo); this is a training-only job")
         job = replace(job, run=read_run(root.sub("run"), job.model_stages(), job.workload.response.max))
+        job = replace(job, run=_reward_function(job.run, base_dir))
         run = job.run
+        for name, layout in run.layouts.items():
+            check_runnable(job.models[name.split("/")[0]], layout, f"run.layouts.{name}")
         check_rollout_engine(run.rollout_engine, {m: a.head_dim for m, a in job.models.items()}, run.layouts,
                              run.adapt is not None, run.rollout_midstep is not None, vllm_distribution())
     root.finish()
     return job
+
+
+def _reward_function(run: RunSpec, base_dir: Path) -> RunSpec:
+    """``run.reward_function`` with a relative file resolved against the job file's folder, checked
+    without running it (``spec.user_code``): the code runs only once the job is accepted."""
+    if run.reward_function is None:
+        return run
+    target = resolve_target(run.reward_function, base_dir, "run.reward_function")
+    check_target(target, "run.reward_function")
+    return replace(run, reward_function=target)
 
 
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:

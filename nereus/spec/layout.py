@@ -10,9 +10,13 @@ from dataclasses import asdict, dataclass, field
 
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_GPUS, MAX_LAYERS, MAX_SEQUENCES, Fields
+from nereus.spec.generation import TailPhase
+from nereus.spec.model import ModelArch
 
 STAGES = ("generation", "inference", "training")
 RECOMPUTE = ("none", "selective", "full")
+# how the trained weights reach the generation engine every step (priced in ``cost.weight_sync``)
+WEIGHT_SYNCS = ("direct", "hybrid-reshard", "gather-broadcast")
 
 
 @dataclass(frozen=True, order=True)
@@ -29,6 +33,34 @@ class ModelStage:
         if not sep or not model or stage not in STAGES:
             raise SpecError(where, f"{text!r} is not MODEL/STAGE with STAGE one of {list(STAGES)}")
         return ModelStage(model, stage)
+
+
+def check_runnable(arch: ModelArch, layout: Layout, where: str) -> None:
+    """The one check that a layout can run the model at all, for ``estimate``, ``plan`` and ``run`` alike
+    (job files' ``run.layouts``, plan files, ``--layout``, a resumed run's plan):
+
+    - every pipeline stage gets the same number of layers (at least one): Megatron-LM requires the
+      layers to divide evenly over the stages, the planner proposes only such depths
+      (``planner.candidates.pp_degrees``), and the cost model prices each stage as the fullest one;
+    - interleaved stages split each device's layers evenly again (``layers % (pp * interleave) == 0``);
+    - TP splits whole attention heads and gives every rank the KV heads its query heads read (whole GQA
+      groups: ``tp`` divides ``kv_heads``, or is a multiple of it)."""
+    layers = arch.layers
+    if layout.pp > layers:
+        raise SpecError(where, f"pp={layout.pp} asks for {layout.pp} pipeline stages but the model has {layers} "
+                               f"layers: every stage needs at least one; give pp <= {layers}")
+    if layers % layout.pp:
+        fits = [d for d in range(1, min(layers, 64) + 1) if layers % d == 0]
+        raise SpecError(where, f"pp={layout.pp} does not split the {layers} layers evenly; give a pp that divides "
+                               f"them ({', '.join(map(str, fits))}{', ...' if layers > 64 else ''})")
+    if layout.interleave > 1 and (layout.pp == 1 or layers % (layout.pp * layout.interleave)):
+        raise SpecError(where, f"interleave={layout.interleave} needs pp > 1 and pp x interleave dividing the "
+                               f"{layers} layers (pp={layout.pp})")
+    if arch.heads % layout.tp:
+        raise SpecError(where, f"tp={layout.tp} does not divide the {arch.heads} attention heads")
+    if arch.kv_heads % layout.tp and layout.tp % arch.kv_heads:
+        raise SpecError(where, f"tp={layout.tp} splits the {arch.kv_heads} KV heads unevenly: give a tp that "
+                               f"divides {arch.kv_heads} or is a multiple of it (and divides {arch.heads})")
 
 
 @dataclass(frozen=True)
@@ -137,11 +169,23 @@ class Placement:
 @dataclass(frozen=True)
 class Plan:
     """A layout and GPU set for every model-stage. Stages run in order generation → inference → training;
-    within a stage, model-stages on disjoint GPUs run concurrently and those sharing GPUs take turns."""
+    within a stage, model-stages on disjoint GPUs run concurrently and those sharing GPUs take turns.
+
+    Besides the placements a plan names the planner's ``strategy`` (colocated, disaggregated, ...), the
+    per-step ``weight_sync`` mechanism (``WEIGHT_SYNCS``) and the generation stage's ``generation``
+    phases (a mid-step switch to a tail layout, ``spec.generation.TailPhase``). Two plans are equal when
+    their placements are: that is what a transition moves; the other fields change from one step to the
+    next without one."""
 
     placements: tuple[Placement, ...]
     num_gpus: int
-    meta: dict = field(default_factory=dict, compare=False, hash=False)
+    strategy: str = field(default="", compare=False)
+    weight_sync: str = field(default="direct", compare=False)
+    generation: TailPhase | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.weight_sync not in WEIGHT_SYNCS:
+            raise SpecError("plan.weight_sync", f"{self.weight_sync!r}; one of {', '.join(WEIGHT_SYNCS)}")
 
     def placement(self, ms: ModelStage | str) -> Placement:
         key = ModelStage.parse(ms) if isinstance(ms, str) else ms
@@ -154,13 +198,25 @@ class Plan:
         return [p.model_stage for p in self.placements]
 
     def to_dict(self) -> dict:
-        return {"num_gpus": self.num_gpus, "placements": [p.to_dict() for p in self.placements]}
+        """JSON-ready; the optional fields only when they are set (a plan of hand-picked layouts is just
+        its placements)."""
+        out: dict = {"num_gpus": self.num_gpus, "placements": [p.to_dict() for p in self.placements]}
+        if self.strategy:
+            out["strategy"] = self.strategy
+        if self.weight_sync != "direct":
+            out["weight_sync"] = self.weight_sync
+        if self.generation is not None:
+            out["generation_phases"] = self.generation.to_dict()
+        return out
 
     @staticmethod
     def from_dict(data: object, where: str = "plan") -> Plan:
         f = Fields(data, where)
         num_gpus = f.get("num_gpus", int, minimum=1, maximum=MAX_GPUS)
         raw = f.get("placements", list)
+        strategy = f.get("strategy", str, "")
+        sync = f.get("weight_sync", str, "direct", choices=WEIGHT_SYNCS)
+        phases = f.get("generation_phases", dict, None)
         f.finish()
         placements = tuple(Placement.from_dict(p, f"{where}.placements[{i}]") for i, p in enumerate(raw))
         seen = set()
@@ -170,4 +226,5 @@ class Plan:
             seen.add(p.model_stage)
             if max(p.gpus) >= num_gpus:
                 raise SpecError(f"{where}.placements[{i}].gpus", f"GPU {max(p.gpus)} is beyond num_gpus={num_gpus}")
-        return Plan(placements, num_gpus)
+        generation = None if phases is None else TailPhase.from_dict(phases, f"{where}.generation_phases")
+        return Plan(placements, num_gpus, strategy, sync, generation)

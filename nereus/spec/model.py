@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from nereus.spec.errors import SpecError
-from nereus.spec.fields import MAX_LAYERS, Fields
+from nereus.spec.errors import SpecError, brief
+from nereus.spec.fields import MAX_LAYERS, MAX_TOKENS, Fields, check_number
 from nereus.spec.files import read_json_file
 
 # Upper bounds of an architecture's sizes, checked on load so that the cost model's products stay far from
@@ -16,6 +16,13 @@ from nereus.spec.files import read_json_file
 MAX_HIDDEN = 2**17
 MAX_FFN_HIDDEN = 2**20
 MAX_VOCAB = 2**24
+
+
+def kv_token_bytes(layers: int, kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """KV cache of one token position over ``layers`` and ``kv_heads``: 2 (K and V) · layers · kv_heads ·
+    head_dim · bytes per element (design: memory). Every KV size in the package is this times positions:
+    the cost model's per-rank caches, a migration's pieces (``elastic.kvplan.KVShape``), a move's bytes."""
+    return 2 * layers * kv_heads * head_dim * elem_bytes
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,8 @@ class ModelArch:
         return self.layers * self.layer_params() + self.embedding_params() + head + self.hidden
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """KV cache per token: 2 (K and V) · layers · kv_heads · head_dim · bytes (design: memory)."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+        """KV cache per token over the whole model (``kv_token_bytes``)."""
+        return kv_token_bytes(self.layers, self.kv_heads, self.head_dim, dtype_bytes)
 
     def to_dict(self) -> dict:
         return {
@@ -84,6 +91,15 @@ PRESETS: dict[str, ModelArch] = {
 
 
 HF_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def hf_value_head(cfg: dict) -> bool:
+    """Whether a checked ``config.json`` describes a scorer (a reward model's value head, ``score.weight``):
+    a ``*ForSequenceClassification`` or ``*ForTokenClassification`` class with one label (``num_labels``, or
+    the size of ``id2label``: transformers 5 writes only the mapping)."""
+    labels = cfg.get("num_labels", len(cfg.get("id2label") or {}) or None)  # as runtime.model.hf reads it
+    heads = cfg.get("architectures") or []
+    return labels == 1 and any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in heads)
 
 
 def arch_from_hf(cfg: object, where: str) -> ModelArch:
@@ -126,19 +142,73 @@ def arch_from_hf(cfg: object, where: str) -> ModelArch:
 
 def _check_runtime_keys(f: Fields, vocab: int) -> None:
     """What the runtime reads besides the architecture (``nereus.runtime.model.hf.config_from_hf``): the norm
-    epsilon, the RoPE base and the special token ids, checked here so that a bad value is refused by key on
-    load rather than turning into NaN logits or an index error on the workers."""
+    epsilon, the RoPE base, the special token ids, the head (``architectures``, ``num_labels``,
+    ``id2label``) and the dtype, checked here so that a bad value is refused by key on load rather than
+    turning into NaN logits, an index error or a TypeError on the workers. A key may be left out or null
+    (its default applies), except the norm epsilon and the RoPE base, which have no null meaning."""
+    _not_null(f, "rms_norm_eps")  # ``config_from_hf`` reads these two as floats: null has no meaning
     f.get("rms_norm_eps", float, None, minimum=1e-12, maximum=1.0)
     for where in (f, f.sub("rope_parameters"), f.sub("rope_scaling")):
+        _not_null(where, "rope_theta")
         where.get("rope_theta", float, None, minimum=1.0, maximum=1e12)
-    for key in ("bos_token_id", "eos_token_id"):
+    f.get("max_position_embeddings", int, None, minimum=1, maximum=MAX_TOKENS)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if f.data.get(key) is None:
             continue
         ids = f.get_list(key, int) if isinstance(f.data[key], list) else [f.get(key, int)]
+        if not ids:
+            raise SpecError(f.key_path(key), "is an empty list; give the token id (or a list of them), or null")
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise SpecError(f.key_path(key), f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1}); "
                                              "give the config that belongs to this model")
+    _check_head_keys(f)
+    for key in ("torch_dtype", "dtype"):
+        dtype = f.get(key, str, None)
+        if dtype is not None and dtype not in HF_DTYPES:
+            raise SpecError(f.key_path(key), f"{brief(dtype)} is not a floating-point dtype the runtime loads; "
+                                             f"give one of {list(HF_DTYPES)}")
+
+
+# ``torch_dtype`` / ``dtype`` of a config.json: the weights the runtime converts (to fp32 on CPU workers)
+HF_DTYPES = ("float32", "float16", "bfloat16", "float64")
+# ``num_labels``: a reward model has 1; classification heads have a few; past this a config is garbage
+MAX_LABELS = 2**16
+
+
+def _not_null(f: Fields, key: str) -> None:
+    if f.has(key) and f.data[key] is None:
+        raise SpecError(f.key_path(key), "is null; give a value or remove the key (its default then applies)")
+
+
+def _check_head_keys(f: Fields) -> None:
+    """The keys that say which head the weights have: ``architectures`` (a list of class names),
+    ``num_labels`` and ``id2label`` / ``label2id`` (mappings of label ids and names)."""
+    if f.data.get("architectures") is not None:
+        names = f.get_list("architectures", str)
+        if not names or not all(names):
+            raise SpecError(f.key_path("architectures"), "give the model class name, e.g. [LlamaForCausalLM]")
+    labels = f.get("num_labels", int, None, minimum=1, maximum=MAX_LABELS)
+    id2label = f.get("id2label", dict, None)
+    label2id = f.get("label2id", dict, None)
+    for key, mapping, value_kind in (("id2label", id2label, str), ("label2id", label2id, int)):
+        if mapping is None:
+            continue
+        if len(mapping) > MAX_LABELS:
+            raise SpecError(f.key_path(key), f"has {len(mapping):,} labels (at most {MAX_LABELS:,})")
+        for k, v in mapping.items():
+            label_id = k if key == "id2label" else v
+            if key == "id2label" and not (isinstance(k, str) and k.isascii() and k.isdigit() or type(k) is int):
+                raise SpecError(f"{f.key_path(key)}.{brief(k)}", "label ids are the strings \"0\", \"1\", ...")
+            if not isinstance(v, value_kind) or isinstance(v, bool):
+                wanted = "a label name" if value_kind is str else "a label id"
+                raise SpecError(f"{f.key_path(key)}.{brief(k)}", f"expected {wanted}, got {brief(v)}")
+            check_number(v, f"{f.key_path(key)}.{brief(k)}")
+            if int(label_id) >= MAX_LABELS or int(label_id) < 0:
+                raise SpecError(f"{f.key_path(key)}.{brief(k)}", f"label id {brief(label_id)} is out of range")
+    if labels is not None and id2label is not None and len(id2label) != labels:
+        raise SpecError(f.key_path("num_labels"), f"{labels} disagrees with id2label's {len(id2label)} labels; "
+                                                  "give the config that belongs to this model")
 
 
 # transformers maps both names to SiLU; the runtime's MLP is SwiGLU with SiLU (nereus.runtime.model.decoder)
@@ -201,9 +271,15 @@ def _check_rope(rope: Fields) -> None:
     if variant not in ROPE_TYPES:
         raise SpecError(rope.key_path(key), f"RoPE scaling {variant!r} is not implemented (the runtime has "
                                             f"{' and '.join(ROPE_TYPES)}); use a checkpoint without it")
-    if variant == "llama3":
-        for name in LLAMA3_ROPE_KEYS:
-            rope.get(name, float, minimum=0)
+    if variant == "llama3":  # rope_inv_freq divides by factor, low_freq_factor and high - low
+        factor, low, high, positions = (rope.get(name, float, minimum=0) for name in LLAMA3_ROPE_KEYS)
+        for name, value in (("factor", factor), ("low_freq_factor", low), ("original_max_position_embeddings",
+                                                                           positions)):
+            if value <= 0:
+                raise SpecError(rope.key_path(name), f"{value} must be > 0; give the checkpoint's own value")
+        if high <= low:
+            raise SpecError(rope.key_path("high_freq_factor"), f"{high} must exceed low_freq_factor ({low}); "
+                                                               "give the checkpoint's own values")
 
 
 def _check_rotary_fraction(f: Fields) -> None:

@@ -6,76 +6,30 @@ got 'high'``; an unknown key gets the spec's nearest-key hint). Values are YAML 
 collections (``3``, ``0.2``, ``true``, ``null``, ``k3``, ``[console, jsonl]``). ``+key=value`` is accepted
 as Hydra's "add" form and ``~key`` deletes a key (back to its default).
 
-verl's own key paths are accepted where Nereus has the same knob with the same meaning (``VERL_KEYS``,
-listed side by side in docs/rl.md): ``actor_rollout_ref.actor.clip_ratio=0.3`` sets ``run.clip_ratio``.
+verl's own key paths are read by ``nereus.spec.verl_keys.TABLE`` (listed in docs/rl.md): mapped where
+Nereus has the same knob with the same meaning (``actor_rollout_ref.actor.clip_ratio=0.3`` sets
+``run.clip_ratio``), derived where it takes a computation, ignored with a note where they only tune verl's
+engines, refused with the reason otherwise. Two verl keys that set one Nereus key (actor's and critic's
+``grad_clip``) must agree.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from nereus.spec.errors import SpecError
 from nereus.spec.files import load_yaml
+from nereus.spec.verl_keys import DERIVED, IGNORED, MAPPED, REFUSED, TABLE, VERL_SECTIONS
 
-_ACTOR, _ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
-
-# verl key path -> Nereus key path, only where the meaning is the same (verl/trainer/config/ppo_trainer.yaml).
-VERL_KEYS = {
-    "algorithm.adv_estimator": "algorithm.adv_estimator",
-    "algorithm.gamma": "run.gamma",
-    "algorithm.lam": "run.lam",
-    "algorithm.norm_adv_by_std_in_grpo": "run.norm_adv_by_std_in_grpo",
-    "algorithm.kl_penalty": "run.kl_penalty",
-    "algorithm.kl_ctrl.kl_coef": "run.kl_coef",
-    "data.train_files": "run.data.train",
-    "data.val_files": "run.data.val",
-    "data.train_batch_size": "workload.prompts_per_step",
-    "data.max_prompt_length": "workload.prompt_length",
-    "data.max_response_length": "workload.response_length.max",
-    "actor_rollout_ref.model.path": "models.actor.path",
-    f"{_ACTOR}.optim.lr": "run.actor_lr",
-    f"{_ACTOR}.grad_clip": "run.grad_clip",
-    f"{_ACTOR}.clip_ratio": "run.clip_ratio",
-    f"{_ACTOR}.clip_ratio_low": "run.clip_ratio_low",
-    f"{_ACTOR}.clip_ratio_high": "run.clip_ratio_high",
-    f"{_ACTOR}.clip_ratio_c": "run.clip_ratio_c",
-    f"{_ACTOR}.loss_agg_mode": "run.loss_agg_mode",
-    f"{_ACTOR}.entropy_coeff": "run.entropy_coeff",
-    f"{_ACTOR}.use_kl_loss": "run.use_kl_loss",
-    f"{_ACTOR}.kl_loss_coef": "run.kl_loss_coef",
-    f"{_ACTOR}.kl_loss_type": "run.kl_loss_type",
-    f"{_ACTOR}.ppo_epochs": "algorithm.epochs",
-    f"{_ROLLOUT}.n": "algorithm.samples_per_prompt",
-    f"{_ROLLOUT}.temperature": "run.temperature",
-    f"{_ROLLOUT}.top_p": "run.top_p",
-    f"{_ROLLOUT}.max_num_seqs": "run.rollout.slots",
-    f"{_ROLLOUT}.name": "run.rollout.engine",
-    f"{_ROLLOUT}.gpu_memory_utilization": "run.rollout.gpu_memory_utilization",
-    f"{_ROLLOUT}.enforce_eager": "run.rollout.enforce_eager",
-    "critic.model.path": "models.critic.path",
-    "critic.optim.lr": "run.critic_lr",
-    "critic.grad_clip": "run.grad_clip",
-    "critic.cliprange_value": "run.value_clip",
-    "reward_model.model.path": "models.reward.path",
-    "trainer.total_training_steps": "run.steps",
-    "trainer.logger": "run.logger",
-    "trainer.default_local_dir": "run.checkpoint.dir",
-    "trainer.experiment_name": "name",
-    "trainer.nnodes": "cluster.nodes",
-    "trainer.n_gpus_per_node": "cluster.gpus_per_node",
-}
+# verl key path -> Nereus key path, where the meaning is the same (the mapped rows of ``verl_keys.TABLE``)
+VERL_KEYS = {k: v.target for k, v in TABLE.items() if v.kind == MAPPED}
 
 
-# Top-level sections of verl's config that Nereus does not have: a key under one of them that is not in
-# VERL_KEYS has no Nereus knob of the same meaning.
-VERL_ONLY_SECTIONS = ("actor_rollout_ref", "data", "critic", "reward_model", "trainer", "custom_reward_function",
-                      "ray_init")
-
-
-def parse_override(text: str) -> tuple[str, Any, bool]:
-    """(Nereus key path, value, delete?) of one ``key.path=value`` / ``+key.path=value`` / ``~key.path``."""
+def _split(text: str) -> tuple[str, Any, bool]:
+    """(key path as written, value, delete?) of one ``key.path=value`` / ``+key.path=value`` / ``~key.path``."""
     delete = text.startswith("~")
     body = text[1:] if delete or text.startswith("+") else text
     key, sep, raw = body.partition("=")
@@ -88,12 +42,17 @@ def parse_override(text: str) -> tuple[str, Any, bool]:
         value = None if delete else load_yaml(raw, key)
     except SpecError as err:
         raise SpecError(key, f"override value {raw[:60]!r} is {err.message}") from None
-    if key in VERL_KEYS:
-        return VERL_KEYS[key], value, delete
-    if key.split(".")[0] in VERL_ONLY_SECTIONS:
-        raise SpecError(key, "a verl key without a Nereus knob of the same meaning; docs/rl.md lists verl's keys "
-                             "next to Nereus's")
+    if key.split(".")[0] in VERL_SECTIONS and key not in TABLE:
+        raise SpecError(key, "a verl key Nereus does not know; docs/rl.md lists verl's keys and what Nereus does "
+                             "with each")
     return key, value, delete
+
+
+def parse_override(text: str) -> tuple[str, Any, bool]:
+    """(Nereus key path, value, delete?) of one override; a mapped verl key is translated, other verl keys
+    (``verl_keys.TABLE``: derived, ignored, refused) come back as written for ``apply_overrides``."""
+    key, value, delete = _split(text)
+    return VERL_KEYS.get(key, key), value, delete
 
 
 def _child(node: Any, key: str, where: str, create: bool) -> Any:
@@ -133,39 +92,143 @@ def set_key(data: dict, path: str, value: Any, delete: bool = False) -> None:
         node[last] = value
 
 
-# verl's in-reward KL switch (algorithm.use_kl_in_reward) and controller type have no key of their own in
-# Nereus: the KL is in the reward when run.kl_coef > 0, with a fixed coefficient.
-VERL_DEFAULT_KL_COEF = 0.001  # verl's algorithm.kl_ctrl.kl_coef
+VERL_DEFAULT_KL_COEF = 0.001  # verl's algorithm.kl_ctrl.kl_coef, what use_kl_in_reward=true turns on
+VERL_REWARD_FUNCTION = "compute_score"  # verl's default custom_reward_function.name
 
 
-def _verl_kl_switch(data: dict, path: str, value: Any) -> bool:
-    """Apply verl's ``algorithm.use_kl_in_reward`` / ``algorithm.kl_ctrl.type``; True if ``path`` was one."""
-    if path == "algorithm.use_kl_in_reward":
+def _accepted(value: Any, accept: tuple) -> bool:
+    """``value`` is one of ``accept`` (type-strict: ``1`` is not ``true``)."""
+    return any(type(value) is type(a) and value == a for a in accept)
+
+
+def _positive_int(key: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpecError(key, f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _int(key: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise SpecError(key, f"expected an integer, got {value!r}")
+    return value
+
+
+class VerlOverrides:
+    """The verl keys of one command line (``verl_keys.TABLE``) applied to a raw spec tree: each mapped key set
+    (two that set one Nereus key must agree), ignored keys noted, refused ones raised, and the derived ones
+    resolved once every override is in (``finish``), since they read each other."""
+
+    def __init__(self, out: dict) -> None:
+        self.out = out
+        self.set_by: dict[str, tuple[str, Any]] = {}  # Nereus key -> (verl key, value) that set it
+        self.mini: dict[str, int] = {}  # verl's ppo_mini_batch_size per model
+        self.reward: dict[str, str] = {}  # custom_reward_function path and name
+        self.notes: list[str] = []
+
+    def apply(self, key: str, value: Any, delete: bool) -> None:
+        entry = TABLE[key]
+        if entry.kind == MAPPED:
+            self._set(key, entry.target, value, delete)
+        elif delete:
+            if entry.kind == DERIVED:
+                raise SpecError(key, f"cannot be deleted; delete {entry.target} with ~{entry.target}")
+        elif entry.kind == IGNORED:
+            self.notes.append(f"nereus: ignoring {key}={value!r}: {entry.reason}")
+        elif entry.kind == REFUSED:
+            if not _accepted(value, entry.accept):
+                raise SpecError(key, f"{value!r}: {entry.reason}")
+        else:
+            self._derived(key, value)
+
+    def _set(self, key: str, target: str, value: Any, delete: bool = False) -> None:
+        """Set ``target`` from verl's ``key``; another verl key that set it to something else is refused."""
+        other = self.set_by.get(target)
+        if other is not None and other[0] != key and other[1] != value and not delete:
+            raise SpecError(key, f"{value!r} differs from {other[0]}={other[1]!r}, and both set {target}: Nereus has "
+                                 "one value for actor and critic; give them the same value")
+        self.set_by[target] = (key, value)
+        set_key(self.out, target, value, delete)
+
+    def _derived(self, key: str, value: Any) -> None:
+        if key == "algorithm.use_kl_in_reward":
+            if not isinstance(value, bool):
+                raise SpecError(key, f"expected true or false, got {value!r}")
+            run = self.out.get("run")
+            current = run.get("kl_coef") if isinstance(run, dict) else None
+            if not value:
+                set_key(self.out, "run.kl_coef", 0.0)
+            elif not current:  # on, and no coefficient yet: verl's default
+                set_key(self.out, "run.kl_coef", VERL_DEFAULT_KL_COEF)
+        elif key == "actor_rollout_ref.model.path":
+            self._set(key, "models.actor.path", value)
+            if isinstance(self.out.get("models"), dict) and "reference" in self.out["models"]:
+                set_key(self.out, "models.reference.path", value)  # verl's reference is the actor's start
+        elif key.endswith(".ppo_mini_batch_size"):
+            self.mini[key] = _positive_int(key, value)
+        elif key.startswith("custom_reward_function."):
+            if not isinstance(value, str) or not value:
+                raise SpecError(key, f"expected a non-empty string, got {value!r}")
+            self.reward[key.rsplit(".", 1)[1]] = value
+        elif key == "reward_model.enable":
+            self._reward_model(key, value)
+        elif key in ("trainer.save_freq", "trainer.test_freq"):  # verl's -1: never; Nereus's 0: only at the end
+            set_key(self.out, TABLE[key].target, max(0, _int(key, value)))
+        else:
+            raise SpecError(key, "a derived verl key without a rule (a bug: see nereus.spec.overrides)")
+
+    def _reward_model(self, key: str, value: Any) -> None:
         if not isinstance(value, bool):
-            raise SpecError(path, f"expected true or false, got {value!r}")
-        run = data.get("run")
-        current = run.get("kl_coef") if isinstance(run, dict) else None
-        if not value:
-            set_key(data, "run.kl_coef", 0.0)
-        elif not current:  # on, and no coefficient yet: verl's default
-            set_key(data, "run.kl_coef", VERL_DEFAULT_KL_COEF)
-        return True
-    if path == "algorithm.kl_ctrl.type":
-        if value != "fixed":
-            raise SpecError(path, f"{value!r}: only a fixed KL coefficient (run.kl_coef) is implemented")
-        return True
-    return False
+            raise SpecError(key, f"expected true or false, got {value!r}")
+        models = self.out.get("models")
+        has = isinstance(models, dict) and "reward" in models
+        if value and not has:
+            raise SpecError(key, "the job has no reward model: add models.reward (a *ForSequenceClassification "
+                                 "checkpoint, reward_model.model.path) or drop the key")
+        if not value and has:
+            raise SpecError(key, "the job has a reward model (models.reward): remove it from the job to run "
+                                 "without one")
+
+    def finish(self) -> None:
+        """Resolve the keys that read others: verl's mini-batch size and the reward function's path and name."""
+        if self.mini:
+            sizes = set(self.mini.values())
+            if len(sizes) > 1:
+                raise SpecError(sorted(self.mini)[-1], f"{self.mini}: actor and critic must use one mini-batch size "
+                                                       "(Nereus trains both on the same mini-batches)")
+            key, size = next(iter(self.mini.items()))
+            prompts = (self.out.get("workload") or {}).get("prompts_per_step")
+            if not isinstance(prompts, int) or isinstance(prompts, bool) or prompts % size:
+                raise SpecError(key, f"{size} prompts must divide data.train_batch_size (workload.prompts_per_step "
+                                     f"= {prompts!r}): Nereus splits a step into train_batch_size / "
+                                     "ppo_mini_batch_size mini-batches")
+            set_key(self.out, "algorithm.mini_batches", prompts // size)
+        if self.reward:
+            run = self.out.get("run") if isinstance(self.out.get("run"), dict) else {}
+            current = run.get("reward_function") if isinstance(run.get("reward_function"), str) else ""
+            path, _, name = current.rpartition(":")
+            path, name = self.reward.get("path", path), self.reward.get("name", name or VERL_REWARD_FUNCTION)
+            if not path:
+                raise SpecError("custom_reward_function.name", "needs custom_reward_function.path (the file or "
+                                                               "module defining it) or run.reward_function")
+            set_key(self.out, "run.reward_function", f"{path}:{name}")
 
 
 def apply_overrides(data: Any, overrides: Sequence[str]) -> Any:
-    """A copy of the raw spec tree ``data`` with ``overrides`` applied in order (later ones win)."""
+    """A copy of the raw spec tree ``data`` with ``overrides`` applied in order (later ones win); each
+    ignored verl key is noted on stderr."""
     if not overrides:
         return data
     out = copy.deepcopy(data) if data is not None else {}
     if not isinstance(out, dict):
         raise SpecError("<root>", f"the job file holds {type(out).__name__}, not a mapping; overrides need one")
+    verl = VerlOverrides(out)
     for text in overrides:
-        path, value, delete = parse_override(text)
-        if delete or not _verl_kl_switch(out, path, value):
-            set_key(out, path, value, delete)
+        key, value, delete = _split(text)
+        if key in TABLE:
+            verl.apply(key, value, delete)
+        else:
+            set_key(out, key, value, delete)
+    verl.finish()
+    for note in dict.fromkeys(verl.notes):
+        print(note, file=sys.stderr)
     return out

@@ -4,7 +4,7 @@ Names follow verl's config where one exists (``clip_ratio``, ``kl_loss_coef``, `
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nereus.spec.algorithms import KL_KINDS, KL_UNSUPPORTED, LOGGERS, LOSS_AGG_MODES
 from nereus.spec.errors import SpecError
@@ -27,8 +27,11 @@ MAX_SLOTS = 4096
 
 @dataclass(frozen=True)
 class DataSpec:
-    train: str | None = None  # a verl-format .jsonl/.parquet file; None: the built-in task
-    val: str | None = None
+    # verl-format .jsonl/.parquet files, their rows read in order (verl's data.train_files may list several);
+    # none: the built-in task
+    train: tuple[str, ...] = ()
+    val: tuple[str, ...] = ()
+    filter_overlong_prompts: bool = False  # verl's: drop rows longer than the maximum prompt length (else an error)
     train_size: int = 2000  # built-in task only
     val_size: int = 200
     max_digits: int = 6
@@ -42,6 +45,13 @@ class WarmStart:
     reward_steps: int = 0
     batch: int = 64
     lr: float = 3e-3
+    # share of the actor's target spread over the vocabulary (Szegedy et al. 2016): keeps the policy's
+    # entropy off zero, so sampled responses still differ and GRPO groups have advantages to learn from
+    label_smoothing: float = 0.0
+    # > 0: stop the actor's warm-start (at most actor_steps) once greedy decoding solves this share of
+    # training prompts, so that every seed starts RL from a comparable policy (the supervised curve of the
+    # built-in task jumps within a few steps, at a step that differs by seed)
+    target_accuracy: float = 0.0
 
 
 def value_at(schedule: tuple[tuple[int, int], ...], step: int, default: int) -> int:
@@ -128,17 +138,22 @@ class AsyncSpec:
 @dataclass(frozen=True)
 class RunSpec:
     seed: int = 0
-    steps: int = 20
+    steps: int = 20  # 0 until resolved from total_epochs (``resolve_steps``)
     workers: int = 4
+    total_epochs: int = 0  # verl's trainer.total_epochs: steps = epochs × (train rows // prompts per step)
     data: DataSpec = field(default_factory=DataSpec)
     warmstart: WarmStart = field(default_factory=WarmStart)
     curriculum: tuple[tuple[int, int], ...] = ()  # (from step, max response length)
     temperature: float = 1.0
     top_p: float = 1.0
-    actor_lr: float = 1e-3
+    actor_lr: float = 3e-4  # 1e-3 collapses the tiny examples on some seeds (docs/rl.md, "Learning settings")
     critic_lr: float = 1e-3
     clip_ratio: float = 0.2
-    grad_clip: float = 0.0  # global gradient-norm clipping of actor and critic updates (verl: 1.0); 0: off
+    grad_clip: float = 1.0  # global gradient-norm clipping of actor and critic updates (verl's default); 0: off
+    # verl's optim.lr_warmup_steps / lr_warmup_steps_ratio (constant schedule with linear warm-up), both models
+    lr_warmup_steps: int = 0  # <= 0 (verl's default -1): the ratio decides
+    lr_warmup_steps_ratio: float = 0.0  # used when lr_warmup_steps is 0: int(ratio × steps)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay of actor and critic (verl's optim.weight_decay)
     clip_ratio_high: float | None = None
     clip_ratio_low: float | None = None  # verl's names; each defaults to clip_ratio
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (verl's default; Ye et al. 2020)
@@ -156,7 +171,7 @@ class RunSpec:
     rule_reward: str = "auto"
     reward_function: str | None = None  # "package.module:function" with verl's signature (rl.rewards)
     reward_model_coef: float = 0.0
-    eval_every: int = 5
+    eval_every: int = 5  # 0: only at the end
     checkpoint_dir: str = "runs/job"
     checkpoint_every: int = 0  # 0: only at the end
     snapshot_every: int = 1  # host-memory snapshots for recovery from a lost worker (0: none)
@@ -182,6 +197,19 @@ class RunSpec:
     @property
     def max_workers(self) -> int:
         return max([self.workers] + [n for _, n in (self.adapt.availability if self.adapt else ())])
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps of linear learning-rate warm-up: ``lr_warmup_steps``, else ``lr_warmup_steps_ratio`` ×
+        ``steps`` (verl's rule: a non-positive step count defers to the ratio)."""
+        return self.lr_warmup_steps if self.lr_warmup_steps > 0 else int(self.lr_warmup_steps_ratio * self.steps)
+
+    def lr_at(self, lr: float, step: int) -> float:
+        """The learning rate of step ``step`` (0-based) for base rate ``lr``: verl's constant schedule with
+        warm-up (``get_constant_schedule_with_warmup``), lr × step / warm-up steps until the warm-up ends —
+        so the first step's updates run at 0, as verl's do — then lr."""
+        w = self.warmup_steps
+        return lr * step / w if step < w else lr
 
     def max_response_length(self, step: int, final: int) -> int:
         """The curriculum's limit at ``step`` (the workload's ``response_length.max`` without one)."""
@@ -292,14 +320,45 @@ def _check_task_size(d: Fields, data: DataSpec) -> None:
     """The built-in task draws distinct digit strings by rejection (``nereus.rl.task.reverse_rows``): asking
     for more than exist never finishes, and near all of them it slows down like a coupon collector, so at
     most half of the strings of up to ``max_digits`` digits may be drawn."""
-    if data.train is not None:
+    if data.train:
         return
     distinct = sum(10**n for n in range(1, data.max_digits + 1))
-    wanted = data.train_size + (data.val_size if data.val is None else 0)
+    wanted = data.train_size + (data.val_size if not data.val else 0)
     if wanted > distinct // 2:
         raise SpecError(d.key_path("train_size"), f"the built-in task has {distinct:,} distinct prompts of up to "
                         f"{data.max_digits} digits; {wanted:,} (train_size + val_size) is more than half of them. "
                         "Raise max_digits or lower the sizes")
+
+
+def _steps(f: Fields) -> int:
+    """``steps``; with ``total_epochs`` and no ``steps``, 0 until the data is read (``resolve_steps``). Given
+    both, ``steps`` wins, as verl's total_training_steps wins over total_epochs."""
+    default = 0 if f.data.get("total_epochs") and not f.has("steps") else 20
+    return f.get("steps", int, default, minimum=1, maximum=MAX_STEPS)
+
+
+def resolve_steps(spec: RunSpec, train_rows: int, prompts_per_step: int) -> RunSpec:
+    """``spec`` with ``steps`` from ``total_epochs`` when it was not given: whole batches of the training
+    rows per epoch (verl's dataloader drops the last partial batch)."""
+    if spec.steps:
+        return spec
+    steps = spec.total_epochs * (train_rows // prompts_per_step)
+    if steps < 1:
+        raise SpecError("run.total_epochs", f"{train_rows} training rows make no whole step of {prompts_per_step} "
+                                            "prompts (data.train_batch_size); give run.steps or more rows")
+    return replace(spec, steps=min(steps, MAX_STEPS))
+
+
+def _files(d: Fields, key: str) -> tuple[str, ...]:
+    """``run.data.train`` / ``val``: one file or a list of them (verl's ``data.train_files``)."""
+    raw = d.data.get(key)
+    if isinstance(raw, list):
+        files = d.get_list(key, str)
+        if not files:
+            raise SpecError(d.key_path(key), "an empty list; give at least one file (or remove the key)")
+        return tuple(files)
+    value = d.get(key, str, None)
+    return () if value is None else (value,)
 
 
 def _kl_kind(f: Fields, key: str, default: str) -> str:
@@ -333,7 +392,8 @@ def _clip_ratio_c(f: Fields) -> float:
 
 def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpec:
     d, w = f.sub("data"), f.sub("warmstart")
-    data = DataSpec(train=d.get("train", str, None), val=d.get("val", str, None),
+    data = DataSpec(train=_files(d, "train"), val=_files(d, "val"),
+                    filter_overlong_prompts=d.get("filter_overlong_prompts", bool, False),
                     train_size=d.get("train_size", int, 2000, minimum=1, maximum=MAX_DATASET),
                     val_size=d.get("val_size", int, 200, minimum=1, maximum=MAX_DATASET),
                     max_digits=d.get("max_digits", int, 6, minimum=1, maximum=30))
@@ -342,7 +402,9 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
     warm = WarmStart(actor_steps=w.get("actor_steps", int, 0, minimum=0, maximum=MAX_STEPS),
                      reward_steps=w.get("reward_steps", int, 0, minimum=0, maximum=MAX_STEPS),
                      batch=w.get("batch", int, 64, minimum=1, maximum=MAX_DATASET),
-                     lr=w.get("lr", float, 3e-3, minimum=0))
+                     lr=w.get("lr", float, 3e-3, minimum=0),
+                     label_smoothing=w.get("label_smoothing", float, 0.0, minimum=0, maximum=0.5),
+                     target_accuracy=w.get("target_accuracy", float, 0.0, minimum=0, maximum=1))
     w.finish()
     layouts, ranks = _layouts(f.sub("layouts"), stages)
     ckpt, rollout = f.sub("checkpoint"), f.sub("rollout")
@@ -353,13 +415,17 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
     rollout.finish()
     spec = RunSpec(
         seed=f.get("seed", int, 0, minimum=0, maximum=MAX_SEED),
-        steps=f.get("steps", int, 20, minimum=1, maximum=MAX_STEPS),
+        steps=_steps(f),
+        total_epochs=f.get("total_epochs", int, 0, minimum=0, maximum=MAX_STEPS),
         workers=f.get("workers", int, 4, minimum=1, maximum=MAX_WORKERS), data=data, warmstart=warm,
         curriculum=_curriculum(f, final_response),
         temperature=f.get("temperature", float, 1.0, minimum=0), top_p=f.get("top_p", float, 1.0, minimum=0, maximum=1),
-        actor_lr=f.get("actor_lr", float, 1e-3, minimum=0), critic_lr=f.get("critic_lr", float, 1e-3, minimum=0),
+        actor_lr=f.get("actor_lr", float, 3e-4, minimum=0), critic_lr=f.get("critic_lr", float, 1e-3, minimum=0),
         clip_ratio=f.get("clip_ratio", float, 0.2, minimum=0),
-        grad_clip=f.get("grad_clip", float, 0.0, minimum=0),
+        grad_clip=f.get("grad_clip", float, 1.0, minimum=0),
+        lr_warmup_steps=f.get("lr_warmup_steps", int, 0, minimum=-1, maximum=MAX_STEPS),
+        lr_warmup_steps_ratio=f.get("lr_warmup_steps_ratio", float, 0.0, minimum=0, maximum=1),
+        weight_decay=f.get("weight_decay", float, 0.0, minimum=0),
         clip_ratio_high=f.get("clip_ratio_high", float, None, minimum=0),
         clip_ratio_low=f.get("clip_ratio_low", float, None, minimum=0, maximum=1),
         clip_ratio_c=_clip_ratio_c(f),
@@ -374,7 +440,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         rule_reward=f.get("rule_reward", str, "auto", choices=RULES),
         reward_function=f.get("reward_function", str, None),
         reward_model_coef=f.get("reward_model_coef", float, 0.0, minimum=0),
-        eval_every=f.get("eval_every", int, 5, minimum=1),
+        eval_every=f.get("eval_every", int, 5, minimum=0),
         checkpoint_dir=ckpt.get("dir", str, "runs/job"), checkpoint_every=ckpt.get("every", int, 0, minimum=0),
         snapshot_every=ckpt.get("snapshot_every", int, 1, minimum=0),
         layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=slots,
@@ -386,8 +452,24 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
     return spec
 
 
+# Below this a temperature divides logits past float32's range (vLLM's _SAMPLING_EPS treats it as greedy)
+MIN_TEMPERATURE = 1e-5
+
+
+def _check_sampling(f: Fields, spec: RunSpec) -> None:
+    """Sampling parameters that would leave no token to draw (``runtime.generation.sampling.sample``):
+    ``top_p`` 0 keeps no token, a temperature just above 0 turns the logits into infinities."""
+    if spec.top_p <= 0:
+        raise SpecError(f.key_path("top_p"), f"{spec.top_p} keeps no token to sample from; give a value in (0, 1] "
+                                             "(1: no nucleus cut; greedy decoding is temperature: 0)")
+    if 0 < spec.temperature < MIN_TEMPERATURE:
+        raise SpecError(f.key_path("temperature"), f"{spec.temperature} overflows the logits; give 0 for greedy "
+                                                   f"decoding or at least {MIN_TEMPERATURE:g}")
+
+
 def _check_run(f: Fields, spec: RunSpec) -> None:
     """Checks across ``run`` keys, once each key is valid on its own."""
+    _check_sampling(f, spec)
     if spec.adapt is not None and spec.layouts:
         raise SpecError(f.key_path("layouts"), "with run.adapt the controller chooses every layout: remove "
                                                "run.layouts (or run.adapt to keep them fixed)")

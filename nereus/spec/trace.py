@@ -18,6 +18,14 @@ Schema (every key validated; errors name the key path)::
     failure_rate:                 # optional: random losses, drawn per step from the simulation's seed
       per_1000_steps: 4           #   expected failures per 1,000 steps
       gpus: 8                     #   GPUs lost per failure (a node)
+    acceptance:                   # optional: per-token acceptance rate α of speculative drafts, by kind
+      source: "..."               #   required with it: where the rates come from
+      suffix:                     #   a kind of DRAFT_KINDS; α interpolates linearly between points
+        - {step: 0, alpha: 0.62}  #   and holds after the last one
+        - {step: 500, alpha: 0.7}
+    length_correlation:           # optional: prompt-level correlation of response lengths
+      siblings: 0.5               #   correlation of log lengths of responses to the same prompt (GRPO group)
+      source: "..."               #   required with it
 """
 
 from __future__ import annotations
@@ -31,6 +39,11 @@ from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_GPUS, MAX_STEPS, MAX_TOKENS, Fields
 from nereus.spec.files import load_json, load_yaml, read_text_file
 from nereus.spec.response import ResponseLength
+
+# Kinds of speculative drafts a trace may give acceptance rates for (``nereus.cost.levers.speculative``):
+# n-gram lookup in the prompt, suffix trees over earlier responses to the same prompt, a draft model,
+# a draft head (EAGLE/MTP).
+DRAFT_KINDS = ("ngram", "suffix", "draft_model", "draft_head")
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,25 @@ class Trace:
     gpus: tuple[tuple[int, int], ...] = ()  # (step, available GPUs)
     failures: tuple[tuple[int, int], ...] = ()  # (step, GPUs lost)
     failure_rate: tuple[float, int] = (0.0, 0)  # (expected failures per 1,000 steps, GPUs each)
+    acceptance: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()  # (kind, ((step, alpha), ...))
+    acceptance_source: str = ""
+    sibling_correlation: float = 0.0  # correlation of log lengths within a prompt's group of responses
+    correlation_source: str = ""
+
+    def acceptance_at(self, kind: str, step: int) -> float | None:
+        """The trace's acceptance rate of ``kind`` drafts at ``step`` (linear between points, held before
+        the first and after the last); None when the trace gives none for that kind."""
+        points = dict(self.acceptance).get(kind)
+        if not points:
+            return None
+        steps = [s for s, _ in points]
+        i = bisect_right(steps, step) - 1
+        if i < 0:
+            return points[0][1]
+        if i + 1 >= len(points):
+            return points[i][1]
+        (s0, a0), (s1, a1) = points[i], points[i + 1]
+        return a0 + (a1 - a0) * (step - s0) / (s1 - s0)
 
     def with_sampled_failures(self, seed: int) -> Trace:
         """The trace with its random failures drawn (seeded), added to the explicit ones."""
@@ -114,8 +146,53 @@ def trace_from_dict(data: object, where: str = "trace") -> Trace:
         failures=_step_list(root, "failures"),
         failure_rate=_failure_rate(root),
     )
+    acceptance, acceptance_source = _acceptance(root)
+    siblings, correlation_source = _length_correlation(root)
     root.finish()
-    return trace
+    return replace(trace, acceptance=acceptance, acceptance_source=acceptance_source,
+                   sibling_correlation=siblings, correlation_source=correlation_source)
+
+
+def _acceptance(root: Fields) -> tuple[tuple[tuple[str, tuple[tuple[int, float], ...]], ...], str]:
+    """The optional ``acceptance`` section: a source and, per draft kind, increasing (step, alpha) points."""
+    if not root.has("acceptance"):
+        root.get("acceptance", dict, None)
+        return (), ""
+    f = root.sub("acceptance")
+    source = f.get("source", str)
+    kinds = [k for k in f.data if k != "source"]
+    for kind in kinds:
+        if kind not in DRAFT_KINDS:
+            raise SpecError(f.key_path(str(kind)), f"unknown draft kind; use one of {list(DRAFT_KINDS)}")
+    if not kinds:
+        raise SpecError(f.path, f"give acceptance points for at least one draft kind of {list(DRAFT_KINDS)}")
+    out = []
+    for kind in kinds:
+        raw = f.get(kind, list)
+        if not raw:
+            raise SpecError(f.key_path(kind), "give at least one {step, alpha} point")
+        points: list[tuple[int, float]] = []
+        for i, item in enumerate(raw):
+            p = Fields(item, f"{f.key_path(kind)}[{i}]")
+            point = (p.get("step", int, minimum=0, maximum=MAX_STEPS), p.get("alpha", float, minimum=0, maximum=0.999))
+            p.finish()
+            if points and point[0] <= points[-1][0]:
+                raise SpecError(p.key_path("step"), f"steps must increase (previous point is at {points[-1][0]})")
+            points.append(point)
+        out.append((kind, tuple(points)))
+    f.finish()
+    return tuple(out), source
+
+
+def _length_correlation(root: Fields) -> tuple[float, str]:
+    """The optional ``length_correlation`` section: the sibling correlation of log lengths and its source."""
+    if not root.has("length_correlation"):
+        root.get("length_correlation", dict, None)
+        return 0.0, ""
+    f = root.sub("length_correlation")
+    value = (f.get("siblings", float, minimum=0, maximum=1), f.get("source", str))
+    f.finish()
+    return value
 
 
 def _failure_rate(root: Fields) -> tuple[float, int]:

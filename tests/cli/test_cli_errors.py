@@ -427,12 +427,23 @@ def test_a_disk_that_fills_during_a_command_is_one_line_naming_the_file(monkeypa
     assert_refused(run_cli("plan", JOB_8B), "/runs/job/step_40/model.safetensors", "No space left on device")
 
 
-def test_a_metric_line_torn_by_a_killed_driver_does_not_block_resume():
-    from nereus.run.metrics import lines_through
+def test_a_metric_line_torn_by_a_killed_driver_does_not_block_resume(tmp_path):
+    """A driver killed while writing a metric line leaves it torn: the resume goes on, but only after
+    keeping the whole file aside (the history is never cut silently; docs/reliability.md)."""
+    import io
+
+    from nereus.run.metrics import MetricsDamaged, prepare_resume, resume_lines
 
     text = '{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"'  # killed while writing step 3
-    assert lines_through(text, 2) == ['{"step": 1, "a": 1}', '{"step": 2, "a": 2}']
-    assert lines_through('[1]\n{"no_step": 1}\n' + "[" * 5000 + "\n", 9) == []
+    assert resume_lines(text, 2) == (['{"step": 1, "a": 1}', '{"step": 2, "a": 2}'], '{"step": 3, "a"')
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(text)
+    warn = io.StringIO()
+    assert prepare_resume(path, 2, warn) == ['{"step": 1, "a": 1}', '{"step": 2, "a": 2}']
+    assert (tmp_path / "metrics.before-resume-1.jsonl").read_text() == text  # kept, byte for byte
+    assert "metrics.before-resume-1.jsonl" in warn.getvalue() and warn.getvalue().count("\n") == 1
+    with pytest.raises(MetricsDamaged, match="line 1 is not a metrics record"):
+        resume_lines('[1]\n{"no_step": 1}\n' + "[" * 5000 + "\n", 9)
 
 
 def test_a_wait_past_its_deadline_is_one_line_and_exit_1(monkeypatch, capsys):

@@ -126,7 +126,7 @@ def test_lost_gpus_force_a_move_regardless_of_cost():
                      transition_cost=lambda hw, j, a, b: 1e9)
     ctl.initial_plan(16)
     backend = SimBackend(job, trace(10), 0, initial_gpus=16)
-    m = backend.run_step(ctl.plan, 0)
+    m = backend.run_step(ctl.plan, 0, ctl)
     decision = ctl.after_step(m, ClusterState(8, lost=8))
     assert decision.action == "forced" and decision.plan.num_gpus <= 8 and decision.cost_s == 1e9
 
@@ -149,7 +149,7 @@ def test_calibration_learns_the_hidden_efficiencies():
     backend = SimBackend(job, tr, seed=5, initial_gpus=16)
     ctl = Controller(job, ControllerConfig(replan_every=1000, drift=10.0), Schedule(tr), 40)
     run_policy(ctl, backend, 40)
-    m = backend.run_step(ctl.plan, 40)
+    m = backend.run_step(ctl.plan, 40, ctl)
     observed = ctl.job_for(40, ctl.plan.num_gpus)
     from nereus.control.controller import observed_job
 

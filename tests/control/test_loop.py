@@ -23,10 +23,10 @@ class DiesOnce(SimBackend):
         super().__init__(*args, **kwargs)
         self.at, self.survivors, self.recoveries = at, survivors, []
 
-    def run_step(self, plan, step):
+    def run_step(self, plan, step, policy):
         if step == self.at and not self.recoveries:
             raise WorkersLost(step, [self.survivors], elapsed_s=4.0)
-        return super().run_step(plan, step)
+        return super().run_step(plan, step, policy)
 
     def cluster(self, step):
         now = super().cluster(step)
@@ -86,7 +86,8 @@ def test_a_resumed_loop_starts_on_the_given_plan_and_step():
     loop.start(plan, step=4)
     record = loop.run(10, start=4)
     assert [s["step"] for s in record.steps] == list(range(4, 10))
-    assert record.plans[0] == {"step": 4, "plan": plan.to_dict(), "strategy": None}
+    assert record.plans[0] == {"step": 4, "plan": plan.to_dict(), "strategy": plan.strategy}  # it round-trips
+    assert plan.strategy == first.plans[-1]["strategy"]
 
 
 def test_restart_recovery_needs_a_restart_cost():

@@ -131,3 +131,10 @@ def test_estimate_shows_the_decode_regime_and_bulk_and_tail_time():
     assert "bulk " in decode[0] and "tail " in decode[0]
     cost = estimate_plan(hw, job, plan).costs["actor/generation"]
     assert cost.decode.regime in decode[0] and cost.decode.regime in ("memory", "compute")
+
+
+def test_every_weight_sync_a_plan_names_is_priced():
+    from nereus.cost.weight_sync import SYNC_TIMES
+    from nereus.spec.layout import WEIGHT_SYNCS
+
+    assert set(WEIGHT_SYNCS) == {"direct", *SYNC_TIMES}  # "direct": plan_cost.sync_time, Nereus's own

@@ -107,7 +107,7 @@ def relative_error(row_id: str, column: str) -> float:
 # their times, and publishes none of them.
 MISSES = {
     ("1", "update_actor_s"): "+67%",
-    ("2", "gen_s"): "+41%",
+    ("2", "gen_s"): "+47%",
     ("2", "update_actor_s"): "+70%",
     ("3", "old_log_prob_s"): "-45%",
 }

@@ -4,11 +4,12 @@ task and its rule-based rewards, and the job spec's `run:` section."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
 from nereus.rl.data import CharTokenizer, DataError, load_prompts, write_rows
-from nereus.rl.task import digit_match, exact_match, reverse_rows
+from nereus.rl.task import digit_match, exact_match, reverse_rows, split_rows
 from nereus.spec.errors import SpecError
 from nereus.spec.job import job_from_dict
 from tests.run.jobs import tiny_job
@@ -40,6 +41,21 @@ def test_task_rows_are_distinct_and_exclusion_holds():
     digits = [r["prompt"][0]["content"][4:-1] for r in train]
     assert len(set(digits)) == 100 and not held & set(digits)
     assert all(r["reward_model"]["ground_truth"] == d[::-1] for r, d in zip(train, digits, strict=True))
+
+
+def test_held_out_split_leaves_training_every_length():
+    """The built-in task's held-out prompts are a random part of one pool: both sets hold short and long
+    strings alike (drawn first, the held-out set took all ten one-digit strings from training)."""
+    for seed in range(5):
+        pool = reverse_rows(4200, seed=seed, max_digits=6)
+        train, val = split_rows(pool, 200, seed)
+        assert len(train) == 4000 and len(val) == 200
+        key = [r["reward_model"]["ground_truth"] for r in pool]
+        assert sorted(key) == sorted(r["reward_model"]["ground_truth"] for r in train + val)  # a partition
+        lengths = Counter(len(r["reward_model"]["ground_truth"]) for r in train)
+        assert all(lengths[n] >= 5 for n in range(1, 7)), lengths
+        short = sum(len(r["reward_model"]["ground_truth"]) <= 2 for r in val)
+        assert short <= 20  # ~2.6% of the pool is one or two digits long; drawn first they were a fifth
 
 
 def test_rewards():
@@ -88,6 +104,53 @@ def test_run_section(tmp_path):
     assert run.steps == 3 and run.layouts["actor/training"].pp == 2 and run.ranks["critic/training"] == (3, 2, 1, 0)
     assert [run.max_response_length(s, 4) for s in range(4)] == [3, 3, 4, 4]
     assert job.algorithm.name == "ppo" and job.workload.response.max == 4
+
+
+def _spec(run: dict) -> dict:
+    return {"models": {"actor": {"preset": "llama3-8b"}, "critic": {"preset": "llama3-8b"}},
+            "algorithm": {"name": "ppo"},
+            "workload": {"prompts_per_step": 4, "prompt_length": 8, "response_length": {"mean": 3, "max": 4}},
+            "cluster": {"gpu": "H100", "nodes": 1, "gpus_per_node": 4}, "run": run}
+
+
+def test_learning_rate_warm_up_is_verls_constant_schedule():
+    """verl's get_constant_schedule_with_warmup: lr × step / warm-up steps while warming up (the first
+    step at 0), then lr; lr_warmup_steps wins over lr_warmup_steps_ratio unless it is <= 0."""
+    run = job_from_dict(_spec({"steps": 40, "lr_warmup_steps": 4})).run
+    assert [run.lr_at(1.0, s) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    ratio = job_from_dict(_spec({"steps": 40, "lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.1})).run
+    assert ratio.warmup_steps == 4 and ratio.lr_at(2.0, 2) == 1.0
+    assert job_from_dict(_spec({"steps": 40})).run.lr_at(3e-4, 0) == 3e-4  # no warm-up by default
+    weights = job_from_dict(_spec({"weight_decay": 0.01})).run
+    assert weights.weight_decay == 0.01
+
+
+def test_steps_from_epochs_and_several_data_files():
+    from nereus.spec.run import resolve_steps
+
+    run = job_from_dict(_spec({"total_epochs": 3, "data": {"train": ["a.jsonl", "b.parquet"], "val": "c.jsonl",
+                                                          "filter_overlong_prompts": True}})).run
+    assert (run.data.train, run.data.val, run.data.filter_overlong_prompts) == (("a.jsonl", "b.parquet"),
+                                                                              ("c.jsonl",), True)
+    assert run.steps == 0 and resolve_steps(run, 41, 4).steps == 30  # 10 whole steps per epoch
+    given = job_from_dict(_spec({"total_epochs": 3, "steps": 7})).run  # verl: total_training_steps wins
+    assert resolve_steps(given, 41, 4).steps == 7
+    with pytest.raises(SpecError, match=r"run\.total_epochs: 3 training rows make no whole step of 4"):
+        resolve_steps(run, 3, 4)
+    with pytest.raises(SpecError, match=r"run\.data\.train: an empty list"):
+        job_from_dict(_spec({"data": {"train": []}}))
+
+
+def test_overlong_prompts_are_dropped_only_when_asked(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": c}], "reward_model": {"ground_truth": "1"}}
+            for c in ("12", "1234567890123", "3")]
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    with pytest.raises(DataError, match=r"row 1: field 'prompt': .* exceed the maximum prompt length 8"):
+        load_prompts(path, TOK, 8)
+    notes = []
+    kept = load_prompts(path, TOK, 8, drop_overlong=True, notes=notes)
+    assert [p.ground_truth for p in kept] == ["1", "1"] and [p.index for p in kept] == [0, 2]
+    assert notes == [f"{path}: 1 rows dropped, their prompts exceed 8 tokens (run.data.filter_overlong_prompts)"]
 
 
 @pytest.mark.parametrize(("patch", "path"), [

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import pytest
 
+from nereus.rl.math_dapo import dapo_score
 from nereus.rl.rewards import (
     RewardRouter,
     answers_equal,
     boxed_score,
+    correct,
     gsm8k_answer,
     gsm8k_score,
     last_boxed,
     load_user_function,
     normalize_answer,
     scorer_for_source,
+    user_score,
 )
 from nereus.spec.errors import SpecError
 
@@ -97,3 +100,49 @@ def test_user_function_errors_name_the_key(target, message):
     with pytest.raises(SpecError) as err:
         load_user_function(target)
     assert err.value.path == "run.reward_function" and message in str(err.value)
+
+
+@pytest.mark.parametrize(("response", "truth", "score"), [
+    ("Let me think.\nAnswer: 42", "42", 1.0),
+    ("answer :  $\\frac12$", "\\frac{1}{2}", 1.0),  # Minerva's shorthand fraction, $ dropped
+    ("Answer: 1,000", "1000", 1.0),
+    ("Answer: 5 apples... no.\nAnswer: x = 7", "7", 1.0),  # the last Answer:, after its last '='
+    ("Answer: \\boxed{12}", "12", 1.0),
+    ("Answer: 10 degrees", "10", 1.0),
+    ("Answer: 41", "42", -1.0),
+    ("\\boxed{42}", "42", -1.0),  # no Answer: line is wrong (-1, never 0)
+    ("x" * 400 + "Answer: 42", "42", 1.0),
+    ("Answer: 42" + "x" * 300, "42", -1.0),  # only the last 300 characters count
+])
+def test_dapo_rule(response, truth, score):
+    assert dapo_score(response, truth, True, {}) == score
+
+
+def test_math_sources_route_as_verl_and_unknown_math_is_refused():
+    for source in ("math_dapo", "math", "math_dapo_reasoning", "aime24", "aime_2025"):
+        assert scorer_for_source(source) is dapo_score, source
+    router = RewardRouter("auto")
+    assert router.score("math_dapo", "Answer: 42", "42", True, {}) == 1.0
+    assert router.score("math_dapo", "\\boxed{42}", "42", True, {}) == -1.0  # not the \boxed{} rule
+    assert correct("math_dapo", "Answer: 42", "42", True, {}) == 1.0  # held-out accuracy counts it right
+    assert scorer_for_source("my_math_set") is None
+    with pytest.raises(SpecError, match=r"no rule reward for data_source 'my_math_set' \(a math source whose answer "
+                                        r"format Nereus does not know: no rule is guessed\)"):
+        router.check_sources({"my_math_set", "openai/gsm8k"}, "run.rule_reward")
+
+
+def test_user_functions_may_return_verls_dict(tmp_path):
+    file = tmp_path / "dict_reward.py"
+    file.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return {'score': 1.0 if solution_str == ground_truth else -1.0, 'acc': True, 'pred': 'x'}\n"
+                    "def flag(data_source, solution_str, ground_truth, extra_info=None):\n    return True\n")
+    assert RewardRouter("auto", f"{file}:score").score("s", "7", "7", True, {}) == 1.0
+    assert RewardRouter("auto", f"{file}:score").score("s", "8", "7", True, {}) == -1.0
+    assert RewardRouter("auto", f"{file}:flag").score("s", "8", "7", True, {}) == 1.0
+    assert user_score(3) == 3.0
+    with pytest.raises(TypeError, match=r"returned a dict without 'score' \(keys \['acc'\]\)"):
+        user_score({"acc": 1})
+    with pytest.raises(TypeError, match=r"returned str '0.5'; return a finite number"):
+        user_score("0.5")
+    with pytest.raises(TypeError, match=r"returned float 'nan'"):
+        user_score({"score": float("nan")})

@@ -40,15 +40,15 @@ def test_scale_moves_a_running_job_live(ray_runtime, tmp_path, monkeypatch, caps
     from nereus.run.job import RLJob
 
     out = tmp_path / "run"
-    real_step = Stepper.step
+    real_step = Stepper.run_step  # what the runtime backend calls for each step
 
-    def step_then_request(self, step):
-        metrics = real_step(self, step)
+    def step_then_request(self, step, policy=None):
+        answer = real_step(self, step, policy)
         if step in REQUESTS:  # what a user's `nereus scale N --dir RUN` does while the job runs
             assert main(["scale", str(REQUESTS[step]), "--dir", str(out)]) == 0
-        return metrics
+        return answer
 
-    monkeypatch.setattr(Stepper, "step", step_then_request)
+    monkeypatch.setattr(Stepper, "run_step", step_then_request)
     rl = RLJob(load_job(_job(tmp_path)), runtime=ray_runtime, quiet=True)
     try:
         summary = rl.execute()
@@ -77,7 +77,7 @@ def test_scale_moves_a_running_job_live(ray_runtime, tmp_path, monkeypatch, caps
     assert "plan" in state  # a resumed run starts on the plan in force, whose ranks hold the optimizer files
 
     # resume for two more steps: the plan in force at the checkpoint, its Adam state restored per rank
-    monkeypatch.setattr(Stepper, "step", real_step)
+    monkeypatch.setattr(Stepper, "run_step", real_step)
     job = load_job(_job(tmp_path))
     job = job.__class__(**{**job.__dict__, "run": job.run.__class__(**{**job.run.__dict__, "steps": STEPS + 2})})
     rl = RLJob(job, runtime=ray_runtime, quiet=True)

@@ -25,6 +25,7 @@ from nereus.runtime.model.decoder import CausalLM  # noqa: E402
 from nereus.spec.errors import SpecError  # noqa: E402
 from nereus.spec.job import load_job  # noqa: E402
 from tests.conftest import EXAMPLES  # noqa: E402
+from tests.run.test_job import TIMING  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 TOL = 1e-4  # as tests/runtime/model/test_hf.py: fp32 on CPU, another kernel order
@@ -152,8 +153,9 @@ def test_pretrained_job_refusals(tiny_hf, tmp_path):
     spec = yaml.safe_load(open(_job_file(tiny_hf, tmp_path, "grpo")).read())
     spec["run"]["reward_function"] = "tests.run.test_hf_job:no_such_function"
     (tmp_path / "fn.yaml").write_text(yaml.safe_dump(spec))
+    rl = RLJob(load_job(tmp_path / "fn.yaml"), out_dir=tmp_path, quiet=True)  # user code is not run in set-up
     with pytest.raises(SpecError, match=r"run\.reward_function: 'tests\.run\.test_hf_job' has no function"):
-        RLJob(load_job(tmp_path / "fn.yaml"), out_dir=tmp_path, quiet=True)
+        rl.execute()  # imported once the job is accepted, before any worker starts
 
 
 def test_critic_and_reward_sources(tiny_hf, tmp_path):
@@ -177,3 +179,114 @@ def test_critic_and_reward_sources(tiny_hf, tmp_path):
     pretrained_checkpoints(tmp_path / "b", {"critic": cfg}, {"critic": rm})
     assert not (tmp_path / "b" / "critic").exists()
     assert read_config(rm).value_head and not read_config(model).value_head
+
+
+def _two_eos_model(tiny_hf, folder):
+    """The tiny model with two EOS ids in config.json and generation_config.json (as Llama 3 Instruct lists
+    <|end_of_text|> and <|eot_id|>): the tokenizer's EOS and its padding token's id."""
+    import shutil
+
+    shutil.copytree(tiny_hf / "model", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    eos = [cfg["eos_token_id"], cfg["pad_token_id"]]
+    cfg["eos_token_id"] = eos
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return eos
+
+
+def test_grpo_from_hf_resumes_like_an_uninterrupted_run(ray_runtime, tiny_hf, tmp_path):
+    """A GRPO job read wholly from HF directories (init/ holds no weights, only sources.json) resumes with
+    the metrics of a run that was never stopped; an EOS list stops generation and stays a list in the
+    written checkpoints; a changed starting directory is refused on resume."""
+    model = tmp_path / "model"
+    eos = _two_eos_model(tiny_hf, model)
+    spec = yaml.safe_load(open(_job_file(tiny_hf, tmp_path, "grpo")).read())
+    spec["models"] = {"actor": {"path": str(model)}, "reference": {"path": str(model)}}
+
+    def run(out, steps: int, resume: bool = False) -> RLJob:
+        spec["run"].update(steps=steps, checkpoint={"dir": str(out), "every": 2})
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+        rl = RLJob(load_job(tmp_path / "job.yaml"), runtime=ray_runtime, out_dir=out, quiet=True)
+        try:
+            rl.execute(resume=resume)
+        finally:
+            rl.release()
+        return rl
+
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    rl = run(straight, 4)
+    assert rl.tok.stop_token_ids == tuple(eos)
+    run(cut, 2)
+    assert sorted(p.name for p in (cut / "init").iterdir()) == ["MANIFEST.json", "sources.json"]
+    run(cut, 4, resume=True)
+    a = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b, strict=True):
+        for k, v in ra.items():
+            if not k.startswith(TIMING):
+                assert rb[k] == pytest.approx(v, rel=1e-4, abs=1e-5), (ra["step"], k)
+    written = json.loads((cut / "step_4" / "actor" / "config.json").read_text())
+    assert written["eos_token_id"] == eos  # kept as the list, not collapsed to its first id
+    assert json.loads((cut / "step_4" / "actor" / "generation_config.json").read_text())["eos_token_id"] == eos
+    (model / "config.json").write_text((model / "config.json").read_text().replace('"rms_norm_eps"', '"rms_norm_eps" '))
+    with pytest.raises(SpecError, match=r"models\.actor\.path: .* is not the directory the run started from .*: "
+                                        r"config\.json differ"):
+        run(cut, 5, resume=True)
+
+
+def _verl_grpo_command(tiny_hf, model: str) -> list[str]:
+    """Every key of verl's main GRPO script (examples/grpo_trainer/run_qwen2-7b.sh) with its learning rate
+    1e-6, sized for the tiny model (batch sizes, lengths, GPUs) and with console logging (the script's wandb
+    is an optional extra here); trainer.total_training_steps is a user's `$@` extra keeping it short."""
+    return [
+        "algorithm.adv_estimator=grpo", f"data.train_files={tiny_hf / 'train.parquet'}",
+        f"data.val_files={tiny_hf / 'val.parquet'}", "data.train_batch_size=4", "data.max_prompt_length=64",
+        "data.max_response_length=6", "data.filter_overlong_prompts=True", "data.truncation=error",
+        f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.actor.optim.lr=1e-6",
+        "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40", "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False",
+        "trainer.critic_warmup=0", "trainer.logger=[console]", "trainer.project_name=verl_grpo_example_gsm8k",
+        "trainer.experiment_name=qwen2_7b_function_rm", "trainer.n_gpus_per_node=4", "trainer.nnodes=1",
+        "trainer.save_freq=20", "trainer.test_freq=5", "trainer.total_epochs=15", "trainer.total_training_steps=2",
+    ]
+
+
+def test_a_verl_grpo_command_line_runs(ray_runtime, tiny_hf, tmp_path, capsys):
+    model = str(tiny_hf / "model")
+    spec = yaml.safe_load(open(_job_file(tiny_hf, tmp_path, "grpo")).read())
+    del spec["run"]["reward_function"]  # the rows' data_source (openai/gsm8k) picks the rule, as in verl
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    job = load_job(tmp_path / "job.yaml", _verl_grpo_command(tiny_hf, model))
+    notes = capsys.readouterr().err
+    for ignored in ("ppo_micro_batch_size_per_gpu=40", "fsdp_config.param_offload=True",
+                    "use_remove_padding=True", "tensor_model_parallel_size=2", "project_name="):
+        assert f"nereus: ignoring actor_rollout_ref.{ignored}" in notes or f"trainer.{ignored}" in notes, ignored
+    r, a = job.run, job.algorithm
+    assert (r.actor_lr, r.steps, r.total_epochs, r.eval_every, r.checkpoint_every, r.kl_coef) == (1e-6, 2, 15, 5, 20, 0)
+    assert (a.adv_estimator, a.samples_per_prompt, a.mini_batches) == ("grpo", 4, 2)
+    assert job.paths == {"actor": model, "reference": model} and job.name == "qwen2_7b_function_rm"
+    assert (r.use_kl_loss, r.kl_loss_coef, r.kl_loss_type) == (True, 0.001, "low_var_kl")
+    assert r.data.filter_overlong_prompts and r.rollout_engine.engine == "vllm"
+    # the run itself generates with the native engine: the tiny model's head size (8) is not one vLLM's CPU
+    # kernels take (tests/run/test_vllm_job.py runs the vLLM engine)
+    native = "actor_rollout_ref.rollout.name=native"
+    job = load_job(tmp_path / "job.yaml", [*_verl_grpo_command(tiny_hf, model), native])
+    rl = RLJob(job, runtime=ray_runtime, out_dir=tmp_path / "out", quiet=True)
+    try:
+        summary = rl.execute()
+    finally:
+        rl.release()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2] and summary["final_accuracy"] is not None
+    assert rows[0]["actor/lr"] == 1e-6

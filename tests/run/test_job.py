@@ -19,8 +19,9 @@ COMMON = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/upd
           "perf/throughput", "response_length/mean", "response_length/clip_ratio", "critic/score/mean",
           "critic/advantages/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
           "actor/kl_loss", "actor/entropy", "timing_s/update_weights", "critic/rewards/mean",
-          "rollout/logprob_diff_max", "curriculum/max_response_length")
-PPO_ONLY = ("critic/vf_loss", "critic/values/mean", "critic/returns/mean", "timing_s/update_critic",
+          "rollout/logprob_diff_max", "curriculum/max_response_length", "critic/returns/mean",
+          "actor/ppo_kl_last", "actor/ppo_ratio_max_deviation", "actor/lr")
+PPO_ONLY = ("critic/vf_loss", "critic/values/mean", "timing_s/update_critic",
             "timing_s/values", "reward_model/score/mean", "actor/reward_kl_penalty", "critic/vpred_mean")
 TIMING = ("timing_s/", "perf/throughput", "perf/time_per_step", "perf/idle_fraction/", "nereus/snapshot_s")
 
@@ -63,8 +64,12 @@ def test_smoke(ray_runtime, tmp_path, algorithm):
     assert [r["curriculum/max_response_length"] for r in rows] == [3, 3, 4]
     assert max(r["response_length/max"] for r in rows[:2]) <= 3
     assert "val/accuracy" in rows[1] and "val/accuracy" in rows[2]
+    for r in rows:  # the first mini-batch is on-policy: the step's mean ppo_kl is half the last one's or less
+        assert r["actor/ppo_ratio_max_deviation"] > 0 and abs(r["actor/ppo_kl"]) <= abs(r["actor/ppo_kl_last"]) + 1e-5
     if algorithm == "grpo":
         assert any(r["actor/kl_loss"] > 0 for r in rows[1:])  # the policy moved off the reference
+        for r in rows:  # verl's GRPO returns are its advantages
+            assert r["critic/returns/mean"] == pytest.approx(r["critic/advantages/mean"])
     # checkpoints: HF safetensors per trained model, optimizer state per training worker (no pickle)
     ckpt = tmp_path / "step_2"
     assert (tmp_path / "latest").read_text() == "3"

@@ -54,11 +54,11 @@ def test_ppo_with_vllm_recovers_a_worker_killed_mid_generation(ray_runtime, tmp_
     real_generate = Stepper.generate
     armed = []
 
-    def generate_losing_a_worker(self, step, prompts):
+    def generate_losing_a_worker(self, step, prompts, policy=None):
         if step == LOSE_AT and not armed:
             armed.append(step)
             self.rt.inject(FaultPlan.kill(1, "generate"))  # SIGKILL while its engine generates
-        return real_generate(self, step, prompts)
+        return real_generate(self, step, prompts, policy)
 
     monkeypatch.setattr(Stepper, "generate", generate_losing_a_worker)
     rl = RLJob(vllm_job("ppo", str(tmp_path / "run"), steps=3), runtime=ray_runtime, quiet=True)

@@ -1,5 +1,5 @@
-"""Adaptation inside the step: sequence-level generation, phased generation with KV moves,
-the controller's per-step decision, and the policies that use them."""
+"""Adaptation inside the step in the simulator: sequence-level generation, phased generation with KV moves,
+the controller's per-step decision through the generation protocol, and the policies that use them."""
 
 from __future__ import annotations
 
@@ -14,27 +14,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nereus.control.phased import (
-    Factors,
-    GenModel,
-    TailPhase,
-    kv_migration_plan,
-    no_move,
-    phased_plan_dict,
-    phased_plan_from_dict,
-    run_bulk,
-    run_replicas,
-    step_table,
-    with_tail,
-)
+from nereus.cost.batching import Factors, run_replicas, step_table
 from nereus.cost.decode import generation_time
+from nereus.cost.generation import GenModel, no_move, run_bulk, with_tail
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.elastic.plan import Commit, KVFree, KVPiece, KVSend
+from nereus.elastic.tail_plan import tail_migration_plan
 from nereus.planner.search import search
 from nereus.sim.run import simulate
 from nereus.spec import load_job
+from nereus.spec.errors import SpecError
+from nereus.spec.generation import ChangeTailLayout, GenerationEntry, TailPhase
 from nereus.spec.job import ResponseLength
+from nereus.spec.layout import Plan
 from nereus.spec.trace import load_trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,12 +66,15 @@ def test_replica_matches_the_decode_models_event_simulation():
 def test_phases_round_trip_through_json_with_the_plan():
     _, _, plan, _ = _setup()
     phase = TailPhase(32, 8, 2, True, "cheaper", "nereus", {"gain_s": 1.5})
-    p = replace(plan)
-    p.meta["generation_phases"] = phase.to_dict()
-    back = phased_plan_from_dict(json.loads(json.dumps(phased_plan_dict(p))))
-    assert back == plan and TailPhase.from_dict(back.meta["generation_phases"]) == phase
-    with pytest.raises(ValueError, match="format"):
-        TailPhase.from_dict({**phase.to_dict(), "format": "x"})
+    p = replace(plan, generation=phase, weight_sync="hybrid-reshard")
+    back = Plan.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert back == plan and back.generation == phase and back.generation.predicted == {"gain_s": 1.5}
+    assert back.strategy == plan.strategy != "" and back.weight_sync == "hybrid-reshard"
+    assert "generation_phases" not in plan.to_dict()  # a plan without phases stays its placements
+    with pytest.raises(SpecError, match=r"plan\.generation_phases\.format"):
+        Plan.from_dict({**p.to_dict(), "generation_phases": {**phase.to_dict(), "format": "x"}})
+    with pytest.raises(SpecError, match=r"plan\.weight_sync"):
+        Plan.from_dict({**p.to_dict(), "weight_sync": "telepathy"})
     with pytest.raises(ValueError, match="kv"):
         TailPhase(1, 8, 1, kv="teleport")
 
@@ -90,7 +86,7 @@ def test_tail_switch_moves_every_unfinished_sequence_and_the_kv_plan_matches_its
     out = with_tail(model, bulk, phase, Factors())
     assert out.moved and out.unfinished >= 1 and out.kv_sent == out.unfinished
     assert out.migration_s > 0 and out.generation_s < no_move(model, bulk).generation_s
-    mig = kv_migration_plan(model, bulk, phase)
+    mig = tail_migration_plan(model, bulk, phase)
     assert json.loads(json.dumps(mig.to_json())) == mig.to_json()
     assert type(mig).from_json(mig.to_json()) == mig
     # every byte the model prices is a KV piece of the plan (TP 4 -> 8 splits each rank's heads in two); the
@@ -135,7 +131,7 @@ def test_property_kv_pieces_cover_each_destination_shard_exactly_once(seed, tp, 
     job, _, _, model = _setup()
     arch = job.models["actor"]
     bulk = run_bulk(model, _lengths(job.sequences_per_step(), seed), Factors())
-    mig = kv_migration_plan(model, bulk, TailPhase(trigger, tp, replicas, kv="send"))
+    mig = tail_migration_plan(model, bulk, TailPhase(trigger, tp, replicas, kv="send"))
     area: dict[tuple[int, int], int] = {}
     for s in mig.sends():
         for part in s.parts:
@@ -154,14 +150,16 @@ def test_controller_calibrates_the_move_cost_and_logs_every_decision():
     within 20% of the prediction."""
     job = load_job(ROOT / "examples" / "ppo_8b_h100.yaml")
     record = simulate(job, load_trace(ROOT / "traces" / "long_tail_dapo.yaml"), "nereus", seed=1, steps=45)
-    moves = [s["intrastep"] for s in record.steps if s.get("intrastep")]
-    assert moves and all({"predicted", "realised_gain_s", "migration_s"} <= m.keys() for m in moves)
-    calibrated = [m for m in moves[20:] if m["moved"] and m["predicted"].get("transfer_factor", 1.0) != 1.0]
+    moves = [GenerationEntry.from_json(json.loads(json.dumps(d))) for d in record.generation_decisions]
+    assert moves and all(isinstance(e.decision, ChangeTailLayout) and e.outcome.gain_s is not None for e in moves)
+    assert all(e.decision.gain_s == e.decision.phase.predicted["gain_s"] for e in moves)
+    calibrated = [e for e in moves[20:] if e.outcome.applied
+                  and e.decision.phase.predicted.get("transfer_factor", 1.0) != 1.0]
     assert calibrated
-    errors = [abs(m["migration_s"] / m["predicted_migration_s"] - 1) for m in calibrated]
+    errors = [abs(e.outcome.cost_s / e.outcome.figures["predicted_migration_s"] - 1) for e in calibrated]
     assert sum(errors) / len(errors) <= 0.2
-    assert record.intrastep_summary()["moved"] == sum(m["moved"] for m in moves)
-    assert not any(s.get("intrastep") for s in record.steps[:5])  # no move before the first calibration fit
+    assert record.generation_summary()["moved"] == sum(e.outcome.applied for e in moves)
+    assert min(e.step for e in moves) >= 5  # no move before the first calibration fit
 
 
 def test_policies_run_and_intrastep_ones_move_inside_the_step():
@@ -169,7 +167,7 @@ def test_policies_run_and_intrastep_ones_move_inside_the_step():
     trace = load_trace(ROOT / "traces" / "long_tail_dapo.yaml")
     for policy in ("nereus-interstep", "pat-like", "rlhfuse-like"):
         record = simulate(job, trace, policy, seed=0, steps=6)
-        moved = record.intrastep_summary()["moved"]
+        moved = record.generation_summary()["moved"]
         assert (moved > 0) == (policy != "nereus-interstep"), policy
         assert all(s["generation"]["bulk_s"] > 0 for s in record.steps)
 

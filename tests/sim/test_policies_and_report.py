@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +12,6 @@ from nereus.sim.recipes import RECIPES, fixed_recipe_tp, system_recipe_tp
 from nereus.sim.report import write_report
 from nereus.sim.run import simulate
 from nereus.spec import load_job
-from nereus.spec.layout import Plan
 from nereus.spec.trace import load_trace
 from tests.conftest import EXAMPLES, ROOT
 from tests.control.test_controller import small_job, trace
@@ -27,11 +27,11 @@ def test_every_policy_runs_and_reports(name):
 def test_baselines_have_the_shape_they_model():
     job = small_job(32)
     verl = make_policy("verl-like", job).initial_plan(32)
-    assert verl.meta["strategy"] == "colocated" and verl.meta["weight_sync"] == "hybrid-reshard"
+    assert verl.strategy == "colocated" and verl.weight_sync == "hybrid-reshard"
     assert all(p.layout.tp == p.layout.pp == 1 and (p.layout.fsdp or p.layout.dp == 1)
                for p in verl.placements if p.model_stage.stage != "generation")
     orl = make_policy("openrlhf-like", job).initial_plan(32)
-    assert orl.meta["weight_sync"] == "gather-broadcast"
+    assert orl.weight_sync == "gather-broadcast"
     gpu_sets = [set(p.gpus) for p in orl.placements]
     rollout = set(orl.placement("actor/generation").gpus)
     assert all(not (s & rollout) for s, p in zip(gpu_sets, orl.placements, strict=True)
@@ -72,7 +72,7 @@ def test_weight_sync_mechanisms_cost_what_they_move():
     train, gen = orl.placement("actor/training"), orl.placement("actor/generation")
     # the whole model leaves one rank: no faster than the model over one InfiniBand link
     assert gather_broadcast_time(hw, job, train, gen) > weights / job.cluster.gpu.inter_node_bytes_per_s
-    direct = estimate_plan(hw, job, replace_meta(orl, "direct")).phase_times["weight_sync"]
+    direct = estimate_plan(hw, job, replace(orl, weight_sync="direct")).phase_times["weight_sync"]
     assert estimate_plan(hw, job, orl).phase_times["weight_sync"] > 1.5 * direct
     verl = make_policy("verl-like", job).initial_plan(64)
     train, gen = verl.placement("actor/training"), verl.placement("actor/generation")
@@ -80,12 +80,6 @@ def test_weight_sync_mechanisms_cost_what_they_move():
         hw.all_gather_time(weights, train.layout.dp) + hw.hbm_time(2 * weights / gen.layout.tp))
     assert estimate_plan(hw, job, verl).phase_times["weight_sync"] == pytest.approx(
         hybrid_reshard_time(hw, job, train, gen))
-
-
-def replace_meta(plan, sync):
-    copy = Plan(plan.placements, plan.num_gpus, dict(plan.meta))
-    copy.meta["weight_sync"] = sync
-    return copy
 
 
 def test_trace_files_cite_sources_and_load():

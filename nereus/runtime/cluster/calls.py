@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
+from nereus.elastic.kvplan import MigrationPlan
 from nereus.runtime.generation.sampling import SamplingParams
 from nereus.runtime.model.sharded import Batch, LossFn
 
@@ -101,10 +102,12 @@ class TrainStep:
     loss_fn: LossFn
     lr: float
     max_grad_norm: float | None = None
+    weight_decay: float = 0.0  # AdamW's decoupled decay
     changes_state: ClassVar[bool] = True
 
     def issue(self, worker: ActorHandle, key: str) -> ObjectRef:
-        return worker.train_step.remote(key, self.batch, self.loss_fn, self.lr, self.max_grad_norm)
+        return worker.train_step.remote(key, self.batch, self.loss_fn, self.lr, self.max_grad_norm,
+                                        self.weight_decay)
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,7 @@ class GenMigrate:
     """Unfinished sequences moved between ``key``'s replicas (``Worker.gen_migrate``; every worker votes)."""
 
     key: str
-    plan: dict
+    plan: MigrationPlan
 
     def issue(self, worker: ActorHandle) -> ObjectRef:
         return worker.gen_migrate.remote(self.key, self.plan)

@@ -144,23 +144,6 @@ def tp_split(layout: Layout, ranks: list[int], homes: list[str]) -> str | None:
     return None
 
 
-def check_address(address: str, timeout_s: float = 5.0) -> None:
-    """Refuse (``SpecError`` on ``--address``) a cluster address that is not ``host:port`` or where nothing
-    answers within ``timeout_s``: ``ray.init`` itself retries an unreachable address for minutes. "auto"
-    and ``ray://`` (Ray Client) addresses are left to Ray."""
-    if address == "auto" or address.startswith("ray://"):
-        return
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise SpecError("--address", f"{address!r} is not host:port; give the address `ray start --head` printed "
-                                     "(for example 10.0.0.1:6379)")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as err:
-        raise SpecError("--address", f"nothing answers at {address} ({err.strerror or err}): start the cluster "
-                                     "with `ray start --head` there, or check the address") from None
-
-
 # ----- rendezvous ------------------------------------------------------------------------------------
 @ray.remote(num_cpus=0)
 class RendezvousStore:

@@ -55,6 +55,7 @@ def start_local_ray(num_cpus: int, temp_dir: Path) -> None:
     os.environ.update(LOOPBACK_ENV)  # for Ray's child processes, which import ray afresh
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False  # for this process, where ray is already imported
     os.environ[OWNER_ENV] = owner_tag(os.getpid())
+    os.environ[PRIVATE_ENV] = str(Path(temp_dir).absolute())  # Ray's processes inherit it (make_private)
     if "RAY_AUTH_MODE" not in os.environ or os.environ["RAY_AUTH_MODE"] == "token":
         _use_token(secrets.token_hex(32))
     kept = _signal_handlers()
@@ -69,6 +70,33 @@ def start_local_ray(num_cpus: int, temp_dir: Path) -> None:
     for sig, handler in kept.items():  # ray.init installs its own (log and die): the caller's come back
         signal.signal(sig, handler)
     atexit.register(shutdown_local_ray)  # after ray.init's own: runs first, shuts Ray down, then reaps
+    make_private()
+
+
+# Ray makes its temp folder and every folder of a session world-writable (mode 0777,
+# ``ray._common.utils.try_make_directory_shared``, so that several users can share /tmp/ray), and every
+# Python worker it starts does so again as it starts. A local instance of one driver has no such users:
+# the driver, and each worker through Ray's ``worker_process_setup_hook`` (run once the worker is up),
+# makes them the owner's only (0700).
+PRIVATE_ENV = "NEREUS_RAY_PRIVATE"  # the temp folder of this driver's local Ray, for the hook
+PRIVATE_HOOK = "nereus.runtime.cluster.raylocal.make_private"
+
+
+def make_private() -> None:
+    """Mode 0700 for the local Ray's temp folder (``$NEREUS_RAY_PRIVATE``), its sessions and their folders."""
+    root = os.environ.get(PRIVATE_ENV)
+    if not root:
+        return
+    folders = [Path(root)]
+    for session in Path(root).glob("session_*"):
+        if session.is_dir() and not session.is_symlink():
+            folders += [session, *(p for p in session.iterdir() if p.is_dir() and not p.is_symlink())]
+    for folder in folders:
+        try:
+            if folder.stat().st_mode & 0o077:
+                folder.chmod(0o700)
+        except OSError:  # removed meanwhile, or not ours
+            pass
 
 
 # Ray 2.60 waits a fixed 30 s for its raylet to register with the GCS (ray/_private/node.py,
@@ -87,7 +115,8 @@ def _init_with_retries(num_cpus: int, temp_dir: Path) -> None:
     for attempt in range(1, START_ATTEMPTS + 1):
         try:
             ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(Path(temp_dir).absolute()),
-                     _node_ip_address=LOOPBACK, log_to_driver=False)
+                     _node_ip_address=LOOPBACK, log_to_driver=False,
+                     runtime_env={"worker_process_setup_hook": PRIVATE_HOOK})
             return
         except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this timeout
             said = " ".join(str(err).split())[:200]  # Ray's messages span lines (the GCS's log tail)

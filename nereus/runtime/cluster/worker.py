@@ -18,19 +18,22 @@ import ray
 import torch
 from ray import ObjectRef
 
+from nereus.elastic.kvplan import MigrationPlan
 from nereus.runtime.cluster.calls import ReplicaOutput
+from nereus.runtime.generation.decode_engine import DecodeEngine
 from nereus.runtime.generation.sampling import SamplingParams
+from nereus.runtime.generation.session import ClosedReplica, MigrationOutcome
 from nereus.runtime.generation.vllm_engine import EngineConfig, ReplicaEngine
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.memory import MemoryReport
 from nereus.runtime.model.sharded import Batch, LossFn, ReplicaStats, ShardedModel
 from nereus.runtime.recovery.faults import FaultHook
+from nereus.spec.generation import ReplicaStatus
 from nereus.spec.layout import Layout
 
 if TYPE_CHECKING:
     from nereus.elastic.plan import TransitionPlan
     from nereus.runtime.cluster.groups import ParallelGroups
-    from nereus.runtime.generation.decode_engine import DecodeEngine
     from nereus.runtime.model.shard_state import Shards
     from nereus.runtime.recovery.snapshots import StateImage
     from nereus.runtime.transitions.executor import TransferComm
@@ -288,15 +291,15 @@ class Worker:
     def values(self, key: str, tokens: torch.Tensor) -> ReplicaOutput[torch.Tensor] | None:
         return self._on(key, lambda sm: self._output(sm, sm.values(tokens)))
 
-    def train_step(self, key: str, batch: Batch, loss_fn: LossFn, lr: float,
-                   max_grad_norm: float | None) -> ReplicaOutput[ReplicaStats] | None:
+    def train_step(self, key: str, batch: Batch, loss_fn: LossFn, lr: float, max_grad_norm: float | None,
+                   weight_decay: float = 0.0) -> ReplicaOutput[ReplicaStats] | None:
         """One optimizer step; the fault point ``train_step`` lies between the backward pass and Adam."""
 
         def run(sm: ShardedModel) -> ReplicaOutput[ReplicaStats] | None:
             metrics: list[dict[str, float]] = []
             losses = sm.backward(batch, loss_fn, metrics)
             self.faults.at("train_step")
-            norm = sm.step(lr, max_grad_norm)
+            norm = sm.step(lr, max_grad_norm, weight_decay)
             return self._output(sm, ReplicaStats(tuple(losses), tuple(metrics), norm))
 
         return self._on(key, run)
@@ -357,28 +360,28 @@ class Worker:
 
         return self._on(key, run)
 
-    def gen_run(self, key: str, iterations: int) -> ReplicaOutput[dict] | None:
-        """Up to ``iterations`` iterations of ``key``'s engine; (DP replica, status) from output ranks."""
+    def gen_run(self, key: str, iterations: int) -> ReplicaOutput[ReplicaStatus] | None:
+        """Up to ``iterations`` iterations of ``key``'s engine; its status from output ranks."""
         from nereus.runtime.generation.session import run_chunk
 
-        return self._on(key, lambda sm: self._output(sm, run_chunk(self.engines[key], iterations)))
+        return self._on(key, lambda sm: self._output(sm, run_chunk(self.engines[key], iterations,
+                                                                   sm.groups.coords.dp)))
 
-    def gen_migrate(self, key: str, plan: dict) -> dict:
+    def gen_migrate(self, key: str, plan: MigrationPlan) -> MigrationOutcome:
         """This worker's part of moving unfinished sequences between ``key``'s replicas (every worker of
-        the world calls it: the commit vote is world-wide); ``ok: False`` when it did not commit."""
+        the world calls it: the commit vote is world-wide); ``ok=False`` when it did not commit."""
         from nereus.runtime.generation.session import migrate_sequences
 
         return self._guarded(migrate_sequences, self.engines.get(key), plan, self.comm, self.faults)
 
-    def gen_close(self, key: str) -> ReplicaOutput[dict] | None:
-        """Run ``key``'s engine to the end and drop it; (DP replica, ``gen_session.close_engine``'s answer:
-        sequence id -> (tokens, log-probs) under ``done``) from output ranks."""
+    def gen_close(self, key: str) -> ReplicaOutput[ClosedReplica] | None:
+        """Run ``key``'s engine to the end and drop it; every sequence it finished, from output ranks."""
         from nereus.runtime.generation.session import close_engine
 
         engine = self.engines.pop(key, None)
         if engine is None:
             return None
-        return self._on(key, lambda sm: self._output(sm, close_engine(engine)))
+        return self._on(key, lambda sm: self._output(sm, close_engine(engine, sm.groups.coords.dp)))
 
     def memory(self, key: str) -> MemoryReport | None:
         sm = self.models.get(key)

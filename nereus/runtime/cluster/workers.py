@@ -26,6 +26,7 @@ from ray import ObjectRef
 from ray.actor import ActorHandle
 
 from nereus.runtime.capability import CAPABILITY
+from nereus.runtime.cluster.address import check_address
 from nereus.runtime.cluster.calls import (
     Generate,
     GenerateWithLogprobs,
@@ -40,7 +41,6 @@ from nereus.runtime.cluster.calls import (
 from nereus.runtime.cluster.nodes import (
     NodeMap,
     PlacementError,
-    check_address,
     pinned,
     replica_ring,
     several_nodes,
@@ -92,8 +92,8 @@ class Runtime:
         self._store_dir = None if address else Path(temp_dir or Path.cwd() / ".tmp" / "ray").absolute() / "rendezvous"
         if not ray.is_initialized():
             if address:
-                check_address(address)  # a one-line error at once, not minutes of ray.init retries
-                ray.init(address=address)
+                # a one-line error at once, not minutes of ray.init retries; the address Ray itself will use
+                ray.init(address=check_address(address))
             else:
                 root = Path(temp_dir or Path.cwd() / ".tmp" / "ray").absolute()
                 start_local_ray(max(world, max_workers or 0, os.cpu_count() or 1), root)
@@ -268,10 +268,11 @@ class Runtime:
         return torch.cat(self._on(key, Values(tokens)))
 
     def train_step(self, key: str, batch: Batch, loss_fn: LossFn, lr: float = 1e-3,
-                   max_grad_norm: float | None = None) -> TrainStats:
-        """One optimizer step; ``max_grad_norm`` clips the global gradient norm first (``ShardedModel.step``).
-        Returns each replica's losses, loss statistics and gradient norm."""
-        return TrainStats(tuple(self._on(key, TrainStep(batch, loss_fn, lr, max_grad_norm))))
+                   max_grad_norm: float | None = None, weight_decay: float = 0.0) -> TrainStats:
+        """One optimizer step; ``max_grad_norm`` clips the global gradient norm first, ``weight_decay`` is
+        AdamW's decoupled decay (``ShardedModel.step``). Returns each replica's losses, loss statistics and
+        gradient norm."""
+        return TrainStats(tuple(self._on(key, TrainStep(batch, loss_fn, lr, max_grad_norm, weight_decay))))
 
     def generate(self, key: str, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         return [row for part in self._on(key, Generate(prompts, params)) for row in part]

@@ -35,25 +35,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.generation.sampling import SamplingParams, sample
+from nereus.runtime.generation.sampling import SamplingParams, sample, stream_seed
 from nereus.runtime.model.decoder import KVCache, logprobs_from_logits
 from nereus.runtime.model.sharded import ShardedModel
 from nereus.runtime.parallel.pp import forward_only
 from nereus.runtime.parallel.tp import gather_vocab
 
 REFILLS = ("replay", "prefill")
-_MASK64 = (1 << 64) - 1
-
-
-def stream_seed(seed: int, seq_id: int) -> int:
-    """The seed of sequence ``seq_id``'s sampling stream: SplitMix64 (Steele et al., OOPSLA 2014) of the
-    pair, so neighbouring ids get unrelated streams; reduced to 63 bits for ``manual_seed``."""
-    z = (seed * 0x9E3779B97F4A7C15 + seq_id + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
-
 @dataclass
 class Sequence:
     """One request and where it stands. ``cached``: positions whose keys and values are in ``caches``
@@ -206,7 +194,7 @@ class DecodeEngine:
             s = self.active[i]
             s.tokens.append(tok)
             s.logprobs.append(lp)
-            if tok == self.params.eos_token_id or len(s.tokens) >= self.params.max_new_tokens:
+            if tok in self.params.stops or len(s.tokens) >= self.params.max_new_tokens:
                 s.done, s.caches = True, None
                 done.append(s)
         self.active = [s for s in self.active if not s.done]

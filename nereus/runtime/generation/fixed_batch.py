@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.generation.decode_engine import generate_continuous
-from nereus.runtime.generation.sampling import SamplingParams, sample
+from nereus.runtime.generation.sampling import SamplingParams, sample, stream_seed
 from nereus.runtime.model.decoder import KVCache, logprobs_from_logits
 from nereus.runtime.model.sharded import ShardedModel
 from nereus.runtime.parallel.pp import forward_only
@@ -76,7 +76,7 @@ def generate(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams)
     if params.slots:
         return [toks for toks, _ in generate_continuous(sm, prompts, params, params.slots)]
     tokens, _ = _generate(sm, prompts, params)
-    return _trim(tokens, params.eos_token_id)
+    return _trim(tokens, params.stops)
 
 
 @torch.no_grad()
@@ -91,7 +91,7 @@ def generate_with_logprobs(sm: ShardedModel, prompts: list[list[int]],
     tokens, logps = _generate(sm, prompts, params)
     if logps is None:
         return None
-    rows = _trim(tokens, params.eos_token_id)
+    rows = _trim(tokens, params.stops)
     return [(row, logps[i, : len(row)].tolist()) for i, row in enumerate(rows)]
 
 
@@ -107,10 +107,13 @@ def _generate(sm: ShardedModel, prompts: list[list[int]],
     keys = torch.zeros(b, length, dtype=torch.bool)
     keys[:, :p] = valid
     positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-    gen = torch.Generator(device=sm.groups.device).manual_seed(params.seed + sm.groups.coords.dp)
+    # one stream per DP replica, hashed from (step seed, replica): seed + replica would make replica 1 of one
+    # step reuse replica 0's stream of the step whose seed is one higher
+    gen = torch.Generator(device=sm.groups.device).manual_seed(stream_seed(params.seed, sm.groups.coords.dp))
     logits = step(tokens, positions, _prefill_mask(valid), 0)
     last_pos = positions[:, -1]
     finished = torch.zeros(b, dtype=torch.bool)
+    stops = torch.tensor(sorted(params.stops), dtype=torch.long)
     out: list[torch.Tensor] = []
     logps: list[torch.Tensor] = []
     for t in range(params.max_new_tokens):
@@ -119,8 +122,8 @@ def _generate(sm: ShardedModel, prompts: list[list[int]],
         out.append(new)
         if logits is not None:
             logps.append(logprobs_from_logits(logits, new.to(logits.device)).cpu())
-        if params.eos_token_id is not None:
-            finished |= new == params.eos_token_id
+        if stops.numel():
+            finished |= torch.isin(new, stops)
         if bool(finished.all()) or t == params.max_new_tokens - 1:
             break
         keys[:, p + t] = True
@@ -141,12 +144,12 @@ def _next_tokens(sm: ShardedModel, logits: torch.Tensor | None, params: Sampling
     return new.cpu()
 
 
-def _trim(generated: torch.Tensor, eos: int | None) -> list[list[int]]:
+def _trim(generated: torch.Tensor, stops: frozenset[int]) -> list[list[int]]:
+    """Each row up to and including its first stop token."""
     out = []
     for row in generated.tolist():
-        if eos is not None and eos in row:
-            row = row[: row.index(eos) + 1]
-        out.append(row)
+        end = next((i for i, t in enumerate(row) if t in stops), None)
+        out.append(row if end is None else row[: end + 1])
     return out
 
 
@@ -159,6 +162,6 @@ def reference_generate(model: torch.nn.Module, prompt: list[int], params: Sampli
             tok = int(model(torch.tensor([seq]))[0, -1].argmax())
             out.append(tok)
             seq.append(tok)
-            if tok == params.eos_token_id:
+            if tok in params.stops:
                 break
     return out

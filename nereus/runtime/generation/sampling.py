@@ -7,6 +7,27 @@ from dataclasses import dataclass
 
 import torch
 
+_MASK64 = (1 << 64) - 1
+
+
+def stream_seed(seed: int, index: int) -> int:
+    """The seed of stream ``index`` under ``seed``: SplitMix64's finaliser (Steele et al., OOPSLA 2014) of
+    the pair, so neighbouring indices (and seeds) get unrelated streams; reduced to 63 bits for
+    ``torch.Generator.manual_seed``. Distinct pairs collide only by a 64-bit hash collision."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def derive_seed(seed: int, *path: int) -> int:
+    """A seed derived from ``seed`` and a path of indices (e.g. purpose, step, replica), one ``stream_seed``
+    per level: (seed, step, replica) and (seed, step + 1, replica − 1) get unrelated streams, which an
+    arithmetic rule such as seed·K + step + replica does not give."""
+    for index in path:
+        seed = stream_seed(seed, index)
+    return seed
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -17,6 +38,13 @@ class SamplingParams:
     pad_token_id: int = 0
     seed: int = 0
     slots: int = 0  # > 0: the continuous-batching engine with this many slots (``decode_engine``)
+    # more tokens that end a sequence (vLLM's name): a model whose generation config lists several EOS ids
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def stops(self) -> frozenset[int]:
+        """Every token id that ends a sequence: ``eos_token_id`` and ``stop_token_ids``."""
+        return frozenset(self.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:

@@ -13,53 +13,81 @@ last chunk and a close). Every rank of a replica makes the same calls, so its en
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from nereus.elastic.kvplan import MigrationPlan
 from nereus.runtime.generation.decode_engine import DecodeEngine, Sequence
 from nereus.runtime.generation.kv_migrate import MigrationAborted, migrate
 from nereus.runtime.recovery.faults import FaultHook
 from nereus.runtime.transitions.executor import TransferComm
+from nereus.spec.generation import ReplicaStatus, SequenceRecord
 
 
-def _record(s: Sequence, rng_bytes: int) -> list[int]:
-    """[seq id, prompt tokens, generated tokens, cached positions, stream-state bytes]: ``SeqMove``'s numbers."""
-    return [s.seq_id, len(s.prompt), len(s.tokens), s.cached, rng_bytes]
+@dataclass(frozen=True)
+class ClosedReplica:
+    """A replica's answer to ``gen_close``: every sequence it finished (its own and those moved in), by id:
+    (tokens, log-probs); with the last call's iterations, rows and busy seconds (``ReplicaStatus``'s)."""
+
+    replica: int
+    done: Mapping[int, tuple[list[int], list[float]]]
+    iterations: int
+    rows: int
+    busy_s: float
 
 
-def run_chunk(engine: DecodeEngine, iterations: int) -> dict:
-    """Up to ``iterations`` engine iterations (fewer when it runs dry); the replica's status after them:
-    its active and queued sequences (``_record``), the lengths of those that finished in this chunk, the
-    seconds the iterations took and their rows (live sequences summed over iterations: an iteration runs
-    each live sequence as its own one-row micro-batch, so its cost grows with them)."""
-    t0, rows, ran, finished = time.perf_counter(), 0, 0, {}
+@dataclass(frozen=True)
+class MigrationOutcome:
+    """One worker's part of a migration: whether it committed (``error`` says why not), its wall time,
+    the sequences it adopted and released, and the KV bytes it sent and received."""
+
+    ok: bool
+    error: str = ""
+    wall_s: float = 0.0
+    installed: tuple[int, ...] = ()
+    released: tuple[int, ...] = ()
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+def _record(s: Sequence, replica: int, rng_bytes: int) -> SequenceRecord:
+    """A sequence's numbers, as a migration plan needs them (``elastic.kvplan.SeqMove``)."""
+    return SequenceRecord(s.seq_id, replica, len(s.prompt), len(s.tokens), s.cached, rng_bytes)
+
+
+def run_chunk(engine: DecodeEngine, iterations: int, replica: int) -> ReplicaStatus:
+    """Up to ``iterations`` engine iterations (fewer when it runs dry); DP replica ``replica``'s status after
+    them: its active and queued sequences, the lengths of those that finished in this chunk, the seconds the
+    iterations took and their rows (live sequences summed over iterations: an iteration runs each live
+    sequence as its own one-row micro-batch, so its cost grows with them)."""
+    t0, rows, ran, finished = time.perf_counter(), 0, 0, []
     while ran < iterations and not engine.idle:
         rows += min(engine.slots, len(engine.active) + len(engine.queue))
-        for s in engine.step():
-            finished[s.seq_id] = len(s.tokens)
+        finished += [(s.seq_id, len(s.tokens)) for s in engine.step()]
         ran += 1
     rng = engine.rng_bytes
-    return {"iterations": ran, "rows": rows, "busy_s": time.perf_counter() - t0, "finished": finished,
-            "active": [_record(s, rng) for s in engine.active], "queued": [_record(s, rng) for s in engine.queue]}
+    return ReplicaStatus(replica, tuple(_record(s, replica, rng) for s in engine.active),
+                         tuple(_record(s, replica, rng) for s in engine.queue), tuple(finished), ran, rows,
+                         time.perf_counter() - t0)
 
 
-def migrate_sequences(engine: DecodeEngine | None, plan: dict, comm: TransferComm, faults: FaultHook) -> dict:
+def migrate_sequences(engine: DecodeEngine | None, plan: MigrationPlan, comm: TransferComm,
+                      faults: FaultHook) -> MigrationOutcome:
     """This worker's part of a migration between the replicas of one engine layout (the source and the
     destination engine are this worker's own engine, or None where it holds none). A migration that does
-    not commit leaves every sequence where it was and answers ``ok: False`` with the cause."""
+    not commit leaves every sequence where it was and answers ``ok=False`` with the cause."""
     t0 = time.perf_counter()
     try:
-        res = migrate(MigrationPlan.from_json(plan), engine, engine, comm, faults)
+        res = migrate(plan, engine, engine, comm, faults)
     except MigrationAborted as err:
-        return {"ok": False, "error": str(err), "wall_s": time.perf_counter() - t0}
-    return {"ok": True, "error": "", "wall_s": time.perf_counter() - t0, "installed": res.installed,
-            "released": res.released, "bytes_sent": res.bytes_sent, "bytes_received": res.bytes_received}
+        return MigrationOutcome(False, str(err), time.perf_counter() - t0)
+    return MigrationOutcome(True, "", time.perf_counter() - t0, tuple(res.installed), tuple(res.released),
+                            res.bytes_sent, res.bytes_received)
 
 
-def close_engine(engine: DecodeEngine) -> dict:
-    """Runs the replica to the end (``run_chunk`` without a limit); ``done``: every sequence it finished
-    (its own and those moved in), by id: (tokens, log-probs); with the last iterations' ``rows``,
-    ``busy_s`` and ``iterations``."""
-    last = run_chunk(engine, 2**62)
+def close_engine(engine: DecodeEngine, replica: int) -> ClosedReplica:
+    """Runs the replica to the end (``run_chunk`` without a limit) and answers every sequence it finished."""
+    last = run_chunk(engine, 2**62, replica)
     engine.sm.record_memory("generate", kv_cache=engine.peak_kv_bytes)
-    return {"done": {i: (s.tokens, s.logprobs) for i, s in engine.finished.items()},
-            **{k: last[k] for k in ("rows", "busy_s", "iterations")}}
+    return ClosedReplica(replica, {i: (s.tokens, s.logprobs) for i, s in engine.finished.items()},
+                         last.iterations, last.rows, last.busy_s)

@@ -113,11 +113,11 @@ def kv_space_gib(config: EngineConfig) -> str:
 
 
 def vllm_sampling(params: SamplingParams, rows: range) -> list:
-    """One ``vllm.SamplingParams`` per row: temperature, top-p, max tokens, EOS as a stop token, the row's
-    own seed, and the sampled token's log-prob (``logprobs=0``)."""
+    """One ``vllm.SamplingParams`` per row: temperature, top-p, max tokens, EOS and ``stop_token_ids`` as stop
+    tokens, the row's own seed, and the sampled token's log-prob (``logprobs=0``)."""
     from vllm import SamplingParams as VllmSampling
 
-    stop = [params.eos_token_id] if params.eos_token_id is not None else None
+    stop = sorted(params.stops) or None
     return [VllmSampling(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
                          stop_token_ids=stop, seed=stream_seed(params.seed, r), logprobs=0, detokenize=False)
             for r in rows]

@@ -29,7 +29,7 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict, hash=False)  # HF rope_parameters beyond the base
     value_head: bool = False  # critic/reward: a hidden→1 ``score`` head replaces the LM head
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # a tuple when config.json lists several (written back so)
 
     def with_value_head(self, value_head: bool = True) -> ModelConfig:
         return replace(self, value_head=value_head)

@@ -49,7 +49,7 @@ def config_from_hf(data: dict, where: str = "config.json") -> ModelConfig:
     return ModelConfig(arch=arch, rope_theta=float(theta), rms_eps=float(data.get("rms_norm_eps", 1e-6)),
                        rope_scaling=rope, value_head=_labels(data) == 1 and _is_scorer(data),
                        bos_token_id=data.get("bos_token_id"),
-                       eos_token_id=eos[0] if isinstance(eos, list) else eos)
+                       eos_token_id=tuple(eos) if isinstance(eos, list) else eos)
 
 
 def _labels(data: dict) -> int | None:
@@ -74,7 +74,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "vocab_size": a.vocab,
         "tie_word_embeddings": a.tied_embeddings, "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta,
         "rope_parameters": rope, "hidden_act": "silu", "torch_dtype": "float32", "dtype": "float32",
-        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
     }
     if cfg.value_head:
         out["num_labels"] = 1

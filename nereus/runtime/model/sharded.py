@@ -282,13 +282,15 @@ class ShardedModel:
                     p.grad.mul_(scale)
         return norm
 
-    def step(self, lr: float = 1e-3, max_grad_norm: float | None = None, **adam) -> float | None:
+    def step(self, lr: float = 1e-3, max_grad_norm: float | None = None, weight_decay: float = 0.0,
+             **adam) -> float | None:
         """One Adam step on the gradients of ``backward`` (state sharded over DP with ZeRO-1), after clipping
-        their global norm to ``max_grad_norm`` when given; returns the norm before clipping (else None)."""
+        their global norm to ``max_grad_norm`` when given, with decoupled ``weight_decay`` (AdamW); returns
+        the norm before clipping (else None)."""
         norm = self.clip_gradients(max_grad_norm) if max_grad_norm else None
         if self.optimizer is None:
             self.make_optimizer(lr, **adam)
-        self.optimizer.set_lr(lr)
+        self.optimizer.set_lr(lr, weight_decay)
         self.optimizer.step()
         self.sync_tied_head()
         self.record_memory("train", activations=self._activations)
@@ -307,9 +309,9 @@ class ShardedModel:
             dist.broadcast(target.data, src=src, group=group)
 
     def train_step(self, batch: Batch, loss_fn: LossFn, lr: float = 1e-3,
-                   max_grad_norm: float | None = None) -> list[float]:
+                   max_grad_norm: float | None = None, weight_decay: float = 0.0) -> list[float]:
         losses = self.backward(batch, loss_fn)
-        self.step(lr, max_grad_norm)
+        self.step(lr, max_grad_norm, weight_decay)
         return losses
 
     # ----- shards and memory ----------------------------------------------------------------------

@@ -77,8 +77,9 @@ def _scatter_into(flat: torch.Tensor, params: list[torch.nn.Parameter], grads: b
 
 
 class ShardedAdam:
-    """Adam (``torch.optim.Adam`` on fp32 master segments) over ``params``, state sharded over ``group``
-    when ``zero1``. Every rank of ``group`` must call ``step`` together.
+    """Adam with decoupled weight decay (``torch.optim.AdamW`` on fp32 master segments, Loshchilov & Hutter
+    2019, the optimizer verl builds; with ``weight_decay`` 0 it is exactly Adam) over ``params``, state
+    sharded over ``group`` when ``zero1``. Every rank of ``group`` must call ``step`` together.
 
     ``params`` are (checkpoint name, parameter) in ``sharding.rank_order``: their concatenation is the ZeRO
     flat buffer of the contract (``sharding.zero_shards``), so the optimizer state this rank holds is
@@ -120,7 +121,7 @@ class ShardedAdam:
     def _install(self, master: list[torch.Tensor]) -> None:
         self.master = master
         # torch's Adam refuses an empty parameter list: a rank whose ZeRO range is empty has no optimizer
-        self.opt = torch.optim.Adam(master, foreach=False, **self.hyper) if master else None
+        self.opt = torch.optim.AdamW(master, foreach=False, **self.hyper) if master else None
 
     def install_state(self, master: list[torch.Tensor], exp_avg: list[torch.Tensor] | None,
                       exp_avg_sq: list[torch.Tensor] | None, step: float | None) -> None:
@@ -141,11 +142,13 @@ class ShardedAdam:
                 self.opt.state[m] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(m),
                                      "exp_avg_sq": torch.zeros_like(m)}
 
-    def set_lr(self, lr: float) -> None:
-        self.hyper["lr"] = lr
+    def set_lr(self, lr: float, weight_decay: float | None = None) -> None:
+        """The learning rate (and, when given, the decoupled weight decay) of the next steps."""
+        changes = {"lr": lr} if weight_decay is None else {"lr": lr, "weight_decay": weight_decay}
+        self.hyper.update(changes)
         if self.opt is not None:
             for group in self.opt.param_groups:
-                group["lr"] = lr
+                group.update(changes)
 
     def moments(self) -> tuple[list[torch.Tensor], list[torch.Tensor], float] | None:
         """(exp_avg, exp_avg_sq per segment, step count), or None before the first step."""

@@ -124,19 +124,6 @@ def test_snapshot_images_come_from_copies_when_their_node_is_lost() -> None:
     assert f._snapshot_images("actor", None) == ["p0", "p1", "p2", "p3"]  # one node: nothing is lost
 
 
-def test_a_cluster_address_is_checked_before_ray_retries_it() -> None:
-    from nereus.runtime.cluster.nodes import check_address
-    from nereus.spec.errors import SpecError
-
-    for bad in ("garbage", "host:99999", ":6379"):
-        with pytest.raises(SpecError, match="--address: .* is not host:port"):
-            check_address(bad)
-    with pytest.raises(SpecError, match="--address: nothing answers at 127.0.0.1:1"):
-        check_address("127.0.0.1:1")  # port 1: nothing listens, refused at once
-    check_address("auto")  # Ray's own forms are Ray's to resolve
-    check_address("ray://10.0.0.1:10001")
-
-
 # ----- the job on two nodes ----------------------------------------------------------------------------
 @pytest.mark.distributed
 @pytest.mark.slow

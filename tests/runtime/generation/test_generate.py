@@ -14,6 +14,7 @@ import torch.distributed as dist
 from nereus.runtime.cluster.groups import ParallelGroups
 from nereus.runtime.cluster.launch import run_world
 from nereus.runtime.generation.fixed_batch import SamplingParams, generate, reference_generate, sample
+from nereus.runtime.generation.sampling import derive_seed, stream_seed
 from nereus.runtime.model.decoder import build_model
 from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
@@ -34,13 +35,15 @@ def _expected(cfg) -> tuple[dict, SamplingParams, list[list[int]]]:
     free = reference_generate(model, prompts[0], SamplingParams(max_new_tokens=NEW))
     params = SamplingParams(max_new_tokens=NEW, eos_token_id=free[2])  # prompt 0 stops at its 3rd token
     want = [reference_generate(model, p, params) for p in prompts]
-    return model.state_dict(), params, want
+    # a second stop token (a generation config listing several EOS ids): prompt 1 stops at its 2nd token too
+    two = replace(params, stop_token_ids=(reference_generate(model, prompts[1], params)[1],))
+    return model.state_dict(), params, want, two, [reference_generate(model, p, two) for p in prompts]
 
 
 def _check(cfg, layout) -> None:
     groups = ParallelGroups(layout, tied_embeddings=tied_head(cfg))
     if groups.member:
-        state, params, want = _expected(cfg)
+        state, params, want, two, want_two = _expected(cfg)
         sm = ShardedModel(cfg, groups, slice_boxes(state, shard_boxes(cfg, groups)))
         rows = sm.replica_rows(len(want))
         prompts = _prompts(cfg)
@@ -51,6 +54,8 @@ def _check(cfg, layout) -> None:
         assert nucleus == want[rows], layout.short()  # top-p this small keeps only the top token
         engine = generate(sm, prompts, replace(params, slots=5))  # the continuous-batching engine
         assert engine == want[rows], (layout.short(), engine)
+        for slots in (0, 5):  # every id of stop_token_ids ends a sequence, in both generation paths
+            assert generate(sm, prompts, replace(two, slots=slots)) == want_two[rows], (layout.short(), slots)
         assert sm.last_report.kv_cache > 0
     dist.barrier()
     groups.destroy()
@@ -76,3 +81,22 @@ def test_top_p_keeps_the_nucleus_only():
     assert drawn == {0, 1}
     assert {int(sample(logits, replace(params, top_p=1.0), gen)) for _ in range(300)} == {0, 1, 2}
     assert int(sample(logits, SamplingParams(), None)) == 0
+
+
+def test_stop_tokens_are_the_eos_and_the_listed_ones():
+    assert SamplingParams(eos_token_id=2, stop_token_ids=(5, 2)).stops == {2, 5}
+    assert SamplingParams(stop_token_ids=(5,)).stops == {5} and SamplingParams().stops == set()
+
+
+def test_sampling_streams_of_different_step_and_replica_never_coincide():
+    """A run's streams are (seed, step) -> step seed -> (step seed, replica): every pair of a run and across
+    seeds is distinct, where seed·K + step + replica made replica 1 of step s replica 0 of step s + 1."""
+    seeds = {(seed, step, replica): stream_seed(derive_seed(seed, 2, step), replica)
+             for seed in range(5) for step in range(300) for replica in range(8)}
+    assert len(set(seeds.values())) == len(seeds)
+    first = {torch.Generator().manual_seed(s).initial_seed() for s in seeds.values()}
+    assert len(first) == len(seeds)  # manual_seed takes the 63-bit values as they are
+    draws = {tuple(torch.rand(4, generator=torch.Generator().manual_seed(seeds[0, s, r])).tolist())
+             for s in range(20) for r in range(2)}
+    assert len(draws) == 40  # the streams themselves differ, not only their seeds
+    assert derive_seed(7) == 7 and derive_seed(7, 1) == stream_seed(7, 1)

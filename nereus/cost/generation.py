@@ -1,20 +1,20 @@
-"""Generation at sequence granularity, and a generation stage that changes layout mid-stage.
+"""Generation at sequence granularity, and a generation stage that changes layout mid-stage: the pricing.
 
 One model prices the stage for both sides of the control loop: the simulator's ground truth runs it on each
-step's drawn lengths under its hidden factors, the controller on the forecast's quantiles under its
-calibrated factors. Each replica's decode timing under continuous batching is ``control.batching``'s
-(``Factors``, ``step_table``, ``run_replicas``; re-exported here): the decode model's step cost at the
+step's drawn lengths under its hidden factors, the policies (``control.intrastep``) on the forecast's
+quantiles under their calibrated factors. Each replica's decode timing under continuous batching is
+``cost.batching``'s (``Factors``, ``step_table``, ``run_replicas``): the decode model's step cost at the
 live batch, ``slots`` sequences in flight, a freed slot refilled at once (Yu et al. 2022, "Orca").
 
-A ``TailPhase`` (carried in ``Plan.meta["generation_phases"]``, typed and JSON-serializable) switches the
-stage at a trigger — at most ``trigger_live`` sequences still generating — from the bulk layout (the plan's
-generation placement: many narrow replicas, throughput) to a tail layout (``tail_replicas`` replicas of
-TP ``tail_tp`` on the first GPUs of the placement: latency). Every unfinished sequence either sends its KV
-caches (per layer and KV-head range: ``nereus.elastic.kvplan`` builds the piece-level plan) or is dropped
-and re-prefilled there (prompt plus generated tokens), whichever is cheaper for its group of similar
-contexts (PAT, arXiv 2605.23945, migrates or recomputes the same way). Sources free their caches only after
-the commit point, so the move's memory peak holds both. With ``overlap``, the GPUs the tail frees run the
-inference model-stages on finished samples (RLHFuse's inter-stage fusion, arXiv 2409.13221).
+A tail layout (``spec.generation.TailPhase``) switches the stage at a trigger — at most ``trigger_live``
+sequences still generating — from the bulk layout (the plan's generation placement: many narrow replicas,
+throughput) to ``tail_replicas`` replicas of TP ``tail_tp`` on the first GPUs of the placement (latency).
+Every unfinished sequence either sends its KV caches (per layer and KV-head range:
+``elastic.tail_plan`` builds the piece-level plan) or is dropped and re-prefilled there (prompt plus
+generated tokens), whichever is cheaper for its group of similar contexts (PAT, arXiv 2605.23945, migrates
+or recomputes the same way). Sources free their caches only after the commit point, so the move's memory
+peak holds both. With ``overlap``, the GPUs the tail frees run the inference model-stages on finished
+samples (RLHFuse's inter-stage fusion, arXiv 2409.13221).
 """
 
 from __future__ import annotations
@@ -24,55 +24,18 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from nereus.control.batching import Factors, ReplicaRun, StepTable, run_replicas, step_table
+from nereus.cost.batching import Factors, ReplicaRun, StepTable, run_replicas, step_table
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import PlanEstimate, resident_per_device
 from nereus.cost.stages import ENGINE_MAX_SEQUENCES
-from nereus.spec.job import JobSpec
+from nereus.spec.generation import TailPhase
+from nereus.spec.job import JobSpec, ResponseLength
 from nereus.spec.layout import ModelStage, Placement, Plan
 from nereus.spec.model import ModelArch
 
 ROLLOUT = ModelStage("actor", "generation")
 COLUMNS = 512  # decode-step columns per replica at most: bucket = ceil(longest / COLUMNS) tokens
 KV_GROUPS = 8  # sequence groups (by context) for the send-or-recompute choice
-PHASES_FORMAT = "nereus.generation-phases/1"
-
-
-@dataclass(frozen=True)
-class TailPhase:
-    """The phases of one generation stage: bulk on the plan's placement, then the tail layout."""
-
-    trigger_live: int  # switch once at most this many sequences are still generating
-    tail_tp: int
-    tail_replicas: int
-    overlap: bool = False  # GPUs freed by the tail run inference on finished samples
-    kv: str = "cheaper"  # "cheaper" (per group), "send" or "recompute"
-    policy: str = ""
-    predicted: dict = field(default_factory=dict, compare=False)  # the policy's numbers for this step
-
-    def __post_init__(self) -> None:
-        if self.trigger_live < 1 or self.tail_tp < 1 or self.tail_replicas < 1:
-            raise ValueError(f"TailPhase: trigger_live, tail_tp and tail_replicas must be >= 1 ({self})")
-        if self.kv not in ("cheaper", "send", "recompute"):
-            raise ValueError(f"TailPhase.kv: {self.kv!r}; use cheaper, send or recompute")
-
-    @property
-    def tail_gpus(self) -> int:
-        return self.tail_tp * self.tail_replicas
-
-    def to_dict(self) -> dict:
-        return {"format": PHASES_FORMAT, **asdict(self)}
-
-    @staticmethod
-    def from_dict(d: dict) -> TailPhase:
-        if d.get("format") != PHASES_FORMAT:
-            raise ValueError(f"generation_phases.format: expected {PHASES_FORMAT!r}, got {d.get('format')!r}")
-        return TailPhase(**{k: v for k, v in d.items() if k != "format"})
-
-
-def phases_of(plan: Plan) -> TailPhase | None:
-    d = plan.meta.get("generation_phases")
-    return TailPhase.from_dict(d) if d else None
 
 
 @dataclass
@@ -199,7 +162,7 @@ def no_move(model: GenModel, bulk: BulkRun) -> GenOutcome:
     return GenOutcome(end, t10, 0.0, end - t10, idle, segments=segs)
 
 
-def _tail_assignment(model: GenModel, bulk: BulkRun, ids: np.ndarray, phase: TailPhase) -> np.ndarray:
+def tail_assignment(model: GenModel, bulk: BulkRun, ids: np.ndarray, phase: TailPhase) -> np.ndarray:
     """Tail replica of each unfinished sequence: kept in place when the tail replica is its own bulk
     replica (same TP, PP 1), else round-robin in sequence order."""
     lay = model.placement.layout
@@ -212,7 +175,7 @@ def _tail_assignment(model: GenModel, bulk: BulkRun, ids: np.ndarray, phase: Tai
     return np.arange(len(ids)) % phase.tail_replicas
 
 
-def _generated_at(bulk: BulkRun, ids: np.ndarray, t: float) -> np.ndarray:
+def generated_at(bulk: BulkRun, ids: np.ndarray, t: float) -> np.ndarray:
     """Response tokens each sequence of ``ids`` had generated by time ``t`` (0 if not yet started)."""
     gen = np.zeros(len(ids))
     for r in np.unique(bulk.replica[ids]).tolist():
@@ -225,7 +188,7 @@ def _generated_at(bulk: BulkRun, ids: np.ndarray, t: float) -> np.ndarray:
     return gen
 
 
-def _kv_choice(model: GenModel, ctx: np.ndarray, phase: TailPhase, cross: bool, f: Factors) -> np.ndarray:
+def kv_choice(model: GenModel, ctx: np.ndarray, phase: TailPhase, cross: bool, f: Factors) -> np.ndarray:
     """True where a sequence re-prefills instead of sending its caches: per group of similar contexts, the
     cheaper of the transfer (bandwidth term) and the prefill of its tokens on a tail replica."""
     if phase.kv != "cheaper":
@@ -242,31 +205,61 @@ def _kv_choice(model: GenModel, ctx: np.ndarray, phase: TailPhase, cross: bool, 
     return out
 
 
-def _nodes(model: GenModel, gpus) -> set[int]:
+def nodes_of(model: GenModel, gpus) -> set[int]:
     return {model.hw.cluster.node_of(g) for g in gpus}
 
 
 def with_tail(model: GenModel, bulk: BulkRun, phase: TailPhase, f: Factors,
-              inference_gpus: frozenset[int] = frozenset()) -> GenOutcome:
-    """The stage with ``phase``'s switch at its trigger; a move that would overfill a device is refused."""
+              inference_gpus: frozenset[int] = frozenset(), t_star: float | None = None) -> GenOutcome:
+    """The stage with ``phase``'s switch at ``t_star`` (default: its trigger, the first time at most
+    ``trigger_live`` sequences are still generating); a move that would overfill a device is refused."""
     lay, hw = model.placement.layout, model.hw
     gpus = list(model.placement.gpus)
-    refusal = _tail_refusal(model, bulk, phase)
+    t_star = trigger_time(bulk, phase.trigger_live) if t_star is None else t_star
+    refusal = _tail_refusal(model, bulk, phase, t_star)
     if refusal is not None:
         return refusal
-    t_star = trigger_time(bulk, phase.trigger_live)
     ids = np.flatnonzero(bulk.finish_s > t_star)
-    slots = model.tail_slots(phase.tail_tp)
     prompt = float(model.job.workload.prompt_length)
-    generated = _generated_at(bulk, ids, t_star)
+    generated = generated_at(bulk, ids, t_star)
     ctx, remaining = prompt + generated, bulk.lengths[ids] - generated
-    dest = _tail_assignment(model, bulk, ids, phase)
+    dest = tail_assignment(model, bulk, ids, phase)
     kept = (dest == bulk.replica[ids]) & (phase.tail_tp == lay.tp) & (lay.pp == 1)
     tail_gpus = gpus[:phase.tail_gpus]
     src_gpus = {g for r in set(bulk.replica[ids].tolist()) for g in model.replica_gpus(int(r))}
-    cross = bool(_nodes(model, src_gpus) - _nodes(model, tail_gpus))
-    recompute = _kv_choice(model, ctx, phase, cross, f) & ~kept
+    cross = bool(nodes_of(model, src_gpus) - nodes_of(model, tail_gpus))
+    recompute = kv_choice(model, ctx, phase, cross, f) & ~kept
     send = ~recompute & ~kept
+    sends, weight_s, peak = _move_sizes(model, bulk, phase, ids, ctx, remaining, dest, send, cross, f)
+    if peak > hw.usable_bytes():
+        return _refused(model, bulk, f"the move needs {peak / 1e9:.1f} GB on a tail device, usable "
+                                     f"{hw.usable_bytes() / 1e9:.1f} GB", peak)
+    commit = max(sends) + weight_s + hw.priors.inter_latency_s
+    runs = _run_tail(model, bulk, phase, dest, recompute, remaining, ctx, model.tail_slots(phase.tail_tp), f)
+    tail_start = t_star + commit
+    prefill = max((r.prefill_s for r in runs), default=0.0)
+    end = tail_start + max(r.end_s for r in runs)
+    migration = commit + prefill
+    group = lay.tp * lay.pp
+    idle = sum(group * max(0.0, t_star - r.end_s) for r in bulk.runs)
+    idle += sum(phase.tail_tp * (end - tail_start - r.end_s) for r in runs)
+    freed = set(gpus) - set(tail_gpus)
+    share = len(freed & inference_gpus) / len(inference_gpus) if phase.overlap and inference_gpus else 0.0
+    idle += len(freed) * (end - tail_start)  # the caller moves the overlapped inference out of it
+    segs = _segments(bulk, runs, t_star, tail_start, prefill)
+    return GenOutcome(end, t_star, migration, end - t_star - migration, idle, True, "", len(ids), int(send.sum()),
+                      int(recompute.sum()), float(sum(ctx[send]) * model.arch.kv_bytes_per_token()), peak, share,
+                      end - tail_start, segs)
+
+
+def _move_sizes(model: GenModel, bulk: BulkRun, phase: TailPhase, ids: np.ndarray, ctx: np.ndarray,
+                remaining: np.ndarray, dest: np.ndarray, send: np.ndarray, cross: bool,
+                f: Factors) -> tuple[list[float], float, float]:
+    """Seconds of each tail replica's incoming KV transfer, of the weights' reshard (a new TP or PP), and
+    the fullest tail device while the move runs (old caches held until the commit) or after it."""
+    lay, hw = model.placement.layout, model.hw
+    gpus = list(model.placement.gpus)
+    tail_gpus = gpus[:phase.tail_gpus]
     per_rank = model.kv_token_bytes(phase.tail_tp)
     new_weights = model.arch.params() * model.job.options.weight_bytes / phase.tail_tp
     reshard = phase.tail_tp != lay.tp or lay.pp != 1
@@ -286,25 +279,7 @@ def with_tail(model: GenModel, bulk: BulkRun, phase: TailPhase, f: Factors,
             during = held + (new_weights if reshard else 0.0) + incoming
             after = model.resident[g] + final_kv + (new_weights - model.placement_weights() if reshard else 0.0)
             peak = float(max(peak, during, after))
-    if peak > hw.usable_bytes():
-        return _refused(model, bulk, f"the move needs {peak / 1e9:.1f} GB on a tail device, usable "
-                                     f"{hw.usable_bytes() / 1e9:.1f} GB", peak)
-    commit = max(sends) + weight_s + hw.priors.inter_latency_s
-    runs = _run_tail(model, bulk, phase, dest, recompute, remaining, ctx, slots, f)
-    tail_start = t_star + commit
-    prefill = max((r.prefill_s for r in runs), default=0.0)
-    end = tail_start + max(r.end_s for r in runs)
-    migration = commit + prefill
-    group = lay.tp * lay.pp
-    idle = sum(group * max(0.0, t_star - r.end_s) for r in bulk.runs)
-    idle += sum(phase.tail_tp * (end - tail_start - r.end_s) for r in runs)
-    freed = set(gpus) - set(tail_gpus)
-    share = len(freed & inference_gpus) / len(inference_gpus) if phase.overlap and inference_gpus else 0.0
-    idle += len(freed) * (end - tail_start)  # the caller moves the overlapped inference out of it
-    segs = _segments(bulk, runs, t_star, tail_start, prefill)
-    return GenOutcome(end, t_star, migration, end - t_star - migration, idle, True, "", len(ids), int(send.sum()),
-                      int(recompute.sum()), float(sum(ctx[send]) * model.arch.kv_bytes_per_token()), peak, share,
-                      end - tail_start, segs)
+    return sends, weight_s, peak
 
 
 def _run_tail(model: GenModel, bulk: BulkRun, phase: TailPhase, dest: np.ndarray, recompute: np.ndarray,
@@ -317,14 +292,14 @@ def _run_tail(model: GenModel, bulk: BulkRun, phase: TailPhase, dest: np.ndarray
     return run_replicas(model.table(phase.tail_tp), work, slots, bulk.bucket, f)
 
 
-def _tail_refusal(model: GenModel, bulk: BulkRun, phase: TailPhase) -> GenOutcome | None:
+def _tail_refusal(model: GenModel, bulk: BulkRun, phase: TailPhase, t_star: float) -> GenOutcome | None:
     """The stage without a move when ``phase`` cannot apply: a tail layout the placement cannot hold, no
-    sequence left at the trigger, or a tail replica too small for one full-length sequence."""
+    sequence left at ``t_star``, or a tail replica too small for one full-length sequence."""
     too_wide = phase.tail_tp > model.hw.cluster.gpus_per_node or model.arch.heads % phase.tail_tp
     if phase.tail_gpus > len(model.placement.gpus) or too_wide:
         why = f"tail layout TP {phase.tail_tp} x {phase.tail_replicas} does not fit the placement"
         return _refused(model, bulk, why)
-    if not np.any(bulk.finish_s > trigger_time(bulk, phase.trigger_live)):
+    if not np.any(bulk.finish_s > t_star):
         return _refused(model, bulk, "")
     if model.tail_slots(phase.tail_tp) < 1:
         return _refused(model, bulk, f"a TP {phase.tail_tp} tail replica holds no full-length sequence")
@@ -357,41 +332,42 @@ def overlapped_inference(inference_s: float, out: GenOutcome, sequences: int) ->
     return inference_s * (1 - done), inference_s * done
 
 
-def phased_plan_dict(plan: Plan) -> dict:
-    """The plan with its generation phases, as one JSON-ready dict (``Plan.to_dict`` leaves meta out)."""
-    phase = phases_of(plan)
-    return {"plan": plan.to_dict(), "generation_phases": phase.to_dict() if phase else None}
+# ----- a policy's prediction of one step, on the forecast ---------------------------------------------
+
+def forecast_lengths(resp: ResponseLength, n: int) -> np.ndarray:
+    """``n`` response lengths standing for the forecast: equally weighted quantiles, the largest set to the
+    expected longest of ``n`` draws, in a fixed shuffled order (sequence i runs on replica i mod dp)."""
+    q = np.array(resp.quantiles(64), float)
+    lengths = np.interp(np.linspace(0, len(q) - 1, n), np.arange(len(q)), q)
+    lengths[-1] = max(lengths[-1], float(resp.longest(n)))
+    return np.maximum(1.0, lengths[np.random.default_rng(0).permutation(n)])
 
 
-def phased_plan_from_dict(d: dict) -> Plan:
-    plan = Plan.from_dict(d["plan"], "phased_plan.plan")
-    if d.get("generation_phases"):
-        plan.meta["generation_phases"] = TailPhase.from_dict(d["generation_phases"]).to_dict()
-    return plan
+def inference_gpus(plan: Plan) -> frozenset[int]:
+    return frozenset(g for p in plan.placements if p.model_stage.stage == "inference" for g in p.gpus)
 
 
-def kv_migration_plan(model: GenModel, bulk: BulkRun, phase: TailPhase, f: Factors | None = None):
-    """The piece-level plan (``elastic.kvplan``) of ``phase``'s move on this step: every unfinished
-    sequence from its bulk replica to its tail replica, KV pieces per (layers, KV heads) of each destination
-    rank, or the record only where it re-prefills; commit, then the sources free their caches."""
-    from nereus.elastic.kvplan import GenPlacement, KVShape, SeqMove, plan_migration
-    from nereus.spec.layout import Layout
+@dataclass
+class Prediction:
+    """The model's view of one step's generation and inference, with and without the move."""
 
-    f = f or Factors()
-    lay, arch = model.placement.layout, model.arch
-    t_star = trigger_time(bulk, phase.trigger_live)
-    ids = np.flatnonzero(bulk.finish_s > t_star)
-    prompt = model.job.workload.prompt_length
-    generated = _generated_at(bulk, ids, t_star).astype(int)
-    ctx = prompt + generated
-    dest = _tail_assignment(model, bulk, ids, phase)
-    gpus = list(model.placement.gpus)
-    tail_gpus = gpus[:phase.tail_gpus]
-    cross = bool(_nodes(model, gpus) - _nodes(model, tail_gpus))
-    refill = _kv_choice(model, ctx.astype(float), phase, cross, f)
-    src = GenPlacement(Layout(tp=lay.tp, pp=lay.pp, dp=lay.dp), tuple(gpus))
-    dst = GenPlacement(Layout(tp=phase.tail_tp, dp=phase.tail_replicas), tuple(tail_gpus))
-    moves = [SeqMove(int(i), prompt, int(g), int(c), 0, int(bulk.replica[i]), int(d), bool(r))
-             for i, g, c, d, r in zip(ids, generated, ctx, dest, refill, strict=True)]
-    shape = KVShape(arch.layers, arch.kv_heads, arch.head_dim, int(model.job.options.weight_bytes))
-    return plan_migration("actor", shape, src, dst, moves)
+    base_s: float  # generation + inference without a move
+    phased_s: float  # with it (inference overlapped on the freed GPUs)
+    migration_s: float
+    outcome: GenOutcome
+
+    @property
+    def gain_s(self) -> float:
+        return self.base_s - self.phased_s
+
+    def to_dict(self) -> dict:
+        return {"base_s": self.base_s, "phased_s": self.phased_s, "gain_s": self.gain_s,
+                "migration_s": self.migration_s}
+
+
+def predict(model: GenModel, bulk: BulkRun, phase: TailPhase, f: Factors, inference_s: float,
+            base: GenOutcome | None = None) -> Prediction:
+    base = base or no_move(model, bulk)
+    out = with_tail(model, bulk, phase, f, inference_gpus(model.plan))
+    after, _ = overlapped_inference(inference_s, out, len(bulk.lengths))
+    return Prediction(base.generation_s + inference_s, out.generation_s + after, out.migration_s, out)

@@ -1,4 +1,4 @@
-"""A generation replica's decode timing under continuous batching (``control.phased`` builds on it).
+"""A generation replica's decode timing under continuous batching (``cost.generation`` builds on it).
 
 Per decode step it uses the decode model's step cost (``nereus.cost.decode.StepModel``: weight reads vs GEMM
 FLOPs, KV reads at the live context, two all-reduces per layer, engine costs) at the step's live batch; a

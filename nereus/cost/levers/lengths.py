@@ -1,0 +1,156 @@
+"""Response lengths of a step's prompt groups whose siblings are alike, and a rollout pool that decodes them.
+
+GRPO samples G responses per prompt; their lengths share the prompt's difficulty (Seer, arXiv 2511.14617:
+"requests sharing the same prompt exhibit strong similarities in output lengths"). With the trace's
+log-normal (``ResponseLength``: mean, sigma, clipped at max) and a sibling correlation ρ of log lengths,
+
+    log L = μ + σ (√ρ · Z_prompt + √(1 − ρ) · Z_response),   μ = log(mean) − σ²/2,
+
+so the marginal of one response is the trace's log-normal for every ρ, and a group finishes with its
+longest response. Expectations over Z_prompt use equally weighted normal quantiles (deterministic).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from statistics import NormalDist
+
+from nereus.cost.decode import DecodePhases, Replica, decode_phases
+from nereus.spec.response import ResponseLength
+
+_NORMAL = NormalDist()
+PROMPT_POINTS = 64  # quantiles of Z_prompt the expectations average over
+LENGTH_POINTS = 16  # quantiles of a length distribution handed to the decode model (as cost.stages does)
+
+
+@dataclass(frozen=True)
+class GroupLengths:
+    """Lengths of groups of ``group_size`` responses with sibling correlation ``siblings`` (ρ)."""
+
+    mean: float
+    max: int
+    sigma: float
+    siblings: float
+    group_size: int
+
+    @staticmethod
+    def of(resp: ResponseLength, siblings: float, group_size: int) -> GroupLengths:
+        return GroupLengths(resp.mean, resp.max, resp.sigma, siblings, max(1, group_size))
+
+    @property
+    def mu(self) -> float:
+        return math.log(self.mean) - self.sigma**2 / 2
+
+    @cached_property
+    def prompt_z(self) -> tuple[float, ...]:
+        return tuple(_NORMAL.inv_cdf((j + 0.5) / PROMPT_POINTS) for j in range(PROMPT_POINTS))
+
+    def response_cdf(self, x: float, z: float | None = None) -> float:
+        """P(L ≤ x) for one response, given the prompt's Z (or marginally when ``z`` is None)."""
+        if x >= self.max:
+            return 1.0
+        if x <= 0:
+            return 0.0
+        if self.sigma == 0:
+            return 1.0 if x >= self.mean else 0.0
+        if z is None:
+            return _NORMAL.cdf((math.log(x) - self.mu) / self.sigma)
+        spread = self.sigma * math.sqrt(1 - self.siblings)
+        centre = self.mu + self.sigma * math.sqrt(self.siblings) * z
+        if spread < 1e-9:
+            return 1.0 if math.log(x) >= centre else 0.0
+        return _NORMAL.cdf((math.log(x) - centre) / spread)
+
+    def group_cdf(self, x: float) -> float:
+        """P(a group's longest response ≤ x) = E_Z[F(x | Z)^G]."""
+        return sum(self.response_cdf(x, z) ** self.group_size for z in self.prompt_z) / PROMPT_POINTS
+
+    def group_quantile(self, q: float) -> float:
+        """The length by which a share ``q`` of the groups has finished (bisection on ``group_cdf``)."""
+        return float(self.max) if q >= 1 else self._quantile(self.group_cdf, q)
+
+    def _quantile(self, cdf: Callable[[float], float], q: float) -> float:
+        """The length at which ``cdf`` reaches ``q`` (bisection in log length; the max if it never does)."""
+        lo, hi = 1.0, float(self.max)
+        if cdf(hi * (1 - 1e-9)) < q:
+            return hi
+        for _ in range(60):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if cdf(mid) < q else (lo, mid)
+        return hi
+
+    def longest(self, count: int) -> float:
+        """Expected longest of ``count`` responses (the 1 − 1/(count+1) quantile of the marginal)."""
+        return self._quantile(self.response_cdf, 1 - 1 / (count + 1))
+
+    def response_quantiles(self, points: int = LENGTH_POINTS) -> tuple[float, ...]:
+        return tuple(self._quantile(self.response_cdf, (i + 0.5) / points) for i in range(points))
+
+    def deferred_weights(self, stop: float) -> tuple[float, ...]:
+        """P(Z_prompt = z_j | the prompt's group had not finished by ``stop``), over the prompt quantiles."""
+        raw = [1 - self.response_cdf(stop, z) ** self.group_size for z in self.prompt_z]
+        total = sum(raw)
+        return tuple(r / total for r in raw) if total > 0 else tuple(1 / PROMPT_POINTS for _ in raw)
+
+    def deferred_cdf(self, x: float, stop: float) -> float:
+        """P(L ≤ x) for a fresh response to a prompt whose group had not finished by ``stop``: the prompt's
+        difficulty stays, so with ρ > 0 its new responses are long too."""
+        w = self.deferred_weights(stop)
+        return sum(wj * self.response_cdf(x, z) for wj, z in zip(w, self.prompt_z, strict=True))
+
+    def deferred_quantiles(self, stop: float, points: int = LENGTH_POINTS) -> tuple[float, ...]:
+        return tuple(self._quantile(lambda x: self.deferred_cdf(x, stop), (i + 0.5) / points) for i in range(points))
+
+    def deferred_longest(self, stop: float, count: int) -> float:
+        """Expected longest of ``count`` fresh responses to deferred prompts (the 1 − 1/(count+1) quantile)."""
+        return self._quantile(lambda x: self.deferred_cdf(x, stop), 1 - 1 / (count + 1))
+
+    def kept_mean(self, stop: float) -> float:
+        """Mean length of a response whose group finished by ``stop`` (the groups a short round keeps)."""
+        q = self.response_quantiles(LENGTH_POINTS * 4)
+        num = den = 0.0
+        for z in self.prompt_z:
+            done = self.response_cdf(stop, z) ** self.group_size
+            if done <= 0:
+                continue
+            # Given Z and the whole group ≤ stop, each response is the conditional below stop.
+            inside = self.response_cdf(stop, z)
+            mean_below = _mean_below(self, z, stop, inside, q)
+            num += done * mean_below
+            den += done
+        return num / den if den > 0 else stop
+
+
+def _mean_below(g: GroupLengths, z: float, stop: float, inside: float, grid: tuple[float, ...]) -> float:
+    """E[L | L ≤ stop, Z = z] by the trapezoid rule on the response CDF over a length grid."""
+    if inside <= 0:
+        return stop
+    xs = [x for x in (1.0, *grid) if x < stop] + [stop]
+    total, prev_x, prev_f = 0.0, xs[0], g.response_cdf(xs[0], z)
+    for x in xs[1:]:
+        f = g.response_cdf(x, z)
+        total += (f - prev_f) * (x + prev_x) / 2
+        prev_x, prev_f = x, f
+    return total / inside
+
+
+@dataclass(frozen=True)
+class RolloutPool:
+    """``replicas`` copies of one inference replica, each with ``slots`` sequences in flight at most,
+    decoding a round's sequences split evenly (``nereus.cost.decode.decode_phases`` per replica)."""
+
+    replica: Replica
+    replicas: int
+    slots: int
+    prompt: float
+
+    def phases(self, sequences: float, lengths: tuple[float, ...], mean: float, longest: float) -> DecodePhases:
+        per = max(1, math.ceil(sequences / max(1, self.replicas)))
+        return decode_phases(self.replica, self.prompt, per, max(1, min(self.slots, per)), tuple(sorted(lengths)),
+                             mean, longest)
+
+    def seconds(self, sequences: float, lengths: tuple[float, ...], mean: float, longest: float) -> float:
+        return self.phases(sequences, lengths, mean, longest).total_s

@@ -1,0 +1,195 @@
+"""verl's command-line keys and what Nereus does with each (docs/rl.md, "Command-line overrides"): every key
+of verl's main GRPO and PPO example scripts (``examples/grpo_trainer/run_qwen2-7b.sh``,
+``examples/ppo_trainer/run_deepseek7b_llm.sh``, ``run_qwen2-7b_rm.sh``) and the common keys of
+``verl/trainer/config/ppo_trainer.yaml`` is
+
+- **mapped**: set to the Nereus key of the same meaning (``target``), the value checked there;
+- **ignored**: it only tunes how verl's engines use memory or time (FSDP offload, micro-batch sizes, vLLM's
+  memory share, padding removal), which Nereus decides per model-stage layout with the same results; a
+  one-line note says so;
+- **refused**: it asks for something Nereus does not do, with the reason; values in ``accept`` mean what
+  Nereus already does and pass (``data.truncation=error``, ``trainer.critic_warmup=0``).
+
+A few keys need more than a renaming (``nereus.spec.overrides``: ``ppo_mini_batch_size`` becomes a number of
+mini-batches, ``custom_reward_function.path``/``name`` one ``run.reward_function``); they are ``derived``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAPPED, IGNORED, REFUSED, DERIVED = "mapped", "ignored", "refused", "derived"
+
+
+@dataclass(frozen=True)
+class VerlKey:
+    kind: str  # MAPPED, IGNORED, REFUSED or DERIVED
+    target: str = ""  # the Nereus key path (mapped)
+    reason: str = ""  # why ignored or refused; for a mapped key, a note for the docs
+    accept: tuple = ()  # refused keys: values meaning what Nereus does anyway
+
+
+def _mapped(target: str, note: str = "") -> VerlKey:
+    return VerlKey(MAPPED, target, note)
+
+
+def _ignored(reason: str) -> VerlKey:
+    return VerlKey(IGNORED, reason=reason)
+
+
+def _refused(reason: str, *accept: object) -> VerlKey:
+    return VerlKey(REFUSED, reason=reason, accept=accept)
+
+
+_A, _R, _REF, _C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref", "critic"
+_MICRO = _ignored("the micro-batch size is part of each model-stage's layout (run.layouts '...,micro_batch_size=N' "
+                  "or the planner's); losses are aggregated over the whole mini-batch, so it changes no result")
+_FSDP = _ignored("Nereus has no FSDP: each model-stage runs under its own TP/PP/DP layout with ZeRO-1, planned to "
+                 "fit memory, and nothing is offloaded")
+_PADDING = _ignored("Nereus packs [prompt, response, pad] with a loss mask; removing padding only saves time")
+_RECOMPUTE = _ignored("activation recomputation changes memory, not results; the runtime does not recompute")
+_ONE_VALUE = "one value for actor and critic (a different critic value is refused)"
+
+TABLE: dict[str, VerlKey] = {
+    # ----- algorithm ------------------------------------------------------------------------------------
+    "algorithm.adv_estimator": _mapped("algorithm.adv_estimator", "gae, grpo"),
+    "algorithm.gamma": _mapped("run.gamma"),
+    "algorithm.lam": _mapped("run.lam"),
+    "algorithm.norm_adv_by_std_in_grpo": _mapped("run.norm_adv_by_std_in_grpo"),
+    "algorithm.kl_penalty": _mapped("run.kl_penalty", "verl's default kl = Nereus's k1"),
+    "algorithm.kl_ctrl.kl_coef": _mapped("run.kl_coef", "0 (Nereus's default) is off"),
+    "algorithm.use_kl_in_reward": VerlKey(DERIVED, "run.kl_coef", "false sets run.kl_coef=0; true sets verl's "
+                                                                  "default 0.001 unless a coefficient is set"),
+    "algorithm.kl_ctrl.type": _refused("only a fixed KL coefficient is implemented (verl's adaptive controller "
+                                       "is not)", "fixed"),
+    # ----- data -----------------------------------------------------------------------------------------
+    "data.train_files": _mapped("run.data.train", "one file or a list"),
+    "data.val_files": _mapped("run.data.val", "one file or a list"),
+    "data.train_batch_size": _mapped("workload.prompts_per_step"),
+    "data.max_prompt_length": _mapped("workload.prompt_length"),
+    "data.max_response_length": _mapped("workload.response_length.max", "the curriculum may lower it early on"),
+    "data.filter_overlong_prompts": _mapped("run.data.filter_overlong_prompts",
+                                            "false: an overlong prompt is an error naming its row"),
+    "data.truncation": _refused("Nereus never truncates a prompt: a row longer than data.max_prompt_length is an "
+                                "error naming it (verl's 'error'), or dropped with data.filter_overlong_prompts",
+                                "error"),
+    "data.return_raw_chat": _ignored("every row keeps its chat messages; the reward model scores the actor's "
+                                     "tokens (a reward model with another tokenizer is not supported)"),
+    "data.shuffle": _refused("prompts are always drawn in a seeded shuffled order per epoch (run.seed)", True),
+    "data.prompt_key": _refused("rows hold their messages under 'prompt', verl's default", "prompt"),
+    "data.reward_fn_key": _refused("the reward is routed by 'data_source', verl's default", "data_source"),
+    # ----- actor, rollout, reference --------------------------------------------------------------------
+    "actor_rollout_ref.model.path": VerlKey(DERIVED, "models.actor.path",
+                                            "also models.reference.path when the job has a reference (verl's "
+                                            "reference is the actor's starting model)"),
+    "actor_rollout_ref.model.use_remove_padding": _PADDING,
+    "actor_rollout_ref.model.enable_gradient_checkpointing": _RECOMPUTE,
+    f"{_A}.strategy": _ignored("Nereus's own engine (TP/PP/DP layouts) replaces verl's fsdp/megatron workers"),
+    f"{_A}.optim.lr": _mapped("run.actor_lr", "verl 1e-6 for 7B models; Nereus's tiny examples use 3e-4"),
+    f"{_A}.optim.lr_warmup_steps": _mapped("run.lr_warmup_steps", _ONE_VALUE + "; -1 defers to the ratio"),
+    f"{_A}.optim.lr_warmup_steps_ratio": _mapped("run.lr_warmup_steps_ratio", _ONE_VALUE),
+    f"{_A}.optim.weight_decay": _mapped("run.weight_decay", _ONE_VALUE + "; AdamW's decoupled decay"),
+    f"{_A}.optim.clip_grad": _mapped("run.grad_clip", _ONE_VALUE),
+    f"{_A}.optim.lr_scheduler_type": _refused("only verl's constant schedule (with warm-up) is implemented",
+                                              "constant"),
+    f"{_A}.optim.warmup_style": _refused("only verl's constant schedule (with warm-up) is implemented", "constant"),
+    f"{_A}.grad_clip": _mapped("run.grad_clip", _ONE_VALUE + "; verl's default 1.0"),
+    f"{_A}.ppo_mini_batch_size": VerlKey(DERIVED, "algorithm.mini_batches",
+                                         "in prompts, as verl's: algorithm.mini_batches = train_batch_size / "
+                                         "ppo_mini_batch_size (which must divide it)"),
+    f"{_A}.ppo_micro_batch_size_per_gpu": _MICRO,
+    f"{_A}.ppo_micro_batch_size": _MICRO,
+    f"{_A}.use_dynamic_bsz": _ignored("micro-batches are fixed by the layout; balancing them by tokens only "
+                                      "saves time"),
+    f"{_A}.ppo_max_token_len_per_gpu": _ignored("micro-batches are fixed by the layout (no token budget)"),
+    f"{_A}.ppo_epochs": _mapped("algorithm.epochs"),
+    f"{_A}.clip_ratio": _mapped("run.clip_ratio", "0.2"),
+    f"{_A}.clip_ratio_low": _mapped("run.clip_ratio_low", "defaults to clip_ratio"),
+    f"{_A}.clip_ratio_high": _mapped("run.clip_ratio_high", "defaults to clip_ratio"),
+    f"{_A}.clip_ratio_c": _mapped("run.clip_ratio_c", "3.0"),
+    f"{_A}.loss_agg_mode": _mapped("run.loss_agg_mode", "token-mean; the critic uses the same"),
+    f"{_A}.entropy_coeff": _mapped("run.entropy_coeff", "0"),
+    f"{_A}.use_kl_loss": _mapped("run.use_kl_loss", "false"),
+    f"{_A}.kl_loss_coef": _mapped("run.kl_loss_coef", "0.001"),
+    f"{_A}.kl_loss_type": _mapped("run.kl_loss_type", "verl's default low_var_kl = Nereus's k3"),
+    f"{_A}.fsdp_config.param_offload": _FSDP,
+    f"{_A}.fsdp_config.optimizer_offload": _FSDP,
+    f"{_REF}.fsdp_config.param_offload": _FSDP,
+    f"{_REF}.log_prob_micro_batch_size_per_gpu": _MICRO,
+    f"{_R}.name": _mapped("run.rollout.engine", "native (Nereus's default) or vllm (docs/vllm.md); verl's sglang "
+                                                "and hf are refused by the value check"),
+    f"{_R}.n": _mapped("algorithm.samples_per_prompt", "GRPO needs >= 2"),
+    f"{_R}.temperature": _mapped("run.temperature"),
+    f"{_R}.top_p": _mapped("run.top_p"),
+    f"{_R}.top_k": _refused("top-k sampling is not implemented (top-p is)", -1, 0),
+    f"{_R}.do_sample": _refused("rollouts always sample (greedy decoding is for evaluation)", True),
+    f"{_R}.max_num_seqs": _mapped("run.rollout.slots", "sequences per replica in continuous batching; Nereus's "
+                                                       "default 0 keeps the fixed batch"),
+    f"{_R}.tensor_model_parallel_size": _ignored("generation's TP is part of the actor/generation layout "
+                                                 "(run.layouts or the planner's)"),
+    f"{_R}.gpu_memory_utilization": _mapped("run.rollout.gpu_memory_utilization", "the vLLM engine's share; the "
+                                                                                 "native engine sizes each "
+                                                                                 "sequence's cache to it"),
+    f"{_R}.log_prob_micro_batch_size_per_gpu": _MICRO,
+    f"{_R}.enforce_eager": _mapped("run.rollout.enforce_eager", "the vLLM engine's"),
+    f"{_R}.free_cache_engine": _ignored("caches live only while their sequence generates"),
+    # ----- critic ---------------------------------------------------------------------------------------
+    "critic.model.path": _mapped("models.critic.path", "a causal LM gets a zero value head"),
+    "critic.model.use_remove_padding": _PADDING,
+    "critic.model.enable_gradient_checkpointing": _RECOMPUTE,
+    "critic.model.fsdp_config.param_offload": _FSDP,
+    "critic.model.fsdp_config.optimizer_offload": _FSDP,
+    "critic.optim.lr": _mapped("run.critic_lr"),
+    "critic.optim.lr_warmup_steps": _mapped("run.lr_warmup_steps", _ONE_VALUE),
+    "critic.optim.lr_warmup_steps_ratio": _mapped("run.lr_warmup_steps_ratio", _ONE_VALUE),
+    "critic.optim.weight_decay": _mapped("run.weight_decay", _ONE_VALUE),
+    "critic.optim.clip_grad": _mapped("run.grad_clip", _ONE_VALUE),
+    "critic.grad_clip": _mapped("run.grad_clip", _ONE_VALUE),
+    "critic.cliprange_value": _mapped("run.value_clip", "0.5"),
+    "critic.ppo_micro_batch_size_per_gpu": _MICRO,
+    "critic.ppo_mini_batch_size": VerlKey(DERIVED, "algorithm.mini_batches", "must equal the actor's"),
+    "critic.ppo_epochs": _mapped("algorithm.epochs", _ONE_VALUE),
+    # ----- reward model and reward function -------------------------------------------------------------
+    "reward_model.enable": VerlKey(DERIVED, "models.reward", "must agree with the job: true needs models.reward, "
+                                                             "false a job without one"),
+    "reward_model.model.path": _mapped("models.reward.path", "a *ForSequenceClassification checkpoint"),
+    "reward_model.use_reward_loop": _ignored("the reward model runs as a model-stage (reward/inference) under its "
+                                             "own layout"),
+    "reward_model.num_workers": _ignored("the reward model's workers are its reward/inference layout's"),
+    "reward_model.rollout.name": _ignored("the reward model is a scorer run by Nereus's engine, not a served model"),
+    "reward_model.rollout.gpu_memory_utilization": _ignored("memory is planned per model-stage layout"),
+    "reward_model.rollout.tensor_model_parallel_size": _ignored("the reward/inference layout sets its TP"),
+    "reward_model.rollout.prompt_length": _ignored("the reward model scores the packed prompt and response"),
+    "reward_model.rollout.response_length": _ignored("the reward model scores the packed prompt and response"),
+    "custom_reward_function.path": VerlKey(DERIVED, "run.reward_function", "with .name: run.reward_function: "
+                                                                           "'path:name'"),
+    "custom_reward_function.name": VerlKey(DERIVED, "run.reward_function", "verl's default compute_score"),
+    "custom_reward_function.reward_kwargs": _refused("a reward function is called with verl's four arguments "
+                                                     "only", {}),
+    # ----- trainer --------------------------------------------------------------------------------------
+    "trainer.total_training_steps": _mapped("run.steps", "wins over trainer.total_epochs, as in verl"),
+    "trainer.total_epochs": _mapped("run.total_epochs", "steps = epochs x (train rows // train_batch_size)"),
+    "trainer.save_freq": VerlKey(DERIVED, "run.checkpoint.every", "-1 (no checkpoints in verl): 0, only the "
+                                                                  "final checkpoint"),
+    "trainer.test_freq": VerlKey(DERIVED, "run.eval_every", "held-out accuracy every N steps and at the end; "
+                                                            "-1 (never in verl): 0, only at the end"),
+    "trainer.val_before_train": _ignored("the starting accuracy is always measured (the summary's warm-start "
+                                         "accuracy)"),
+    "trainer.critic_warmup": _refused("critic-only warm-up steps are not implemented", 0),
+    "trainer.logger": _mapped("run.logger", "file = Nereus's jsonl"),
+    "trainer.project_name": _ignored("wandb and mlflow runs go to the project 'nereus', named by "
+                                     "trainer.experiment_name"),
+    "trainer.experiment_name": _mapped("name", "the job's name (wandb/mlflow run name)"),
+    "trainer.default_local_dir": _mapped("run.checkpoint.dir"),
+    "trainer.nnodes": _mapped("cluster.nodes", "the planner's cluster; nereus run uses run.workers local workers"),
+    "trainer.n_gpus_per_node": _mapped("cluster.gpus_per_node"),
+    "trainer.resume_mode": _refused("resume with `nereus run JOB --resume` (from the run folder's latest "
+                                    "checkpoint)", "disable"),
+    "trainer.use_legacy_worker_impl": _ignored("verl's choice between its worker implementations"),
+    "ray_init.num_cpus": _ignored("Nereus starts its own local Ray with run.workers workers (or joins one: "
+                                  "nereus run --address)"),
+}
+
+# Top-level sections of verl's config: a key under one of them that is not in TABLE is refused by name.
+VERL_SECTIONS = ("actor_rollout_ref", "data", "critic", "reward_model", "trainer", "custom_reward_function",
+                 "ray_init")
