@@ -94,7 +94,8 @@ class StaticPolicy:
                 err = e
             finally:
                 self.inner.constraints = base
-        raise InfeasibleError(f"{self.name}: no rollout TP fits ({err})")
+        raise InfeasibleError(err.model_stage, err.needed_bytes, err.capacity_bytes,
+                              f"{self.name}: no rollout TP fits; at the recipe's: {err}")
 
     def _constraints(self) -> Constraints:
         if not self.pin_tp_pp:
@@ -167,6 +168,16 @@ def _with_fsdp(job: JobSpec) -> JobSpec:
     return replace(job, options=replace(job.options, fsdp=True))
 
 
+def _verl_job(job: JobSpec) -> JobSpec:
+    """verl's FSDP backend as its example scripts run it: every trained model with gradient checkpointing
+    (``actor_rollout_ref.model.enable_gradient_checkpointing=True`` and
+    ``critic.model.enable_gradient_checkpointing=True`` in examples/ppo_trainer/run_deepseek7b_llm.sh, the
+    PPO recipe of ``nereus.sim.recipes``): HF checkpointing keeps each decoder layer's input and
+    recomputes the layer in backward, i.e. full recompute (``nereus.cost.memory``). Without it, the
+    20k-token responses of the long-tail traces leave no training layout that fits."""
+    return replace(job, options=replace(job.options, fsdp=True, recompute="full"))
+
+
 def _params_b(job: JobSpec) -> float:
     return job.models["actor"].params() / 1e9
 
@@ -195,7 +206,7 @@ def make_policy(name: str, job: JobSpec, schedule: Schedule | None = None, total
     baselines = {  # job, constraints, pin TP/PP, rollout TP, weight sync
         "fixed-oracle": (job, None, True, None, "direct"),
         "fixed-recipe": (_with_fsdp(job), sharded, True, fixed_recipe_tp(size)[0], "direct"),
-        "verl-like": (_with_fsdp(job), Constraints(("colocated",), _sharded_data_parallel), True,
+        "verl-like": (_verl_job(job), Constraints(("colocated",), _sharded_data_parallel), True,
                       system_recipe_tp("verl", alg, size)[0], "hybrid-reshard"),
         "openrlhf-like": (_with_fsdp(job), Constraints(("disaggregated",), _sharded_data_parallel), True,
                           system_recipe_tp("OpenRLHF", alg, size)[0], "gather-broadcast"),
