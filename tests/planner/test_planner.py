@@ -84,6 +84,6 @@ def test_stages_tied_at_the_largest_transient_still_swap_to_smaller_micro_batche
 
     result = search(Hardware(job.cluster), job, None, constraints=Constraints(("colocated",), sharded))
     assert estimate_plan(Hardware(job.cluster), job, result.plan).feasible
-    inference = [p.layout.micro_batch_size for p in result.plan.placements if p.model_stage.model in ("actor", "reference")
-                 and p.model_stage.stage == "inference"]
+    inference = [p.layout.micro_batch_size for p in result.plan.placements
+                 if p.model_stage.model in ("actor", "reference") and p.model_stage.stage == "inference"]
     assert inference and max(inference) < 8
