@@ -17,16 +17,28 @@ import numpy as np
 from nereus.control.backend import ClusterState, GenerationPolicy, StepMetrics, TransitionMetrics
 from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.batching import Factors
-from nereus.cost.generation import GenModel, inference_gpus, no_move, overlapped_inference, run_bulk, with_tail
+from nereus.cost.generation import (
+    BulkRun,
+    GenModel,
+    GenOutcome,
+    inference_gpus,
+    no_move,
+    overlapped_inference,
+    run_bulk,
+    with_tail,
+)
 from nereus.cost.hardware import Hardware
+from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
+from nereus.cost.levers.speculative import DraftKind, prior
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import TERMS
 from nereus.cost.transition import estimate_transition
 from nereus.sim.generation import Look, entries_of, status_at, tail_outcome, walk
 from nereus.sim.workload import batch_at
-from nereus.spec.generation import ChangeTailLayout, GenerationEntry
+from nereus.spec.generation import ChangeTailLayout, GenerationEntry, Outcome, SetSpeculation
 from nereus.spec.job import JobSpec, ResponseLength
 from nereus.spec.layout import STAGES, Plan
+from nereus.spec.levers import Speculation
 from nereus.spec.trace import Trace
 
 
@@ -104,7 +116,7 @@ class SimBackend:
             phases[stage] = max(phases[stage], est.phase_times[stage] * noise[name])
         phases["weight_sync"] = est.phase_times["weight_sync"] * float(math.exp(rng.normal(0, self.truth.noise)))
         model = GenModel.of(self.hw, job, plan, est)
-        status = status_at(model, None, step, "start", 0.0, 0, r.max, plan.generation)
+        status = status_at(model, None, step, "start", 0.0, 0, r.max, plan.generation, plan.levers)
         t0 = time.perf_counter()
         answer = policy.during_generation(status)
         start = Look(0.0, status, answer, time.perf_counter() - t0)
@@ -134,6 +146,10 @@ class SimBackend:
         inf_gpus = inference_gpus(plan)
         out = with_tail(model, bulk, phase, f, inf_gpus, act.t) if act else base
         gen_noise = noise["actor/generation"]
+        spec = looks[-1] if looks and isinstance(looks[-1].decision, SetSpeculation) else None
+        spec_outcome = None
+        if spec is not None and spec.decision.speculation is not None:
+            out, spec_outcome = self._speculate(step, model, bulk, spec.decision.speculation, f, base, gen_noise)
         stage_times["actor/generation"] = out.generation_s * gen_noise
         inference = phases["inference"]
         after, early = overlapped_inference(inference, out, len(lengths))
@@ -145,7 +161,28 @@ class SimBackend:
                                  "idle_gpu_s": max(0.0, idle) * gen_noise, "overlap_s": early}}
         tail = None if act is None else tail_outcome(model, bulk, act, f, inf_gpus, base, out, gen_noise, inference,
                                                      after, self.hw.usable_bytes())
-        return detail, entries_of(looks, tail)
+        return detail, entries_of(looks, tail or spec_outcome)
+
+    def alpha(self, draft: str, step: int) -> float:
+        """The ground truth's per-token acceptance of ``draft`` drafts at ``step``: the trace's rate, else the
+        kind's published prior (``cost.levers.speculative.PRIORS``)."""
+        rate = self.trace.acceptance_at(draft, step)
+        return rate if rate is not None else prior(DraftKind(draft)).alpha
+
+    def _speculate(self, step: int, model: GenModel, bulk: BulkRun, spec: Speculation, f: Factors,
+                   base: GenOutcome, gen_noise: float) -> tuple[GenOutcome, Outcome]:
+        """Speculation as the engine runs it: each replica switched on below the live-batch threshold, each
+        sequence's iterations drawn from the trace's acceptance (``cost.levers.spec_run``). Model-free
+        drafts only; another kind is refused and the stage runs without."""
+        if spec.draft not in MODEL_FREE:
+            return base, Outcome(False, f"the simulator runs model-free drafts ({', '.join(MODEL_FREE)}), "
+                                        f"not {spec.draft}")
+        run = with_speculation(model, bulk, spec.draft_tokens, spec.live_at_most, self.alpha(spec.draft, step), f,
+                               self._rng(step, 4))
+        figures = {"accepted_tokens": run.accepted_tokens, "verifications": run.verifications,
+                   "spec_tokens": run.spec_tokens, "switched": float(run.switched), "spec_s": run.spec_s * gen_noise}
+        gain = (base.generation_s - run.outcome.generation_s) * gen_noise
+        return run.outcome, Outcome(True, "", 0.0, gain, figures)
 
     def apply_transition(self, old: Plan, new: Plan, step: int) -> TransitionMetrics:
         """The transition graph's schedule (shared, cached, with the controller's) under the hidden factor."""

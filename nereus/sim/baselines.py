@@ -40,6 +40,7 @@ from nereus.spec.errors import InfeasibleError
 from nereus.spec.generation import GenerationDecision, GenerationStatus
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage, Plan
+from nereus.spec.levers import Speculation
 
 ROLLOUT = ModelStage("actor", "generation")
 
@@ -184,11 +185,11 @@ def _params_b(job: JobSpec) -> float:
 
 def make_policy(name: str, job: JobSpec, schedule: Schedule | None = None, total_steps: int | None = None,
                 transition_cost: TransitionCost | None = None,
-                config: ControllerConfig | None = None):
-    """``nereus`` (adaptive between and inside steps, calibrated), ``nereus-interstep`` (between steps only),
-    ``nereus-nocal``, or a baseline by name (see the module doc)."""
+                config: ControllerConfig | None = None, policy_lag: int = 0):
+    """``nereus`` (adaptive between and inside steps, calibrated; its levers within ``policy_lag``),
+    ``nereus-interstep`` (between steps only), ``nereus-nocal``, or a baseline by name (see the module doc)."""
     if name in INTRASTEP:
-        return _phased(name, job, schedule, total_steps, transition_cost, config)
+        return _phased(name, job, schedule, total_steps, transition_cost, config, policy_lag)
     if name == "nereus-interstep":
         policy = Controller(job, config, schedule, total_steps, transition_cost)
         policy.name = name
@@ -216,21 +217,36 @@ def make_policy(name: str, job: JobSpec, schedule: Schedule | None = None, total
     return StaticPolicy(name, base_job, constraints, pin_tp_pp, schedule, transition_cost, rollout_tp, sync)
 
 
-def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, config):
-    """Policies that switch the generation stage to a tail layout inside the step (``control.intrastep``):
-    ``nereus`` (the controller between steps, the cost model's tail choice inside), ``pat-like`` (verl-like
-    static layouts, PAT's TP switch when the batch has drained), ``rlhfuse-like`` (fixed-oracle static
-    layouts, the tail packed onto few instances and inference started on the GPUs freed)."""
-    from nereus.control.intrastep import NereusTail, PatTail, PhasedPolicy, RlhfuseTail
+def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, config, policy_lag: int = 0):
+    """Policies that decide inside the step (``control.intrastep``, ``control.levers``): ``nereus`` (the
+    controller between steps; inside, the cost model's choice of a tail layout or speculative decoding),
+    ``pat-like`` (verl-like static layouts, PAT's TP switch when the batch has drained), ``rlhfuse-like``
+    (fixed-oracle static layouts, the tail packed onto few instances and inference started on the GPUs
+    freed), ``spec-like`` (verl-like static layouts, speculation of one fixed configuration below a fixed
+    live batch: ``SPEC_LIKE``)."""
+    from nereus.control.intrastep import NereusTail, NoTail, PatTail, PhasedPolicy, RlhfuseTail
+    from nereus.control.levers import FixedSpeculation, NereusLevers
 
-    if name == "nereus":
-        return PhasedPolicy(name, Controller(job, config, schedule, total_steps, transition_cost), NereusTail())
-    inner = make_policy("verl-like" if name == "pat-like" else "fixed-oracle", job, schedule, total_steps,
+    if name in ("nereus", "nereus-tail"):  # nereus-tail: tail layouts only, no levers (an ablation)
+        return PhasedPolicy(name, Controller(job, config, schedule, total_steps, transition_cost), NereusTail(),
+                            levers=NereusLevers() if name == "nereus" else None, policy_lag=policy_lag)
+    inner = make_policy("fixed-oracle" if name == "rlhfuse-like" else "verl-like", job, schedule, total_steps,
                         transition_cost, config)
+    if name == "spec-like":
+        return PhasedPolicy(name, inner, NoTail(), levers=FixedSpeculation(SPEC_LIKE))
     return PhasedPolicy(name, inner, PatTail() if name == "pat-like" else RlhfuseTail())
 
 
+# spec-like's fixed rule, as an operator configures vLLM's model-free speculation once for a rollout: n-gram
+# (prompt-lookup) drafts with num_speculative_tokens 5 (the n-gram example of vLLM's speculative-decoding
+# docs), disabled above a fixed live batch (vLLM's disable_by_batch_size; TLT, arXiv 2511.16665, and
+# FastGRPO, arXiv 2509.21792, switch speculation by batch size the same way). The threshold, 32 live
+# sequences per replica, is ours: a fixed value set once, not priced per job.
+SPEC_LIKE = Speculation("ngram", 5, 32)
+
+
 BASELINES = ("fixed-oracle", "fixed-recipe", "verl-like", "openrlhf-like", "realhf-like")
-INTRASTEP = ("nereus", "pat-like", "rlhfuse-like")
+INTRASTEP = ("nereus", "nereus-tail", "pat-like", "rlhfuse-like", "spec-like")
 ALIASES = {"fixed-dp": "fixed-oracle"}  # the name fixed-oracle had before the recipe baseline existed
-POLICIES = ("nereus", "nereus-interstep", "nereus-nocal", *BASELINES, "pat-like", "rlhfuse-like", *ALIASES)
+POLICIES = ("nereus", "nereus-tail", "nereus-interstep", "nereus-nocal", *BASELINES, "pat-like", "rlhfuse-like",
+            "spec-like", *ALIASES)

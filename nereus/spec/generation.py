@@ -40,7 +40,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from nereus.spec.errors import SpecError
-from nereus.spec.levers import Speculation
+from nereus.spec.levers import GenerationLevers, Speculation
 
 PHASES_FORMAT = "nereus.generation-phases/1"
 POINTS = ("start", "look")  # before the first iteration; a later point the policy asked for
@@ -161,7 +161,8 @@ class Measured:
 class GenerationStatus:
     """The generation stage at a decision point (see the module docstring). ``iteration``: engine
     iterations run so far (the most any replica ran); ``kv_token_bytes``: KV-cache bytes of one position
-    over the whole model (``spec.model.kv_token_bytes``); ``phases``: the plan's generation phases."""
+    over the whole model (``spec.model.kv_token_bytes``); ``phases``: the plan's generation phases;
+    ``levers``: the plan's generation levers (``spec.levers``)."""
 
     step: int
     model_stage: str
@@ -173,6 +174,7 @@ class GenerationStatus:
     measured: Measured = Measured()
     kv_token_bytes: int = 0
     phases: TailPhase | None = None
+    levers: GenerationLevers | None = None
 
     def __post_init__(self) -> None:
         if self.point not in POINTS:

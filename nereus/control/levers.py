@@ -1,0 +1,127 @@
+"""Decisions about the levers that shorten the tail: which a step's generation uses, priced by the cost model.
+
+A ``LeverRule`` picks a plan's ``spec.levers.GenerationLevers`` for the next steps (``PhasedPolicy`` calls
+it next to its tail-layout rule and keeps whichever predicts the larger gain); inside the step the policy
+turns them into decisions (``set_speculation`` at the stage's start: the engine then switches each replica
+by its live batch). ``run.policy_lag`` bounds what a rule may pick: lag 0 allows speculative decoding
+(lossless) and tail batching; lag 1 also partial rollout and asynchrony.
+
+- ``NereusLevers``: speculative decoding priced at sequence granularity (``cost.levers.spec_run``) on the
+  forecast's lengths under the calibrated factors, for every model-free draft kind, draft length 1–8 and
+  live-batch threshold (powers of two up to the engine's slots), at the acceptance it has measured (each
+  kind's published prior until it has verifications of its own: ``cost.levers.speculative.Acceptance``);
+  admitted when the predicted gain exceeds ``min_gain`` of the step. Speculation's loss at large batch is
+  in the price (verification at (k + 1)·b rows turns compute-bound), so the threshold is the cost model's.
+  The policy never reads the trace's acceptance: it sees the verifications and accepted tokens the
+  engine reports (vLLM's ``num_drafts`` and ``num_accepted_tokens``).
+- ``FixedSpeculation``: one fixed configuration, as an operator sets it once (the ``spec-like`` baseline).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from nereus.control.backend import StepMetrics
+from nereus.cost.batching import Factors
+from nereus.cost.generation import BulkRun, GenModel, no_move
+from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
+from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
+from nereus.spec.generation import SetSpeculation
+from nereus.spec.levers import GenerationLevers, Speculation
+
+DRAFT_LENGTHS = tuple(range(1, 9))
+
+
+@dataclass(frozen=True)
+class LeverChoice:
+    """A rule's levers for the next steps and the generation seconds it predicts they save per step."""
+
+    levers: GenerationLevers
+    gain_s: float
+
+
+class LeverRule(ABC):
+    name = "none"
+
+    @abstractmethod
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+        """The levers for the step whose forecast is ``bulk`` (None: none pays)."""
+
+    def observe(self, m: StepMetrics) -> None:  # noqa: B027 - a rule that learns nothing keeps this default
+        """Default: learn nothing from measurements."""
+
+
+@dataclass
+class NereusLevers(LeverRule):
+    min_gain: float = 0.01  # of the predicted generation time
+    acceptance: dict[str, Acceptance] = field(default_factory=dict)
+    name: str = "nereus"
+
+    def alpha(self, draft: str) -> float:
+        return self.acceptance.get(draft, prior(DraftKind(draft))).alpha
+
+    def observe(self, m: StepMetrics) -> None:
+        """Calibrate each draft kind's acceptance on the verifications the engine measured."""
+        for e in m.generation:
+            d = e.decision
+            if isinstance(d, SetSpeculation) and d.speculation is not None and e.outcome.applied:
+                kind = d.speculation.draft
+                current = self.acceptance.get(kind, prior(DraftKind(kind)))
+                self.acceptance[kind] = current.observe(e.outcome.figures.get("accepted_tokens", 0.0),
+                                                        e.outcome.figures.get("verifications", 0.0),
+                                                        d.speculation.draft_tokens)
+
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+        base = no_move(model, bulk).generation_s
+
+        def priced(s: Speculation) -> tuple[float, Speculation]:
+            alpha = self.alpha(s.draft)
+            return with_speculation(model, bulk, s.draft_tokens, s.live_at_most, alpha, f).outcome.generation_s, s
+
+        # coarse: every kind and draft length on at every live batch; fine: the best one's thresholds
+        best = min((priced(Speculation(d, k, model.slots)) for d in MODEL_FREE for k in DRAFT_LENGTHS),
+                   key=lambda x: x[0])
+        spec = best[1]
+        for live in _powers(model.slots):
+            best = min(best, priced(Speculation(spec.draft, spec.draft_tokens, live)), key=lambda x: x[0])
+        if best is None or base - best[0] <= self.min_gain * base:
+            return None
+        gain = base - best[0]
+        spec = best[1]
+        predicted = {"gain_s": gain, "generation_s": best[0], "base_s": base, "alpha": self.alpha(spec.draft)}
+        return LeverChoice(GenerationLevers(speculation=spec, policy=self.name, predicted=predicted), gain)
+
+
+@dataclass
+class FixedSpeculation(LeverRule):
+    """Speculation of one fixed configuration on every step, below a fixed live-batch threshold."""
+
+    speculation: Speculation
+    name: str = "spec-like"
+
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+        base = no_move(model, bulk).generation_s
+        s = self.speculation
+        t = with_speculation(model, bulk, s.draft_tokens, s.live_at_most, prior(DraftKind(s.draft)).alpha,
+                             f).outcome.generation_s
+        predicted = {"gain_s": base - t, "generation_s": t, "base_s": base}
+        return LeverChoice(GenerationLevers(speculation=s, policy=self.name, predicted=predicted), base - t)
+
+
+def _powers(limit: int) -> list[int]:
+    out, k = [], 1
+    while k <= limit:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def speculation_decision(levers: GenerationLevers | None) -> SetSpeculation | None:
+    """The decision at the stage's start that turns a plan's speculation on (None: the plan has none)."""
+    if levers is None or levers.speculation is None:
+        return None
+    s = levers.speculation
+    return SetSpeculation(speculation=s, gain_s=float(levers.predicted.get("gain_s", 0.0)),
+                          reason=f"{levers.policy}: {s.draft} drafts, k={s.draft_tokens}, on at <= {s.live_at_most} "
+                                 "live sequences per replica")
