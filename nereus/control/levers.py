@@ -14,7 +14,11 @@ by its live batch). ``run.policy_lag`` bounds what a rule may pick: lag 0 allows
   in the price (verification at (k + 1)·b rows turns compute-bound), so the threshold is the cost model's.
   The policy never reads the trace's acceptance: it sees the verifications and accepted tokens the
   engine reports (vLLM's ``num_drafts`` and ``num_accepted_tokens``).
-- ``FixedSpeculation``: one fixed configuration, as an operator sets it once (the ``spec-like`` baseline).
+  With ``run.policy_lag`` 1 it also prices partial rollout (``cost.levers.partial_rollout``: the per-step
+  token budget whose tokens are at most one step old that pays most) alone and with the speculation, and
+  keeps the fastest of the three.
+- ``FixedSpeculation``: one fixed configuration, as an operator sets it once (the ``spec-like`` baseline);
+  ``FixedPartialRollout``: a fixed per-step budget (``april-like``).
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from dataclasses import dataclass, field
 from nereus.control.backend import StepMetrics
 from nereus.cost.batching import Factors
 from nereus.cost.generation import BulkRun, GenModel, no_move
+from nereus.cost.levers.lengths import GroupLengths, RolloutPool
+from nereus.cost.levers.partial_rollout import best_budget, budget_for_lag
 from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
 from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
+from nereus.cost.stages import generation_replica
 from nereus.spec.generation import SetSpeculation
-from nereus.spec.levers import GenerationLevers, Speculation
+from nereus.spec.levers import GenerationLevers, PartialRollout, Speculation
 
 DRAFT_LENGTHS = tuple(range(1, 9))
 
@@ -85,12 +92,34 @@ class NereusLevers(LeverRule):
         spec = best[1]
         for live in _powers(model.slots):
             best = min(best, priced(Speculation(spec.draft, spec.draft_tokens, live)), key=lambda x: x[0])
-        if best is None or base - best[0] <= self.min_gain * base:
+        spec_s, spec = best
+        options = [(spec_s, GenerationLevers(speculation=spec))] if base - spec_s > self.min_gain * base else []
+        partial = self._partial(model, policy_lag) if policy_lag >= 1 else None
+        if partial is not None:  # the budget's speedup (cost.levers.partial_rollout) on either decode
+            budget, speedup = partial
+            options.append((base / speedup, GenerationLevers(partial_rollout=budget)))
+            if options[0][1].speculation is not None:
+                options.append((spec_s / speedup, GenerationLevers(speculation=spec, partial_rollout=budget)))
+        if not options:
             return None
-        gain = base - best[0]
-        spec = best[1]
-        predicted = {"gain_s": gain, "generation_s": best[0], "base_s": base, "alpha": self.alpha(spec.draft)}
-        return LeverChoice(GenerationLevers(speculation=spec, policy=self.name, predicted=predicted), gain)
+        t, chosen = min(options, key=lambda x: x[0])
+        predicted = {"gain_s": base - t, "generation_s": t, "base_s": base}
+        if chosen.speculation is not None:
+            predicted["alpha"] = self.alpha(chosen.speculation.draft)
+        levers = GenerationLevers(chosen.speculation, None, chosen.partial_rollout, None, self.name, predicted)
+        return LeverChoice(levers, base - t)
+
+    def _partial(self, model: GenModel, policy_lag: int) -> tuple[PartialRollout, float] | None:
+        """The per-step budget with every token at most ``policy_lag`` steps old that pays most, and its
+        generation speedup; None when none pays ``min_gain``."""
+        job = model.job
+        replica = generation_replica(model.hw, model.arch, model.placement.layout.tp, job.options.weight_bytes)
+        pool = RolloutPool(replica, model.placement.layout.dp, model.slots, float(job.workload.prompt_length))
+        lengths = GroupLengths.of(job.workload.response, 0.0, job.algorithm.samples_per_prompt)
+        est = best_budget(pool, lengths, job.sequences_per_step(), policy_lag)
+        if est.round_tokens >= lengths.max or est.speedup <= 1 + self.min_gain:
+            return None
+        return PartialRollout(est.round_tokens), est.speedup
 
 
 @dataclass
@@ -107,6 +136,19 @@ class FixedSpeculation(LeverRule):
                              f).outcome.generation_s
         predicted = {"gain_s": base - t, "generation_s": t, "base_s": base}
         return LeverChoice(GenerationLevers(speculation=s, policy=self.name, predicted=predicted), base - t)
+
+
+@dataclass
+class FixedPartialRollout(LeverRule):
+    """Partial rollout every step at the smallest budget whose tokens are at most ``lag`` steps old
+    (``budget_for_lag`` of the job's longest response), whatever it costs."""
+
+    lag: int = 1
+    name: str = "april-like"
+
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+        budget = PartialRollout(budget_for_lag(model.job.workload.response.max, self.lag))
+        return LeverChoice(GenerationLevers(partial_rollout=budget, policy=self.name), 0.0)
 
 
 def _powers(limit: int) -> list[int]:

@@ -33,6 +33,7 @@ from nereus.cost.levers.speculative import DraftKind, prior
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import TERMS
 from nereus.cost.transition import estimate_transition
+from nereus.sim.carry import Carried, Round, plan_round
 from nereus.sim.generation import Look, entries_of, status_at, tail_outcome, walk
 from nereus.sim.workload import batch_at
 from nereus.spec.generation import ChangeTailLayout, GenerationEntry, Outcome, SetSpeculation
@@ -78,6 +79,7 @@ class SimBackend:
         self.full_job = job.with_gpus(self._max_gpus)
         self.hw = Hardware(self.full_job.cluster)
         self.last_generation: dict = {}  # the latest step's sequence-level generation (sim.step_timeline)
+        self.carried = Carried.none()  # responses a partial-rollout step left to the next (sim.carry)
 
     def cluster(self, step: int) -> ClusterState:
         now = self.trace.gpus_at(step, self.initial_gpus)
@@ -120,25 +122,42 @@ class SimBackend:
         t0 = time.perf_counter()
         answer = policy.during_generation(status)
         start = Look(0.0, status, answer, time.perf_counter() - t0)
+        prompt = float(job.workload.prompt_length)
+        tokens = float(job.sequences_per_step() * (prompt + mean))
+        rnd = self._round(plan, lengths, prompt)
+        if rnd is not None:  # the step trains the responses that end in it: the later stages scale with them
+            trained = rnd.trained * prompt + float(rnd.trained_lengths.sum())
+            _scale_later_stages(stage_times, phases, trained / tokens)
+            tokens = trained
         detail, entries = {}, ()
-        if self.truth.sequence_level or start.decision.acts or not start.decision.look.none:
-            detail, entries = self._sequence_level(plan, step, model, lengths, noise, stage_times, phases,
-                                                   policy, start)
-        tokens = float(job.sequences_per_step() * (job.workload.prompt_length + mean))
+        if self.truth.sequence_level or start.decision.acts or not start.decision.look.none or rnd is not None:
+            gen_lengths, contexts = (lengths, None) if rnd is None else (rnd.lengths, rnd.contexts)
+            detail, entries = self._sequence_level(plan, step, model, gen_lengths, noise, stage_times, phases,
+                                                   policy, start, contexts)
+        lag = (1.0,) if rnd is None else rnd.policy_lag
         return StepMetrics(step, stage_times, phases, sum(phases.values()), mean, longest,
                            job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus, detail,
-                           entries)
+                           entries, lag)
+
+    def _round(self, plan: Plan, lengths: np.ndarray, prompt: float) -> Round | None:
+        """This step's partial-rollout round (``sim.carry``), None when nothing is budgeted or carried."""
+        pr = plan.levers.partial_rollout if plan.levers is not None else None
+        if pr is None and not len(self.carried):
+            return None
+        rnd = plan_round(lengths, self.carried, prompt, None if pr is None else pr.round_tokens)
+        self.carried = rnd.carried_out
+        return rnd
 
     def _sequence_level(self, plan: Plan, step: int, model: GenModel, lengths: np.ndarray, noise: dict,
-                        stage_times: dict, phases: dict, policy: GenerationPolicy,
-                        start: Look) -> tuple[dict, tuple[GenerationEntry, ...]]:
+                        stage_times: dict, phases: dict, policy: GenerationPolicy, start: Look,
+                        contexts: np.ndarray | None = None) -> tuple[dict, tuple[GenerationEntry, ...]]:
         """Generation decoded sequence by sequence under the hidden factors (``cost.generation``), its
         decision points walked with the policy (``sim.generation``), the tail layout it switched to if it
         did, and inference overlapped on the GPUs its tail frees. Fills the stage and phase times in place;
         returns where the time went and the recorded decisions with their predicted and realised numbers."""
         moved_noise = float(math.exp(self._rng(step, 3).normal(0, self.truth.noise)))
         f = Factors.of(self.factors, self.factors["transition"] * moved_noise)
-        bulk = run_bulk(model, lengths, f)
+        bulk = run_bulk(model, lengths, f, contexts)
         base = no_move(model, bulk)
         looks = walk(policy, start, model, bulk, self.trace.response_at(step).max)
         act = looks[-1] if looks and isinstance(looks[-1].decision, ChangeTailLayout) else None
@@ -193,3 +212,12 @@ class SimBackend:
         noise = float(math.exp(self._rng(step, 2).normal(0, self.truth.noise)))
         actual = predicted * self.factors["transition"] * noise
         return TransitionMetrics(actual, predicted, est.bytes_moved, {"moved": list(est.moved_model_stages)})
+
+
+def _scale_later_stages(stage_times: dict[str, float], phases: dict[str, float], factor: float) -> None:
+    """Inference and training of a step that trains ``factor`` times the batch's tokens (in place)."""
+    for name in stage_times:
+        if name.split("/")[1] in ("inference", "training"):
+            stage_times[name] *= factor
+    for stage in ("inference", "training"):
+        phases[stage] *= factor

@@ -223,9 +223,9 @@ def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, con
     ``pat-like`` (verl-like static layouts, PAT's TP switch when the batch has drained), ``rlhfuse-like``
     (fixed-oracle static layouts, the tail packed onto few instances and inference started on the GPUs
     freed), ``spec-like`` (verl-like static layouts, speculation of one fixed configuration below a fixed
-    live batch: ``SPEC_LIKE``)."""
+    live batch: ``SPEC_LIKE``), ``april-like`` (verl-like static layouts, a fixed partial-rollout budget)."""
     from nereus.control.intrastep import NereusTail, NoTail, PatTail, PhasedPolicy, RlhfuseTail
-    from nereus.control.levers import FixedSpeculation, NereusLevers
+    from nereus.control.levers import FixedPartialRollout, FixedSpeculation, NereusLevers
 
     if name in ("nereus", "nereus-tail"):  # nereus-tail: tail layouts only, no levers (an ablation)
         return PhasedPolicy(name, Controller(job, config, schedule, total_steps, transition_cost), NereusTail(),
@@ -234,9 +234,14 @@ def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, con
                         transition_cost, config)
     if name == "spec-like":
         return PhasedPolicy(name, inner, NoTail(), levers=FixedSpeculation(SPEC_LIKE))
+    if name == "april-like":
+        return PhasedPolicy(name, inner, NoTail(), levers=FixedPartialRollout(lag=1), policy_lag=1)
     return PhasedPolicy(name, inner, PatTail() if name == "pat-like" else RlhfuseTail())
 
 
+# april-like: partial rollout (APRIL, arXiv 2509.18521: unfinished responses carried to the next step
+# instead of waiting for them) at the smallest per-step budget that keeps every trained token at most one
+# step old (half the longest response), on verl-like's layouts; the budget is fixed, not priced.
 # spec-like's fixed rule, as an operator configures vLLM's model-free speculation once for a rollout: n-gram
 # (prompt-lookup) drafts with num_speculative_tokens 5 (the n-gram example of vLLM's speculative-decoding
 # docs), disabled above a fixed live batch (vLLM's disable_by_batch_size; TLT, arXiv 2511.16665, and
@@ -246,7 +251,7 @@ SPEC_LIKE = Speculation("ngram", 5, 32)
 
 
 BASELINES = ("fixed-oracle", "fixed-recipe", "verl-like", "openrlhf-like", "realhf-like")
-INTRASTEP = ("nereus", "nereus-tail", "pat-like", "rlhfuse-like", "spec-like")
+INTRASTEP = ("nereus", "nereus-tail", "pat-like", "rlhfuse-like", "spec-like", "april-like")
 ALIASES = {"fixed-dp": "fixed-oracle"}  # the name fixed-oracle had before the recipe baseline existed
 POLICIES = ("nereus", "nereus-tail", "nereus-interstep", "nereus-nocal", *BASELINES, "pat-like", "rlhfuse-like",
-            "spec-like", *ALIASES)
+            "spec-like", "april-like", *ALIASES)
