@@ -137,6 +137,8 @@ def with_speculation(model: GenModel, bulk: BulkRun, k: int, live_at_most: int, 
     group = lay.tp * lay.pp
     idle = sum(group * (end - e) for e in ends)
     first = min(switches, default=end)
-    segs = [(f"replica {r}", "bulk", 0.0, e) for r, e in enumerate(ends)]
+    on = dict(switched)
+    segs = [(f"replica {r}", "bulk", 0.0, on.get(r, e)) for r, e in enumerate(ends)]
+    segs += [(f"replica {r}", "speculation", t_r, ends[r]) for r, t_r in switched]
     out = GenOutcome(end, first, 0.0, end - first, idle, segments=segs)
     return SpecOutcome(out, len(switches), spec_tokens, verifications, end - first, switches)
