@@ -18,7 +18,8 @@ by its live batch). ``run.policy_lag`` bounds what a rule may pick: lag 0 allows
   token budget whose tokens are at most one step old that pays most) alone and with the speculation, and
   keeps the fastest of the three.
 - ``FixedSpeculation``: one fixed configuration, as an operator sets it once (the ``spec-like`` baseline);
-  ``FixedPartialRollout``: a fixed per-step budget (``april-like``).
+  ``FixedPartialRollout``: a fixed per-step budget (``april-like``); ``FixedAsync``: one-step-off
+  asynchrony on a fixed pool split (``verl-async-like``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
 from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
 from nereus.cost.stages import generation_replica
 from nereus.spec.generation import SetSpeculation
-from nereus.spec.levers import GenerationLevers, PartialRollout, Speculation
+from nereus.spec.levers import AsyncSplit, GenerationLevers, PartialRollout, Speculation
 
 DRAFT_LENGTHS = tuple(range(1, 9))
 
@@ -149,6 +150,19 @@ class FixedPartialRollout(LeverRule):
     def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
         budget = PartialRollout(budget_for_lag(model.job.workload.response.max, self.lag))
         return LeverChoice(GenerationLevers(partial_rollout=budget, policy=self.name), 0.0)
+
+
+@dataclass
+class FixedAsync(LeverRule):
+    """One-step-off asynchrony on the plan's own pools: generation of step k + 1 on the rollout's GPUs
+    while the others train step k (the plan must place them apart: the backend checks)."""
+
+    staleness: int = 1
+    name: str = "verl-async-like"
+
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+        split = AsyncSplit(len(model.placement.gpus), self.staleness)
+        return LeverChoice(GenerationLevers(async_split=split, policy=self.name), 0.0)
 
 
 def _powers(limit: int) -> list[int]:

@@ -135,7 +135,11 @@ class SimBackend:
             detail, entries = self._sequence_level(plan, step, model, gen_lengths, noise, stage_times, phases,
                                                    policy, start, contexts)
         lag = (1.0,) if rnd is None else rnd.policy_lag
-        return StepMetrics(step, stage_times, phases, sum(phases.values()), mean, longest,
+        step_s = sum(phases.values())
+        if _runs_async(plan):  # generation of the next step overlaps this step's inference and training
+            step_s = max(phases["generation"], phases["inference"] + phases["training"]) + phases["weight_sync"]
+            lag = (0.0, 1.0)
+        return StepMetrics(step, stage_times, phases, step_s, mean, longest,
                            job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus, detail,
                            entries, lag)
 
@@ -221,3 +225,13 @@ def _scale_later_stages(stage_times: dict[str, float], phases: dict[str, float],
             stage_times[name] *= factor
     for stage in ("inference", "training"):
         phases[stage] *= factor
+
+
+def _runs_async(plan: Plan) -> bool:
+    """Whether the plan runs one-step-off: its levers ask for it and the rollout's GPUs hold nothing else
+    (verl's one-step-off recipe: separate resource pools; the steady state of ``cost.levers.async_split``:
+    a step takes the slower pool plus the weight sync, every trained token one step old)."""
+    if plan.levers is None or plan.levers.async_split is None:
+        return False
+    rollout = set(plan.placement("actor/generation").gpus)
+    return all(not rollout & set(p.gpus) for p in plan.placements if p.model_stage.stage != "generation")

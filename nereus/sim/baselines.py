@@ -34,7 +34,7 @@ from nereus.control.controller import Controller, ControllerConfig, TransitionCo
 from nereus.control.forecast import Schedule
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
-from nereus.planner.search import Constraints, SearchResult, search
+from nereus.planner.search import Constraints, SearchResult, placement_units, search
 from nereus.sim.recipes import fixed_recipe_tp, system_recipe_tp
 from nereus.spec.errors import InfeasibleError
 from nereus.spec.generation import GenerationDecision, GenerationStatus
@@ -225,7 +225,7 @@ def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, con
     freed), ``spec-like`` (verl-like static layouts, speculation of one fixed configuration below a fixed
     live batch: ``SPEC_LIKE``), ``april-like`` (verl-like static layouts, a fixed partial-rollout budget)."""
     from nereus.control.intrastep import NereusTail, NoTail, PatTail, PhasedPolicy, RlhfuseTail
-    from nereus.control.levers import FixedPartialRollout, FixedSpeculation, NereusLevers
+    from nereus.control.levers import FixedAsync, FixedPartialRollout, FixedSpeculation, NereusLevers
 
     if name in ("nereus", "nereus-tail"):  # nereus-tail: tail layouts only, no levers (an ablation)
         return PhasedPolicy(name, Controller(job, config, schedule, total_steps, transition_cost), NereusTail(),
@@ -234,9 +234,29 @@ def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, con
                         transition_cost, config)
     if name == "spec-like":
         return PhasedPolicy(name, inner, NoTail(), levers=FixedSpeculation(SPEC_LIKE))
+    if name == "verl-async-like":
+        return PhasedPolicy(name, _verl_async(job, schedule, transition_cost), NoTail(), levers=FixedAsync(),
+                            policy_lag=1)
     if name == "april-like":
         return PhasedPolicy(name, inner, NoTail(), levers=FixedPartialRollout(lag=1), policy_lag=1)
     return PhasedPolicy(name, inner, PatTail() if name == "pat-like" else RlhfuseTail())
+
+
+def _verl_async(job: JobSpec, schedule: Schedule | None, transition_cost: TransitionCost | None) -> StaticPolicy:
+    """verl's one-step-off recipe as a static policy: the rollout alone on half the GPUs (a fixed split set
+    once; verl's recipe takes both pools' sizes from its config, the half is ours), every other model on
+    the rest with verl's FSDP and gradient checkpointing, verl's rollout TP, and the weights sent from
+    the training pool to the rollout pool each step (``gather-broadcast``: verl's NCCL broadcast)."""
+    n = job.cluster.num_gpus
+    others = "+".join(u for u in placement_units(job) if u != "rollout")
+
+    def half(ms: ModelStage, layout: Layout) -> bool:
+        return (layout.world == n // 2 if ms == ROLLOUT else layout.world <= n - n // 2) and _sharded_data_parallel(
+            ms, layout)
+
+    alg, size = job.algorithm.name, _params_b(job)
+    return StaticPolicy("verl-async-like", _verl_job(job), Constraints((f"rollout | {others}",), half), True,
+                        schedule, transition_cost, system_recipe_tp("verl", alg, size)[0], "gather-broadcast")
 
 
 # april-like: partial rollout (APRIL, arXiv 2509.18521: unfinished responses carried to the next step
@@ -251,7 +271,7 @@ SPEC_LIKE = Speculation("ngram", 5, 32)
 
 
 BASELINES = ("fixed-oracle", "fixed-recipe", "verl-like", "openrlhf-like", "realhf-like")
-INTRASTEP = ("nereus", "nereus-tail", "pat-like", "rlhfuse-like", "spec-like", "april-like")
+INTRASTEP = ("nereus", "nereus-tail", "pat-like", "rlhfuse-like", "spec-like", "april-like", "verl-async-like")
 ALIASES = {"fixed-dp": "fixed-oracle"}  # the name fixed-oracle had before the recipe baseline existed
 POLICIES = ("nereus", "nereus-tail", "nereus-interstep", "nereus-nocal", *BASELINES, "pat-like", "rlhfuse-like",
-            "spec-like", "april-like", *ALIASES)
+            "spec-like", "april-like", "verl-async-like", *ALIASES)

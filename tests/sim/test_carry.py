@@ -33,3 +33,16 @@ def test_lag_one_runs_partial_rollout_and_records_each_steps_lag():
     assert s["on_policy_share"] < 1.0 and strict.summary()["on_policy_share"] == 1.0
     april = simulate(job, tr, "april-like", seed=0, steps=12)
     assert 0 < april.summary()["policy_lag_mean"] < 1 and april.summary()["policy_lag_max"] == 1
+
+
+def test_verl_async_like_runs_one_step_off_on_two_pools():
+    record = simulate(small_job(16), trace(8), "verl-async-like", seed=0, steps=8)
+    plan = record.plans[0]["plan"]
+    rollout = next(set(p["gpus"]) for p in plan["placements"] if p["model_stage"] == "actor/generation")
+    others = [set(p["gpus"]) for p in plan["placements"] if p["model_stage"] != "actor/generation"]
+    assert len(rollout) == 8 and all(not rollout & o for o in others)
+    assert all(s["policy_lag"] == [0.0, 1.0] for s in record.steps)
+    for s in record.steps:  # the slower pool plus the weight sync
+        ph = s["phases"]
+        assert s["step_time_s"] == pytest.approx(max(ph["generation"], ph["inference"] + ph["training"])
+                                                 + ph["weight_sync"])
