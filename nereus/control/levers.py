@@ -14,11 +14,14 @@ by its live batch). ``run.policy_lag`` bounds what a rule may pick: lag 0 allows
   in the price (verification at (k + 1)·b rows turns compute-bound), so the threshold is the cost model's.
   The policy never reads the trace's acceptance: it sees the verifications and accepted tokens the
   engine reports (vLLM's ``num_drafts`` and ``num_accepted_tokens``).
+  It prices tail batching (``cost.levers.tail_batching``: the over-launch factor that pays most, at a
+  prior sibling correlation) as the alternative to speculation.
   With ``run.policy_lag`` 1 it also prices partial rollout (``cost.levers.partial_rollout``: the per-step
   token budget whose tokens are at most one step old that pays most) alone and with the speculation, and
   keeps the fastest of the three.
 - ``FixedSpeculation``: one fixed configuration, as an operator sets it once (the ``spec-like`` baseline);
-  ``FixedPartialRollout``: a fixed per-step budget (``april-like``); ``FixedAsync``: one-step-off
+  ``FixedPartialRollout``: a fixed per-step budget (``april-like``); ``FixedTailBatching``: a fixed
+  over-launch factor (``rollpacker-like``); ``FixedAsync``: one-step-off
   asynchrony on a fixed pool split (``verl-async-like``).
 """
 
@@ -34,11 +37,16 @@ from nereus.cost.levers.lengths import GroupLengths, RolloutPool
 from nereus.cost.levers.partial_rollout import best_budget, budget_for_lag
 from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
 from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
+from nereus.cost.levers.tail_batching import best_over_launch
 from nereus.cost.stages import generation_replica
 from nereus.spec.generation import SetSpeculation
-from nereus.spec.levers import AsyncSplit, GenerationLevers, PartialRollout, Speculation
+from nereus.spec.levers import AsyncSplit, GenerationLevers, PartialRollout, Speculation, TailBatching
 
 DRAFT_LENGTHS = tuple(range(1, 9))
+# The sibling correlation of log lengths the controller prices tail batching at: Seer (arXiv 2511.14617)
+# reports responses to one prompt "strongly similar" in length without a coefficient; 0.5 is ours (the
+# policy cannot read the trace's; the engine's finished lengths per group could calibrate it).
+SIBLINGS_PRIOR = 0.5
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,9 @@ class NereusLevers(LeverRule):
             best = min(best, priced(Speculation(spec.draft, spec.draft_tokens, live)), key=lambda x: x[0])
         spec_s, spec = best
         options = [(spec_s, GenerationLevers(speculation=spec))] if base - spec_s > self.min_gain * base else []
+        batching = self._tail_batching(model)
+        if batching is not None:  # on the rollout as it is: exclusive with speculation here
+            options.append((base / batching[1], GenerationLevers(tail_batching=batching[0])))
         partial = self._partial(model, policy_lag) if policy_lag >= 1 else None
         if partial is not None:  # the budget's speedup (cost.levers.partial_rollout) on either decode
             budget, speedup = partial
@@ -107,17 +118,31 @@ class NereusLevers(LeverRule):
         predicted = {"gain_s": base - t, "generation_s": t, "base_s": base}
         if chosen.speculation is not None:
             predicted["alpha"] = self.alpha(chosen.speculation.draft)
-        levers = GenerationLevers(chosen.speculation, None, chosen.partial_rollout, None, self.name, predicted)
+        levers = GenerationLevers(chosen.speculation, chosen.tail_batching, chosen.partial_rollout, None, self.name,
+                                  predicted)
         return LeverChoice(levers, base - t)
+
+    def _pool(self, model: GenModel) -> RolloutPool:
+        job = model.job
+        replica = generation_replica(model.hw, model.arch, model.placement.layout.tp, job.options.weight_bytes)
+        return RolloutPool(replica, model.placement.layout.dp, model.slots, float(job.workload.prompt_length))
+
+    def _tail_batching(self, model: GenModel) -> tuple[TailBatching, float] | None:
+        """The over-launch factor that pays most (``cost.levers.tail_batching``) at the prior sibling
+        correlation, and its generation speedup; None when none pays ``min_gain``."""
+        job = model.job
+        lengths = GroupLengths.of(job.workload.response, SIBLINGS_PRIOR, job.algorithm.samples_per_prompt)
+        est = best_over_launch(self._pool(model), lengths, job.workload.prompts_per_step)
+        if est.over_launch <= 1.0 or est.speedup <= 1 + self.min_gain:
+            return None
+        return TailBatching(est.over_launch), est.speedup
 
     def _partial(self, model: GenModel, policy_lag: int) -> tuple[PartialRollout, float] | None:
         """The per-step budget with every token at most ``policy_lag`` steps old that pays most, and its
         generation speedup; None when none pays ``min_gain``."""
         job = model.job
-        replica = generation_replica(model.hw, model.arch, model.placement.layout.tp, job.options.weight_bytes)
-        pool = RolloutPool(replica, model.placement.layout.dp, model.slots, float(job.workload.prompt_length))
         lengths = GroupLengths.of(job.workload.response, 0.0, job.algorithm.samples_per_prompt)
-        est = best_budget(pool, lengths, job.sequences_per_step(), policy_lag)
+        est = best_budget(self._pool(model), lengths, job.sequences_per_step(), policy_lag)
         if est.round_tokens >= lengths.max or est.speedup <= 1 + self.min_gain:
             return None
         return PartialRollout(est.round_tokens), est.speedup
@@ -150,6 +175,17 @@ class FixedPartialRollout(LeverRule):
     def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
         budget = PartialRollout(budget_for_lag(model.job.workload.response.max, self.lag))
         return LeverChoice(GenerationLevers(partial_rollout=budget, policy=self.name), 0.0)
+
+
+@dataclass
+class FixedTailBatching(LeverRule):
+    """Tail batching at a fixed over-launch factor, every step."""
+
+    tail_batching: TailBatching
+    name: str = "rollpacker-like"
+
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+        return LeverChoice(GenerationLevers(tail_batching=self.tail_batching, policy=self.name), 0.0)
 
 
 @dataclass

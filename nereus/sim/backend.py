@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from nereus.cost.stages import TERMS
 from nereus.cost.transition import estimate_transition
 from nereus.sim.carry import Carried, Round, plan_round
 from nereus.sim.generation import Look, entries_of, status_at, tail_outcome, walk
+from nereus.sim.groups import Deferred, ShortRound, draw_groups, stop_round
 from nereus.sim.workload import batch_at
 from nereus.spec.generation import ChangeTailLayout, GenerationEntry, Outcome, SetSpeculation
 from nereus.spec.job import JobSpec, ResponseLength
@@ -80,6 +81,9 @@ class SimBackend:
         self.hw = Hardware(self.full_job.cluster)
         self.last_generation: dict = {}  # the latest step's sequence-level generation (sim.step_timeline)
         self.carried = Carried.none()  # responses a partial-rollout step left to the next (sim.carry)
+        self.deferred = Deferred.none()  # prompts tail batching deferred to a long round (sim.groups)
+        self._launched_z = np.zeros(0)  # the difficulty of the prompts launched this step
+        self._short = ShortRound(0.0, np.zeros(0, bool))  # the latest short round's stop
 
     def cluster(self, step: int) -> ClusterState:
         now = self.trace.gpus_at(step, self.initial_gpus)
@@ -96,13 +100,45 @@ class SimBackend:
         return batch_at(self.full_job, self.trace.gpus_at(step, self.initial_gpus))
 
     def draw_lengths(self, step: int) -> np.ndarray:
+        return self.draw_step(step)[0]
+
+    def draw_step(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The step's response lengths and its prompts' difficulty Z (``sim.groups``): siblings alike with
+        the trace's correlation; independent draws when it has none or groups have one response."""
         r = self.trace.response_at(step)
-        n = self.job_at(step).sequences_per_step()
+        job = self.job_at(step)
+        n, g, rho = job.sequences_per_step(), job.algorithm.samples_per_prompt, self.trace.sibling_correlation
+        rng = self._rng(step, 0)
+        if rho > 0 and g > 1:
+            z = rng.standard_normal(n // g)
+            return draw_groups(rng, r, z, g, rho), z
         mu = math.log(r.mean) - r.sigma**2 / 2
-        return np.minimum(self._rng(step, 0).lognormal(mu, r.sigma, size=n), r.max)
+        return np.minimum(rng.lognormal(mu, r.sigma, size=n), r.max), np.zeros(0)
+
+    def _tail_batching(self, plan: Plan, step: int, lengths: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, bool]:
+        """Tail batching's round (``sim.groups``): a long round of ``P`` deferred prompts once as many wait
+        (regenerated from scratch), else a short round over-launched ``f``-fold that keeps the first ``P``
+        groups to end (True). Without the lever: the drawn lengths."""
+        tb = plan.levers.tail_batching if plan.levers is not None else None
+        job = self.job_at(step)
+        p, g = job.workload.prompts_per_step, job.algorithm.samples_per_prompt
+        self._launched_z = z if len(z) else np.zeros(p)
+        if tb is None:
+            return lengths, False
+        r, rho = self.trace.response_at(step), self.trace.sibling_correlation
+        if len(self.deferred) >= p:
+            self._launched_z, self.deferred = self.deferred.z[:p], Deferred(self.deferred.z[p:])
+            return draw_groups(self._rng(step, 5), r, self._launched_z, g, rho), False
+        extra = math.ceil((tb.over_launch - 1) * p)
+        if extra < 1:
+            return lengths, False
+        more_z = self._rng(step, 6).standard_normal(extra)
+        self._launched_z = np.concatenate([self._launched_z, more_z])
+        return np.concatenate([lengths, draw_groups(self._rng(step, 7), r, more_z, g, rho)]), True
 
     def run_step(self, plan: Plan, step: int, policy: GenerationPolicy) -> StepMetrics:
-        lengths = self.draw_lengths(step)
+        lengths, z = self.draw_step(step)
+        lengths, short = self._tail_batching(plan, step, lengths, z)
         mean, longest = float(lengths.mean()), float(lengths.max())
         r = self.trace.response_at(step)
         # The drawn batch: its mean sets tokens, its longest response sets the rollout's iterations.
@@ -130,10 +166,17 @@ class SimBackend:
             _scale_later_stages(stage_times, phases, trained / tokens)
             tokens = trained
         detail, entries = {}, ()
-        if self.truth.sequence_level or start.decision.acts or not start.decision.look.none or rnd is not None:
+        keep = (job.workload.prompts_per_step, job.algorithm.samples_per_prompt) if short else None
+        if self.truth.sequence_level or start.decision.acts or not start.decision.look.none or rnd or short:
             gen_lengths, contexts = (lengths, None) if rnd is None else (rnd.lengths, rnd.contexts)
             detail, entries = self._sequence_level(plan, step, model, gen_lengths, noise, stage_times, phases,
-                                                   policy, start, contexts)
+                                                   policy, start, contexts, keep)
+        if short:  # the step trains the groups the short round kept; the others wait for a long round
+            kept = self._short.kept_sequences(keep[1])
+            self.deferred = Deferred(np.concatenate([self.deferred.z, self._launched_z[~self._short.kept]]))
+            trained = float(kept.sum() * prompt + lengths[kept].sum())
+            _scale_later_stages(stage_times, phases, trained / tokens)
+            tokens = trained
         lag = (1.0,) if rnd is None else rnd.policy_lag
         step_s = sum(phases.values())
         if _runs_async(plan):  # generation of the next step overlaps this step's inference and training
@@ -154,7 +197,8 @@ class SimBackend:
 
     def _sequence_level(self, plan: Plan, step: int, model: GenModel, lengths: np.ndarray, noise: dict,
                         stage_times: dict, phases: dict, policy: GenerationPolicy, start: Look,
-                        contexts: np.ndarray | None = None) -> tuple[dict, tuple[GenerationEntry, ...]]:
+                        contexts: np.ndarray | None = None,
+                        keep: tuple[int, int] | None = None) -> tuple[dict, tuple[GenerationEntry, ...]]:
         """Generation decoded sequence by sequence under the hidden factors (``cost.generation``), its
         decision points walked with the policy (``sim.generation``), the tail layout it switched to if it
         did, and inference overlapped on the GPUs its tail frees. Fills the stage and phase times in place;
@@ -169,6 +213,10 @@ class SimBackend:
         inf_gpus = inference_gpus(plan)
         out = with_tail(model, bulk, phase, f, inf_gpus, act.t) if act else base
         gen_noise = noise["actor/generation"]
+        if keep is not None:  # a short round of tail batching: the engine stops once P groups have ended
+            self._short = stop_round(bulk.finish_s, keep[1], keep[0])
+            out = replace(out, generation_s=min(out.generation_s, self._short.stop_s),
+                          tail_s=max(0.0, min(out.generation_s, self._short.stop_s) - out.bulk_s))
         spec = looks[-1] if looks and isinstance(looks[-1].decision, SetSpeculation) else None
         spec_outcome = None
         if spec is not None and spec.decision.speculation is not None:

@@ -40,7 +40,7 @@ from nereus.spec.errors import InfeasibleError
 from nereus.spec.generation import GenerationDecision, GenerationStatus
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage, Plan
-from nereus.spec.levers import Speculation
+from nereus.spec.levers import Speculation, TailBatching
 
 ROLLOUT = ModelStage("actor", "generation")
 
@@ -225,7 +225,13 @@ def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, con
     freed), ``spec-like`` (verl-like static layouts, speculation of one fixed configuration below a fixed
     live batch: ``SPEC_LIKE``), ``april-like`` (verl-like static layouts, a fixed partial-rollout budget)."""
     from nereus.control.intrastep import NereusTail, NoTail, PatTail, PhasedPolicy, RlhfuseTail
-    from nereus.control.levers import FixedAsync, FixedPartialRollout, FixedSpeculation, NereusLevers
+    from nereus.control.levers import (
+        FixedAsync,
+        FixedPartialRollout,
+        FixedSpeculation,
+        FixedTailBatching,
+        NereusLevers,
+    )
 
     if name in ("nereus", "nereus-tail"):  # nereus-tail: tail layouts only, no levers (an ablation)
         return PhasedPolicy(name, Controller(job, config, schedule, total_steps, transition_cost), NereusTail(),
@@ -237,6 +243,8 @@ def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, con
     if name == "verl-async-like":
         return PhasedPolicy(name, _verl_async(job, schedule, transition_cost), NoTail(), levers=FixedAsync(),
                             policy_lag=1)
+    if name == "rollpacker-like":
+        return PhasedPolicy(name, inner, NoTail(), levers=FixedTailBatching(ROLLPACKER_LIKE))
     if name == "april-like":
         return PhasedPolicy(name, inner, NoTail(), levers=FixedPartialRollout(lag=1), policy_lag=1)
     return PhasedPolicy(name, inner, PatTail() if name == "pat-like" else RlhfuseTail())
@@ -268,10 +276,15 @@ def _verl_async(job: JobSpec, schedule: Schedule | None, transition_cost: Transi
 # FastGRPO, arXiv 2509.21792, switch speculation by batch size the same way). The threshold, 32 live
 # sequences per replica, is ours: a fixed value set once, not priced per job.
 SPEC_LIKE = Speculation("ngram", 5, 32)
+# rollpacker-like: RollPacker's tail batching (arXiv 2509.21009): launch more prompt groups than a step
+# trains, keep the first to end, defer the rest whole to dedicated long rounds; on verl-like's layouts. The
+# over-launch factor, 1.5, is ours (fixed, not priced).
+ROLLPACKER_LIKE = TailBatching(1.5)
 
 
 BASELINES = ("fixed-oracle", "fixed-recipe", "verl-like", "openrlhf-like", "realhf-like")
-INTRASTEP = ("nereus", "nereus-tail", "pat-like", "rlhfuse-like", "spec-like", "april-like", "verl-async-like")
+INTRASTEP = ("nereus", "nereus-tail", "pat-like", "rlhfuse-like", "spec-like", "rollpacker-like", "april-like",
+             "verl-async-like")
 ALIASES = {"fixed-dp": "fixed-oracle"}  # the name fixed-oracle had before the recipe baseline existed
 POLICIES = ("nereus", "nereus-tail", "nereus-interstep", "nereus-nocal", *BASELINES, "pat-like", "rlhfuse-like",
-            "spec-like", "april-like", "verl-async-like", *ALIASES)
+            "spec-like", "rollpacker-like", "april-like", "verl-async-like", *ALIASES)
