@@ -28,11 +28,11 @@ from nereus.spec.trace import load_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("nereus", "nereus@lag1", "nereus-tail", "nereus-interstep", "fixed-oracle", "verl-like", "pat-like",
-            "rlhfuse-like", "spec-like", "april-like", "verl-async-like")
+            "rlhfuse-like", "spec-like", "rollpacker-like", "april-like", "verl-async-like")
 LONG_TAIL = ("long_tail_dapo", "r1_zero_growth", "deepscaler_stages")
 TARGETS = {"nereus": 1.6, "nereus@lag1": 2.2}  # x verl-like on long_tail_dapo and r1_zero_growth
-RIVALS = {"nereus": ("spec-like", "pat-like", "rlhfuse-like"),
-          "nereus@lag1": ("april-like", "verl-async-like", "spec-like")}
+RIVALS = {"nereus": ("spec-like", "rollpacker-like", "pat-like", "rlhfuse-like"),
+          "nereus@lag1": ("april-like", "verl-async-like", "spec-like", "rollpacker-like")}
 PHASES = ("generation", "inference", "training", "weight_sync")
 
 

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_smallest_run_prints_every_policy_and_writes_timelines(tmp_path: Path) -> None:
-    policies = ["nereus", "nereus@lag1", "verl-like", "fixed-oracle", "spec-like", "april-like"]
+    policies = ["nereus", "nereus@lag1", "verl-like", "fixed-oracle", "spec-like", "rollpacker-like", "april-like",
+                "verl-async-like"]
     args = ["--jobs", "grpo_7b_h100", "--traces", "long_tail_dapo", "--steps", "3", "--policies", *policies,
             "--timeline", str(tmp_path), "--timeline-step", "1"]
     proc = subprocess.run([sys.executable, "benchmarks/long_tail.py", *args], cwd=ROOT, capture_output=True,
