@@ -16,9 +16,10 @@ by its live batch). ``run.policy_lag`` bounds what a rule may pick: lag 0 allows
   engine reports (vLLM's ``num_drafts`` and ``num_accepted_tokens``).
   It prices tail batching (``cost.levers.tail_batching``: the over-launch factor that pays most, at a
   prior sibling correlation) as the alternative to speculation.
-  With ``run.policy_lag`` 1 it also prices partial rollout (``cost.levers.partial_rollout``: the per-step
-  token budget whose tokens are at most one step old that pays most) alone and with the speculation, and
-  keeps the fastest of the three.
+  With ``run.policy_lag`` 1 it also prices partial rollout on the forecast's steady-state round at
+  sequence granularity (``cost.levers.partial_rollout.steady_round``: budgets from the smallest whose
+  tokens are at most one step old up to the longest response), alone and with the speculation, and keeps
+  the fastest.
 - ``FixedSpeculation``: one fixed configuration, as an operator sets it once (the ``spec-like`` baseline);
   ``FixedPartialRollout``: a fixed per-step budget (``april-like``); ``FixedTailBatching``: a fixed
   over-launch factor (``rollpacker-like``); ``FixedAsync``: one-step-off
@@ -32,9 +33,9 @@ from dataclasses import dataclass, field
 
 from nereus.control.backend import StepMetrics
 from nereus.cost.batching import Factors
-from nereus.cost.generation import BulkRun, GenModel, no_move
+from nereus.cost.generation import BulkRun, GenModel, no_move, run_bulk
 from nereus.cost.levers.lengths import GroupLengths, RolloutPool
-from nereus.cost.levers.partial_rollout import best_budget, budget_for_lag
+from nereus.cost.levers.partial_rollout import budget_for_lag, steady_round
 from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
 from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
 from nereus.cost.levers.tail_batching import best_over_launch
@@ -106,12 +107,9 @@ class NereusLevers(LeverRule):
         batching = self._tail_batching(model)
         if batching is not None:  # on the rollout as it is: exclusive with speculation here
             options.append((base / batching[1], GenerationLevers(tail_batching=batching[0])))
-        partial = self._partial(model, policy_lag) if policy_lag >= 1 else None
-        if partial is not None:  # the budget's speedup (cost.levers.partial_rollout) on either decode
-            budget, speedup = partial
-            options.append((base / speedup, GenerationLevers(partial_rollout=budget)))
-            if options[0][1].speculation is not None:
-                options.append((spec_s / speedup, GenerationLevers(speculation=spec, partial_rollout=budget)))
+        if policy_lag >= 1:
+            with_spec = spec if base - spec_s > self.min_gain * base else None
+            options += self._partial(model, bulk, f, policy_lag, with_spec)
         if not options:
             return None
         t, chosen = min(options, key=lambda x: x[0])
@@ -137,15 +135,25 @@ class NereusLevers(LeverRule):
             return None
         return TailBatching(est.over_launch), est.speedup
 
-    def _partial(self, model: GenModel, policy_lag: int) -> tuple[PartialRollout, float] | None:
-        """The per-step budget with every token at most ``policy_lag`` steps old that pays most, and its
-        generation speedup; None when none pays ``min_gain``."""
-        job = model.job
-        lengths = GroupLengths.of(job.workload.response, 0.0, job.algorithm.samples_per_prompt)
-        est = best_budget(self._pool(model), lengths, job.sequences_per_step(), policy_lag)
-        if est.round_tokens >= lengths.max or est.speedup <= 1 + self.min_gain:
-            return None
-        return PartialRollout(est.round_tokens), est.speedup
+    def _partial(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int,
+                 spec: Speculation | None) -> list[tuple[float, GenerationLevers]]:
+        """Partial rollout at budgets from the smallest whose tokens are at most ``policy_lag`` steps old
+        up to the longest response, priced on the forecast's steady-state round at sequence granularity
+        (``cost.levers.partial_rollout.steady_round``: the resumed responses re-prefilled), alone and with
+        ``spec``."""
+        top = model.job.workload.response.max
+        low = budget_for_lag(top, policy_lag)
+        prompt = float(model.job.workload.prompt_length)
+        options = []
+        for budget in sorted({low + (top - low) * i // 3 for i in range(3)}):
+            tokens, context = steady_round(bulk.lengths, prompt, budget)
+            rnd = run_bulk(model, tokens, f, context)
+            cut = PartialRollout(budget)
+            options.append((no_move(model, rnd).generation_s, GenerationLevers(partial_rollout=cut)))
+            if spec is not None:
+                s = with_speculation(model, rnd, spec.draft_tokens, spec.live_at_most, self.alpha(spec.draft), f)
+                options.append((s.outcome.generation_s, GenerationLevers(speculation=spec, partial_rollout=cut)))
+        return options
 
 
 @dataclass
