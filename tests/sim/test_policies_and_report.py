@@ -108,6 +108,12 @@ def test_simulate_and_report_cli(tmp_path, capsys):
     assert "| nereus |" in outputs["markdown"].read_text()
     assert main(["simulate", str(t), "--job", str(EXAMPLES / "ppo_tiny_cpu.yaml"), "--policy", "magic"]) == 2
     assert "--policy: 'magic' is not a policy" in capsys.readouterr().err
+    lagged = tmp_path / "lag1.json"
+    assert main(["simulate", str(t), "--job", str(EXAMPLES / "ppo_tiny_cpu.yaml"), "--policy", "april-like",
+                 "--policy-lag", "1", "--steps", "4", "--out", str(lagged), "--json"]) == 0
+    assert json.loads(lagged.read_text())["summary"]["policy_lag_max"] == 1
+    assert main(["simulate", str(t), "--job", str(EXAMPLES / "ppo_tiny_cpu.yaml"), "--policy-lag", "2"]) == 2
+    assert "--policy-lag: 2; give 0" in capsys.readouterr().err
 
 
 def test_failure_rates_are_drawn_per_seed_and_merged_with_explicit_failures():
