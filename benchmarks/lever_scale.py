@@ -7,7 +7,7 @@ sequence granularity; partial rollout at policy lag 1), median of ``--repeats``.
 Part 2: ``nereus`` on ``r1_zero_growth`` at 1,024 GPUs for ``--steps`` steps (target: 1,000 steps <= 60 s),
 and ``verl-like`` next to it for scale.
 
-    python benchmarks/lever_scale.py [--repeats 3] [--steps 1000] [--lag 0]
+    python benchmarks/lever_scale.py [--repeats 3] [--steps 1000 (0: part 1 only)] [--lag 0]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--job", default=str(ROOT / "examples" / "ppo_8b_h100.yaml"))
     ap.add_argument("--gpus", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=1000, help="steps of part 2 (0: part 1 only)")
     ap.add_argument("--lag", type=int, default=0)
     args = ap.parse_args()
     job = load_job(args.job).with_gpus(args.gpus)
@@ -53,7 +53,7 @@ def main() -> None:
           f"{statistics.median(choices):.3f} s, together {statistics.median(total):.3f} s median "
           f"(max {max(total):.3f} s; target <= 0.5 s); chose {choice.levers.to_dict() if choice else None}")
     trace = load_trace(ROOT / "traces" / "r1_zero_growth.yaml")
-    for policy in ("nereus", "verl-like"):
+    for policy in ("nereus", "verl-like") if args.steps > 0 else ():
         t0 = time.perf_counter()
         record = simulate(job, trace, policy, 0, args.steps, policy_lag=args.lag)
         wall = time.perf_counter() - t0

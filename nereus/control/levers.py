@@ -7,10 +7,11 @@ by its live batch). ``run.policy_lag`` bounds what a rule may pick: lag 0 allows
 (lossless) and tail batching; lag 1 also partial rollout and asynchrony.
 
 - ``NereusLevers``: speculative decoding priced at sequence granularity (``cost.levers.spec_run``) on the
-  forecast's lengths under the calibrated factors, for every model-free draft kind, draft length 1–8 and
-  live-batch threshold (powers of two up to the engine's slots), at the acceptance it has measured (each
-  kind's published prior until it has verifications of its own: ``cost.levers.speculative.Acceptance``);
-  admitted when the predicted gain exceeds ``min_gain`` of the step. Speculation's loss at large batch is
+  forecast's lengths under the calibrated factors, for the model-free draft kind of highest acceptance
+  (their drafting costs the same), draft length 1–8 and live-batch threshold (powers of two up to the
+  engine's slots), at the acceptance it has measured (each kind's published prior until it has
+  verifications of its own: ``cost.levers.speculative.Acceptance``); admitted when the predicted gain
+  exceeds ``min_gain`` of the step. Speculation's loss at large batch is
   in the price (verification at (k + 1)·b rows turns compute-bound), so the threshold is the cost model's.
   The policy never reads the trace's acceptance: it sees the verifications and accepted tokens the
   engine reports (vLLM's ``num_drafts`` and ``num_accepted_tokens``).
@@ -96,9 +97,11 @@ class NereusLevers(LeverRule):
             alpha = self.alpha(s.draft)
             return with_speculation(model, bulk, s.draft_tokens, s.live_at_most, alpha, f).outcome.generation_s, s
 
-        # coarse: every kind and draft length on at every live batch; fine: the best one's thresholds
-        best = min((priced(Speculation(d, k, model.slots)) for d in MODEL_FREE for k in DRAFT_LENGTHS),
-                   key=lambda x: x[0])
+        # The model-free kinds cost the same to draft (a lookup per sequence), so the one with the highest
+        # acceptance wins at every k and threshold: coarse, its every draft length on at every live batch;
+        # fine, the best one's thresholds.
+        draft = max(MODEL_FREE, key=self.alpha)
+        best = min((priced(Speculation(draft, k, model.slots)) for k in DRAFT_LENGTHS), key=lambda x: x[0])
         spec = best[1]
         for live in _powers(model.slots):
             best = min(best, priced(Speculation(spec.draft, spec.draft_tokens, live)), key=lambda x: x[0])
