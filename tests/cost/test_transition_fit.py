@@ -27,8 +27,8 @@ def _moved_plan(plan):
     from dataclasses import replace
 
     p = plan.placements[0]
-    return replace(plan, placements=(replace(p, layout=replace(p.layout, micro_batch_size=p.layout.micro_batch_size + 1)),
-                                     *plan.placements[1:]))
+    layout = replace(p.layout, micro_batch_size=p.layout.micro_batch_size + 1)
+    return replace(plan, placements=(replace(p, layout=layout), *plan.placements[1:]))
 
 
 def test_fit_recovers_the_fixed_and_per_stage_parts_of_synthetic_moves():
