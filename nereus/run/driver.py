@@ -121,10 +121,12 @@ class Stepper:
         """Step ``step``'s generation: the rows' prompt ids, the sampling parameters, and the fixed
         (prompt, response) width of the packed rollout with ``run.rollout.pad_to_max`` (else None)."""
         limit = self.run.max_response_length(step, self.job.workload.response.max)
+        engine = self.run.rollout_engine  # vLLM speculates inside its own engine (speculative_config)
         params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
                                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
                                 seed=derive_seed(self.run.seed, SAMPLING, step), slots=self.run.rollout_slots,
-                                stop_token_ids=self.tok.stop_token_ids)
+                                stop_token_ids=self.tok.stop_token_ids,
+                                speculation=None if engine.vllm else engine.speculative)
         prompts = [list(p.ids) for p in rows]
         fixed = (max(len(p) for p in prompts), limit) if self.run.rollout_pad_to_max else None
         return prompts, params, fixed

@@ -412,6 +412,9 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
     pad_to_max = rollout.get("pad_to_max", bool, False)
     midstep = _midstep(rollout, slots)
     engine = read_engine(rollout)
+    if engine.speculative is not None and not engine.vllm and slots < 1:
+        raise SpecError("run.rollout.speculative", "the native engine speculates in its continuous-batching "
+                        "mode: set run.rollout.slots > 0 (sequences per replica), or use engine: vllm")
     rollout.finish()
     spec = RunSpec(
         seed=f.get("seed", int, 0, minimum=0, maximum=MAX_SEED),

@@ -24,6 +24,12 @@ A sequence whose caches were dropped (``drop``) is refilled from its tokens: by 
 forward, then its generated tokens one per iteration (``refill="replay"``: the same computations as the
 first time, hence bit-identical caches); ``refill="prefill"`` does prompt and generated tokens in one
 forward (faster, equal up to rounding).
+
+With ``speculation`` set (``spec.rollout.Speculation``: ``SamplingParams.speculation`` at the start,
+switched by the engine loop between iterations) and at most its ``max_live`` sequences live,
+a decoding sequence feeds its last token and up to ``k`` n-gram drafts as one chunk and emits the tokens
+the rejection rule keeps (``speculative``): greedy tokens equal plain decoding's, sampled ones have the
+same distribution. ``draft_tokens``/``accepted_tokens`` count what it proposed and kept.
 """
 
 from __future__ import annotations
@@ -36,12 +42,19 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.generation.sampling import SamplingParams, sample, stream_seed
+from nereus.runtime.generation.speculative import propose, verify
 from nereus.runtime.model.decoder import KVCache, logprobs_from_logits
 from nereus.runtime.model.sharded import ShardedModel
 from nereus.runtime.parallel.pp import forward_only
 from nereus.runtime.parallel.tp import gather_vocab
+from nereus.spec.rollout import Speculation
 
 REFILLS = ("replay", "prefill")
+# responses to the same prompt searched for drafts: a GRPO group's size (verl's rollout.n is 5-16 in its
+# examples); more costs a Python scan each per iteration for little more acceptance
+SIBLING_SOURCES = 16
+
+
 @dataclass
 class Sequence:
     """One request and where it stands. ``cached``: positions whose keys and values are in ``caches``
@@ -104,6 +117,10 @@ class DecodeEngine:
         self.finished: dict[int, Sequence] = {}
         self.iterations = 0
         self.peak_kv_bytes = 0
+        self.speculation: Speculation | None = params.speculation  # switched between iterations
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.speculative_iterations = 0
 
     # ----- requests -----------------------------------------------------------------------------------
     def submit(self, seq_id: int, prompt: list[int]) -> None:
@@ -173,34 +190,61 @@ class DecodeEngine:
     # ----- running ----------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[Sequence]:
-        """One iteration: refill free slots from the queue, feed every busy slot its next chunk, sample
-        the sequences that caught up. Returns the sequences that finished in it."""
+        """One iteration: refill free slots from the queue, feed every busy slot its next chunk (with its
+        drafts when speculating), sample the sequences that caught up. Returns those that finished in it."""
         while len(self.active) < self.slots and self.queue:
             self.active.append(self.queue.popleft())
         if not self.active:
             return []
         chunks = [s.next_chunk() for s in self.active]
+        drafts = self._drafts(chunks)
         for s in self.active:
             if s.caches is None:
                 s.caches = self._new_caches(s.max_len)
         self.peak_kv_bytes = max(self.peak_kv_bytes, sum(s.kv_bytes() for s in self.active))
-        outs = self._forward(chunks)
+        outs = self._forward(chunks, drafts)
         sampling = [i for i, (s, (_, end)) in enumerate(zip(self.active, chunks, strict=True)) if end == s.length]
-        new, logps = self._sample(outs, sampling)
+        emitted = self._sample(outs, sampling, drafts)
         for s, (_, end) in zip(self.active, chunks, strict=True):
             s.cached = end
         done = []
-        for i, tok, lp in zip(sampling, new, logps, strict=True):
+        for i, (toks, lps) in zip(sampling, emitted, strict=True):
             s = self.active[i]
-            s.tokens.append(tok)
-            s.logprobs.append(lp)
-            if tok in self.params.stops or len(s.tokens) >= self.params.max_new_tokens:
-                s.done, s.caches = True, None
-                done.append(s)
+            s.cached += len(toks) - 1  # the accepted drafts' keys and values are in the caches already
+            self.accepted_tokens += len(toks) - 1
+            for tok, lp in zip(toks, lps, strict=True):
+                s.tokens.append(tok)
+                s.logprobs.append(lp)
+                if tok in self.params.stops or len(s.tokens) >= self.params.max_new_tokens:
+                    s.done, s.caches = True, None
+                    done.append(s)
+                    break
         self.active = [s for s in self.active if not s.done]
         self.finished.update((s.seq_id, s) for s in done)
         self.iterations += 1
         return done
+
+    def _drafts(self, chunks: list[tuple[int, int]]) -> list[list[int]]:
+        """Each busy slot's n-gram drafts: none unless speculating, the slot is decoding (one token to
+        feed) and at most ``max_live`` sequences are live; at most what its length limit leaves room for."""
+        spec = self.speculation
+        if spec is None or len(self.active) + len(self.queue) > spec.max_live:
+            return [[] for _ in self.active]
+        by_prompt: dict[tuple[int, ...], list[Sequence]] = {}
+        for s in self.sequences().values():
+            by_prompt.setdefault(tuple(s.prompt), []).append(s)
+        out = []
+        for s, (a, b) in zip(self.active, chunks, strict=True):
+            if s.caches is None or b != s.length or b - a != 1:
+                out.append([])
+                continue
+            siblings = [o.all_tokens() for o in reversed(by_prompt[tuple(s.prompt)]) if o is not s and o.tokens]
+            siblings = siblings[:SIBLING_SOURCES]
+            out.append(propose(s.all_tokens(), siblings, spec, self.params.max_new_tokens - len(s.tokens) - 1))
+        if any(out):
+            self.speculative_iterations += 1
+            self.draft_tokens += sum(map(len, out))
+        return out
 
     def run(self) -> dict[int, Sequence]:
         """Step until nothing is left; every finished sequence by id."""
@@ -214,38 +258,48 @@ class DecodeEngine:
         return {int(i): KVCache(1, layer.self_attn.kv_heads, max_len, sm.cfg.arch.head_dim, sm.dtype,
                                 sm.groups.device) for i, layer in sm.model.model.layers.items()}
 
-    def _forward(self, chunks: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """Each busy slot's chunk as its own micro-batch through the pipeline; last-stage outputs."""
+    def _forward(self, chunks: list[tuple[int, int]], drafts: list[list[int]]) -> list[torch.Tensor]:
+        """Each busy slot's chunk (and drafts) as its own micro-batch through the pipeline; last-stage outputs."""
         sm, dev = self.sm, self.sm.groups.device
-        inputs = [torch.tensor([s.all_tokens()[a:b]], device=dev) for s, (a, b) in zip(self.active, chunks,
-                                                                                          strict=True)]
+        inputs = [torch.tensor([s.all_tokens()[a:b] + d], device=dev)
+                  for s, (a, b), d in zip(self.active, chunks, drafts, strict=True)]
 
         def run(x: torch.Tensor, i: int) -> torch.Tensor:
-            a, b = chunks[i]
+            a = chunks[i][0]
+            b = a + x.shape[1]
             positions = torch.arange(a, b, device=dev)[None]
             # query position q attends to keys 0..q (causal, aligned to the end of the cached prefix)
             mask = torch.ones(b - a, b, dtype=torch.bool, device=dev).tril(diagonal=a)[None, None]
             return sm.model(x, positions, mask, self.active[i].caches, a)
 
-        shape = lambda i: (1, chunks[i][1] - chunks[i][0], sm.cfg.arch.hidden)  # noqa: E731
+        shape = lambda i: (1, inputs[i].shape[1], sm.cfg.arch.hidden)  # noqa: E731
         return forward_only(run, sm.comm, inputs, shape, sm.dtype)
 
-    def _sample(self, outs: list[torch.Tensor], sampling: list[int]) -> tuple[list[int], list[float]]:
-        """Tokens and log-probs of the sampling slots, on every rank of the replica."""
+    def _sample(self, outs: list[torch.Tensor], sampling: list[int],
+                drafts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        """Tokens and log-probs each sampling slot emits (one, or up to its drafts + 1), on every rank."""
         g = self.sm.groups
-        tokens = torch.zeros(len(sampling), dtype=torch.long, device=g.device)
-        logps = torch.zeros(len(sampling), dtype=torch.float64, device=g.device)
-        if outs:  # last stage: every TP rank samples the same token from the same logits and stream
+        width = 1 + max((len(drafts[i]) for i in sampling), default=0)
+        tokens = torch.zeros(len(sampling), width, dtype=torch.long, device=g.device)
+        logps = torch.zeros(len(sampling), width, dtype=torch.float64, device=g.device)
+        counts = torch.zeros(len(sampling), dtype=torch.long, device=g.device)
+        if outs:  # last stage: every TP rank samples the same tokens from the same logits and stream
             for j, i in enumerate(sampling):
-                logits = gather_vocab(outs[i][:, -1], g.tp_group)
-                tok = sample(logits, self.params, self.active[i].gen)
-                tokens[j] = tok[0]
-                logps[j] = logprobs_from_logits(logits, tok.to(logits.device))[0].double()
+                seq, d = self.active[i], drafts[i]
+                if d:
+                    toks, lps = verify(gather_vocab(outs[i][0, -len(d) - 1:], g.tp_group), d, self.params, seq.gen)
+                else:
+                    logits = gather_vocab(outs[i][:, -1], g.tp_group)
+                    tok = sample(logits, self.params, seq.gen)
+                    toks, lps = [int(tok[0])], [float(logprobs_from_logits(logits, tok.to(logits.device))[0])]
+                counts[j] = len(toks)
+                tokens[j, : len(toks)] = torch.tensor(toks)
+                logps[j, : len(toks)] = torch.tensor(lps, dtype=torch.float64)
         if g.layout.pp > 1 and sampling:
             src = g.pp_peer(g.layout.pp - 1)
-            dist.broadcast(tokens, src=src, group=g.pp_group)
-            dist.broadcast(logps, src=src, group=g.pp_group)
-        return tokens.tolist(), logps.tolist()
+            for t in (tokens, logps, counts):
+                dist.broadcast(t, src=src, group=g.pp_group)
+        return [(tokens[j, :n].tolist(), logps[j, :n].tolist()) for j, n in enumerate(counts.tolist())]
 
 
 def replica_engine(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams, slots: int) -> DecodeEngine:
