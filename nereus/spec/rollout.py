@@ -73,6 +73,26 @@ def read_speculation(rollout: Fields) -> Speculation | None:
 
 
 @dataclass(frozen=True)
+class TailBatching:
+    """``run.rollout.tail_batching``: over-launch, keep the first groups that finish, defer the rest
+    (RollPacker, arXiv 2509.21009; priced by ``cost.levers.tail_batching``). A short round launches
+    ``over_launch`` × the step's prompts and keeps the first step's worth of whole groups; once a step's
+    worth of deferred prompts has accumulated, a long round regenerates them from scratch."""
+
+    over_launch: float = 1.5
+
+
+def read_tail_batching(rollout: Fields) -> TailBatching | None:
+    if not rollout.has("tail_batching"):
+        rollout.sub("tail_batching")
+        return None
+    f = rollout.sub("tail_batching")
+    out = TailBatching(over_launch=f.get("over_launch", float, 1.5, minimum=1.0, maximum=16.0))
+    f.finish()
+    return out
+
+
+@dataclass(frozen=True)
 class RolloutEngine:
     """``run.rollout``'s engine keys. ``cpu_kv_cache_gib``: the KV cache a CPU engine preallocates (vLLM's
     ``kv_cache_memory_bytes``; its ``VLLM_CPU_KVCACHE_SPACE`` in whole GiB); ``gpu_memory_utilization`` is

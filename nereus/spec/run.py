@@ -10,7 +10,7 @@ from nereus.spec.algorithms import KL_KINDS, KL_UNSUPPORTED, LOGGERS, LOSS_AGG_M
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
-from nereus.spec.rollout import RolloutEngine, read_engine
+from nereus.spec.rollout import RolloutEngine, TailBatching, read_engine, read_tail_batching
 
 # auto: the row's data_source picks the rule (nereus.rl.rewards, as verl's default reward manager does)
 RULES = ("auto", "exact_match", "digit_match", "none")
@@ -189,6 +189,8 @@ class RunSpec:
     rollout_midstep: MidstepSpec | None = None
     # run.rollout.engine (verl: actor_rollout_ref.rollout.name): native or vllm, with the engine's settings
     rollout_engine: RolloutEngine = field(default_factory=RolloutEngine)
+    # run.rollout.tail_batching: over-launch and defer unfinished groups (run.tail); None: off
+    rollout_tail: TailBatching | None = None
     # run.overlap: model-stages on disjoint workers run at once (run.overlap.Calls); results are identical
     overlap: bool = False
     # run.async (a Python keyword, hence the field name): one-step-off-policy generation, see AsyncSpec
@@ -415,6 +417,10 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
     if engine.speculative is not None and not engine.vllm and slots < 1:
         raise SpecError("run.rollout.speculative", "the native engine speculates in its continuous-batching "
                         "mode: set run.rollout.slots > 0 (sequences per replica), or use engine: vllm")
+    tail = read_tail_batching(rollout)
+    if tail is not None and (engine.vllm or slots < 1 or midstep is not None):
+        raise SpecError("run.rollout.tail_batching", "needs the native engine's continuous batching without "
+                        "midstep: set run.rollout.slots > 0, engine: native, and remove midstep")
     rollout.finish()
     spec = RunSpec(
         seed=f.get("seed", int, 0, minimum=0, maximum=MAX_SEED),
@@ -448,6 +454,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         snapshot_every=ckpt.get("snapshot_every", int, 1, minimum=0),
         layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=slots,
         rollout_pad_to_max=pad_to_max, rollout_midstep=midstep, rollout_engine=engine,
+        rollout_tail=tail,
         overlap=f.get("overlap", bool, False), async_mode=_async(f))
     ckpt.finish()
     f.finish()

@@ -312,10 +312,34 @@ def replica_engine(sm: ShardedModel, prompts: list[list[int]], params: SamplingP
 
 
 def generate_continuous(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams,
-                        slots: int) -> list[tuple[list[int], list[float]]]:
+                        slots: int) -> list[tuple[list[int], list[float]] | None]:
     """``generate_with_logprobs``'s answer from the continuous-batching engine: this replica's rows of
-    ``prompts`` (sequence ids = their indices in ``prompts``), on every rank of the replica."""
+    ``prompts`` (sequence ids = their indices in ``prompts``), on every rank of the replica. With
+    ``params.keep_groups``: only the rows of the first groups to finish (``first_groups``), None for the
+    rows of groups it aborted."""
     engine = replica_engine(sm, prompts, params, slots)
     ids = [s.seq_id for s in engine.queue]
+    if params.keep_groups:
+        kept = first_groups(engine, params.keep_groups, params.group_size)
+        return [(engine.finished[i].tokens, engine.finished[i].logprobs) if i in kept else None for i in ids]
     done = engine.run()
     return [(done[i].tokens, done[i].logprobs) for i in ids]
+
+
+def first_groups(engine: DecodeEngine, keep: int, group_size: int) -> set[int]:
+    """Tail batching (RollPacker, arXiv 2509.21009): step ``engine`` until ``keep`` whole groups (sequence
+    ids ``g·group_size .. (g+1)·group_size − 1``) have finished, then abort every unfinished sequence (its
+    caches freed, its tokens dropped). The ids of the kept groups' sequences; when several groups finish
+    in one iteration the lowest-numbered are kept, so the answer does not depend on timing."""
+    groups: dict[int, set[int]] = {}
+    for s in engine.unfinished():
+        groups.setdefault(s.seq_id // group_size, set()).add(s.seq_id)
+    if keep > len(groups):
+        raise ValueError(f"keep_groups={keep} but the replica holds {len(groups)} groups")
+    complete: list[int] = []
+    while len(complete) < keep and not engine.idle:
+        engine.step()
+        complete = sorted(g for g, ids in groups.items() if ids <= engine.finished.keys())
+    engine.take([s.seq_id for s in engine.unfinished()])  # abort: the prompts go back to the driver
+    engine.sm.record_memory("generate", kv_cache=engine.peak_kv_bytes)
+    return {i for g in complete[:keep] for i in groups[g]}

@@ -44,6 +44,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     # n-gram speculative decoding in the continuous-batching engine (``speculative``); None: off
     speculation: Speculation | None = None
+    # tail batching (continuous-batching engine): stop once this many whole groups of ``group_size``
+    # consecutive rows of the replica have finished, abort the rest (``decode_engine.generate_continuous``)
+    keep_groups: int = 0
+    group_size: int = 1
 
     @property
     def stops(self) -> frozenset[int]:
