@@ -26,6 +26,7 @@ from nereus.rl.tokenizer import Tokenizer
 from nereus.run.asyncmode import AsyncRollouts
 from nereus.run.midstep import METRICS, EarlyRequest, EngineLoop
 from nereus.run.overlap import Calls, EarlyInference, InferenceStage, cat_parts
+from nereus.run.partial import PartialRollouts, resumed_inputs, stitch
 from nereus.run.report import step_metrics
 from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack, repeat_prompts
 from nereus.run.setup import MINI_BATCH_ORDER, PROMPT_ORDER, SAMPLING, SPARE_PROMPTS, Placed
@@ -80,6 +81,8 @@ class Stepper:
         self.asynchronous = AsyncRollouts(self) if job.run.async_mode.on else None  # run.async (run.asyncmode)
         self.engine_prices = EngineCalibration()  # run.rollout.midstep: the engine's prices, measured over the run
         self.tail = TailRounds(job.run.rollout_tail) if job.run.rollout_tail else None  # run.rollout.tail_batching
+        partial = job.run.rollout_partial  # run.rollout.partial_rollout
+        self.partial = PartialRollouts(partial.over_launch) if partial else None
 
     def open_engine(self) -> None:
         """With ``run.rollout.engine: vllm``: the actor's generation key's engines, one per replica, loaded
@@ -159,6 +162,8 @@ class Stepper:
         asked at the decision points of a generation that has them (none: it runs to its end)."""
         if self.tail is not None:
             return self.generate_tail(step, prompts)
+        if self.partial is not None:
+            return self.generate_partial(step, prompts)
         rows = repeat_prompts(prompts, self.alg.samples_per_prompt)
         prompts, params, fixed = self.generation_inputs(step, rows)
         eos, key = self.tok.stop_token_ids, self.key["actor", "generation"]
@@ -207,6 +212,33 @@ class Stepper:
                    "tail/kept_groups": float(len(kept) // n), "tail/deferred_groups": float(len(self.tail.deferred)),
                    "rollout/policy_lag_mean": 0.0, "rollout/policy_lag_max": 0.0}
         return Generated(roll, rows, (), metrics)
+
+    def generate_partial(self, step: int, fresh: list[Prompt]) -> Generated:
+        """A partial-rollout round (``run.partial``): carried groups resumed, the first whole groups kept,
+        the others' partial responses carried to the next step; every token tagged with its policy version."""
+        n, key = self.alg.samples_per_prompt, self.key["actor", "generation"]
+        dp = self.rt.specs[key].layout.dp
+        rnd = self.partial.plan(fresh, lambda k: self.spare_prompts(step, k), dp)
+        rows = repeat_prompts(rnd.launched, n)
+        prompts, params, fixed = self.generation_inputs(step, rows)
+        ids, counts, done = resumed_inputs(rnd, prompts, n)
+        params = replace(params, keep_groups=rnd.keep_per_replica, must_groups=rnd.must_per_replica, group_size=n,
+                         carry_partial=True, resumed=counts, resumed_done=done)
+        with self.timer("gen"):
+            call = self.calls.submit("gen", "generate", key, "generate_with_logprobs", ids, params)
+            out = [row for part in self.calls.wait([call])[0] for row in part]
+        self.partial.settle(rnd, out, n, dp, step)
+        kept = [i for i, r in enumerate(out) if isinstance(r, tuple)]
+        whole = [stitch(rnd, out[i], i, n, step) for i in kept]
+        lags = [step - v for _, _, versions in whole for v in versions]
+        roll = pack([prompts[i] for i in kept], [t for t, _, _ in whole], [lp for _, lp, _ in whole],
+                    self.tok.stop_token_ids, fixed)
+        metrics = {"partial/launched_groups": float(len(rnd.launched)), "partial/kept_groups": float(len(kept) // n),
+                   "partial/carried_groups": float(sum(map(len, self.partial.carried))),
+                   "partial/resumed_tokens": float(sum(counts[i] for i in kept)),
+                   "rollout/policy_lag_mean": sum(lags) / max(1, len(lags)),
+                   "rollout/policy_lag_max": float(max(lags, default=0))}
+        return Generated(roll, [rows[i] for i in kept], (), metrics)
 
     def inference_calls(self) -> list[tuple[str, str, str]]:
         """(timer, model, worker operation) of each inference stage, in the order they are issued. One
@@ -395,7 +427,7 @@ class Stepper:
         m = self.metrics(step, roll, inf, adv, stats)
         if self.run.rollout_midstep is not None:  # zeros for a step generated otherwise
             m.update(dict.fromkeys(METRICS, 0.0) | gen.metrics)
-        elif self.tail is not None:
+        elif self.tail is not None or self.partial is not None:
             m.update(gen.metrics)
         m.update(self.calls.worker_metrics(len(self.rt.workers), self.timing["timing_s/step"],
                                            self.timing.get("timing_s/update_weights", 0.0)))

@@ -93,6 +93,25 @@ def read_tail_batching(rollout: Fields) -> TailBatching | None:
 
 
 @dataclass(frozen=True)
+class PartialRollout:
+    """``run.rollout.partial_rollout``: over-launch, keep the first groups that finish, carry the others'
+    partial responses to the next step and resume them there (``run.partial``; needs ``run.policy_lag:
+    1``). ``over_launch`` ≤ 2: a carried group must finish in the next step."""
+
+    over_launch: float = 1.5
+
+
+def read_partial_rollout(rollout: Fields) -> PartialRollout | None:
+    if not rollout.has("partial_rollout"):
+        rollout.sub("partial_rollout")
+        return None
+    f = rollout.sub("partial_rollout")
+    out = PartialRollout(over_launch=f.get("over_launch", float, 1.5, minimum=1.0, maximum=2.0))
+    f.finish()
+    return out
+
+
+@dataclass(frozen=True)
 class RolloutEngine:
     """``run.rollout``'s engine keys. ``cpu_kv_cache_gib``: the KV cache a CPU engine preallocates (vLLM's
     ``kv_cache_memory_bytes``; its ``VLLM_CPU_KVCACHE_SPACE`` in whole GiB); ``gpu_memory_utilization`` is

@@ -10,7 +10,14 @@ from nereus.spec.algorithms import KL_KINDS, KL_UNSUPPORTED, LOGGERS, LOSS_AGG_M
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
-from nereus.spec.rollout import RolloutEngine, TailBatching, read_engine, read_tail_batching
+from nereus.spec.rollout import (
+    PartialRollout,
+    RolloutEngine,
+    TailBatching,
+    read_engine,
+    read_partial_rollout,
+    read_tail_batching,
+)
 
 # auto: the row's data_source picks the rule (nereus.rl.rewards, as verl's default reward manager does)
 RULES = ("auto", "exact_match", "digit_match", "none")
@@ -191,6 +198,10 @@ class RunSpec:
     rollout_engine: RolloutEngine = field(default_factory=RolloutEngine)
     # run.rollout.tail_batching: over-launch and defer unfinished groups (run.tail); None: off
     rollout_tail: TailBatching | None = None
+    # run.rollout.partial_rollout: carry unfinished responses to the next step (run.partial); None: off
+    rollout_partial: PartialRollout | None = None
+    # run.policy_lag: policy versions a trained token may lag the trained policy by (partial rollout: 1)
+    policy_lag: int = 0
     # run.overlap: model-stages on disjoint workers run at once (run.overlap.Calls); results are identical
     overlap: bool = False
     # run.async (a Python keyword, hence the field name): one-step-off-policy generation, see AsyncSpec
@@ -421,6 +432,14 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
     if tail is not None and (engine.vllm or slots < 1 or midstep is not None):
         raise SpecError("run.rollout.tail_batching", "needs the native engine's continuous batching without "
                         "midstep: set run.rollout.slots > 0, engine: native, and remove midstep")
+    partial = read_partial_rollout(rollout)
+    lag = f.get("policy_lag", int, 0, minimum=0, maximum=1)
+    if partial is not None and (engine.vllm or slots < 1 or midstep is not None or tail is not None):
+        raise SpecError("run.rollout.partial_rollout", "needs the native engine's continuous batching without "
+                        "midstep or tail_batching: set run.rollout.slots > 0, engine: native")
+    if partial is not None and lag < 1:
+        raise SpecError("run.policy_lag", "partial rollout trains tokens one policy version old: set "
+                        "run.policy_lag: 1, or remove run.rollout.partial_rollout")
     rollout.finish()
     spec = RunSpec(
         seed=f.get("seed", int, 0, minimum=0, maximum=MAX_SEED),
@@ -454,7 +473,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         snapshot_every=ckpt.get("snapshot_every", int, 1, minimum=0),
         layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=slots,
         rollout_pad_to_max=pad_to_max, rollout_midstep=midstep, rollout_engine=engine,
-        rollout_tail=tail,
+        rollout_tail=tail, rollout_partial=partial, policy_lag=lag,
         overlap=f.get("overlap", bool, False), async_mode=_async(f))
     ckpt.finish()
     f.finish()

@@ -123,13 +123,20 @@ class DecodeEngine:
         self.speculative_iterations = 0
 
     # ----- requests -----------------------------------------------------------------------------------
-    def submit(self, seq_id: int, prompt: list[int]) -> None:
+    def submit(self, seq_id: int, prompt: list[int], max_new: int | None = None) -> None:
+        """Queue a request; ``max_new``: its own length limit (default ``params.max_new_tokens``; 0: it is
+        finished at once, generating nothing)."""
         if not prompt:
             raise ValueError(f"prompt of sequence {seq_id} is empty")
         if seq_id in self.sequences():
             raise ValueError(f"sequence {seq_id} is already in this engine")
-        seq = Sequence(seq_id, list(prompt), len(prompt) + self.params.max_new_tokens)
+        limit = self.params.max_new_tokens if max_new is None else max_new
+        seq = Sequence(seq_id, list(prompt), len(prompt) + limit)
         seq.gen = self._generator(seq_id)
+        if limit <= 0:
+            seq.done = True
+            self.finished[seq_id] = seq
+            return
         self.queue.append(seq)
 
     def _generator(self, seq_id: int) -> torch.Generator:
@@ -215,7 +222,7 @@ class DecodeEngine:
             for tok, lp in zip(toks, lps, strict=True):
                 s.tokens.append(tok)
                 s.logprobs.append(lp)
-                if tok in self.params.stops or len(s.tokens) >= self.params.max_new_tokens:
+                if tok in self.params.stops or s.length >= s.max_len:
                     s.done, s.caches = True, None
                     done.append(s)
                     break
@@ -240,7 +247,7 @@ class DecodeEngine:
                 continue
             siblings = [o.all_tokens() for o in reversed(by_prompt[tuple(s.prompt)]) if o is not s and o.tokens]
             siblings = siblings[:SIBLING_SOURCES]
-            out.append(propose(s.all_tokens(), siblings, spec, self.params.max_new_tokens - len(s.tokens) - 1))
+            out.append(propose(s.all_tokens(), siblings, spec, s.max_len - s.length - 1))
         if any(out):
             self.speculative_iterations += 1
             self.draft_tokens += sum(map(len, out))
@@ -304,42 +311,72 @@ class DecodeEngine:
 
 def replica_engine(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams, slots: int) -> DecodeEngine:
     """A fresh engine of ``slots`` slots with this replica's rows of ``prompts`` queued (sequence ids = their
-    indices in ``prompts``, so each samples from the same stream whichever replica runs it)."""
+    indices in ``prompts``, so each samples from the same stream whichever replica runs it). A resumed row
+    (``params.resumed``) re-prefills its prompt and carried tokens and generates only what its limit leaves."""
     engine = DecodeEngine(sm, params, slots)
     for i in range(len(prompts))[sm.replica_rows(len(prompts))]:
-        engine.submit(i, prompts[i])
+        carried = params.resumed[i] if params.resumed else 0
+        limit = 0 if i in params.resumed_done else params.max_new_tokens - carried
+        engine.submit(i, prompts[i], limit)
     return engine
 
 
+@dataclass(frozen=True)
+class Carried:
+    """A row a partial-rollout round aborted: what it generated so far, and whether it had finished
+    (a finished member of a group that did not finish)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    done: bool
+
+
+Answer = tuple[list[int], list[float]] | Carried | None
+
+
 def generate_continuous(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams,
-                        slots: int) -> list[tuple[list[int], list[float]] | None]:
+                        slots: int) -> list[Answer]:
     """``generate_with_logprobs``'s answer from the continuous-batching engine: this replica's rows of
     ``prompts`` (sequence ids = their indices in ``prompts``), on every rank of the replica. With
-    ``params.keep_groups``: only the rows of the first groups to finish (``first_groups``), None for the
-    rows of groups it aborted."""
+    ``params.keep_groups``: only the rows of the first groups to finish (``first_groups``); the others
+    None (tail batching), or ``Carried`` with ``params.carry_partial`` (partial rollout)."""
     engine = replica_engine(sm, prompts, params, slots)
-    ids = [s.seq_id for s in engine.queue]
-    if params.keep_groups:
-        kept = first_groups(engine, params.keep_groups, params.group_size)
-        return [(engine.finished[i].tokens, engine.finished[i].logprobs) if i in kept else None for i in ids]
-    done = engine.run()
-    return [(done[i].tokens, done[i].logprobs) for i in ids]
+    ids = sorted(engine.sequences())
+    if not params.keep_groups:
+        done = engine.run()
+        return [(done[i].tokens, done[i].logprobs) for i in ids]
+    kept, aborted = first_groups(engine, params.keep_groups, params.group_size, params.must_groups)
+    held = {**engine.finished, **aborted}
+    out: list[Answer] = []
+    for i in ids:
+        s = held[i]
+        if i in kept:
+            out.append((s.tokens, s.logprobs))
+        else:
+            out.append(Carried(s.tokens, s.logprobs, s.done) if params.carry_partial else None)
+    return out
 
 
-def first_groups(engine: DecodeEngine, keep: int, group_size: int) -> set[int]:
+def first_groups(engine: DecodeEngine, keep: int, group_size: int,
+                 must: int = 0) -> tuple[set[int], dict[int, Sequence]]:
     """Tail batching (RollPacker, arXiv 2509.21009): step ``engine`` until ``keep`` whole groups (sequence
-    ids ``g·group_size .. (g+1)·group_size − 1``) have finished, then abort every unfinished sequence (its
-    caches freed, its tokens dropped). The ids of the kept groups' sequences; when several groups finish
-    in one iteration the lowest-numbered are kept, so the answer does not depend on timing."""
+    ids ``g·group_size .. (g+1)·group_size − 1``) have finished, the replica's ``must`` lowest-numbered
+    groups among them, then abort every unfinished sequence (caches freed). Returns the ids of the kept
+    groups' sequences and the aborted sequences by id. Groups are kept in the order they finished; in one
+    iteration the lowest-numbered first, so the answer does not depend on timing."""
     groups: dict[int, set[int]] = {}
-    for s in engine.unfinished():
-        groups.setdefault(s.seq_id // group_size, set()).add(s.seq_id)
-    if keep > len(groups):
-        raise ValueError(f"keep_groups={keep} but the replica holds {len(groups)} groups")
-    complete: list[int] = []
-    while len(complete) < keep and not engine.idle:
+    for i in engine.sequences():
+        groups.setdefault(i // group_size, set()).add(i)
+    if not must <= keep <= len(groups):
+        raise ValueError(f"need must_groups ({must}) <= keep_groups ({keep}) <= the replica's {len(groups)} groups")
+    required = set(sorted(groups)[:must])
+    order: list[int] = []
+    while True:
+        order += sorted(g for g, ids in groups.items() if g not in order and ids <= engine.finished.keys())
+        chosen = [g for g in order if g in required] + [g for g in order if g not in required]
+        if (required <= set(order) and len(order) >= keep) or engine.idle:
+            break
         engine.step()
-        complete = sorted(g for g, ids in groups.items() if ids <= engine.finished.keys())
-    engine.take([s.seq_id for s in engine.unfinished()])  # abort: the prompts go back to the driver
+    aborted = {s.seq_id: s for s in engine.take([s.seq_id for s in engine.unfinished()])}
     engine.sm.record_memory("generate", kv_cache=engine.peak_kv_bytes)
-    return {i for g in complete[:keep] for i in groups[g]}
+    return {i for g in chosen[:keep] for i in groups[g]}, aborted

@@ -48,6 +48,14 @@ class SamplingParams:
     # consecutive rows of the replica have finished, abort the rest (``decode_engine.generate_continuous``)
     keep_groups: int = 0
     group_size: int = 1
+    # partial rollout: the first ``must_groups`` groups of each replica are kept whatever their finish
+    # order (they were carried once already), and aborted rows come back as ``Carried`` partial responses
+    must_groups: int = 0
+    carry_partial: bool = False
+    # per global row: tokens at the end of its prompt that a previous step generated (its length limit is
+    # shortened by them); rows in ``resumed_done`` had finished already and generate nothing
+    resumed: tuple[int, ...] = ()
+    resumed_done: frozenset[int] = frozenset()
 
     @property
     def stops(self) -> frozenset[int]:
