@@ -12,6 +12,8 @@ measured so far — and calls ``Policy.during_generation(status)`` (``control.ba
 ``move_sequences``      move unfinished sequences between replicas of the stage's layout (their KV
                         caches travel, or the receiver re-prefills them)
 ``change_tail_layout``  switch the stage to a tail layout (``TailPhase``) for its remaining sequences
+``set_speculation``     switch speculative decoding with n-gram drafts on (``spec.rollout.Speculation``)
+                        or off for the rest of the stage
 ======================  ===========================================================================
 
 Every decision carries the next decision point (``look``) and, when it acts, the gain and cost the
@@ -31,6 +33,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from nereus.spec.errors import SpecError
+from nereus.spec.rollout import Speculation
 
 PHASES_FORMAT = "nereus.generation-phases/1"
 POINTS = ("start", "look")  # before the first iteration; a later point the policy asked for
@@ -336,8 +339,26 @@ class Continue(GenerationDecision):
         return super()._decode(name, value)
 
 
+@dataclass(frozen=True, kw_only=True)
+class SetSpeculation(GenerationDecision):
+    """From now on, speculate with ``speculation``'s n-gram drafts (None: decode plainly); ``gain_s``,
+    ``cost_s``: the seconds the policy predicts it saves and costs (``cost.levers.speculative``)."""
+
+    kind: ClassVar[str] = "set_speculation"
+    acts: ClassVar[bool] = True
+    speculation: Speculation | None
+    gain_s: float = 0.0
+    cost_s: float = 0.0
+
+    @classmethod
+    def _decode(cls, name: str, value: Any) -> Any:
+        if name == "speculation":
+            return None if value is None else Speculation(**value)
+        return super()._decode(name, value)
+
+
 DECISION_KINDS: Mapping[str, type[GenerationDecision]] = MappingProxyType(
-    {c.kind: c for c in (Continue, MoveSequences, ChangeTailLayout)})
+    {c.kind: c for c in (Continue, MoveSequences, ChangeTailLayout, SetSpeculation)})
 
 
 def decision_from_json(d: dict) -> GenerationDecision:

@@ -52,6 +52,11 @@ class Speculation:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
 
+    def to_json(self) -> dict[str, object]:
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min,
+                "max_live": self.max_live}
+
     def vllm_config(self) -> dict[str, object]:
         """vLLM's ``speculative_config`` for these settings."""
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
