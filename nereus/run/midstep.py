@@ -58,6 +58,7 @@ from nereus.spec.generation import (
     Outcome,
     ReplicaStatus,
     SequenceRecord,
+    SetSpeculation,
 )
 
 METRICS = ("midstep/decisions", "midstep/moves", "midstep/moved_sequences", "midstep/move_s",
@@ -180,6 +181,8 @@ class EngineLoop:
         overhead = time.perf_counter() - t0
         if isinstance(d, MoveSequences):
             self.move(status, d, overhead)
+        elif isinstance(d, SetSpeculation):
+            self.speculate(status, d, overhead)
         elif d.recorded:
             reason = "declined" if not d.acts else f"the runtime does not carry out {d.kind} yet"
             self.recorded.append(Recorded(status, d, overhead, Outcome(False, reason)))
@@ -219,6 +222,14 @@ class EngineLoop:
             self.prices.observe_move(d.bytes, move_s)
         self.recorded.append(Recorded(status, d, overhead, outcome, t0, status.replicas))
 
+    def speculate(self, status: GenerationStatus, d: SetSpeculation, overhead: float) -> None:
+        """Switch every replica's speculation; the drafts proposed and accepted so far go in the outcome."""
+        t0 = time.perf_counter()
+        counts = self._op("gen_speculate", d.speculation)
+        figures = {"draft_tokens": float(sum(a for a, _ in counts)),
+                   "accepted_tokens": float(sum(b for _, b in counts))}
+        self.recorded.append(Recorded(status, d, overhead, Outcome(True, "", time.perf_counter() - t0, None, figures)))
+
     def committed(self) -> list[Recorded]:
         return [r for r in self.recorded if r.outcome.applied]
 
@@ -250,7 +261,7 @@ class EngineLoop:
 
     def metrics(self) -> dict[str, float]:
         """The step's ``midstep/*`` metrics."""
-        moved = [(r.decision, r.outcome) for r in self.committed()]
+        moved = [(r.decision, r.outcome) for r in self.committed() if isinstance(r.decision, MoveSequences)]
         return {
             "midstep/decisions": float(len(self.recorded)), "midstep/moves": float(len(moved)),
             "midstep/moved_sequences": float(sum(len(d.moves) for d, _ in moved)),
@@ -264,8 +275,15 @@ class EngineLoop:
 
 
 def move_line(e: GenerationEntry) -> str | None:
-    """A line of progress for a committed move (``nereus run`` prints it), else None."""
+    """A line of progress for a committed move or a speculation switch (``nereus run`` prints it), else None."""
     d, o = e.decision, e.outcome
+    if isinstance(d, SetSpeculation) and o.applied:
+        what = (f"on ({d.speculation.num_speculative_tokens} n-gram drafts, while <= {d.speculation.max_live} live)"
+                if d.speculation else "off")
+        return (f"\n  speculation {what} in step {e.step + 1} after iteration {e.iteration}, {e.live} live: "
+                f"gain {d.gain_s:.3f} s predicted, cost {d.cost_s:.3f} s predicted; "
+                f"{o.figures.get('accepted_tokens', 0):.0f} of {o.figures.get('draft_tokens', 0):.0f} drafts "
+                "accepted before it")
     if not (isinstance(d, MoveSequences) and o.applied):
         return None
     return (f"\n  mid-step move in step {e.step + 1} after iteration {e.iteration}: {len(d.moves)} sequences, replica "
