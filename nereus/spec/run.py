@@ -505,6 +505,10 @@ def _check_run(f: Fields, spec: RunSpec) -> None:
     if spec.adapt is not None and spec.async_mode.on:
         raise SpecError(f.key_path("async.enabled"), "run.async with run.adapt is not supported yet (the controller "
                                                      "reads stage times a run-ahead generation changes): remove one")
+    if spec.async_mode.on and (spec.rollout_tail is not None or spec.rollout_partial is not None):
+        raise SpecError(f.key_path("async.enabled"), "run.async with tail_batching or partial_rollout is not "
+                                                     "supported (both reorder the prompts a run-ahead step draws): "
+                                                     "remove one")
     for key, rk in spec.ranks.items():
         if max(rk) >= spec.workers:
             raise SpecError(f"{f.key_path('layouts')}.{key}.ranks", f"ranks must be below workers ({spec.workers})")

@@ -69,3 +69,16 @@ def test_speculative_keys_read_as_vllms_and_refused_without_slots(tmp_path):
     with pytest.raises(SpecError, match=r"prompt_lookup_max"):
         tiny_job("ppo", str(tmp_path), rollout={"slots": 4, "speculative": {"prompt_lookup_min": 5,
                                                                              "prompt_lookup_max": 2}})
+
+
+def test_tail_levers_refused_where_they_cannot_run(tmp_path):
+    with pytest.raises(SpecError, match=r"run\.rollout\.tail_batching.*slots"):
+        tiny_job("grpo", str(tmp_path), rollout={"tail_batching": {"over_launch": 1.5}})
+    with pytest.raises(SpecError, match=r"run\.policy_lag.*partial"):
+        tiny_job("grpo", str(tmp_path), rollout={"slots": 4, "partial_rollout": {"over_launch": 1.5}})
+    with pytest.raises(SpecError, match=r"over_launch.*<= 2"):
+        tiny_job("grpo", str(tmp_path), policy_lag=1, rollout={"slots": 4, "partial_rollout": {"over_launch": 3}})
+    with pytest.raises(SpecError, match=r"run\.async\.enabled"):
+        tiny_job("grpo", str(tmp_path), rollout={"slots": 4, "tail_batching": {}}, **{"async": {"enabled": True}})
+    job = tiny_job("grpo", str(tmp_path), policy_lag=1, rollout={"slots": 4, "partial_rollout": {}})
+    assert job.run.rollout_partial.over_launch == 1.5 and job.run.policy_lag == 1
