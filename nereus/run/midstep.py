@@ -231,7 +231,8 @@ class EngineLoop:
         self.recorded.append(Recorded(status, d, overhead, Outcome(True, "", time.perf_counter() - t0, None, figures)))
 
     def committed(self) -> list[Recorded]:
-        return [r for r in self.recorded if r.outcome.applied]
+        """The moves that committed (a speculation switch moves no row)."""
+        return [r for r in self.recorded if r.outcome.applied and isinstance(r.decision, MoveSequences)]
 
     def finish(self, n: int, early: EarlyRequest | None) -> list[ClosedReplica]:
         """The final call: every replica runs to the end and answers its sequences (``gen_close``). Early
@@ -261,7 +262,7 @@ class EngineLoop:
 
     def metrics(self) -> dict[str, float]:
         """The step's ``midstep/*`` metrics."""
-        moved = [(r.decision, r.outcome) for r in self.committed() if isinstance(r.decision, MoveSequences)]
+        moved = [(r.decision, r.outcome) for r in self.committed()]
         return {
             "midstep/decisions": float(len(self.recorded)), "midstep/moves": float(len(moved)),
             "midstep/moved_sequences": float(sum(len(d.moves) for d, _ in moved)),
