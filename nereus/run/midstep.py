@@ -60,11 +60,14 @@ from nereus.spec.generation import (
     SequenceRecord,
     SetSpeculation,
 )
+from nereus.spec.rollout import Speculation
 
 METRICS = ("midstep/decisions", "midstep/moves", "midstep/moved_sequences", "midstep/move_s",
            "midstep/predicted_gain_s", "midstep/predicted_cost_s", "midstep/measured_gain_s", "midstep/chunks",
            "midstep/row_ms", "midstep/step_gain_s", "midstep/poll_s")
 STAGE = "actor/generation"
+# draft kinds (spec.levers) the native engine's n-gram proposer serves: its own text and its siblings'
+ENGINE_DRAFTS = ("ngram", "suffix")
 Response = tuple[list[int], list[float]]  # a sequence's new tokens and their sampling log-probs
 
 
@@ -223,9 +226,18 @@ class EngineLoop:
         self.recorded.append(Recorded(status, d, overhead, outcome, t0, status.replicas))
 
     def speculate(self, status: GenerationStatus, d: SetSpeculation, overhead: float) -> None:
-        """Switch every replica's speculation; the drafts proposed and accepted so far go in the outcome."""
+        """Switch every replica's speculation; the drafts proposed and accepted so far go in the outcome.
+        The native engine drafts from n-grams of the sequence and its siblings (``ngram`` and ``suffix``
+        kinds); a draft model or head is recorded as not carried out."""
+        lever = d.speculation
+        if lever is not None and lever.draft not in ENGINE_DRAFTS:
+            reason = f"the runtime's engine drafts {' and '.join(ENGINE_DRAFTS)} only, not {lever.draft}"
+            self.recorded.append(Recorded(status, d, overhead, Outcome(False, reason)))
+            return
+        spec = None if lever is None else Speculation(num_speculative_tokens=lever.draft_tokens,
+                                                       max_live=lever.live_at_most)
         t0 = time.perf_counter()
-        counts = self._op("gen_speculate", d.speculation)
+        counts = self._op("gen_speculate", spec)
         figures = {"draft_tokens": float(sum(a for a, _ in counts)),
                    "accepted_tokens": float(sum(b for _, b in counts))}
         self.recorded.append(Recorded(status, d, overhead, Outcome(True, "", time.perf_counter() - t0, None, figures)))
@@ -279,8 +291,8 @@ def move_line(e: GenerationEntry) -> str | None:
     """A line of progress for a committed move or a speculation switch (``nereus run`` prints it), else None."""
     d, o = e.decision, e.outcome
     if isinstance(d, SetSpeculation) and o.applied:
-        what = (f"on ({d.speculation.num_speculative_tokens} n-gram drafts, while <= {d.speculation.max_live} live)"
-                if d.speculation else "off")
+        what = (f"on ({d.speculation.draft_tokens} {d.speculation.draft} drafts, while <= "
+                f"{d.speculation.live_at_most} live)" if d.speculation else "off")
         return (f"\n  speculation {what} in step {e.step + 1} after iteration {e.iteration}, {e.live} live: "
                 f"gain {d.gain_s:.3f} s predicted, cost {d.cost_s:.3f} s predicted; "
                 f"{o.figures.get('accepted_tokens', 0):.0f} of {o.figures.get('draft_tokens', 0):.0f} drafts "

@@ -10,6 +10,7 @@ from nereus.spec.algorithms import KL_KINDS, KL_UNSUPPORTED, LOGGERS, LOSS_AGG_M
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
+from nereus.spec.levers import check_policy_lag
 from nereus.spec.rollout import (
     PartialRollout,
     RolloutEngine,
@@ -200,12 +201,14 @@ class RunSpec:
     rollout_tail: TailBatching | None = None
     # run.rollout.partial_rollout: carry unfinished responses to the next step (run.partial); None: off
     rollout_partial: PartialRollout | None = None
-    # run.policy_lag: policy versions a trained token may lag the trained policy by (partial rollout: 1)
-    policy_lag: int = 0
     # run.overlap: model-stages on disjoint workers run at once (run.overlap.Calls); results are identical
     overlap: bool = False
     # run.async (a Python keyword, hence the field name): one-step-off-policy generation, see AsyncSpec
     async_mode: AsyncSpec = field(default_factory=AsyncSpec)
+    # run.policy_lag: how many steps a trained token may lag the policy being trained (spec.levers):
+    # 0 strictly on-policy (layouts, speculative decoding, tail batching); 1 also partial rollout and
+    # one-step asynchrony
+    policy_lag: int = 0
 
     @property
     def max_workers(self) -> int:
@@ -433,7 +436,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         raise SpecError("run.rollout.tail_batching", "needs the native engine's continuous batching without "
                         "midstep: set run.rollout.slots > 0, engine: native, and remove midstep")
     partial = read_partial_rollout(rollout)
-    lag = f.get("policy_lag", int, 0, minimum=0, maximum=1)
+    lag = check_policy_lag(f.get("policy_lag", int, 0), f.key_path("policy_lag"))
     if partial is not None and (engine.vllm or slots < 1 or midstep is not None or tail is not None):
         raise SpecError("run.rollout.partial_rollout", "needs the native engine's continuous batching without "
                         "midstep or tail_batching: set run.rollout.slots > 0, engine: native")

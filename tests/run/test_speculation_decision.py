@@ -11,10 +11,10 @@ from nereus.control.held import HeldPlan
 from nereus.run.job import RLJob
 from nereus.run.midstep import move_line
 from nereus.spec.generation import END, GenerationDecision, GenerationEntry, GenerationStatus, SetSpeculation
-from nereus.spec.rollout import Speculation
+from nereus.spec.levers import Speculation
 from tests.run.jobs import tiny_job
 
-SPEC = Speculation(num_speculative_tokens=2, prompt_lookup_max=2, max_live=64)
+SPEC = Speculation("ngram", 2, 64)
 
 
 class SpeculateFromStart:
@@ -38,4 +38,4 @@ def test_policy_switches_speculation_on_the_runtime(ray_runtime, tmp_path):
     assert all(isinstance(e.decision, SetSpeculation) and e.decision.speculation == SPEC for e in entries)
     assert all(e.outcome.applied and e.outcome.figures["draft_tokens"] == 0.0 for e in entries)  # before any
     line = move_line(entries[0])
-    assert line is not None and "speculation on (2 n-gram drafts" in line and "step 1 after iteration 0" in line
+    assert line is not None and "speculation on (2 ngram drafts" in line and "step 1 after iteration 0" in line

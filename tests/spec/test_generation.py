@@ -10,8 +10,10 @@ import pytest
 from nereus.spec.generation import (
     DECISION_KINDS,
     END,
+    CarryOver,
     ChangeTailLayout,
     Continue,
+    DeferSequences,
     GenerationEntry,
     GenerationStatus,
     MoveSequences,
@@ -24,7 +26,7 @@ from nereus.spec.generation import (
     TailPhase,
     decision_from_json,
 )
-from nereus.spec.rollout import Speculation
+from nereus.spec.levers import Speculation
 
 
 def _json(value: dict) -> dict:
@@ -38,8 +40,8 @@ def test_every_decision_kind_round_trips_through_json():
     decisions = [Continue(), Continue(look=NextLook(live_at_most=32), reason="wait"),
                  Continue(look=END, declined=move, reason="gain <= margin x cost"), move,
                  ChangeTailLayout(phase=TailPhase(16, 4, 2, True, "send", "nereus", {"gain_s": 1.0}), gain_s=1.0),
-                 SetSpeculation(speculation=Speculation(num_speculative_tokens=3, max_live=8), gain_s=0.3),
-                 SetSpeculation(speculation=None, reason="the batch is compute-bound again")]
+                 SetSpeculation(speculation=Speculation("suffix", 4, 16), gain_s=2.0),
+                 DeferSequences(groups=3), CarryOver(sequences=7)]
     assert set(DECISION_KINDS) == {d.kind for d in decisions}
     for d in decisions:
         back = decision_from_json(_json(d.to_json()))
