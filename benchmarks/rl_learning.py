@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = {"ppo": ROOT / "examples" / "ppo_tiny.yaml", "ppo-fixed": ROOT / "examples" / "ppo_tiny_fixed.yaml",
             "grpo": ROOT / "examples" / "grpo_tiny.yaml"}
+HAND_OVER_S = 5.0  # the pause between chunks of a locked sweep, so a job waiting on the lock takes it
 FLOOR = 0.75  # every run's final held-out accuracy (the task is learnable to 86-97%: docs/rl.md)
 
 
@@ -123,6 +124,8 @@ def sweep(names: list[str], seeds: list[int], root: Path, args: argparse.Namespa
                 print_row(r)
                 if args.json:
                     args.json.write_text(json.dumps({"overrides": args.set, "runs": results}, indent=1))
+        if args.lock and first + args.chunk < len(todo):
+            time.sleep(HAND_OVER_S)  # flock wakes its waiters on release; re-locking at once would beat them
     return results
 
 
