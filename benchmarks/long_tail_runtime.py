@@ -135,12 +135,13 @@ class WarmStartOnce:
         self.done: dict[str, tuple[Path, dict]] = {}
         self.seconds = 0.0
 
-    def __call__(self, root: Path, cfgs: dict, data: list, tok: object, warm: object, seed: int) -> dict:
-        key = repr((sorted(cfgs), [cfgs[k] for k in sorted(cfgs)], warm, seed, len(data)))
+    def __call__(self, root: Path, cfgs: dict, data: list, tok: object, warm: object, seed: int,
+                 max_new: int = 16) -> dict:
+        key = repr((sorted(cfgs), [cfgs[k] for k in sorted(cfgs)], warm, seed, len(data), max_new))
         if key not in self.done:
             t0 = time.perf_counter()
             folder = self.root / f"warmstart_{len(self.done)}"
-            self.done[key] = folder, self.real(folder, cfgs, data, tok, warm, seed)
+            self.done[key] = folder, self.real(folder, cfgs, data, tok, warm, seed, max_new)
             self.seconds += time.perf_counter() - t0
         folder, losses = self.done[key]
         for model in cfgs:
