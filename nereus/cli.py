@@ -104,6 +104,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from nereus.sim.baselines import POLICIES
     from nereus.sim.run import check_gpus_remain, simulate
+    from nereus.spec.levers import check_policy_lag
     from nereus.spec.trace import load_trace
 
     if args.policy not in POLICIES:
@@ -128,7 +129,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                   file=sys.stderr)
 
     check_gpus_remain(trace, args.seed, first, steps, args.trace)  # before any step is simulated
-    record = simulate(job, trace, args.policy, args.seed, steps, initial_gpus=first, progress=progress)
+    lag = None if args.policy_lag is None else check_policy_lag(args.policy_lag, "--policy-lag")
+    record = simulate(job, trace, args.policy, args.seed, steps, initial_gpus=first, progress=progress,
+                      policy_lag=lag)
     if args.out is not None:
         write_text_file(args.out, json.dumps(record.to_dict()), "--out")
     summary = record.summary()
@@ -273,9 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="run a policy over a trace on the simulated cluster")
     s.add_argument("trace", help="trace file (YAML or JSON; see docs/simulator.md)")
     s.add_argument("--job", required=True, help="job spec (YAML)")
-    s.add_argument("--policy", default="nereus", help="nereus, nereus-interstep, nereus-nocal, fixed-oracle, "
-                                                      "fixed-recipe, verl-like, openrlhf-like, realhf-like, "
-                                                      "pat-like, rlhfuse-like")
+    s.add_argument("--policy", default="nereus", help="nereus, nereus-tail, nereus-interstep, nereus-nocal, "
+                                                      "fixed-oracle, fixed-recipe, verl-like, openrlhf-like, "
+                                                      "realhf-like, pat-like, rlhfuse-like, spec-like, "
+                                                      "rollpacker-like, april-like, verl-async-like")
+    s.add_argument("--policy-lag", type=int, default=None,
+                   help="run.policy_lag: 0 strictly on-policy, 1 one step of lag allowed (default: the job's "
+                        "run section, else the trace's, else 0)")
     s.add_argument("--seed", type=int, default=0, help="fixes hidden efficiencies, noise and length draws")
     s.add_argument("--steps", type=int, help="steps to run (default: the trace's)")
     s.add_argument("--out", help="write the run record (JSON) here, for `nereus report`")

@@ -34,6 +34,9 @@ class StepMetrics:
     detail: dict = field(default_factory=dict)  # backend-specific measurements (the RL job's metric line)
     # the decisions taken inside the step's generation (acting or declined), with what came of each
     generation: tuple[GenerationEntry, ...] = ()
+    # share of the step's trained tokens produced by the policy 0, 1, ... versions before the one trained
+    # (run.policy_lag bounds its length; (1.0,): every token on-policy)
+    policy_lag: tuple[float, ...] = (1.0,)
 
     def to_dict(self) -> dict:
         out = asdict(self)

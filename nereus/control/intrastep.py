@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, replace
 
 from nereus.control.backend import ClusterState, Decision, Policy, StepMetrics
+from nereus.control.levers import LeverRule, speculation_decision
 from nereus.cost.batching import Factors
 from nereus.cost.generation import GenModel, Prediction, forecast_lengths, no_move, predict, run_bulk
 from nereus.cost.hardware import Hardware
@@ -40,6 +41,7 @@ from nereus.spec.generation import (
 )
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
+from nereus.spec.levers import GenerationLevers
 
 
 class TailRule(ABC):
@@ -147,6 +149,14 @@ class PatTail(TailRule):
         return TailPhase(phase.trigger_live, tp, phase.tail_replicas, False, "cheaper", self.name, pred.to_dict())
 
 
+class NoTail(TailRule):
+    """No tail layout: the stage runs in its bulk layout (a baseline whose only inside-the-step lever is
+    another one)."""
+
+    def choose(self, job: JobSpec, plan: Plan, factors: dict[str, float]) -> TailPhase | None:
+        return None
+
+
 class RlhfuseTail(TailRule):
     name = "rlhfuse-like"
     share = 0.05  # samples left when the tail migrates (an assumption: RLHFuse tunes its threshold per job)
@@ -164,10 +174,15 @@ class RlhfuseTail(TailRule):
 
 
 class PhasedPolicy:
-    """A between-step policy whose generation stages switch to a tail layout inside the step."""
+    """A between-step policy whose generation stages switch to a tail layout inside the step, or use the
+    levers ``levers`` picks (``control.levers``): whichever predicts the larger gain, within
+    ``policy_lag``."""
 
-    def __init__(self, name: str, inner: Policy, rule: TailRule, every: int = 10) -> None:
+    def __init__(self, name: str, inner: Policy, rule: TailRule, every: int = 10, levers: LeverRule | None = None,
+                 policy_lag: int = 0) -> None:
         self.name, self.inner, self.rule, self.every = name, inner, rule, every
+        self.levers, self.policy_lag = levers, policy_lag
+        self._levers: GenerationLevers | None = None
         self._last: tuple[int, Plan | None] = (-10**9, None)
         self._phase: TailPhase | None = None
         self._base: Plan | None = None  # the inner policy's plan object (a new one: re-choose the phases)
@@ -193,8 +208,21 @@ class PhasedPolicy:
             self._fitted = fitted
             job = ctrl.job_for(step, base.num_gpus)
             self._phase = self.rule.choose(job, base, ctrl.factors)
+            self._levers = self._choose_levers(job, base, ctrl.factors)
             self._last = (step, base)
-        return replace(base, generation=self._phase)
+        if self._levers is not None:
+            return replace(base, generation=None, levers=self._levers)
+        return replace(base, generation=self._phase, levers=None)
+
+    def _choose_levers(self, job: JobSpec, base: Plan, factors: dict[str, float]) -> GenerationLevers | None:
+        """The lever rule's choice when it predicts more than the tail layout's gain (None: the tail layout)."""
+        if self.levers is None:
+            return None
+        model, bulk, f, _ = TailRule.setup(job, base, factors)
+        choice = self.levers.choose(model, bulk, f, self.policy_lag)
+        if choice is None or self._phase is None:
+            return None if choice is None else choice.levers
+        return choice.levers if choice.gain_s > self._phase.predicted.get("gain_s", 0.0) else None
 
     def initial_plan(self, num_gpus: int) -> Plan:
         return self._phased(self.inner.initial_plan(num_gpus), 0)
@@ -208,12 +236,17 @@ class PhasedPolicy:
 
     def after_step(self, m: StepMetrics, cluster: ClusterState) -> Decision:
         self.rule.observe(m)
+        if self.levers is not None:
+            self.levers.observe(m)
         d = self.inner.after_step(m, cluster)
         base = d.plan if d.plan is not None and d.plan != self._base else self._base
         return replace(d, plan=self._phased(base, m.step + 1))
 
     def during_generation(self, status: GenerationStatus) -> GenerationDecision:
-        """From the plan's phases: look again at their trigger, switch there."""
+        """From the plan's levers (speculation on at the start) or phases (look again at their trigger,
+        switch there)."""
+        if status.point == "start" and (spec := speculation_decision(status.levers)) is not None:
+            return spec
         phase = status.phases
         if phase is None:
             return Continue()

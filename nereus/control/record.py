@@ -34,7 +34,8 @@ class RunRecord:
     def add_step(self, m: StepMetrics, gpus: int, strategy: str, transition_s: float, lost_s: float) -> None:
         self.steps.append({"step": m.step, "step_time_s": m.step_time_s, "phases": m.phase_times_s, "gpus": gpus,
                            "response_mean": m.response_mean, "response_max": m.response_max, "tokens": m.tokens,
-                           "transition_s": transition_s, "lost_s": lost_s, "strategy": strategy})
+                           "transition_s": transition_s, "lost_s": lost_s, "strategy": strategy,
+                           "policy_lag": list(m.policy_lag)})
         if "generation" in m.detail:  # sequence-level generation (the simulator): where its time went
             self.steps[-1]["generation"] = m.detail["generation"]
 
@@ -94,6 +95,7 @@ class RunRecord:
             "controller_overhead_s_per_step": sum(overheads) / max(1, len(overheads)),
             "controller_overhead_share": sum(overheads) / run_s if run_s else 0.0,
             "wall_s": self.wall_s,
+            **lag_summary(steps),
         }
 
     def to_dict(self) -> dict:
@@ -103,3 +105,15 @@ class RunRecord:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict()))
+
+
+def lag_summary(steps: list[dict]) -> dict[str, float]:
+    """Over the run's trained tokens: the mean policy lag, the largest, and the share at lag 0."""
+    weights = [(s["tokens"], s.get("policy_lag", [1.0])) for s in steps]
+    total = sum(t for t, _ in weights)
+    if not total:
+        return {"policy_lag_mean": 0.0, "policy_lag_max": 0, "on_policy_share": 1.0}
+    mean = sum(t * sum(j * x for j, x in enumerate(lag)) for t, lag in weights) / total
+    on = sum(t * lag[0] for t, lag in weights) / total
+    top = max((max((j for j, x in enumerate(lag) if x > 0), default=0) for _, lag in weights), default=0)
+    return {"policy_lag_mean": mean, "policy_lag_max": top, "on_policy_share": on}

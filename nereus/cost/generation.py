@@ -104,16 +104,19 @@ class BulkRun:
         return float(self.finish_s.max())
 
 
-def run_bulk(model: GenModel, lengths: np.ndarray, f: Factors) -> BulkRun:
+def run_bulk(model: GenModel, lengths: np.ndarray, f: Factors, contexts: np.ndarray | None = None) -> BulkRun:
+    """Every bulk replica decoding ``lengths`` (sequence i on replica i mod dp, in order) after the prompt,
+    or after ``contexts`` tokens each (responses resumed from an earlier step: their context re-prefilled)."""
     lay, prompt = model.placement.layout, float(model.job.workload.prompt_length)
     n, dp = len(lengths), lay.dp
+    ctx = np.full(n, prompt) if contexts is None else np.asarray(contexts, float)
     bucket = max(1, math.ceil(float(lengths.max()) / COLUMNS))
     table = model.table(lay.tp)
     replica = np.arange(n) % dp
     start, finish = np.zeros(n), np.zeros(n)
     groups = [np.flatnonzero(replica == r) for r in range(dp)]
-    runs = run_replicas(table, [(lengths[i], np.full(len(i), prompt), len(i) * prompt, prompt) for i in groups],
-                        model.slots, bucket, f)
+    work = [(lengths[i], ctx[i], float(ctx[i].sum()), float(ctx[i].mean()) if len(i) else prompt) for i in groups]
+    runs = run_replicas(table, work, model.slots, bucket, f)
     for idx, run in zip(groups, runs, strict=True):
         start[idx], finish[idx] = run.start_s, run.finish_s
     return BulkRun(lengths, replica, start, finish, runs, bucket)

@@ -150,7 +150,12 @@ class GroupEvaluator:
                        rollout: ModelStage | None, gpus: int, peak: float) -> tuple[int, int] | None:
         """The replacement layout that lowers the group's peak memory at the least time per byte saved."""
         best, best_ratio = None, math.inf
+        # Stages that share the largest transient (two inference passes at the same micro-batch) block
+        # each other: swapping one alone leaves the peak where it is. Such a swap still counts when it
+        # shrinks its own transient without raising the resident memory; the next round swaps the other.
+        tied, tied_ratio = None, math.inf
         trans = [c.transient_bytes for _, c in picked]
+        top = max(trans, default=0.0)
         for k, i in enumerate(idx):
             others_trans = max((t for m, t in enumerate(trans) if m != k), default=0.0)
             t_i, c_i = picked[k]
@@ -161,11 +166,16 @@ class GroupEvaluator:
                                       self._rollout(rollout, gpus, new_res), rollout)
                 saved = peak - new_peak if math.isfinite(peak) else c_i.resident_bytes - c_j.resident_bytes
                 if saved <= 0:
+                    shrunk = c_i.transient_bytes - c_j.transient_bytes
+                    if trans[k] == top and shrunk > 0 and new_res <= resident and math.isfinite(peak):
+                        ratio = (t_j - t_i) / shrunk
+                        if ratio < tied_ratio:
+                            tied, tied_ratio = (k, j), ratio
                     continue
                 ratio = (t_j - t_i) / saved
                 if ratio < best_ratio:
                     best, best_ratio = (k, j), ratio
-        return best
+        return best if best is not None else tied
 
     @staticmethod
     def _phase_times(chosen: dict[ModelStage, tuple[float, StageCost]]) -> dict[str, float]:

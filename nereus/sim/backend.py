@@ -10,23 +10,37 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from nereus.control.backend import ClusterState, GenerationPolicy, StepMetrics, TransitionMetrics
 from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.batching import Factors
-from nereus.cost.generation import GenModel, inference_gpus, no_move, overlapped_inference, run_bulk, with_tail
+from nereus.cost.generation import (
+    BulkRun,
+    GenModel,
+    GenOutcome,
+    inference_gpus,
+    no_move,
+    overlapped_inference,
+    run_bulk,
+    with_tail,
+)
 from nereus.cost.hardware import Hardware
+from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
+from nereus.cost.levers.speculative import DraftKind, prior
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import TERMS
 from nereus.cost.transition import estimate_transition
+from nereus.sim.carry import Carried, Round, plan_round
 from nereus.sim.generation import Look, entries_of, status_at, tail_outcome, walk
+from nereus.sim.groups import Deferred, ShortRound, draw_groups, stop_round
 from nereus.sim.workload import batch_at
-from nereus.spec.generation import ChangeTailLayout, GenerationEntry
+from nereus.spec.generation import ChangeTailLayout, GenerationEntry, Outcome, SetSpeculation
 from nereus.spec.job import JobSpec, ResponseLength
 from nereus.spec.layout import STAGES, Plan
+from nereus.spec.levers import Speculation
 from nereus.spec.trace import Trace
 
 
@@ -66,6 +80,10 @@ class SimBackend:
         self.full_job = job.with_gpus(self._max_gpus)
         self.hw = Hardware(self.full_job.cluster)
         self.last_generation: dict = {}  # the latest step's sequence-level generation (sim.step_timeline)
+        self.carried = Carried.none()  # responses a partial-rollout step left to the next (sim.carry)
+        self.deferred = Deferred.none()  # prompts tail batching deferred to a long round (sim.groups)
+        self._launched_z = np.zeros(0)  # the difficulty of the prompts launched this step
+        self._short = ShortRound(0.0, np.zeros(0, bool))  # the latest short round's stop
 
     def cluster(self, step: int) -> ClusterState:
         now = self.trace.gpus_at(step, self.initial_gpus)
@@ -82,13 +100,45 @@ class SimBackend:
         return batch_at(self.full_job, self.trace.gpus_at(step, self.initial_gpus))
 
     def draw_lengths(self, step: int) -> np.ndarray:
+        return self.draw_step(step)[0]
+
+    def draw_step(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The step's response lengths and its prompts' difficulty Z (``sim.groups``): siblings alike with
+        the trace's correlation; independent draws when it has none or groups have one response."""
         r = self.trace.response_at(step)
-        n = self.job_at(step).sequences_per_step()
+        job = self.job_at(step)
+        n, g, rho = job.sequences_per_step(), job.algorithm.samples_per_prompt, self.trace.sibling_correlation
+        rng = self._rng(step, 0)
+        if rho > 0 and g > 1:
+            z = rng.standard_normal(n // g)
+            return draw_groups(rng, r, z, g, rho), z
         mu = math.log(r.mean) - r.sigma**2 / 2
-        return np.minimum(self._rng(step, 0).lognormal(mu, r.sigma, size=n), r.max)
+        return np.minimum(rng.lognormal(mu, r.sigma, size=n), r.max), np.zeros(0)
+
+    def _tail_batching(self, plan: Plan, step: int, lengths: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, bool]:
+        """Tail batching's round (``sim.groups``): a long round of ``P`` deferred prompts once as many wait
+        (regenerated from scratch), else a short round over-launched ``f``-fold that keeps the first ``P``
+        groups to end (True). Without the lever: the drawn lengths."""
+        tb = plan.levers.tail_batching if plan.levers is not None else None
+        job = self.job_at(step)
+        p, g = job.workload.prompts_per_step, job.algorithm.samples_per_prompt
+        self._launched_z = z if len(z) else np.zeros(p)
+        if tb is None:
+            return lengths, False
+        r, rho = self.trace.response_at(step), self.trace.sibling_correlation
+        if len(self.deferred) >= p:
+            self._launched_z, self.deferred = self.deferred.z[:p], Deferred(self.deferred.z[p:])
+            return draw_groups(self._rng(step, 5), r, self._launched_z, g, rho), False
+        extra = math.ceil((tb.over_launch - 1) * p)
+        if extra < 1:
+            return lengths, False
+        more_z = self._rng(step, 6).standard_normal(extra)
+        self._launched_z = np.concatenate([self._launched_z, more_z])
+        return np.concatenate([lengths, draw_groups(self._rng(step, 7), r, more_z, g, rho)]), True
 
     def run_step(self, plan: Plan, step: int, policy: GenerationPolicy) -> StepMetrics:
-        lengths = self.draw_lengths(step)
+        lengths, z = self.draw_step(step)
+        lengths, short = self._tail_batching(plan, step, lengths, z)
         mean, longest = float(lengths.mean()), float(lengths.max())
         r = self.trace.response_at(step)
         # The drawn batch: its mean sets tokens, its longest response sets the rollout's iterations.
@@ -104,29 +154,58 @@ class SimBackend:
             phases[stage] = max(phases[stage], est.phase_times[stage] * noise[name])
         phases["weight_sync"] = est.phase_times["weight_sync"] * float(math.exp(rng.normal(0, self.truth.noise)))
         model = GenModel.of(self.hw, job, plan, est)
-        status = status_at(model, None, step, "start", 0.0, 0, r.max, plan.generation)
+        status = status_at(model, None, step, "start", 0.0, 0, r.max, plan.generation, plan.levers)
         t0 = time.perf_counter()
         answer = policy.during_generation(status)
         start = Look(0.0, status, answer, time.perf_counter() - t0)
+        prompt = float(job.workload.prompt_length)
+        tokens = float(job.sequences_per_step() * (prompt + mean))
+        rnd = self._round(plan, lengths, prompt)
+        if rnd is not None:  # the step trains the responses that end in it: the later stages scale with them
+            trained = rnd.trained * prompt + float(rnd.trained_lengths.sum())
+            _scale_later_stages(stage_times, phases, trained / tokens)
+            tokens = trained
         detail, entries = {}, ()
-        if self.truth.sequence_level or start.decision.acts or not start.decision.look.none:
-            detail, entries = self._sequence_level(plan, step, model, lengths, noise, stage_times, phases,
-                                                   policy, start)
-        tokens = float(job.sequences_per_step() * (job.workload.prompt_length + mean))
-        return StepMetrics(step, stage_times, phases, sum(phases.values()), mean, longest,
+        keep = (job.workload.prompts_per_step, job.algorithm.samples_per_prompt) if short else None
+        if self.truth.sequence_level or start.decision.acts or not start.decision.look.none or rnd or short:
+            gen_lengths, contexts = (lengths, None) if rnd is None else (rnd.lengths, rnd.contexts)
+            detail, entries = self._sequence_level(plan, step, model, gen_lengths, noise, stage_times, phases,
+                                                   policy, start, contexts, keep)
+        if short:  # the step trains the groups the short round kept; the others wait for a long round
+            kept = self._short.kept_sequences(keep[1])
+            self.deferred = Deferred(np.concatenate([self.deferred.z, self._launched_z[~self._short.kept]]))
+            trained = float(kept.sum() * prompt + lengths[kept].sum())
+            _scale_later_stages(stage_times, phases, trained / tokens)
+            tokens = trained
+        lag = (1.0,) if rnd is None else rnd.policy_lag
+        step_s = sum(phases.values())
+        if _runs_async(plan):  # generation of the next step overlaps this step's inference and training
+            step_s = max(phases["generation"], phases["inference"] + phases["training"]) + phases["weight_sync"]
+            lag = (0.0, 1.0)
+        return StepMetrics(step, stage_times, phases, step_s, mean, longest,
                            job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus, detail,
-                           entries)
+                           entries, lag)
+
+    def _round(self, plan: Plan, lengths: np.ndarray, prompt: float) -> Round | None:
+        """This step's partial-rollout round (``sim.carry``), None when nothing is budgeted or carried."""
+        pr = plan.levers.partial_rollout if plan.levers is not None else None
+        if pr is None and not len(self.carried):
+            return None
+        rnd = plan_round(lengths, self.carried, prompt, None if pr is None else pr.round_tokens)
+        self.carried = rnd.carried_out
+        return rnd
 
     def _sequence_level(self, plan: Plan, step: int, model: GenModel, lengths: np.ndarray, noise: dict,
-                        stage_times: dict, phases: dict, policy: GenerationPolicy,
-                        start: Look) -> tuple[dict, tuple[GenerationEntry, ...]]:
+                        stage_times: dict, phases: dict, policy: GenerationPolicy, start: Look,
+                        contexts: np.ndarray | None = None,
+                        keep: tuple[int, int] | None = None) -> tuple[dict, tuple[GenerationEntry, ...]]:
         """Generation decoded sequence by sequence under the hidden factors (``cost.generation``), its
         decision points walked with the policy (``sim.generation``), the tail layout it switched to if it
         did, and inference overlapped on the GPUs its tail frees. Fills the stage and phase times in place;
         returns where the time went and the recorded decisions with their predicted and realised numbers."""
         moved_noise = float(math.exp(self._rng(step, 3).normal(0, self.truth.noise)))
         f = Factors.of(self.factors, self.factors["transition"] * moved_noise)
-        bulk = run_bulk(model, lengths, f)
+        bulk = run_bulk(model, lengths, f, contexts)
         base = no_move(model, bulk)
         looks = walk(policy, start, model, bulk, self.trace.response_at(step).max)
         act = looks[-1] if looks and isinstance(looks[-1].decision, ChangeTailLayout) else None
@@ -134,6 +213,14 @@ class SimBackend:
         inf_gpus = inference_gpus(plan)
         out = with_tail(model, bulk, phase, f, inf_gpus, act.t) if act else base
         gen_noise = noise["actor/generation"]
+        if keep is not None:  # a short round of tail batching: the engine stops once P groups have ended
+            self._short = stop_round(bulk.finish_s, keep[1], keep[0])
+            out = replace(out, generation_s=min(out.generation_s, self._short.stop_s),
+                          tail_s=max(0.0, min(out.generation_s, self._short.stop_s) - out.bulk_s))
+        spec = looks[-1] if looks and isinstance(looks[-1].decision, SetSpeculation) else None
+        spec_outcome = None
+        if spec is not None and spec.decision.speculation is not None:
+            out, spec_outcome = self._speculate(step, model, bulk, spec.decision.speculation, f, base, gen_noise)
         stage_times["actor/generation"] = out.generation_s * gen_noise
         inference = phases["inference"]
         after, early = overlapped_inference(inference, out, len(lengths))
@@ -145,7 +232,28 @@ class SimBackend:
                                  "idle_gpu_s": max(0.0, idle) * gen_noise, "overlap_s": early}}
         tail = None if act is None else tail_outcome(model, bulk, act, f, inf_gpus, base, out, gen_noise, inference,
                                                      after, self.hw.usable_bytes())
-        return detail, entries_of(looks, tail)
+        return detail, entries_of(looks, tail or spec_outcome)
+
+    def alpha(self, draft: str, step: int) -> float:
+        """The ground truth's per-token acceptance of ``draft`` drafts at ``step``: the trace's rate, else the
+        kind's published prior (``cost.levers.speculative.PRIORS``)."""
+        rate = self.trace.acceptance_at(draft, step)
+        return rate if rate is not None else prior(DraftKind(draft)).alpha
+
+    def _speculate(self, step: int, model: GenModel, bulk: BulkRun, spec: Speculation, f: Factors,
+                   base: GenOutcome, gen_noise: float) -> tuple[GenOutcome, Outcome]:
+        """Speculation as the engine runs it: each replica switched on below the live-batch threshold, each
+        sequence's iterations drawn from the trace's acceptance (``cost.levers.spec_run``). Model-free
+        drafts only; another kind is refused and the stage runs without."""
+        if spec.draft not in MODEL_FREE:
+            return base, Outcome(False, f"the simulator runs model-free drafts ({', '.join(MODEL_FREE)}), "
+                                        f"not {spec.draft}")
+        run = with_speculation(model, bulk, spec.draft_tokens, spec.live_at_most, self.alpha(spec.draft, step), f,
+                               self._rng(step, 4))
+        figures = {"accepted_tokens": run.accepted_tokens, "verifications": run.verifications,
+                   "spec_tokens": run.spec_tokens, "switched": float(run.switched), "spec_s": run.spec_s * gen_noise}
+        gain = (base.generation_s - run.outcome.generation_s) * gen_noise
+        return run.outcome, Outcome(True, "", 0.0, gain, figures)
 
     def apply_transition(self, old: Plan, new: Plan, step: int) -> TransitionMetrics:
         """The transition graph's schedule (shared, cached, with the controller's) under the hidden factor."""
@@ -156,3 +264,22 @@ class SimBackend:
         noise = float(math.exp(self._rng(step, 2).normal(0, self.truth.noise)))
         actual = predicted * self.factors["transition"] * noise
         return TransitionMetrics(actual, predicted, est.bytes_moved, {"moved": list(est.moved_model_stages)})
+
+
+def _scale_later_stages(stage_times: dict[str, float], phases: dict[str, float], factor: float) -> None:
+    """Inference and training of a step that trains ``factor`` times the batch's tokens (in place)."""
+    for name in stage_times:
+        if name.split("/")[1] in ("inference", "training"):
+            stage_times[name] *= factor
+    for stage in ("inference", "training"):
+        phases[stage] *= factor
+
+
+def _runs_async(plan: Plan) -> bool:
+    """Whether the plan runs one-step-off: its levers ask for it and the rollout's GPUs hold nothing else
+    (verl's one-step-off recipe: separate resource pools; the steady state of ``cost.levers.async_split``:
+    a step takes the slower pool plus the weight sync, every trained token one step old)."""
+    if plan.levers is None or plan.levers.async_split is None:
+        return False
+    rollout = set(plan.placement("actor/generation").gpus)
+    return all(not rollout & set(p.gpus) for p in plan.placements if p.model_stage.stage != "generation")

@@ -34,12 +34,13 @@ from nereus.control.controller import Controller, ControllerConfig, TransitionCo
 from nereus.control.forecast import Schedule
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
-from nereus.planner.search import Constraints, SearchResult, search
+from nereus.planner.search import Constraints, SearchResult, placement_units, search
 from nereus.sim.recipes import fixed_recipe_tp, system_recipe_tp
 from nereus.spec.errors import InfeasibleError
 from nereus.spec.generation import GenerationDecision, GenerationStatus
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage, Plan
+from nereus.spec.levers import Speculation, TailBatching
 
 ROLLOUT = ModelStage("actor", "generation")
 
@@ -94,7 +95,8 @@ class StaticPolicy:
                 err = e
             finally:
                 self.inner.constraints = base
-        raise InfeasibleError(f"{self.name}: no rollout TP fits ({err})")
+        raise InfeasibleError(err.model_stage, err.needed_bytes, err.capacity_bytes,
+                              f"{self.name}: no rollout TP fits; at the recipe's: {err}")
 
     def _constraints(self) -> Constraints:
         if not self.pin_tp_pp:
@@ -167,17 +169,27 @@ def _with_fsdp(job: JobSpec) -> JobSpec:
     return replace(job, options=replace(job.options, fsdp=True))
 
 
+def _verl_job(job: JobSpec) -> JobSpec:
+    """verl's FSDP backend as its example scripts run it: every trained model with gradient checkpointing
+    (``actor_rollout_ref.model.enable_gradient_checkpointing=True`` and
+    ``critic.model.enable_gradient_checkpointing=True`` in examples/ppo_trainer/run_deepseek7b_llm.sh, the
+    PPO recipe of ``nereus.sim.recipes``): HF checkpointing keeps each decoder layer's input and
+    recomputes the layer in backward, i.e. full recompute (``nereus.cost.memory``). Without it, the
+    20k-token responses of the long-tail traces leave no training layout that fits."""
+    return replace(job, options=replace(job.options, fsdp=True, recompute="full"))
+
+
 def _params_b(job: JobSpec) -> float:
     return job.models["actor"].params() / 1e9
 
 
 def make_policy(name: str, job: JobSpec, schedule: Schedule | None = None, total_steps: int | None = None,
                 transition_cost: TransitionCost | None = None,
-                config: ControllerConfig | None = None):
-    """``nereus`` (adaptive between and inside steps, calibrated), ``nereus-interstep`` (between steps only),
-    ``nereus-nocal``, or a baseline by name (see the module doc)."""
+                config: ControllerConfig | None = None, policy_lag: int = 0):
+    """``nereus`` (adaptive between and inside steps, calibrated; its levers within ``policy_lag``),
+    ``nereus-interstep`` (between steps only), ``nereus-nocal``, or a baseline by name (see the module doc)."""
     if name in INTRASTEP:
-        return _phased(name, job, schedule, total_steps, transition_cost, config)
+        return _phased(name, job, schedule, total_steps, transition_cost, config, policy_lag)
     if name == "nereus-interstep":
         policy = Controller(job, config, schedule, total_steps, transition_cost)
         policy.name = name
@@ -195,7 +207,7 @@ def make_policy(name: str, job: JobSpec, schedule: Schedule | None = None, total
     baselines = {  # job, constraints, pin TP/PP, rollout TP, weight sync
         "fixed-oracle": (job, None, True, None, "direct"),
         "fixed-recipe": (_with_fsdp(job), sharded, True, fixed_recipe_tp(size)[0], "direct"),
-        "verl-like": (_with_fsdp(job), Constraints(("colocated",), _sharded_data_parallel), True,
+        "verl-like": (_verl_job(job), Constraints(("colocated",), _sharded_data_parallel), True,
                       system_recipe_tp("verl", alg, size)[0], "hybrid-reshard"),
         "openrlhf-like": (_with_fsdp(job), Constraints(("disaggregated",), _sharded_data_parallel), True,
                           system_recipe_tp("OpenRLHF", alg, size)[0], "gather-broadcast"),
@@ -205,21 +217,74 @@ def make_policy(name: str, job: JobSpec, schedule: Schedule | None = None, total
     return StaticPolicy(name, base_job, constraints, pin_tp_pp, schedule, transition_cost, rollout_tp, sync)
 
 
-def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, config):
-    """Policies that switch the generation stage to a tail layout inside the step (``control.intrastep``):
-    ``nereus`` (the controller between steps, the cost model's tail choice inside), ``pat-like`` (verl-like
-    static layouts, PAT's TP switch when the batch has drained), ``rlhfuse-like`` (fixed-oracle static
-    layouts, the tail packed onto few instances and inference started on the GPUs freed)."""
-    from nereus.control.intrastep import NereusTail, PatTail, PhasedPolicy, RlhfuseTail
+def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, config, policy_lag: int = 0):
+    """Policies that decide inside the step (``control.intrastep``, ``control.levers``): ``nereus`` (the
+    controller between steps; inside, the cost model's choice of a tail layout or speculative decoding),
+    ``pat-like`` (verl-like static layouts, PAT's TP switch when the batch has drained), ``rlhfuse-like``
+    (fixed-oracle static layouts, the tail packed onto few instances and inference started on the GPUs
+    freed), ``spec-like`` (verl-like static layouts, speculation of one fixed configuration below a fixed
+    live batch: ``SPEC_LIKE``), ``april-like`` (verl-like static layouts, a fixed partial-rollout budget)."""
+    from nereus.control.intrastep import NereusTail, NoTail, PatTail, PhasedPolicy, RlhfuseTail
+    from nereus.control.levers import (
+        FixedAsync,
+        FixedPartialRollout,
+        FixedSpeculation,
+        FixedTailBatching,
+        NereusLevers,
+    )
 
-    if name == "nereus":
-        return PhasedPolicy(name, Controller(job, config, schedule, total_steps, transition_cost), NereusTail())
-    inner = make_policy("verl-like" if name == "pat-like" else "fixed-oracle", job, schedule, total_steps,
+    if name in ("nereus", "nereus-tail"):  # nereus-tail: tail layouts only, no levers (an ablation)
+        return PhasedPolicy(name, Controller(job, config, schedule, total_steps, transition_cost), NereusTail(),
+                            levers=NereusLevers() if name == "nereus" else None, policy_lag=policy_lag)
+    inner = make_policy("fixed-oracle" if name == "rlhfuse-like" else "verl-like", job, schedule, total_steps,
                         transition_cost, config)
+    if name == "spec-like":
+        return PhasedPolicy(name, inner, NoTail(), levers=FixedSpeculation(SPEC_LIKE))
+    if name == "verl-async-like":
+        return PhasedPolicy(name, _verl_async(job, schedule, transition_cost), NoTail(), levers=FixedAsync(),
+                            policy_lag=1)
+    if name == "rollpacker-like":
+        return PhasedPolicy(name, inner, NoTail(), levers=FixedTailBatching(ROLLPACKER_LIKE))
+    if name == "april-like":
+        return PhasedPolicy(name, inner, NoTail(), levers=FixedPartialRollout(lag=1), policy_lag=1)
     return PhasedPolicy(name, inner, PatTail() if name == "pat-like" else RlhfuseTail())
 
 
+def _verl_async(job: JobSpec, schedule: Schedule | None, transition_cost: TransitionCost | None) -> StaticPolicy:
+    """verl's one-step-off recipe as a static policy: the rollout alone on half the GPUs (a fixed split set
+    once; verl's recipe takes both pools' sizes from its config, the half is ours), every other model on
+    the rest with verl's FSDP and gradient checkpointing, verl's rollout TP, and the weights sent from
+    the training pool to the rollout pool each step (``gather-broadcast``: verl's NCCL broadcast)."""
+    n = job.cluster.num_gpus
+    others = "+".join(u for u in placement_units(job) if u != "rollout")
+
+    def half(ms: ModelStage, layout: Layout) -> bool:
+        return (layout.world == n // 2 if ms == ROLLOUT else layout.world <= n - n // 2) and _sharded_data_parallel(
+            ms, layout)
+
+    alg, size = job.algorithm.name, _params_b(job)
+    return StaticPolicy("verl-async-like", _verl_job(job), Constraints((f"rollout | {others}",), half), True,
+                        schedule, transition_cost, system_recipe_tp("verl", alg, size)[0], "gather-broadcast")
+
+
+# april-like: partial rollout (APRIL, arXiv 2509.18521: unfinished responses carried to the next step
+# instead of waiting for them) at the smallest per-step budget that keeps every trained token at most one
+# step old (half the longest response), on verl-like's layouts; the budget is fixed, not priced.
+# spec-like's fixed rule, as an operator configures vLLM's model-free speculation once for a rollout: n-gram
+# (prompt-lookup) drafts with num_speculative_tokens 5 (the n-gram example of vLLM's speculative-decoding
+# docs), disabled above a fixed live batch (vLLM's disable_by_batch_size; TLT, arXiv 2511.16665, and
+# FastGRPO, arXiv 2509.21792, switch speculation by batch size the same way). The threshold, 32 live
+# sequences per replica, is ours: a fixed value set once, not priced per job.
+SPEC_LIKE = Speculation("ngram", 5, 32)
+# rollpacker-like: RollPacker's tail batching (arXiv 2509.21009): launch more prompt groups than a step
+# trains, keep the first to end, defer the rest whole to dedicated long rounds; on verl-like's layouts. The
+# over-launch factor, 1.5, is ours (fixed, not priced).
+ROLLPACKER_LIKE = TailBatching(1.5)
+
+
 BASELINES = ("fixed-oracle", "fixed-recipe", "verl-like", "openrlhf-like", "realhf-like")
-INTRASTEP = ("nereus", "pat-like", "rlhfuse-like")
+INTRASTEP = ("nereus", "nereus-tail", "pat-like", "rlhfuse-like", "spec-like", "rollpacker-like", "april-like",
+             "verl-async-like")
 ALIASES = {"fixed-dp": "fixed-oracle"}  # the name fixed-oracle had before the recipe baseline existed
-POLICIES = ("nereus", "nereus-interstep", "nereus-nocal", *BASELINES, "pat-like", "rlhfuse-like", *ALIASES)
+POLICIES = ("nereus", "nereus-tail", "nereus-interstep", "nereus-nocal", *BASELINES, "pat-like", "rlhfuse-like",
+            "spec-like", "rollpacker-like", "april-like", "verl-async-like", *ALIASES)

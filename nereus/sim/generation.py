@@ -37,12 +37,16 @@ from nereus.spec.generation import (
     Outcome,
     ReplicaStatus,
     SequenceRecord,
+    SetSpeculation,
     TailPhase,
 )
 from nereus.spec.layout import ModelStage
+from nereus.spec.levers import GenerationLevers
 
 ROLLOUT = ModelStage("actor", "generation")
-NOT_HERE = "the simulator carries out tail layouts (change_tail_layout), not moves between replicas of one layout"
+NOT_HERE = ("the simulator carries out tail layouts (change_tail_layout) and speculation (set_speculation), not "
+            "moves between replicas of one layout nor cut rounds")
+CARRIED_OUT = (ChangeTailLayout, SetSpeculation)
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class Look:
 
 
 def status_at(model: GenModel, bulk: BulkRun | None, step: int, point: str, t: float, iteration: int,
-              limit: int, phases: TailPhase | None) -> GenerationStatus:
+              limit: int, phases: TailPhase | None, levers: GenerationLevers | None = None) -> GenerationStatus:
     """The stage at time ``t`` (``bulk`` None: before the first iteration, every sequence queued)."""
     lay = model.placement.layout
     prompt = model.job.workload.prompt_length
@@ -64,7 +68,7 @@ def status_at(model: GenModel, bulk: BulkRun | None, step: int, point: str, t: f
     reps = all_queued(n, lay.dp, prompt) if bulk is None else unfinished_at(bulk, t, lay.dp, prompt)
     kv_token = model.arch.kv_bytes_per_token(int(model.job.options.weight_bytes))
     return GenerationStatus(step, str(ROLLOUT), point, iteration, model.slots, limit, tuple(reps),
-                            Measured(elapsed_s=t), kv_token, phases)
+                            Measured(elapsed_s=t), kv_token, phases, levers)
 
 
 @lru_cache(maxsize=8)
@@ -117,7 +121,7 @@ def walk(policy: GenerationPolicy, start: Look, model: GenModel, bulk: BulkRun, 
         if t <= t_prev:
             break
         t_prev = t
-        status = status_at(model, bulk, st.step, "look", t, iteration, limit, st.phases)
+        status = status_at(model, bulk, st.step, "look", t, iteration, limit, st.phases, st.levers)
         t0 = time.perf_counter()
         d = policy.during_generation(status)
         if d.recorded:
@@ -142,15 +146,16 @@ def tail_outcome(model: GenModel, bulk: BulkRun, look: Look, f: Factors, inf_gpu
                    (base.generation_s - out.generation_s) * gen_noise + inference - after, figures)
 
 
-def entries_of(looks: list[Look], tail: Outcome | None) -> tuple[GenerationEntry, ...]:
-    """The recorded decisions of the walk: the tail layout with its outcome, the others as not carried out."""
+def entries_of(looks: list[Look], acted: Outcome | None) -> tuple[GenerationEntry, ...]:
+    """The recorded decisions of the walk: the one carried out (a tail layout, speculation) with its
+    outcome ``acted``, the others as not carried out."""
     out = []
     for lk in looks:
         d = lk.decision
         if not d.recorded:
             continue
-        if isinstance(d, ChangeTailLayout) and tail is not None:
-            outcome = tail
+        if isinstance(d, CARRIED_OUT) and acted is not None and lk is looks[-1]:
+            outcome = acted
         else:
             outcome = Outcome(False, NOT_HERE if d.acts else "declined")
         out.append(GenerationEntry(lk.status.step, lk.status.model_stage, lk.status.iteration, lk.status.live, d,

@@ -17,6 +17,7 @@ from nereus.sim.baselines import make_policy
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
+from nereus.spec.levers import check_policy_lag
 from nereus.spec.trace import Trace
 
 
@@ -62,22 +63,31 @@ class _Progress(Observer):
 
 def simulate(job: JobSpec, trace: Trace, policy_name: str, seed: int = 0, steps: int | None = None,
              config: ControllerConfig | None = None, truth: TruthConfig | None = None,
-             initial_gpus: int | None = None, progress=None, recovery: Recovery | None = None) -> RunRecord:
+             initial_gpus: int | None = None, progress=None, recovery: Recovery | None = None,
+             policy_lag: int | None = None) -> RunRecord:
     return simulate_with_backend(job, trace, policy_name, seed, steps, config, truth, initial_gpus, progress,
-                                 recovery)[0]
+                                 recovery, policy_lag)[0]
+
+
+def run_policy_lag(job: JobSpec, trace: Trace, policy_lag: int | None = None) -> int:
+    """The policy lag a simulation allows: the argument, else the job's ``run.policy_lag``, else the trace's."""
+    if policy_lag is not None:
+        return check_policy_lag(policy_lag, "policy_lag")
+    return job.run.policy_lag if job.run is not None else trace.policy_lag
 
 
 def simulate_with_backend(job: JobSpec, trace: Trace, policy_name: str, seed: int = 0, steps: int | None = None,
                           config: ControllerConfig | None = None, truth: TruthConfig | None = None,
                           initial_gpus: int | None = None, progress=None,
-                          recovery: Recovery | None = None) -> tuple[RunRecord, SimBackend]:
+                          recovery: Recovery | None = None,
+                          policy_lag: int | None = None) -> tuple[RunRecord, SimBackend]:
     """``simulate``, also returning the backend (its last step's generation feeds ``sim.step_timeline``)."""
     steps = steps or trace.steps
     check_gpus_remain(trace, seed, initial_gpus or job.cluster.num_gpus, steps)
     coster = TransitionCoster()  # one cache for the policy's decisions and the backend's truth
     backend = SimBackend(job, trace, seed, truth, initial_gpus, coster)
     schedule = Schedule(trace)
-    policy = make_policy(policy_name, job, schedule, steps, coster, config)
+    policy = make_policy(policy_name, job, schedule, steps, coster, config, run_policy_lag(job, trace, policy_lag))
     recovery = recovery or Recovery()
     record = run_policy(policy, backend, steps, _Progress(progress) if progress else None, recovery,
                         lambda plan: restart_cost(backend, plan, recovery))

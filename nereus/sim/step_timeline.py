@@ -1,5 +1,5 @@
-"""One simulated step as a timeline per GPU group: bulk decoding, the mid-step move, the tail, inference
-overlapped on the GPUs the tail freed, then inference, training and weight sync — as Chrome/Perfetto trace
+"""One simulated step as a timeline per GPU group: bulk decoding, speculation, the mid-step move, the tail,
+inference overlapped on the GPUs the tail freed, then inference, training and weight sync — as Chrome/Perfetto trace
 JSON (the event format of ``sim.report.timeline`` and ``elastic.timeline``: one process, a track per GPU
 group) and as a PNG (matplotlib).
 
@@ -17,8 +17,9 @@ from nereus.sim.run import simulate_with_backend
 from nereus.spec import load_job
 from nereus.spec.trace import load_trace
 
-COLORS = {"bulk": "#4c72b0", "migration": "#c44e52", "tail": "#dd8452", "inference (overlapped)": "#55a868",
-          "idle": "#dddddd", "inference": "#8fd19e", "training": "#8172b3", "weight_sync": "#937860"}
+COLORS = {"bulk": "#4c72b0", "speculation": "#64b5cd", "migration": "#c44e52", "tail": "#dd8452",
+          "inference (overlapped)": "#55a868", "idle": "#dddddd", "inference": "#8fd19e", "training": "#8172b3",
+          "weight_sync": "#937860"}
 
 
 def step_rows(last: dict) -> list[tuple[str, str, float, float]]:
@@ -32,6 +33,9 @@ def step_rows(last: dict) -> list[tuple[str, str, float, float]]:
     for r in range(lay.dp):
         a, b = seg[(f"replica {r}", "bulk")]
         rows.append((label[r], "bulk", a, b))
+        if (f"replica {r}", "speculation") in seg:  # draft-and-verify once the replica's batch is small
+            a, b = seg[(f"replica {r}", "speculation")]
+            rows.append((label[r], "speculation", a, b))
         if not out.moved:
             rows.append((label[r], "idle", b, end))
             continue

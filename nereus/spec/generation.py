@@ -12,7 +12,16 @@ measured so far — and calls ``Policy.during_generation(status)`` (``control.ba
 ``move_sequences``      move unfinished sequences between replicas of the stage's layout (their KV
                         caches travel, or the receiver re-prefills them)
 ``change_tail_layout``  switch the stage to a tail layout (``TailPhase``) for its remaining sequences
+``set_speculation``     draft-and-verify decoding (``Speculation``) on every replica whose live batch is
+                        at most its threshold, or off
+``defer_sequences``     end the round now: the unfinished groups' partial responses are dropped and their
+                        prompts deferred to a later round (tail batching; policy lag 0)
+``carry_over``          end the round now: the unfinished responses keep their tokens and resume in the
+                        next step (partial rollout; their tokens then train one step late)
 ======================  ===========================================================================
+
+The levers a plan may carry for its generation stage are ``spec.levers.GenerationLevers`` (``Plan.levers``):
+configuration the policy chose between steps, which it turns into the decisions above inside the step.
 
 Every decision carries the next decision point (``look``) and, when it acts, the gain and cost the
 policy predicts; a ``continue`` may carry the move it weighed and declined. The backend applies what it
@@ -31,6 +40,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from nereus.spec.errors import SpecError
+from nereus.spec.levers import GenerationLevers, Speculation
 
 PHASES_FORMAT = "nereus.generation-phases/1"
 POINTS = ("start", "look")  # before the first iteration; a later point the policy asked for
@@ -151,7 +161,8 @@ class Measured:
 class GenerationStatus:
     """The generation stage at a decision point (see the module docstring). ``iteration``: engine
     iterations run so far (the most any replica ran); ``kv_token_bytes``: KV-cache bytes of one position
-    over the whole model (``spec.model.kv_token_bytes``); ``phases``: the plan's generation phases."""
+    over the whole model (``spec.model.kv_token_bytes``); ``phases``: the plan's generation phases;
+    ``levers``: the plan's generation levers (``spec.levers``)."""
 
     step: int
     model_stage: str
@@ -163,6 +174,7 @@ class GenerationStatus:
     measured: Measured = Measured()
     kv_token_bytes: int = 0
     phases: TailPhase | None = None
+    levers: GenerationLevers | None = None
 
     def __post_init__(self) -> None:
         if self.point not in POINTS:
@@ -336,8 +348,50 @@ class Continue(GenerationDecision):
         return super()._decode(name, value)
 
 
+@dataclass(frozen=True, kw_only=True)
+class SetSpeculation(GenerationDecision):
+    """From now on decode with ``speculation`` on every replica whose live batch is at most its
+    threshold (None: off everywhere); ``gain_s``: the seconds the policy predicts it saves this step."""
+
+    kind: ClassVar[str] = "set_speculation"
+    acts: ClassVar[bool] = True
+    speculation: Speculation | None
+    gain_s: float = 0.0
+    cost_s: float = 0.0
+
+    @classmethod
+    def _decode(cls, name: str, value: Any) -> Any:
+        if name == "speculation":
+            return None if value is None else Speculation.from_json(value)
+        return super()._decode(name, value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeferSequences(GenerationDecision):
+    """End the round now: the step trains the groups that finished; ``groups`` unfinished groups drop
+    their partial responses and their prompts wait for a long round (tail batching: lag 0)."""
+
+    kind: ClassVar[str] = "defer_sequences"
+    acts: ClassVar[bool] = True
+    groups: int
+    gain_s: float = 0.0
+    cost_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CarryOver(GenerationDecision):
+    """End the round now: ``sequences`` unfinished responses keep their tokens and resume in the next
+    step, whose policy then trains them with one step of lag on those tokens (partial rollout)."""
+
+    kind: ClassVar[str] = "carry_over"
+    acts: ClassVar[bool] = True
+    sequences: int
+    gain_s: float = 0.0
+    cost_s: float = 0.0
+
+
 DECISION_KINDS: Mapping[str, type[GenerationDecision]] = MappingProxyType(
-    {c.kind: c for c in (Continue, MoveSequences, ChangeTailLayout)})
+    {c.kind: c for c in (Continue, MoveSequences, ChangeTailLayout, SetSpeculation, DeferSequences, CarryOver)})
 
 
 def decision_from_json(d: dict) -> GenerationDecision:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_GPUS, MAX_LAYERS, MAX_SEQUENCES, Fields
 from nereus.spec.generation import TailPhase
+from nereus.spec.levers import GenerationLevers
 from nereus.spec.model import ModelArch
 
 STAGES = ("generation", "inference", "training")
@@ -172,16 +173,18 @@ class Plan:
     within a stage, model-stages on disjoint GPUs run concurrently and those sharing GPUs take turns.
 
     Besides the placements a plan names the planner's ``strategy`` (colocated, disaggregated, ...), the
-    per-step ``weight_sync`` mechanism (``WEIGHT_SYNCS``) and the generation stage's ``generation``
-    phases (a mid-step switch to a tail layout, ``spec.generation.TailPhase``). Two plans are equal when
-    their placements are: that is what a transition moves; the other fields change from one step to the
-    next without one."""
+    per-step ``weight_sync`` mechanism (``WEIGHT_SYNCS``), the generation stage's ``generation``
+    phases (a mid-step switch to a tail layout, ``spec.generation.TailPhase``) and its ``levers``
+    (speculative decoding, tail batching, partial rollout, asynchrony: ``spec.levers.GenerationLevers``).
+    Two plans are equal when their placements are: that is what a transition moves; the other fields
+    change from one step to the next without one."""
 
     placements: tuple[Placement, ...]
     num_gpus: int
     strategy: str = field(default="", compare=False)
     weight_sync: str = field(default="direct", compare=False)
     generation: TailPhase | None = field(default=None, compare=False)
+    levers: GenerationLevers | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.weight_sync not in WEIGHT_SYNCS:
@@ -207,6 +210,8 @@ class Plan:
             out["weight_sync"] = self.weight_sync
         if self.generation is not None:
             out["generation_phases"] = self.generation.to_dict()
+        if self.levers is not None:
+            out["generation_levers"] = self.levers.to_dict()
         return out
 
     @staticmethod
@@ -217,6 +222,7 @@ class Plan:
         strategy = f.get("strategy", str, "")
         sync = f.get("weight_sync", str, "direct", choices=WEIGHT_SYNCS)
         phases = f.get("generation_phases", dict, None)
+        levers = f.get("generation_levers", dict, None)
         f.finish()
         placements = tuple(Placement.from_dict(p, f"{where}.placements[{i}]") for i, p in enumerate(raw))
         seen = set()
@@ -227,4 +233,5 @@ class Plan:
             if max(p.gpus) >= num_gpus:
                 raise SpecError(f"{where}.placements[{i}].gpus", f"GPU {max(p.gpus)} is beyond num_gpus={num_gpus}")
         generation = None if phases is None else TailPhase.from_dict(phases, f"{where}.generation_phases")
-        return Plan(placements, num_gpus, strategy, sync, generation)
+        levers = None if levers is None else GenerationLevers.from_dict(levers, f"{where}.generation_levers")
+        return Plan(placements, num_gpus, strategy, sync, generation, levers)

@@ -10,6 +10,7 @@ from nereus.spec.algorithms import KL_KINDS, KL_UNSUPPORTED, LOGGERS, LOSS_AGG_M
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
+from nereus.spec.levers import check_policy_lag
 from nereus.spec.rollout import RolloutEngine, read_engine
 
 # auto: the row's data_source picks the rule (nereus.rl.rewards, as verl's default reward manager does)
@@ -193,6 +194,10 @@ class RunSpec:
     overlap: bool = False
     # run.async (a Python keyword, hence the field name): one-step-off-policy generation, see AsyncSpec
     async_mode: AsyncSpec = field(default_factory=AsyncSpec)
+    # run.policy_lag: how many steps a trained token may lag the policy being trained (spec.levers):
+    # 0 strictly on-policy (layouts, speculative decoding, tail batching); 1 also partial rollout and
+    # one-step asynchrony
+    policy_lag: int = 0
 
     @property
     def max_workers(self) -> int:
@@ -445,7 +450,8 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         snapshot_every=ckpt.get("snapshot_every", int, 1, minimum=0),
         layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=slots,
         rollout_pad_to_max=pad_to_max, rollout_midstep=midstep, rollout_engine=engine,
-        overlap=f.get("overlap", bool, False), async_mode=_async(f))
+        overlap=f.get("overlap", bool, False), async_mode=_async(f),
+        policy_lag=check_policy_lag(f.get("policy_lag", int, 0), f.key_path("policy_lag")))
     ckpt.finish()
     f.finish()
     _check_run(f, spec)

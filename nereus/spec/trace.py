@@ -23,6 +23,7 @@ Schema (every key validated; errors name the key path)::
       suffix:                     #   a kind of DRAFT_KINDS; α interpolates linearly between points
         - {step: 0, alpha: 0.62}  #   and holds after the last one
         - {step: 500, alpha: 0.7}
+    policy_lag: 0                 # optional: run.policy_lag of a simulation (0 or 1; a job's run section wins)
     length_correlation:           # optional: prompt-level correlation of response lengths
       siblings: 0.5               #   correlation of log lengths of responses to the same prompt (GRPO group)
       source: "..."               #   required with it
@@ -38,12 +39,8 @@ from pathlib import Path
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_GPUS, MAX_STEPS, MAX_TOKENS, Fields
 from nereus.spec.files import load_json, load_yaml, read_text_file
+from nereus.spec.levers import DRAFT_KINDS, check_policy_lag
 from nereus.spec.response import ResponseLength
-
-# Kinds of speculative drafts a trace may give acceptance rates for (``nereus.cost.levers.speculative``):
-# n-gram lookup in the prompt, suffix trees over earlier responses to the same prompt, a draft model,
-# a draft head (EAGLE/MTP).
-DRAFT_KINDS = ("ngram", "suffix", "draft_model", "draft_head")
 
 
 @dataclass(frozen=True)
@@ -67,6 +64,7 @@ class Trace:
     acceptance_source: str = ""
     sibling_correlation: float = 0.0  # correlation of log lengths within a prompt's group of responses
     correlation_source: str = ""
+    policy_lag: int = 0  # run.policy_lag for a simulation of this trace (spec.levers.POLICY_LAGS)
 
     def acceptance_at(self, kind: str, step: int) -> float | None:
         """The trace's acceptance rate of ``kind`` drafts at ``step`` (linear between points, held before
@@ -145,6 +143,7 @@ def trace_from_dict(data: object, where: str = "trace") -> Trace:
         gpus=_step_list(root, "gpus"),
         failures=_step_list(root, "failures"),
         failure_rate=_failure_rate(root),
+        policy_lag=check_policy_lag(root.get("policy_lag", int, 0), root.key_path("policy_lag")),
     )
     acceptance, acceptance_source = _acceptance(root)
     siblings, correlation_source = _length_correlation(root)

@@ -65,3 +65,25 @@ def test_every_returned_plan_passes_its_feasibility_check(model, gpus, prompts, 
     check = estimate_plan(hw, job, result.plan)
     assert check.feasible, check.violations[:3]
     assert check.step_time_s == pytest.approx(result.estimate.step_time_s)
+
+
+def test_stages_tied_at_the_largest_transient_still_swap_to_smaller_micro_batches(examples):
+    # PPO 8B, 20,480-token responses, every stage FSDP on all 64 GPUs: actor and reference inference
+    # both pick micro-batch 8 first (75 GB of logits and activations each); lowering one alone leaves the
+    # peak, so a swap that only counted the peak found nothing and the search reported no layout.
+    from dataclasses import replace
+
+    from nereus.planner.search import Constraints
+    from nereus.spec.response import ResponseLength
+
+    job = load_job(examples / "ppo_8b_h100.yaml").with_response(ResponseLength(6000, 20480, "lognormal", 1.0))
+    job = replace(job, options=replace(job.options, fsdp=True))
+
+    def sharded(ms, layout):
+        return ms.stage == "generation" or (layout.tp == layout.pp == 1 and layout.fsdp)
+
+    result = search(Hardware(job.cluster), job, None, constraints=Constraints(("colocated",), sharded))
+    assert estimate_plan(Hardware(job.cluster), job, result.plan).feasible
+    inference = [p.layout.micro_batch_size for p in result.plan.placements
+                 if p.model_stage.model in ("actor", "reference") and p.model_stage.stage == "inference"]
+    assert inference and max(inference) < 8

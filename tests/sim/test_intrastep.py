@@ -145,11 +145,11 @@ def test_property_kv_pieces_cover_each_destination_shard_exactly_once(seed, tp, 
 
 
 def test_controller_calibrates_the_move_cost_and_logs_every_decision():
-    """nereus on the DAPO long-tail trace: every planned move is in the run record with its predicted and
-    realised gain; after the transfer cost is calibrated on measured moves, realised migration cost is
+    """nereus (tail layouts only) on the DAPO long-tail trace: every planned move is in the run record with
+    its predicted and realised gain; after the transfer cost is calibrated on measured moves, realised migration cost is
     within 20% of the prediction."""
     job = load_job(ROOT / "examples" / "ppo_8b_h100.yaml")
-    record = simulate(job, load_trace(ROOT / "traces" / "long_tail_dapo.yaml"), "nereus", seed=1, steps=45)
+    record = simulate(job, load_trace(ROOT / "traces" / "long_tail_dapo.yaml"), "nereus-tail", seed=1, steps=45)
     moves = [GenerationEntry.from_json(json.loads(json.dumps(d))) for d in record.generation_decisions]
     assert moves and all(isinstance(e.decision, ChangeTailLayout) and e.outcome.gain_s is not None for e in moves)
     assert all(e.decision.gain_s == e.decision.phase.predicted["gain_s"] for e in moves)
@@ -177,8 +177,9 @@ def test_step_timeline_shows_bulk_migration_tail_and_overlapped_inference(tmp_pa
     from nereus.sim.step_timeline import chrome_trace, plot, step_rows
 
     job = load_job(ROOT / "examples" / "ppo_8b_h100.yaml")
-    record, backend = simulate_with_backend(job, load_trace(ROOT / "traces" / "long_tail_dapo.yaml"), "nereus",
-                                            seed=0, steps=7)  # the first fit after step 4, moves from step 5
+    # the first fit after step 4, moves from step 5
+    record, backend = simulate_with_backend(job, load_trace(ROOT / "traces" / "long_tail_dapo.yaml"),
+                                            "nereus-tail", seed=0, steps=7)
     rows = step_rows(backend.last_generation)
     kinds = {kind for _, kind, _, _ in rows}
     assert {"bulk", "migration", "tail", "inference (overlapped)", "training"} <= kinds

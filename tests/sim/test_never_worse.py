@@ -1,7 +1,8 @@
 """On every trace in traces/, the adaptive controller is never worse than the fixed-oracle
 baseline (the same initial plan, then DP scaling only) by more than 1% mean step latency: it must not pay
 for moves made before calibration knows the hardware (docs/simulator.md, admission rule). Checked for
-``nereus`` (between and inside steps) and ``nereus-interstep`` (the between-step controller alone).
+``nereus`` (between and inside steps, with the tail levers, at run.policy_lag 0 and 1), ``nereus-tail``
+(tail layouts only) and ``nereus-interstep`` (the between-step controller alone).
 
 The runs are short (the first calibration fits and the first re-plans happen in them; growth_from_16's
 first GPU change, at step 50, too); benchmarks/paper.py runs the full traces."""
@@ -22,19 +23,22 @@ STEPS = 40
 TOLERANCE = 0.01
 
 
-def mean_step(job, trace, policy: str, steps: int) -> float:
+def mean_step(job, trace, policy: str, steps: int, policy_lag: int | None = None) -> float:
     first = trace.gpus_at(0, job.cluster.num_gpus)
     biggest = max([first, *(n for _, n in trace.gpus)])
-    record = simulate(job.with_gpus(biggest), trace, policy, seed=0, steps=steps, initial_gpus=first)
+    record = simulate(job.with_gpus(biggest), trace, policy, seed=0, steps=steps, initial_gpus=first,
+                      policy_lag=policy_lag)
     return record.summary()["mean_step_s"]
 
 
-def assert_never_worse(job, name: str, steps: int, policies=("nereus", "nereus-interstep")) -> None:
+def assert_never_worse(job, name: str, steps: int,
+                       policies=(("nereus", 0), ("nereus", 1), ("nereus-tail", 0), ("nereus-interstep", 0))) -> None:
     trace = load_trace(ROOT / "traces" / f"{name}.yaml")
     oracle = mean_step(job, trace, "fixed-oracle", steps)
-    for policy in policies:  # inside and between steps, and the between-step controller alone
-        ours = mean_step(job, trace, policy, steps)
-        assert ours <= oracle * (1 + TOLERANCE), f"{name}: {policy} {ours:.2f} s vs fixed-oracle {oracle:.2f} s"
+    for policy, lag in policies:  # with the levers at lag 0 and 1, tail layouts only, between steps alone
+        ours = mean_step(job, trace, policy, steps, lag)
+        assert ours <= oracle * (1 + TOLERANCE), (f"{name}: {policy} (policy lag {lag}) {ours:.2f} s vs fixed-oracle "
+                                                  f"{oracle:.2f} s")
 
 
 def test_every_repo_trace_is_covered():

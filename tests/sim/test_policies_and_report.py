@@ -108,6 +108,12 @@ def test_simulate_and_report_cli(tmp_path, capsys):
     assert "| nereus |" in outputs["markdown"].read_text()
     assert main(["simulate", str(t), "--job", str(EXAMPLES / "ppo_tiny_cpu.yaml"), "--policy", "magic"]) == 2
     assert "--policy: 'magic' is not a policy" in capsys.readouterr().err
+    lagged = tmp_path / "lag1.json"
+    assert main(["simulate", str(t), "--job", str(EXAMPLES / "ppo_tiny_cpu.yaml"), "--policy", "april-like",
+                 "--policy-lag", "1", "--steps", "4", "--out", str(lagged), "--json"]) == 0
+    assert json.loads(lagged.read_text())["summary"]["policy_lag_max"] == 1
+    assert main(["simulate", str(t), "--job", str(EXAMPLES / "ppo_tiny_cpu.yaml"), "--policy-lag", "2"]) == 2
+    assert "--policy-lag: 2; give 0" in capsys.readouterr().err
 
 
 def test_failure_rates_are_drawn_per_seed_and_merged_with_explicit_failures():
@@ -148,3 +154,18 @@ def test_a_growing_batch_follows_the_gpus_for_the_simulator_and_the_policies():
     # same lengths drawn per sequence, twice the sequences once the cluster doubles
     assert tokens[5] / tokens[4] > 1.5 and 0.67 < fixed_tokens[5] / fixed_tokens[4] < 1.5
     assert grown.steps[0]["gpus"] == 16 and grown.steps[-1]["gpus"] == 32
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job_name", ["ppo_8b_h100.yaml", "grpo_7b_h100.yaml"])
+def test_verl_like_finds_a_layout_at_the_longest_responses_of_the_long_tail_traces(job_name):
+    # 20,480-token responses: verl trains them with gradient checkpointing (its example scripts), and
+    # two inference passes tied at the largest transient no longer block the planner's memory swaps.
+    job = load_job(EXAMPLES / job_name)
+    for name in ("long_tail_dapo", "r1_zero_growth"):
+        tr = load_trace(ROOT / "traces" / f"{name}.yaml")
+        step_job = job.with_response(tr.response_at(tr.steps - 1))
+        plan = make_policy("verl-like", step_job).initial_plan(step_job.cluster.num_gpus)
+        training = [p.layout for p in plan.placements if p.model_stage.stage == "training"]
+        assert training and all(t.recompute == "full" and t.fsdp for t in training)
+        assert estimate_plan(Hardware(step_job.cluster), step_job, plan).feasible

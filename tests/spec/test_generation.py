@@ -10,8 +10,10 @@ import pytest
 from nereus.spec.generation import (
     DECISION_KINDS,
     END,
+    CarryOver,
     ChangeTailLayout,
     Continue,
+    DeferSequences,
     GenerationEntry,
     GenerationStatus,
     MoveSequences,
@@ -20,9 +22,11 @@ from nereus.spec.generation import (
     ReplicaStatus,
     SequenceMove,
     SequenceRecord,
+    SetSpeculation,
     TailPhase,
     decision_from_json,
 )
+from nereus.spec.levers import Speculation
 
 
 def _json(value: dict) -> dict:
@@ -35,7 +39,9 @@ def test_every_decision_kind_round_trips_through_json():
                          bytes=3072, reason="pays", look=NextLook(iterations=4))
     decisions = [Continue(), Continue(look=NextLook(live_at_most=32), reason="wait"),
                  Continue(look=END, declined=move, reason="gain <= margin x cost"), move,
-                 ChangeTailLayout(phase=TailPhase(16, 4, 2, True, "send", "nereus", {"gain_s": 1.0}), gain_s=1.0)]
+                 ChangeTailLayout(phase=TailPhase(16, 4, 2, True, "send", "nereus", {"gain_s": 1.0}), gain_s=1.0),
+                 SetSpeculation(speculation=Speculation("suffix", 4, 16), gain_s=2.0),
+                 DeferSequences(groups=3), CarryOver(sequences=7)]
     assert set(DECISION_KINDS) == {d.kind for d in decisions}
     for d in decisions:
         back = decision_from_json(_json(d.to_json()))

@@ -23,6 +23,9 @@ from nereus.spec.response import ResponseLength
 
 _NORMAL = NormalDist()
 PROMPT_POINTS = 64  # quantiles of Z_prompt the expectations average over
+# bisection steps in log length: from [1, 2^20] tokens to within a factor 1 + 1e-8 (a ten-thousandth of
+# a token at 20k tokens)
+QUANTILE_STEPS = 32
 LENGTH_POINTS = 16  # quantiles of a length distribution handed to the decode model (as cost.stages does)
 
 
@@ -40,7 +43,7 @@ class GroupLengths:
     def of(resp: ResponseLength, siblings: float, group_size: int) -> GroupLengths:
         return GroupLengths(resp.mean, resp.max, resp.sigma, siblings, max(1, group_size))
 
-    @property
+    @cached_property
     def mu(self) -> float:
         return math.log(self.mean) - self.sigma**2 / 2
 
@@ -77,7 +80,7 @@ class GroupLengths:
         lo, hi = 1.0, float(self.max)
         if cdf(hi * (1 - 1e-9)) < q:
             return hi
-        for _ in range(60):
+        for _ in range(QUANTILE_STEPS):
             mid = math.sqrt(lo * hi)
             lo, hi = (mid, hi) if cdf(mid) < q else (lo, mid)
         return hi
@@ -95,18 +98,22 @@ class GroupLengths:
         total = sum(raw)
         return tuple(r / total for r in raw) if total > 0 else tuple(1 / PROMPT_POINTS for _ in raw)
 
-    def deferred_cdf(self, x: float, stop: float) -> float:
+    def deferred_cdf(self, x: float, stop: float, weights: tuple[float, ...] | None = None) -> float:
         """P(L ≤ x) for a fresh response to a prompt whose group had not finished by ``stop``: the prompt's
-        difficulty stays, so with ρ > 0 its new responses are long too."""
-        w = self.deferred_weights(stop)
-        return sum(wj * self.response_cdf(x, z) for wj, z in zip(w, self.prompt_z, strict=True))
+        difficulty stays, so with ρ > 0 its new responses are long too (``weights``: ``deferred_weights``
+        of ``stop``, when the caller has them)."""
+        w = self.deferred_weights(stop) if weights is None else weights
+        return sum(wj * self.response_cdf(x, z) for wj, z in zip(w, self.prompt_z, strict=True) if wj > 0)
 
     def deferred_quantiles(self, stop: float, points: int = LENGTH_POINTS) -> tuple[float, ...]:
-        return tuple(self._quantile(lambda x: self.deferred_cdf(x, stop), (i + 0.5) / points) for i in range(points))
+        w = self.deferred_weights(stop)
+        return tuple(self._quantile(lambda x: self.deferred_cdf(x, stop, w), (i + 0.5) / points)
+                     for i in range(points))
 
     def deferred_longest(self, stop: float, count: int) -> float:
         """Expected longest of ``count`` fresh responses to deferred prompts (the 1 − 1/(count+1) quantile)."""
-        return self._quantile(lambda x: self.deferred_cdf(x, stop), 1 - 1 / (count + 1))
+        w = self.deferred_weights(stop)
+        return self._quantile(lambda x: self.deferred_cdf(x, stop, w), 1 - 1 / (count + 1))
 
     def kept_mean(self, stop: float) -> float:
         """Mean length of a response whose group finished by ``stop`` (the groups a short round keeps)."""

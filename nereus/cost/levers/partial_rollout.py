@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from nereus.cost.decode import prefill_time
 from nereus.cost.levers.lengths import LENGTH_POINTS, GroupLengths, RolloutPool
 
@@ -90,3 +92,15 @@ def best_budget(pool: RolloutPool, lengths: GroupLengths, responses: int, policy
     low = budget_for_lag(lengths.max, policy_lag)
     budgets = sorted({low, *(int(low + (lengths.max - low) * i / (candidates - 1)) for i in range(candidates))})
     return min((partial_rollout(pool, lengths, responses, b) for b in budgets), key=lambda e: e.round_s)
+
+
+def steady_round(lengths: np.ndarray, prompt: float, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """A step's generation round in steady state under a per-step budget T, at sequence granularity: the
+    responses of a draw like this one longer than T resume (their remaining tokens after a context of
+    prompt + T, re-prefilled), the new ones decode min(L, T) after the prompt. Returns (tokens to decode,
+    context) per sequence, resumed ones first (for ``cost.generation.run_bulk``)."""
+    longer = lengths[lengths > budget]
+    resumed = longer - budget
+    tokens = np.concatenate([resumed, np.minimum(lengths, float(budget))])
+    context = np.concatenate([np.full(len(resumed), prompt + budget), np.full(len(lengths), prompt)])
+    return tokens, context

@@ -28,7 +28,7 @@ from nereus.spec.model import ModelArch
 
 
 class DraftKind(StrEnum):
-    """Where the draft tokens come from (the trace's ``acceptance`` keys, ``nereus.spec.trace.DRAFT_KINDS``)."""
+    """Where the draft tokens come from (the trace's ``acceptance`` keys, ``nereus.spec.levers.DRAFT_KINDS``)."""
 
     NGRAM = "ngram"  # n-gram lookup in the prompt and the response so far (vLLM "ngram", prompt lookup)
     SUFFIX = "suffix"  # suffix tree over earlier responses to the same prompt (SuffixDecoding, DAS, SPEC-RL)

@@ -1,0 +1,230 @@
+"""Decisions about the levers that shorten the tail: which a step's generation uses, priced by the cost model.
+
+A ``LeverRule`` picks a plan's ``spec.levers.GenerationLevers`` for the next steps (``PhasedPolicy`` calls
+it next to its tail-layout rule and keeps whichever predicts the larger gain); inside the step the policy
+turns them into decisions (``set_speculation`` at the stage's start: the engine then switches each replica
+by its live batch). ``run.policy_lag`` bounds what a rule may pick: lag 0 allows speculative decoding
+(lossless) and tail batching; lag 1 also partial rollout and asynchrony.
+
+- ``NereusLevers``: speculative decoding priced at sequence granularity (``cost.levers.spec_run``) on the
+  forecast's lengths under the calibrated factors, for the model-free draft kind of highest acceptance
+  (their drafting costs the same), draft length 1–8 and live-batch threshold (powers of two up to the
+  engine's slots), at the acceptance it has measured (each kind's published prior until it has
+  verifications of its own: ``cost.levers.speculative.Acceptance``); admitted when the predicted gain
+  exceeds ``min_gain`` of the step. Speculation's loss at large batch is
+  in the price (verification at (k + 1)·b rows turns compute-bound), so the threshold is the cost model's.
+  The policy never reads the trace's acceptance: it sees the verifications and accepted tokens the
+  engine reports (vLLM's ``num_drafts`` and ``num_accepted_tokens``).
+  It prices tail batching (``cost.levers.tail_batching``: the over-launch factor that pays most, at a
+  prior sibling correlation) as the alternative to speculation.
+  With ``run.policy_lag`` 1 it also prices partial rollout on the forecast's steady-state round at
+  sequence granularity (``cost.levers.partial_rollout.steady_round``: budgets from the smallest whose
+  tokens are at most one step old up to the longest response), alone and with the speculation, and keeps
+  the fastest.
+- ``FixedSpeculation``: one fixed configuration, as an operator sets it once (the ``spec-like`` baseline);
+  ``FixedPartialRollout``: a fixed per-step budget (``april-like``); ``FixedTailBatching``: a fixed
+  over-launch factor (``rollpacker-like``); ``FixedAsync``: one-step-off
+  asynchrony on a fixed pool split (``verl-async-like``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from nereus.control.backend import StepMetrics
+from nereus.cost.batching import Factors
+from nereus.cost.generation import BulkRun, GenModel, no_move, run_bulk
+from nereus.cost.levers.lengths import GroupLengths, RolloutPool
+from nereus.cost.levers.partial_rollout import budget_for_lag, steady_round
+from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
+from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
+from nereus.cost.levers.tail_batching import best_over_launch
+from nereus.cost.stages import generation_replica
+from nereus.spec.generation import SetSpeculation
+from nereus.spec.levers import AsyncSplit, GenerationLevers, PartialRollout, Speculation, TailBatching
+
+DRAFT_LENGTHS = tuple(range(1, 9))
+# The sibling correlation of log lengths the controller prices tail batching at: Seer (arXiv 2511.14617)
+# reports responses to one prompt "strongly similar" in length without a coefficient; 0.5 is ours (the
+# policy cannot read the trace's; the engine's finished lengths per group could calibrate it).
+SIBLINGS_PRIOR = 0.5
+
+
+@dataclass(frozen=True)
+class LeverChoice:
+    """A rule's levers for the next steps and the generation seconds it predicts they save per step."""
+
+    levers: GenerationLevers
+    gain_s: float
+
+
+class LeverRule(ABC):
+    name = "none"
+
+    @abstractmethod
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+        """The levers for the step whose forecast is ``bulk`` (None: none pays)."""
+
+    def observe(self, m: StepMetrics) -> None:  # noqa: B027 - a rule that learns nothing keeps this default
+        """Default: learn nothing from measurements."""
+
+
+@dataclass
+class NereusLevers(LeverRule):
+    min_gain: float = 0.01  # of the predicted generation time
+    acceptance: dict[str, Acceptance] = field(default_factory=dict)
+    name: str = "nereus"
+
+    def alpha(self, draft: str) -> float:
+        return self.acceptance.get(draft, prior(DraftKind(draft))).alpha
+
+    def observe(self, m: StepMetrics) -> None:
+        """Calibrate each draft kind's acceptance on the verifications the engine measured."""
+        for e in m.generation:
+            d = e.decision
+            if isinstance(d, SetSpeculation) and d.speculation is not None and e.outcome.applied:
+                kind = d.speculation.draft
+                current = self.acceptance.get(kind, prior(DraftKind(kind)))
+                self.acceptance[kind] = current.observe(e.outcome.figures.get("accepted_tokens", 0.0),
+                                                        e.outcome.figures.get("verifications", 0.0),
+                                                        d.speculation.draft_tokens)
+
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+        base = no_move(model, bulk).generation_s
+
+        def priced(s: Speculation) -> tuple[float, Speculation]:
+            alpha = self.alpha(s.draft)
+            return with_speculation(model, bulk, s.draft_tokens, s.live_at_most, alpha, f).outcome.generation_s, s
+
+        # The model-free kinds cost the same to draft (a lookup per sequence), so the one with the highest
+        # acceptance wins at every k and threshold: coarse, its every draft length on at every live batch;
+        # fine, the best one's thresholds.
+        draft = max(MODEL_FREE, key=self.alpha)
+        best = min((priced(Speculation(draft, k, model.slots)) for k in DRAFT_LENGTHS), key=lambda x: x[0])
+        spec = best[1]
+        for live in _powers(model.slots):
+            best = min(best, priced(Speculation(spec.draft, spec.draft_tokens, live)), key=lambda x: x[0])
+        spec_s, spec = best
+        options = [(spec_s, GenerationLevers(speculation=spec))] if base - spec_s > self.min_gain * base else []
+        batching = self._tail_batching(model)
+        if batching is not None:  # on the rollout as it is: exclusive with speculation here
+            options.append((base / batching[1], GenerationLevers(tail_batching=batching[0])))
+        if policy_lag >= 1:
+            with_spec = spec if base - spec_s > self.min_gain * base else None
+            options += self._partial(model, bulk, f, policy_lag, with_spec)
+        if not options:
+            return None
+        t, chosen = min(options, key=lambda x: x[0])
+        predicted = {"gain_s": base - t, "generation_s": t, "base_s": base}
+        if chosen.speculation is not None:
+            predicted["alpha"] = self.alpha(chosen.speculation.draft)
+        levers = GenerationLevers(chosen.speculation, chosen.tail_batching, chosen.partial_rollout, None, self.name,
+                                  predicted)
+        return LeverChoice(levers, base - t)
+
+    def _pool(self, model: GenModel) -> RolloutPool:
+        job = model.job
+        replica = generation_replica(model.hw, model.arch, model.placement.layout.tp, job.options.weight_bytes)
+        return RolloutPool(replica, model.placement.layout.dp, model.slots, float(job.workload.prompt_length))
+
+    def _tail_batching(self, model: GenModel) -> tuple[TailBatching, float] | None:
+        """The over-launch factor that pays most (``cost.levers.tail_batching``) at the prior sibling
+        correlation, and its generation speedup; None when none pays ``min_gain``."""
+        job = model.job
+        lengths = GroupLengths.of(job.workload.response, SIBLINGS_PRIOR, job.algorithm.samples_per_prompt)
+        est = best_over_launch(self._pool(model), lengths, job.workload.prompts_per_step)
+        if est.over_launch <= 1.0 or est.speedup <= 1 + self.min_gain:
+            return None
+        return TailBatching(est.over_launch), est.speedup
+
+    def _partial(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int,
+                 spec: Speculation | None) -> list[tuple[float, GenerationLevers]]:
+        """Partial rollout at budgets from the smallest whose tokens are at most ``policy_lag`` steps old
+        up to the longest response, priced on the forecast's steady-state round at sequence granularity
+        (``cost.levers.partial_rollout.steady_round``: the resumed responses re-prefilled), alone and with
+        ``spec``."""
+        top = model.job.workload.response.max
+        low = budget_for_lag(top, policy_lag)
+        prompt = float(model.job.workload.prompt_length)
+        options = []
+        for budget in sorted({low + (top - low) * i // 3 for i in range(3)}):
+            tokens, context = steady_round(bulk.lengths, prompt, budget)
+            rnd = run_bulk(model, tokens, f, context)
+            cut = PartialRollout(budget)
+            options.append((no_move(model, rnd).generation_s, GenerationLevers(partial_rollout=cut)))
+            if spec is not None:
+                s = with_speculation(model, rnd, spec.draft_tokens, spec.live_at_most, self.alpha(spec.draft), f)
+                options.append((s.outcome.generation_s, GenerationLevers(speculation=spec, partial_rollout=cut)))
+        return options
+
+
+@dataclass
+class FixedSpeculation(LeverRule):
+    """Speculation of one fixed configuration on every step, below a fixed live-batch threshold."""
+
+    speculation: Speculation
+    name: str = "spec-like"
+
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+        base = no_move(model, bulk).generation_s
+        s = self.speculation
+        t = with_speculation(model, bulk, s.draft_tokens, s.live_at_most, prior(DraftKind(s.draft)).alpha,
+                             f).outcome.generation_s
+        predicted = {"gain_s": base - t, "generation_s": t, "base_s": base}
+        return LeverChoice(GenerationLevers(speculation=s, policy=self.name, predicted=predicted), base - t)
+
+
+@dataclass
+class FixedPartialRollout(LeverRule):
+    """Partial rollout every step at the smallest budget whose tokens are at most ``lag`` steps old
+    (``budget_for_lag`` of the job's longest response), whatever it costs."""
+
+    lag: int = 1
+    name: str = "april-like"
+
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+        budget = PartialRollout(budget_for_lag(model.job.workload.response.max, self.lag))
+        return LeverChoice(GenerationLevers(partial_rollout=budget, policy=self.name), 0.0)
+
+
+@dataclass
+class FixedTailBatching(LeverRule):
+    """Tail batching at a fixed over-launch factor, every step."""
+
+    tail_batching: TailBatching
+    name: str = "rollpacker-like"
+
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+        return LeverChoice(GenerationLevers(tail_batching=self.tail_batching, policy=self.name), 0.0)
+
+
+@dataclass
+class FixedAsync(LeverRule):
+    """One-step-off asynchrony on the plan's own pools: generation of step k + 1 on the rollout's GPUs
+    while the others train step k (the plan must place them apart: the backend checks)."""
+
+    staleness: int = 1
+    name: str = "verl-async-like"
+
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+        split = AsyncSplit(len(model.placement.gpus), self.staleness)
+        return LeverChoice(GenerationLevers(async_split=split, policy=self.name), 0.0)
+
+
+def _powers(limit: int) -> list[int]:
+    out, k = [], 1
+    while k <= limit:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def speculation_decision(levers: GenerationLevers | None) -> SetSpeculation | None:
+    """The decision at the stage's start that turns a plan's speculation on (None: the plan has none)."""
+    if levers is None or levers.speculation is None:
+        return None
+    s = levers.speculation
+    return SetSpeculation(speculation=s, gain_s=float(levers.predicted.get("gain_s", 0.0)),
+                          reason=f"{levers.policy}: {s.draft} drafts, k={s.draft_tokens}, on at <= {s.live_at_most} "
+                                 "live sequences per replica")

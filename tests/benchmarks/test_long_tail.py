@@ -1,0 +1,34 @@
+"""Smoke test of benchmarks/long_tail.py at its smallest size: every policy and lever runs a few steps,
+the table, the acceptance lines and one step's Perfetto trace and PNG per policy are written. No figure
+is asserted beyond being present and in range."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def test_smallest_run_prints_every_policy_and_writes_timelines(tmp_path: Path) -> None:
+    policies = ["nereus", "nereus@lag1", "verl-like", "fixed-oracle", "spec-like", "rollpacker-like", "april-like",
+                "verl-async-like"]
+    args = ["--jobs", "grpo_7b_h100", "--traces", "long_tail_dapo", "--steps", "3", "--policies", *policies,
+            "--timeline", str(tmp_path), "--timeline-step", "1"]
+    proc = subprocess.run([sys.executable, "benchmarks/long_tail.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    for p in policies:
+        assert f"\n  {p} " in out and f"timeline {tmp_path}" in out
+    assert "STOPPED" not in out and "x verl-like (goal 1.6x)" in out and "vs fixed-oracle (goal <= +1%)" in out
+    for p in policies:
+        stem = tmp_path / f"long_tail_dapo_{p.replace('@', '_')}_step1"
+        events = json.loads(stem.with_suffix(".json").read_text())["traceEvents"]
+        assert any(e["ph"] == "X" for e in events)
+        assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,69 @@
+"""The controller's lever choice (``control.levers``): speculation priced on the forecast, its acceptance
+calibrated on what the engine measured, and the simulator measuring what the controller predicted."""
+
+import inspect
+
+import pytest
+
+import nereus.control.levers as levers_module
+from nereus.control.backend import StepMetrics
+from nereus.control.levers import FixedSpeculation, NereusLevers, speculation_decision
+from nereus.cost.batching import Factors
+from nereus.cost.generation import GenModel, forecast_lengths, run_bulk
+from nereus.cost.hardware import Hardware
+from nereus.cost.levers.speculative import Acceptance
+from nereus.cost.plan_cost import estimate_plan
+from nereus.planner.search import search
+from nereus.sim.run import simulate
+from nereus.spec.generation import GenerationEntry, Outcome, SetSpeculation
+from nereus.spec.levers import Speculation
+from tests.control.test_controller import small_job, trace
+
+
+def _forecast():
+    job = small_job(16)
+    hw = Hardware(job.cluster)
+    plan = search(hw, job).plan
+    model = GenModel.of(hw, job, plan, estimate_plan(hw, job, plan))
+    return model, run_bulk(model, forecast_lengths(job.workload.response, job.sequences_per_step()), Factors())
+
+
+def test_the_rule_picks_the_speculation_with_the_largest_predicted_gain():
+    model, bulk = _forecast()
+    choice = NereusLevers().choose(model, bulk, Factors(), policy_lag=0)
+    assert choice is not None and choice.gain_s > 0
+    spec = choice.levers.speculation
+    assert spec.draft in ("ngram", "suffix") and 1 <= spec.live_at_most <= model.slots
+    assert choice.levers.policy_lag == 0 and choice.levers.predicted["gain_s"] == pytest.approx(choice.gain_s)
+    # with every draft rejected speculation never pays; tail batching (lag 0) still may
+    hopeless = NereusLevers(acceptance={k: Acceptance(0.0, 1e6, "test") for k in ("ngram", "suffix")})
+    other = hopeless.choose(model, bulk, Factors(), 0)
+    assert other is None or (other.levers.speculation is None and other.levers.partial_rollout is None)
+    decision = speculation_decision(choice.levers)
+    assert isinstance(decision, SetSpeculation) and decision.speculation == spec
+    fixed = FixedSpeculation(Speculation("ngram", 5, 32)).choose(model, bulk, Factors(), 0)
+    assert fixed.levers.speculation == Speculation("ngram", 5, 32)
+
+
+def test_acceptance_is_calibrated_on_the_engines_counts_not_read_from_the_trace():
+    rule = NereusLevers()
+    prior = rule.alpha("suffix")
+    spec = Speculation("suffix", 4, 16)
+    # 10,000 verifications with a mean acceptance length of 3.0 at k = 4: alpha ~ 0.76
+    entry = GenerationEntry(0, "actor/generation", 0, 64, SetSpeculation(speculation=spec),
+                            Outcome(True, "", 0.0, 1.0, {"accepted_tokens": 20_000.0, "verifications": 10_000.0}))
+    rule.observe(StepMetrics(0, {}, {}, 1.0, 1.0, 1.0, 1, 1.0, generation=(entry,)))
+    assert rule.alpha("suffix") > prior + 0.1 and rule.alpha("ngram") < rule.alpha("suffix")
+    assert "trace" not in inspect.getsource(levers_module).replace("trace's", "")
+
+
+def test_the_simulator_runs_the_speculation_the_controller_chose_and_reports_its_counts():
+    record = simulate(small_job(16), trace(12), "nereus", seed=0, steps=12)
+    acted = [GenerationEntry.from_json(d) for d in record.generation_decisions]
+    specs = [e for e in acted if isinstance(e.decision, SetSpeculation)]
+    assert specs and all(e.outcome.applied and e.outcome.figures["verifications"] > 0 for e in specs)
+    assert all(s["policy_lag"] == [1.0] for s in record.steps)  # speculation is lossless: lag 0
+    summary = record.summary()
+    assert summary["policy_lag_mean"] == 0.0 and summary["on_policy_share"] == 1.0
+    spec_like = simulate(small_job(16), trace(12), "spec-like", seed=0, steps=12)
+    assert any(d["decision"]["kind"] == "set_speculation" for d in spec_like.generation_decisions)
