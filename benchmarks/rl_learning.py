@@ -4,12 +4,15 @@
 per run the wall time and the held-out exact-match accuracy after the warm-start and at the end, then per
 example the mean and the worst. Acceptance: every run ends at >= 75% and above its own warm-start.
 
-    python benchmarks/rl_learning.py --seeds 0-4 [--only grpo ppo-fixed] [--out DIR] [--lock FILE]
+    python benchmarks/rl_learning.py --seeds 0-4 [--only grpo ppo-fixed] [--out DIR] [--lock FILE [--chunk N]]
                                      [--set run.actor_lr=0.0005 ...] [--json FILE]
+    python benchmarks/rl_learning.py --report A.json B.json ...   # the table of earlier sweeps together
 
-``--lock`` takes an flock on FILE around each run (a shared machine's convention: one Ray job at a time),
-so other jobs can run between the runs of a long sweep. ``--set`` passes overrides to every run (to try a
-setting on all seeds). Runs are deterministic for a seed on one machine, not across machines.
+``--lock`` takes an flock on FILE around each ``--chunk`` runs (default 1; a shared machine's convention:
+one Ray job at a time), so other jobs can run between the chunks of a long sweep. ``--json`` is rewritten
+after every run, so a sweep split over several invocations (``--only``, ``--seeds``) is reported as one by
+``--report``. ``--set`` passes overrides to every run (to try a setting on all seeds). Runs are
+deterministic for a seed on one machine, not across machines.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = {"ppo": ROOT / "examples" / "ppo_tiny.yaml", "ppo-fixed": ROOT / "examples" / "ppo_tiny_fixed.yaml",
             "grpo": ROOT / "examples" / "grpo_tiny.yaml"}
+HAND_OVER_S = 5.0  # the pause between chunks of a locked sweep, so a job waiting on the lock takes it
 FLOOR = 0.75  # every run's final held-out accuracy (the task is learnable to 86-97%: docs/rl.md)
 
 
@@ -53,13 +57,12 @@ def maybe_locked(path: str | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def run_one(name: str, seed: int, out: Path, overrides: list[str], lock: str | None) -> dict:
+def run_one(name: str, seed: int, out: Path, overrides: list[str]) -> dict:
     cmd = [sys.executable, "-m", "nereus.cli", "run", str(EXAMPLES[name]), "--out", str(out), "--json",
            f"run.seed={seed}", *overrides]
-    with maybe_locked(lock):
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        wall = time.perf_counter() - start
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - start
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
         raise SystemExit(f"{name} seed {seed}: nereus run failed with exit code {proc.returncode}")
@@ -93,34 +96,68 @@ def print_summary(name: str, rows: list[dict]) -> None:
           f"{sum(map(passed, rows))}/{len(rows)} pass", flush=True)
 
 
+HEADER = (f"{'job':<10}{'seed':>5}{'wall':>9}{'steps':>7}{'step':>8}{'warm-start':>12}{'final':>8}{'gain':>7}"
+          f"{'H first':>8}{'last':>7}{'ppo_kl':>8}{'|r-1|':>7}")
+LEGEND = ("(wall: the whole run, warm-start and evaluations included; step: median per step; H: actor/entropy of the "
+          "first and last step; ppo_kl, |r-1|: the largest actor/ppo_kl_last and actor/ppo_ratio_max_deviation of "
+          "the run)")
+
+
+def report(results: dict[str, list[dict]]) -> int:
+    """Every example's summary line and the acceptance; 0 when every run passes."""
+    print(LEGEND)
+    for name, rows in results.items():
+        print_summary(name, rows)
+    print(f"acceptance: every run ends at >= {100 * FLOOR:.0f}% and above its warm-start")
+    return 0 if all(passed(r) for rows in results.values() for r in rows) else 1
+
+
+def sweep(names: list[str], seeds: list[int], root: Path, args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Every (example, seed) run, ``args.chunk`` at a time under ``args.lock``; the JSON rewritten after each."""
+    todo = [(name, seed) for name in names for seed in seeds]
+    results: dict[str, list[dict]] = {}
+    for first in range(0, len(todo), args.chunk):
+        with maybe_locked(args.lock):
+            for name, seed in todo[first:first + args.chunk]:
+                r = run_one(name, seed, root / name / f"seed{seed}", args.set)
+                results.setdefault(name, []).append(r)
+                print_row(r)
+                if args.json:
+                    args.json.write_text(json.dumps({"overrides": args.set, "runs": results}, indent=1))
+        if args.lock and first + args.chunk < len(todo):
+            time.sleep(HAND_OVER_S)  # flock wakes its waiters on release; re-locking at once would beat them
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=sorted(EXAMPLES), help="examples to run (default: all three)")
     parser.add_argument("--seeds", type=seed_list, default=[0], help="e.g. 0-4 (default: 0)")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="overrides for every run")
     parser.add_argument("--out", type=Path, help="keep run folders here (default: a temporary folder)")
-    parser.add_argument("--lock", help="flock this file around each run (e.g. /tmp/nereus-ray.lock)")
-    parser.add_argument("--json", type=Path, help="write every run's figures to this file")
+    parser.add_argument("--lock", help="flock this file around each chunk of runs (e.g. /tmp/nereus-ray.lock)")
+    parser.add_argument("--chunk", type=int, default=1, help="runs per lock hold (default: 1)")
+    parser.add_argument("--json", type=Path, help="write every run's figures to this file (after each run)")
+    parser.add_argument("--report", type=Path, nargs="+", metavar="JSON",
+                        help="print the table of these --json files (one sweep in parts) instead of running")
     args = parser.parse_args()
-    names = args.only or ["ppo", "ppo-fixed", "grpo"]
+    if args.chunk < 1:
+        parser.error("--chunk must be at least 1")
+    print(HEADER)
+    if args.report:
+        results: dict[str, list[dict]] = {}
+        for path in args.report:
+            for name, rows in json.loads(path.read_text())["runs"].items():
+                results.setdefault(name, []).extend(rows)
+        for rows in results.values():
+            rows.sort(key=lambda r: r["seed"])
+            for r in rows:
+                print_row(r)
+        return report(results)
     root = args.out or Path(tempfile.mkdtemp(prefix="nereus-rl-"))
-    print(f"{'job':<10}{'seed':>5}{'wall':>9}{'steps':>7}{'step':>8}{'warm-start':>12}{'final':>8}{'gain':>7}"
-          f"{'H first':>8}{'last':>7}{'ppo_kl':>8}{'|r-1|':>7}")
-    results: dict[str, list[dict]] = {}
-    for name in names:
-        for seed in args.seeds:
-            r = run_one(name, seed, root / name / f"seed{seed}", args.set, args.lock)
-            results.setdefault(name, []).append(r)
-            print_row(r)
-    print("(wall: the whole run, warm-start and evaluations included; step: median per step; H: actor/entropy "
-          "of the first and last step; ppo_kl, |r-1|: the largest actor/ppo_kl_last and "
-          "actor/ppo_ratio_max_deviation of the run)")
-    for name, rows in results.items():
-        print_summary(name, rows)
-    print(f"acceptance: every run ends at >= {100 * FLOOR:.0f}% and above its warm-start; run folders in {root}")
-    if args.json:
-        args.json.write_text(json.dumps({"overrides": args.set, "runs": results}, indent=1))
-    return 0 if all(passed(r) for rows in results.values() for r in rows) else 1
+    results = sweep(args.only or ["ppo", "ppo-fixed", "grpo"], args.seeds, root, args)
+    print(f"run folders in {root}")
+    return report(results)
 
 
 if __name__ == "__main__":

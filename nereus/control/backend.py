@@ -150,4 +150,7 @@ class Policy(GenerationPolicy, Protocol):
 
     def after_step(self, metrics: StepMetrics, cluster: ClusterState) -> Decision: ...
 
+    # the move ``after_step`` chose ran: ``metrics.predicted_s`` its bandwidth-bound time, ``seconds`` its wall
+    def transition_done(self, old: Plan, new: Plan, metrics: TransitionMetrics) -> None: ...
+
     def survivor_plan(self, num_gpus: int, step: int) -> Plan: ...  # after devices were lost mid-step

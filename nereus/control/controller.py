@@ -15,12 +15,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from nereus.control.backend import ClusterState, Decision, GenerationPolicy, RunToEnd, StepMetrics
+from nereus.control.backend import (
+    ClusterState,
+    Decision,
+    GenerationPolicy,
+    RunToEnd,
+    StepMetrics,
+    TransitionMetrics,
+)
 from nereus.control.forecast import LengthForecaster, Schedule
 from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.calibration import Calibrator
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
+from nereus.cost.transition import TransitionFit
 from nereus.planner.search import Constraints, search
 from nereus.spec.errors import InfeasibleError
 from nereus.spec.generation import GenerationDecision, GenerationStatus
@@ -65,9 +73,9 @@ class Controller:
         self.generation = generation or RunToEnd()  # the rule inside the step (``control.midstep``)
         self.schedule = schedule or Schedule(default_max=job.workload.response.max)
         self.total_steps = total_steps
-        self.transition_cost = transition_cost or TransitionCoster()
         self.constraints = constraints
         self.hw = Hardware(job.cluster)
+        self.transition_cost = transition_cost or TransitionCoster(prior=TransitionFit.prior(self.hw))
         self.calibrator = Calibrator(self.hw)
         sigma = job.workload.response.sigma if job.workload.response else 0.6
         self.forecaster = LengthForecaster(sigma=sigma)
@@ -120,6 +128,12 @@ class Controller:
         if decision.plan is not None:
             self.plan = decision.plan
         return decision
+
+    def transition_done(self, old: Plan, new: Plan, tm: TransitionMetrics) -> None:
+        """Calibrate the fixed part of transitions on the one that ran (``cost.transition.TransitionFit``);
+        a user-supplied transition cost is left as it is."""
+        if isinstance(self.transition_cost, TransitionCoster):
+            self.transition_cost.observe(old, new, tm.predicted_s, tm.seconds)
 
     def predict_measured(self, m: StepMetrics) -> dict[str, float]:
         """The calibrated model's stage times for the step's observed workload on the current plan."""

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nereus.control.backend import ClusterState, Decision, GenerationPolicy, Policy, RunToEnd, StepMetrics
+from nereus.control.backend import (
+    ClusterState,
+    Decision,
+    GenerationPolicy,
+    Policy,
+    RunToEnd,
+    StepMetrics,
+    TransitionMetrics,
+)
 from nereus.spec.generation import GenerationDecision, GenerationStatus
 from nereus.spec.layout import Plan
 
@@ -33,6 +41,9 @@ class HeldPlan:
         decision = Decision(metrics.step, "keep", "fixed layouts (run.layouts)")
         self.log.append(decision)
         return decision
+
+    def transition_done(self, old: Plan, new: Plan, tm: TransitionMetrics) -> None:
+        """A held plan never moves on its own; nothing to learn."""
 
     def survivor_plan(self, num_gpus: int, step: int) -> Plan:
         self.plan = self.replanner.survivor_plan(num_gpus, step)

@@ -25,7 +25,7 @@ import statistics
 from abc import ABC, abstractmethod
 from dataclasses import asdict, replace
 
-from nereus.control.backend import ClusterState, Decision, Policy, StepMetrics
+from nereus.control.backend import ClusterState, Decision, Policy, StepMetrics, TransitionMetrics
 from nereus.control.levers import LeverRule, speculation_decision
 from nereus.cost.batching import Factors
 from nereus.cost.generation import GenModel, Prediction, forecast_lengths, no_move, predict, run_bulk
@@ -241,6 +241,9 @@ class PhasedPolicy:
         d = self.inner.after_step(m, cluster)
         base = d.plan if d.plan is not None and d.plan != self._base else self._base
         return replace(d, plan=self._phased(base, m.step + 1))
+
+    def transition_done(self, old: Plan, new: Plan, tm: TransitionMetrics) -> None:
+        self.inner.transition_done(old, new, tm)
 
     def during_generation(self, status: GenerationStatus) -> GenerationDecision:
         """From the plan's levers (speculation on at the start) or phases (look again at their trigger,

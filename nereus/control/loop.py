@@ -124,6 +124,7 @@ class ControlLoop:
         tm = None
         if decision.plan is not None and decision.plan != plan:
             tm = self.backend.apply_transition(plan, decision.plan, step)
+            self.policy.transition_done(plan, decision.plan, tm)
             self.plan = decision.plan
             self.record.add_plan(step + 1, self.plan)
         elif decision.plan is not None:  # the same placements: the plan's per-step fields (its generation

@@ -28,6 +28,12 @@ class Priors:
     # Latency per ring step of a collective (alpha of the alpha-beta model), seconds.
     intra_latency_s: float = 1e-6
     inter_latency_s: float = 5e-6
+    # Fixed cost of a plan-to-plan transition besides the bytes it moves (driver round trips, regrouping
+    # process groups, rebuilding engines), once per transition and per model-stage moved. No published
+    # figure covers a whole transition; 0 until measured: ``TransitionCalibrator`` fits both to the job's
+    # measured transitions (CPU profiles set them under ``priors:``).
+    transition_fixed_s: float = 0.0
+    transition_per_stage_s: float = 0.0
     # Fixed cost of one decode iteration of an inference engine: scheduling, sampling, launch (vLLM-like).
     decode_step_overhead_s: float = 1e-3
     # Fixed cost of one micro-batch pass of one pipeline stage (Python dispatch, kernel launches): hidden by

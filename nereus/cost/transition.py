@@ -7,12 +7,25 @@ state it keeps across steps: bf16 weights, and for training stages fp32 master w
 position of the same model-stage) receives nothing. Devices receive in parallel over full-duplex links,
 so the time is the largest per-device receive volume over the device's link (NVLink when the old and
 new GPU sets share nodes, InfiniBand otherwise), plus a latency per model-stage moved.
+
+That is the bandwidth part. A transition also has a fixed part that moves no bytes: the driver's round
+trips to every worker, regrouping process groups of the new layouts, rebuilding inference engines and
+freeing the old state. ``TransitionFit`` prices it as
+
+    t = bytes_factor · t_bandwidth + fixed_s + per_stage_s · (model-stages moved)
+
+and ``TransitionCalibrator`` fits the three numbers to measured transitions (non-negative least squares
+on relative errors with a ridge pull towards the prior, as ``nereus.cost.calibration`` does for stage
+times), so the controller's admission test sees what a move costs on this cluster.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
+
+from nereus.cost.calibration import nnls
 from nereus.cost.hardware import Hardware
 from nereus.cost.memory import BF16, OPTIMIZER_BYTES_PER_PARAM, stage_params
 from nereus.spec.job import JobSpec
@@ -71,3 +84,62 @@ def estimate_transition(hw: Hardware, job: JobSpec, old: Plan, new: Plan) -> Tra
     cross = any(hw.cluster.node_of(g) not in old_nodes for p in new.placements for g in p.gpus)
     seconds = hw.p2p_time(max(recv), cross_node=cross or hw.cluster.nodes > 1 and len(old_nodes) > 1)
     return TransitionEstimate(seconds + len(moved) * hw.priors.inter_latency_s, total, tuple(moved))
+
+
+@dataclass(frozen=True)
+class TransitionFit:
+    """Transition time from its bandwidth-bound time and the model-stages it moves (module docstring)."""
+
+    bytes_factor: float = 1.0
+    fixed_s: float = 0.0
+    per_stage_s: float = 0.0
+
+    @staticmethod
+    def prior(hw: Hardware) -> TransitionFit:
+        return TransitionFit(1.0, hw.priors.transition_fixed_s, hw.priors.transition_per_stage_s)
+
+    def seconds(self, bandwidth_s: float, moved_stages: int) -> float:
+        """A plan that moves nothing costs nothing; every real move pays the fixed part once."""
+        if moved_stages == 0 and bandwidth_s == 0:
+            return 0.0
+        return self.bytes_factor * bandwidth_s + self.fixed_s + self.per_stage_s * moved_stages
+
+
+def moved_stages(old: Plan, new: Plan) -> int:
+    """Model-stages of ``new`` whose layout or devices differ from ``old`` (new ones included)."""
+    before = {p.model_stage: (p.layout, p.gpus) for p in old.placements}
+    return sum(before.get(p.model_stage) != (p.layout, p.gpus) for p in new.placements)
+
+
+@dataclass
+class TransitionCalibrator:
+    """``TransitionFit`` fitted to measured transitions: rows (bandwidth-bound s, stages moved, measured s).
+
+    With one kind of move only (the same number of model-stages every time) the fixed and per-stage
+    terms are not separately identifiable; the ridge then splits them, and the fit still predicts that
+    kind of move right."""
+
+    prior: TransitionFit = TransitionFit()
+    ridge: float = 1e-4
+    max_rows: int = 64
+    rows: list[tuple[float, int, float]] = field(default_factory=list)
+    fit: TransitionFit | None = None
+
+    def __post_init__(self) -> None:
+        self.fit = self.fit or self.prior
+
+    def observe(self, bandwidth_s: float, moved: int, measured_s: float) -> TransitionFit:
+        if not (0 < measured_s < float("inf")) or moved < 1:
+            return self.fit  # a move that moved nothing, or no measurement, tells nothing
+        self.rows.append((max(0.0, bandwidth_s), moved, measured_s))
+        del self.rows[: max(0, len(self.rows) - self.max_rows)]
+        a = np.array([[b / y, 1 / y, m / y] for b, m, y in self.rows])
+        p = self.prior
+        prior = np.array([p.bytes_factor, p.fixed_s, p.per_stage_s])
+        lam = np.sqrt(self.ridge * len(self.rows))
+        c = nnls(np.vstack([a, lam * np.eye(3)]), np.concatenate([np.ones(len(self.rows)), lam * prior]))
+        self.fit = TransitionFit(float(c[0]), float(c[1]), float(c[2]))
+        return self.fit
+
+    def relative_errors(self) -> list[float]:
+        return [self.fit.seconds(b, m) / y - 1 for b, m, y in self.rows]

@@ -104,6 +104,7 @@ class AdaptationLog:
         extra.update({f"nereus/measured_s/{k}": v for k, v in m.stage_times_s.items()})
         extra["nereus/controller_s"] = d.overhead_s
         extra["nereus/transition_s"] = o.transition.seconds if o.transition else 0.0
+        extra["nereus/transition_predicted_s"] = d.cost_s if o.transition else 0.0
         self.write({"step": m.step + 1, **decision_entry(d, extra["nereus/transition_s"])})
         return extra
 

@@ -26,9 +26,11 @@ from nereus.rl.tokenizer import Tokenizer
 from nereus.run.asyncmode import AsyncRollouts
 from nereus.run.midstep import METRICS, EarlyRequest, EngineLoop
 from nereus.run.overlap import Call, Calls, EarlyInference, InferenceStage, cat_parts
+from nereus.run.partial import PartialRollouts, resumed_inputs, stitch
 from nereus.run.report import step_metrics
 from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack, repeat_prompts
-from nereus.run.setup import MINI_BATCH_ORDER, PROMPT_ORDER, SAMPLING, Placed
+from nereus.run.setup import MINI_BATCH_ORDER, PROMPT_ORDER, SAMPLING, SPARE_PROMPTS, Placed
+from nereus.run.tail import TailRounds
 from nereus.runtime.cluster.calls import GenerateWithLogprobs, Logprobs, LogprobsAndEntropy, TrainStep, Values
 from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.generation.fixed_batch import SamplingParams
@@ -83,6 +85,9 @@ class Stepper:
         self.early: EarlyInference | None = None  # this step's inference started during generation
         self.asynchronous = AsyncRollouts(self) if job.run.async_mode.on else None  # run.async (run.asyncmode)
         self.engine_prices = EngineCalibration()  # run.rollout.midstep: the engine's prices, measured over the run
+        self.tail = TailRounds(job.run.rollout_tail) if job.run.rollout_tail else None  # run.rollout.tail_batching
+        partial = job.run.rollout_partial  # run.rollout.partial_rollout
+        self.partial = PartialRollouts(partial.over_launch) if partial else None
 
     def open_engine(self) -> None:
         """With ``run.rollout.engine: vllm``: the actor's generation key's engines, one per replica, loaded
@@ -126,10 +131,12 @@ class Stepper:
         """Step ``step``'s generation: the rows' prompt ids, the sampling parameters, and the fixed
         (prompt, response) width of the packed rollout with ``run.rollout.pad_to_max`` (else None)."""
         limit = self.run.max_response_length(step, self.job.workload.response.max)
+        engine = self.run.rollout_engine  # vLLM speculates inside its own engine (speculative_config)
         params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
                                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
                                 seed=derive_seed(self.run.seed, SAMPLING, step), slots=self.run.rollout_slots,
-                                stop_token_ids=self.tok.stop_token_ids)
+                                stop_token_ids=self.tok.stop_token_ids,
+                                speculation=None if engine.vllm else engine.speculative)
         prompts = [list(p.ids) for p in rows]
         fixed = (max(len(p) for p in prompts), limit) if self.run.rollout_pad_to_max else None
         return prompts, params, fixed
@@ -158,6 +165,10 @@ class Stepper:
     def generate(self, step: int, prompts: list[Prompt], policy: GenerationPolicy | None = None) -> Generated:
         """Step ``step``'s rollout of ``prompts`` (each repeated ``samples_per_prompt`` times); ``policy`` is
         asked at the decision points of a generation that has them (none: it runs to its end)."""
+        if self.tail is not None:
+            return self.generate_tail(step, prompts)
+        if self.partial is not None:
+            return self.generate_partial(step, prompts)
         rows = repeat_prompts(prompts, self.alg.samples_per_prompt)
         prompts, params, fixed = self.generation_inputs(step, rows)
         eos, key = self.tok.stop_token_ids, self.key["actor", "generation"]
@@ -179,6 +190,60 @@ class Stepper:
                 parts = self.calls.wait([call])[0]
             out = [row for part in parts for row in part]
         return Generated(pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows)
+
+    def spare_prompts(self, step: int, n: int) -> list[Prompt]:
+        """``n`` draws beyond the step's own (tail batching's over-launch), from a permutation of their own."""
+        order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(
+            derive_seed(self.run.seed, SPARE_PROMPTS, step)))
+        return [self.train[int(order[i % len(self.train)])] for i in range(n)]
+
+    def generate_tail(self, step: int, fresh: list[Prompt]) -> Generated:
+        """A tail-batching round (``run.tail``): over-launch, keep the first whole groups, defer the rest."""
+        n, key = self.alg.samples_per_prompt, self.key["actor", "generation"]
+        dp = self.rt.specs[key].layout.dp
+        rnd = self.tail.plan(fresh, lambda k: self.spare_prompts(step, k), dp)
+        rows = repeat_prompts(rnd.launched, n)
+        prompts, params, fixed = self.generation_inputs(step, rows)
+        params = replace(params, keep_groups=rnd.keep_per_replica, group_size=n)
+        with self.timer("gen"):
+            call = self.calls.submit("gen", "generate", key, GenerateWithLogprobs(prompts, params))
+            out = [row for part in self.calls.wait([call])[0] for row in part]
+        kept = [i for i, r in enumerate(out) if r is not None]
+        if not rnd.long:
+            self.tail.settle(rnd.launched, [out[g * n] is not None for g in range(len(rnd.launched))])
+        rows, prompts, out = [rows[i] for i in kept], [prompts[i] for i in kept], [out[i] for i in kept]
+        roll = pack(prompts, [r for r, _ in out], [lp for _, lp in out], self.tok.stop_token_ids, fixed)
+        metrics = {"tail/long_round": float(rnd.long), "tail/launched_groups": float(len(rnd.launched)),
+                   "tail/kept_groups": float(len(kept) // n), "tail/deferred_groups": float(len(self.tail.deferred)),
+                   "rollout/policy_lag_mean": 0.0, "rollout/policy_lag_max": 0.0}
+        return Generated(roll, rows, (), metrics)
+
+    def generate_partial(self, step: int, fresh: list[Prompt]) -> Generated:
+        """A partial-rollout round (``run.partial``): carried groups resumed, the first whole groups kept,
+        the others' partial responses carried to the next step; every token tagged with its policy version."""
+        n, key = self.alg.samples_per_prompt, self.key["actor", "generation"]
+        dp = self.rt.specs[key].layout.dp
+        rnd = self.partial.plan(fresh, lambda k: self.spare_prompts(step, k), dp)
+        rows = repeat_prompts(rnd.launched, n)
+        prompts, params, fixed = self.generation_inputs(step, rows)
+        ids, counts, done = resumed_inputs(rnd, prompts, n)
+        params = replace(params, keep_groups=rnd.keep_per_replica, must_groups=rnd.must_per_replica, group_size=n,
+                         carry_partial=True, resumed=counts, resumed_done=done)
+        with self.timer("gen"):
+            call = self.calls.submit("gen", "generate", key, GenerateWithLogprobs(ids, params))
+            out = [row for part in self.calls.wait([call])[0] for row in part]
+        self.partial.settle(rnd, out, n, dp, step)
+        kept = [i for i, r in enumerate(out) if isinstance(r, tuple)]
+        whole = [stitch(rnd, out[i], i, n, step) for i in kept]
+        lags = [step - v for _, _, versions in whole for v in versions]
+        roll = pack([prompts[i] for i in kept], [t for t, _, _ in whole], [lp for _, lp, _ in whole],
+                    self.tok.stop_token_ids, fixed)
+        metrics = {"partial/launched_groups": float(len(rnd.launched)), "partial/kept_groups": float(len(kept) // n),
+                   "partial/carried_groups": float(sum(map(len, self.partial.carried))),
+                   "partial/resumed_tokens": float(sum(counts[i] for i in kept)),
+                   "rollout/policy_lag_mean": sum(lags) / max(1, len(lags)),
+                   "rollout/policy_lag_max": float(max(lags, default=0))}
+        return Generated(roll, [rows[i] for i in kept], (), metrics)
 
     def inference_stages(self) -> list[InferenceStage]:
         """Each inference stage (timer, inference key, request), in the order they are issued. One pass
@@ -365,6 +430,8 @@ class Stepper:
         m = self.metrics(step, roll, inf, adv, stats)
         if self.run.rollout_midstep is not None:  # zeros for a step generated otherwise
             m.update(dict.fromkeys(METRICS, 0.0) | gen.metrics)
+        elif self.tail is not None or self.partial is not None:
+            m.update(gen.metrics)
         m.update(self.calls.worker_metrics(len(self.rt.workers), self.timing["timing_s/step"],
                                            self.timing.get("timing_s/update_weights", 0.0)))
         if self.asynchronous is not None:  # run.async auto: decides from the synchronous steps' times

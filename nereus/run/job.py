@@ -286,7 +286,8 @@ class RLJob(Observer):
             if o.transition is not None:
                 tm, d = o.transition, o.decision
                 self.say(f"\n  transition after step {step + 1} ({d.action}: {d.reason}): {tm.seconds:.2f} s measured, "
-                         f"{tm.predicted_s:.2f} s predicted, {tm.bytes_moved / 2**20:.1f} MiB moved; predicted step "
+                         f"{d.cost_s:.2f} s predicted ({tm.predicted_s:.2f} s of it moving bytes), "
+                         f"{tm.bytes_moved / 2**20:.1f} MiB moved; predicted step "
                          f"{d.current_s:.2f} s -> {d.candidate_s:.2f} s")
                 self.say(f"    new plan: {plan_text(o.plan)}")
         self._ran_on = o.plan

@@ -60,12 +60,16 @@ from nereus.spec.generation import (
     Outcome,
     ReplicaStatus,
     SequenceRecord,
+    SetSpeculation,
 )
+from nereus.spec.rollout import Speculation
 
 METRICS = ("midstep/decisions", "midstep/moves", "midstep/moved_sequences", "midstep/move_s",
            "midstep/predicted_gain_s", "midstep/predicted_cost_s", "midstep/measured_gain_s", "midstep/chunks",
            "midstep/row_ms", "midstep/step_gain_s", "midstep/poll_s")
 STAGE = "actor/generation"
+# draft kinds (spec.levers) the native engine's n-gram proposer serves: its own text and its siblings'
+ENGINE_DRAFTS = ("ngram", "suffix")
 Response = tuple[list[int], list[float]]  # a sequence's new tokens and their sampling log-probs
 
 
@@ -183,6 +187,8 @@ class EngineLoop:
         overhead = time.perf_counter() - t0
         if isinstance(d, MoveSequences):
             self.move(status, d, overhead)
+        elif isinstance(d, SetSpeculation):
+            self.speculate(status, d, overhead)
         elif d.recorded:
             reason = "declined" if not d.acts else f"the runtime does not carry out {d.kind} yet"
             self.recorded.append(Recorded(status, d, overhead, Outcome(False, reason)))
@@ -222,8 +228,26 @@ class EngineLoop:
             self.prices.observe_move(d.bytes, move_s)
         self.recorded.append(Recorded(status, d, overhead, outcome, t0, status.replicas))
 
+    def speculate(self, status: GenerationStatus, d: SetSpeculation, overhead: float) -> None:
+        """Switch every replica's speculation; the drafts proposed and accepted so far go in the outcome.
+        The native engine drafts from n-grams of the sequence and its siblings (``ngram`` and ``suffix``
+        kinds); a draft model or head is recorded as not carried out."""
+        lever = d.speculation
+        if lever is not None and lever.draft not in ENGINE_DRAFTS:
+            reason = f"the runtime's engine drafts {' and '.join(ENGINE_DRAFTS)} only, not {lever.draft}"
+            self.recorded.append(Recorded(status, d, overhead, Outcome(False, reason)))
+            return
+        spec = None if lever is None else Speculation(num_speculative_tokens=lever.draft_tokens,
+                                                       max_live=lever.live_at_most)
+        t0 = time.perf_counter()
+        counts = self._op("gen_speculate", spec)
+        figures = {"draft_tokens": float(sum(a for a, _ in counts)),
+                   "accepted_tokens": float(sum(b for _, b in counts))}
+        self.recorded.append(Recorded(status, d, overhead, Outcome(True, "", time.perf_counter() - t0, None, figures)))
+
     def committed(self) -> list[Recorded]:
-        return [r for r in self.recorded if r.outcome.applied]
+        """The moves that committed (a speculation switch moves no row)."""
+        return [r for r in self.recorded if r.outcome.applied and isinstance(r.decision, MoveSequences)]
 
     def finish(self, n: int, early: EarlyRequest | None) -> list[ClosedReplica]:
         """The final call: every replica runs to the end and answers its sequences (``gen_close``). Early
@@ -267,8 +291,15 @@ class EngineLoop:
 
 
 def move_line(e: GenerationEntry) -> str | None:
-    """A line of progress for a committed move (``nereus run`` prints it), else None."""
+    """A line of progress for a committed move or a speculation switch (``nereus run`` prints it), else None."""
     d, o = e.decision, e.outcome
+    if isinstance(d, SetSpeculation) and o.applied:
+        what = (f"on ({d.speculation.draft_tokens} {d.speculation.draft} drafts, while <= "
+                f"{d.speculation.live_at_most} live)" if d.speculation else "off")
+        return (f"\n  speculation {what} in step {e.step + 1} after iteration {e.iteration}, {e.live} live: "
+                f"gain {d.gain_s:.3f} s predicted, cost {d.cost_s:.3f} s predicted; "
+                f"{o.figures.get('accepted_tokens', 0):.0f} of {o.figures.get('draft_tokens', 0):.0f} drafts "
+                "accepted before it")
     if not (isinstance(d, MoveSequences) and o.applied):
         return None
     return (f"\n  mid-step move in step {e.step + 1} after iteration {e.iteration}: {len(d.moves)} sequences, replica "

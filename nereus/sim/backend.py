@@ -258,7 +258,9 @@ class SimBackend:
     def apply_transition(self, old: Plan, new: Plan, step: int) -> TransitionMetrics:
         """The transition graph's schedule (shared, cached, with the controller's) under the hidden factor."""
         est = estimate_transition(self.hw, self.full_job, old, new)
-        predicted = self.coster(self.hw, self.full_job, old, new)
+        # bytes only: the hidden truth scales the bandwidth-bound schedule, and the fixed part the policy
+        # fits on this coster must not feed back into the truth it is fitted to
+        predicted = self.coster.scheduled(self.hw, self.full_job, old, new) if self.coster.use_graph else est.seconds
         if not math.isfinite(predicted):  # no live move fits: the sim charges the quick estimate instead
             predicted = est.seconds
         noise = float(math.exp(self._rng(step, 2).normal(0, self.truth.noise)))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from nereus.control.backend import ClusterState, Decision, StepMetrics
+from nereus.control.backend import ClusterState, Decision, StepMetrics, TransitionMetrics
 from nereus.control.controller import Controller, ControllerConfig, TransitionCost, usable_gpus
 from nereus.control.forecast import Schedule
 from nereus.cost.hardware import Hardware
@@ -142,6 +142,9 @@ class StaticPolicy:
             result = search(Hardware(target.cluster), target, None, constraints=self.base_constraints)
             self.pinned = {p.model_stage: (p.layout.tp, p.layout.pp) for p in result.plan.placements}
             return result
+
+    def transition_done(self, old: Plan, new: Plan, tm: TransitionMetrics) -> None:
+        self.inner.transition_done(old, new, tm)
 
     def resume(self, plan: Plan) -> None:
         self._tag(plan)

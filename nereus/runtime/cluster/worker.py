@@ -367,6 +367,17 @@ class Worker:
         return self._on(key, lambda sm: self._output(sm, run_chunk(self.engines[key], iterations,
                                                                    sm.groups.coords.dp)))
 
+    def gen_speculate(self, key: str, speculation: object) -> tuple[int, tuple[int, int]] | None:
+        """Switch ``key``'s engine's n-gram speculation (a ``spec.rollout.Speculation``, or None: off) for its
+        next iterations; (DP replica, (draft tokens, accepted tokens) so far) from output ranks."""
+
+        def run(sm: ShardedModel) -> tuple[int, tuple[int, int]] | None:
+            engine = self.engines[key]
+            engine.speculation = speculation
+            return self._output(sm, (engine.draft_tokens, engine.accepted_tokens))
+
+        return self._on(key, run)
+
     def gen_migrate(self, key: str, plan: MigrationPlan) -> MigrationOutcome:
         """This worker's part of moving unfinished sequences between ``key``'s replicas (every worker of
         the world calls it: the commit vote is world-wide); ``ok=False`` when it did not commit."""

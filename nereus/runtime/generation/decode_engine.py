@@ -24,6 +24,12 @@ A sequence whose caches were dropped (``drop``) is refilled from its tokens: by 
 forward, then its generated tokens one per iteration (``refill="replay"``: the same computations as the
 first time, hence bit-identical caches); ``refill="prefill"`` does prompt and generated tokens in one
 forward (faster, equal up to rounding).
+
+With ``speculation`` set (``spec.rollout.Speculation``: ``SamplingParams.speculation`` at the start,
+switched by the engine loop between iterations) and at most its ``max_live`` sequences live,
+a decoding sequence feeds its last token and up to ``k`` n-gram drafts as one chunk and emits the tokens
+the rejection rule keeps (``speculative``): greedy tokens equal plain decoding's, sampled ones have the
+same distribution. ``draft_tokens``/``accepted_tokens`` count what it proposed and kept.
 """
 
 from __future__ import annotations
@@ -36,12 +42,19 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.generation.sampling import SamplingParams, sample, stream_seed
+from nereus.runtime.generation.speculative import propose, verify
 from nereus.runtime.model.decoder import KVCache, logprobs_from_logits
 from nereus.runtime.model.sharded import ShardedModel
 from nereus.runtime.parallel.pp import forward_only
 from nereus.runtime.parallel.tp import gather_vocab
+from nereus.spec.rollout import Speculation
 
 REFILLS = ("replay", "prefill")
+# responses to the same prompt searched for drafts: a GRPO group's size (verl's rollout.n is 5-16 in its
+# examples); more costs a Python scan each per iteration for little more acceptance
+SIBLING_SOURCES = 16
+
+
 @dataclass
 class Sequence:
     """One request and where it stands. ``cached``: positions whose keys and values are in ``caches``
@@ -104,15 +117,26 @@ class DecodeEngine:
         self.finished: dict[int, Sequence] = {}
         self.iterations = 0
         self.peak_kv_bytes = 0
+        self.speculation: Speculation | None = params.speculation  # switched between iterations
+        self.draft_tokens = 0
+        self.accepted_tokens = 0
+        self.speculative_iterations = 0
 
     # ----- requests -----------------------------------------------------------------------------------
-    def submit(self, seq_id: int, prompt: list[int]) -> None:
+    def submit(self, seq_id: int, prompt: list[int], max_new: int | None = None) -> None:
+        """Queue a request; ``max_new``: its own length limit (default ``params.max_new_tokens``; 0: it is
+        finished at once, generating nothing)."""
         if not prompt:
             raise ValueError(f"prompt of sequence {seq_id} is empty")
         if seq_id in self.sequences():
             raise ValueError(f"sequence {seq_id} is already in this engine")
-        seq = Sequence(seq_id, list(prompt), len(prompt) + self.params.max_new_tokens)
+        limit = self.params.max_new_tokens if max_new is None else max_new
+        seq = Sequence(seq_id, list(prompt), len(prompt) + limit)
         seq.gen = self._generator(seq_id)
+        if limit <= 0:
+            seq.done = True
+            self.finished[seq_id] = seq
+            return
         self.queue.append(seq)
 
     def _generator(self, seq_id: int) -> torch.Generator:
@@ -173,34 +197,61 @@ class DecodeEngine:
     # ----- running ----------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[Sequence]:
-        """One iteration: refill free slots from the queue, feed every busy slot its next chunk, sample
-        the sequences that caught up. Returns the sequences that finished in it."""
+        """One iteration: refill free slots from the queue, feed every busy slot its next chunk (with its
+        drafts when speculating), sample the sequences that caught up. Returns those that finished in it."""
         while len(self.active) < self.slots and self.queue:
             self.active.append(self.queue.popleft())
         if not self.active:
             return []
         chunks = [s.next_chunk() for s in self.active]
+        drafts = self._drafts(chunks)
         for s in self.active:
             if s.caches is None:
                 s.caches = self._new_caches(s.max_len)
         self.peak_kv_bytes = max(self.peak_kv_bytes, sum(s.kv_bytes() for s in self.active))
-        outs = self._forward(chunks)
+        outs = self._forward(chunks, drafts)
         sampling = [i for i, (s, (_, end)) in enumerate(zip(self.active, chunks, strict=True)) if end == s.length]
-        new, logps = self._sample(outs, sampling)
+        emitted = self._sample(outs, sampling, drafts)
         for s, (_, end) in zip(self.active, chunks, strict=True):
             s.cached = end
         done = []
-        for i, tok, lp in zip(sampling, new, logps, strict=True):
+        for i, (toks, lps) in zip(sampling, emitted, strict=True):
             s = self.active[i]
-            s.tokens.append(tok)
-            s.logprobs.append(lp)
-            if tok in self.params.stops or len(s.tokens) >= self.params.max_new_tokens:
-                s.done, s.caches = True, None
-                done.append(s)
+            s.cached += len(toks) - 1  # the accepted drafts' keys and values are in the caches already
+            self.accepted_tokens += len(toks) - 1
+            for tok, lp in zip(toks, lps, strict=True):
+                s.tokens.append(tok)
+                s.logprobs.append(lp)
+                if tok in self.params.stops or s.length >= s.max_len:
+                    s.done, s.caches = True, None
+                    done.append(s)
+                    break
         self.active = [s for s in self.active if not s.done]
         self.finished.update((s.seq_id, s) for s in done)
         self.iterations += 1
         return done
+
+    def _drafts(self, chunks: list[tuple[int, int]]) -> list[list[int]]:
+        """Each busy slot's n-gram drafts: none unless speculating, the slot is decoding (one token to
+        feed) and at most ``max_live`` sequences are live; at most what its length limit leaves room for."""
+        spec = self.speculation
+        if spec is None or len(self.active) + len(self.queue) > spec.max_live:
+            return [[] for _ in self.active]
+        by_prompt: dict[tuple[int, ...], list[Sequence]] = {}
+        for s in self.sequences().values():
+            by_prompt.setdefault(tuple(s.prompt), []).append(s)
+        out = []
+        for s, (a, b) in zip(self.active, chunks, strict=True):
+            if s.caches is None or b != s.length or b - a != 1:
+                out.append([])
+                continue
+            siblings = [o.all_tokens() for o in reversed(by_prompt[tuple(s.prompt)]) if o is not s and o.tokens]
+            siblings = siblings[:SIBLING_SOURCES]
+            out.append(propose(s.all_tokens(), siblings, spec, s.max_len - s.length - 1))
+        if any(out):
+            self.speculative_iterations += 1
+            self.draft_tokens += sum(map(len, out))
+        return out
 
     def run(self) -> dict[int, Sequence]:
         """Step until nothing is left; every finished sequence by id."""
@@ -214,54 +265,118 @@ class DecodeEngine:
         return {int(i): KVCache(1, layer.self_attn.kv_heads, max_len, sm.cfg.arch.head_dim, sm.dtype,
                                 sm.groups.device) for i, layer in sm.model.model.layers.items()}
 
-    def _forward(self, chunks: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """Each busy slot's chunk as its own micro-batch through the pipeline; last-stage outputs."""
+    def _forward(self, chunks: list[tuple[int, int]], drafts: list[list[int]]) -> list[torch.Tensor]:
+        """Each busy slot's chunk (and drafts) as its own micro-batch through the pipeline; last-stage outputs."""
         sm, dev = self.sm, self.sm.groups.device
-        inputs = [torch.tensor([s.all_tokens()[a:b]], device=dev) for s, (a, b) in zip(self.active, chunks,
-                                                                                          strict=True)]
+        inputs = [torch.tensor([s.all_tokens()[a:b] + d], device=dev)
+                  for s, (a, b), d in zip(self.active, chunks, drafts, strict=True)]
 
         def run(x: torch.Tensor, i: int) -> torch.Tensor:
-            a, b = chunks[i]
+            a = chunks[i][0]
+            b = a + x.shape[1]
             positions = torch.arange(a, b, device=dev)[None]
             # query position q attends to keys 0..q (causal, aligned to the end of the cached prefix)
             mask = torch.ones(b - a, b, dtype=torch.bool, device=dev).tril(diagonal=a)[None, None]
             return sm.model(x, positions, mask, self.active[i].caches, a)
 
-        shape = lambda i: (1, chunks[i][1] - chunks[i][0], sm.cfg.arch.hidden)  # noqa: E731
+        shape = lambda i: (1, inputs[i].shape[1], sm.cfg.arch.hidden)  # noqa: E731
         return forward_only(run, sm.comm, inputs, shape, sm.dtype)
 
-    def _sample(self, outs: list[torch.Tensor], sampling: list[int]) -> tuple[list[int], list[float]]:
-        """Tokens and log-probs of the sampling slots, on every rank of the replica."""
+    def _sample(self, outs: list[torch.Tensor], sampling: list[int],
+                drafts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        """Tokens and log-probs each sampling slot emits (one, or up to its drafts + 1), on every rank."""
         g = self.sm.groups
-        tokens = torch.zeros(len(sampling), dtype=torch.long, device=g.device)
-        logps = torch.zeros(len(sampling), dtype=torch.float64, device=g.device)
-        if outs:  # last stage: every TP rank samples the same token from the same logits and stream
+        width = 1 + max((len(drafts[i]) for i in sampling), default=0)
+        tokens = torch.zeros(len(sampling), width, dtype=torch.long, device=g.device)
+        logps = torch.zeros(len(sampling), width, dtype=torch.float64, device=g.device)
+        counts = torch.zeros(len(sampling), dtype=torch.long, device=g.device)
+        if outs:  # last stage: every TP rank samples the same tokens from the same logits and stream
             for j, i in enumerate(sampling):
-                logits = gather_vocab(outs[i][:, -1], g.tp_group)
-                tok = sample(logits, self.params, self.active[i].gen)
-                tokens[j] = tok[0]
-                logps[j] = logprobs_from_logits(logits, tok.to(logits.device))[0].double()
+                seq, d = self.active[i], drafts[i]
+                if d:
+                    toks, lps = verify(gather_vocab(outs[i][0, -len(d) - 1:], g.tp_group), d, self.params, seq.gen)
+                else:
+                    logits = gather_vocab(outs[i][:, -1], g.tp_group)
+                    tok = sample(logits, self.params, seq.gen)
+                    toks, lps = [int(tok[0])], [float(logprobs_from_logits(logits, tok.to(logits.device))[0])]
+                counts[j] = len(toks)
+                tokens[j, : len(toks)] = torch.tensor(toks)
+                logps[j, : len(toks)] = torch.tensor(lps, dtype=torch.float64)
         if g.layout.pp > 1 and sampling:
             src = g.pp_peer(g.layout.pp - 1)
-            dist.broadcast(tokens, src=src, group=g.pp_group)
-            dist.broadcast(logps, src=src, group=g.pp_group)
-        return tokens.tolist(), logps.tolist()
+            for t in (tokens, logps, counts):
+                dist.broadcast(t, src=src, group=g.pp_group)
+        return [(tokens[j, :n].tolist(), logps[j, :n].tolist()) for j, n in enumerate(counts.tolist())]
 
 
 def replica_engine(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams, slots: int) -> DecodeEngine:
     """A fresh engine of ``slots`` slots with this replica's rows of ``prompts`` queued (sequence ids = their
-    indices in ``prompts``, so each samples from the same stream whichever replica runs it)."""
+    indices in ``prompts``, so each samples from the same stream whichever replica runs it). A resumed row
+    (``params.resumed``) re-prefills its prompt and carried tokens and generates only what its limit leaves."""
     engine = DecodeEngine(sm, params, slots)
     for i in range(len(prompts))[sm.replica_rows(len(prompts))]:
-        engine.submit(i, prompts[i])
+        carried = params.resumed[i] if params.resumed else 0
+        limit = 0 if i in params.resumed_done else params.max_new_tokens - carried
+        engine.submit(i, prompts[i], limit)
     return engine
 
 
+@dataclass(frozen=True)
+class Carried:
+    """A row a partial-rollout round aborted: what it generated so far, and whether it had finished
+    (a finished member of a group that did not finish)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    done: bool
+
+
+Answer = tuple[list[int], list[float]] | Carried | None
+
+
 def generate_continuous(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams,
-                        slots: int) -> list[tuple[list[int], list[float]]]:
+                        slots: int) -> list[Answer]:
     """``generate_with_logprobs``'s answer from the continuous-batching engine: this replica's rows of
-    ``prompts`` (sequence ids = their indices in ``prompts``), on every rank of the replica."""
+    ``prompts`` (sequence ids = their indices in ``prompts``), on every rank of the replica. With
+    ``params.keep_groups``: only the rows of the first groups to finish (``first_groups``); the others
+    None (tail batching), or ``Carried`` with ``params.carry_partial`` (partial rollout)."""
     engine = replica_engine(sm, prompts, params, slots)
-    ids = [s.seq_id for s in engine.queue]
-    done = engine.run()
-    return [(done[i].tokens, done[i].logprobs) for i in ids]
+    ids = sorted(engine.sequences())
+    if not params.keep_groups:
+        done = engine.run()
+        return [(done[i].tokens, done[i].logprobs) for i in ids]
+    kept, aborted = first_groups(engine, params.keep_groups, params.group_size, params.must_groups)
+    held = {**engine.finished, **aborted}
+    out: list[Answer] = []
+    for i in ids:
+        s = held[i]
+        if i in kept:
+            out.append((s.tokens, s.logprobs))
+        else:
+            out.append(Carried(s.tokens, s.logprobs, s.done) if params.carry_partial else None)
+    return out
+
+
+def first_groups(engine: DecodeEngine, keep: int, group_size: int,
+                 must: int = 0) -> tuple[set[int], dict[int, Sequence]]:
+    """Tail batching (RollPacker, arXiv 2509.21009): step ``engine`` until ``keep`` whole groups (sequence
+    ids ``g·group_size .. (g+1)·group_size − 1``) have finished, the replica's ``must`` lowest-numbered
+    groups among them, then abort every unfinished sequence (caches freed). Returns the ids of the kept
+    groups' sequences and the aborted sequences by id. Groups are kept in the order they finished; in one
+    iteration the lowest-numbered first, so the answer does not depend on timing."""
+    groups: dict[int, set[int]] = {}
+    for i in engine.sequences():
+        groups.setdefault(i // group_size, set()).add(i)
+    if not must <= keep <= len(groups):
+        raise ValueError(f"need must_groups ({must}) <= keep_groups ({keep}) <= the replica's {len(groups)} groups")
+    required = set(sorted(groups)[:must])
+    order: list[int] = []
+    while True:
+        order += sorted(g for g, ids in groups.items() if g not in order and ids <= engine.finished.keys())
+        chosen = [g for g in order if g in required] + [g for g in order if g not in required]
+        if (required <= set(order) and len(order) >= keep) or engine.idle:
+            break
+        engine.step()
+    aborted = {s.seq_id: s for s in engine.take([s.seq_id for s in engine.unfinished()])}
+    engine.sm.record_memory("generate", kv_cache=engine.peak_kv_bytes)
+    return {i for g in chosen[:keep] for i in groups[g]}, aborted

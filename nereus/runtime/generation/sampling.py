@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nereus.spec.rollout import Speculation
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -40,6 +42,20 @@ class SamplingParams:
     slots: int = 0  # > 0: the continuous-batching engine with this many slots (``decode_engine``)
     # more tokens that end a sequence (vLLM's name): a model whose generation config lists several EOS ids
     stop_token_ids: tuple[int, ...] = ()
+    # n-gram speculative decoding in the continuous-batching engine (``speculative``); None: off
+    speculation: Speculation | None = None
+    # tail batching (continuous-batching engine): stop once this many whole groups of ``group_size``
+    # consecutive rows of the replica have finished, abort the rest (``decode_engine.generate_continuous``)
+    keep_groups: int = 0
+    group_size: int = 1
+    # partial rollout: the first ``must_groups`` groups of each replica are kept whatever their finish
+    # order (they were carried once already), and aborted rows come back as ``Carried`` partial responses
+    must_groups: int = 0
+    carry_partial: bool = False
+    # per global row: tokens at the end of its prompt that a previous step generated (its length limit is
+    # shortened by them); rows in ``resumed_done`` had finished already and generate nothing
+    resumed: tuple[int, ...] = ()
+    resumed_done: frozenset[int] = frozenset()
 
     @property
     def stops(self) -> frozenset[int]:
@@ -52,10 +68,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
     2020) at ``temperature`` keeping the smallest set of tokens whose probability reaches ``top_p``."""
     if params.temperature <= 0:
         return logits.argmax(dim=-1)
+    return torch.multinomial(target_probs(logits, params), 1, generator=gen).squeeze(-1)
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution ``sample`` draws from at ``temperature`` > 0 (unnormalised after top-p: multinomial
+    and the speculative rejection rule normalise): [B, V] from [B, V] logits."""
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the tokens ranked above
         sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return probs

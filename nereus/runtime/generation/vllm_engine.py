@@ -136,12 +136,15 @@ class VllmEngine:
         self._dir = tempfile.TemporaryDirectory(prefix="nereus-vllm-")
         path = write_engine_dir(config.cfg, config.max_model_len, Path(self._dir.name))
         # on CPU a fixed KV-cache size: vLLM otherwise reserves gpu_memory_utilization x the host's memory
+        # n-gram drafts (vLLM's own proposer and rejection sampler; the CPU build runs them too)
+        spec = config.settings.speculative
+        speculative = {"speculative_config": spec.vllm_config()} if spec is not None else {}
         memory = ({"gpu_memory_utilization": config.settings.gpu_memory_utilization} if torch.cuda.is_available()
                   else {"kv_cache_memory_bytes": int(config.settings.cpu_kv_cache_gib * 2**30)})
         self.llm = LLM(model=str(path), skip_tokenizer_init=True, load_format="dummy", dtype=config.dtype,
                        enforce_eager=config.settings.enforce_eager, max_model_len=config.max_model_len,
                        max_num_seqs=config.max_num_seqs, seed=config.seed, enable_prefix_caching=True,
-                       tensor_parallel_size=1, **memory)
+                       tensor_parallel_size=1, **memory, **speculative)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> float:
         """Replace every weight in place from checkpoint-named tensors; seconds taken. The prefix cache is

@@ -98,3 +98,28 @@ def kept_tensors_equal(tensors: dict[str, torch.Tensor], state: dict[str, torch.
             assert tensors[d.param][d.offset: d.offset + d.rows].equal(state[name]), name
             compared += 1
     return compared
+
+
+def test_ngram_speculation_runs_in_the_cpu_build_and_keeps_greedy_tokens(ray_runtime):
+    """vLLM's own n-gram proposer and rejection sampler (``run.rollout.speculative``) on repetitive
+    prompts: greedy tokens equal the model's, as without speculation."""
+    import ray
+
+    from nereus.spec.rollout import Speculation
+
+    spec = Speculation(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+    config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625,
+                                                               speculative=spec))
+    server = server_actor(config)
+    try:
+        state = weights(1)
+        ray.get(server.load_weights.remote(state))
+        repetitive = [(p[:6] * 4)[:24] for p in prompts()]
+        out = ray.get(server.generate.remote(repetitive, 0, GREEDY))
+        model = build_model(CFG)
+        model.load_state_dict(state)
+        for p, (tokens, logps) in zip(repetitive, out, strict=True):
+            assert tokens == reference_generate(model, p, GREEDY)
+            assert (model_logprobs(state, p, tokens) - torch.tensor(logps, dtype=torch.float64)).abs().max() < 1e-4
+    finally:
+        ray.kill(server)
