@@ -257,6 +257,24 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("simulate", help="run a policy over a trace on the simulated cluster")
+    s.add_argument("trace", help="trace file (YAML or JSON; see docs/simulator.md)")
+    s.add_argument("--job", required=True, help="job spec (YAML)")
+    s.add_argument("--policy", default="nereus", help="nereus, nereus-tail, nereus-interstep, nereus-nocal, "
+                                                      "fixed-oracle, fixed-recipe, verl-like, openrlhf-like, "
+                                                      "realhf-like, pat-like, rlhfuse-like, spec-like, "
+                                                      "rollpacker-like, april-like, verl-async-like")
+    s.add_argument("--policy-lag", type=int, default=None,
+                   help="run.policy_lag: 0 strictly on-policy, 1 one step of lag allowed (default: the job's "
+                        "run section, else the trace's, else 0)")
+    s.add_argument("--seed", type=int, default=0, help="fixes hidden efficiencies, noise and length draws")
+    s.add_argument("--steps", type=int, help="steps to run (default: the trace's)")
+    s.add_argument("--out", help="write the run record (JSON) here, for `nereus report`")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_simulate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="nereus", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -273,21 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpus", type=int, help="cluster size to assume")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_estimate)
-    s = sub.add_parser("simulate", help="run a policy over a trace on the simulated cluster")
-    s.add_argument("trace", help="trace file (YAML or JSON; see docs/simulator.md)")
-    s.add_argument("--job", required=True, help="job spec (YAML)")
-    s.add_argument("--policy", default="nereus", help="nereus, nereus-tail, nereus-interstep, nereus-nocal, "
-                                                      "fixed-oracle, fixed-recipe, verl-like, openrlhf-like, "
-                                                      "realhf-like, pat-like, rlhfuse-like, spec-like, "
-                                                      "rollpacker-like, april-like, verl-async-like")
-    s.add_argument("--policy-lag", type=int, default=None,
-                   help="run.policy_lag: 0 strictly on-policy, 1 one step of lag allowed (default: the job's "
-                        "run section, else the trace's, else 0)")
-    s.add_argument("--seed", type=int, default=0, help="fixes hidden efficiencies, noise and length draws")
-    s.add_argument("--steps", type=int, help="steps to run (default: the trace's)")
-    s.add_argument("--out", help="write the run record (JSON) here, for `nereus report`")
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(func=cmd_simulate)
+    _add_simulate_parser(sub)
     r = sub.add_parser("report", help="Markdown table, PNG plots and a Perfetto timeline of runs")
     r.add_argument("runs", nargs="+", help="run files written by `nereus simulate --out`")
     r.add_argument("--out", default="report", help="output folder")

@@ -131,8 +131,9 @@ class Controller:
 
     def transition_done(self, old: Plan, new: Plan, tm: TransitionMetrics) -> None:
         """Calibrate the fixed part of transitions on the one that ran (``cost.transition.TransitionFit``);
-        a user-supplied transition cost is left as it is."""
-        if isinstance(self.transition_cost, TransitionCoster):
+        a user-supplied transition cost is left as it is, and so is every price without calibration
+        (``calibrate: false`` decides on the priors alone, the same on an idle and on a loaded machine)."""
+        if self.config.calibrate and isinstance(self.transition_cost, TransitionCoster):
             self.transition_cost.observe(old, new, tm.predicted_s, tm.seconds)
 
     def predict_measured(self, m: StepMetrics) -> dict[str, float]:

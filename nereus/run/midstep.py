@@ -45,7 +45,7 @@ from nereus.control.backend import GenerationPolicy
 from nereus.cost.engine import EngineCalibration, plain_finish_s, row_seconds
 from nereus.elastic.kvplan import GenPlacement, KVShape, MigrationPlan, SeqMove, plan_migration
 from nereus.run.overlap import Call, Calls, EarlyInference, InferenceStage
-from nereus.runtime.cluster.calls import GenClose, GenMigrate, GenOpen, GenRun, KeyCall
+from nereus.runtime.cluster.calls import GenClose, GenMigrate, GenOpen, GenRun, GenSpeculate, KeyCall
 from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.generation.sampling import SamplingParams
 from nereus.runtime.generation.session import ClosedReplica, MigrationOutcome
@@ -240,7 +240,7 @@ class EngineLoop:
         spec = None if lever is None else Speculation(num_speculative_tokens=lever.draft_tokens,
                                                        max_live=lever.live_at_most)
         t0 = time.perf_counter()
-        counts = self._op("gen_speculate", spec)
+        counts = self._op(GenSpeculate(spec))
         figures = {"draft_tokens": float(sum(a for a, _ in counts)),
                    "accepted_tokens": float(sum(b for _, b in counts))}
         self.recorded.append(Recorded(status, d, overhead, Outcome(True, "", time.perf_counter() - t0, None, figures)))

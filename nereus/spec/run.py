@@ -10,15 +10,8 @@ from nereus.spec.algorithms import KL_KINDS, KL_UNSUPPORTED, LOGGERS, LOSS_AGG_M
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
-from nereus.spec.levers import check_policy_lag
-from nereus.spec.rollout import (
-    PartialRollout,
-    RolloutEngine,
-    TailBatching,
-    read_engine,
-    read_partial_rollout,
-    read_tail_batching,
-)
+from nereus.spec.rollout import PartialRollout, RolloutEngine, TailBatching
+from nereus.spec.run_rollout import MidstepSpec, read_rollout_section
 
 # auto: the row's data_source picks the rule (nereus.rl.rewards, as verl's default reward manager does)
 RULES = ("auto", "exact_match", "digit_match", "none")
@@ -28,11 +21,6 @@ RULES = ("auto", "exact_match", "digit_match", "none")
 MAX_WORKERS = 64
 # The built-in task generates every prompt up front, in memory: 10^6 prompts is ~100x its default sets.
 MAX_DATASET = 10**6
-# Continuous-batching slots per generation replica: each slot holds one sequence's KV caches; vLLM's
-# max_num_seqs defaults to 256, past which a tiny CPU model gains nothing.
-MAX_SLOTS = 4096
-
-
 @dataclass(frozen=True)
 class DataSpec:
     # verl-format .jsonl/.parquet files, their rows read in order (verl's data.train_files may list several);
@@ -92,27 +80,6 @@ class AdaptSpec:
 
 
 # run.rollout.midstep.transfer: how a moved sequence's KV caches reach the other replica
-MIDSTEP_TRANSFERS = ("auto", "kv", "refill")
-
-
-@dataclass(frozen=True)
-class MidstepSpec:
-    """``run.rollout.midstep``: the controller moves unfinished sequences between generation replicas
-    mid-step (``run.midstep``). ``trigger``: a replica takes sequences once its unfinished ones fill less
-    than this share of its slots; ``margin``: a move is admitted when its predicted gain exceeds
-    ``margin`` × its predicted cost; ``chunk``: iterations between two looks; ``transfer``: ``kv`` sends
-    the caches, ``refill`` re-prefills them, ``auto`` picks the cheaper per sequence by the cost model."""
-
-    trigger: float = 0.5
-    margin: float = 1.5
-    chunk: int = 4
-    transfer: str = "auto"
-    calibrate: bool = True  # False: decide on the cost model's priors alone (reproducible decisions)
-    # the engine with mid-step moves generates every k-th step (0, k, 2k...); with k > 1 the steps between
-    # generate with the fixed batch (on a CPU the engine's one-row micro-batches cost ~8x the fixed batch)
-    every: int = 1
-
-
 # run.async.enabled: off, on, or chosen by the step-time prediction after the warm-up steps (nereus.run.asyncmode)
 ASYNC_MODES = ("false", "true", "auto")
 # run.async.rollout_is: verl's algorithm.rollout_correction.rollout_is (token, sequence, null); "none" is null
@@ -266,25 +233,6 @@ def _adapt(f: Fields) -> AdaptSpec | None:
     return spec
 
 
-def _midstep(rollout: Fields, slots: int) -> MidstepSpec | None:
-    """``run.rollout.midstep`` (None unless ``enabled``); it needs the continuous-batching engine."""
-    if not rollout.has("midstep"):
-        return None
-    m = rollout.sub("midstep")
-    enabled = m.get("enabled", bool, False)
-    spec = MidstepSpec(trigger=m.get("trigger", float, 0.5, minimum=0, maximum=1),
-                       margin=m.get("margin", float, 1.5, minimum=0),
-                       chunk=m.get("chunk", int, 4, minimum=1, maximum=MAX_STEPS),
-                       transfer=m.get("transfer", str, "auto", choices=MIDSTEP_TRANSFERS),
-                       calibrate=m.get("calibrate", bool, True),
-                       every=m.get("every", int, 1, minimum=1, maximum=MAX_STEPS))
-    m.finish()
-    if enabled and slots < 1:
-        raise SpecError(m.key_path("enabled"), "mid-step moves run on the continuous-batching engine: set "
-                                               "run.rollout.slots > 0 (sequences per replica)")
-    return spec if enabled else None
-
-
 def _async(f: Fields) -> AsyncSpec:
     """``run.async``: ``enabled`` (true, false, auto), ``staleness``, ``rollout_is``,
     ``rollout_is_threshold``, ``rollout_is_mode``."""
@@ -406,8 +354,7 @@ def _clip_ratio_c(f: Fields) -> float:
     return value
 
 
-def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpec:
-    d, w = f.sub("data"), f.sub("warmstart")
+def _data(d: Fields) -> DataSpec:
     data = DataSpec(train=_files(d, "train"), val=_files(d, "val"),
                     filter_overlong_prompts=d.get("filter_overlong_prompts", bool, False),
                     train_size=d.get("train_size", int, 2000, minimum=1, maximum=MAX_DATASET),
@@ -415,6 +362,10 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
                     max_digits=d.get("max_digits", int, 6, minimum=1, maximum=30))
     d.finish()
     _check_task_size(d, data)
+    return data
+
+
+def _warmstart(w: Fields) -> WarmStart:
     warm = WarmStart(actor_steps=w.get("actor_steps", int, 0, minimum=0, maximum=MAX_STEPS),
                      reward_steps=w.get("reward_steps", int, 0, minimum=0, maximum=MAX_STEPS),
                      batch=w.get("batch", int, 64, minimum=1, maximum=MAX_DATASET),
@@ -422,28 +373,13 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
                      label_smoothing=w.get("label_smoothing", float, 0.0, minimum=0, maximum=0.5),
                      target_accuracy=w.get("target_accuracy", float, 0.0, minimum=0, maximum=1))
     w.finish()
+    return warm
+
+
+def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpec:
+    data, warm = _data(f.sub("data")), _warmstart(f.sub("warmstart"))
     layouts, ranks = _layouts(f.sub("layouts"), stages)
-    ckpt, rollout = f.sub("checkpoint"), f.sub("rollout")
-    slots = rollout.get("slots", int, 0, minimum=0, maximum=MAX_SLOTS)
-    pad_to_max = rollout.get("pad_to_max", bool, False)
-    midstep = _midstep(rollout, slots)
-    engine = read_engine(rollout)
-    if engine.speculative is not None and not engine.vllm and slots < 1:
-        raise SpecError("run.rollout.speculative", "the native engine speculates in its continuous-batching "
-                        "mode: set run.rollout.slots > 0 (sequences per replica), or use engine: vllm")
-    tail = read_tail_batching(rollout)
-    if tail is not None and (engine.vllm or slots < 1 or midstep is not None):
-        raise SpecError("run.rollout.tail_batching", "needs the native engine's continuous batching without "
-                        "midstep: set run.rollout.slots > 0, engine: native, and remove midstep")
-    partial = read_partial_rollout(rollout)
-    lag = check_policy_lag(f.get("policy_lag", int, 0), f.key_path("policy_lag"))
-    if partial is not None and (engine.vllm or slots < 1 or midstep is not None or tail is not None):
-        raise SpecError("run.rollout.partial_rollout", "needs the native engine's continuous batching without "
-                        "midstep or tail_batching: set run.rollout.slots > 0, engine: native")
-    if partial is not None and lag < 1:
-        raise SpecError("run.policy_lag", "partial rollout trains tokens one policy version old: set "
-                        "run.policy_lag: 1, or remove run.rollout.partial_rollout")
-    rollout.finish()
+    ckpt, ro = f.sub("checkpoint"), read_rollout_section(f)
     spec = RunSpec(
         seed=f.get("seed", int, 0, minimum=0, maximum=MAX_SEED),
         steps=_steps(f),
@@ -474,9 +410,9 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         eval_every=f.get("eval_every", int, 5, minimum=0),
         checkpoint_dir=ckpt.get("dir", str, "runs/job"), checkpoint_every=ckpt.get("every", int, 0, minimum=0),
         snapshot_every=ckpt.get("snapshot_every", int, 1, minimum=0),
-        layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=slots,
-        rollout_pad_to_max=pad_to_max, rollout_midstep=midstep, rollout_engine=engine,
-        rollout_tail=tail, rollout_partial=partial, policy_lag=lag,
+        layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=ro.slots,
+        rollout_pad_to_max=ro.pad_to_max, rollout_midstep=ro.midstep, rollout_engine=ro.engine,
+        rollout_tail=ro.tail, rollout_partial=ro.partial, policy_lag=ro.policy_lag,
         overlap=f.get("overlap", bool, False), async_mode=_async(f))
     ckpt.finish()
     f.finish()

@@ -66,7 +66,7 @@ def test_controller_prices_the_fixed_part_it_measured():
     """Before any transition the cost is the bandwidth-bound time; after one measured move that took
     3 s more, the same move's predicted cost carries those seconds."""
     job = small_job()
-    ctl = Controller(job, ControllerConfig(calibrate=False), Schedule(default_max=2048))
+    ctl = Controller(job, ControllerConfig(calibrate=True), Schedule(default_max=2048))
     ctl.initial_plan(8)
     cand = _moved_plan(ctl.plan)
     assert moved_stages(ctl.plan, cand) == 1
@@ -80,3 +80,14 @@ def test_controller_prices_the_fixed_part_it_measured():
     assert after == pytest.approx(bandwidth + 3.0, rel=0.02)
     assert coster.quick(ctl.hw, job, ctl.plan, cand) > 2.9  # the screen sees it too
     assert coster(ctl.hw, job, ctl.plan, ctl.plan) == 0.0
+
+
+def test_without_calibration_transitions_stay_at_their_priors():
+    """``calibrate: false`` decides on the priors alone: a measured transition changes no price."""
+    job = small_job()
+    ctl = Controller(job, ControllerConfig(calibrate=False), Schedule(default_max=2048))
+    ctl.initial_plan(8)
+    cand = _moved_plan(ctl.plan)
+    before = ctl.transition_cost(ctl.hw, job, ctl.plan, cand)
+    ctl.transition_done(ctl.plan, cand, TransitionMetrics(before + 3.0, before, 1e9))
+    assert ctl.transition_cost(ctl.hw, job, ctl.plan, cand) == before

@@ -22,6 +22,7 @@ import torch
 from nereus.elastic.kvplan import MigrationPlan
 from nereus.runtime.generation.sampling import SamplingParams
 from nereus.runtime.model.sharded import Batch, LossFn
+from nereus.spec.rollout import Speculation
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -155,6 +156,18 @@ class GenRun:
 
     def issue(self, worker: ActorHandle, key: str) -> ObjectRef:
         return worker.gen_run.remote(key, self.iterations)
+
+
+@dataclass(frozen=True)
+class GenSpeculate:
+    """The key's engine's n-gram speculation switched for its next iterations (``Worker.gen_speculate``;
+    None: off); each replica answers its (draft tokens, accepted tokens) so far."""
+
+    speculation: Speculation | None
+    changes_state: ClassVar[bool] = False
+
+    def issue(self, worker: ActorHandle, key: str) -> ObjectRef:
+        return worker.gen_speculate.remote(key, self.speculation)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from nereus.runtime.model.sharded import Batch, LossFn, ReplicaStats, ShardedMod
 from nereus.runtime.recovery.faults import FaultHook
 from nereus.spec.generation import ReplicaStatus
 from nereus.spec.layout import Layout
+from nereus.spec.rollout import Speculation
 
 if TYPE_CHECKING:
     from nereus.elastic.plan import TransitionPlan
@@ -367,11 +368,11 @@ class Worker:
         return self._on(key, lambda sm: self._output(sm, run_chunk(self.engines[key], iterations,
                                                                    sm.groups.coords.dp)))
 
-    def gen_speculate(self, key: str, speculation: object) -> tuple[int, tuple[int, int]] | None:
+    def gen_speculate(self, key: str, speculation: Speculation | None) -> ReplicaOutput[tuple[int, int]] | None:
         """Switch ``key``'s engine's n-gram speculation (a ``spec.rollout.Speculation``, or None: off) for its
         next iterations; (DP replica, (draft tokens, accepted tokens) so far) from output ranks."""
 
-        def run(sm: ShardedModel) -> tuple[int, tuple[int, int]] | None:
+        def run(sm: ShardedModel) -> ReplicaOutput[tuple[int, int]] | None:
             engine = self.engines[key]
             engine.speculation = speculation
             return self._output(sm, (engine.draft_tokens, engine.accepted_tokens))

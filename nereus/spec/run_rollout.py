@@ -1,0 +1,101 @@
+"""``run.rollout`` of a job spec: the generation engine's settings (continuous-batching slots, the fixed
+batch's padding, mid-step moves, the engine, speculative decoding, tail batching, partial rollout) and the
+policy lag they are allowed, read and checked together because each lever needs the others' choices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nereus.spec.errors import SpecError
+from nereus.spec.fields import MAX_STEPS, Fields
+from nereus.spec.levers import check_policy_lag
+from nereus.spec.rollout import (
+    PartialRollout,
+    RolloutEngine,
+    TailBatching,
+    read_engine,
+    read_partial_rollout,
+    read_tail_batching,
+)
+
+# Continuous-batching slots per generation replica: each slot holds one sequence's KV caches; vLLM's
+# max_num_seqs defaults to 256, past which a tiny CPU model gains nothing.
+MAX_SLOTS = 4096
+MIDSTEP_TRANSFERS = ("auto", "kv", "refill")
+
+
+@dataclass(frozen=True)
+class MidstepSpec:
+    """``run.rollout.midstep``: the controller moves unfinished sequences between generation replicas
+    mid-step (``run.midstep``). ``trigger``: a replica takes sequences once its unfinished ones fill less
+    than this share of its slots; ``margin``: a move is admitted when its predicted gain exceeds
+    ``margin`` × its predicted cost; ``chunk``: iterations between two looks; ``transfer``: ``kv`` sends
+    the caches, ``refill`` re-prefills them, ``auto`` picks the cheaper per sequence by the cost model."""
+
+    trigger: float = 0.5
+    margin: float = 1.5
+    chunk: int = 4
+    transfer: str = "auto"
+    calibrate: bool = True  # False: decide on the cost model's priors alone (reproducible decisions)
+    # the engine with mid-step moves generates every k-th step (0, k, 2k...); with k > 1 the steps between
+    # generate with the fixed batch (on a CPU the engine's one-row micro-batches cost ~8x the fixed batch)
+    every: int = 1
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """What ``run.rollout`` (and ``run.policy_lag``) chose, checked against each other."""
+
+    slots: int
+    pad_to_max: bool
+    midstep: MidstepSpec | None
+    engine: RolloutEngine
+    tail: TailBatching | None
+    partial: PartialRollout | None
+    policy_lag: int
+
+
+def _midstep(rollout: Fields, slots: int) -> MidstepSpec | None:
+    """``run.rollout.midstep`` (None unless ``enabled``); it needs the continuous-batching engine."""
+    if not rollout.has("midstep"):
+        return None
+    m = rollout.sub("midstep")
+    enabled = m.get("enabled", bool, False)
+    spec = MidstepSpec(trigger=m.get("trigger", float, 0.5, minimum=0, maximum=1),
+                       margin=m.get("margin", float, 1.5, minimum=0),
+                       chunk=m.get("chunk", int, 4, minimum=1, maximum=MAX_STEPS),
+                       transfer=m.get("transfer", str, "auto", choices=MIDSTEP_TRANSFERS),
+                       calibrate=m.get("calibrate", bool, True),
+                       every=m.get("every", int, 1, minimum=1, maximum=MAX_STEPS))
+    m.finish()
+    if enabled and slots < 1:
+        raise SpecError(m.key_path("enabled"), "mid-step moves run on the continuous-batching engine: set "
+                                               "run.rollout.slots > 0 (sequences per replica)")
+    return spec if enabled else None
+
+
+def read_rollout_section(f: Fields) -> RolloutSection:
+    """``run.rollout`` and ``run.policy_lag`` of the ``run`` section ``f``: each lever refused, naming its
+    key, where the engine or another lever cannot carry it out."""
+    rollout = f.sub("rollout")
+    slots = rollout.get("slots", int, 0, minimum=0, maximum=MAX_SLOTS)
+    pad_to_max = rollout.get("pad_to_max", bool, False)
+    midstep = _midstep(rollout, slots)
+    engine = read_engine(rollout)
+    if engine.speculative is not None and not engine.vllm and slots < 1:
+        raise SpecError("run.rollout.speculative", "the native engine speculates in its continuous-batching "
+                        "mode: set run.rollout.slots > 0 (sequences per replica), or use engine: vllm")
+    tail = read_tail_batching(rollout)
+    if tail is not None and (engine.vllm or slots < 1 or midstep is not None):
+        raise SpecError("run.rollout.tail_batching", "needs the native engine's continuous batching without "
+                        "midstep: set run.rollout.slots > 0, engine: native, and remove midstep")
+    partial = read_partial_rollout(rollout)
+    lag = check_policy_lag(f.get("policy_lag", int, 0), f.key_path("policy_lag"))
+    if partial is not None and (engine.vllm or slots < 1 or midstep is not None or tail is not None):
+        raise SpecError("run.rollout.partial_rollout", "needs the native engine's continuous batching without "
+                        "midstep or tail_batching: set run.rollout.slots > 0, engine: native")
+    if partial is not None and lag < 1:
+        raise SpecError("run.policy_lag", "partial rollout trains tokens one policy version old: set "
+                        "run.policy_lag: 1, or remove run.rollout.partial_rollout")
+    rollout.finish()
+    return RolloutSection(slots, pad_to_max, midstep, engine, tail, partial, lag)
