@@ -1,6 +1,7 @@
-"""Smoke test of benchmarks/recovery.py: the first two runs lose a worker, the third (two nodes) a whole
-node; the live recoveries and the checkpoint-restart each finish the lost step, and every figure is
-written (no speed is asserted)."""
+"""Smoke test of benchmarks/recovery.py: both runs lose a worker; the live recovery and the
+checkpoint-restart each finish the lost step, and every figure is written (no speed is asserted). The
+benchmark's third run, on two nodes losing one, is left out here: the same recovery runs in
+tests/runtime/cluster/test_multinode.py::test_job_survives_losing_a_node."""
 
 from __future__ import annotations
 
@@ -19,17 +20,14 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 def test_recovery_benchmark_writes_all_figures(tmp_path: Path) -> None:
     out = tmp_path / "recovery.json"
     proc = subprocess.run([sys.executable, "benchmarks/recovery.py", "--small", "--steps", "4", "--lose-at", "2",
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                           "--no-lost-node", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "ratio restart/nereus" in proc.stdout and "ratio restart/lost node" in proc.stdout
+    assert "ratio restart/nereus" in proc.stdout
     data = json.loads(out.read_text())
-    ner, rst, node = data["nereus"], data["restart"], data["lost_node"]
+    ner, rst = data["nereus"], data["restart"]
     assert ner["workers_after"] == 3 and ner["snapshot_only"] == ["critic"]
     assert rst["checkpoint_step"] == 2 and rst["replay_steps"] == 0
-    assert node["lost"] == [2, 3] and node["lost_nodes"] == 1 and node["workers_after"] == 2
-    assert node["images_from_copies"] > 0  # the lost node's snapshot images came from their copies
     for row, keys in ((ner, ("recover_s", "redo_s", "total_s", "snapshot_s")),
-                      (node, ("recover_s", "redo_s", "total_s", "snapshot_s")),
                       (rst, ("relaunch_s", "load_s", "replay_and_redo_s", "total_s"))):
         for key in keys:
             assert row[key] > 0, key
