@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, replace
 
 from nereus.control.backend import ClusterState, Decision, Policy, StepMetrics, TransitionMetrics
-from nereus.control.levers import LeverRule, speculation_decision
+from nereus.control.levers import LeverRule, powers_of_two, speculation_decision
 from nereus.cost.batching import Factors
 from nereus.cost.generation import GenModel, Prediction, forecast_lengths, no_move, predict, run_bulk
 from nereus.cost.hardware import Hardware
@@ -76,14 +76,6 @@ def _tail_tps(job: JobSpec, bulk_tp: int) -> list[int]:
     return tps
 
 
-def _powers(limit: int) -> list[int]:
-    out, k = [], 1
-    while k <= limit:
-        out.append(k)
-        k *= 2
-    return out
-
-
 class NereusTail(TailRule):
     name = "nereus"
 
@@ -119,7 +111,7 @@ class NereusTail(TailRule):
                 tried.append((pred.phased_s, TailPhase(k, tp, replicas, True, policy=self.name), pred))
 
         # coarse: every tail layout at one trigger; fine: the two best layouts at every trigger
-        shapes = [(tp, r) for tp in _tail_tps(job, lay.tp) for r in _powers(gpus // tp)]
+        shapes = [(tp, r) for tp in _tail_tps(job, lay.tp) for r in powers_of_two(gpus // tp)]
         for tp, r in shapes:
             trial(max(r, n // 16), tp, r)
         for _, ph, _ in sorted(tried, key=lambda x: x[0])[:2]:

@@ -103,7 +103,7 @@ class NereusLevers(LeverRule):
         draft = max(MODEL_FREE, key=self.alpha)
         best = min((priced(Speculation(draft, k, model.slots)) for k in DRAFT_LENGTHS), key=lambda x: x[0])
         spec = best[1]
-        for live in _powers(model.slots):
+        for live in powers_of_two(model.slots):
             best = min(best, priced(Speculation(spec.draft, spec.draft_tokens, live)), key=lambda x: x[0])
         spec_s, spec = best
         options = [(spec_s, GenerationLevers(speculation=spec))] if base - spec_s > self.min_gain * base else []
@@ -212,7 +212,8 @@ class FixedAsync(LeverRule):
         return LeverChoice(GenerationLevers(async_split=split, policy=self.name), 0.0)
 
 
-def _powers(limit: int) -> list[int]:
+def powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to ``limit``: the live batches and replica counts the rules try."""
     out, k = [], 1
     while k <= limit:
         out.append(k)

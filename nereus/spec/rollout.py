@@ -87,14 +87,19 @@ class TailBatching:
     over_launch: float = 1.5
 
 
-def read_tail_batching(rollout: Fields) -> TailBatching | None:
-    if not rollout.has("tail_batching"):
-        rollout.sub("tail_batching")
+def _over_launch(rollout: Fields, key: str, maximum: float) -> float | None:
+    """``run.rollout.<key>.over_launch`` of a lever section (None: the section is absent)."""
+    f = rollout.sub(key)
+    if not rollout.has(key):
         return None
-    f = rollout.sub("tail_batching")
-    out = TailBatching(over_launch=f.get("over_launch", float, 1.5, minimum=1.0, maximum=16.0))
+    value = f.get("over_launch", float, 1.5, minimum=1.0, maximum=maximum)
     f.finish()
-    return out
+    return value
+
+
+def read_tail_batching(rollout: Fields) -> TailBatching | None:
+    over_launch = _over_launch(rollout, "tail_batching", 16.0)
+    return None if over_launch is None else TailBatching(over_launch=over_launch)
 
 
 @dataclass(frozen=True)
@@ -107,13 +112,8 @@ class PartialRollout:
 
 
 def read_partial_rollout(rollout: Fields) -> PartialRollout | None:
-    if not rollout.has("partial_rollout"):
-        rollout.sub("partial_rollout")
-        return None
-    f = rollout.sub("partial_rollout")
-    out = PartialRollout(over_launch=f.get("over_launch", float, 1.5, minimum=1.0, maximum=2.0))
-    f.finish()
-    return out
+    over_launch = _over_launch(rollout, "partial_rollout", 2.0)  # a carried group finishes in the next step
+    return None if over_launch is None else PartialRollout(over_launch=over_launch)
 
 
 @dataclass(frozen=True)
