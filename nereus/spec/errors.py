@@ -92,3 +92,14 @@ class RuntimeFailure(RuntimeError):
     """The machine or cluster failed the run (a wait past its deadline, workers that never answered), not
     the input and not the code: the CLI prints one line and exits 1; checkpoints already written stay
     valid for ``--resume``."""
+
+
+def check_format(d: object, expected: str, known: set[str], where: str) -> None:
+    """A serialised value's ``format`` tag is ``expected`` and its keys are among ``known`` (plus the tag):
+    a one-line error naming the key otherwise."""
+    if not isinstance(d, dict) or d.get("format") != expected:
+        got = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise SpecError(f"{where}.format", f"expected {expected!r}, got {got!r}")
+    extra = sorted(set(d) - known - {"format"})
+    if extra:
+        raise SpecError(f"{where}.{extra[0]}", f"unknown key; known: {', '.join(sorted(known))}")

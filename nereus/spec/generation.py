@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from nereus.spec.errors import SpecError
+from nereus.spec.errors import SpecError, check_format
 from nereus.spec.levers import GenerationLevers, Speculation
 
 PHASES_FORMAT = "nereus.generation-phases/1"
@@ -81,13 +81,7 @@ class TailPhase:
 
     @staticmethod
     def from_dict(d: dict, where: str = "generation_phases") -> TailPhase:
-        if not isinstance(d, dict) or d.get("format") != PHASES_FORMAT:
-            got = d.get("format") if isinstance(d, dict) else type(d).__name__
-            raise SpecError(f"{where}.format", f"expected {PHASES_FORMAT!r}, got {got!r}")
-        known = {f.name for f in fields(TailPhase)}
-        extra = sorted(set(d) - known - {"format"})
-        if extra:
-            raise SpecError(f"{where}.{extra[0]}", f"unknown key; known: {', '.join(sorted(known))}")
+        check_format(d, PHASES_FORMAT, {f.name for f in fields(TailPhase)}, where)
         try:
             return TailPhase(**{k: v for k, v in d.items() if k != "format"})
         except (TypeError, ValueError) as err:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
-from nereus.spec.errors import SpecError
+from nereus.spec.errors import SpecError, check_format
 
 LEVERS_FORMAT = "nereus.generation-levers/1"
 # tail batching's stop rule: end a round once the step's prompt groups have all finished (RollPacker)
@@ -169,13 +169,7 @@ class GenerationLevers:
 
     @staticmethod
     def from_dict(d: Any, where: str = "generation_levers") -> GenerationLevers:
-        if not isinstance(d, dict) or d.get("format") != LEVERS_FORMAT:
-            got = d.get("format") if isinstance(d, dict) else type(d).__name__
-            raise SpecError(f"{where}.format", f"expected {LEVERS_FORMAT!r}, got {got!r}")
-        known = {*_LEVER_TYPES, "policy", "predicted", "format"}
-        extra = sorted(set(d) - known)
-        if extra:
-            raise SpecError(f"{where}.{extra[0]}", f"unknown key; known: {', '.join(sorted(known))}")
+        check_format(d, LEVERS_FORMAT, {*_LEVER_TYPES, "policy", "predicted", "format"}, where)
         values = {name: None if d.get(name) is None else cls.from_json(d[name], f"{where}.{name}")
                   for name, cls in _LEVER_TYPES.items()}
         predicted = d.get("predicted", {})
