@@ -25,7 +25,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # the inner loop: every test that starts no process (under 3 minutes on 2 cores)
 test-fast: $(STAMP)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nereus.runtime.cluster.waits import get_within
 from nereus.runtime.generation.fixed_batch import SamplingParams, reference_generate
-from nereus.runtime.generation.vllm_engine import EngineConfig, engine_layout, server_actor
+from nereus.runtime.generation.vllm_engine import ENGINE_START_S, EngineConfig, engine_layout, server_actor
 from nereus.runtime.model.decoder import ModelConfig, build_model
 from nereus.spec.model import ModelArch
 from nereus.spec.rollout import RolloutEngine
@@ -23,6 +24,12 @@ CFG = ModelConfig(ModelArch(layers=2, hidden=64, ffn_hidden=128, heads=2, kv_hea
 MAX_LEN = 200  # prompts of up to 170 tokens: longer than the CPU build's KV block
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, eos_token_id=2)
 SAMPLED = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, eos_token_id=2, seed=7)
+CALL_S = 300.0  # one generate or tensor copy of these tiny engines (seconds here): a hang fails the test
+
+
+def get(ref, what: str, timeout_s: float = CALL_S):
+    """The answer of one engine call, or ``WaitTimeout`` naming it (never a silent hang)."""
+    return get_within([ref], timeout_s, what)[0]
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -50,40 +57,39 @@ def engines(ray_runtime):
 
     config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625))
     a, fresh = server_actor(config), server_actor(config)
-    ray.get([a.load_weights.remote(weights(1)), fresh.load_weights.remote(weights(2))])
+    get_within([a.load_weights.remote(weights(1)), fresh.load_weights.remote(weights(2))], ENGINE_START_S,
+               "two engines start and load")
     yield a, fresh
     ray.kill(a)
     ray.kill(fresh)
 
 
 def test_greedy_equals_the_model_and_logprobs_agree(engines):
-    import ray
 
     a, _ = engines
     state = weights(1)
-    out = ray.get(a.generate.remote(prompts(), 0, GREEDY))
+    out = get(a.generate.remote(prompts(), 0, GREEDY), "engine call")
     model = build_model(CFG)
     model.load_state_dict(state)
     for p, (tokens, logps) in zip(prompts(), out, strict=True):
         assert tokens == reference_generate(model, p, GREEDY)
         assert (model_logprobs(state, p, tokens) - torch.tensor(logps, dtype=torch.float64)).abs().max() < LOGPROB_BOUND
-    sampled = ray.get(a.generate.remote(prompts(), 0, SAMPLED))
-    assert sampled == ray.get(a.generate.remote(prompts(), 0, SAMPLED))  # per-row seeds: reproducible
+    sampled = get(a.generate.remote(prompts(), 0, SAMPLED), "engine call")
+    assert sampled == get(a.generate.remote(prompts(), 0, SAMPLED), "engine call")  # per-row seeds: reproducible
     for p, (tokens, logps) in zip(prompts(), sampled, strict=True):
         assert (model_logprobs(state, p, tokens) - torch.tensor(logps, dtype=torch.float64)).abs().max() < LOGPROB_BOUND
 
 
 def test_update_in_place_equals_a_fresh_engine(engines):
-    import ray
 
     a, fresh = engines
-    before = ray.get(a.generate.remote(prompts(), 0, GREEDY))  # fills the prefix cache under weights 1
-    ray.get(a.load_weights.remote(weights(2)))
+    before = get(a.generate.remote(prompts(), 0, GREEDY), "engine call")  # fills the prefix cache under weights 1
+    get(a.load_weights.remote(weights(2)), "weight update")
     for params in (GREEDY, SAMPLED):
-        after = ray.get(a.generate.remote(prompts(), 0, params))
-        assert after == ray.get(fresh.generate.remote(prompts(), 0, params))
-    assert ray.get(a.generate.remote(prompts(), 0, GREEDY)) != before
-    tensors = ray.get(a.tensors.remote())
+        after = get(a.generate.remote(prompts(), 0, params), "engine call")
+        assert after == get(fresh.generate.remote(prompts(), 0, params), "engine call")
+    assert get(a.generate.remote(prompts(), 0, GREEDY), "engine call") != before
+    tensors = get(a.tensors.remote(), "engine call")
     assert {d.param for d in engine_layout(CFG).values()} == set(tensors)  # every engine parameter is written
     assert kept_tensors_equal(tensors, weights(2), CFG) >= 2 * CFG.arch.layers + 2  # norms and embeddings at least
 
@@ -113,9 +119,9 @@ def test_ngram_speculation_runs_in_the_cpu_build_and_keeps_greedy_tokens(ray_run
     server = server_actor(config)
     try:
         state = weights(1)
-        ray.get(server.load_weights.remote(state))
+        get(server.load_weights.remote(state), "engine start and load", ENGINE_START_S)
         repetitive = [(p[:6] * 4)[:24] for p in prompts()]
-        out = ray.get(server.generate.remote(repetitive, 0, GREEDY))
+        out = get(server.generate.remote(repetitive, 0, GREEDY), "engine call")
         model = build_model(CFG)
         model.load_state_dict(state)
         for p, (tokens, logps) in zip(repetitive, out, strict=True):
