@@ -224,7 +224,7 @@ class Controller:
             return True
         if abs(resp.mean / max(mean, 1.0) - 1) > self.config.drift:
             return True
-        # relative change of each factor since the plan was chosen; a factor NNLS had fitted to 0 then is
-        # measured against the prior 1 instead
-        return any(abs(v - ref) > self.config.drift * max(abs(ref), 1e-9)
-                   for k, v in self.factors.items() for ref in [factors.get(k, 1.0) or 1.0])
+        # relative change of each factor since the plan was chosen; the change of a factor NNLS had fitted
+        # to 0 then is scaled by the prior 1 (a factor that stays at 0 has not changed)
+        return any(abs(v - before) > self.config.drift * (abs(before) or 1.0)
+                   for k, v in self.factors.items() for before in [factors.get(k, 1.0)])

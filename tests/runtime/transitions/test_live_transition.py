@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch.distributed as dist
@@ -82,13 +83,35 @@ def _circuit_body(rank: int, world: int, model: str, walk: list[int], graphs: li
     dist.barrier()
 
 
-@pytest.mark.parametrize("model", ["actor", "critic", "reference", "reward"])
-def test_every_layout_pair_moves_every_tensor_bit_identically(model):
-    walk = euler_circuit(len(NODES))
-    assert len(walk) == len(NODES) * (len(NODES) - 1) + 1
+def strided_cycles(n: int, strides: tuple[int, ...]) -> list[int]:
+    """Closed walks 0 -> s -> 2s -> ... -> 0 for each stride s coprime to n, one after another: every
+    node left and entered once per stride, by pairs of different kinds (neighbours, then far apart)."""
+    walk = [0]
+    for s in strides:
+        assert math.gcd(s, n) == 1
+        walk += [(k * s) % n for k in range(1, n + 1)]
+    return walk
+
+
+def _walk_through_layouts(model: str, walk: list[int]) -> None:
     specs = [spec(model, layout, gpus) for layout, gpus in NODES]
     graphs = [graph_between([specs[a]], [specs[b]]) for a, b in itertools.pairwise(walk)]
     run_world(_circuit_body, WORLD, model, walk, graphs, timeout_s=120.0, backend="gloo")
+
+
+def test_every_layout_pair_moves_every_tensor_bit_identically():
+    """The actor (weights, LM head and Adam moments): all 90 ordered pairs of the ten layouts."""
+    walk = euler_circuit(len(NODES))
+    assert len(walk) == len(NODES) * (len(NODES) - 1) + 1
+    _walk_through_layouts("actor", walk)
+
+
+@pytest.mark.parametrize("model", ["critic", "reference", "reward"])
+def test_every_layout_moves_in_and_out_bit_identically(model):
+    """The other models differ from the actor only in their tensors (a value or score head; reference and
+    reward without Adam state), not in how a graph moves a box: each leaves and enters every layout twice,
+    from a neighbour and from far away (strides 1 and 3 through the ten), 20 moves instead of 90."""
+    _walk_through_layouts(model, strided_cycles(len(NODES), (1, 3)))
 
 
 # Four models, the actor in two stages: training (with Adam) and generation, sharing buffers where the
