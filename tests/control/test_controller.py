@@ -80,6 +80,24 @@ def test_hysteresis_grows_with_the_calibration_residual():
     assert ctl._admit(3, horizon=10, cur_s=10.0, cand_s=8.0, cand=_other_plan(ctl), job=job).action == "transition"
 
 
+def test_a_factor_fitted_to_zero_replans_only_when_it_moves():
+    """A factor NNLS fitted to 0 when the plan was chosen: it staying at 0 is no change (it used to be
+    compared with the prior 1 and re-planned every step); moving off 0 by more than the drift is one."""
+    job = small_job()
+    ctl = Controller(job, ControllerConfig(drift=0.15, replan_every=1000), Schedule(default_max=2048))
+    ctl.initial_plan(16)
+    basis = ctl.job_for(0, 16)
+    ctl._basis = (basis.workload.response.mean, basis.workload.response.max, 16,
+                  {"training.pp_comm": 0.0, "generation.memory": 1.2})
+    ctl._last_plan_step = 0
+    ctl.factors = {"training.pp_comm": 0.0, "generation.memory": 1.25}
+    assert not ctl._should_replan(basis, 1, 16)
+    ctl.factors = {"training.pp_comm": 0.2, "generation.memory": 1.25}
+    assert ctl._should_replan(basis, 1, 16)
+    ctl.factors = {"training.pp_comm": 0.0, "generation.memory": 1.5}
+    assert ctl._should_replan(basis, 1, 16)
+
+
 def _other_plan(ctl: Controller):
     from dataclasses import replace
 
