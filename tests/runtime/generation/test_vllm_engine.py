@@ -5,12 +5,14 @@ would show), and the engine's fused parameter layout holding exactly the checkpo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from nereus.runtime.cluster.waits import get_within
 from nereus.runtime.generation.fixed_batch import SamplingParams, reference_generate
-from nereus.runtime.generation.vllm_engine import ENGINE_START_S, EngineConfig, engine_layout, server_actor
+from nereus.runtime.generation.vllm_engine import EngineConfig, engine_layout, server_actor
 from nereus.runtime.model.decoder import ModelConfig, build_model
 from nereus.spec.model import ModelArch
 from nereus.spec.rollout import RolloutEngine
@@ -25,11 +27,31 @@ MAX_LEN = 200  # prompts of up to 170 tokens: longer than the CPU build's KV blo
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, eos_token_id=2)
 SAMPLED = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.9, eos_token_id=2, seed=7)
 CALL_S = 300.0  # one generate or tensor copy of these tiny engines (seconds here): a hang fails the test
+START_S = 300.0  # an engine's start and first load (14 s here with cold caches): a hang fails the test
+
+
+def get_all(refs: list, what: str, timeout_s: float = CALL_S) -> list:
+    """The answers of engine calls, or ``WaitTimeout`` naming them (never a silent hang), after printing
+    the tail of the engines' Ray logs (where a stuck engine start shows)."""
+    from nereus.runtime.cluster.waits import WaitTimeout
+
+    try:
+        return get_within(refs, timeout_s, what)
+    except WaitTimeout:
+        print_engine_logs()
+        raise
 
 
 def get(ref, what: str, timeout_s: float = CALL_S):
-    """The answer of one engine call, or ``WaitTimeout`` naming it (never a silent hang)."""
-    return get_within([ref], timeout_s, what)[0]
+    return get_all([ref], what, timeout_s)[0]
+
+
+def print_engine_logs(lines: int = 40) -> None:
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())  # diagnostics only
+    for path in sorted(logs.glob("worker-*"), key=lambda p: p.stat().st_mtime)[-6:]:
+        print(f"--- {path.name}:", *path.read_text(errors="replace").splitlines()[-lines:], sep="\n")
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -57,8 +79,8 @@ def engines(ray_runtime):
 
     config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625))
     a, fresh = server_actor(config), server_actor(config)
-    get_within([a.load_weights.remote(weights(1)), fresh.load_weights.remote(weights(2))], ENGINE_START_S,
-               "two engines start and load")
+    get_all([a.load_weights.remote(weights(1)), fresh.load_weights.remote(weights(2))], "two engines start and load",
+            START_S)
     yield a, fresh
     ray.kill(a)
     ray.kill(fresh)
@@ -119,7 +141,7 @@ def test_ngram_speculation_runs_in_the_cpu_build_and_keeps_greedy_tokens(ray_run
     server = server_actor(config)
     try:
         state = weights(1)
-        get(server.load_weights.remote(state), "engine start and load", ENGINE_START_S)
+        get(server.load_weights.remote(state), "engine start and load", START_S)
         repetitive = [(p[:6] * 4)[:24] for p in prompts()]
         out = get(server.generate.remote(repetitive, 0, GREEDY), "engine call")
         model = build_model(CFG)
