@@ -86,25 +86,32 @@ def _gcs_refuses_calls_without_the_token(record: dict) -> None:
         call(b"", timeout=30, metadata=[("authorization", f"Bearer {token}")])  # the token opens it
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_stopped_driver_leaves_no_ray_process_and_used_token_auth(tmp_path, sig):
-    run = tmp_path / "run"
-    proc = _driver(["run", str(_job(tmp_path, steps=500)), "--out", str(run)])
+def test_stopped_drivers_leave_no_ray_process_and_used_token_auth(tmp_path):
+    """Two drivers side by side, each with its own Ray: one stopped by SIGTERM, the other by SIGINT."""
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    runs = [tmp_path / sig.name / "run" for sig in sigs]
+    for run in runs:
+        run.parent.mkdir()
+    procs = [_driver(["run", str(_job(run.parent, steps=500)), "--out", str(run)]) for run in runs]
     try:
-        record = _session(run, proc)
-        assert record["auth"] == "token" and record["pids"]
-        _gcs_refuses_calls_without_the_token(record)
-        assert leftovers(owner=record["owner"])  # Ray's processes run, tagged with their driver
-        proc.send_signal(sig)
-        rc = proc.wait(WAIT_S)
+        records = [_session(run, proc) for run, proc in zip(runs, procs, strict=True)]
+        for record in records:
+            assert record["auth"] == "token" and record["pids"]
+            _gcs_refuses_calls_without_the_token(record)
+            assert leftovers(owner=record["owner"])  # Ray's processes run, tagged with their driver
+        for proc, sig in zip(procs, sigs, strict=True):
+            proc.send_signal(sig)
+        codes = [proc.wait(WAIT_S) for proc in procs]
     finally:
-        proc.kill()
-        proc.wait()
-    assert rc == 128 + sig  # through the handler: SystemExit(143 or 130), finally blocks and atexit ran
-    assert leftovers(owner=record["owner"]) == {}  # the driver shut Ray down and reaped it before exiting
-    out = subprocess.run([sys.executable, "-m", "nereus", "cleanup", "--dir", str(run)], cwd=ROOT, env=_env(),
-                         capture_output=True, text=True, timeout=WAIT_S)
-    assert out.returncode == 0 and "killed 0 process(es)" in out.stdout
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert codes == [128 + sig for sig in sigs]  # through the handler: SystemExit(143, 130), finally and atexit ran
+    for run, record in zip(runs, records, strict=True):
+        assert leftovers(owner=record["owner"]) == {}  # the driver shut Ray down and reaped it before exiting
+        out = subprocess.run([sys.executable, "-m", "nereus", "cleanup", "--dir", str(run)], cwd=ROOT, env=_env(),
+                             capture_output=True, text=True, timeout=WAIT_S)
+        assert out.returncode == 0 and "killed 0 process(es)" in out.stdout
 
 
 def test_killed_mid_checkpoint_the_next_start_reaps_and_resumes(tmp_path):
