@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nereus.runtime.cluster.waits import get_within
+from nereus.runtime.cluster.waits import WaitTimeout, get_within
 from nereus.runtime.generation.fixed_batch import SamplingParams, reference_generate
 from nereus.runtime.generation.vllm_engine import EngineConfig, engine_layout, server_actor
 from nereus.runtime.model.decoder import ModelConfig, build_model
@@ -33,8 +33,6 @@ START_S = 300.0  # an engine's start and first load (14 s here with cold caches)
 def get_all(refs: list, what: str, timeout_s: float = CALL_S) -> list:
     """The answers of engine calls, or ``WaitTimeout`` naming them (never a silent hang), after printing
     the tail of the engines' Ray logs (where a stuck engine start shows)."""
-    from nereus.runtime.cluster.waits import WaitTimeout
-
     try:
         return get_within(refs, timeout_s, what)
     except WaitTimeout:
@@ -87,7 +85,6 @@ def engines(ray_runtime):
 
 
 def test_greedy_equals_the_model_and_logprobs_agree(engines):
-
     a, _ = engines
     state = weights(1)
     out = get(a.generate.remote(prompts(), 0, GREEDY), "engine call")
@@ -103,7 +100,6 @@ def test_greedy_equals_the_model_and_logprobs_agree(engines):
 
 
 def test_update_in_place_equals_a_fresh_engine(engines):
-
     a, fresh = engines
     before = get(a.generate.remote(prompts(), 0, GREEDY), "engine call")  # fills the prefix cache under weights 1
     get(a.load_weights.remote(weights(2)), "weight update")
