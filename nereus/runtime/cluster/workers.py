@@ -359,7 +359,10 @@ class Runtime:
         if not survivors:
             raise StateLostError("every worker is lost: restart from a disk checkpoint (nereus run --resume)")
         old_specs = list(self.specs.values())
-        dirty = self.failover.recovery_sources(self.workers, old_specs)
+        # images are read on nodes known to be up: the survivors' and the driver's (a lost node's, from copies)
+        alive = ({h for r, h in enumerate(self.homes) if r not in lost} | {ray.get_runtime_context().get_node_id()}
+                 if self.nodes else None)
+        dirty = self.failover.recovery_sources(self.workers, old_specs, lost, alive)
         self._all([w.abort.remote() for w in survivors], "abort")
         self.failover.settle_in_flight()
         for r in lost:
@@ -373,8 +376,6 @@ class Runtime:
         new_specs = list(place(n))
         for s in new_specs:
             self._check_nodes(s.key, s.layout, list(s.ranks))
-        # images are read on nodes known to be up: the survivors' and the driver's (a lost node's, from copies)
-        alive = set(self.homes) | {ray.get_runtime_context().get_node_id()} if self.nodes else None
         images = self.failover.images(survivors, old_specs, dirty, alive)
         self._all([w.prepare_groups.remote(new_specs) for w in survivors], "prepare_groups")
         self._get([w.restore.remote(new_specs, images) for w in survivors])

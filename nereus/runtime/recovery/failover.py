@@ -70,6 +70,7 @@ class ImageCopy:
 
     ref: ObjectRef  # the copy
     node: str  # the Ray node that holds it
+    ack: ObjectRef | None = None  # its acknowledgement: in once the copy is, an error if the image failed
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class Failover:
                     copies[m] = []
                     for r, h in zip(rs, homes, strict=True):
                         copy, ack = replicate(r, ring[h])
-                        copies[m].append(ImageCopy(copy, ring[h]))
+                        copies[m].append(ImageCopy(copy, ring[h], ack))
                         acks.append(ack)
             self._pending = PendingSnapshot(step, refs, {m: list(homes or []) for m in models}, copies, acks)
         self.dirty.clear()
@@ -203,24 +204,18 @@ class Failover:
         """The step of the newest snapshot taken or being taken."""
         return self._pending.step if self._pending else self.snapshot_step
 
-    def _promote(self, workers: list[ActorHandle], pending: PendingSnapshot | None, wait: bool) -> bool:
-        """Make a pending snapshot the one recovery uses, once each of its copies is in (``wait``: block
-        for them; else only if they all already made it)."""
+    def _promote(self, workers: list[ActorHandle], pending: PendingSnapshot | None, wait: bool,
+                 lost: Iterable[int] = (), alive: set[str] | None = None) -> bool:
+        """Make a pending snapshot the one recovery uses. ``wait``: block until every image and copy is
+        in. Else (a loss showed) it counts when each image can still be read — ``readable_images`` with the
+        ranks ``lost`` and the nodes ``alive`` — within ``PROMOTE_WAIT_S``."""
         if pending is None:
             return False
         self._pending = None
-        # with copies, their acknowledgements (which fail if the image failed): the images stay on their nodes
-        flat = pending.acks or [r for rs in pending.images.values() for r in rs]
-        if wait:
-            self.get(workers, flat)
-        else:
-            ready, _ = ray.wait(flat, num_returns=len(flat), timeout=5.0)
-            try:
-                ray.get(ready)
-            except ray.exceptions.RayError:
-                return False
-            if len(ready) < len(flat):
-                return False
+        if wait:  # with copies, their acknowledgements (which fail if the image failed)
+            self.get(workers, pending.acks or [r for rs in pending.images.values() for r in rs])
+        elif not _all_in(readable_images(pending, set(lost), alive)):
+            return False
         self.snapshots.update(pending.images)
         self.homes.update(pending.homes)
         self.replicas.update(pending.copies)
@@ -229,13 +224,14 @@ class Failover:
         return True
 
     # ----- recovery -------------------------------------------------------------------------------
-    def recovery_sources(self, workers: list[ActorHandle], specs: list[KeySpec]) -> set[str]:
-        """Before re-forming the world: settle the newest snapshot and return the models whose live state
-        changed since it (they come from the snapshot only); raises ``StateLostError`` when one of them
-        has no snapshot."""
+    def recovery_sources(self, workers: list[ActorHandle], specs: list[KeySpec], lost: Iterable[int] = (),
+                         alive: set[str] | None = None) -> set[str]:
+        """Before re-forming the world: settle the newest snapshot (``lost``: the ranks lost; ``alive``: the
+        nodes known to be up, None on one node) and return the models whose live state changed since it
+        (they come from the snapshot only); raises ``StateLostError`` when one of them has no snapshot."""
         from nereus.runtime.recovery.snapshots import StateLostError
 
-        if self._pending is not None and not self._promote(workers, self._pending, wait=False):
+        if self._pending is not None and not self._promote(workers, self._pending, False, lost, alive):
             # the newest snapshot is incomplete (its worker died first): the one before it, from which
             # every trained model has changed since
             self.dirty |= _trained_models(specs)
@@ -283,6 +279,55 @@ class Failover:
         self.dirty.clear()
         if node_lost:
             self.refresh |= set(self.snapshots)
+
+
+PROMOTE_WAIT_S = 60.0  # for the images still being written when a loss showed (a busy machine: seconds)
+
+
+@dataclass(frozen=True)
+class Voucher:
+    """What says a pending snapshot's image can be read: ``ref`` is in and, with ``check``, did not fail
+    (``ray.get`` on it raises the image's error)."""
+
+    ref: ObjectRef
+    check: bool
+
+
+def readable_images(pending: PendingSnapshot, lost: set[int], alive: set[str] | None) -> list[Voucher] | None:
+    """One voucher per image of ``pending`` (image ``i`` of a model is rank ``i``'s), or None when an image
+    is on no node in ``alive``. A survivor's image on a live node is in once its ref is (the survivor ran
+    ``state_images`` before the call in flight, so it did not fail); else its copy's acknowledgement on a live node
+    (tiny; it fails if the image did); else the image itself on its live node, read to see it did not fail.
+    A lost node's copies do not matter when the image they copy is readable."""
+    out = []
+    for model, refs in pending.images.items():
+        homes, copies = pending.homes.get(model) or [], pending.copies.get(model) or []
+        for rank, ref in enumerate(refs):
+            home_up = alive is None or not homes or homes[rank] in alive
+            if home_up and rank not in lost:
+                out.append(Voucher(ref, check=False))
+            elif rank < len(copies) and alive is not None and copies[rank].node in alive and copies[rank].ack:
+                out.append(Voucher(copies[rank].ack, check=True))
+            elif home_up:
+                out.append(Voucher(ref, check=True))
+            else:
+                return None
+    return out
+
+
+def _all_in(vouchers: list[Voucher] | None) -> bool:
+    """Every voucher in within ``PROMOTE_WAIT_S`` and none of those checked failed."""
+    if vouchers is None:
+        return False
+    refs = [v.ref for v in vouchers]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PROMOTE_WAIT_S, fetch_local=False)
+    if len(ready) < len(refs):
+        return False
+    try:
+        ray.get([v.ref for v in vouchers if v.check])
+    except ray.exceptions.RayError:
+        return False
+    return True
 
 
 def _models(specs: list[KeySpec]) -> list[str]:

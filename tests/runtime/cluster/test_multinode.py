@@ -124,6 +124,26 @@ def test_snapshot_images_come_from_copies_when_their_node_is_lost() -> None:
     assert f._snapshot_images("actor", None) == ["p0", "p1", "p2", "p3"]  # one node: nothing is lost
 
 
+def test_a_pending_snapshot_counts_when_each_image_is_readable_somewhere() -> None:
+    from nereus.runtime.recovery.failover import ImageCopy, PendingSnapshot, Voucher, readable_images
+
+    copies = [ImageCopy("c0", "b", "k0"), ImageCopy("c1", "b", "k1"), ImageCopy("c2", "head", "k2"),
+              ImageCopy("c3", "head", "k3")]
+    pending = PendingSnapshot(1, {"actor": ["p0", "p1", "p2", "p3"]}, {"actor": ["a", "a", "b", "b"]},
+                              {"actor": copies}, ["k0", "k1", "k2", "k3"])
+    # node b lost with ranks 2 and 3: the survivors' images on a count once in (their copies on b are
+    # gone and do not matter); 2's and 3's are read from their copies on the head, vouched by their acks
+    assert readable_images(pending, {2, 3}, {"a", "head"}) == [
+        Voucher("p0", False), Voucher("p1", False), Voucher("k2", True), Voucher("k3", True)]
+    # rank 1 crashed, its node a is up: its copy's ack on b vouches for it
+    assert readable_images(pending, {1}, {"a", "b", "head"})[1] == Voucher("k1", True)
+    # rank 1 crashed and b is lost too: its image on a is read to see that it did not fail
+    assert readable_images(pending, {1, 2, 3}, {"a", "head"})[1] == Voucher("p1", True)
+    assert readable_images(pending, {0, 1, 2, 3}, {"head"}) is None  # a and b lost: 0's copy was on b
+    one_node = PendingSnapshot(1, {"actor": ["p0", "p1"]}, {"actor": []})
+    assert readable_images(one_node, {1}, None) == [Voucher("p0", False), Voucher("p1", True)]
+
+
 # ----- the job on two nodes ----------------------------------------------------------------------------
 @pytest.mark.distributed
 @pytest.mark.slow
