@@ -219,13 +219,14 @@ def start_local_cluster(worker_nodes: int, cpus_per_node: int, head_cpus: int = 
 
     from ray.cluster_utils import Cluster
 
-    from nereus.runtime.cluster.raylocal import LOCAL_SYSTEM_CONFIG, LOOPBACK, LOOPBACK_ENV
+    from nereus.runtime.cluster.raylocal import LOOPBACK, LOOPBACK_ENV
 
     os.environ.update(LOOPBACK_ENV)  # every node's processes on loopback, as ``raylocal.start_local_ray``
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    head = {"num_cpus": head_cpus, "include_dashboard": False, "node_ip_address": LOOPBACK,
-            "_system_config": {**LOCAL_SYSTEM_CONFIG, **(system_config or {})}}
+    head = {"num_cpus": head_cpus, "include_dashboard": False, "node_ip_address": LOOPBACK}
+    if system_config:
+        head["_system_config"] = system_config
     cluster = Cluster(initialize_head=True, head_node_args=head)
     nodes = [cluster.add_node(num_cpus=cpus_per_node, node_ip_address=LOOPBACK) for _ in range(worker_nodes)]
     ray.init(address=cluster.address, log_to_driver=False)

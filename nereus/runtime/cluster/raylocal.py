@@ -39,10 +39,6 @@ from nereus.spec.errors import RuntimeFailure
 
 LOOPBACK = "127.0.0.1"
 LOOPBACK_ENV: Mapping[str, str] = MappingProxyType({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
-# Ray starts its workers 15 nice levels below the raylet (``worker_niceness``, ray_config_def.h), so that a
-# shared machine's other users go first. A local instance's workers are the job's compute, as torchrun's
-# are: they run at the driver's priority, and a busy machine does not starve them (and their engines).
-LOCAL_SYSTEM_CONFIG: Mapping[str, int] = MappingProxyType({"worker_niceness": 0})
 
 
 OWNER_ENV = "NEREUS_RAY_OWNER"
@@ -120,8 +116,7 @@ def _init_with_retries(num_cpus: int, temp_dir: Path) -> None:
         try:
             ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(Path(temp_dir).absolute()),
                      _node_ip_address=LOOPBACK, log_to_driver=False,
-                     runtime_env={"worker_process_setup_hook": PRIVATE_HOOK},
-                     _system_config=dict(LOCAL_SYSTEM_CONFIG))
+                     runtime_env={"worker_process_setup_hook": PRIVATE_HOOK})
             return
         except Exception as err:  # noqa: BLE001 - Ray raises a bare Exception for this timeout
             said = " ".join(str(err).split())[:200]  # Ray's messages span lines (the GCS's log tail)
