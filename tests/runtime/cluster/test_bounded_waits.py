@@ -82,7 +82,7 @@ def test_a_join_that_cannot_start_is_given_up(ray_runtime):
         ray_runtime.resize(4)  # the session's runtime, as other tests expect it
 
 
-def test_a_call_that_never_answers_reaches_the_driver():
+def test_a_call_that_never_answers_reaches_the_driver(ray_runtime):
     from nereus.runtime.recovery.failover import Failover
 
     stuck = Stuck.remote()

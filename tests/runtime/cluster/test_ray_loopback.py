@@ -1,7 +1,7 @@
 """Every TCP socket that Ray's processes (and the runtime's workers) listen on is loopback (127.0.0.0/8, ::1).
 
-Uses the session's Ray instance when one is running (the ``ray_runtime`` fixture of tests/conftest.py, started
-by ``Runtime``), else starts one with ``raylocal.start_local_ray`` and shuts it down afterwards.
+Uses the session's Ray instance (the ``ray_runtime`` fixture of tests/conftest.py, started by ``Runtime`` with
+``raylocal.start_local_ray``'s settings).
 """
 
 import os
@@ -13,8 +13,6 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from nereus.runtime.cluster import raylocal  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux /proc")
 
@@ -32,11 +30,7 @@ def _title(pid: int) -> str:
         return ""
 
 
-def test_ray_listens_on_loopback_only():
-    started = not ray.is_initialized()
-    if started:
-        (ROOT / ".tmp").mkdir(exist_ok=True)
-        raylocal.start_local_ray(1, ROOT / ".tmp" / "ray")
+def test_ray_listens_on_loopback_only(ray_runtime):
     probe = Probe.remote()
     try:
         probe_pid = ray.get(probe.pid.remote(), timeout=60)
@@ -60,5 +54,3 @@ def test_ray_listens_on_loopback_only():
                              f"(start it with raylocal.start_local_ray's settings): {exposed}")
     finally:
         ray.kill(probe)
-        if started:
-            ray.shutdown()
