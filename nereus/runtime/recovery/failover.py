@@ -81,7 +81,12 @@ class PendingSnapshot:
     images: dict[str, list[ObjectRef]]  # model -> one state-image ref per worker
     homes: dict[str, list[str]]  # model -> the node of each image (several nodes only)
     copies: dict[str, list[ImageCopy]] = field(default_factory=dict)  # model -> each image's copy
-    acks: list[ObjectRef] = field(default_factory=list)  # the copies' acknowledgements
+
+    def complete(self) -> list[ObjectRef]:
+        """What is in once every image is: with copies, their acknowledgements (which fail if the image
+        failed; the images stay on their nodes), else the images."""
+        acks = [c.ack for cs in self.copies.values() for c in cs if c.ack is not None]
+        return acks or [r for rs in self.images.values() for r in rs]
 
 
 class Failover:
@@ -175,7 +180,9 @@ class Failover:
 
         t0 = time.perf_counter()
         specs = list(specs)
-        self._promote(workers, self._pending, wait=True)
+        if self._pending is not None:
+            self.get(workers, self._pending.complete())
+            self._promote(self._pending)
         trained = _trained_models(specs)
         models = [m for m in _models(specs) if m in trained or m not in self.snapshots or m in self.refresh]
         if models:  # a trained model's training key holds what its other keys follow
@@ -187,15 +194,13 @@ class Failover:
                 per_worker = [[r] for r in per_worker]
             refs = {m: [refs[i] for refs in per_worker] for i, m in enumerate(models)}
             copies: dict[str, list[ImageCopy]] = {}
-            acks = []
             if ring and homes:
                 for m, rs in refs.items():
                     copies[m] = []
                     for r, h in zip(rs, homes, strict=True):
                         copy, ack = replicate(r, ring[h])
                         copies[m].append(ImageCopy(copy, ring[h], ack))
-                        acks.append(ack)
-            self._pending = PendingSnapshot(step, refs, {m: list(homes or []) for m in models}, copies, acks)
+            self._pending = PendingSnapshot(step, refs, {m: list(homes or []) for m in models}, copies)
         self.dirty.clear()
         return time.perf_counter() - t0
 
@@ -204,24 +209,14 @@ class Failover:
         """The step of the newest snapshot taken or being taken."""
         return self._pending.step if self._pending else self.snapshot_step
 
-    def _promote(self, workers: list[ActorHandle], pending: PendingSnapshot | None, wait: bool,
-                 lost: Iterable[int] = (), alive: set[str] | None = None) -> bool:
-        """Make a pending snapshot the one recovery uses. ``wait``: block until every image and copy is
-        in. Else (a loss showed) it counts when each image can still be read — ``readable_images`` with the
-        ranks ``lost`` and the nodes ``alive`` — within ``PROMOTE_WAIT_S``."""
-        if pending is None:
-            return False
+    def _promote(self, pending: PendingSnapshot) -> None:
+        """Make ``pending`` the snapshot recovery uses (its images are in)."""
         self._pending = None
-        if wait:  # with copies, their acknowledgements (which fail if the image failed)
-            self.get(workers, pending.acks or [r for rs in pending.images.values() for r in rs])
-        elif not _all_in(readable_images(pending, set(lost), alive)):
-            return False
         self.snapshots.update(pending.images)
         self.homes.update(pending.homes)
         self.replicas.update(pending.copies)
         self.refresh -= set(pending.images)
         self.snapshot_step = pending.step
-        return True
 
     # ----- recovery -------------------------------------------------------------------------------
     def recovery_sources(self, workers: list[ActorHandle], specs: list[KeySpec], lost: Iterable[int] = (),
@@ -231,9 +226,12 @@ class Failover:
         (they come from the snapshot only); raises ``StateLostError`` when one of them has no snapshot."""
         from nereus.runtime.recovery.snapshots import StateLostError
 
-        if self._pending is not None and not self._promote(workers, self._pending, False, lost, alive):
-            # the newest snapshot is incomplete (its worker died first): the one before it, from which
-            # every trained model has changed since
+        pending, self._pending = self._pending, None
+        if pending is not None and _all_in(readable_images(pending, set(lost), alive)):
+            self._promote(pending)
+        elif pending is not None:
+            # the newest snapshot cannot be read whole (its worker died first): the one before it, from
+            # which every trained model has changed since
             self.dirty |= _trained_models(specs)
         missing = sorted(m for m in self.dirty if m not in self.snapshots)
         if missing:

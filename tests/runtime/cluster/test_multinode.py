@@ -130,7 +130,7 @@ def test_a_pending_snapshot_counts_when_each_image_is_readable_somewhere() -> No
     copies = [ImageCopy("c0", "b", "k0"), ImageCopy("c1", "b", "k1"), ImageCopy("c2", "head", "k2"),
               ImageCopy("c3", "head", "k3")]
     pending = PendingSnapshot(1, {"actor": ["p0", "p1", "p2", "p3"]}, {"actor": ["a", "a", "b", "b"]},
-                              {"actor": copies}, ["k0", "k1", "k2", "k3"])
+                              {"actor": copies})
     # node b lost with ranks 2 and 3: the survivors' images on a count once in (their copies on b are
     # gone and do not matter); 2's and 3's are read from their copies on the head, vouched by their acks
     assert readable_images(pending, {2, 3}, {"a", "head"}) == [
