@@ -17,8 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from nereus.control.intrastep import TailRule
-from nereus.control.levers import NereusLevers
+from nereus.control.levers import NereusLevers, generation_forecast
 from nereus.cost.hardware import Hardware
 from nereus.planner.search import search
 from nereus.sim.run import simulate
@@ -43,7 +42,7 @@ def main() -> None:
         t0 = time.perf_counter()
         plan = search(hw, job).plan
         t1 = time.perf_counter()
-        model, bulk, f, _ = TailRule.setup(job, plan, {})
+        model, bulk, f, _ = generation_forecast(job, plan, {})
         choice = NereusLevers().choose(model, bulk, f, args.lag)
         t2 = time.perf_counter()
         searches.append(t1 - t0)

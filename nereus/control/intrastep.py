@@ -26,11 +26,10 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, replace
 
 from nereus.control.backend import ClusterState, Decision, Policy, StepMetrics, TransitionMetrics
-from nereus.control.levers import LeverRule, powers_of_two, speculation_decision
-from nereus.cost.batching import Factors
-from nereus.cost.generation import GenModel, Prediction, forecast_lengths, no_move, predict, run_bulk
-from nereus.cost.hardware import Hardware
-from nereus.cost.plan_cost import estimate_plan
+from nereus.control.controller import usable_gpus
+from nereus.control.levers import LeverRule, generation_forecast, powers_of_two, speculation_decision
+from nereus.control.pools import ROLLOUT, STALENESS, PoolRule, runs_apart
+from nereus.cost.generation import Prediction, no_move, predict
 from nereus.spec.generation import (
     ChangeTailLayout,
     Continue,
@@ -41,7 +40,7 @@ from nereus.spec.generation import (
 )
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
-from nereus.spec.levers import GenerationLevers
+from nereus.spec.levers import AsyncSplit, GenerationLevers
 
 
 class TailRule(ABC):
@@ -55,15 +54,6 @@ class TailRule(ABC):
 
     def observe(self, m: StepMetrics) -> None:  # noqa: B027 - a rule that learns nothing keeps this default
         """Default: learn nothing from measurements."""
-
-    @staticmethod
-    def setup(job: JobSpec, plan: Plan, factors: dict[str, float], transfer: float = 1.0):
-        hw = Hardware(job.cluster)
-        est = estimate_plan(hw, job, plan, factors or None)
-        model = GenModel.of(hw, job, plan, est)
-        f = Factors.of(factors, transfer)
-        lengths = forecast_lengths(job.workload.response, job.sequences_per_step())
-        return model, run_bulk(model, lengths, f), f, est.phase_times["inference"]
 
 
 def _tail_tps(job: JobSpec, bulk_tp: int) -> list[int]:
@@ -98,7 +88,7 @@ class NereusTail(TailRule):
     def choose(self, job: JobSpec, plan: Plan, factors: dict[str, float]) -> TailPhase | None:
         if self.wait_for_fit and not factors:
             return None
-        model, bulk, f, inference_s = self.setup(job, plan, factors, self.transfer)
+        model, bulk, f, inference_s = generation_forecast(job, plan, factors, self.transfer)
         lay, n = model.placement.layout, len(bulk.lengths)
         base = no_move(model, bulk)
         gpus = len(model.placement.gpus)
@@ -131,7 +121,7 @@ class PatTail(TailRule):
     name = "pat-like"
 
     def choose(self, job: JobSpec, plan: Plan, factors: dict[str, float]) -> TailPhase | None:
-        model, bulk, f, inference_s = self.setup(job, plan, {})
+        model, bulk, f, inference_s = generation_forecast(job, plan, {})
         lay = model.placement.layout
         tp = _tail_tps(job, lay.tp)[-1] if _tail_tps(job, lay.tp) else lay.tp
         if tp == lay.tp:
@@ -154,7 +144,7 @@ class RlhfuseTail(TailRule):
     share = 0.05  # samples left when the tail migrates (an assumption: RLHFuse tunes its threshold per job)
 
     def choose(self, job: JobSpec, plan: Plan, factors: dict[str, float]) -> TailPhase | None:
-        model, bulk, f, inference_s = self.setup(job, plan, {})
+        model, bulk, f, inference_s = generation_forecast(job, plan, {})
         lay = model.placement.layout
         k = max(1, int(self.share * len(bulk.lengths)))
         replicas = min(lay.dp, max(1, -(-k // model.tail_slots(lay.tp)) if model.tail_slots(lay.tp) else lay.dp))
@@ -168,12 +158,17 @@ class RlhfuseTail(TailRule):
 class PhasedPolicy:
     """A between-step policy whose generation stages switch to a tail layout inside the step, or use the
     levers ``levers`` picks (``control.levers``): whichever predicts the larger gain, within
-    ``policy_lag``."""
+    ``policy_lag``. With ``pools`` and a policy lag of one step or more, it also chooses at the start and
+    whenever the GPU count changes whether the rollout runs one-step-off on GPUs of its own
+    (``control.pools``); the inner policy then adapts both pools' layouts under that split, and every plan
+    whose rollout holds GPUs apart runs one-step-off."""
 
     def __init__(self, name: str, inner: Policy, rule: TailRule, every: int = 10, levers: LeverRule | None = None,
-                 policy_lag: int = 0) -> None:
+                 policy_lag: int = 0, pools: PoolRule | None = None) -> None:
         self.name, self.inner, self.rule, self.every = name, inner, rule, every
         self.levers, self.policy_lag = levers, policy_lag
+        self.pools = pools if policy_lag >= STALENESS else None
+        self._colocated = self.controller.constraints if self.pools else None  # the inner policy's own
         self._levers: GenerationLevers | None = None
         self._last: tuple[int, Plan | None] = (-10**9, None)
         self._phase: TailPhase | None = None
@@ -207,29 +202,62 @@ class PhasedPolicy:
         return replace(base, generation=self._phase, levers=None)
 
     def _choose_levers(self, job: JobSpec, base: Plan, factors: dict[str, float]) -> GenerationLevers | None:
-        """The lever rule's choice when it predicts more than the tail layout's gain (None: the tail layout)."""
+        """The lever rule's choice when it predicts more than the tail layout's gain (None: the tail layout);
+        on a plan whose rollout runs apart under ``pools``, one-step-off with the levers of one step less of
+        lag."""
+        if self.pools is not None and runs_apart(base):
+            return self._async_levers(job, base, factors)
         if self.levers is None:
             return None
-        model, bulk, f, _ = TailRule.setup(job, base, factors)
+        model, bulk, f, _ = generation_forecast(job, base, factors)
         choice = self.levers.choose(model, bulk, f, self.policy_lag)
         if choice is None or self._phase is None:
             return None if choice is None else choice.levers
         return choice.levers if choice.gain_s > self._phase.predicted.get("gain_s", 0.0) else None
 
+    def _async_levers(self, job: JobSpec, base: Plan, factors: dict[str, float]) -> GenerationLevers:
+        self._phase = None  # the rollout's pool holds no inference a tail layout could start early
+        split = AsyncSplit(len(base.placement(str(ROLLOUT)).gpus), STALENESS)
+        choice = None
+        if self.levers is not None:
+            model, bulk, f, _ = generation_forecast(job, base, factors)
+            choice = self.levers.choose(model, bulk, f, self.policy_lag - STALENESS)
+        kept = choice.levers if choice is not None else GenerationLevers(policy=self.name)
+        return replace(kept, async_split=split)
+
+    def _choose_pools(self, step: int, num_gpus: int) -> Plan:
+        """The pool split for ``num_gpus`` (``control.pools``): the inner policy plans under its constraints
+        from now on; returns the choice's plan."""
+        ctrl = self.controller
+        job = ctrl.job_for(step, num_gpus)
+        choice = self.pools.choose(job, ctrl.factors, self.levers, self.policy_lag, self._colocated)
+        ctrl.constraints = choice.constraints
+        return choice.plan
+
     def initial_plan(self, num_gpus: int) -> Plan:
-        return self._phased(self.inner.initial_plan(num_gpus), 0)
+        base = self.inner.initial_plan(num_gpus)
+        if self.pools is not None:
+            base = self._choose_pools(0, num_gpus)
+            self.inner.resume(base)
+        return self._phased(base, 0)
 
     def resume(self, plan: Plan) -> None:
         self.inner.resume(plan)
         self._base = plan
 
     def survivor_plan(self, num_gpus: int, step: int) -> Plan:
+        if self.pools is not None:
+            self._choose_pools(step, num_gpus)
         return self._phased(self.inner.survivor_plan(num_gpus, step), step)
 
     def after_step(self, m: StepMetrics, cluster: ClusterState) -> Decision:
         self.rule.observe(m)
         if self.levers is not None:
             self.levers.observe(m)
+        ctrl = self.controller
+        gpus = usable_gpus(cluster.num_gpus, ctrl.job.cluster.gpus_per_node)
+        if self.pools is not None and gpus != ctrl.plan.num_gpus:  # the split is chosen again for the new count
+            self._choose_pools(m.step + 1, gpus)
         d = self.inner.after_step(m, cluster)
         base = d.plan if d.plan is not None and d.plan != self._base else self._base
         return replace(d, plan=self._phased(base, m.step + 1))

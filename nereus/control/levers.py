@@ -34,14 +34,18 @@ from dataclasses import dataclass, field
 
 from nereus.control.backend import StepMetrics
 from nereus.cost.batching import Factors
-from nereus.cost.generation import BulkRun, GenModel, no_move, run_bulk
+from nereus.cost.generation import BulkRun, GenModel, forecast_lengths, no_move, run_bulk
+from nereus.cost.hardware import Hardware
 from nereus.cost.levers.lengths import GroupLengths, RolloutPool
 from nereus.cost.levers.partial_rollout import budget_for_lag, steady_round
 from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
 from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
 from nereus.cost.levers.tail_batching import best_over_launch
+from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import generation_replica
 from nereus.spec.generation import SetSpeculation
+from nereus.spec.job import JobSpec
+from nereus.spec.layout import Plan
 from nereus.spec.levers import AsyncSplit, GenerationLevers, PartialRollout, Speculation, TailBatching
 
 DRAFT_LENGTHS = tuple(range(1, 9))
@@ -210,6 +214,18 @@ class FixedAsync(LeverRule):
     def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
         split = AsyncSplit(len(model.placement.gpus), self.staleness)
         return LeverChoice(GenerationLevers(async_split=split, policy=self.name), 0.0)
+
+
+def generation_forecast(job: JobSpec, plan: Plan, factors: dict[str, float],
+                        transfer: float = 1.0) -> tuple[GenModel, BulkRun, Factors, float]:
+    """What the rules price a plan's generation on: its model, the bulk run of the forecast's lengths,
+    the calibrated factors, and the inference phase's seconds."""
+    hw = Hardware(job.cluster)
+    est = estimate_plan(hw, job, plan, factors or None)
+    model = GenModel.of(hw, job, plan, est)
+    f = Factors.of(factors, transfer)
+    lengths = forecast_lengths(job.workload.response, job.sequences_per_step())
+    return model, run_bulk(model, lengths, f), f, est.phase_times["inference"]
 
 
 def powers_of_two(limit: int) -> list[int]:

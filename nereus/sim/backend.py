@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from nereus.control.backend import ClusterState, GenerationPolicy, StepMetrics, TransitionMetrics
+from nereus.control.pools import runs_apart
 from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.batching import Factors
 from nereus.cost.generation import (
@@ -281,7 +282,4 @@ def _runs_async(plan: Plan) -> bool:
     """Whether the plan runs one-step-off: its levers ask for it and the rollout's GPUs hold nothing else
     (verl's one-step-off recipe: separate resource pools; the steady state of ``cost.levers.async_split``:
     a step takes the slower pool plus the weight sync, every trained token one step old)."""
-    if plan.levers is None or plan.levers.async_split is None:
-        return False
-    rollout = set(plan.placement("actor/generation").gpus)
-    return all(not rollout & set(p.gpus) for p in plan.placements if p.model_stage.stage != "generation")
+    return plan.levers is not None and plan.levers.async_split is not None and runs_apart(plan)

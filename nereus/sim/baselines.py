@@ -32,9 +32,10 @@ from dataclasses import replace
 from nereus.control.backend import ClusterState, Decision, StepMetrics, TransitionMetrics
 from nereus.control.controller import Controller, ControllerConfig, TransitionCost, usable_gpus
 from nereus.control.forecast import Schedule
+from nereus.control.pools import split_constraints
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
-from nereus.planner.search import Constraints, SearchResult, placement_units, search
+from nereus.planner.search import Constraints, SearchResult, search
 from nereus.sim.recipes import fixed_recipe_tp, system_recipe_tp
 from nereus.spec.errors import InfeasibleError
 from nereus.spec.generation import GenerationDecision, GenerationStatus
@@ -235,10 +236,12 @@ def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, con
         FixedTailBatching,
         NereusLevers,
     )
+    from nereus.control.pools import PoolRule
 
     if name in ("nereus", "nereus-tail"):  # nereus-tail: tail layouts only, no levers (an ablation)
         return PhasedPolicy(name, Controller(job, config, schedule, total_steps, transition_cost), NereusTail(),
-                            levers=NereusLevers() if name == "nereus" else None, policy_lag=policy_lag)
+                            levers=NereusLevers() if name == "nereus" else None, policy_lag=policy_lag,
+                            pools=PoolRule() if name == "nereus" else None)
     inner = make_policy("fixed-oracle" if name == "rlhfuse-like" else "verl-like", job, schedule, total_steps,
                         transition_cost, config)
     if name == "spec-like":
@@ -258,15 +261,9 @@ def _verl_async(job: JobSpec, schedule: Schedule | None, transition_cost: Transi
     once; verl's recipe takes both pools' sizes from its config, the half is ours), every other model on
     the rest with verl's FSDP and gradient checkpointing, verl's rollout TP, and the weights sent from
     the training pool to the rollout pool each step (``gather-broadcast``: verl's NCCL broadcast)."""
-    n = job.cluster.num_gpus
-    others = "+".join(u for u in placement_units(job) if u != "rollout")
-
-    def half(ms: ModelStage, layout: Layout) -> bool:
-        return (layout.world == n // 2 if ms == ROLLOUT else layout.world <= n - n // 2) and _sharded_data_parallel(
-            ms, layout)
-
     alg, size = job.algorithm.name, _params_b(job)
-    return StaticPolicy("verl-async-like", _verl_job(job), Constraints((f"rollout | {others}",), half), True,
+    half = split_constraints(job, job.cluster.num_gpus // 2, _sharded_data_parallel)
+    return StaticPolicy("verl-async-like", _verl_job(job), half, True,
                         schedule, transition_cost, system_recipe_tp("verl", alg, size)[0], "gather-broadcast")
 
 

@@ -1,0 +1,127 @@
+"""Decisions about bounded asynchrony: whether the rollout gets GPUs of its own, and how many.
+
+With ``run.policy_lag`` >= 1 the controller may run one-step-off: the rollout alone on g GPUs generates
+step k + 1 while every other model trains step k on the n - g others (verl's one-step-off recipe;
+``cost.levers.async_split``: a step takes the slower pool plus the weight sync). ``PoolRule`` prices the
+colocated plan against every split whose rollout pool is a power of two from one node up to half the GPUs
+(the planner lays out both pools under ``split_constraints``; the GPU counts the search splits by are
+powers of two, so other pool sizes leave GPUs idle), each with the generation levers the lever rule picks
+for it — at one step less of lag on a split, whose every token is already a step old — and keeps the
+fastest. A split is admitted only when it beats the colocated step by ``min_gain``.
+
+Within a split the pools are independent (the rollout's layout sets the generation time, the others'
+the training time), so the controller's usual search, which minimises their sum, also minimises the
+slower pool: it keeps adapting each pool's layout between steps under the split's constraints.
+
+The split is chosen at the start, on the priors, and again when the GPU count changes, not on the
+calibrated model: the calibration fits the generation factors to steps measured with the levers on, so a
+calibrated price would count a lever's gain twice (a split measured at 85 s of generation priced at 46 s).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from nereus.control.levers import LeverRule, generation_forecast, powers_of_two
+from nereus.cost.hardware import Hardware
+from nereus.cost.levers.async_split import async_step
+from nereus.cost.plan_cost import PlanEstimate, estimate_plan
+from nereus.planner.search import Constraints, placement_units, search
+from nereus.spec.errors import InfeasibleError
+from nereus.spec.job import JobSpec
+from nereus.spec.layout import Layout, ModelStage, Plan
+from nereus.spec.levers import AsyncSplit, GenerationLevers
+
+ROLLOUT = ModelStage("actor", "generation")
+STALENESS = 1  # one-step-off: the only asynchrony run.policy_lag 1 allows
+
+
+def split_constraints(job: JobSpec, gen_gpus: int,
+                      layout_filter: Callable[[ModelStage, Layout], bool] | None = None) -> Constraints:
+    """The rollout alone on exactly ``gen_gpus`` GPUs, every other model together on the rest (within
+    ``layout_filter``, when given)."""
+    n = job.cluster.num_gpus
+    others = "+".join(u for u in placement_units(job) if u != "rollout")
+
+    def pools(ms: ModelStage, layout: Layout) -> bool:
+        fits = layout.world == gen_gpus if ms == ROLLOUT else layout.world <= n - gen_gpus
+        return fits and (layout_filter is None or layout_filter(ms, layout))
+
+    return Constraints((f"rollout | {others}",), pools)
+
+
+def runs_apart(plan: Plan) -> bool:
+    """Whether the rollout's GPUs hold nothing else (a plan one-step-off asynchrony can run on)."""
+    rollout = set(plan.placement(str(ROLLOUT)).gpus)
+    return all(not rollout & set(p.gpus) for p in plan.placements if p.model_stage != ROLLOUT)
+
+
+@dataclass(frozen=True)
+class PoolChoice:
+    """A priced option: the plan (colocated when ``gen_gpus`` is None), its levers and predicted step."""
+
+    plan: Plan
+    constraints: Constraints | None
+    gen_gpus: int | None
+    levers: GenerationLevers | None
+    step_s: float
+    predicted: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PoolRule:
+    min_gain: float = 0.02  # of the colocated step: a split moves every model, so it must pay clearly
+    name: str = "nereus"
+
+    def choose(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int,
+               base: Constraints | None) -> PoolChoice:
+        """The fastest of the colocated plan (under ``base``) and the splits of ``job``'s GPUs, each with
+        its levers; the colocated one unless a split beats it by ``min_gain``."""
+        colocated = self._price(job, factors, levers, policy_lag, base, None)
+        if policy_lag < STALENESS:
+            return colocated
+        n, node = job.cluster.num_gpus, job.cluster.gpus_per_node
+        sizes = [g for g in powers_of_two(n // 2) if g >= min(node, n // 2)]
+        splits = [c for g in sizes
+                  if (c := self._price(job, factors, levers, policy_lag,
+                                       split_constraints(job, g, base.layout_filter if base else None), g))]
+        best = min(splits, key=lambda c: c.step_s, default=None)
+        if best is None or best.step_s >= colocated.step_s * (1 - self.min_gain):
+            return colocated
+        return best
+
+    def _price(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int,
+               constraints: Constraints | None, gen_gpus: int | None) -> PoolChoice | None:
+        try:
+            result = search(Hardware(job.cluster), job, factors or None, constraints=constraints)
+        except InfeasibleError:
+            if gen_gpus is None:
+                raise
+            return None
+        choice = self.price(job, factors, levers, policy_lag, result.plan, result.estimate)
+        return replace(choice, constraints=constraints)
+
+    def price(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int, plan: Plan,
+              est: PlanEstimate | None = None) -> PoolChoice:
+        """``plan`` priced as it runs: one-step-off when its rollout holds GPUs apart and ``policy_lag``
+        allows it, else synchronously; its generation with the levers ``levers`` picks for it."""
+        est = est or estimate_plan(Hardware(job.cluster), job, plan, factors or None)
+        apart = policy_lag >= STALENESS and runs_apart(plan)
+        gen_gpus = len(plan.placement(str(ROLLOUT)).gpus) if apart else None
+        chosen = None
+        if levers is not None:
+            model, bulk, f, _ = generation_forecast(job, plan, factors)
+            chosen = levers.choose(model, bulk, f, policy_lag - STALENESS if apart else policy_lag)
+        gain = chosen.gain_s if chosen is not None else 0.0
+        if gen_gpus is None:
+            return PoolChoice(plan, None, None, chosen.levers if chosen else None, est.step_time_s - gain,
+                              {"colocated_step_s": est.step_time_s - gain})
+        p = est.phase_times
+        a = async_step(gen_gpus, job.cluster.num_gpus - gen_gpus, p["generation"] - gain,
+                       p["inference"] + p["training"], p["weight_sync"], STALENESS)
+        kept = chosen.levers if chosen is not None else GenerationLevers(policy=self.name)
+        predicted = {**kept.predicted, "async_step_s": a.step_s, "async_gen_s": a.gen_s,
+                     "async_train_s": a.train_s, "async_sync_s": a.sync_s}
+        split = replace(kept, async_split=AsyncSplit(gen_gpus, STALENESS), policy=self.name, predicted=predicted)
+        return PoolChoice(plan, None, gen_gpus, split, a.step_s, predicted)

@@ -1,0 +1,68 @@
+"""The pool split (``control.pools``): one-step-off asynchrony chosen by the cost model at ``run.policy_lag``
+>= 1 — both pools laid out by the planner, the step priced as ``cost.levers.async_split`` prices it, and the
+simulator running what was chosen."""
+
+import pytest
+
+from nereus.control.levers import NereusLevers
+from nereus.control.pools import ROLLOUT, PoolRule, runs_apart, split_constraints
+from nereus.cost.hardware import Hardware
+from nereus.cost.levers.async_split import async_step
+from nereus.planner.search import search
+from nereus.sim.baselines import make_policy
+from nereus.sim.run import simulate
+from nereus.spec import load_job
+from nereus.spec.trace import load_trace
+from tests.conftest import EXAMPLES, ROOT
+from tests.control.test_controller import small_job
+
+
+def _long_tail_job():
+    return load_job(EXAMPLES / "grpo_7b_h100.yaml")
+
+
+def test_the_split_constraints_put_the_rollout_alone_on_its_pool():
+    job = small_job(16)
+    plan = search(Hardware(job.cluster), job, constraints=split_constraints(job, 4)).plan
+    assert len(plan.placement(str(ROLLOUT)).gpus) == 4 and runs_apart(plan)
+    assert all(p.layout.world <= 12 for p in plan.placements if p.model_stage != ROLLOUT)
+    colocated = search(Hardware(job.cluster), job).plan
+    assert not runs_apart(colocated) or colocated.strategy != "colocated"
+
+
+def test_on_policy_the_rule_keeps_the_colocated_plan():
+    job = _long_tail_job()
+    choice = PoolRule().choose(job, {}, NereusLevers(), 0, None)
+    assert choice.gen_gpus is None and choice.constraints is None
+    assert choice.plan == search(Hardware(job.cluster), job).plan
+
+
+def test_a_long_tail_at_one_step_of_lag_runs_one_step_off_priced_as_the_async_step():
+    job = _long_tail_job()
+    levers = NereusLevers()
+    colocated = PoolRule().choose(job, {}, levers, 0, None)
+    choice = PoolRule().choose(job, {}, levers, 1, None)
+    assert choice.gen_gpus is not None and runs_apart(choice.plan)
+    assert len(choice.plan.placement(str(ROLLOUT)).gpus) == choice.gen_gpus
+    assert choice.step_s < colocated.step_s * (1 - PoolRule().min_gain)
+    split = choice.levers.async_split
+    assert split.generation_gpus == choice.gen_gpus and choice.levers.policy_lag == 1
+    assert choice.levers.partial_rollout is None  # the split spends the one step of lag allowed
+    p = choice.predicted
+    expected = async_step(choice.gen_gpus, job.cluster.num_gpus - choice.gen_gpus, p["async_gen_s"],
+                          p["async_train_s"], p["async_sync_s"])
+    assert choice.step_s == pytest.approx(expected.step_s)
+    # a rule that demands more than any split can give keeps the colocated plan
+    assert PoolRule(min_gain=1.0).choose(job, {}, levers, 1, None).gen_gpus is None
+
+
+def test_nereus_at_one_step_of_lag_trains_one_step_old_tokens_on_its_split():
+    job = _long_tail_job()
+    trace = load_trace(ROOT / "traces" / "r1_zero_growth.yaml")
+    record = simulate(job, trace, "nereus", 0, 4, policy_lag=1)
+    assert all(s["policy_lag"] == [0.0, 1.0] for s in record.steps)
+    policy = make_policy("nereus", job, policy_lag=1)
+    plan = policy.initial_plan(job.cluster.num_gpus)
+    assert plan.levers.async_split is not None and runs_apart(plan)
+    on_policy = make_policy("nereus", job, policy_lag=0).initial_plan(job.cluster.num_gpus)
+    assert on_policy.levers is None or on_policy.levers.async_split is None
