@@ -1,4 +1,6 @@
 import os
+import re
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -31,16 +33,31 @@ def _uses_session_ray(item: pytest.Item) -> bool:
     return "ray_runtime" in getattr(item, "fixturenames", ())
 
 
+# what a test module names when one of its tests may start Ray: the session's runtime, a job or a runtime
+# of its own, a child process (a driver, a benchmark, the CLI), a test cluster
+STARTS_RAY = re.compile(r"\bray\b|ray_runtime|subprocess|RLJob|Runtime\(|start_local_cluster|main\(\[")
+
+
+@cache
+def _module_may_start_ray(path: str) -> bool:
+    return bool(STARTS_RAY.search(Path(path).read_text()))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The fast tier (``make test-fast``: ``-m "not slow"``) leaves out every test that starts processes:
     those marked ``distributed`` and those that use the session's Ray runtime are ``slow`` too.
 
-    The tests that use the session's Ray run last, in their usual order: a second local Ray instance (a
-    child driver's, a benchmark's, a test cluster's) started next to it is slow to come up on a busy
-    machine (its raylet missed Ray's 30 s registration wait; a clean-exit driver took 2.5x as long)."""
+    One local Ray at a time: a second local Ray instance (a child driver's, a benchmark's, a test
+    cluster's) started next to another is slow to come up on a busy machine (its raylet missed Ray's 30 s
+    registration wait; a clean-exit driver took 2.5x as long). So every slow test of a module that may start
+    Ray is in one ``xdist_group`` — ``make test`` runs the suite on two pytest-xdist workers with
+    ``--dist loadgroup``, and that group runs on one of them, one test after another, while the other takes
+    every other test — and the tests that use the session's Ray run last, in their usual order."""
     for item in items:
         if item.get_closest_marker("distributed") or _uses_session_ray(item):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow") and _module_may_start_ray(str(item.path)):
+            item.add_marker(pytest.mark.xdist_group("ray"))
     items[:] = sorted(items, key=_uses_session_ray)  # stable: each group keeps its order
 
 
