@@ -13,8 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
+from nereus.control.pools import runs_apart
 from nereus.sim.run import simulate_with_backend
 from nereus.spec import load_job
+from nereus.spec.layout import Plan
 from nereus.spec.trace import load_trace
 
 COLORS = {"bulk": "#4c72b0", "speculation": "#64b5cd", "migration": "#c44e52", "tail": "#dd8452",
@@ -51,12 +53,31 @@ def step_rows(last: dict) -> list[tuple[str, str, float, float]]:
             rows += [(label[r], "inference (overlapped)", m1, busy), (label[r], "idle", busy, end)]
         else:
             rows.append((label[r], "idle", m1, end))
-    t = end
-    for kind in ("inference", "training", "weight_sync"):
-        dur = last["phases"].get(kind, 0.0)
-        rows += [(label[r], kind, t, t + dur) for r in range(lay.dp)]
-        t += dur
+    rows += _later_stages(model.plan, last["phases"], list(label.values()), end)
     return [row for row in rows if row[3] > row[2]]
+
+
+def _later_stages(plan: Plan, phases: dict[str, float], tracks: list[str],
+                  end: float) -> list[tuple[str, str, float, float]]:
+    """Inference, training and weight sync after the generation on its GPUs; on a plan that runs
+    one-step-off, inference and training of the step before on the training pool's GPUs from the step's
+    start (``sim.backend``: the step is the slower pool plus the weight sync)."""
+    rows: list[tuple[str, str, float, float]] = []
+    pool = None
+    if plan.levers is not None and plan.levers.async_split is not None and runs_apart(plan):
+        rollout = set(plan.placement("actor/generation").gpus)
+        others = sorted({g for p in plan.placements for g in p.gpus} - rollout)
+        pool = f"GPUs {others[0]}-{others[-1]} (training pool)"
+    t = 0.0 if pool else end
+    for kind in ("inference", "training"):
+        dur = phases.get(kind, 0.0)
+        rows += [(pool, kind, t, t + dur)] if pool else [(g, kind, t, t + dur) for g in tracks]
+        t += dur
+    if pool:  # the training pool waits for the rollout's samples (verl's wait_prev_gen)
+        rows.append((pool, "idle", t, end))
+    t = max(t, end)
+    sync = phases.get("weight_sync", 0.0)
+    return rows + [(g, "weight_sync", t, t + sync) for g in (tracks + [pool] if pool else tracks)]
 
 
 def chrome_trace(rows: list[tuple[str, str, float, float]], title: str) -> dict:

@@ -10,7 +10,8 @@ from nereus.cost.hardware import Hardware
 from nereus.cost.levers.async_split import async_step
 from nereus.planner.search import search
 from nereus.sim.baselines import make_policy
-from nereus.sim.run import simulate
+from nereus.sim.run import simulate, simulate_with_backend
+from nereus.sim.step_timeline import step_rows
 from nereus.spec import load_job
 from nereus.spec.trace import load_trace
 from tests.conftest import EXAMPLES, ROOT
@@ -66,3 +67,16 @@ def test_nereus_at_one_step_of_lag_trains_one_step_old_tokens_on_its_split():
     assert plan.levers.async_split is not None and runs_apart(plan)
     on_policy = make_policy("nereus", job, policy_lag=0).initial_plan(job.cluster.num_gpus)
     assert on_policy.levers is None or on_policy.levers.async_split is None
+
+
+def test_the_step_timeline_draws_the_training_pool_beside_the_rollout():
+    job = _long_tail_job()
+    trace = load_trace(ROOT / "traces" / "r1_zero_growth.yaml")
+    record, backend = simulate_with_backend(job, trace, "nereus", 0, 2, policy_lag=1)
+    rows = step_rows(backend.last_generation)
+    pool = [r for r in rows if r[0].endswith("(training pool)")]
+    assert [kind for _, kind, _, _ in pool][:2] == ["inference", "training"] and pool[0][2] == 0.0
+    generation_end = max(b for g, kind, _, b in rows if kind in ("bulk", "speculation"))
+    sync = [a for g, kind, a, _ in rows if kind == "weight_sync"]
+    assert sync and min(sync) == pytest.approx(max(generation_end, pool[1][3]))
+    assert max(b for *_, b in rows) == pytest.approx(record.steps[-1]["step_time_s"], rel=1e-6)
