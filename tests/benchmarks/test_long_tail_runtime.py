@@ -1,10 +1,10 @@
 """Smoke test of benchmarks/long_tail_runtime.py at tiny size: one mode of each kind of run the harness
-drives runs (the fixed-batch step, mid-step moves, asynchrony on other layouts, vLLM's engine where it is
-installed, the levers together at policy lag 1): their figures, per-step wall times, idle fractions,
+drives and compares runs (the fixed-batch step, the engine with and without mid-step moves, asynchrony on
+other layouts, the levers together at policy lag 1): their figures, per-step wall times, idle fractions,
 accuracies and the levers' policy lag present and in range, none failed; the table, the JSON and the PNG
 are written. Every other mode differs from these only in its job's keys, which the spec accepts (checked
-without a run); each runs for real in its own runtime test (tests/run). No timing is asserted: the
-figures are reported, never checked."""
+without a run); each runs for real in its own runtime test (tests/run; vLLM's in test_vllm_job.py). No
+timing is asserted: the figures are reported, never checked."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-SMOKE_MODES = ("static", "intra+midstep", "async", "vllm", "levers")
+SMOKE_MODES = ("static", "intra", "intra+midstep", "async", "levers")
 
 
 def test_every_modes_job_is_accepted_by_the_spec(tmp_path: Path) -> None:
@@ -31,7 +31,10 @@ def test_every_modes_job_is_accepted_by_the_spec(tmp_path: Path) -> None:
         sys.path.remove(str(ROOT / "benchmarks"))
     args = bench.parse(["--quick"])
     jobs, skipped = bench.mode_jobs(bench.base_spec(tmp_path, args), list(bench.MODES))
-    assert not skipped and list(jobs) == list(bench.MODES)
+    from nereus.spec.rollout import vllm_distribution
+
+    refused = [] if vllm_distribution() is not None else ["vllm"]  # the one mode that needs an optional package
+    assert list(skipped) == refused and list(jobs) == [m for m in bench.MODES if m not in refused]
     assert set(SMOKE_MODES) <= set(bench.MODES)
 
 
@@ -42,14 +45,8 @@ def test_quick_run_writes_table_json_and_plot(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     data = json.loads((tmp_path / "long_tail_runtime.json").read_text())
     assert (tmp_path / "long_tail_runtime.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    from nereus.spec.rollout import vllm_distribution
-
     modes = SMOKE_MODES
-    if vllm_distribution() is None:  # the one mode that needs an optional package
-        modes = tuple(m for m in modes if m != "vllm")
-        assert list(data["skipped"]) == ["vllm"]
-    else:
-        assert not data["skipped"], data["skipped"]
+    assert not data["skipped"], data["skipped"]
     assert not data["failed"], data["failed"]
     assert list(data["figures"]) == list(modes)
     steps = data["config"]["steps"]
@@ -75,6 +72,6 @@ def test_quick_run_writes_table_json_and_plot(tmp_path: Path) -> None:
     # the same greedy accuracy before RL (async generates on other layouts, whose padding may round differently)
     assert data["warmstarts"] == 1
     assert len({data["runs"][m][0]["init_actor_sha256"] for m in modes}) == 1
-    assert len({f["warmstart_accuracy"] for m, f in data["figures"].items() if m not in ("async", "vllm")}) == 1
+    assert len({f["warmstart_accuracy"] for m, f in data["figures"].items() if m != "async"}) == 1
     assert data["figures"]["static"]["vs_static"] == 1.0
     assert "goal: >= 33% lower mean step time" in proc.stdout and data["table"] in proc.stdout
