@@ -50,14 +50,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     One local Ray at a time: a second local Ray instance (a child driver's, a benchmark's, a test
     cluster's) started next to another is slow to come up on a busy machine (its raylet missed Ray's 30 s
     registration wait; a clean-exit driver took 2.5x as long). So every slow test of a module that may start
-    Ray is in one ``xdist_group`` — ``make test`` runs the suite on two pytest-xdist workers with
-    ``--dist loadgroup``, and that group runs on one of them, one test after another, while the other takes
-    every other test — and the tests that use the session's Ray run last, in their usual order."""
+    Ray is marked ``ray_lane``: ``make test`` runs those in one pytest process, one after another, the tests
+    that use the session's Ray last in their usual order, and every other test in a second pytest process
+    beside it (``-m "not ray_lane"``)."""
     for item in items:
         if item.get_closest_marker("distributed") or _uses_session_ray(item):
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("slow") and _module_may_start_ray(str(item.path)):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+            item.add_marker(pytest.mark.ray_lane)
     items[:] = sorted(items, key=_uses_session_ray)  # stable: each group keeps its order
 
 
