@@ -23,17 +23,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/nereus run examples/ppo_tiny.yaml --out runs/demo
 
-# Two pytest processes side by side (tests/conftest.py): the slow tests that may start Ray one after another
-# (one local Ray at a time), shown as they run; every other test beside them, at a niceness just below Ray
-# workers' (15) so that it takes the CPU they leave, its report printed after. Fails if either fails.
 test: $(STAMP)
 	$(BIN)/ruff check .
-	t=$$(mktemp -d); \
-	nice -n 16 $(BIN)/python -m pytest -q -m "not ray_lane" --durations=10 -p no:cacheprovider \
-		--basetemp=$$t/other > $$t/other.log 2>&1 & other=$$!; \
-	$(BIN)/python -m pytest -q -m ray_lane --durations=10 --basetemp=$$t/ray; ray=$$?; \
-	wait $$other; rest=$$?; echo "== every test that starts no Ray (-m 'not ray_lane'):"; \
-	cat $$t/other.log; rm -rf $$t; exit $$(( ray || rest ))
+	$(BIN)/python -m pytest -q --durations=15
 
 # the inner loop: every test that starts no process (under 3 minutes on 2 cores)
 test-fast: $(STAMP)

@@ -1,6 +1,4 @@
 import os
-import re
-from functools import cache
 from pathlib import Path
 
 import pytest
@@ -33,31 +31,16 @@ def _uses_session_ray(item: pytest.Item) -> bool:
     return "ray_runtime" in getattr(item, "fixturenames", ())
 
 
-# what a test module names when one of its tests may start Ray: the session's runtime, a job or a runtime
-# of its own, a child process (a driver, a benchmark, the CLI), a test cluster
-STARTS_RAY = re.compile(r"\bray\b|ray_runtime|subprocess|RLJob|Runtime\(|start_local_cluster|main\(\[")
-
-
-@cache
-def _module_may_start_ray(path: str) -> bool:
-    return bool(STARTS_RAY.search(Path(path).read_text()))
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The fast tier (``make test-fast``: ``-m "not slow"``) leaves out every test that starts processes:
     those marked ``distributed`` and those that use the session's Ray runtime are ``slow`` too.
 
-    One local Ray at a time: a second local Ray instance (a child driver's, a benchmark's, a test
-    cluster's) started next to another is slow to come up on a busy machine (its raylet missed Ray's 30 s
-    registration wait; a clean-exit driver took 2.5x as long). So every slow test of a module that may start
-    Ray is marked ``ray_lane``: ``make test`` runs those in one pytest process, one after another, the tests
-    that use the session's Ray last in their usual order, and every other test in a second pytest process
-    beside it (``-m "not ray_lane"``)."""
+    The tests that use the session's Ray run last, in their usual order: a second local Ray instance (a
+    child driver's, a benchmark's, a test cluster's) started next to it is slow to come up on a busy
+    machine (its raylet missed Ray's 30 s registration wait; a clean-exit driver took 2.5x as long)."""
     for item in items:
         if item.get_closest_marker("distributed") or _uses_session_ray(item):
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("slow") and _module_may_start_ray(str(item.path)):
-            item.add_marker(pytest.mark.ray_lane)
     items[:] = sorted(items, key=_uses_session_ray)  # stable: each group keeps its order
 
 
