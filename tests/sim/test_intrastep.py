@@ -141,7 +141,9 @@ def test_property_kv_pieces_cover_each_destination_shard_exactly_once(seed, tp, 
                     size = (piece.layers[1] - piece.layers[0]) * (piece.heads[1] - piece.heads[0])
                     area[key] = area.get(key, 0) + size
     per_rank = arch.layers * max(1, arch.kv_heads // tp)
-    assert area and set(area.values()) == {per_rank}
+    # every sequence sent arrives whole; a plan sends nothing when the live sequences already sit where
+    # the tail runs (seed 41182, TP 4, one replica, trigger 4: hypothesis found it)
+    assert set(area.values()) <= {per_rank} and bool(area) == (mig.bytes_sent > 0)
 
 
 def test_controller_calibrates_the_move_cost_and_logs_every_decision():
