@@ -28,7 +28,7 @@ from dataclasses import asdict, replace
 from nereus.control.backend import ClusterState, Decision, Policy, StepMetrics, TransitionMetrics
 from nereus.control.controller import usable_gpus
 from nereus.control.levers import LeverRule, generation_forecast, powers_of_two, speculation_decision
-from nereus.control.pools import ROLLOUT, STALENESS, PoolRule, runs_apart
+from nereus.control.pools import STALENESS, PoolRule, runs_apart
 from nereus.cost.generation import Prediction, no_move, predict
 from nereus.spec.generation import (
     ChangeTailLayout,
@@ -40,7 +40,7 @@ from nereus.spec.generation import (
 )
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
-from nereus.spec.levers import AsyncSplit, GenerationLevers
+from nereus.spec.levers import GenerationLevers
 
 
 class TailRule(ABC):
@@ -217,27 +217,22 @@ class PhasedPolicy:
 
     def _async_levers(self, job: JobSpec, base: Plan, factors: dict[str, float]) -> GenerationLevers:
         self._phase = None  # the rollout's pool holds no inference a tail layout could start early
-        split = AsyncSplit(len(base.placement(str(ROLLOUT)).gpus), STALENESS)
-        choice = None
-        if self.levers is not None:
-            model, bulk, f, _ = generation_forecast(job, base, factors)
-            choice = self.levers.choose(model, bulk, f, self.policy_lag - STALENESS)
-        kept = choice.levers if choice is not None else GenerationLevers(policy=self.name)
-        return replace(kept, async_split=split)
+        return self.pools.price(job, factors, self.levers, self.policy_lag, base).levers
 
-    def _choose_pools(self, step: int, num_gpus: int) -> Plan:
-        """The pool split for ``num_gpus`` (``control.pools``): the inner policy plans under its constraints
-        from now on; returns the choice's plan."""
+    def _choose_pools(self, step: int, num_gpus: int, colocated: Plan | None = None) -> Plan:
+        """The pool split for ``num_gpus`` (``control.pools``; ``colocated``: the inner policy's plan for it,
+        when it has one): the inner policy plans under the choice's constraints from now on; returns the
+        choice's plan."""
         ctrl = self.controller
         job = ctrl.job_for(step, num_gpus)
-        choice = self.pools.choose(job, ctrl.factors, self.levers, self.policy_lag, self._colocated)
+        choice = self.pools.choose(job, ctrl.factors, self.levers, self.policy_lag, self._colocated, colocated)
         ctrl.constraints = choice.constraints
         return choice.plan
 
     def initial_plan(self, num_gpus: int) -> Plan:
         base = self.inner.initial_plan(num_gpus)
         if self.pools is not None:
-            base = self._choose_pools(0, num_gpus)
+            base = self._choose_pools(0, num_gpus, base)
             self.inner.resume(base)
         return self._phased(base, 0)
 
@@ -254,10 +249,11 @@ class PhasedPolicy:
         self.rule.observe(m)
         if self.levers is not None:
             self.levers.observe(m)
-        ctrl = self.controller
-        gpus = usable_gpus(cluster.num_gpus, ctrl.job.cluster.gpus_per_node)
-        if self.pools is not None and gpus != ctrl.plan.num_gpus:  # the split is chosen again for the new count
-            self._choose_pools(m.step + 1, gpus)
+        if self.pools is not None:  # the split is chosen again when the GPU count changes
+            ctrl = self.controller
+            gpus = usable_gpus(cluster.num_gpus, ctrl.job.cluster.gpus_per_node)
+            if gpus != ctrl.plan.num_gpus:
+                self._choose_pools(m.step + 1, gpus)
         d = self.inner.after_step(m, cluster)
         base = d.plan if d.plan is not None and d.plan != self._base else self._base
         return replace(d, plan=self._phased(base, m.step + 1))

@@ -21,9 +21,10 @@ calibrated price would count a lever's gain twice (a split measured at 85 s of g
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from nereus.control.levers import LeverRule, generation_forecast, powers_of_two
+from nereus.cost.generation import ROLLOUT
 from nereus.cost.hardware import Hardware
 from nereus.cost.levers.async_split import async_step
 from nereus.cost.plan_cost import PlanEstimate, estimate_plan
@@ -33,7 +34,6 @@ from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage, Plan
 from nereus.spec.levers import AsyncSplit, GenerationLevers
 
-ROLLOUT = ModelStage("actor", "generation")
 STALENESS = 1  # one-step-off: the only asynchrony run.policy_lag 1 allows
 
 
@@ -57,6 +57,11 @@ def runs_apart(plan: Plan) -> bool:
     return all(not rollout & set(p.gpus) for p in plan.placements if p.model_stage != ROLLOUT)
 
 
+def runs_one_step_off(plan: Plan) -> bool:
+    """Whether ``plan`` runs one-step-off: its levers ask for it and its rollout holds GPUs apart."""
+    return plan.levers is not None and plan.levers.async_split is not None and runs_apart(plan)
+
+
 @dataclass(frozen=True)
 class PoolChoice:
     """A priced option: the plan (colocated when ``gen_gpus`` is None), its levers and predicted step."""
@@ -66,7 +71,12 @@ class PoolChoice:
     gen_gpus: int | None
     levers: GenerationLevers | None
     step_s: float
-    predicted: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def predicted(self) -> dict[str, float]:
+        if self.gen_gpus is None:
+            return {"colocated_step_s": self.step_s}
+        return dict(self.levers.predicted)
 
 
 @dataclass
@@ -75,10 +85,14 @@ class PoolRule:
     name: str = "nereus"
 
     def choose(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int,
-               base: Constraints | None) -> PoolChoice:
-        """The fastest of the colocated plan (under ``base``) and the splits of ``job``'s GPUs, each with
-        its levers; the colocated one unless a split beats it by ``min_gain``."""
-        colocated = self._price(job, factors, levers, policy_lag, base, None)
+               base: Constraints | None, colocated_plan: Plan | None = None) -> PoolChoice:
+        """The fastest of the colocated plan (under ``base``; ``colocated_plan`` when the caller has searched
+        it already) and the splits of ``job``'s GPUs, each with its levers; the colocated one unless a split
+        beats it by ``min_gain``."""
+        if colocated_plan is None:
+            colocated = self._price(job, factors, levers, policy_lag, base, None)
+        else:
+            colocated = replace(self.price(job, factors, levers, policy_lag, colocated_plan), constraints=base)
         if policy_lag < STALENESS:
             return colocated
         n, node = job.cluster.num_gpus, job.cluster.gpus_per_node
@@ -115,8 +129,7 @@ class PoolRule:
             chosen = levers.choose(model, bulk, f, policy_lag - STALENESS if apart else policy_lag)
         gain = chosen.gain_s if chosen is not None else 0.0
         if gen_gpus is None:
-            return PoolChoice(plan, None, None, chosen.levers if chosen else None, est.step_time_s - gain,
-                              {"colocated_step_s": est.step_time_s - gain})
+            return PoolChoice(plan, None, None, chosen.levers if chosen else None, est.step_time_s - gain)
         p = est.phase_times
         a = async_step(gen_gpus, job.cluster.num_gpus - gen_gpus, p["generation"] - gain,
                        p["inference"] + p["training"], p["weight_sync"], STALENESS)
@@ -124,4 +137,4 @@ class PoolRule:
         predicted = {**kept.predicted, "async_step_s": a.step_s, "async_gen_s": a.gen_s,
                      "async_train_s": a.train_s, "async_sync_s": a.sync_s}
         split = replace(kept, async_split=AsyncSplit(gen_gpus, STALENESS), policy=self.name, predicted=predicted)
-        return PoolChoice(plan, None, gen_gpus, split, a.step_s, predicted)
+        return PoolChoice(plan, None, gen_gpus, split, a.step_s)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from nereus.control.backend import ClusterState, GenerationPolicy, StepMetrics, TransitionMetrics
-from nereus.control.pools import runs_apart
+from nereus.control.pools import runs_one_step_off
 from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.batching import Factors
 from nereus.cost.generation import (
@@ -180,7 +180,7 @@ class SimBackend:
             tokens = trained
         lag = (1.0,) if rnd is None else rnd.policy_lag
         step_s = sum(phases.values())
-        if _runs_async(plan):  # generation of the next step overlaps this step's inference and training
+        if runs_one_step_off(plan):  # generation of the next step overlaps this step's inference and training
             step_s = max(phases["generation"], phases["inference"] + phases["training"]) + phases["weight_sync"]
             lag = (0.0, 1.0)
         return StepMetrics(step, stage_times, phases, step_s, mean, longest,
@@ -277,9 +277,3 @@ def _scale_later_stages(stage_times: dict[str, float], phases: dict[str, float],
     for stage in ("inference", "training"):
         phases[stage] *= factor
 
-
-def _runs_async(plan: Plan) -> bool:
-    """Whether the plan runs one-step-off: its levers ask for it and the rollout's GPUs hold nothing else
-    (verl's one-step-off recipe: separate resource pools; the steady state of ``cost.levers.async_split``:
-    a step takes the slower pool plus the weight sync, every trained token one step old)."""
-    return plan.levers is not None and plan.levers.async_split is not None and runs_apart(plan)

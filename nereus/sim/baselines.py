@@ -32,7 +32,7 @@ from dataclasses import replace
 from nereus.control.backend import ClusterState, Decision, StepMetrics, TransitionMetrics
 from nereus.control.controller import Controller, ControllerConfig, TransitionCost, usable_gpus
 from nereus.control.forecast import Schedule
-from nereus.control.pools import split_constraints
+from nereus.control.pools import PoolRule, split_constraints
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.planner.search import Constraints, SearchResult, search
@@ -236,7 +236,6 @@ def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, con
         FixedTailBatching,
         NereusLevers,
     )
-    from nereus.control.pools import PoolRule
 
     if name in ("nereus", "nereus-tail"):  # nereus-tail: tail layouts only, no levers (an ablation)
         return PhasedPolicy(name, Controller(job, config, schedule, total_steps, transition_cost), NereusTail(),

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from nereus.control.pools import runs_apart
+from nereus.control.pools import runs_one_step_off
 from nereus.sim.run import simulate_with_backend
 from nereus.spec import load_job
 from nereus.spec.layout import Plan
@@ -64,7 +64,7 @@ def _later_stages(plan: Plan, phases: dict[str, float], tracks: list[str],
     start (``sim.backend``: the step is the slower pool plus the weight sync)."""
     rows: list[tuple[str, str, float, float]] = []
     pool = None
-    if plan.levers is not None and plan.levers.async_split is not None and runs_apart(plan):
+    if runs_one_step_off(plan):
         rollout = set(plan.placement("actor/generation").gpus)
         others = sorted({g for p in plan.placements for g in p.gpus} - rollout)
         pool = f"GPUs {others[0]}-{others[-1]} (training pool)"
