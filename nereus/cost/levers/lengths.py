@@ -22,6 +22,7 @@ from nereus.cost.decode import DecodePhases, Replica, decode_phases
 from nereus.spec.response import ResponseLength
 
 _NORMAL = NormalDist()
+_SQRT2 = math.sqrt(2.0)  # as statistics.NormalDist.cdf divides by it: the fast paths below give its very bits
 PROMPT_POINTS = 64  # quantiles of Z_prompt the expectations average over
 # bisection steps in log length: from [1, 2^20] tokens to within a factor 1 + 1e-8 (a ten-thousandth of
 # a token at 20k tokens)
@@ -51,6 +52,26 @@ class GroupLengths:
     def prompt_z(self) -> tuple[float, ...]:
         return tuple(_NORMAL.inv_cdf((j + 0.5) / PROMPT_POINTS) for j in range(PROMPT_POINTS))
 
+    @cached_property
+    def _spread(self) -> float:
+        """σ √(1 − ρ): the spread of log L given the prompt's Z."""
+        return self.sigma * math.sqrt(1 - self.siblings)
+
+    @cached_property
+    def _centres(self) -> tuple[float, ...]:
+        """μ + σ √ρ z_j: the centre of log L given each prompt quantile z_j."""
+        return tuple(self.mu + self.sigma * math.sqrt(self.siblings) * z for z in self.prompt_z)
+
+    def prompt_cdfs(self, x: float) -> list[float]:
+        """``response_cdf(x, z_j)`` for every prompt quantile z_j, the very same numbers, computed in one pass
+        (the bisections of the levers' quantiles evaluate this millions of times)."""
+        if x >= self.max or x <= 0 or self.sigma == 0:
+            return [self.response_cdf(x, z) for z in self.prompt_z]
+        lx, spread, erf = math.log(x), self._spread, math.erf
+        if spread < 1e-9:
+            return [1.0 if lx >= c else 0.0 for c in self._centres]
+        return [0.5 * (1.0 + erf((lx - c) / spread / _SQRT2)) for c in self._centres]
+
     def response_cdf(self, x: float, z: float | None = None) -> float:
         """P(L ≤ x) for one response, given the prompt's Z (or marginally when ``z`` is None)."""
         if x >= self.max:
@@ -69,7 +90,8 @@ class GroupLengths:
 
     def group_cdf(self, x: float) -> float:
         """P(a group's longest response ≤ x) = E_Z[F(x | Z)^G]."""
-        return sum(self.response_cdf(x, z) ** self.group_size for z in self.prompt_z) / PROMPT_POINTS
+        g = self.group_size
+        return sum(f ** g for f in self.prompt_cdfs(x)) / PROMPT_POINTS
 
     def group_quantile(self, q: float) -> float:
         """The length by which a share ``q`` of the groups has finished (bisection on ``group_cdf``)."""
@@ -94,7 +116,7 @@ class GroupLengths:
 
     def deferred_weights(self, stop: float) -> tuple[float, ...]:
         """P(Z_prompt = z_j | the prompt's group had not finished by ``stop``), over the prompt quantiles."""
-        raw = [1 - self.response_cdf(stop, z) ** self.group_size for z in self.prompt_z]
+        raw = [1 - f ** self.group_size for f in self.prompt_cdfs(stop)]
         total = sum(raw)
         return tuple(r / total for r in raw) if total > 0 else tuple(1 / PROMPT_POINTS for _ in raw)
 
@@ -103,7 +125,7 @@ class GroupLengths:
         difficulty stays, so with ρ > 0 its new responses are long too (``weights``: ``deferred_weights``
         of ``stop``, when the caller has them)."""
         w = self.deferred_weights(stop) if weights is None else weights
-        return sum(wj * self.response_cdf(x, z) for wj, z in zip(w, self.prompt_z, strict=True) if wj > 0)
+        return sum(wj * f for wj, f in zip(w, self.prompt_cdfs(x), strict=True) if wj > 0)
 
     def deferred_quantiles(self, stop: float, points: int = LENGTH_POINTS) -> tuple[float, ...]:
         w = self.deferred_weights(stop)
