@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from nereus.cost.hardware import Hardware
 from nereus.cost.memory import BF16
 from nereus.cost.stages import StageCost, stage_cost
@@ -89,7 +91,13 @@ def _components(placements: list[Placement]) -> list[list[Placement]]:
 def resident_per_device(hw: Hardware, job: JobSpec, plan: Plan, costs: dict[str, StageCost]) -> list[float]:
     """Memory held across the whole step on each device. Weights shared by two stages of one model with
     the same shards on the same GPUs count once; training stages add gradients and optimizer state."""
-    resident = [0.0] * plan.num_gpus
+    return _resident(plan, costs).tolist()
+
+
+def _resident(plan: Plan, costs: dict[str, StageCost]) -> np.ndarray:
+    """``resident_per_device`` as an array (one float64 add per placement and GPU, as a loop would do;
+    arrays because plans at 1,024 GPUs made these per-GPU loops the simulator's hot spot)."""
+    resident = np.zeros(plan.num_gpus)
     seen_weights: set[tuple] = set()
     for p in plan.placements:
         c = costs[str(p.model_stage)]
@@ -98,8 +106,7 @@ def resident_per_device(hw: Hardware, job: JobSpec, plan: Plan, costs: dict[str,
         if key in seen_weights:
             share -= c.memory.get("weights", 0.0)
         seen_weights.add(key)
-        for g in p.gpus:
-            resident[g] += share
+        np.add.at(resident, list(p.gpus), share)
     return resident
 
 
@@ -111,25 +118,24 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
         if p.model_stage.stage != "generation":
             costs[str(p.model_stage)] = _cost_or_error(hw, job, p)
     partial = Plan(tuple(p for p in plan.placements if p.model_stage.stage != "generation"), plan.num_gpus)
-    resident = resident_per_device(hw, job, partial, costs)
+    resident = _resident(partial, costs)
     for p in plan.placements:
         if p.model_stage.stage == "generation":
-            others = max(resident[g] for g in p.gpus)
+            others = float(resident[list(p.gpus)].max())
             costs[str(p.model_stage)] = _cost_or_error(hw, job, p, others)
-    resident = resident_per_device(hw, job, plan, costs)
+    resident = _resident(plan, costs)
     stage_times = {name: c.time(factors) for name, c in costs.items()}
-    phase_times, peak = {}, list(resident)
+    phase_times, peak = {}, resident.copy()
     for stage in STAGES:
         active = [p for p in plan.placements if p.model_stage.stage == stage]
         groups = [sum(stage_times[str(m.model_stage)] for m in comp) for comp in _components(active)]
         agg = max if job.options.concurrent_stages else sum  # see Options.concurrent_stages
         phase_times[stage] = agg(groups) if groups else 0.0
-        transient = [0.0] * plan.num_gpus
+        transient = np.zeros(plan.num_gpus)
         for p in active:
-            t = costs[str(p.model_stage)].transient_bytes
-            for g in p.gpus:
-                transient[g] = max(transient[g], t)
-        peak = [max(a, r + t) for a, r, t in zip(peak, resident, transient, strict=True)]
+            gpus = list(p.gpus)
+            transient[gpus] = np.maximum(transient[gpus], costs[str(p.model_stage)].transient_bytes)
+        peak = np.maximum(peak, resident + transient)
     sync = 0.0
     if job.algorithm.name != "train":
         train = plan.placement(ModelStage("actor", "training"))
@@ -144,9 +150,9 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
     usable = hw.usable_bytes()
     violations = [f"GPU {g}: needs {b / 1e9:.1f} GB, usable {usable / 1e9:.1f} GB "
                   f"(capacity {hw.capacity_bytes / 1e9:.1f} GB less reserve)"
-                  for g, b in enumerate(peak) if b > usable]
-    return PlanEstimate(sum(phase_times.values()), phase_times, costs, stage_times, peak, hw.capacity_bytes,
-                        violations)
+                  for g, b in enumerate(peak.tolist()) if b > usable]
+    return PlanEstimate(sum(phase_times.values()), phase_times, costs, stage_times, peak.tolist(),
+                        hw.capacity_bytes, violations)
 
 
 def _cost_or_error(hw: Hardware, job: JobSpec, p: Placement, others: float = 0.0) -> StageCost:

@@ -90,7 +90,7 @@ class SpecOutcome:
 
 def switch_time(bulk: BulkRun, replica: int, live_at_most: int) -> float:
     """When ``replica``'s queue is empty and at most ``live_at_most`` of its sequences are live (inf: never)."""
-    mine = np.flatnonzero(bulk.replica == replica)
+    mine = bulk.members(replica)
     if not len(mine):
         return math.inf
     start, fin = bulk.start_s[mine], np.sort(bulk.finish_s[mine])
@@ -117,7 +117,8 @@ def with_speculation(model: GenModel, bulk: BulkRun, k: int, live_at_most: int, 
         t_r = switch_time(bulk, r, live_at_most)
         if not math.isfinite(t_r) or t_r >= run.end_s:
             continue
-        ids = np.flatnonzero((bulk.replica == r) & (bulk.finish_s > t_r))
+        mine = bulk.members(r)
+        ids = mine[bulk.finish_s[mine] > t_r]
         generated = generated_at(bulk, ids, t_r)
         left = np.maximum(1.0, bulk.lengths[ids] - generated)
         iters = left / mean_y
