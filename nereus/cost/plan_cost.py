@@ -106,7 +106,7 @@ def _resident(plan: Plan, costs: dict[str, StageCost]) -> np.ndarray:
         if key in seen_weights:
             share -= c.memory.get("weights", 0.0)
         seen_weights.add(key)
-        np.add.at(resident, list(p.gpus), share)
+        resident[list(p.gpus)] += share  # a placement's GPUs are distinct (spec.layout.Placement)
     return resident
 
 

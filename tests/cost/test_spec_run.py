@@ -3,11 +3,19 @@ verification, speculation's gain in the tail and its loss at large batch, drawn 
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nereus.cost.batching import Factors
-from nereus.cost.generation import GenModel, forecast_lengths, no_move, run_bulk
+from nereus.cost.generation import BulkRun, GenModel, forecast_lengths, no_move, run_bulk
 from nereus.cost.hardware import Hardware
-from nereus.cost.levers.spec_run import SpecTable, switch_time, tokens_per_iteration, with_speculation
+from nereus.cost.levers.spec_run import (
+    SpecTable,
+    switch_time,
+    switch_times,
+    tokens_per_iteration,
+    with_speculation,
+)
 from nereus.cost.levers.speculative import expected_tokens
 from nereus.cost.plan_cost import estimate_plan
 from nereus.planner.search import search
@@ -65,3 +73,19 @@ def test_drawn_iterations_average_to_the_expected_ones():
     assert mean == pytest.approx(expected.verifications, rel=0.01)
     assert len({round(d.verifications) for d in drawn}) > 1  # drawn, not the expectation
     assert switch_time(bulk, 0, 10**6) <= switch_time(bulk, 0, 16) <= switch_time(bulk, 0, 1)
+
+
+@given(sequences=st.integers(1, 40), replicas=st.integers(1, 9), live_at_most=st.integers(0, 12),
+       seed=st.integers(0, 10**6), ties=st.booleans())
+def test_every_replicas_switch_time_at_once_equals_each_one_alone(sequences, replicas, live_at_most, seed, ties):
+    """Sequence i on replica i mod R (as ``run_bulk`` lays them), with fewer sequences than replicas, counts
+    not divisible by R, and tied start and finish times (``ties``: whole seconds)."""
+    rng = np.random.default_rng(seed)
+    start = rng.uniform(0, 5, sequences)
+    finish = start + rng.uniform(0.1, 10, sequences)
+    if ties:
+        start, finish = np.floor(start), np.floor(start) + np.ceil(finish - start)
+    bulk = BulkRun(np.ones(sequences), np.arange(sequences) % replicas, start, finish, [None] * replicas, 1,
+                   np.zeros(sequences, np.int64))
+    one_by_one = [switch_time(bulk, r, live_at_most) for r in range(replicas)]
+    assert switch_times(bulk, live_at_most).tolist() == one_by_one

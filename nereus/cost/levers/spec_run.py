@@ -24,7 +24,7 @@ from functools import lru_cache
 import numpy as np
 
 from nereus.cost.batching import Factors, StepTable, run_replicas
-from nereus.cost.generation import BulkRun, GenModel, GenOutcome, generated_at
+from nereus.cost.generation import BulkRun, GenModel, GenOutcome
 from nereus.cost.levers.speculative import MODEL_FREE_HOST_S
 from nereus.cost.stages import ENGINE_MAX_SEQUENCES
 
@@ -102,6 +102,50 @@ def switch_time(bulk: BulkRun, replica: int, live_at_most: int) -> float:
     return float(fin[hit[0]]) if len(hit) else math.inf
 
 
+def switch_times(bulk: BulkRun, live_at_most: int) -> np.ndarray:
+    """``switch_time`` of every replica in one array pass (the same numbers: elements are picked, never
+    computed). Replica r's sequences are column r of the ids laid out ``rows × replicas``; past the last
+    start, a replica's sorted finishes hit ``live_at_most`` live at index count − 1 − live_at_most."""
+    replicas, n = len(bulk.runs), len(bulk.lengths)
+    rows = -(-n // replicas)
+    pad = rows * replicas - n  # the last row's missing ids: never finish, never start
+    fin = np.sort(np.concatenate([bulk.finish_s, np.full(pad, np.inf)]).reshape(rows, replicas), axis=0)
+    last_start = np.concatenate([bulk.start_s, np.full(pad, -np.inf)]).reshape(rows, replicas).max(axis=0)
+    count = np.bincount(bulk.replica, minlength=replicas)
+    first = np.maximum(count - 1 - live_at_most, np.argmax(fin >= last_start, axis=0))
+    hit = fin[np.minimum(first, rows - 1), np.arange(replicas)]
+    out = np.where(first < count, hit, math.inf)
+    out = np.where(count <= live_at_most, last_start, out)
+    return np.where(count == 0, math.inf, out)
+
+
+def _speculated_rest(bulk: BulkRun, t: np.ndarray, replicas: list[int], mean_y: float, var_y: float,
+                     rng: np.random.Generator | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per switching replica (ascending): the tokens left, the draft-and-verify iterations and the tokens
+    generated of each sequence still live at its switch time ``t[r]`` (ascending ids). One array pass over
+    every replica's sequences (the draws in that same order, so a replica at a time draws the same)."""
+    if not replicas:
+        return []
+    on = np.zeros(len(bulk.runs), bool)
+    on[replicas] = True
+    live = np.flatnonzero(on[bulk.replica] & (bulk.finish_s > t[bulk.replica]))
+    ids = live[np.argsort(bulk.replica[live], kind="stable")]  # by replica, then by id
+    rep = bulk.replica[ids]
+    done_cols = np.zeros(len(bulk.runs), np.int64)
+    for r in replicas:
+        done_cols[r] = np.searchsorted(bulk.runs[r].cum_s, t[r], side="right")
+    # ``generated_at`` for every replica at its own switch time
+    generated = np.minimum(np.maximum(0, done_cols[rep] - bulk.start_col[ids]) * bulk.bucket,
+                           bulk.lengths[ids] - 1).astype(float)
+    left = np.maximum(1.0, bulk.lengths[ids] - generated)
+    iters = left / mean_y
+    if rng is not None and var_y > 0:
+        iters = iters + rng.standard_normal(len(ids)) * np.sqrt(left * var_y / mean_y**3)
+    iters = np.maximum(1.0, np.ceil(iters))
+    cuts = np.searchsorted(rep, replicas[1:])
+    return list(zip(np.split(left, cuts), np.split(iters, cuts), np.split(generated, cuts), strict=True))
+
+
 def with_speculation(model: GenModel, bulk: BulkRun, k: int, live_at_most: int, alpha: float, f: Factors,
                      rng: np.random.Generator | None = None) -> SpecOutcome:
     """The stage with speculation of ``k`` drafts at acceptance ``alpha`` on each replica below
@@ -112,21 +156,12 @@ def with_speculation(model: GenModel, bulk: BulkRun, k: int, live_at_most: int, 
     table = spec_table(model.table(lay.tp), k)
     mean_y, var_y = tokens_per_iteration(alpha, k)
     ends = [run.end_s for run in bulk.runs]
-    work, switched, spec_tokens, verifications = [], [], 0.0, 0.0
-    for r, run in enumerate(bulk.runs):
-        t_r = switch_time(bulk, r, live_at_most)
-        if not math.isfinite(t_r) or t_r >= run.end_s:
-            continue
-        mine = bulk.members(r)
-        ids = mine[bulk.finish_s[mine] > t_r]
-        generated = generated_at(bulk, ids, t_r)
-        left = np.maximum(1.0, bulk.lengths[ids] - generated)
-        iters = left / mean_y
-        if rng is not None and var_y > 0:
-            iters = iters + rng.standard_normal(len(ids)) * np.sqrt(left * var_y / mean_y**3)
-        iters = np.maximum(1.0, np.ceil(iters))
-        work.append((iters, prompt + generated, 0.0, 0.0))
-        switched.append((r, t_r))
+    t = switch_times(bulk, live_at_most)
+    switched = [(r, t_r) for r, (t_r, e) in enumerate(zip(t.tolist(), ends, strict=True))
+                if math.isfinite(t_r) and t_r < e]
+    work, spec_tokens, verifications = [], 0.0, 0.0
+    for left, iters, context in _speculated_rest(bulk, t, [r for r, _ in switched], mean_y, var_y, rng):
+        work.append((iters, prompt + context, 0.0, 0.0))
         spec_tokens += float(left.sum())
         verifications += float(iters.sum())
     if work:  # every switched replica's rest in one array pass; each keeps all its sequences in flight
