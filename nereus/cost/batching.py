@@ -86,28 +86,37 @@ class ReplicaRun:
         return float(self.finish_s.max()) if len(self.finish_s) else 0.0
 
 
+def _list_schedule(cols: np.ndarray, slots: int) -> np.ndarray:
+    """The start column of each sequence: the first ``slots`` at once, then each queued sequence taking the
+    slot that frees first (list scheduling)."""
+    start = np.zeros(len(cols), np.int64)
+    free = [int(c) for c in cols[:slots]]
+    heapq.heapify(free)
+    for i in range(slots, len(cols)):
+        start[i] = free[0]
+        heapq.heapreplace(free, free[0] + int(cols[i]))
+    return start
+
+
 def run_replicas(table: StepTable, work: list[tuple[np.ndarray, np.ndarray, float, float]], slots: int,
                  bucket: int, f: Factors) -> list[ReplicaRun]:
     """Each replica decodes its ``remaining`` tokens per sequence (arrival order) after ``context`` tokens,
     ``slots`` in flight, a freed slot refilled at once, after a prefill of (tokens, context); columns of
-    ``bucket`` decode steps. All replicas in one array pass (a row each)."""
-    starts, ends, ctxs = [], [], []
-    for remaining, context, _, _ in work:
-        cols = np.maximum(1, np.ceil(remaining / bucket)).astype(np.int64)
-        start = np.zeros(len(cols), np.int64)
-        if len(cols) > slots:  # list scheduling: each queued sequence takes the slot that frees first
-            free = [int(c) for c in cols[:slots]]
-            heapq.heapify(free)
-            for i in range(slots, len(cols)):
-                start[i] = free[0]
-                heapq.heapreplace(free, free[0] + int(cols[i]))
-        starts.append(start)
-        ends.append(start + cols)
-        ctxs.append(np.asarray(context, float))
-    width = max((int(e.max()) for e in ends if len(e)), default=0) + 1
+    ``bucket`` decode steps. All replicas in one array pass (a row each; sequences concatenated by row)."""
     rows = len(work)
-    row = np.concatenate([np.full(len(s), i) for i, s in enumerate(starts)]) if rows else np.zeros(0, int)
-    st, en, cx = (np.concatenate(v) if rows else np.zeros(0) for v in (starts, ends, ctxs))
+    if not rows:
+        return []
+    sizes = [len(w[0]) for w in work]
+    cuts = np.cumsum(sizes)[:-1]
+    cols = np.maximum(1, np.ceil(np.concatenate([np.asarray(w[0]) for w in work]) / bucket)).astype(np.int64)
+    st = np.zeros(len(cols), np.int64)
+    for lo, n in zip([0, *cuts.tolist()], sizes, strict=True):
+        if n > slots:  # queued sequences: list scheduling on this replica
+            st[lo: lo + n] = _list_schedule(cols[lo: lo + n], slots)
+    en = st + cols
+    width = (int(en.max()) if len(en) else 0) + 1
+    row = np.repeat(np.arange(rows), sizes)
+    cx = np.concatenate([np.asarray(w[1], float) for w in work])
     size = rows * width
 
     def live_sum(weights: np.ndarray | None) -> np.ndarray:
@@ -116,11 +125,15 @@ def run_replicas(table: StepTable, work: list[tuple[np.ndarray, np.ndarray, floa
 
     live = live_sum(None)
     ctx_sum = live_sum(cx) + bucket * (np.arange(width) * live - live_sum(st.astype(float)))
-    pre = np.array([table.prefill(t, c, f) for _, _, t, c in work])
+    prefills: dict[tuple[float, float], float] = {}  # replicas with the same prompts prefill alike
+    for _, _, t, c in work:
+        if (t, c) not in prefills:
+            prefills[t, c] = table.prefill(t, c, f)
+    pre = np.array([prefills[t, c] for _, _, t, c in work])
     cum = pre[:, None] + np.cumsum(bucket * table.seconds(live, ctx_sum, f), axis=1)
-    out = []
-    for i, (s, e) in enumerate(zip(starts, ends, strict=True)):
-        c = cum[i]
-        start_s = np.where(s > 0, c[np.maximum(s - 1, 0)], pre[i])
-        out.append(ReplicaRun(start_s, c[e - 1] if len(e) else np.zeros(0), c, s, float(pre[i]), bucket))
-    return out
+    flat = cum.ravel()
+    start_s = np.where(st > 0, flat[row * width + np.maximum(st - 1, 0)], pre[row])
+    finish_s = flat[row * width + en - 1]
+    return [ReplicaRun(s, e, cum[i], c, float(pre[i]), bucket)
+            for i, (s, e, c) in enumerate(zip(np.split(start_s, cuts), np.split(finish_s, cuts), np.split(st, cuts),
+                                              strict=True))]
