@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import pairwise
 
 import numpy as np
 
@@ -134,6 +135,6 @@ def run_replicas(table: StepTable, work: list[tuple[np.ndarray, np.ndarray, floa
     flat = cum.ravel()
     start_s = np.where(st > 0, flat[row * width + np.maximum(st - 1, 0)], pre[row])
     finish_s = flat[row * width + en - 1]
-    return [ReplicaRun(s, e, cum[i], c, float(pre[i]), bucket)
-            for i, (s, e, c) in enumerate(zip(np.split(start_s, cuts), np.split(finish_s, cuts), np.split(st, cuts),
-                                              strict=True))]
+    bounds = [0, *cuts.tolist(), len(st)]
+    return [ReplicaRun(start_s[lo:hi], finish_s[lo:hi], cum[i], st[lo:hi], float(pre[i]), bucket)
+            for i, (lo, hi) in enumerate(pairwise(bounds))]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -94,6 +95,14 @@ def resident_per_device(hw: Hardware, job: JobSpec, plan: Plan, costs: dict[str,
     return _resident(plan, costs).tolist()
 
 
+@lru_cache(maxsize=1024)
+def _index(gpus: tuple[int, ...]) -> np.ndarray:
+    """A placement's GPUs as a read-only index array (plans at 1,024 GPUs index with the same few tuples)."""
+    index = np.array(gpus, np.int64)
+    index.flags.writeable = False
+    return index
+
+
 def _resident(plan: Plan, costs: dict[str, StageCost]) -> np.ndarray:
     """``resident_per_device`` as an array (one float64 add per placement and GPU, as a loop would do;
     arrays because plans at 1,024 GPUs made these per-GPU loops the simulator's hot spot)."""
@@ -106,7 +115,7 @@ def _resident(plan: Plan, costs: dict[str, StageCost]) -> np.ndarray:
         if key in seen_weights:
             share -= c.memory.get("weights", 0.0)
         seen_weights.add(key)
-        resident[list(p.gpus)] += share  # a placement's GPUs are distinct (spec.layout.Placement)
+        resident[_index(p.gpus)] += share  # a placement's GPUs are distinct (spec.layout.Placement)
     return resident
 
 
@@ -121,7 +130,7 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
     resident = _resident(partial, costs)
     for p in plan.placements:
         if p.model_stage.stage == "generation":
-            others = float(resident[list(p.gpus)].max())
+            others = float(resident[_index(p.gpus)].max())
             costs[str(p.model_stage)] = _cost_or_error(hw, job, p, others)
     resident = _resident(plan, costs)
     stage_times = {name: c.time(factors) for name, c in costs.items()}
@@ -133,7 +142,7 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
         phase_times[stage] = agg(groups) if groups else 0.0
         transient = np.zeros(plan.num_gpus)
         for p in active:
-            gpus = list(p.gpus)
+            gpus = _index(p.gpus)
             transient[gpus] = np.maximum(transient[gpus], costs[str(p.model_stage)].transient_bytes)
         peak = np.maximum(peak, resident + transient)
     sync = 0.0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import pairwise
 
 import numpy as np
 
@@ -142,8 +143,8 @@ def _speculated_rest(bulk: BulkRun, t: np.ndarray, replicas: list[int], mean_y: 
     if rng is not None and var_y > 0:
         iters = iters + rng.standard_normal(len(ids)) * np.sqrt(left * var_y / mean_y**3)
     iters = np.maximum(1.0, np.ceil(iters))
-    cuts = np.searchsorted(rep, replicas[1:])
-    return list(zip(np.split(left, cuts), np.split(iters, cuts), np.split(generated, cuts), strict=True))
+    bounds = [0, *np.searchsorted(rep, replicas[1:]).tolist(), len(ids)]
+    return [(left[lo:hi], iters[lo:hi], generated[lo:hi]) for lo, hi in pairwise(bounds)]
 
 
 def with_speculation(model: GenModel, bulk: BulkRun, k: int, live_at_most: int, alpha: float, f: Factors,
