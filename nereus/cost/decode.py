@@ -285,10 +285,16 @@ class StepModel:
         eng = r.costs
         self.per_seq_s = eng.sequence_s
         self.fixed_s = eng.step_s + a.layers * r.priors.kernels_per_layer * r.priors.kernel_gap_s
+        self._compute: dict[int, float] = {}  # compute_s by batch (a pure function of it)
 
     def compute_s(self, b: int) -> float:
         """GEMM FLOP time at ``b`` rows (each GEMM at its tile- and wave-quantized efficiency; the LM
         head at 16-bit peak and efficiency, see ``Replica.lm_head_bytes``)."""
+        if b not in self._compute:
+            self._compute[b] = self._gemm_s(b)
+        return self._compute[b]
+
+    def _gemm_s(self, b: int) -> float:
         r, p = self.replica, self.replica.priors
         body, head = tuple(self.gemm_list[:-1]), tuple(self.gemm_list[-1:])
         head_peak, head_eff = r.lm_head_peak()
@@ -311,6 +317,12 @@ class StepModel:
                  "tp_comm": self.comm_fixed + batch * self.comm_per_seq if self.comm_fixed else 0.0,
                  "per_sequence": batch * self.per_seq_s, "fixed": self.fixed_s}
         return StepTime(terms, "memory" if self.weights_s >= compute else "compute")
+
+
+@lru_cache(maxsize=256)
+def step_model(r: Replica) -> StepModel:
+    """One ``StepModel`` per replica (the planner prices the same replicas' decode phases again and again)."""
+    return StepModel(r)
 
 
 def step_time(r: Replica, batch: float, context: float) -> StepTime:
@@ -474,7 +486,7 @@ def decode_phases(r: Replica, prompt: float, sequences: int, slots: int, lengths
     terms = dict.fromkeys(("compute", "memory", "tp_comm", "overhead"), 0.0)
     drain: list[tuple[float, float]] = []
     bulk_s = bulk_steps = tail_s = tail_steps = tail_tokens = 0.0
-    model = StepModel(r)
+    model = step_model(r)
     for steps, share, done in _segments(q, longest, mix):
         live = max(1.0, b * share)
         compute = model.compute_s(max(1, math.ceil(live)))
