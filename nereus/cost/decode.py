@@ -2,7 +2,7 @@
 
 Validated against published TensorRT-LLM and vLLM figures (``decode_published.csv``, package data;
 ``tests/cost/test_decode_published.py``); ``nereus.cost.stages`` prices every generation model-stage with
-``decode_phases`` (the analytic form of ``generation_time`` the planner can afford).
+``decode_phases`` (the analytic form of ``cost.decode_events.generation_time`` the planner can afford).
 
 One decode step of a tensor-parallel replica (Pope et al. 2022, "Efficiently Scaling Transformer
 Inference", Sec. 2–3) costs, per layer, each GEMM's max(weight shard read, FLOPs at an efficiency set by
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import csv
-import heapq
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -350,58 +349,6 @@ def kv_capacity_tokens(r: Replica, kv_fraction: float) -> float:
 
 
 @dataclass(frozen=True)
-class Generation:
-    """A continuously batched generation: seconds in the bulk phase (every slot busy, refilled from the
-    queue), in the tail (fewer sequences left than slots: the batch drains), in prefill, and the decode
-    steps that were memory- vs compute-bound."""
-
-    bulk_s: float
-    tail_s: float
-    prefill_s: float
-    steps: dict[str, int]
-    tokens: int
-
-    @property
-    def total_s(self) -> float:
-        return self.bulk_s + self.tail_s + self.prefill_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.total_s
-
-
-def generation_time(r: Replica, prompt: int, lengths: list[int], batch: int) -> Generation:
-    """Generate ``lengths`` (response tokens, in arrival order) after ``prompt``-token prompts with at
-    most ``batch`` sequences in flight: a sequence that ends frees its slot for the next one in the queue
-    (iteration-level scheduling), whose prefill runs before the next step. The first response token
-    comes from prefill, each further one from a decode step. Step time is evaluated once per stretch of
-    steps between two completions, at the stretch's mean context."""
-    queue = list(reversed(lengths))
-    active: list[tuple[int, int]] = []  # heap of (step it ends at, step it started at)
-    starts_sum, step = 0.0, 0
-    times = {"bulk": 0.0, "tail": 0.0, "prefill": 0.0}
-    bounds = {"memory": 0, "compute": 0}
-    while queue or active:
-        admitted = 0
-        while queue and len(active) < batch:
-            heapq.heappush(active, (step + max(0, queue.pop() - 1), step))
-            starts_sum += step
-            admitted += 1
-        if admitted:
-            times["prefill"] += prefill_time(r, admitted * prompt, prompt)
-        end, n = active[0][0], len(active)
-        if end > step:
-            mid = step + (end - step - 1) / 2
-            st = step_time(r, n, prompt + 1 + mid - starts_sum / n)
-            times["bulk" if n >= batch else "tail"] += (end - step) * st.total
-            bounds[st.bound] += end - step
-            step = end
-        while active and active[0][0] == step:
-            starts_sum -= heapq.heappop(active)[1]
-    return Generation(times["bulk"], times["tail"], times["prefill"], bounds, sum(lengths))
-
-
-@dataclass(frozen=True)
 class DecodePhases:
     """One replica's generation under continuous batching, in closed form (``decode_phases``).
 
@@ -477,7 +424,8 @@ def decode_phases(r: Replica, prompt: float, sequences: int, slots: int, lengths
     flight, E[L²]/2E[L]). Tail: once the queue is empty the sequences in flight drain (``_segments``:
     remaining lengths follow the equilibrium residual when the queue held at least one more batch, the
     length distribution itself when every sequence started at once, a mix in between); the longest
-    response runs alone to the end. ``generation_time`` is the exact event simulation it stands for."""
+    response runs alone to the end. ``cost.decode_events.generation_time`` is the exact event simulation it
+    stands for."""
     n = max(1, sequences)
     b = max(1, min(slots, n))
     q = tuple(sorted(lengths))

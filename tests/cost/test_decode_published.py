@@ -16,7 +16,8 @@ from importlib import resources
 import numpy as np
 import pytest
 
-from nereus.cost.decode import Precision, Replica, decode_phases, generation_time, kv_capacity_tokens, step_time
+from nereus.cost.decode import Precision, Replica, decode_phases, kv_capacity_tokens, step_time
+from nereus.cost.decode_events import generation_time
 from nereus.cost.hardware import Hardware
 from nereus.spec.cluster import ClusterSpec, gpu_presets
 from nereus.spec.model import PRESETS, ModelArch

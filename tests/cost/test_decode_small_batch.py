@@ -15,7 +15,8 @@ from importlib import resources
 
 import pytest
 
-from nereus.cost.decode import ENGINES, Precision, Replica, generation_time, step_time
+from nereus.cost.decode import ENGINES, Precision, Replica, step_time
+from nereus.cost.decode_events import generation_time
 from nereus.cost.hardware import Hardware
 from nereus.spec.cluster import ClusterSpec, gpu_presets
 from nereus.spec.model import PRESETS, ModelArch

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from nereus.cost.batching import Factors, run_replicas, step_table
-from nereus.cost.decode import generation_time
+from nereus.cost.decode_events import generation_time
 from nereus.cost.generation import GenModel, no_move, run_bulk, with_tail
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
@@ -48,7 +48,7 @@ def _lengths(n: int, seed: int) -> np.ndarray:
 
 
 def test_replica_matches_the_decode_models_event_simulation():
-    """Token-bucketed continuous batching against cost.decode.generation_time's exact event simulation on
+    """Token-bucketed continuous batching against cost.decode_events.generation_time's exact event simulation on
     the same replica, lengths and batch (queue, refills and drain included)."""
     job, hw, _, _ = _setup()
     table = step_table(hw, job.models["actor"], 4, 2)
