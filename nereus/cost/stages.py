@@ -306,7 +306,7 @@ def generation_cost(
                      phases)
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=32768)  # a 40-step run on a 64-GPU trace asks for about 8,000 distinct ones
 def _decode_phases(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, prompt: int, sequences: int,
                    slots: int, resp: ResponseLength, longest: float) -> DecodePhases:
     """The decode model for one replica (cached: the planner prices each TP degree many times)."""
