@@ -1,10 +1,12 @@
 """Smoke test of benchmarks/gpu_check.py on CPU (``--device cpu --small``): every figure is measured and
-priced, the vLLM engine's too where vLLM is installed (no speed is asserted)."""
+priced, the vLLM engine's too where vLLM is installed (no speed is asserted: a decode figure per token is
+the difference of two medians, which on a busy machine with this tiny shape can come out negative)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -31,4 +33,5 @@ def test_gpu_check_small_on_cpu(tmp_path: Path) -> None:
     else:
         assert "vLLM is not installed" in proc.stdout
     for r in result["rows"]:
-        assert r["measured_s"] > 0 and r["predicted_s"] > 0, r
+        assert math.isfinite(r["measured_s"]) and r["predicted_s"] > 0, r
+        assert r["measured_s"] > 0 or "per token" in r["name"], r  # a timed call itself always takes time
