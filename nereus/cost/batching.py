@@ -107,16 +107,15 @@ def run_replicas(table: StepTable, work: list[tuple[np.ndarray, np.ndarray, floa
     rows = len(work)
     if not rows:
         return []
-    sizes = [len(w[0]) for w in work]
-    cuts = np.cumsum(sizes)[:-1]
+    bounds = [0, *np.cumsum([len(w[0]) for w in work]).tolist()]  # replica i's sequences: bounds[i]:bounds[i+1]
     cols = np.maximum(1, np.ceil(np.concatenate([np.asarray(w[0]) for w in work]) / bucket)).astype(np.int64)
     st = np.zeros(len(cols), np.int64)
-    for lo, n in zip([0, *cuts.tolist()], sizes, strict=True):
-        if n > slots:  # queued sequences: list scheduling on this replica
-            st[lo: lo + n] = _list_schedule(cols[lo: lo + n], slots)
+    for lo, hi in pairwise(bounds):
+        if hi - lo > slots:  # queued sequences: list scheduling on this replica
+            st[lo:hi] = _list_schedule(cols[lo:hi], slots)
     en = st + cols
     width = (int(en.max()) if len(en) else 0) + 1
-    row = np.repeat(np.arange(rows), sizes)
+    row = np.repeat(np.arange(rows), np.diff(bounds))
     cx = np.concatenate([np.asarray(w[1], float) for w in work])
     size = rows * width
 
@@ -135,6 +134,5 @@ def run_replicas(table: StepTable, work: list[tuple[np.ndarray, np.ndarray, floa
     flat = cum.ravel()
     start_s = np.where(st > 0, flat[row * width + np.maximum(st - 1, 0)], pre[row])
     finish_s = flat[row * width + en - 1]
-    bounds = [0, *cuts.tolist(), len(st)]
     return [ReplicaRun(start_s[lo:hi], finish_s[lo:hi], cum[i], st[lo:hi], float(pre[i]), bucket)
             for i, (lo, hi) in enumerate(pairwise(bounds))]

@@ -25,7 +25,7 @@ from itertools import pairwise
 import numpy as np
 
 from nereus.cost.batching import Factors, StepTable, run_replicas
-from nereus.cost.generation import BulkRun, GenModel, GenOutcome
+from nereus.cost.generation import BulkRun, GenModel, GenOutcome, generated_at
 from nereus.cost.levers.speculative import MODEL_FREE_HOST_S
 from nereus.cost.stages import ENGINE_MAX_SEQUENCES
 
@@ -131,19 +131,13 @@ def _speculated_rest(bulk: BulkRun, t: np.ndarray, replicas: list[int], mean_y: 
     on[replicas] = True
     live = np.flatnonzero(on[bulk.replica] & (bulk.finish_s > t[bulk.replica]))
     ids = live[np.argsort(bulk.replica[live], kind="stable")]  # by replica, then by id
-    rep = bulk.replica[ids]
-    done_cols = np.zeros(len(bulk.runs), np.int64)
-    for r in replicas:
-        done_cols[r] = np.searchsorted(bulk.runs[r].cum_s, t[r], side="right")
-    # ``generated_at`` for every replica at its own switch time
-    generated = np.minimum(np.maximum(0, done_cols[rep] - bulk.start_col[ids]) * bulk.bucket,
-                           bulk.lengths[ids] - 1).astype(float)
+    generated = generated_at(bulk, ids, t)  # each replica at its own switch time
     left = np.maximum(1.0, bulk.lengths[ids] - generated)
     iters = left / mean_y
     if rng is not None and var_y > 0:
         iters = iters + rng.standard_normal(len(ids)) * np.sqrt(left * var_y / mean_y**3)
     iters = np.maximum(1.0, np.ceil(iters))
-    bounds = [0, *np.searchsorted(rep, replicas[1:]).tolist(), len(ids)]
+    bounds = [0, *np.searchsorted(bulk.replica[ids], replicas[1:]).tolist(), len(ids)]
     return [(left[lo:hi], iters[lo:hi], generated[lo:hi]) for lo, hi in pairwise(bounds)]
 
 
