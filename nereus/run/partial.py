@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nereus.rl.data import Prompt
-from nereus.runtime.generation.decode_engine import Carried
+from nereus.runtime.generation.groups import Carried
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from nereus.runtime.generation.groups import Answer, Carried, GroupOrder
 from nereus.runtime.generation.sampling import SamplingParams, sample, stream_seed
 from nereus.runtime.generation.speculative import propose, verify
 from nereus.runtime.model.decoder import KVCache, logprobs_from_logits
@@ -321,19 +322,6 @@ def replica_engine(sm: ShardedModel, prompts: list[list[int]], params: SamplingP
     return engine
 
 
-@dataclass(frozen=True)
-class Carried:
-    """A row a partial-rollout round aborted: what it generated so far, and whether it had finished
-    (a finished member of a group that did not finish)."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    done: bool
-
-
-Answer = tuple[list[int], list[float]] | Carried | None
-
-
 def generate_continuous(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams,
                         slots: int) -> list[Answer]:
     """``generate_with_logprobs``'s answer from the continuous-batching engine: this replica's rows of
@@ -359,24 +347,16 @@ def generate_continuous(sm: ShardedModel, prompts: list[list[int]], params: Samp
 
 def first_groups(engine: DecodeEngine, keep: int, group_size: int,
                  must: int = 0) -> tuple[set[int], dict[int, Sequence]]:
-    """Tail batching (RollPacker, arXiv 2509.21009): step ``engine`` until ``keep`` whole groups (sequence
-    ids ``g·group_size .. (g+1)·group_size − 1``) have finished, the replica's ``must`` lowest-numbered
-    groups among them, then abort every unfinished sequence (caches freed). Returns the ids of the kept
-    groups' sequences and the aborted sequences by id. Groups are kept in the order they finished; in one
-    iteration the lowest-numbered first, so the answer does not depend on timing."""
-    groups: dict[int, set[int]] = {}
-    for i in engine.sequences():
-        groups.setdefault(i // group_size, set()).add(i)
-    if not must <= keep <= len(groups):
-        raise ValueError(f"need must_groups ({must}) <= keep_groups ({keep}) <= the replica's {len(groups)} groups")
-    required = set(sorted(groups)[:must])
-    order: list[int] = []
+    """Tail batching's stop rule on the engine (``groups.GroupOrder``): step ``engine`` until ``keep`` whole
+    groups (sequence ids ``g·group_size .. (g+1)·group_size − 1``) have finished, the replica's ``must``
+    lowest-numbered groups among them, then abort every unfinished sequence (caches freed). Returns the
+    ids of the kept groups' sequences and the aborted sequences by id."""
+    order = GroupOrder(engine.sequences(), group_size, keep, must)
     while True:
-        order += sorted(g for g, ids in groups.items() if g not in order and ids <= engine.finished.keys())
-        chosen = [g for g in order if g in required] + [g for g in order if g not in required]
-        if (required <= set(order) and len(order) >= keep) or engine.idle:
+        order.update(engine.finished.keys())
+        if order.satisfied or engine.idle:
             break
         engine.step()
     aborted = {s.seq_id: s for s in engine.take([s.seq_id for s in engine.unfinished()])}
     engine.sm.record_memory("generate", kv_cache=engine.peak_kv_bytes)
-    return {i for g in chosen[:keep] for i in groups[g]}, aborted
+    return order.kept_rows(), aborted
