@@ -78,7 +78,7 @@ ASYNC_LAYOUTS = {"actor/generation": {"layout": "dp=1", "ranks": [0]},
 MIDSTEP_KEY: dict = {"enabled": True}
 # n-gram speculation while at most a quarter of a replica's slots are live (the tail of the step)
 SPEC_MAX_LIVE = SLOTS // 4
-SPEC_KEY: dict = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "max_live": SPEC_MAX_LIVE}
+SPEC_KEY: dict = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 OVER_LAUNCH = 1.5
 
 
@@ -117,22 +117,32 @@ def engine(spec: dict, **rollout: object) -> dict:
     return spec
 
 
+def fixed(spec: dict, **rollout: object) -> dict:
+    """The default fixed batch with ``rollout``'s levers (``runtime.generation.fixed_decode``)."""
+    spec["run"]["rollout"] = copy.deepcopy(rollout)
+    return spec
+
+
 def speculative(spec: dict) -> dict:
-    return engine(spec, speculative=SPEC_KEY)
+    return fixed(spec, speculative=SPEC_KEY)
 
 
 def tail(spec: dict) -> dict:
-    return engine(spec, tail_batching={"over_launch": OVER_LAUNCH})
+    return fixed(spec, tail_batching={"over_launch": OVER_LAUNCH})
 
 
 def partial(spec: dict) -> dict:
     spec["run"]["policy_lag"] = 1
-    return engine(spec, partial_rollout={"over_launch": OVER_LAUNCH})
+    return fixed(spec, partial_rollout={"over_launch": OVER_LAUNCH})
 
 
 def levers(spec: dict) -> dict:
     spec["run"]["policy_lag"] = 1
-    return engine(spec, speculative=SPEC_KEY, partial_rollout={"over_launch": OVER_LAUNCH})
+    return fixed(spec, speculative=SPEC_KEY, partial_rollout={"over_launch": OVER_LAUNCH})
+
+
+def tail_spec(spec: dict) -> dict:
+    return fixed(spec, speculative=SPEC_KEY, tail_batching={"over_launch": OVER_LAUNCH})
 
 
 # the modes' own per-step metrics worth a mean in the figures (mid-step moves; the async mode's staleness;
@@ -144,7 +154,7 @@ EXTRA = ("midstep/moves", "midstep/moved_sequences", "midstep/move_s", "midstep/
 MODES: dict[str, Callable[[dict], dict]] = {"static": static, "overlap": overlap, "intra": intra,
                                              "intra+midstep": intra_midstep, "async": asynchronous, "vllm": vllm,
                                              "speculative": speculative, "tail": tail, "partial": partial,
-                                             "levers": levers}
+                                             "levers": levers, "tail+spec": tail_spec}
 
 
 def base_spec(data: Path, args: argparse.Namespace) -> dict:

@@ -148,7 +148,7 @@ class AsyncRollouts:
         """Step ``step``'s rollout, its rows and the policy version that generated it."""
         st, p, self.pending = self.st, self.pending, None
         if p is not None and p.step == step and p.answer is not None:
-            out = [row for part in p.answer for row in part]
+            out = [row for part in p.answer for row in part.rows]
             st.early = None
             return pack(p.prompts, [r for r, _ in out], [lp for _, lp in out], st.tok.stop_token_ids, p.fixed), \
                 p.rows, p.version

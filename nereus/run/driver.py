@@ -33,6 +33,7 @@ from nereus.run.setup import MINI_BATCH_ORDER, PROMPT_ORDER, SAMPLING, SPARE_PRO
 from nereus.run.tail import TailRounds
 from nereus.runtime.cluster.calls import GenerateWithLogprobs, Logprobs, LogprobsAndEntropy, TrainStep, Values
 from nereus.runtime.cluster.workers import Runtime
+from nereus.runtime.generation.answers import DecodeStats, ReplicaRollout
 from nereus.runtime.generation.fixed_batch import SamplingParams
 from nereus.runtime.generation.sampling import derive_seed
 from nereus.runtime.model.sharded import Batch, LossFn, TrainStats
@@ -67,6 +68,18 @@ class Generated:
     rows: list[Prompt]
     entries: tuple[GenerationEntry, ...] = ()
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+DECODE_METRICS = ("rollout/decode_iterations", "rollout/spec_decode/num_drafts", "rollout/spec_decode/num_draft_tokens",
+                  "rollout/spec_decode/num_accepted_tokens")
+
+
+def decode_metrics(parts: list[ReplicaRollout]) -> dict[str, float]:
+    """The generation's decode forwards and speculation counters summed over its replicas (vLLM's
+    ``spec_decode`` names: verification forwards, draft tokens verified, draft tokens emitted)."""
+    s = sum((p.stats for p in parts), DecodeStats())
+    return dict(zip(DECODE_METRICS, map(float, (s.iterations, s.speculative_iterations, s.draft_tokens,
+                                                 s.accepted_tokens)), strict=True))
 
 
 class Stepper:
@@ -188,8 +201,9 @@ class Stepper:
                 parts = self.early.run(early.pack)
             else:
                 parts = self.calls.wait([call])[0]
-            out = [row for part in parts for row in part]
-        return Generated(pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows)
+            out = [row for part in parts for row in part.rows]
+        return Generated(pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows,
+                         metrics=decode_metrics(parts))
 
     def spare_prompts(self, step: int, n: int) -> list[Prompt]:
         """``n`` draws beyond the step's own (tail batching's over-launch), from a permutation of their own."""
@@ -207,13 +221,15 @@ class Stepper:
         params = replace(params, keep_groups=rnd.keep_per_replica, group_size=n)
         with self.timer("gen"):
             call = self.calls.submit("gen", "generate", key, GenerateWithLogprobs(prompts, params))
-            out = [row for part in self.calls.wait([call])[0] for row in part]
+            parts = self.calls.wait([call])[0]
+            out = [row for part in parts for row in part.rows]
         kept = [i for i, r in enumerate(out) if r is not None]
         if not rnd.long:
             self.tail.settle(rnd.launched, [out[g * n] is not None for g in range(len(rnd.launched))])
         rows, prompts, out = [rows[i] for i in kept], [prompts[i] for i in kept], [out[i] for i in kept]
         roll = pack(prompts, [r for r, _ in out], [lp for _, lp in out], self.tok.stop_token_ids, fixed)
-        metrics = {"tail/long_round": float(rnd.long), "tail/launched_groups": float(len(rnd.launched)),
+        metrics = {**decode_metrics(parts), "tail/long_round": float(rnd.long),
+                   "tail/launched_groups": float(len(rnd.launched)),
                    "tail/kept_groups": float(len(kept) // n), "tail/deferred_groups": float(len(self.tail.deferred)),
                    "rollout/policy_lag_mean": 0.0, "rollout/policy_lag_max": 0.0}
         return Generated(roll, rows, (), metrics)
@@ -231,14 +247,16 @@ class Stepper:
                          carry_partial=True, resumed=counts, resumed_done=done)
         with self.timer("gen"):
             call = self.calls.submit("gen", "generate", key, GenerateWithLogprobs(ids, params))
-            out = [row for part in self.calls.wait([call])[0] for row in part]
+            parts = self.calls.wait([call])[0]
+            out = [row for part in parts for row in part.rows]
         self.partial.settle(rnd, out, n, dp, step)
         kept = [i for i, r in enumerate(out) if isinstance(r, tuple)]
         whole = [stitch(rnd, out[i], i, n, step) for i in kept]
         lags = [step - v for _, _, versions in whole for v in versions]
         roll = pack([prompts[i] for i in kept], [t for t, _, _ in whole], [lp for _, lp, _ in whole],
                     self.tok.stop_token_ids, fixed)
-        metrics = {"partial/launched_groups": float(len(rnd.launched)), "partial/kept_groups": float(len(kept) // n),
+        metrics = {**decode_metrics(parts), "partial/launched_groups": float(len(rnd.launched)),
+                   "partial/kept_groups": float(len(kept) // n),
                    "partial/carried_groups": float(sum(map(len, self.partial.carried))),
                    "partial/resumed_tokens": float(sum(counts[i] for i in kept)),
                    "rollout/policy_lag_mean": sum(lags) / max(1, len(lags)),
@@ -428,10 +446,8 @@ class Stepper:
         self.sync()
         self.timing["timing_s/step"] = time.perf_counter() - t0
         m = self.metrics(step, roll, inf, adv, stats)
-        if self.run.rollout_midstep is not None:  # zeros for a step generated otherwise
-            m.update(dict.fromkeys(METRICS, 0.0) | gen.metrics)
-        elif self.tail is not None or self.partial is not None:
-            m.update(gen.metrics)
+        zeros = dict.fromkeys(DECODE_METRICS + (METRICS if self.run.rollout_midstep is not None else ()), 0.0)
+        m.update(zeros | gen.metrics)  # zeros for what a step generated otherwise does not measure
         m.update(self.calls.worker_metrics(len(self.rt.workers), self.timing["timing_s/step"],
                                            self.timing.get("timing_s/update_weights", 0.0)))
         if self.asynchronous is not None:  # run.async auto: decides from the synchronous steps' times

@@ -82,18 +82,15 @@ def read_rollout_section(f: Fields) -> RolloutSection:
     pad_to_max = rollout.get("pad_to_max", bool, False)
     midstep = _midstep(rollout, slots)
     engine = read_engine(rollout)
-    if engine.speculative is not None and not engine.vllm and slots < 1:
-        raise SpecError("run.rollout.speculative", "the native engine speculates in its continuous-batching "
-                        "mode: set run.rollout.slots > 0 (sequences per replica), or use engine: vllm")
     tail = read_tail_batching(rollout)
-    if tail is not None and (engine.vllm or slots < 1 or midstep is not None):
-        raise SpecError("run.rollout.tail_batching", "needs the native engine's continuous batching without "
-                        "midstep: set run.rollout.slots > 0, engine: native, and remove midstep")
+    if tail is not None and (engine.vllm or midstep is not None):
+        raise SpecError("run.rollout.tail_batching", "runs on the native engine without midstep: set engine: "
+                        "native and remove midstep")
     partial = read_partial_rollout(rollout)
     lag = check_policy_lag(f.get("policy_lag", int, 0), f.key_path("policy_lag"))
-    if partial is not None and (engine.vllm or slots < 1 or midstep is not None or tail is not None):
-        raise SpecError("run.rollout.partial_rollout", "needs the native engine's continuous batching without "
-                        "midstep or tail_batching: set run.rollout.slots > 0, engine: native")
+    if partial is not None and (engine.vllm or midstep is not None or tail is not None):
+        raise SpecError("run.rollout.partial_rollout", "runs on the native engine without midstep or "
+                        "tail_batching: set engine: native and remove the others")
     if partial is not None and lag < 1:
         raise SpecError("run.policy_lag", "partial rollout trains tokens one policy version old: set "
                         "run.policy_lag: 1, or remove run.rollout.partial_rollout")

@@ -33,6 +33,7 @@ def _check(layout, state: dict) -> None:
     if groups.member:
         sm = ShardedModel(MQA, groups, slice_boxes(state, shard_boxes(MQA, groups)))
         out = generate_with_logprobs(sm, _prompts(), params)
+        out = out.rows if out is not None else None
     # every rank of a replica needs its responses to build the batch: share them from the output ranks
     shared: list = [None] * dist.get_world_size()
     dist.all_gather_object(shared, (groups.coords.dp, out) if sm is not None and sm.is_output_rank else None)

@@ -63,11 +63,12 @@ def test_engine_keeps_the_first_whole_groups_and_aborts_the_rest():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_grpo_job_alternates_short_and_long_rounds(ray_runtime, tmp_path):
+@pytest.mark.parametrize("slots", [0, 8])  # the fixed batch; the continuous-batching engine
+def test_grpo_job_alternates_short_and_long_rounds(ray_runtime, tmp_path, slots):
     from nereus.run.job import RLJob
 
     job = tiny_job("grpo", str(tmp_path), steps=4,
-                   rollout={"slots": 8, "tail_batching": {"over_launch": 2.0}})
+                   rollout={"slots": slots, "tail_batching": {"over_launch": 2.0}})
     rl = RLJob(job, runtime=ray_runtime, out_dir=tmp_path, quiet=True)
     try:
         rl.execute()
@@ -102,11 +103,12 @@ def test_partial_rounds_carry_groups_per_replica_and_stitch_versions():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_grpo_job_with_partial_rollout_records_policy_lag(ray_runtime, tmp_path):
+@pytest.mark.parametrize("slots", [0, 8])
+def test_grpo_job_with_partial_rollout_records_policy_lag(ray_runtime, tmp_path, slots):
     from nereus.run.job import RLJob
 
     job = tiny_job("grpo", str(tmp_path), steps=3, policy_lag=1,
-                   rollout={"slots": 8, "partial_rollout": {"over_launch": 2.0}})
+                   rollout={"slots": slots, "partial_rollout": {"over_launch": 2.0}})
     rl = RLJob(job, runtime=ray_runtime, out_dir=tmp_path, quiet=True)
     try:
         rl.execute()

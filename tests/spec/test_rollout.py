@@ -53,7 +53,7 @@ def test_the_vllm_test_job_passes_its_checks(tmp_path):
     assert vllm_job("grpo", str(tmp_path)).run.rollout_engine.vllm
 
 
-def test_speculative_keys_read_as_vllms_and_refused_without_slots(tmp_path):
+def test_speculative_keys_read_as_vllms(tmp_path):
     from nereus.spec.rollout import Speculation
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "max_live": 8}
@@ -62,8 +62,7 @@ def test_speculative_keys_read_as_vllms_and_refused_without_slots(tmp_path):
     assert got == Speculation(num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=1, max_live=8)
     assert got.vllm_config() == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
                                  "prompt_lookup_min": 1}
-    with pytest.raises(SpecError, match=r"run\.rollout\.speculative.*slots"):
-        tiny_job("ppo", str(tmp_path), rollout={"speculative": spec})
+    assert tiny_job("ppo", str(tmp_path), rollout={"speculative": spec}).run.rollout_engine.speculative == got
     with pytest.raises(SpecError, match=r"run\.rollout\.speculative\.method"):
         tiny_job("ppo", str(tmp_path), rollout={"slots": 4, "speculative": {"method": "eagle"}})
     with pytest.raises(SpecError, match=r"prompt_lookup_max"):
@@ -72,8 +71,10 @@ def test_speculative_keys_read_as_vllms_and_refused_without_slots(tmp_path):
 
 
 def test_tail_levers_refused_where_they_cannot_run(tmp_path):
-    with pytest.raises(SpecError, match=r"run\.rollout\.tail_batching.*slots"):
-        tiny_job("grpo", str(tmp_path), rollout={"tail_batching": {"over_launch": 1.5}})
+    with pytest.raises(SpecError, match=r"run\.rollout\.tail_batching.*midstep"):
+        tiny_job("grpo", str(tmp_path), rollout={"slots": 4, "tail_batching": {}, "midstep": {"enabled": True}})
+    with pytest.raises(SpecError, match=r"run\.rollout\.partial_rollout.*tail_batching"):
+        tiny_job("grpo", str(tmp_path), policy_lag=1, rollout={"tail_batching": {}, "partial_rollout": {}})
     with pytest.raises(SpecError, match=r"run\.policy_lag.*partial"):
         tiny_job("grpo", str(tmp_path), rollout={"slots": 4, "partial_rollout": {"over_launch": 1.5}})
     with pytest.raises(SpecError, match=r"over_launch.*<= 2"):
@@ -82,3 +83,6 @@ def test_tail_levers_refused_where_they_cannot_run(tmp_path):
         tiny_job("grpo", str(tmp_path), rollout={"slots": 4, "tail_batching": {}}, **{"async": {"enabled": True}})
     job = tiny_job("grpo", str(tmp_path), policy_lag=1, rollout={"slots": 4, "partial_rollout": {}})
     assert job.run.rollout_partial.over_launch == 1.5 and job.run.policy_lag == 1
+    fixed = tiny_job("grpo", str(tmp_path), policy_lag=1, rollout={"partial_rollout": {}})  # the fixed batch
+    assert fixed.run.rollout_partial.over_launch == 1.5 and fixed.run.rollout_slots == 0
+    assert tiny_job("grpo", str(tmp_path), rollout={"tail_batching": {}}).run.rollout_tail.over_launch == 1.5

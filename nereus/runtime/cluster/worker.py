@@ -20,6 +20,7 @@ from ray import ObjectRef
 
 from nereus.elastic.kvplan import MigrationPlan
 from nereus.runtime.cluster.calls import ReplicaOutput
+from nereus.runtime.generation.answers import ReplicaRollout
 from nereus.runtime.generation.decode_engine import DecodeEngine
 from nereus.runtime.generation.sampling import SamplingParams
 from nereus.runtime.generation.session import ClosedReplica, MigrationOutcome
@@ -312,14 +313,15 @@ class Worker:
         return self._on(key, lambda sm: self._output(sm, generate(sm, prompts, params)))
 
     def generate_with_logprobs(self, key: str, prompts: list[list[int]], params: SamplingParams,
-                               ) -> ReplicaOutput[list[tuple[list[int], list[float]]]] | None:
-        """New tokens and their log-probs per prompt, by the key's vLLM engine where one is open."""
+                               ) -> ReplicaOutput[ReplicaRollout] | None:
+        """New tokens and their log-probs per prompt of the replica's rows (kept, carried or deferred by the
+        tail levers), by the key's vLLM engine where one is open."""
         from nereus.runtime.generation.fixed_batch import generate_with_logprobs
 
         engine = self.rollout.get(key)
         if engine is not None:
-            return self._on(key, lambda sm: self._output(sm, engine.generate(
-                prompts, sm.replica_rows(len(prompts)), params, self.faults)))
+            return self._on(key, lambda sm: self._output(sm, ReplicaRollout(engine.generate(
+                prompts, sm.replica_rows(len(prompts)), params, self.faults))))
         return self._on(key, lambda sm: self._output(sm, generate_with_logprobs(sm, prompts, params)))
 
     # ----- a vLLM engine per generation replica (run.rollout.engine: vllm; runtime.generation.vllm_engine) ----

@@ -280,7 +280,7 @@ class Runtime:
     def generate_with_logprobs(self, key: str, prompts: list[list[int]],
                                params: SamplingParams) -> list[tuple[list[int], list[float]]]:
         """New tokens and their sampling-time log-probs per prompt (``generate.generate_with_logprobs``)."""
-        return [row for part in self._on(key, GenerateWithLogprobs(prompts, params)) for row in part]
+        return [row for part in self._on(key, GenerateWithLogprobs(prompts, params)) for row in part.rows]
 
     # ----- vLLM engines of a generation key (run.rollout.engine: vllm; runtime.generation.vllm_engine) -----
     def open_engine(self, key: str, config: EngineConfig) -> None:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.generation.groups import Answer, Carried, GroupOrder
+from nereus.runtime.generation.answers import Answer, Carried, DecodeStats, GroupOrder, ReplicaRollout
 from nereus.runtime.generation.sampling import SamplingParams, sample, stream_seed
 from nereus.runtime.generation.speculative import propose, verify
 from nereus.runtime.model.decoder import KVCache, logprobs_from_logits
@@ -323,7 +323,7 @@ def replica_engine(sm: ShardedModel, prompts: list[list[int]], params: SamplingP
 
 
 def generate_continuous(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams,
-                        slots: int) -> list[Answer]:
+                        slots: int) -> ReplicaRollout:
     """``generate_with_logprobs``'s answer from the continuous-batching engine: this replica's rows of
     ``prompts`` (sequence ids = their indices in ``prompts``), on every rank of the replica. With
     ``params.keep_groups``: only the rows of the first groups to finish (``first_groups``); the others
@@ -332,7 +332,7 @@ def generate_continuous(sm: ShardedModel, prompts: list[list[int]], params: Samp
     ids = sorted(engine.sequences())
     if not params.keep_groups:
         done = engine.run()
-        return [(done[i].tokens, done[i].logprobs) for i in ids]
+        return ReplicaRollout([(done[i].tokens, done[i].logprobs) for i in ids], engine_stats(engine))
     kept, aborted = first_groups(engine, params.keep_groups, params.group_size, params.must_groups)
     held = {**engine.finished, **aborted}
     out: list[Answer] = []
@@ -342,12 +342,16 @@ def generate_continuous(sm: ShardedModel, prompts: list[list[int]], params: Samp
             out.append((s.tokens, s.logprobs))
         else:
             out.append(Carried(s.tokens, s.logprobs, s.done) if params.carry_partial else None)
-    return out
+    return ReplicaRollout(out, engine_stats(engine))
+
+
+def engine_stats(engine: DecodeEngine) -> DecodeStats:
+    return DecodeStats(engine.iterations, engine.speculative_iterations, engine.draft_tokens, engine.accepted_tokens)
 
 
 def first_groups(engine: DecodeEngine, keep: int, group_size: int,
                  must: int = 0) -> tuple[set[int], dict[int, Sequence]]:
-    """Tail batching's stop rule on the engine (``groups.GroupOrder``): step ``engine`` until ``keep`` whole
+    """Tail batching's stop rule on the engine (``answers.GroupOrder``): step ``engine`` until ``keep`` whole
     groups (sequence ids ``g·group_size .. (g+1)·group_size − 1``) have finished, the replica's ``must``
     lowest-numbered groups among them, then abort every unfinished sequence (caches freed). Returns the
     ids of the kept groups' sequences and the aborted sequences by id."""

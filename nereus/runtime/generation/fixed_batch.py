@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from nereus.runtime.generation.answers import ReplicaRollout
 from nereus.runtime.generation.decode_engine import generate_continuous
 from nereus.runtime.generation.fixed_decode import FixedDecode, left_pad
-from nereus.runtime.generation.groups import Answer
 from nereus.runtime.generation.sampling import SamplingParams, sample
 from nereus.runtime.model.sharded import ShardedModel
 
@@ -28,12 +28,13 @@ __all__ = ["SamplingParams", "generate", "generate_with_logprobs", "left_pad", "
 def generate(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams) -> list[list[int]] | None:
     """New tokens per prompt of this rank's replica (EOS included when reached), on every rank."""
     if params.slots:
-        return [toks for toks, _ in generate_continuous(sm, prompts, params, params.slots)]
+        return [toks for toks, _ in generate_continuous(sm, prompts, params, params.slots).rows]
     return FixedDecode(sm, prompts, params).run().rows
 
 
 @torch.no_grad()
-def generate_with_logprobs(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams) -> list[Answer] | None:
+def generate_with_logprobs(sm: ShardedModel, prompts: list[list[int]],
+                           params: SamplingParams) -> ReplicaRollout | None:
     """New tokens per prompt and, for each, log p(token) under the model's unscaled distribution
     (log-softmax of the full-vocabulary logits, no temperature or top-p) — the behaviour log-probs PPO's
     ratio needs. Complete on the last pipeline stage, None elsewhere (the engine, ``slots`` > 0: on every
@@ -42,7 +43,7 @@ def generate_with_logprobs(sm: ShardedModel, prompts: list[list[int]], params: S
     if params.slots:
         return generate_continuous(sm, prompts, params, params.slots)
     run = FixedDecode(sm, prompts, params).run()
-    return run.answers() if sm.groups.last_stage else None
+    return ReplicaRollout(run.answers(), run.stats()) if sm.groups.last_stage else None
 
 
 def reference_generate(model: torch.nn.Module, prompt: list[int], params: SamplingParams) -> list[int]:

@@ -4,33 +4,30 @@ the whole left-padded batch, with the tail levers that change the work rather th
 - **per-row length limits**: a row resumed by partial rollout (``SamplingParams.resumed``) generates only
   what its limit leaves; a row in ``resumed_done`` generates nothing;
 - **tail batching and partial rollout's stop rule** (``params.keep_groups``): the loop stops once enough
-  whole groups have finished (``groups.GroupOrder``); the others are deferred (None) or carried
+  whole groups have finished (``answers.GroupOrder``); the others are deferred (None) or carried
   (``Carried``, with ``params.carry_partial``);
 - **speculative decoding with n-gram drafts** (``params.speculation``, switched by the live batch: only
-  while at most ``max_live`` rows are live). Each live row feeds its pending token and ``k`` drafts as one
-  chunk; each row's drafts are checked by the rejection rule (``speculative.verify``), and every row then
-  advances by the same ``m + 1`` tokens, ``m`` the fewest drafts any live row accepted (a row that ends
-  within its accepted drafts does not count). Cutting a row's accepted run short keeps the rule exact: a
-  token is emitted only where the rule emits it, and where the cut falls depends on the row's past and
-  on the other rows, never on the token itself (Leviathan et al. 2023, https://arxiv.org/abs/2211.17192,
-  Theorem 1 holds position by position). Under greedy decoding the tokens equal plain decoding's; sampled
-  ones have its distribution. One shared advance keeps the batch's KV caches aligned (one write offset
-  for every row), which is what makes the chunk one batched forward.
+  while at most ``max_live`` rows are live). Each row feeds its pending token and ``k`` drafts as one
+  chunk of one batched forward; the rejection rule (Leviathan et al. 2023,
+  https://arxiv.org/abs/2211.17192; ``speculative.verify_rows``) keeps each row's accepted drafts and
+  one more token, so rows advance by different numbers of tokens: each row then writes its keys and
+  values at its own cache offset (``KVCache.update`` with per-row offsets), and a rejected draft's
+  position is overwritten by the row's next chunk, never attended. Under greedy decoding the tokens
+  equal plain decoding's; sampled ones have its distribution.
 
 Without levers the loop makes exactly the computations of plain decoding, in the same order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.generation.groups import Answer, Carried, GroupOrder
+from nereus.runtime.generation.answers import Answer, Carried, DecodeStats, GroupOrder
 from nereus.runtime.generation.sampling import SamplingParams, sample, stream_seed
-from nereus.runtime.generation.speculative import propose, verify
+from nereus.runtime.generation.speculative import as_text, propose_text, verify_rows
 from nereus.runtime.model.decoder import KVCache, logprobs_from_logits
 from nereus.runtime.model.sharded import ShardedModel
 from nereus.runtime.parallel.pp import forward_only
@@ -99,36 +96,49 @@ class Drafter(Protocol):
         """Exactly ``k`` draft tokens per row to follow its prompt and generated ``rows``."""
 
 
-@dataclass(frozen=True)
 class NgramDrafts:
-    """Each row's n-gram proposal (``speculative.propose``) from its own text and its siblings' (rows with
-    the same prompt), padded by repeating its last token: any draft keeps the rule exact, and a run of
-    one token is the likeliest continuation the proposal could not see. A finished row's drafts are
-    never read."""
+    """Each row's n-gram proposal (``speculative.propose_text``) from its own text and its siblings' (rows
+    with the same prompt), padded by repeating its last token: any draft keeps the rule exact, and a run
+    of one token is the likeliest continuation the proposal could not see. A finished row's drafts are
+    never read. Each row's text is kept as a string of code points, extended by what it generated since
+    the last call (rows only grow)."""
 
-    spec: Speculation | None
-    pad: int
+    def __init__(self, spec: Speculation | None, pad: int) -> None:
+        self.spec, self.pad = spec, pad
+        self.texts: list[str] = []
+        self.siblings: list[list[int]] = []
 
     def __call__(self, prompts: list[list[int]], rows: list[list[int]], finished: list[bool],
                  k: int) -> list[list[int]]:
-        texts = [p + r for p, r in zip(prompts, rows, strict=True)]
-        by_prompt: dict[tuple[int, ...], list[int]] = {}
-        for j, p in enumerate(prompts):
-            by_prompt.setdefault(tuple(p), []).append(j)
+        if not self.texts:
+            self.texts = [as_text(p) for p in prompts]
+            by_prompt: dict[tuple[int, ...], list[int]] = {}
+            for j, p in enumerate(prompts):
+                by_prompt.setdefault(tuple(p), []).append(j)
+            self.siblings = [[o for o in by_prompt[tuple(p)] if o != j][:SIBLING_SOURCES]
+                             for j, p in enumerate(prompts)]
+        for j, (p, r) in enumerate(zip(prompts, rows, strict=True)):
+            grown = len(p) + len(r) - len(self.texts[j])
+            if grown:
+                self.texts[j] += as_text(r[len(r) - grown:])
         out = []
-        for j, text in enumerate(texts):
+        for j, text in enumerate(self.texts):
             if finished[j]:
                 out.append([self.pad] * k)
                 continue
-            siblings = [texts[o] for o in by_prompt[tuple(prompts[j])] if o != j][:SIBLING_SOURCES]
-            d = propose(text, siblings, self.spec, k)
-            out.append(d + [(d or text)[-1]] * (k - len(d)))
+            d = propose_text(text, [self.texts[o] for o in self.siblings[j]], self.spec, k)
+            out.append(d + [d[-1] if d else ord(text[-1])] * (k - len(d)))
         return out
 
 
 class FixedDecode:
     """This replica's rows of ``prompts`` (global row ids = their indices) decoded as one batch; every rank
-    of the replica builds one with the same arguments and makes the same calls."""
+    of the replica builds one with the same arguments and makes the same calls.
+
+    Row ``b``'s keys and values fill cache positions ``0 .. lengths[b]`` (``keys`` marks those holding its
+    prompt or tokens, not its left padding); its pending token (sampled, not fed yet) goes in at
+    ``lengths[b]``. Rows advance alike until speculation lets them accept different numbers of drafts;
+    from then on each writes at its own offset."""
 
     def __init__(self, sm: ShardedModel, prompts: list[list[int]], params: SamplingParams,
                  drafter: Drafter | None = None) -> None:
@@ -140,10 +150,11 @@ class FixedDecode:
         tokens, valid = left_pad(self.prompts, params.pad_token_id)
         b, p = tokens.shape
         self.limit = torch.tensor([row_limit(params, i) for i in self.ids])
-        self.step = Stepper(sm, b, p + params.max_new_tokens)
-        self.keys = torch.zeros(b, p + params.max_new_tokens, dtype=torch.bool)
+        room = p + params.max_new_tokens + (params.speculation.num_speculative_tokens if params.speculation else 0)
+        self.step = Stepper(sm, b, room)
+        self.keys = torch.zeros(b, room, dtype=torch.bool)  # positions holding a row's prompt or its tokens
         self.keys[:, :p] = valid
-        self.cached = p  # cache positions written and valid: the next fed token lands here
+        self.lengths = torch.full((b,), p)
         positions = (valid.long().cumsum(1) - 1).clamp(min=0)
         self.last_pos = positions[:, -1]
         # one stream per DP replica, hashed from (step seed, replica): seed + replica would make replica 1 of
@@ -151,7 +162,6 @@ class FixedDecode:
         self.gen = torch.Generator(device=sm.groups.device).manual_seed(stream_seed(params.seed, sm.groups.coords.dp))
         self.stops = torch.tensor(sorted(params.stops), dtype=torch.long)
         self.finished = self.limit <= 0
-        self.emitted = 0  # tokens each live row has generated (the pending one included)
         self.rows: list[list[int]] = [[] for _ in self.ids]
         self.row_logps: list[list[float]] = [[] for _ in self.ids]
         self.order = (GroupOrder(self.ids, params.group_size, params.keep_groups, params.must_groups)
@@ -166,19 +176,16 @@ class FixedDecode:
     def run(self) -> FixedDecode:
         tokens, positions, valid = self.prefill
         logits = self.step(tokens, positions, prefill_mask(valid), 0)
-        pending = self._emit_sampled(logits)
+        pending = self._emit(logits)
         while not self._done():
             k = self._draft_width()
             if k:
                 pending = self._speculate(pending, k)
                 continue
-            self.keys[:, self.cached] = True
-            self.last_pos = self.last_pos + 1
-            logits = self.step(pending[:, None], self.last_pos[:, None], self.keys[:, None, None, : self.cached + 1],
-                               self.cached)
-            self.cached += 1
+            logits = self._forward(pending[:, None])
+            self._advance((~self.finished).long())
             self.iterations += 1
-            pending = self._emit_sampled(logits)
+            pending = self._emit(logits)
         self.sm.record_memory("generate", kv_cache=self.step.kv_bytes())
         return self
 
@@ -189,8 +196,31 @@ class FixedDecode:
                 return True
         return bool(self.finished.all())
 
-    def _emit_sampled(self, logits: torch.Tensor | None) -> torch.Tensor:
-        """Sample one token per row from the last position's logits, on every rank; record it."""
+    def _forward(self, chunk: torch.Tensor) -> torch.Tensor | None:
+        """Feed each row's ``chunk`` [B, w] at its own cache offset (one offset while every row has the
+        same); query ``j`` of a row attends to the row's tokens and the chunk's first ``j + 1``. Returns
+        the last stage's logits at the chunk's ``w`` positions."""
+        w = chunk.shape[1]
+        end = int(self.lengths.max()) + w
+        at = torch.arange(end)[None, None, :]
+        first = self.lengths[:, None, None]
+        upto = first + torch.arange(w)[None, :, None]  # [B, w, 1]: the last position each query sees
+        mask = (self.keys[:, None, :end] & (at < first)) | ((at >= first) & (at <= upto))
+        positions = self.last_pos[:, None] + 1 + torch.arange(w)
+        same = bool((self.lengths == self.lengths[0]).all())
+        return self.step(chunk, positions, mask[:, None], int(self.lengths[0]) if same else self.lengths, last=w)
+
+    def _advance(self, fed: torch.Tensor) -> None:
+        """Row ``b``'s next ``fed[b]`` positions hold its tokens now (the pending one and accepted drafts);
+        a finished row's cache stays as it is (what it is fed is never read)."""
+        cols = torch.arange(self.keys.shape[1])[None]
+        self.keys |= (cols >= self.lengths[:, None]) & (cols < (self.lengths + fed)[:, None])
+        self.lengths = self.lengths + fed
+        self.last_pos = self.last_pos + fed
+
+    def _emit(self, logits: torch.Tensor | None) -> torch.Tensor:
+        """Sample one token per row from the last position's logits (the last stage samples, the other
+        pipeline stages receive them) and record it with its log-prob."""
         g = self.sm.groups
         last = logits[:, -1] if logits is not None else None
         new = (sample(last, self.params, self.gen).to(g.device) if last is not None
@@ -199,88 +229,73 @@ class FixedDecode:
             dist.broadcast(new, src=g.pp_peer(g.layout.pp - 1), group=g.pp_group)
         new = new.cpu()
         logps = logprobs_from_logits(last, new.to(last.device)).cpu()[:, None] if last is not None else None
-        return self._record(new[:, None], logps)
+        return self._record(new[:, None], torch.ones(len(self.ids), dtype=torch.long), logps)
 
-    def _record(self, chunk: torch.Tensor, logps: torch.Tensor | None) -> torch.Tensor:
-        """Append each live row's tokens of ``chunk`` [B, w] (up to its first stop) and their log-probs;
-        rows that end get marked finished. Returns the chunk's last column, padded for finished rows."""
+    def _record(self, chunk: torch.Tensor, counts: torch.Tensor, logps: torch.Tensor | None) -> torch.Tensor:
+        """Append each live row's first ``counts[b]`` tokens of ``chunk`` [B, w] (up to its first stop or
+        its length limit) and their log-probs; rows that end are marked finished. Returns each row's
+        pending token: its last one (pad for a row finished before)."""
         toks, lps = chunk.tolist(), logps.tolist() if logps is not None else None
-        stops, limits = set(self.params.stops), self.limit.tolist()
-        was = self.finished.tolist()
-        for j, row in enumerate(toks):
+        stops, limits, was = self.params.stops, self.limit.tolist(), self.finished.tolist()
+        pending = torch.full((len(self.ids),), self.params.pad_token_id, dtype=torch.long)
+        for j, (row, n) in enumerate(zip(toks, counts.tolist(), strict=True)):
             if was[j]:
                 continue
-            for c, t in enumerate(row):
+            for c, t in enumerate(row[:n]):
                 self.rows[j].append(t)
                 if lps is not None:
                     self.row_logps[j].append(lps[j][c])
-                if t in stops or self.emitted + c + 1 >= limits[j]:
+                if t in stops or len(self.rows[j]) >= limits[j]:
                     self.finished[j] = True
                     break
-        self.emitted += chunk.shape[1]
-        last = chunk[:, -1].clone()
-        last[torch.tensor(was)] = self.params.pad_token_id
-        return last
+            pending[j] = self.rows[j][-1]
+        return pending
 
     # ----- speculation ----------------------------------------------------------------------------------
     def _draft_width(self) -> int:
-        """Drafts per live row this iteration: 0 unless speculating with at most ``max_live`` rows live;
-        at most what the tightest live row's limit leaves room for."""
+        """Drafts per row this iteration: ``num_speculative_tokens`` while speculating with at most
+        ``max_live`` rows live, else 0."""
         spec = self.params.speculation
-        live = ~self.finished
-        if spec is None or int(live.sum()) > spec.max_live:
+        if spec is None or int((~self.finished).sum()) > spec.max_live:
             return 0
-        room = int(self.limit[live].min()) - self.emitted - 1
-        return max(0, min(spec.num_speculative_tokens, room))
+        return spec.num_speculative_tokens
 
     def _speculate(self, pending: torch.Tensor, k: int) -> torch.Tensor:
-        """One verification chunk: the pending tokens and ``k`` drafts per row in one forward, every row
-        advanced by the same accepted count plus one."""
+        """One verification chunk: each row's pending token and ``k`` drafts in one forward; each live
+        row keeps what the rejection rule emits for it and advances by that many positions."""
         drafts = self.drafter(self.prompts, self.rows, self.finished.tolist(), k)
-        chunk = torch.cat([pending[:, None], torch.tensor(drafts, dtype=torch.long)], dim=1)
-        c, b = self.cached, len(self.ids)
-        history = self.keys[:, None, None, :c].expand(b, 1, k + 1, c)
-        block = torch.ones(k + 1, k + 1, dtype=torch.bool).tril().expand(b, 1, k + 1, k + 1)
-        positions = self.last_pos[:, None] + 1 + torch.arange(k + 1)
-        logits = self.step(chunk, positions, torch.cat([history, block], dim=-1), c, last=k + 1)
-        emitted, logps = self._verify(logits, drafts)
-        m = emitted.shape[1] - 1
-        self.keys[:, c: c + m + 1] = True  # the pending token and the accepted drafts; the rejected ones'
-        # keys and values stay in the caches past ``cached``, where no mask reaches, until overwritten
-        self.cached, self.last_pos = c + m + 1, self.last_pos + m + 1
-        live = int((~self.finished).sum())
+        logits = self._forward(torch.cat([pending[:, None], torch.tensor(drafts, dtype=torch.long)], dim=1))
+        tokens, counts, logps = self._verify(logits, drafts)
+        live = ~self.finished
+        before = torch.tensor([len(r) for r in self.rows])
+        pending = self._record(tokens, counts, logps)
+        self._advance(torch.tensor([len(r) for r in self.rows]) - before)  # up to a row's stop or limit
         self.iterations += 1
         self.speculative_iterations += 1
-        self.draft_tokens += k * live
-        self.accepted_tokens += m * live
-        return self._record(emitted, logps)
+        self.draft_tokens += k * int(live.sum())
+        self.accepted_tokens += int((counts - 1)[live].sum())
+        return pending
 
-    def _verify(self, logits: torch.Tensor | None, drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The tokens every row emits [B, m + 1] (on every rank) and their log-probs (last stage): each live
-        row's rejection-rule output cut at the fewest drafts a live row accepted that did not end in them."""
-        g, pad = self.sm.groups, self.params.pad_token_id
-        width = torch.zeros(1, dtype=torch.long)
-        outs: list[tuple[list[int], list[float]]] = []
+    def _verify(self, logits: torch.Tensor | None,
+                drafts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Each row's tokens [B, k + 1] and how many of them it emits [B] (on every rank), and their
+        log-probs (last stage): the rejection rule, row by row (``speculative.verify_rows``)."""
+        g, b, k = self.sm.groups, len(drafts), len(drafts[0])
+        tokens = torch.zeros(b, k + 1, dtype=torch.long, device=g.device)
+        counts = torch.ones(b, dtype=torch.long, device=g.device)
+        logps = None
         if logits is not None:
-            stops, k = self.params.stops, len(drafts[0])
-            for j, d in enumerate(drafts):
-                outs.append(([], []) if self.finished[j] else verify(logits[j], d, self.params, self.gen))
-            bounds = [len(t) - 1 for j, (t, _) in enumerate(outs) if not self.finished[j] and not stops & set(t)]
-            width[0] = min(bounds, default=k) + 1
+            out, n, lps = verify_rows(logits, torch.tensor(drafts, device=logits.device), self.params, self.gen)
+            tokens, counts, logps = out.to(g.device), n.to(g.device), lps.float().cpu()
         if g.layout.pp > 1:
-            dist.broadcast(width, src=g.pp_peer(g.layout.pp - 1), group=g.pp_group)
-        w = int(width[0])
-        tokens = torch.full((len(drafts), w), pad, dtype=torch.long)
-        logps = torch.zeros(len(drafts), w) if logits is not None else None
-        for j, (t, lp) in enumerate(outs):
-            tokens[j, : min(w, len(t))] = torch.tensor(t[:w], dtype=torch.long)
-            logps[j, : min(w, len(lp))] = torch.tensor(lp[:w])
-        if g.layout.pp > 1:
-            tokens = tokens.to(g.device)
-            dist.broadcast(tokens, src=g.pp_peer(g.layout.pp - 1), group=g.pp_group)
-        return tokens.cpu(), logps
+            for t in (tokens, counts):
+                dist.broadcast(t, src=g.pp_peer(g.layout.pp - 1), group=g.pp_group)
+        return tokens.cpu(), counts.cpu(), logps
 
     # ----- answers --------------------------------------------------------------------------------------
+    def stats(self) -> DecodeStats:
+        return DecodeStats(self.iterations, self.speculative_iterations, self.draft_tokens, self.accepted_tokens)
+
     def answers(self) -> list[Answer]:
         """Each row's (tokens, log-probs) — kept rows only with ``keep_groups``: the others None, or
         ``Carried`` with ``carry_partial``."""

@@ -35,26 +35,27 @@ def propose(context: Seq[int], sources: Seq[Seq[int]], spec: Speculation, limit:
     """Up to ``min(limit, num_speculative_tokens)`` draft tokens to follow ``context``: for the longest
     n-gram suffix of ``context`` (``prompt_lookup_max`` .. ``prompt_lookup_min``) found in the context
     itself (before its end) or in one of ``sources``, the tokens after its latest occurrence."""
+    return propose_text(as_text(context), [as_text(s) for s in sources], spec, limit)
+
+
+def as_text(tokens: Seq[int]) -> str:
+    """Token ids as a string of code points (one per token), so that n-gram lookups run as ``str.rfind``."""
+    return "".join(map(chr, tokens))
+
+
+def propose_text(context: str, sources: Seq[str], spec: Speculation, limit: int) -> list[int]:
+    """``propose`` on token strings (``as_text``): the latest occurrence that ends before a text's last
+    token, so at least one token follows it."""
     k = min(limit, spec.num_speculative_tokens)
     if k < 1:
         return []
     for n in range(min(spec.prompt_lookup_max, len(context) - 1), spec.prompt_lookup_min - 1, -1):
-        suffix = list(context[-n:])
-        for text, end in ((context, len(context) - 1), *((s, len(s)) for s in sources)):
-            found = _latest(text, suffix, end)
-            if found is not None and found + n < len(text):
-                return list(text[found + n: found + n + k])
+        suffix = context[-n:]
+        for text in (context, *sources):
+            found = text.rfind(suffix, 0, len(text) - 1)
+            if found >= 0:
+                return [ord(c) for c in text[found + n: found + n + k]]
     return []
-
-
-def _latest(text: Seq[int], pattern: list[int], end: int) -> int | None:
-    """Start of the latest occurrence of ``pattern`` in ``text`` that begins before ``end`` and is
-    followed by at least one token."""
-    n = len(pattern)
-    for start in range(min(end, len(text) - n - 1), -1, -1):
-        if list(text[start: start + n]) == pattern:
-            return start
-    return None
 
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
@@ -89,3 +90,34 @@ def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
     toks = torch.tensor(out, device=logits.device)
     logps = logprobs_from_logits(logits[: len(out)], toks).double().tolist()
     return out, logps
+
+
+def verify_rows(logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams,
+                gen: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``verify`` for a batch of rows at once: ``logits`` [B, k + 1, V] (full vocabulary) at each row's
+    chunk positions, ``drafts`` [B, k]. Returns the tokens each row emits [B, k + 1] (its accepted drafts,
+    then the residual draw at its first rejection or the draw after its last draft; positions past that
+    hold the drafts and are not emitted), how many it emits [B] (1 .. k + 1), and every position's
+    log-prob under the unscaled model [B, k + 1]. The same rule as ``verify`` row by row, drawing its
+    uniforms for the whole batch at once."""
+    b, k = drafts.shape
+    if params.temperature <= 0:
+        best = logits.argmax(dim=-1)  # [B, k + 1]
+        hit = best[:, :k] == drafts
+        accepted = hit.long().cumprod(dim=1).sum(dim=1)
+        out = torch.cat([drafts, best[:, k:]], dim=1)
+        out[torch.arange(b), accepted] = best[torch.arange(b), accepted]
+    else:
+        p = target_probs(logits.reshape(b * (k + 1), -1), params).double().reshape(b, k + 1, -1)
+        p = p / p.sum(dim=-1, keepdim=True)
+        u = torch.rand(b, k, generator=gen, dtype=torch.float64, device=logits.device)
+        hit = u < p[:, :k].gather(-1, drafts[..., None])[..., 0]
+        accepted = hit.long().cumprod(dim=1).sum(dim=1)
+        rows = torch.arange(b)
+        last = p[rows, accepted].clone()  # the distribution the row's next token comes from
+        rejected = accepted < k
+        last[rows[rejected], drafts[rows[rejected], accepted[rejected]]] = 0.0  # the residual max(0, p - δ(d))
+        out = torch.cat([drafts, drafts[:, :1]], dim=1).clone()
+        out[rows, accepted] = torch.multinomial(last, 1, generator=gen)[:, 0]
+    logps = logprobs_from_logits(logits, out.to(logits.device)).double()
+    return out, accepted + 1, logps

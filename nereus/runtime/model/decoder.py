@@ -115,10 +115,22 @@ class KVCache:
         self.k = torch.zeros(batch, kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        end = start + k.shape[2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
+    def update(self, k: torch.Tensor, v: torch.Tensor,
+               start: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new keys and values [B, kv_heads, T, head_dim] at positions ``start`` .. ``start + T``: one
+        offset for the batch, or one per row ([B] long: rows that decoded different numbers of tokens,
+        speculative decoding's per-row acceptance). Returns every position up to the furthest written."""
+        t = k.shape[2]
+        if isinstance(start, int):
+            end = start + t
+            self.k[:, :, start:end] = k
+            self.v[:, :, start:end] = v
+            return self.k[:, :, :end], self.v[:, :, :end]
+        at = start.to(k.device)[:, None] + torch.arange(t, device=k.device)  # [B, T]
+        rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(at)
+        self.k[rows, :, at] = k.transpose(1, 2)  # advanced indices first: [B, T, kv_heads, head_dim]
+        self.v[rows, :, at] = v.transpose(1, 2)
+        end = int(at.max()) + 1
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def nbytes(self) -> int:
@@ -134,7 +146,7 @@ class Context:
     sin: torch.Tensor
     mask: torch.Tensor | None = None
     caches: dict[int, KVCache] | None = None
-    start: int = 0
+    start: int | torch.Tensor = 0  # the caches' write offset: one for the batch, or one per row
 
 
 class Attention(nn.Module):
@@ -254,13 +266,13 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight
 
     def context(self, positions: torch.Tensor, dtype: torch.dtype, mask: torch.Tensor | None = None,
-                caches: dict[int, KVCache] | None = None, start: int = 0) -> Context:
+                caches: dict[int, KVCache] | None = None, start: int | torch.Tensor = 0) -> Context:
         cos, sin = rope_cos_sin(self.inv_freq, positions, dtype)
         return Context(cos, sin, mask, caches, start)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, caches: dict[int, KVCache] | None = None,
-                start: int = 0) -> torch.Tensor:
+                start: int | torch.Tensor = 0) -> torch.Tensor:
         h = self.model.embed_tokens(inputs) if self.first else inputs
         if positions is None:
             positions = torch.arange(start, start + h.shape[1], device=h.device).expand(h.shape[0], -1)

@@ -1,6 +1,7 @@
-"""The fixed batch's tail levers (``runtime.generation.fixed_decode``): speculative decoding whose rows
-advance together — greedy tokens equal plain decoding's under every kind of layout, sampled tokens keep
-the model's distribution (chi-square against exact probabilities, fixed seeds) — and the stop rule of
+"""The fixed batch's tail levers (``runtime.generation.fixed_decode``): speculative decoding in one batched
+forward whose rows accept different numbers of drafts — greedy tokens equal plain decoding's under every
+kind of layout, sampled tokens keep the model's distribution (chi-square against exact probabilities,
+fixed seeds) — and the stop rule of
 tail batching and partial rollout (the first whole groups kept, the rest deferred or carried, resumed
 rows continuing where they stopped), each against the plain fixed batch."""
 
@@ -13,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.cluster.launch import run_world
+from nereus.runtime.generation.answers import Carried
 from nereus.runtime.generation.fixed_decode import FixedDecode
-from nereus.runtime.generation.groups import Carried
 from nereus.runtime.generation.sampling import SamplingParams
 from nereus.spec.rollout import Speculation
 from tests.runtime.decode_helpers import layout, prompts, shard
@@ -37,10 +38,10 @@ def decode(sm, ps: list[list[int]], sp: SamplingParams, drafter=None) -> FixedDe
 @dataclass
 class FlawedOracle:
     """Drafts the plain answer's next tokens, each wrong (its token + 1) where a seeded coin says so: rows
-    accept different numbers of drafts, so the shared cut falls inside some rows' accepted runs."""
+    accept different numbers of drafts, and their caches grow apart."""
 
     answers: list[list[int]]
-    wrong: float = 0.08
+    wrong: float = 0.3
     calls: int = 0
 
     def __call__(self, prompts, rows, finished, k):
@@ -88,23 +89,21 @@ def _sampled(rank: int, world: int) -> None:
                         speculation=replace(SPEC, num_speculative_tokens=2))
     exact = _exact_pairs(sp, prompt)
     counts: dict = {}
-    accepted = advanced = 0
-    rows = 8  # small batches: every row's first drafts accepted now and then, so rows advance by 2 together
+    accepted = 0
+    rows = 40  # a GRPO-like group per call: the siblings' answers are drafts too
     for call in range(N_SAMPLED // rows):
         run = decode(sm, [prompt] * rows, replace(sp, seed=call))
         accepted += run.accepted_tokens
-        advanced += run.iterations < len(run.rows[0]) - 1
         for toks in run.rows:
             counts[tuple(toks[:2])] = counts.get(tuple(toks[:2]), 0) + 1
-    # the shared cut was exercised: calls in which all 8 rows accepted a draft and advanced 2 tokens at once
-    assert advanced >= 5 and accepted == advanced * rows
+    assert accepted > N_SAMPLED // 4  # the rule was exercised, not just plain sampling
     assert set(counts) <= set(exact)
     stat, df = chi2(counts, exact, N_SAMPLED)
     assert stat < chi2_limit(df), (stat, df)
 
 
 def test_sampled_speculation_keeps_the_models_distribution():
-    """1,200 rows of one prompt in batches of 8: the first two tokens' joint distribution passes a
+    """1,200 rows of one prompt in batches of 40: the first two tokens' joint distribution passes a
     chi-square test against the model's exact probabilities."""
     run_world(_sampled, 1, timeout_s=300)
 

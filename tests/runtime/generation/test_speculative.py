@@ -13,7 +13,7 @@ import torch
 from nereus.runtime.cluster.launch import run_world
 from nereus.runtime.generation.decode_engine import DecodeEngine
 from nereus.runtime.generation.sampling import SamplingParams, target_probs
-from nereus.runtime.generation.speculative import propose, verify
+from nereus.runtime.generation.speculative import propose, verify, verify_rows
 from nereus.runtime.model.decoder import build_model
 from nereus.spec.rollout import Speculation
 from tests.runtime.decode_helpers import CFG, alone, answers, assert_same, layout, prompts, shard
@@ -79,6 +79,43 @@ def test_rejection_rule_keeps_the_target_distribution(top_p):
         assert stat < chi2_limit(df), (counts, probs)
     assert first[0] / n == pytest.approx(float(p[0][0]), abs=0.03)
     assert first[0] / n < 0.5  # keeping every draft would emit token 0 every time
+
+
+def test_batched_greedy_verification_equals_the_row_by_row_rule():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, 4, 6, generator=g)
+    drafts = torch.randint(0, 6, (50, 3), generator=g)
+    drafts[::2] = logits[::2, :3].argmax(-1)  # half the rows draft the argmax: accepted through
+    drafts[::4, 1] = (drafts[::4, 1] + 1) % 6  # a quarter of them rejected at the second draft
+    greedy = SamplingParams(temperature=0.0)
+    out, counts, logps = verify_rows(logits, drafts, greedy, None)
+    for i in range(50):
+        toks, lps = verify(logits[i], drafts[i].tolist(), greedy, None)
+        assert out[i, : counts[i]].tolist() == toks and logps[i, : counts[i]].tolist() == pytest.approx(lps)
+    assert set(counts.tolist()) == {1, 2, 4}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_batched_rejection_rule_keeps_the_target_distribution(top_p):
+    """10,000 rows verified at once on the same fixed logits, drafts 0 then 1: as the row-by-row rule."""
+    logits = torch.tensor([[1.0, 0.2, 2.0, -1.0, 0.5], [0.3, 1.5, -0.5, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    params = SamplingParams(temperature=0.8, top_p=top_p)
+    p = [target_probs(logits[i: i + 1], params)[0].double() for i in range(2)]
+    p = [q / q.sum() for q in p]
+    n = 10_000
+    out, counts, _ = verify_rows(logits.expand(n, 3, 5), torch.tensor([[0, 1]]).expand(n, 2), params,
+                                 torch.Generator().manual_seed(3))
+    first = dict(zip(*torch.unique(out[:, 0], return_counts=True), strict=True))
+    second = dict(zip(*torch.unique(out[counts > 1][out[counts > 1][:, 0] == 0][:, 1], return_counts=True),
+                      strict=True))
+    for counted, q in ((first, p[0]), (second, p[1])):
+        counted = {int(t): int(c) for t, c in counted.items()}
+        probs = {t: float(q[t]) for t in range(5) if q[t] > 0}
+        assert set(counted) <= set(probs)
+        stat, df = chi2(counted, probs, sum(counted.values()))
+        assert stat < chi2_limit(df), (counted, probs)
+    assert int((out[:, 0] == 0).sum()) / n < 0.5  # keeping every draft would emit token 0 every time
 
 
 def _greedy(rank: int, world: int) -> None:

@@ -1,6 +1,6 @@
-"""What a generation round keeps, carries or aborts: the stop rule of tail batching and partial rollout,
-shared by both native generation paths (the fixed batch, ``fixed_decode``; continuous batching,
-``decode_engine``).
+"""What a generation call answers: each row kept, carried or deferred, and how the decoding went; and the
+stop rule of tail batching and partial rollout, shared by both native generation paths (the fixed batch,
+``fixed_decode``; continuous batching, ``decode_engine``).
 
 A round over-launches groups (a GRPO group: ``group_size`` consecutive rows answering one prompt) and
 stops once ``keep`` whole groups of the replica have finished, its ``must`` lowest-numbered groups among
@@ -27,6 +27,32 @@ class Carried:
 
 # one row's answer to a round: (tokens, log-probs) when kept, ``Carried`` when carried, None when deferred
 Answer = tuple[list[int], list[float]] | Carried | None
+
+
+@dataclass(frozen=True)
+class DecodeStats:
+    """How a replica's generation went: decode forwards, and the speculation's verification forwards,
+    draft tokens verified and draft tokens emitted (vLLM's ``spec_decode`` counters: ``num_drafts``,
+    ``num_draft_tokens``, ``num_accepted_tokens``)."""
+
+    iterations: int = 0
+    speculative_iterations: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def __add__(self, other: DecodeStats) -> DecodeStats:
+        return DecodeStats(self.iterations + other.iterations,
+                           self.speculative_iterations + other.speculative_iterations,
+                           self.draft_tokens + other.draft_tokens, self.accepted_tokens + other.accepted_tokens)
+
+
+@dataclass(frozen=True)
+class ReplicaRollout:
+    """One data-parallel replica's answer to a generation call: its rows' answers, in row order, and how
+    the generation went."""
+
+    rows: list[Answer]
+    stats: DecodeStats = DecodeStats()
 
 
 class GroupOrder:
