@@ -145,6 +145,12 @@ def tail_spec(spec: dict) -> dict:
     return fixed(spec, speculative=SPEC_KEY, tail_batching={"over_launch": OVER_LAUNCH})
 
 
+def chosen(spec: dict) -> dict:
+    """The controller's choice: ``run.rollout.levers: auto`` (speculation and tail batching priced by the
+    cost model on the job's cpu-local profile, step by step)."""
+    return fixed(spec, levers="auto")
+
+
 # the modes' own per-step metrics worth a mean in the figures (mid-step moves; the async mode's staleness;
 # the tail levers' rounds and policy lag)
 EXTRA = ("midstep/moves", "midstep/moved_sequences", "midstep/move_s", "midstep/predicted_gain_s",
@@ -154,7 +160,7 @@ EXTRA = ("midstep/moves", "midstep/moved_sequences", "midstep/move_s", "midstep/
 MODES: dict[str, Callable[[dict], dict]] = {"static": static, "overlap": overlap, "intra": intra,
                                              "intra+midstep": intra_midstep, "async": asynchronous, "vllm": vllm,
                                              "speculative": speculative, "tail": tail, "partial": partial,
-                                             "levers": levers, "tail+spec": tail_spec}
+                                             "levers": levers, "tail+spec": tail_spec, "nereus": chosen}
 
 
 def base_spec(data: Path, args: argparse.Namespace) -> dict:

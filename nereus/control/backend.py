@@ -17,6 +17,7 @@ from typing import Protocol
 
 from nereus.spec.generation import Continue, GenerationDecision, GenerationEntry, GenerationStatus
 from nereus.spec.layout import Plan
+from nereus.spec.levers import GenerationLevers
 
 
 @dataclass
@@ -37,10 +38,13 @@ class StepMetrics:
     # share of the step's trained tokens produced by the policy 0, 1, ... versions before the one trained
     # (run.policy_lag bounds its length; (1.0,): every token on-policy)
     policy_lag: tuple[float, ...] = (1.0,)
+    # the plan's tail levers the step ran under (None: none, or the backend does not say)
+    levers: GenerationLevers | None = None
 
     def to_dict(self) -> dict:
         out = asdict(self)
         out["generation"] = [e.to_json() for e in self.generation]
+        out["levers"] = self.levers.to_dict() if self.levers is not None else None
         return out
 
 

@@ -51,6 +51,10 @@ class ControllerConfig:
     calibrate: bool = True
     fit_every: int = 5
     predict_measured: bool = False  # report the model's stage times for each measured step (Decision)
+    # calibrate on steps that ran with tail levers too: their stage times are not the plain plan's the
+    # model prices, so a lever's gain fitted into the factors is counted again when the lever is priced;
+    # False leaves those steps out (the runtime's choice; the simulator keeps every step)
+    calibrate_with_levers: bool = True
 
 
 def usable_gpus(available: int, gpus_per_node: int) -> int:
@@ -142,9 +146,14 @@ class Controller:
         est = estimate_plan(Hardware(job.cluster), job, self.plan, self.factors)
         return {str(ms): est.stage_times[str(ms)] for ms in est.costs}
 
+    def observe(self, m: StepMetrics) -> None:
+        """Learn from a measured step without deciding anything: the length forecast and, unless the step
+        ran with levers the configuration leaves out, the calibration."""
+        self._observe(m)
+
     def _observe(self, m: StepMetrics) -> None:
         self.forecaster.observe(m.step, m.response_mean)
-        if not self.config.calibrate:
+        if not self.config.calibrate or (m.levers is not None and not self.config.calibrate_with_levers):
             return
         measured = {k: v for k, v in m.stage_times_s.items() if v > 0}
         if m.phase_times_s.get("weight_sync", 0) > 0:

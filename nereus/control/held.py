@@ -22,22 +22,32 @@ from nereus.spec.layout import Plan
 
 @dataclass
 class HeldPlan:
+    """``calibrate``: the re-planner (a controller) learns from every measured step of the held plan, so
+    that a policy pricing on top of it (the lever rule, ``control.intrastep.PhasedPolicy``) and the plan
+    for survivors use calibrated factors."""
+
     plan: Plan
     replanner: Policy
     name: str = "fixed"
     generation: GenerationPolicy = field(default_factory=RunToEnd)
     log: list[Decision] = field(default_factory=list)
+    calibrate: bool = False
 
     def during_generation(self, status: GenerationStatus) -> GenerationDecision:
         return self.generation.during_generation(status)
 
     def initial_plan(self, num_gpus: int) -> Plan:
+        self.resume(self.plan)
         return self.plan
 
     def resume(self, plan: Plan) -> None:
         self.plan = plan
+        if self.calibrate:
+            self.replanner.resume(plan)
 
     def after_step(self, metrics: StepMetrics, cluster: ClusterState) -> Decision:
+        if self.calibrate:
+            self.replanner.observe(metrics)
         decision = Decision(metrics.step, "keep", "fixed layouts (run.layouts)")
         self.log.append(decision)
         return decision
@@ -46,5 +56,5 @@ class HeldPlan:
         """A held plan never moves on its own; nothing to learn."""
 
     def survivor_plan(self, num_gpus: int, step: int) -> Plan:
-        self.plan = self.replanner.survivor_plan(num_gpus, step)
+        self.plan = self.replanner.survivor_plan(num_gpus, step)  # the re-planner holds it too
         return self.plan

@@ -27,7 +27,8 @@ from dataclasses import asdict, replace
 
 from nereus.control.backend import ClusterState, Decision, Policy, StepMetrics, TransitionMetrics
 from nereus.control.controller import usable_gpus
-from nereus.control.levers import LeverRule, generation_forecast, powers_of_two, speculation_decision
+from nereus.control.held import HeldPlan
+from nereus.control.levers import LeverRule, generation_forecast, padded_rest, powers_of_two, speculation_decision
 from nereus.control.pools import STALENESS, PoolRule, runs_apart
 from nereus.cost.generation import Prediction, no_move, predict
 from nereus.spec.generation import (
@@ -164,9 +165,11 @@ class PhasedPolicy:
     whose rollout holds GPUs apart runs one-step-off."""
 
     def __init__(self, name: str, inner: Policy, rule: TailRule, every: int = 10, levers: LeverRule | None = None,
-                 policy_lag: int = 0, pools: PoolRule | None = None) -> None:
+                 policy_lag: int = 0, pools: PoolRule | None = None, levers_wait_for_fit: bool = False) -> None:
         self.name, self.inner, self.rule, self.every = name, inner, rule, every
         self.levers, self.policy_lag = levers, policy_lag
+        # no levers before the controller's first calibration fit (a backend whose priors are far off)
+        self.levers_wait_for_fit = levers_wait_for_fit
         self.pools = pools if policy_lag >= STALENESS else None
         self._colocated = self.controller.constraints if self.pools else None  # the inner policy's own
         self._levers: GenerationLevers | None = None
@@ -177,7 +180,10 @@ class PhasedPolicy:
 
     @property
     def controller(self):
-        """The object holding the plan, the forecast and the calibration (a baseline wraps a controller)."""
+        """The object holding the forecast and the calibration: a held plan's re-planner, the controller a
+        baseline wraps, or the inner policy itself."""
+        if isinstance(self.inner, HeldPlan):
+            return self.inner.replanner
         return getattr(self.inner, "inner", self.inner)
 
     @property
@@ -207,10 +213,12 @@ class PhasedPolicy:
         lag."""
         if self.pools is not None and runs_apart(base):
             return self._async_levers(job, base, factors)
-        if self.levers is None:
+        if self.levers is None or (self.levers_wait_for_fit and not factors):
             return None
         model, bulk, f, _ = generation_forecast(job, base, factors)
-        choice = self.levers.choose(model, bulk, f, self.policy_lag)
+        cap = getattr(self.controller.constraints, "capability", None)  # the simulator's backend has none
+        rest = padded_rest(job, base, factors) if cap is not None and cap.padded_rollouts else None
+        choice = self.levers.choose(model, bulk, f, self.policy_lag, rest)
         if choice is None or self._phase is None:
             return None if choice is None else choice.levers
         return choice.levers if choice.gain_s > self._phase.predicted.get("gain_s", 0.0) else None

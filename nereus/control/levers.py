@@ -40,7 +40,7 @@ from nereus.cost.levers.lengths import GroupLengths, RolloutPool
 from nereus.cost.levers.partial_rollout import budget_for_lag, steady_round
 from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
 from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
-from nereus.cost.levers.tail_batching import best_over_launch
+from nereus.cost.levers.tail_batching import TailBatchingEstimate, best_over_launch, tail_batching
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import generation_replica
 from nereus.spec.generation import SetSpeculation
@@ -49,10 +49,26 @@ from nereus.spec.layout import Plan
 from nereus.spec.levers import AsyncSplit, GenerationLevers, PartialRollout, Speculation, TailBatching
 
 DRAFT_LENGTHS = tuple(range(1, 9))
+OVER_LAUNCHES = (1.0, 1.25, 1.5, 2.0, 3.0)  # tail batching's candidates (cost.levers.tail_batching's)
 # The sibling correlation of log lengths the controller prices tail batching at: Seer (arXiv 2511.14617)
 # reports responses to one prompt "strongly similar" in length without a coefficient; 0.5 is ours (the
 # policy cannot read the trace's; the engine's finished lengths per group could calibrate it).
 SIBLINGS_PRIOR = 0.5
+
+
+@dataclass(frozen=True)
+class PaddedRest:
+    """Inference and training seconds of a step on a backend that pads each step's rollouts to its longest
+    response (``RuntimeCapability.padded_rollouts``: the CPU runtime packs [prompt, response, pad]):
+    their work is rows × (prompt + longest), so a round of shorter responses shortens them too."""
+
+    seconds: float
+    prompt: float
+
+    def at(self, longest: float, plain_longest: float) -> float:
+        """The seconds of a round whose longest response is ``longest`` (``seconds`` priced at
+        ``plain_longest``)."""
+        return self.seconds * (self.prompt + longest) / (self.prompt + plain_longest)
 
 
 @dataclass(frozen=True)
@@ -67,8 +83,10 @@ class LeverRule(ABC):
     name = "none"
 
     @abstractmethod
-    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
-        """The levers for the step whose forecast is ``bulk`` (None: none pays)."""
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int,
+               rest: PaddedRest | None = None) -> LeverChoice | None:
+        """The levers for the step whose forecast is ``bulk`` (None: none pays); ``rest``: the step's other
+        stages when the backend pads rollouts (their time then follows the round's longest response)."""
 
     def observe(self, m: StepMetrics) -> None:  # noqa: B027 - a rule that learns nothing keeps this default
         """Default: learn nothing from measurements."""
@@ -94,7 +112,8 @@ class NereusLevers(LeverRule):
                                                         e.outcome.figures.get("verifications", 0.0),
                                                         d.speculation.draft_tokens)
 
-    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int,
+               rest: PaddedRest | None = None) -> LeverChoice | None:
         base = no_move(model, bulk).generation_s
 
         def priced(s: Speculation) -> tuple[float, Speculation]:
@@ -110,17 +129,22 @@ class NereusLevers(LeverRule):
         for live in powers_of_two(model.slots):
             best = min(best, priced(Speculation(spec.draft, spec.draft_tokens, live)), key=lambda x: x[0])
         spec_s, spec = best
-        options = [(spec_s, GenerationLevers(speculation=spec))] if base - spec_s > self.min_gain * base else []
-        batching = self._tail_batching(model)
+        others = rest.seconds if rest is not None else 0.0  # the same for every lever but tail batching
+        options = [(spec_s + others, GenerationLevers(speculation=spec))] if base - spec_s > self.min_gain * base \
+            else []
+        batching = self._tail_batching(model, base, rest)
         if batching is not None:  # on the rollout as it is: exclusive with speculation here
-            options.append((base / batching[1], GenerationLevers(tail_batching=batching[0])))
+            options.append((batching[1], GenerationLevers(tail_batching=batching[0])))
         if policy_lag >= 1:
             with_spec = spec if base - spec_s > self.min_gain * base else None
-            options += self._partial(model, bulk, f, policy_lag, with_spec)
+            options += [(t + others, lv) for t, lv in self._partial(model, bulk, f, policy_lag, with_spec)]
         if not options:
             return None
         t, chosen = min(options, key=lambda x: x[0])
-        predicted = {"gain_s": base - t, "generation_s": t, "base_s": base}
+        base += others  # with ``rest``: whole steps compared, else generation alone
+        predicted = {"gain_s": base - t, "generation_s" if rest is None else "step_s": t, "base_s": base}
+        if rest is not None:  # the runner-ups, as the planner explains its choice
+            predicted.update({f"{lv.kinds}_s": s for s, lv in sorted(options, key=lambda x: x[0], reverse=True)})
         if chosen.speculation is not None:
             predicted["alpha"] = self.alpha(chosen.speculation.draft)
         levers = GenerationLevers(chosen.speculation, chosen.tail_batching, chosen.partial_rollout, None, self.name,
@@ -132,15 +156,31 @@ class NereusLevers(LeverRule):
         replica = generation_replica(model.hw, model.arch, model.placement.layout.tp, job.options.weight_bytes)
         return RolloutPool(replica, model.placement.layout.dp, model.slots, float(job.workload.prompt_length))
 
-    def _tail_batching(self, model: GenModel) -> tuple[TailBatching, float] | None:
+    def _tail_batching(self, model: GenModel, base: float,
+                       rest: PaddedRest | None) -> tuple[TailBatching, float] | None:
         """The over-launch factor that pays most (``cost.levers.tail_batching``) at the prior sibling
-        correlation, and its generation speedup; None when none pays ``min_gain``."""
+        correlation, and the seconds it predicts per step: of generation alone (``base`` scaled by its
+        speedup), or with ``rest`` of the whole step, each round's other stages at its longest response.
+        None when none pays ``min_gain``."""
         job = model.job
         lengths = GroupLengths.of(job.workload.response, SIBLINGS_PRIOR, job.algorithm.samples_per_prompt)
-        est = best_over_launch(self._pool(model), lengths, job.workload.prompts_per_step)
-        if est.over_launch <= 1.0 or est.speedup <= 1 + self.min_gain:
+        pool, groups = self._pool(model), job.workload.prompts_per_step
+        if rest is None:
+            est = best_over_launch(pool, lengths, groups)
+            if est.over_launch <= 1.0 or est.speedup <= 1 + self.min_gain:
+                return None
+            return TailBatching(est.over_launch), base / est.speedup
+
+        def step_s(e: TailBatchingEstimate) -> float:
+            scale = base / e.plain.seconds  # the pool's round seconds in the generation model's units
+            round_s = [r.seconds * scale + rest.at(r.longest, e.plain.longest) for r in (e.short, e.long)]
+            return (round_s[0] + e.long_rounds_per_short * round_s[1]) / (1 + e.long_rounds_per_short)
+
+        est = min((tail_batching(pool, lengths, groups, f) for f in OVER_LAUNCHES), key=step_s)
+        t, plain = step_s(est), base + rest.seconds
+        if est.over_launch <= 1.0 or plain - t <= self.min_gain * plain:
             return None
-        return TailBatching(est.over_launch), est.speedup
+        return TailBatching(est.over_launch), t
 
     def _partial(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int,
                  spec: Speculation | None) -> list[tuple[float, GenerationLevers]]:
@@ -170,7 +210,8 @@ class FixedSpeculation(LeverRule):
     speculation: Speculation
     name: str = "spec-like"
 
-    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int,
+               rest: PaddedRest | None = None) -> LeverChoice | None:
         base = no_move(model, bulk).generation_s
         s = self.speculation
         t = with_speculation(model, bulk, s.draft_tokens, s.live_at_most, prior(DraftKind(s.draft)).alpha,
@@ -187,7 +228,8 @@ class FixedPartialRollout(LeverRule):
     lag: int = 1
     name: str = "april-like"
 
-    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int,
+               rest: PaddedRest | None = None) -> LeverChoice | None:
         budget = PartialRollout(budget_for_lag(model.job.workload.response.max, self.lag))
         return LeverChoice(GenerationLevers(partial_rollout=budget, policy=self.name), 0.0)
 
@@ -199,7 +241,8 @@ class FixedTailBatching(LeverRule):
     tail_batching: TailBatching
     name: str = "rollpacker-like"
 
-    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int,
+               rest: PaddedRest | None = None) -> LeverChoice | None:
         return LeverChoice(GenerationLevers(tail_batching=self.tail_batching, policy=self.name), 0.0)
 
 
@@ -211,7 +254,8 @@ class FixedAsync(LeverRule):
     staleness: int = 1
     name: str = "verl-async-like"
 
-    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int) -> LeverChoice | None:
+    def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int,
+               rest: PaddedRest | None = None) -> LeverChoice | None:
         split = AsyncSplit(len(model.placement.gpus), self.staleness)
         return LeverChoice(GenerationLevers(async_split=split, policy=self.name), 0.0)
 
@@ -226,6 +270,13 @@ def generation_forecast(job: JobSpec, plan: Plan, factors: dict[str, float],
     f = Factors.of(factors, transfer)
     lengths = forecast_lengths(job.workload.response, job.sequences_per_step())
     return model, run_bulk(model, lengths, f), f, est.phase_times["inference"]
+
+
+def padded_rest(job: JobSpec, plan: Plan, factors: dict[str, float]) -> PaddedRest:
+    """The plan's predicted inference and training seconds at the forecast workload, for a backend that
+    pads rollouts (``PaddedRest``)."""
+    est = estimate_plan(Hardware(job.cluster), job, plan, factors or None)
+    return PaddedRest(est.phase_times["inference"] + est.phase_times["training"], float(job.workload.prompt_length))
 
 
 def powers_of_two(limit: int) -> list[int]:

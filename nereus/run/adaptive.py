@@ -29,6 +29,8 @@ from pathlib import Path
 from nereus.control.backend import Decision, GenerationPolicy, Policy, RunToEnd
 from nereus.control.controller import Controller, ControllerConfig
 from nereus.control.held import HeldPlan
+from nereus.control.intrastep import NoTail, PhasedPolicy
+from nereus.control.levers import NereusLevers
 from nereus.control.loop import StepOutcome
 from nereus.control.midstep import BalanceTail
 from nereus.planner.search import Constraints
@@ -59,10 +61,10 @@ def controller_for(job: JobSpec) -> Controller:
 
     a = job.run.adapt
     job = replace(job, options=CAPABILITY.planning_options(job.options))
-    cfg = ControllerConfig() if a is None else ControllerConfig(
+    cfg = ControllerConfig(calibrate_with_levers=False) if a is None else ControllerConfig(
         horizon=a.horizon, margin=a.margin, min_gain=a.min_gain, cooldown=a.cooldown,
         replan_every=a.replan_every, fit_every=a.fit_every, calibrate=a.calibrate,
-        predict_measured=True)
+        predict_measured=True, calibrate_with_levers=False)
     allowed = Constraints(layout_filter=lambda ms, lay: runtime_layout_ok(job, ms.stage, lay, ms.model),
                           capability=CAPABILITY)
     return Controller(job, cfg, schedule=CurriculumSchedule(job), total_steps=job.run.steps, constraints=allowed,
@@ -81,14 +83,33 @@ def plan_of(placed: list[Placed], workers: int) -> Plan:
 
 
 def policy_for(job: JobSpec) -> tuple[Policy, Plan, list[Placed]]:
-    """The run's policy, its initial plan and the runtime placements of that plan."""
+    """The run's policy, its initial plan and the runtime placements of that plan. With
+    ``run.rollout.levers: auto`` the policy also chooses the plan's tail levers (``lever_policy``)."""
     if job.run.adapt is None:
         placed = place(job)
         plan = plan_of(placed, job.run.workers)
-        return HeldPlan(plan, controller_for(job), generation=generation_rule(job)), plan, placed
+        auto = job.run.rollout_levers == "auto"
+        held = HeldPlan(plan, controller_for(job), generation=generation_rule(job), calibrate=auto)
+        if not auto:
+            return held, plan, placed
+        policy = lever_policy(held)
+        return policy, policy.initial_plan(job.run.workers), placed
     ctrl = controller_for(job)
-    plan = ctrl.initial_plan(job.run.adapt.workers_at(0, job.run.workers))
-    return ctrl, plan, placed_from_plan(plan)
+    policy = lever_policy(ctrl) if job.run.rollout_levers == "auto" else ctrl
+    plan = policy.initial_plan(job.run.adapt.workers_at(0, job.run.workers))
+    return policy, plan, placed_from_plan(plan)
+
+
+def lever_policy(inner: Policy) -> PhasedPolicy:
+    """``inner`` (the controller, or a held plan that calibrates its re-planner) with the simulator's lever
+    rule on top (``control.levers``): once the first calibration fit is in, and every few steps after, it
+    prices speculative decoding (draft length, live-batch threshold, the acceptance it has measured) and
+    tail batching (over-launch, each round's inference and training at its longest response: the runtime
+    pads rollouts) on the calibrated cost model and puts the fastest on the plan. Steps run with levers do
+    not calibrate the model (``ControllerConfig.calibrate_with_levers``). It chooses within policy lag 0:
+    partial rollout and one-step-off asynchrony stay job keys on the runtime (``run.rollout.partial_rollout``,
+    ``run.async``); no tail layout (``NoTail``)."""
+    return PhasedPolicy("nereus", inner, NoTail(), levers=NereusLevers(), policy_lag=0, levers_wait_for_fit=True)
 
 
 class AdaptationLog:

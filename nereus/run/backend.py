@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from types import MappingProxyType
 
 from nereus.control.backend import (
@@ -35,6 +36,7 @@ from nereus.spec.errors import SpecError
 from nereus.spec.generation import GenerationEntry
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
+from nereus.spec.levers import GenerationLevers
 
 # the driver's timers (verl's names) that measure each model-stage
 STAGE_TIMERS: Mapping[str, str] = MappingProxyType({
@@ -43,9 +45,11 @@ STAGE_TIMERS: Mapping[str, str] = MappingProxyType({
     "actor/training": "update_actor"})
 
 
-def step_metrics(step: int, metrics: dict, gpus: int, generation: tuple[GenerationEntry, ...] = ()) -> StepMetrics:
+def step_metrics(step: int, metrics: dict, gpus: int, generation: tuple[GenerationEntry, ...] = (),
+                 levers: GenerationLevers | None = None) -> StepMetrics:
     """The controller's view of a step of the RL job; the job's whole metric line rides along as ``detail``,
-    the decisions taken inside its generation as ``generation``."""
+    the decisions taken inside its generation as ``generation``, the plan's levers it ran under as
+    ``levers``."""
     stages = {ms: metrics[f"timing_s/{t}"] for ms, t in STAGE_TIMERS.items() if metrics.get(f"timing_s/{t}", 0) > 0}
     phases = {"generation": 0.0, "inference": 0.0, "training": 0.0}
     for ms, t in stages.items():
@@ -55,7 +59,7 @@ def step_metrics(step: int, metrics: dict, gpus: int, generation: tuple[Generati
                                                            + metrics.get("prompt_length/mean", 0.0))
     return StepMetrics(step, stages, phases, metrics["timing_s/step"], metrics["response_length/mean"],
                        metrics["response_length/max"], int(round(rows)), metrics.get("perf/total_num_tokens", 0.0),
-                       gpus=gpus, detail=metrics, generation=generation)
+                       gpus=gpus, detail=metrics, generation=generation, levers=levers)
 
 
 def plan_text(plan: Plan) -> str:
@@ -112,13 +116,16 @@ class RuntimeBackend:
             self.carry["nereus/snapshot_s"] = self.rt.snapshot(step)
         t0 = time.perf_counter()
         try:
-            metrics, generation = self.stepper.run_step(step, policy)
+            metrics, generation = self.stepper.run_step(step, policy, plan.levers)
         except WorkerLostError as err:
             raise WorkersLost(step, err.lost, time.perf_counter() - t0, str(err)) from err
         metrics["nereus/snapshot_s"] = 0.0
         metrics.update(self.carry)
         self.carry = {}
-        return step_metrics(step, metrics, len(self.rt.workers), generation)
+        levers = plan.levers if plan.levers is not None and plan.levers.any else None
+        m = step_metrics(step, metrics, len(self.rt.workers), generation, levers)
+        ran = {str(ms) for ms in plan.model_stages()}  # GRPO's rule reward is timed as "reward", no model-stage
+        return replace(m, stage_times_s={ms: t for ms, t in m.stage_times_s.items() if ms in ran})
 
     def _use(self, plan: Plan, placed: list[Placed]) -> None:
         self.plan, self.placed = plan, placed

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -24,11 +24,14 @@ from nereus.rl.data import Prompt
 from nereus.rl.rewards import RewardRouter
 from nereus.rl.tokenizer import Tokenizer
 from nereus.run.asyncmode import AsyncRollouts
+from nereus.run.generated import DECODE_METRICS, Generated, decode_metrics
+from nereus.run.levers import ask_at_start
 from nereus.run.midstep import METRICS, EarlyRequest, EngineLoop
 from nereus.run.overlap import Call, Calls, EarlyInference, InferenceStage, cat_parts
-from nereus.run.partial import PartialRollouts, resumed_inputs, stitch
+from nereus.run.partial import PartialRollouts
 from nereus.run.report import step_metrics
 from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack, repeat_prompts
+from nereus.run.rounds import partial_round, tail_round
 from nereus.run.setup import MINI_BATCH_ORDER, PROMPT_ORDER, SAMPLING, SPARE_PROMPTS, Placed
 from nereus.run.tail import TailRounds
 from nereus.runtime.cluster.calls import GenerateWithLogprobs, Logprobs, LogprobsAndEntropy, TrainStep, Values
@@ -39,6 +42,8 @@ from nereus.runtime.generation.sampling import derive_seed
 from nereus.runtime.model.sharded import Batch, LossFn, TrainStats
 from nereus.spec.generation import GenerationEntry
 from nereus.spec.job import JobSpec
+from nereus.spec.levers import GenerationLevers
+from nereus.spec.rollout import TailBatching
 
 # model -> (batch, loss function, learning rate) of its update (``Stepper.training_jobs``)
 TrainingJobs = dict[str, tuple[Batch, LossFn, float]]
@@ -57,29 +62,6 @@ class WithDecisionPoints:
     """The engine in chunks, the policy asked between them (``run.rollout.midstep``: ``run.midstep``)."""
 
     params: SamplingParams
-
-
-@dataclass(frozen=True)
-class Generated:
-    """A step's generation: the packed rollout and its rows, the decisions taken inside it with their
-    outcomes, and the ``midstep/*`` metrics of a generation with decision points."""
-
-    rollout: Rollout
-    rows: list[Prompt]
-    entries: tuple[GenerationEntry, ...] = ()
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-DECODE_METRICS = ("rollout/decode_iterations", "rollout/spec_decode/num_drafts", "rollout/spec_decode/num_draft_tokens",
-                  "rollout/spec_decode/num_accepted_tokens")
-
-
-def decode_metrics(parts: list[ReplicaRollout]) -> dict[str, float]:
-    """The generation's decode forwards and speculation counters summed over its replicas (vLLM's
-    ``spec_decode`` names: verification forwards, draft tokens verified, draft tokens emitted)."""
-    s = sum((p.stats for p in parts), DecodeStats())
-    return dict(zip(DECODE_METRICS, map(float, (s.iterations, s.speculative_iterations, s.draft_tokens,
-                                                 s.accepted_tokens)), strict=True))
 
 
 class Stepper:
@@ -175,13 +157,16 @@ class Stepper:
         eos = self.tok.stop_token_ids
         return EarlyRequest(stages, lambda a, b, out: pack(prompts[a:b], [r for r, _ in out], None, eos, fixed).tokens)
 
-    def generate(self, step: int, prompts: list[Prompt], policy: GenerationPolicy | None = None) -> Generated:
+    def generate(self, step: int, prompts: list[Prompt], policy: GenerationPolicy | None = None,
+                 levers: GenerationLevers | None = None) -> Generated:
         """Step ``step``'s rollout of ``prompts`` (each repeated ``samples_per_prompt`` times); ``policy`` is
-        asked at the decision points of a generation that has them (none: it runs to its end)."""
-        if self.tail is not None:
-            return self.generate_tail(step, prompts)
+        asked at the decision points of a generation that has them (none: it runs to its end), ``levers``
+        are the plan's (``run.levers``): tail batching's rounds, and in the status the policy decides on."""
         if self.partial is not None:
-            return self.generate_partial(step, prompts)
+            return partial_round(self, self.partial, step, prompts, policy, levers)
+        tail = self.tail_rounds(levers)
+        if tail is not None:
+            return tail_round(self, tail, step, prompts, policy, levers)
         rows = repeat_prompts(prompts, self.alg.samples_per_prompt)
         prompts, params, fixed = self.generation_inputs(step, rows)
         eos, key = self.tok.stop_token_ids, self.key["actor", "generation"]
@@ -193,75 +178,48 @@ class Stepper:
             self.early = loop.early
             roll = pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed)
             return Generated(roll, rows, loop.entries(), loop.metrics())
+        parts, entries = self.one_call(step, prompts, mode.params, policy, levers, early)
+        out = [row for part in parts for row in part.rows]
+        return Generated(pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows, entries,
+                         decode_metrics(parts))
+
+    def one_call(self, step: int, prompts: list[list[int]], params: SamplingParams, policy: GenerationPolicy | None,
+                 levers: GenerationLevers | None, early: EarlyRequest | None = None,
+                 ) -> tuple[list[ReplicaRollout], tuple[GenerationEntry, ...]]:
+        """A generation in one call of every generation worker, timed as ``gen``: with the plan's levers the
+        policy decides at its start (``run.levers.ask_at_start``); with ``early`` inference starts on each
+        replica's rows as it finishes. The replicas' answers and the decision's run-record entries."""
+        key = self.key["actor", "generation"]
+        start = None
+        if policy is not None and levers is not None:
+            start = ask_at_start(policy, step, prompts, params, self.rt.specs[key].layout.dp, levers)
+            params = start.params
         with self.timer("gen"):
-            call = self.calls.submit("gen", "generate", key, GenerateWithLogprobs(prompts, mode.params))
+            call = self.calls.submit("gen", "generate", key, GenerateWithLogprobs(prompts, params))
             self.early = None
             if early is not None:
-                self.early = EarlyInference(self.calls, call, key, early.stages, len(rows))
+                self.early = EarlyInference(self.calls, call, key, early.stages, len(prompts))
                 parts = self.early.run(early.pack)
             else:
                 parts = self.calls.wait([call])[0]
-            out = [row for part in parts for row in part.rows]
-        return Generated(pack(prompts, [r for r, _ in out], [lp for _, lp in out], eos, fixed), rows,
-                         metrics=decode_metrics(parts))
+        return parts, start.entries(sum((p.stats for p in parts), DecodeStats())) if start else ()
+
+    def tail_rounds(self, levers: GenerationLevers | None) -> TailRounds | None:
+        """Tail batching's rounds: the job's (``run.rollout.tail_batching``), or those of the plan's lever,
+        at its over-launch; after the lever is off, until the prompts it deferred have had their round."""
+        lever = levers.tail_batching if levers is not None else None
+        if lever is not None:
+            spec = TailBatching(over_launch=lever.over_launch)
+            self.tail = TailRounds(spec, self.tail.deferred if self.tail else [])
+        elif self.tail is not None and self.run.rollout_tail is None:  # the plan turned the lever off
+            self.tail = TailRounds(self.tail.spec, self.tail.deferred, draining=True) if self.tail.deferred else None
+        return self.tail
 
     def spare_prompts(self, step: int, n: int) -> list[Prompt]:
         """``n`` draws beyond the step's own (tail batching's over-launch), from a permutation of their own."""
         order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(
             derive_seed(self.run.seed, SPARE_PROMPTS, step)))
         return [self.train[int(order[i % len(self.train)])] for i in range(n)]
-
-    def generate_tail(self, step: int, fresh: list[Prompt]) -> Generated:
-        """A tail-batching round (``run.tail``): over-launch, keep the first whole groups, defer the rest."""
-        n, key = self.alg.samples_per_prompt, self.key["actor", "generation"]
-        dp = self.rt.specs[key].layout.dp
-        rnd = self.tail.plan(fresh, lambda k: self.spare_prompts(step, k), dp)
-        rows = repeat_prompts(rnd.launched, n)
-        prompts, params, fixed = self.generation_inputs(step, rows)
-        params = replace(params, keep_groups=rnd.keep_per_replica, group_size=n)
-        with self.timer("gen"):
-            call = self.calls.submit("gen", "generate", key, GenerateWithLogprobs(prompts, params))
-            parts = self.calls.wait([call])[0]
-            out = [row for part in parts for row in part.rows]
-        kept = [i for i, r in enumerate(out) if r is not None]
-        if not rnd.long:
-            self.tail.settle(rnd.launched, [out[g * n] is not None for g in range(len(rnd.launched))])
-        rows, prompts, out = [rows[i] for i in kept], [prompts[i] for i in kept], [out[i] for i in kept]
-        roll = pack(prompts, [r for r, _ in out], [lp for _, lp in out], self.tok.stop_token_ids, fixed)
-        metrics = {**decode_metrics(parts), "tail/long_round": float(rnd.long),
-                   "tail/launched_groups": float(len(rnd.launched)),
-                   "tail/kept_groups": float(len(kept) // n), "tail/deferred_groups": float(len(self.tail.deferred)),
-                   "rollout/policy_lag_mean": 0.0, "rollout/policy_lag_max": 0.0}
-        return Generated(roll, rows, (), metrics)
-
-    def generate_partial(self, step: int, fresh: list[Prompt]) -> Generated:
-        """A partial-rollout round (``run.partial``): carried groups resumed, the first whole groups kept,
-        the others' partial responses carried to the next step; every token tagged with its policy version."""
-        n, key = self.alg.samples_per_prompt, self.key["actor", "generation"]
-        dp = self.rt.specs[key].layout.dp
-        rnd = self.partial.plan(fresh, lambda k: self.spare_prompts(step, k), dp)
-        rows = repeat_prompts(rnd.launched, n)
-        prompts, params, fixed = self.generation_inputs(step, rows)
-        ids, counts, done = resumed_inputs(rnd, prompts, n)
-        params = replace(params, keep_groups=rnd.keep_per_replica, must_groups=rnd.must_per_replica, group_size=n,
-                         carry_partial=True, resumed=counts, resumed_done=done)
-        with self.timer("gen"):
-            call = self.calls.submit("gen", "generate", key, GenerateWithLogprobs(ids, params))
-            parts = self.calls.wait([call])[0]
-            out = [row for part in parts for row in part.rows]
-        self.partial.settle(rnd, out, n, dp, step)
-        kept = [i for i, r in enumerate(out) if isinstance(r, tuple)]
-        whole = [stitch(rnd, out[i], i, n, step) for i in kept]
-        lags = [step - v for _, _, versions in whole for v in versions]
-        roll = pack([prompts[i] for i in kept], [t for t, _, _ in whole], [lp for _, lp, _ in whole],
-                    self.tok.stop_token_ids, fixed)
-        metrics = {**decode_metrics(parts), "partial/launched_groups": float(len(rnd.launched)),
-                   "partial/kept_groups": float(len(kept) // n),
-                   "partial/carried_groups": float(sum(map(len, self.partial.carried))),
-                   "partial/resumed_tokens": float(sum(counts[i] for i in kept)),
-                   "rollout/policy_lag_mean": sum(lags) / max(1, len(lags)),
-                   "rollout/policy_lag_max": float(max(lags, default=0))}
-        return Generated(roll, [rows[i] for i in kept], (), metrics)
 
     def inference_stages(self) -> list[InferenceStage]:
         """Each inference stage (timer, inference key, request), in the order they are issued. One pass
@@ -430,15 +388,16 @@ class Stepper:
         """One RL step; its metric line."""
         return self.run_step(step, policy)[0]
 
-    def run_step(self, step: int, policy: GenerationPolicy | None = None,
+    def run_step(self, step: int, policy: GenerationPolicy | None = None, levers: GenerationLevers | None = None,
                  ) -> tuple[dict[str, float], tuple[GenerationEntry, ...]]:
-        """One RL step: its metric line, and the decisions ``policy`` took inside its generation."""
+        """One RL step under the plan's ``levers``: its metric line, and the decisions ``policy`` took inside
+        its generation."""
         if self.asynchronous is not None and self.asynchronous.enabled:  # run.async: generation one step ahead
             return self.asynchronous.step(step), ()
         self.timing, self.grad_norms = {}, {}
         self.calls.reset()
         t0 = time.perf_counter()
-        gen = self.generate(step, self.prompts(step), policy)
+        gen = self.generate(step, self.prompts(step), policy, levers)
         roll, rows = gen.rollout, gen.rows
         inf = self.infer(roll, rows)
         adv = self.advantages(roll, rows, inf)

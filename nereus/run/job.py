@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from nereus.run.checkpoint import (
     written_training,
 )
 from nereus.run.driver import Stepper
+from nereus.run.levers import LeverLog
 from nereus.run.manifest import verify_manifest, write_manifest, write_text_atomic
 from nereus.run.metrics import MetricsLog, Progress, check_loggers, prepare_resume
 from nereus.run.midstep import move_line
@@ -71,6 +72,7 @@ from nereus.runtime.model.hf import save_checkpoint
 from nereus.runtime.transitions.live import KeySpec
 from nereus.spec.errors import SpecError
 from nereus.spec.files import read_json_file
+from nereus.spec.generation import SetSpeculation
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan, check_runnable
 from nereus.spec.run import resolve_steps
@@ -113,6 +115,7 @@ class RLJob(Observer):
         self.warnings: list[str] = []  # broken checkpoints a resume skipped
         self.last: dict[str, float] = {}
         self.adaptation: AdaptationLog | None = None
+        self.levers = LeverLog() if job.run.rollout_levers == "auto" else None
         self.midstep_log: AdaptationLog | None = None
         self._ran_on: Plan | None = None  # the plan the step being observed ran on (its metric line names it)
         self.log: MetricsLog | None = None
@@ -290,11 +293,17 @@ class RLJob(Observer):
                          f"{tm.bytes_moved / 2**20:.1f} MiB moved; predicted step "
                          f"{d.current_s:.2f} s -> {d.candidate_s:.2f} s")
                 self.say(f"    new plan: {plan_text(o.plan)}")
+        if self.levers is not None:
+            extra, line = self.levers.step_done(step, self._ran_on.levers, o.metrics.step_time_s, o.plan.levers)
+            last.update(extra)
+            if line is not None:
+                self.say(line)
         self._ran_on = o.plan
         for entry in o.metrics.generation:  # decisions inside the step (the loop put them in the record)
             if self.midstep_log is not None:
                 self.midstep_log.write(entry.to_json())
-            if (line := move_line(entry)) is not None:
+            lever_switch = self.levers is not None and isinstance(entry.decision, SetSpeculation)  # said above
+            if not lever_switch and (line := move_line(entry)) is not None:
                 self.say(line)
         done = step + 1
         if (self.run.eval_every and done % self.run.eval_every == 0) or done == self.run.steps:
@@ -381,6 +390,9 @@ class RLJob(Observer):
                      f"{100 * adapt['transition_share']:.2f}% of the run); controller overhead "
                      f"{100 * adapt['controller_overhead_share']:.2f}% of run time; `nereus report "
                      f"{self.dir / 'run_record.json'}` renders the run")
+        if self.levers is not None and self.levers.spans:
+            summary["levers"] = [asdict(s) for s in self.levers.spans]
+            self.say("\ntail levers (run.rollout.levers: auto):\n" + "\n".join(self.levers.summary()))
         if summary["final_accuracy"] is not None and summary["warmstart_accuracy"] is not None:
             w, f = summary["warmstart_accuracy"], summary["final_accuracy"]
             self.say(f"\nheld-out accuracy: warm-start {100 * w:.1f}% -> final {100 * f:.1f}% "

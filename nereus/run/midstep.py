@@ -44,6 +44,7 @@ import torch
 from nereus.control.backend import GenerationPolicy
 from nereus.cost.engine import EngineCalibration, plain_finish_s, row_seconds
 from nereus.elastic.kvplan import GenPlacement, KVShape, MigrationPlan, SeqMove, plan_migration
+from nereus.run.levers import STAGE, engine_speculation, queued
 from nereus.run.overlap import Call, Calls, EarlyInference, InferenceStage
 from nereus.runtime.cluster.calls import GenClose, GenMigrate, GenOpen, GenRun, GenSpeculate, KeyCall
 from nereus.runtime.cluster.workers import Runtime
@@ -59,17 +60,12 @@ from nereus.spec.generation import (
     MoveSequences,
     Outcome,
     ReplicaStatus,
-    SequenceRecord,
     SetSpeculation,
 )
-from nereus.spec.rollout import Speculation
 
 METRICS = ("midstep/decisions", "midstep/moves", "midstep/moved_sequences", "midstep/move_s",
            "midstep/predicted_gain_s", "midstep/predicted_cost_s", "midstep/measured_gain_s", "midstep/chunks",
            "midstep/row_ms", "midstep/step_gain_s", "midstep/poll_s")
-STAGE = "actor/generation"
-# draft kinds (spec.levers) the native engine's n-gram proposer serves: its own text and its siblings'
-ENGINE_DRAFTS = ("ngram", "suffix")
 Response = tuple[list[int], list[float]]  # a sequence's new tokens and their sampling log-probs
 
 
@@ -139,7 +135,7 @@ class EngineLoop:
         """``generate_with_logprobs``'s answer for ``prompts``, with the policy's decisions on the way."""
         self.t_open = time.perf_counter()
         self._op(GenOpen(prompts, self.params))
-        start = reps = self.queued(prompts)
+        start = reps = queued(prompts, self.spec.layout.dp)  # gen_open queues each replica's block
         d = self.ask("start", reps)
         while not d.look.none:
             if not d.look.iterations:
@@ -158,14 +154,6 @@ class EngineLoop:
         out = [done[i] for i in range(len(prompts))]
         self.measure(out, start, t_end - self.t_open, t_end)
         return out
-
-    def queued(self, prompts: list[list[int]]) -> tuple[ReplicaStatus, ...]:
-        """Every replica's status before its first iteration: its block of rows queued (``gen_open``: the
-        rows ``ShardedModel.replica_rows`` gives it, consecutive blocks in DP order)."""
-        dp = self.spec.layout.dp
-        per = len(prompts) // dp
-        return tuple(ReplicaStatus(d, (), tuple(SequenceRecord(i, d, len(prompts[i]), 0, 0)
-                                                for i in range(d * per, (d + 1) * per))) for d in range(dp))
 
     def status(self, point: str, reps: tuple[ReplicaStatus, ...]) -> GenerationStatus:
         """The status at a decision point: each record's forecast and the measurements so far filled in."""
@@ -232,13 +220,11 @@ class EngineLoop:
         """Switch every replica's speculation; the drafts proposed and accepted so far go in the outcome.
         The native engine drafts from n-grams of the sequence and its siblings (``ngram`` and ``suffix``
         kinds); a draft model or head is recorded as not carried out."""
-        lever = d.speculation
-        if lever is not None and lever.draft not in ENGINE_DRAFTS:
-            reason = f"the runtime's engine drafts {' and '.join(ENGINE_DRAFTS)} only, not {lever.draft}"
-            self.recorded.append(Recorded(status, d, overhead, Outcome(False, reason)))
+        try:
+            spec = engine_speculation(d.speculation)
+        except ValueError as err:
+            self.recorded.append(Recorded(status, d, overhead, Outcome(False, str(err))))
             return
-        spec = None if lever is None else Speculation(num_speculative_tokens=lever.draft_tokens,
-                                                       max_live=lever.live_at_most)
         t0 = time.perf_counter()
         counts = self._op(GenSpeculate(spec))
         figures = {"draft_tokens": float(sum(a for a, _ in counts)),

@@ -31,8 +31,12 @@ class TailRound:
 
 @dataclass
 class TailRounds:
+    """The deferred prompts and the next round. ``draining``: the lever is off (the plan's levers turned
+    it off), and the prompts it deferred get long rounds, topped up with spare draws, until none is left."""
+
     spec: TailBatching
     deferred: list[Prompt] = field(default_factory=list)
+    draining: bool = False
 
     def plan(self, fresh: list[Prompt], spare: Callable[[int], list[Prompt]], dp: int) -> TailRound:
         """The round of a step whose own draws are ``fresh``; ``spare(n)``: ``n`` extra draws."""
@@ -40,9 +44,9 @@ class TailRounds:
         if per % dp:
             raise ValueError(f"tail batching keeps whole groups per replica: {per} prompts per step do not "
                              f"split over the generation stage's dp={dp}")
-        if len(self.deferred) >= per:  # a long round: the deferred prompts, from scratch, to the end
+        if len(self.deferred) >= per or self.draining:  # a long round: the deferred prompts, from scratch
             launched, self.deferred = self.deferred[:per], self.deferred[per:]
-            return TailRound(launched, 0, True)
+            return TailRound(launched + spare(per - len(launched)), 0, True)
         launch = dp * math.ceil(per * self.spec.over_launch / dp)
         launched = list(fresh) + spare(launch - per)
         return TailRound(launched, per // dp, False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from nereus.spec.capability import RuntimeCapability
 
 # TP, PP, DP, micro-batches, ZeRO-1, GPipe/1F1B; no recompute, sequence parallelism, interleaving or FSDP;
-# the RL driver runs model-stages one after another.
+# the RL driver runs model-stages one after another; a step's rollouts are packed to its longest response
+# (run.rollout.pack), so inference and training pay for the padding.
 CAPABILITY = RuntimeCapability(recompute=("none",), sequence_parallel=False, max_interleave=1, fsdp=False,
-                               concurrent_stages=False)
+                               concurrent_stages=False, padded_rollouts=True)

@@ -34,6 +34,9 @@ class RuntimeCapability:
     fsdp: bool = False
     # model-stages of one phase on disjoint workers run at the same time (the planner's step-time sum)
     concurrent_stages: bool = False
+    # each step's rollouts are padded to its longest response for inference and training (no remove-
+    # padding): a round of shorter responses costs less there too (the lever rule prices tail batching so)
+    padded_rollouts: bool = False
 
     def supports(self, layout: Layout, stage: str = "training") -> list[str]:
         """Why this runtime cannot run ``layout`` for ``stage``: one reason per field, naming the fix;

@@ -160,6 +160,11 @@ class GenerationLevers:
     def any(self) -> bool:
         return bool(self._set())
 
+    @property
+    def kinds(self) -> str:
+        """The levers that are on, by name, joined by ``+`` ("" when none)."""
+        return "+".join(self._set())
+
     def to_dict(self) -> dict:
         out: dict = {"format": LEVERS_FORMAT, **{k: v.to_json() for k, v in self._set().items()}}
         return {**out, "policy": self.policy, "predicted": dict(self.predicted)}

@@ -168,6 +168,9 @@ class RunSpec:
     rollout_tail: TailBatching | None = None
     # run.rollout.partial_rollout: carry unfinished responses to the next step (run.partial); None: off
     rollout_partial: PartialRollout | None = None
+    # run.rollout.levers: "auto" lets the controller choose the tail levers (speculative decoding, tail
+    # batching) by the cost model, step by step (control.levers, run.levers); "none": only the keys above
+    rollout_levers: str = "none"
     # run.overlap: model-stages on disjoint workers run at once (run.overlap.Calls); results are identical
     overlap: bool = False
     # run.async (a Python keyword, hence the field name): one-step-off-policy generation, see AsyncSpec
@@ -412,7 +415,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         snapshot_every=ckpt.get("snapshot_every", int, 1, minimum=0),
         layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=ro.slots,
         rollout_pad_to_max=ro.pad_to_max, rollout_midstep=ro.midstep, rollout_engine=ro.engine,
-        rollout_tail=ro.tail, rollout_partial=ro.partial, policy_lag=ro.policy_lag,
+        rollout_tail=ro.tail, rollout_partial=ro.partial, rollout_levers=ro.levers, policy_lag=ro.policy_lag,
         overlap=f.get("overlap", bool, False), async_mode=_async(f))
     ckpt.finish()
     f.finish()

@@ -22,6 +22,7 @@ from nereus.spec.rollout import (
 # max_num_seqs defaults to 256, past which a tiny CPU model gains nothing.
 MAX_SLOTS = 4096
 MIDSTEP_TRANSFERS = ("auto", "kv", "refill")
+LEVER_CHOICES = ("none", "auto")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class RolloutSection:
     tail: TailBatching | None
     partial: PartialRollout | None
     policy_lag: int
+    levers: str = "none"
 
 
 def _midstep(rollout: Fields, slots: int) -> MidstepSpec | None:
@@ -94,5 +96,23 @@ def read_rollout_section(f: Fields) -> RolloutSection:
     if partial is not None and lag < 1:
         raise SpecError("run.policy_lag", "partial rollout trains tokens one policy version old: set "
                         "run.policy_lag: 1, or remove run.rollout.partial_rollout")
+    levers = rollout.get("levers", str, "none", choices=LEVER_CHOICES)
+    _check_auto_levers(levers, engine, midstep, tail, partial)
     rollout.finish()
-    return RolloutSection(slots, pad_to_max, midstep, engine, tail, partial, lag)
+    return RolloutSection(slots, pad_to_max, midstep, engine, tail, partial, lag, levers)
+
+
+def _check_auto_levers(levers: str, engine: RolloutEngine, midstep: MidstepSpec | None, tail: TailBatching | None,
+                       partial: PartialRollout | None) -> None:
+    """``levers: auto`` leaves speculation and tail batching to the controller: each fixed lever key, the
+    vLLM engine (speculation fixed at its start) and mid-step moves (a rule of their own) are refused."""
+    if levers != "auto":
+        return
+    fixed = [k for k, v in (("speculative", engine.speculative), ("tail_batching", tail),
+                            ("partial_rollout", partial), ("midstep", midstep)) if v is not None]
+    if fixed:
+        raise SpecError("run.rollout.levers", f"auto: the controller chooses the levers; remove run.rollout."
+                        f"{fixed[0]}, or set levers: none to keep it fixed")
+    if engine.vllm:
+        raise SpecError("run.rollout.levers", "auto needs the native engine (vLLM's speculation is fixed when "
+                        "its engine starts): set engine: native, or levers: none")

@@ -37,6 +37,10 @@ def test_rounds_over_launch_defer_and_replay_from_scratch():
     assert tail.deferred == []
     with pytest.raises(ValueError, match="dp=3"):
         tail.plan(fresh, spare, dp=3)
+    # the lever turned off with two prompts deferred: one long round of them, topped up with spare draws
+    left = TailRounds(TailBatching(over_launch=1.5), [short.launched[1], short.launched[4]], draining=True)
+    last = left.plan([_prompt(30 + i) for i in range(4)], spare, dp=2)
+    assert last.long and last.launched == [short.launched[1], short.launched[4], *spare(2)] and not left.deferred
 
 
 def _first(rank: int, world: int) -> None:

@@ -12,7 +12,7 @@ lowest-numbered first, so the answer does not depend on timing.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 
 @dataclass(frozen=True)
@@ -31,19 +31,19 @@ Answer = tuple[list[int], list[float]] | Carried | None
 
 @dataclass(frozen=True)
 class DecodeStats:
-    """How a replica's generation went: decode forwards, and the speculation's verification forwards,
-    draft tokens verified and draft tokens emitted (vLLM's ``spec_decode`` counters: ``num_drafts``,
-    ``num_draft_tokens``, ``num_accepted_tokens``)."""
+    """How a replica's generation went: decode forwards, those that verified drafts, and the speculation's
+    counters as vLLM's ``spec_decode`` metrics count them: chains of drafts verified (one per sequence per
+    verification, ``num_drafts``), draft tokens verified (``num_draft_tokens``), drafts accepted
+    (``num_accepted_tokens``)."""
 
     iterations: int = 0
     speculative_iterations: int = 0
+    verifications: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
 
     def __add__(self, other: DecodeStats) -> DecodeStats:
-        return DecodeStats(self.iterations + other.iterations,
-                           self.speculative_iterations + other.speculative_iterations,
-                           self.draft_tokens + other.draft_tokens, self.accepted_tokens + other.accepted_tokens)
+        return DecodeStats(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 @dataclass(frozen=True)

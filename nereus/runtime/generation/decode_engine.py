@@ -122,6 +122,7 @@ class DecodeEngine:
         self.draft_tokens = 0
         self.accepted_tokens = 0
         self.speculative_iterations = 0
+        self.verifications = 0  # sequences' draft chains verified
 
     # ----- requests -----------------------------------------------------------------------------------
     def submit(self, seq_id: int, prompt: list[int], max_new: int | None = None) -> None:
@@ -251,6 +252,7 @@ class DecodeEngine:
             out.append(propose(s.all_tokens(), siblings, spec, s.max_len - s.length - 1))
         if any(out):
             self.speculative_iterations += 1
+            self.verifications += sum(1 for d in out if d)
             self.draft_tokens += sum(map(len, out))
         return out
 
@@ -346,7 +348,8 @@ def generate_continuous(sm: ShardedModel, prompts: list[list[int]], params: Samp
 
 
 def engine_stats(engine: DecodeEngine) -> DecodeStats:
-    return DecodeStats(engine.iterations, engine.speculative_iterations, engine.draft_tokens, engine.accepted_tokens)
+    return DecodeStats(engine.iterations, engine.speculative_iterations, engine.verifications, engine.draft_tokens,
+                       engine.accepted_tokens)
 
 
 def first_groups(engine: DecodeEngine, keep: int, group_size: int,

@@ -168,7 +168,7 @@ class FixedDecode:
                       if params.keep_groups else None)
         self.drafter = drafter or NgramDrafts(params.speculation, params.pad_token_id)
         self.iterations = 0  # decode forwards (the prefill not counted)
-        self.draft_tokens = self.accepted_tokens = self.speculative_iterations = 0
+        self.draft_tokens = self.accepted_tokens = self.speculative_iterations = self.verifications = 0
         self.prefill = (tokens, positions, valid)
 
     # ----- the loop -------------------------------------------------------------------------------------
@@ -272,6 +272,7 @@ class FixedDecode:
         self._advance(torch.tensor([len(r) for r in self.rows]) - before)  # up to a row's stop or limit
         self.iterations += 1
         self.speculative_iterations += 1
+        self.verifications += int(live.sum())
         self.draft_tokens += k * int(live.sum())
         self.accepted_tokens += int((counts - 1)[live].sum())
         return pending
@@ -294,7 +295,8 @@ class FixedDecode:
 
     # ----- answers --------------------------------------------------------------------------------------
     def stats(self) -> DecodeStats:
-        return DecodeStats(self.iterations, self.speculative_iterations, self.draft_tokens, self.accepted_tokens)
+        return DecodeStats(self.iterations, self.speculative_iterations, self.verifications, self.draft_tokens,
+                           self.accepted_tokens)
 
     def answers(self) -> list[Answer]:
         """Each row's (tokens, log-probs) — kept rows only with ``keep_groups``: the others None, or

@@ -1,0 +1,181 @@
+"""The plan's tail levers in a step's generation on the runtime (``Plan.levers``, chosen by the policy:
+``control.levers``), as the simulator carries them out (``sim.backend``):
+
+- **speculative decoding** is a decision at the start of the generation: the backend asks the policy
+  (``Policy.during_generation``) with the plan's levers in the status; a ``SetSpeculation`` answer sets
+  the call's n-gram speculation (``SamplingParams.speculation``), and the decision goes into the run
+  record with the drafts verified and accepted once the call has answered (the policy calibrates its
+  acceptance on them, ``control.levers.NereusLevers.observe``);
+- **tail batching** is a property of the step's round (``run.tail``), over-launched as the plan says.
+
+One generation call has one decision point, its start; the engine with decision points
+(``run.midstep``) asks again between chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from nereus.control.backend import GenerationPolicy
+from nereus.runtime.generation.answers import DecodeStats
+from nereus.runtime.generation.sampling import SamplingParams
+from nereus.spec import levers as plan_levers
+from nereus.spec.generation import (
+    GenerationDecision,
+    GenerationEntry,
+    GenerationStatus,
+    Outcome,
+    ReplicaStatus,
+    SequenceRecord,
+    SetSpeculation,
+)
+from nereus.spec.levers import GenerationLevers
+from nereus.spec.rollout import Speculation
+
+STAGE = "actor/generation"
+# draft kinds (spec.levers) the native engines' n-gram proposer serves: its own text and its siblings'
+ENGINE_DRAFTS = ("ngram", "suffix")
+
+
+def engine_speculation(lever: plan_levers.Speculation | None) -> Speculation | None:
+    """The native engines' n-gram speculation for a plan's speculation lever (None: off); a ``ValueError``
+    naming the kind for a draft the engines cannot make (a draft model or head)."""
+    if lever is None:
+        return None
+    if lever.draft not in ENGINE_DRAFTS:
+        raise ValueError(f"the runtime's engines draft {' and '.join(ENGINE_DRAFTS)} only, not {lever.draft}")
+    return Speculation(num_speculative_tokens=lever.draft_tokens, max_live=lever.live_at_most)
+
+
+def queued(prompts: list[list[int]], dp: int) -> tuple[ReplicaStatus, ...]:
+    """Every replica's status before its first iteration: its block of rows queued (the rows
+    ``ShardedModel.replica_rows`` gives it, consecutive blocks in DP order)."""
+    per = len(prompts) // dp
+    return tuple(ReplicaStatus(d, (), tuple(SequenceRecord(i, d, len(prompts[i]), 0, 0)
+                                            for i in range(d * per, (d + 1) * per))) for d in range(dp))
+
+
+@dataclass(frozen=True)
+class StartDecision:
+    """The policy's answer at the start of a one-call generation and the call's parameters under it;
+    ``refused``: why the runtime did not carry out a decision that acts ("" when it did)."""
+
+    status: GenerationStatus
+    decision: GenerationDecision
+    overhead_s: float
+    params: SamplingParams
+    refused: str = ""
+
+    def entries(self, stats: DecodeStats) -> tuple[GenerationEntry, ...]:
+        """The run record's entry for the decision (none for one that was not to be recorded), with the
+        call's speculation counters (``stats``, summed over the replicas)."""
+        d = self.decision
+        if not d.recorded:
+            return ()
+        if self.refused or not d.acts:
+            outcome = Outcome(False, self.refused or "declined")
+        else:
+            outcome = Outcome(True, "", 0.0, None, {"verifications": float(stats.verifications),
+                                                     "draft_tokens": float(stats.draft_tokens),
+                                                     "accepted_tokens": float(stats.accepted_tokens)})
+        s = self.status
+        return (GenerationEntry(s.step, STAGE, s.iteration, s.live, d, outcome, self.overhead_s),)
+
+
+def ask_at_start(policy: GenerationPolicy, step: int, prompts: list[list[int]], params: SamplingParams, dp: int,
+                 levers: GenerationLevers | None) -> StartDecision:
+    """Ask ``policy`` at the start of step ``step``'s generation of ``prompts`` on ``dp`` replicas; carry
+    out a ``SetSpeculation`` on the call's ``params``. Other decisions need points the call does not have:
+    they are recorded as not carried out."""
+    status = GenerationStatus(step, STAGE, "start", 0, params.slots, params.max_new_tokens, queued(prompts, dp),
+                              levers=levers)
+    t0 = time.perf_counter()
+    d = policy.during_generation(status)
+    overhead = time.perf_counter() - t0
+    if isinstance(d, SetSpeculation):
+        try:
+            return StartDecision(status, d, overhead, replace(params, speculation=engine_speculation(d.speculation)))
+        except ValueError as err:
+            return StartDecision(status, d, overhead, params, str(err))
+    refused = f"a generation in one call carries out speculation only, not {d.kind}" if d.acts else ""
+    return StartDecision(status, d, overhead, params, refused)
+
+
+@dataclass
+class LeverSpan:
+    """Consecutive steps run under one lever setting: the plan's predicted step with and without them,
+    and the measured steps. The measured gain is the calibrated model's plain step (``base_s``, the
+    counterfactual: no lever) less the measured step time."""
+
+    first_step: int
+    kinds: str
+    base_s: float
+    predicted_s: float
+    measured_s: list[float]
+
+    @property
+    def predicted_gain_s(self) -> float:
+        return self.base_s - self.predicted_s
+
+    @property
+    def measured_gain_s(self) -> float:
+        return self.base_s - sum(self.measured_s) / len(self.measured_s)
+
+    def line(self) -> str:
+        last = self.first_step + len(self.measured_s)
+        return (f"  {self.kinds} in steps {self.first_step + 1}-{last}: step {self.base_s:.3f} s -> "
+                f"{self.predicted_s:.3f} s predicted (gain {self.predicted_gain_s:+.3f} s), measured "
+                f"{self.base_s - self.measured_gain_s:.3f} s (gain {self.measured_gain_s:+.3f} s against the "
+                "calibrated plain step)")
+
+
+class LeverLog:
+    """The tail levers a run used (``run.rollout.levers: auto``): a line whenever the plan's levers change
+    (the choice, its predicted step, the runner-ups), per-step metrics, and a summary per setting."""
+
+    def __init__(self) -> None:
+        self.spans: list[LeverSpan] = []
+        self.chosen: GenerationLevers | None = None
+
+    def step_done(self, step: int, ran: GenerationLevers | None, measured_s: float,
+                  nxt: GenerationLevers | None) -> tuple[dict[str, float], str | None]:
+        """After step ``step`` run under ``ran`` (measured ``measured_s``), with ``nxt`` for the next step:
+        its ``nereus/levers/*`` metrics and a line when the levers change."""
+        on = ran is not None and ran.any
+        if on:
+            kinds, p = ran.kinds, ran.predicted
+            base, pred = float(p.get("base_s", 0.0)), float(p.get("step_s", p.get("generation_s", 0.0)))
+            last = self.spans[-1] if self.spans else None
+            if last is None or last.kinds != kinds or last.first_step + len(last.measured_s) != step:
+                self.spans.append(LeverSpan(step, kinds, base, pred, []))
+            self.spans[-1].measured_s.append(measured_s)
+        metrics = {"nereus/levers/on": float(on),
+                   "nereus/levers/predicted_gain_s": self.spans[-1].predicted_gain_s if on else 0.0,
+                   "nereus/levers/measured_gain_s": self.spans[-1].base_s - measured_s if on else 0.0}
+        nxt = nxt if nxt is not None and nxt.any else None
+        line = change_line(step + 1, nxt) if nxt != self.chosen else None  # equal: the same levers, re-priced
+        self.chosen = nxt
+        return metrics, line
+
+    def summary(self) -> list[str]:
+        """One line per lever setting the run used."""
+        return [s.line() for s in self.spans]
+
+
+def change_line(step: int, levers: GenerationLevers | None) -> str:
+    """A line of progress for the levers of step ``step`` (0-based)."""
+    if levers is None:
+        return f"\n  levers from step {step + 1}: none"
+    p = levers.predicted
+    what = []
+    if levers.speculation is not None:
+        s = levers.speculation
+        what.append(f"speculation ({s.draft} drafts, k={s.draft_tokens}, while <= {s.live_at_most} live)")
+    if levers.tail_batching is not None:
+        what.append(f"tail batching (over-launch {levers.tail_batching.over_launch:g})")
+    others = ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in p.items() if k.endswith("_s") and k not in
+                       ("gain_s", "base_s", "step_s", "generation_s"))
+    step_s = p.get("step_s", p.get("generation_s", 0.0))
+    return (f"\n  levers from step {step + 1}: {' + '.join(what)}; predicted step {p.get('base_s', 0.0):.3f} s -> "
+            f"{step_s:.3f} s" + (f" (priced: {others})" if others else ""))

@@ -1,0 +1,150 @@
+"""The plan's tail levers on the runtime (``run.levers``, ``run.rollout.levers: auto``): the start decision of
+a one-call generation, the lever log, the controller's choice on a held plan once calibrated (steps run
+with levers left out of the calibration), and jobs whose plan carries speculation or tail batching.
+No timing is asserted: the runtime tests use fixed lever rules, the choice is made on given step times."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from nereus.control.backend import StepMetrics
+from nereus.control.held import HeldPlan
+from nereus.control.intrastep import NoTail, PhasedPolicy
+from nereus.control.levers import FixedSpeculation, FixedTailBatching
+from nereus.run.adaptive import policy_for
+from nereus.run.levers import LeverLog, ask_at_start, change_line
+from nereus.runtime.generation.answers import DecodeStats
+from nereus.runtime.generation.sampling import SamplingParams
+from nereus.spec.errors import SpecError
+from nereus.spec.generation import Continue, GenerationEntry, SetSpeculation
+from nereus.spec.levers import GenerationLevers, Speculation, TailBatching
+from tests.run.jobs import tiny_job
+
+SPEC = Speculation("suffix", 3, 64)
+
+
+class Answer:
+    def __init__(self, decision) -> None:
+        self.decision = decision
+
+    def during_generation(self, status):
+        assert status.point == "start" and status.levers is not None
+        return self.decision
+
+
+def test_the_start_decision_sets_speculation_and_records_the_call_s_counters():
+    prompts, params = [[1, 2]] * 4, SamplingParams(max_new_tokens=5)
+    levers = GenerationLevers(speculation=SPEC)
+    start = ask_at_start(Answer(SetSpeculation(speculation=SPEC, gain_s=0.1)), 3, prompts, params, 2, levers)
+    assert start.params.speculation.num_speculative_tokens == 3 and start.params.speculation.max_live == 64
+    [entry] = start.entries(DecodeStats(9, 4, 10, 30, 12))
+    assert entry.step == 3 and entry.outcome.applied
+    assert entry.outcome.figures == {"verifications": 10.0, "draft_tokens": 30.0, "accepted_tokens": 12.0}
+    assert GenerationEntry.from_json(json.loads(json.dumps(entry.to_json()))) == entry
+    model = replace(SPEC, draft="draft_model")  # no draft model in the runtime's engines: recorded, not done
+    refused = ask_at_start(Answer(SetSpeculation(speculation=model)), 0, prompts, params, 2, levers)
+    assert refused.params == params and not refused.entries(DecodeStats())[0].outcome.applied
+    assert ask_at_start(Answer(Continue()), 0, prompts, params, 2, levers).entries(DecodeStats()) == ()
+
+
+def test_the_lever_log_says_each_change_once_and_sums_up_each_setting():
+    log = LeverLog()
+    on = GenerationLevers(speculation=SPEC, predicted={"base_s": 0.3, "step_s": 0.25, "tail_batching_s": 0.27,
+                                                       "speculation_s": 0.25})
+    assert log.step_done(0, None, 0.31, None) == ({"nereus/levers/on": 0.0, "nereus/levers/predicted_gain_s": 0.0,
+                                                   "nereus/levers/measured_gain_s": 0.0}, None)
+    _, line = log.step_done(1, None, 0.30, on)
+    assert line == change_line(2, on) and "speculation (suffix drafts, k=3" in line and "tail_batching 0.270 s" in line
+    metrics, line = log.step_done(2, on, 0.26, replace(on, predicted={"base_s": 0.31, "step_s": 0.24}))
+    assert line is None and metrics["nereus/levers/on"] == 1.0  # the same levers re-priced: nothing to say
+    assert metrics["nereus/levers/measured_gain_s"] == pytest.approx(0.04)
+    log.step_done(3, on, 0.24, None)
+    [span] = log.spans
+    assert span.measured_s == [0.26, 0.24] and span.predicted_gain_s == pytest.approx(0.05)
+    assert "steps 3-4" in log.summary()[0] and "measured 0.250 s (gain +0.050 s" in log.summary()[0]
+
+
+def _levers_job(tmp_path, **rollout):
+    return tiny_job("grpo", str(tmp_path), steps=8, rollout={"levers": "auto", **rollout})
+
+
+def test_auto_levers_are_refused_beside_fixed_ones_and_vllm(tmp_path):
+    with pytest.raises(SpecError, match=r"run\.rollout\.levers.*speculative"):
+        _levers_job(tmp_path, speculative={"num_speculative_tokens": 2})
+    with pytest.raises(SpecError, match=r"run\.rollout\.levers.*tail_batching"):
+        _levers_job(tmp_path, tail_batching={})
+    with pytest.raises(SpecError, match=r"run\.rollout\.levers.*native"):
+        _levers_job(tmp_path, engine="vllm", cpu_kv_cache_gib=0.0625)
+    with pytest.raises(SpecError, match=r"run\.rollout\.levers"):
+        _levers_job(tmp_path, levers="always")
+
+
+def measured(step: int, gen: float, levers: GenerationLevers | None = None) -> StepMetrics:
+    """A measured step of the tiny GRPO job's held plan (given stage times: no clock involved)."""
+    stages = {"actor/generation": gen, "actor/inference": 0.05, "reference/inference": 0.05,
+              "actor/training": 0.1}
+    phases = {"generation": gen, "inference": 0.1, "training": 0.1, "weight_sync": 0.01}
+    return StepMetrics(step, stages, phases, gen + 0.21, 3.0, 4.0, 8, 8 * 13.0, gpus=4, levers=levers)
+
+
+def test_a_held_plan_chooses_levers_after_its_first_fit_and_calibrates_on_plain_steps_only(tmp_path):
+    policy, plan, _ = policy_for(_levers_job(tmp_path))
+    assert isinstance(policy, PhasedPolicy) and plan.levers is None  # no levers before a calibration fit
+    ctrl = policy.controller
+    for step in range(5):  # fit_every 5: the fit after the fifth step
+        d = policy.after_step(measured(step, 0.2), None)
+    chosen = d.plan.levers
+    assert ctrl.factors and chosen is not None and chosen.any and chosen.policy_lag == 0
+    assert chosen.predicted["base_s"] > chosen.predicted["step_s"]  # whole steps priced (padded rollouts)
+    rows, fitted = len(ctrl.calibrator._rows), dict(ctrl.factors)
+    for step in range(5, 10):  # steps under levers: their times are not the plain plan's
+        policy.after_step(measured(step, 0.01, chosen), None)
+    assert ctrl.factors == fitted and len(ctrl.calibrator._rows) == rows
+
+
+def _run(job, tmp_path, policy_of, ray_runtime):
+    from nereus.run.job import RLJob
+
+    rl = RLJob(job, runtime=ray_runtime, out_dir=tmp_path, quiet=True)
+    rl.policy = policy_of(rl.policy)
+    try:
+        summary = rl.execute()
+    finally:
+        rl.release()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return rl, summary, rows
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_plan_with_speculation_speculates_in_the_fixed_batch(ray_runtime, tmp_path):
+    job = tiny_job("grpo", str(tmp_path), steps=3, rollout={"levers": "auto"})
+    spec = FixedSpeculation(Speculation("ngram", 2, 64))  # chosen after the first step (the job's plan is set)
+    rl, summary, rows = _run(job, tmp_path, lambda p: PhasedPolicy("spec", p.inner, NoTail(), levers=spec), ray_runtime)
+    entries = [GenerationEntry.from_json(d) for d in rl.record.generation_decisions]
+    assert [e.step for e in entries] == [1, 2] and all(isinstance(e.decision, SetSpeculation) for e in entries)
+    assert all(e.outcome.applied and e.outcome.figures["verifications"] > 0 for e in entries)
+    assert rows[0]["rollout/spec_decode/num_drafts"] == 0.0 and rows[0]["nereus/levers/on"] == 0.0
+    for r in rows[1:]:
+        assert r["rollout/spec_decode/num_draft_tokens"] == 2 * r["rollout/spec_decode/num_drafts"] > 0
+        assert r["nereus/levers/on"] == 1.0
+    assert summary["levers"][0]["kinds"] == "speculation" and summary["levers"][0]["first_step"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_plan_with_tail_batching_runs_short_and_long_rounds(ray_runtime, tmp_path):
+    job = tiny_job("grpo", str(tmp_path), steps=5, rollout={"levers": "auto"})
+    tail = FixedTailBatching(TailBatching(2.0))
+    _, _, rows = _run(job, tmp_path, lambda p: PhasedPolicy("tail", p.inner, NoTail(), levers=tail), ray_runtime)
+    assert "tail/long_round" not in rows[0]  # the job's own plan: no levers in its first step
+    assert [r["tail/long_round"] for r in rows[1:]] == [0.0, 1.0, 0.0, 1.0]
+    assert all(r["tail/kept_groups"] == 2.0 and r["rollout/policy_lag_max"] == 0.0 for r in rows[1:])
+
+
+def test_held_plans_of_fixed_runs_calibrate_nothing(tmp_path):
+    policy, _, _ = policy_for(tiny_job("grpo", str(tmp_path)))
+    assert isinstance(policy, HeldPlan) and not policy.calibrate
