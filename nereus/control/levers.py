@@ -115,29 +115,15 @@ class NereusLevers(LeverRule):
     def choose(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int,
                rest: PaddedRest | None = None) -> LeverChoice | None:
         base = no_move(model, bulk).generation_s
-
-        def priced(s: Speculation) -> tuple[float, Speculation]:
-            alpha = self.alpha(s.draft)
-            return with_speculation(model, bulk, s.draft_tokens, s.live_at_most, alpha, f).outcome.generation_s, s
-
-        # The model-free kinds cost the same to draft (a lookup per sequence), so the one with the highest
-        # acceptance wins at every k and threshold: coarse, its every draft length on at every live batch;
-        # fine, the best one's thresholds.
-        draft = max(MODEL_FREE, key=self.alpha)
-        best = min((priced(Speculation(draft, k, model.slots)) for k in DRAFT_LENGTHS), key=lambda x: x[0])
-        spec = best[1]
-        for live in powers_of_two(model.slots):
-            best = min(best, priced(Speculation(spec.draft, spec.draft_tokens, live)), key=lambda x: x[0])
-        spec_s, spec = best
+        spec_s, spec = self._speculation(model, bulk, f)
+        spec = spec if base - spec_s > self.min_gain * base else None
         others = rest.seconds if rest is not None else 0.0  # the same for every lever but tail batching
-        options = [(spec_s + others, GenerationLevers(speculation=spec))] if base - spec_s > self.min_gain * base \
-            else []
+        options = [(spec_s + others, GenerationLevers(speculation=spec))] if spec is not None else []
         batching = self._tail_batching(model, base, rest)
         if batching is not None:  # on the rollout as it is: exclusive with speculation here
             options.append((batching[1], GenerationLevers(tail_batching=batching[0])))
         if policy_lag >= 1:
-            with_spec = spec if base - spec_s > self.min_gain * base else None
-            options += [(t + others, lv) for t, lv in self._partial(model, bulk, f, policy_lag, with_spec)]
+            options += [(t + others, lv) for t, lv in self._partial(model, bulk, f, policy_lag, spec)]
         if not options:
             return None
         t, chosen = min(options, key=lambda x: x[0])
@@ -151,17 +137,33 @@ class NereusLevers(LeverRule):
                                   predicted)
         return LeverChoice(levers, base - t)
 
+    def _speculation(self, model: GenModel, bulk: BulkRun, f: Factors) -> tuple[float, Speculation]:
+        """The fastest speculation on the forecast and its generation seconds. The model-free kinds cost the
+        same to draft (a lookup per sequence), so the one with the highest acceptance wins at every k and
+        threshold: coarse, its every draft length on at every live batch; fine, the best one's thresholds."""
+
+        def priced(s: Speculation) -> tuple[float, Speculation]:
+            alpha = self.alpha(s.draft)
+            return with_speculation(model, bulk, s.draft_tokens, s.live_at_most, alpha, f).outcome.generation_s, s
+
+        draft = max(MODEL_FREE, key=self.alpha)
+        best = min((priced(Speculation(draft, k, model.slots)) for k in DRAFT_LENGTHS), key=lambda x: x[0])
+        spec = best[1]
+        for live in powers_of_two(model.slots):
+            best = min(best, priced(Speculation(spec.draft, spec.draft_tokens, live)), key=lambda x: x[0])
+        return best
+
     def _pool(self, model: GenModel) -> RolloutPool:
         job = model.job
         replica = generation_replica(model.hw, model.arch, model.placement.layout.tp, job.options.weight_bytes)
         return RolloutPool(replica, model.placement.layout.dp, model.slots, float(job.workload.prompt_length))
 
     def _tail_batching(self, model: GenModel, base: float,
-                       rest: PaddedRest | None) -> tuple[TailBatching, float] | None:
+                       rest: PaddedRest | None) -> tuple[TailBatching, float, TailBatchingEstimate] | None:
         """The over-launch factor that pays most (``cost.levers.tail_batching``) at the prior sibling
-        correlation, and the seconds it predicts per step: of generation alone (``base`` scaled by its
-        speedup), or with ``rest`` of the whole step, each round's other stages at its longest response.
-        None when none pays ``min_gain``."""
+        correlation, the seconds it predicts per step (of generation alone: ``base`` scaled by its speedup;
+        or with ``rest`` of the whole step, each round's other stages at its longest response) and its
+        estimate. None when none pays ``min_gain``."""
         job = model.job
         lengths = GroupLengths.of(job.workload.response, SIBLINGS_PRIOR, job.algorithm.samples_per_prompt)
         pool, groups = self._pool(model), job.workload.prompts_per_step
@@ -169,18 +171,13 @@ class NereusLevers(LeverRule):
             est = best_over_launch(pool, lengths, groups)
             if est.over_launch <= 1.0 or est.speedup <= 1 + self.min_gain:
                 return None
-            return TailBatching(est.over_launch), base / est.speedup
-
-        def step_s(e: TailBatchingEstimate) -> float:
-            scale = base / e.plain.seconds  # the pool's round seconds in the generation model's units
-            round_s = [r.seconds * scale + rest.at(r.longest, e.plain.longest) for r in (e.short, e.long)]
-            return (round_s[0] + e.long_rounds_per_short * round_s[1]) / (1 + e.long_rounds_per_short)
-
-        est = min((tail_batching(pool, lengths, groups, f) for f in OVER_LAUNCHES), key=step_s)
-        t, plain = step_s(est), base + rest.seconds
+            return TailBatching(est.over_launch), base / est.speedup, est
+        est = min((tail_batching(pool, lengths, groups, f) for f in OVER_LAUNCHES),
+                  key=lambda e: cycle_s(e, base, rest))
+        t, plain = cycle_s(est, base, rest), base + rest.seconds
         if est.over_launch <= 1.0 or plain - t <= self.min_gain * plain:
             return None
-        return TailBatching(est.over_launch), t
+        return TailBatching(est.over_launch), t, est
 
     def _partial(self, model: GenModel, bulk: BulkRun, f: Factors, policy_lag: int,
                  spec: Speculation | None) -> list[tuple[float, GenerationLevers]]:
@@ -270,6 +267,15 @@ def generation_forecast(job: JobSpec, plan: Plan, factors: dict[str, float],
     f = Factors.of(factors, transfer)
     lengths = forecast_lengths(job.workload.response, job.sequences_per_step())
     return model, run_bulk(model, lengths, f), f, est.phase_times["inference"]
+
+
+def cycle_s(est: TailBatchingEstimate, base: float, rest: PaddedRest) -> float:
+    """Seconds per step over tail batching's cycle (one short round, f − 1 long ones): each round's
+    generation (the estimate's pool seconds in the units of ``base``, the plain round's generation) plus its
+    other stages at its longest response."""
+    scale = base / est.plain.seconds
+    s = [r.seconds * scale + rest.at(r.longest, est.plain.longest) for r in (est.short, est.long)]
+    return (s[0] + est.long_rounds_per_short * s[1]) / (1 + est.long_rounds_per_short)
 
 
 def padded_rest(job: JobSpec, plan: Plan, factors: dict[str, float]) -> PaddedRest:
