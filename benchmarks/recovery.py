@@ -175,8 +175,8 @@ def run_restart(args, out: Path) -> dict:
     times: list[float] = []
     real_step = Stepper.run_step  # what the runtime backend calls for each step
 
-    def timed_step(stepper, step, policy=None):
-        out = real_step(stepper, step, policy)
+    def timed_step(stepper, step, policy=None, levers=None):
+        out = real_step(stepper, step, policy, levers)
         times.append(out[0]["timing_s/step"])
         return out
 

@@ -40,6 +40,9 @@ class StepMetrics:
     policy_lag: tuple[float, ...] = (1.0,)
     # the plan's tail levers the step ran under (None: none, or the backend does not say)
     levers: GenerationLevers | None = None
+    # the measured correlation of sibling responses' log lengths (``cost.levers.lengths.sibling_correlation``;
+    # None: not measured)
+    sibling_correlation: float | None = None
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -29,6 +29,7 @@ by its live batch). ``run.policy_lag`` bounds what a rule may pick: lag 0 allows
 
 from __future__ import annotations
 
+import statistics
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -50,10 +51,12 @@ from nereus.spec.levers import AsyncSplit, GenerationLevers, PartialRollout, Spe
 
 DRAFT_LENGTHS = tuple(range(1, 9))
 OVER_LAUNCHES = (1.0, 1.25, 1.5, 2.0, 3.0)  # tail batching's candidates (cost.levers.tail_batching's)
-# The sibling correlation of log lengths the controller prices tail batching at: Seer (arXiv 2511.14617)
-# reports responses to one prompt "strongly similar" in length without a coefficient; 0.5 is ours (the
-# policy cannot read the trace's; the engine's finished lengths per group could calibrate it).
+# The sibling correlation of log lengths the controller prices tail batching at until a backend measures it
+# (the runtime does, on each step's groups: StepMetrics.sibling_correlation; the simulator's policy cannot
+# read its trace's): Seer (arXiv 2511.14617) reports responses to one prompt "strongly similar" in length
+# without a coefficient; 0.5 is ours.
 SIBLINGS_PRIOR = 0.5
+SIBLINGS_WINDOW = 10  # steps of measured sibling correlation the rule prices at (their median)
 
 
 @dataclass(frozen=True)
@@ -97,12 +100,23 @@ class NereusLevers(LeverRule):
     min_gain: float = 0.01  # of the predicted generation time
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
     name: str = "nereus"
+    siblings_measured: list[float] = field(default_factory=list)  # per step, where the backend measures it
 
     def alpha(self, draft: str) -> float:
         return self.acceptance.get(draft, prior(DraftKind(draft))).alpha
 
+    @property
+    def siblings(self) -> float:
+        """The sibling correlation tail batching is priced at: the median of the last steps' measurements,
+        the prior until there is one."""
+        recent = self.siblings_measured[-SIBLINGS_WINDOW:]
+        return statistics.median(recent) if recent else SIBLINGS_PRIOR
+
     def observe(self, m: StepMetrics) -> None:
-        """Calibrate each draft kind's acceptance on the verifications the engine measured."""
+        """Calibrate each draft kind's acceptance on the verifications the engine measured, and the sibling
+        correlation on the step's response lengths where the backend measures it."""
+        if m.sibling_correlation is not None:
+            self.siblings_measured.append(m.sibling_correlation)
         for e in m.generation:
             d = e.decision
             if isinstance(d, SetSpeculation) and d.speculation is not None and e.outcome.applied:
@@ -165,7 +179,7 @@ class NereusLevers(LeverRule):
         or with ``rest`` of the whole step, each round's other stages at its longest response) and its
         estimate. None when none pays ``min_gain``."""
         job = model.job
-        lengths = GroupLengths.of(job.workload.response, SIBLINGS_PRIOR, job.algorithm.samples_per_prompt)
+        lengths = GroupLengths.of(job.workload.response, self.siblings, job.algorithm.samples_per_prompt)
         pool, groups = self._pool(model), job.workload.prompts_per_step
         if rest is None:
             est = best_over_launch(pool, lengths, groups)

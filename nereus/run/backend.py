@@ -59,7 +59,8 @@ def step_metrics(step: int, metrics: dict, gpus: int, generation: tuple[Generati
                                                            + metrics.get("prompt_length/mean", 0.0))
     return StepMetrics(step, stages, phases, metrics["timing_s/step"], metrics["response_length/mean"],
                        metrics["response_length/max"], int(round(rows)), metrics.get("perf/total_num_tokens", 0.0),
-                       gpus=gpus, detail=metrics, generation=generation, levers=levers)
+                       gpus=gpus, detail=metrics, generation=generation, levers=levers,
+                       sibling_correlation=metrics.get("response_length/sibling_correlation"))
 
 
 def plan_text(plan: Plan) -> str:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nereus.cost.levers.lengths import sibling_correlation
 from nereus.rl.core import agg_loss, kl_estimate, masked_mean
 from nereus.run.rollout import Rollout
 
@@ -24,6 +25,8 @@ def step_metrics(st: Stepper, step: int, roll: Rollout, inf: dict, adv: dict, st
         "response_length/mean": float(rlen.mean()), "response_length/max": float(rlen.max()),
         "response_length/min": float(rlen.min()),
         "response_length/clip_ratio": float(((roll.response_len >= limit) & ~roll.finished).float().mean()),
+        # the correlation of sibling responses' log lengths (ICC(1) over the step's groups; 0 when undefined)
+        "response_length/sibling_correlation": sibling_correlation(rlen.tolist(), st.alg.samples_per_prompt) or 0.0,
         "prompt_length/mean": float(roll.prompt_len.float().mean()),
         "prompt_length/max": float(roll.prompt_len.max()), "prompt_length/min": float(roll.prompt_len.min()),
         "critic/score/mean": float(inf["score"].mean()), "critic/score/max": float(inf["score"].max()),

@@ -85,14 +85,14 @@ def read_rollout_section(f: Fields) -> RolloutSection:
     midstep = _midstep(rollout, slots)
     engine = read_engine(rollout)
     tail = read_tail_batching(rollout)
-    if tail is not None and (engine.vllm or midstep is not None):
-        raise SpecError("run.rollout.tail_batching", "runs on the native engine without midstep: set engine: "
-                        "native and remove midstep")
+    if tail is not None and midstep is not None:
+        raise SpecError("run.rollout.tail_batching", "and mid-step moves are two rules for the same tail: "
+                        "remove midstep or tail_batching")
     partial = read_partial_rollout(rollout)
     lag = check_policy_lag(f.get("policy_lag", int, 0), f.key_path("policy_lag"))
-    if partial is not None and (engine.vllm or midstep is not None or tail is not None):
-        raise SpecError("run.rollout.partial_rollout", "runs on the native engine without midstep or "
-                        "tail_batching: set engine: native and remove the others")
+    if partial is not None and (midstep is not None or tail is not None):
+        raise SpecError("run.rollout.partial_rollout", "runs without midstep or tail_batching: remove the "
+                        "others")
     if partial is not None and lag < 1:
         raise SpecError("run.policy_lag", "partial rollout trains tokens one policy version old: set "
                         "run.policy_lag: 1, or remove run.rollout.partial_rollout")

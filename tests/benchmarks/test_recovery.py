@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 def test_recovery_benchmark_writes_all_figures(tmp_path: Path) -> None:
     out = tmp_path / "recovery.json"
-    proc = subprocess.run([sys.executable, "benchmarks/recovery.py", "--small", "--steps", "4", "--lose-at", "2",
+    proc = subprocess.run([sys.executable, "benchmarks/recovery.py", "--small", "--steps", "3", "--lose-at", "2",
                            "--no-lost-node", "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ratio restart/nereus" in proc.stdout

@@ -204,3 +204,15 @@ def test_best_split_balances_the_pools():
 def test_replica_is_hashable_for_the_draft_cache():
     r = generation_replica(h100(), PRESETS["llama3-8b"], 2, 2)
     assert isinstance(r, Replica) and hash(r) == hash(generation_replica(h100(), PRESETS["llama3-8b"], 2, 2))
+
+
+def test_sibling_correlation_is_the_intraclass_correlation_of_log_lengths():
+    from nereus.cost.levers.lengths import sibling_correlation
+
+    e = math.e
+    # log lengths (0, 1) and (2, 3): MSB = 2·(1 + 1)/1 = 4, MSW = 4·0.25/2 = 0.5, ICC(1) = 3.5/4.5
+    assert sibling_correlation([1, e, e**2, e**3], 2) == pytest.approx(3.5 / 4.5)
+    assert sibling_correlation([3, 3, 9, 9, 2, 2], 2) == 0.99  # siblings identical: clipped below 1
+    assert sibling_correlation([1, e**3, e, e**2], 2) == 0.0  # more spread within groups than between
+    assert sibling_correlation([5, 5, 5, 5], 2) is None and sibling_correlation([1, 2, 3], 4) is None
+    assert sibling_correlation([1, 2, 3, 4], 1) is None  # no siblings

@@ -43,8 +43,9 @@ def tiny_job(algorithm: str, out_dir: str, steps: int = 3, arch: dict | None = N
 VLLM_ARCH = {"layers": 2, "hidden": 64, "ffn_hidden": 128, "heads": 2, "kv_heads": 2, "vocab": 64}
 
 
-def vllm_job(algorithm: str, out_dir: str, steps: int = 3, **run: object) -> JobSpec:
-    """``tiny_job`` generating with vLLM (two engines: actor/generation is dp=2 on workers 0 and 1)."""
+def vllm_job(algorithm: str, out_dir: str, steps: int = 3, rollout: dict | None = None, **run: object) -> JobSpec:
+    """``tiny_job`` generating with vLLM (two engines: actor/generation is dp=2 on workers 0 and 1), with
+    ``rollout``'s further keys."""
     # 64 MiB of KV cache per engine: the tiny model's sequences need a few hundred KiB
-    return tiny_job(algorithm, out_dir, steps, arch=VLLM_ARCH, rollout={"engine": "vllm", "cpu_kv_cache_gib": 0.0625},
-                    **run)
+    return tiny_job(algorithm, out_dir, steps, arch=VLLM_ARCH,
+                    rollout={"engine": "vllm", "cpu_kv_cache_gib": 0.0625, **(rollout or {})}, **run)

@@ -42,8 +42,8 @@ def test_scale_moves_a_running_job_live(ray_runtime, tmp_path, monkeypatch, caps
     out = tmp_path / "run"
     real_step = Stepper.run_step  # what the runtime backend calls for each step
 
-    def step_then_request(self, step, policy=None):
-        answer = real_step(self, step, policy)
+    def step_then_request(self, step, policy=None, levers=None):
+        answer = real_step(self, step, policy, levers)
         if step in REQUESTS:  # what a user's `nereus scale N --dir RUN` does while the job runs
             assert main(["scale", str(REQUESTS[step]), "--dir", str(out)]) == 0
         return answer

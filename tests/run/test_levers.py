@@ -87,7 +87,8 @@ def measured(step: int, gen: float, levers: GenerationLevers | None = None) -> S
     stages = {"actor/generation": gen, "actor/inference": 0.05, "reference/inference": 0.05,
               "actor/training": 0.1}
     phases = {"generation": gen, "inference": 0.1, "training": 0.1, "weight_sync": 0.01}
-    return StepMetrics(step, stages, phases, gen + 0.21, 3.0, 4.0, 8, 8 * 13.0, gpus=4, levers=levers)
+    return StepMetrics(step, stages, phases, gen + 0.21, 3.0, 4.0, 8, 8 * 13.0, gpus=4, levers=levers,
+                       sibling_correlation=0.9)
 
 
 def test_a_held_plan_chooses_levers_after_its_first_fit_and_calibrates_on_plain_steps_only(tmp_path):
@@ -99,6 +100,7 @@ def test_a_held_plan_chooses_levers_after_its_first_fit_and_calibrates_on_plain_
     chosen = d.plan.levers
     assert ctrl.factors and chosen is not None and chosen.any and chosen.policy_lag == 0
     assert chosen.predicted["base_s"] > chosen.predicted["step_s"]  # whole steps priced (padded rollouts)
+    assert policy.levers.siblings == pytest.approx(0.9)  # tail batching priced at the measured correlation
     rows, fitted = len(ctrl.calibrator._rows), dict(ctrl.factors)
     for step in range(5, 10):  # steps under levers: their times are not the plain plan's
         policy.after_step(measured(step, 0.01, chosen), None)

@@ -1,6 +1,7 @@
 """PPO and GRPO jobs generating with vLLM (``run.rollout.engine: vllm``, the CPU build): weights synced
-into the engines every step, the engine's sampled log-probs against the trainer's, and a worker
-SIGKILLed while its engine generates, recovered on the survivors with the engines rebuilt."""
+into the engines every step, the engine's sampled log-probs against the trainer's, tail batching's rounds
+on the engines, and a worker SIGKILLed while its engine generates, recovered on the survivors with the
+engines rebuilt."""
 
 from __future__ import annotations
 
@@ -54,14 +55,15 @@ def test_ppo_with_vllm_recovers_a_worker_killed_mid_generation(ray_runtime, tmp_
     real_generate = Stepper.generate
     armed = []
 
-    def generate_losing_a_worker(self, step, prompts, policy=None):
+    def generate_losing_a_worker(self, step, prompts, policy=None, levers=None):
         if step == LOSE_AT and not armed:
             armed.append(step)
             self.rt.inject(FaultPlan.kill(1, "generate"))  # SIGKILL while its engine generates
-        return real_generate(self, step, prompts, policy)
+        return real_generate(self, step, prompts, policy, levers)
 
     monkeypatch.setattr(Stepper, "generate", generate_losing_a_worker)
-    rl = RLJob(vllm_job("ppo", str(tmp_path / "run"), steps=3), runtime=ray_runtime, quiet=True)
+    # two steps: the second is killed, recovered and redone on engines rebuilt with the first's weights
+    rl = RLJob(vllm_job("ppo", str(tmp_path / "run"), steps=2), runtime=ray_runtime, quiet=True)
     try:
         summary = rl.execute()
         check_engines_hold_trained_weights(rl)
@@ -71,13 +73,16 @@ def test_ppo_with_vllm_recovers_a_worker_killed_mid_generation(ray_runtime, tmp_
     [rec] = summary["recoveries"]
     assert rec["lost"] == [1] and rec["workers"] == 3 and rec["resume_step"] == LOSE_AT
     metrics = rows(tmp_path / "run")
-    assert [r["step"] for r in metrics] == [1, 2, 3]
+    assert [r["step"] for r in metrics] == [1, 2]
     assert metrics[LOSE_AT]["nereus/recovery_s"] > 0
     check_on_policy(metrics)
 
 
-def test_grpo_with_vllm(ray_runtime, tmp_path):
-    rl = RLJob(vllm_job("grpo", str(tmp_path / "run"), steps=2), runtime=ray_runtime, quiet=True)
+def test_grpo_with_vllm_and_tail_batching(ray_runtime, tmp_path):
+    """GRPO with tail batching on the engines (``VllmEngine.round``): a short round aborts the groups that
+    did not finish, the next step is their long round; on-policy and synced every step."""
+    job = vllm_job("grpo", str(tmp_path / "run"), steps=2, rollout={"tail_batching": {"over_launch": 2.0}})
+    rl = RLJob(job, runtime=ray_runtime, quiet=True)
     try:
         rl.execute()
         check_engines_hold_trained_weights(rl)
@@ -85,4 +90,5 @@ def test_grpo_with_vllm(ray_runtime, tmp_path):
         rl.release()
     metrics = rows(tmp_path / "run")
     assert [r["step"] for r in metrics] == [1, 2]
+    assert [r["tail/long_round"] for r in metrics] == [0.0, 1.0] and all(r["tail/kept_groups"] == 2.0 for r in metrics)
     check_on_policy(metrics)

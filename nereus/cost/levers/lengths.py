@@ -13,10 +13,12 @@ longest response. Expectations over Z_prompt use equally weighted normal quantil
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from statistics import NormalDist
+
+import numpy as np
 
 from nereus.cost.decode import DecodePhases, Replica, decode_phases
 from nereus.spec.response import ResponseLength
@@ -183,3 +185,22 @@ class RolloutPool:
 
     def seconds(self, sequences: float, lengths: tuple[float, ...], mean: float, longest: float) -> float:
         return self.phases(sequences, lengths, mean, longest).total_s
+
+
+def sibling_correlation(lengths: Sequence[float], group_size: int) -> float | None:
+    """The correlation of log response lengths between siblings (responses to one prompt: ``group_size``
+    consecutive entries), measured as the one-way intraclass correlation ICC(1) (Shrout & Fleiss 1979,
+    https://doi.org/10.1037/0033-2909.86.2.420): (MSB − MSW) / (MSB + (g − 1)·MSW), clipped to [0, 1).
+    ``GroupLengths.siblings`` is this ρ. None without two whole groups or any spread to measure."""
+    g = group_size
+    n = len(lengths) // g if g > 1 else 0
+    if n < 2:
+        return None
+    logs = np.log(np.maximum(1.0, np.asarray(lengths[: n * g], float))).reshape(n, g)
+    means = logs.mean(axis=1)
+    msb = g * float(((means - logs.mean()) ** 2).sum()) / (n - 1)
+    msw = float(((logs - means[:, None]) ** 2).sum()) / (n * (g - 1))
+    if msb + (g - 1) * msw <= 0:
+        return None
+    return min(max((msb - msw) / (msb + (g - 1) * msw), 0.0), 0.99)
+

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.generation.answers import Answer, Carried, DecodeStats, GroupOrder
-from nereus.runtime.generation.sampling import SamplingParams, sample, stream_seed
+from nereus.runtime.generation.sampling import SamplingParams, row_limit, sample, stream_seed
 from nereus.runtime.generation.speculative import as_text, propose_text, verify_rows
 from nereus.runtime.model.decoder import KVCache, logprobs_from_logits
 from nereus.runtime.model.sharded import ShardedModel
@@ -81,13 +81,6 @@ class Stepper:
 
     def kv_bytes(self) -> int:
         return sum(c.nbytes() for c in self.caches.values())
-
-
-def row_limit(params: SamplingParams, row: int) -> int:
-    """New tokens global row ``row`` may generate: the limit less what a previous step generated for it."""
-    if row in params.resumed_done:
-        return 0
-    return params.max_new_tokens - (params.resumed[row] if params.resumed else 0)
 
 
 class Drafter(Protocol):

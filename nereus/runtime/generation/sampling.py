@@ -63,6 +63,14 @@ class SamplingParams:
         return frozenset(self.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
 
 
+def row_limit(params: SamplingParams, row: int) -> int:
+    """New tokens global row ``row`` may generate: the limit less what a previous step generated for it
+    (partial rollout's resumed rows; none for a row in ``resumed_done``)."""
+    if row in params.resumed_done:
+        return 0
+    return params.max_new_tokens - (params.resumed[row] if params.resumed else 0)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
     """Next tokens [B] from full-vocabulary logits [B, V]: argmax, or nucleus sampling (Holtzman et al.
     2020) at ``temperature`` keeping the smallest set of tokens whose probability reaches ``top_p``."""

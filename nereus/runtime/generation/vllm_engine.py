@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from nereus.runtime.generation.decode_engine import stream_seed
-from nereus.runtime.generation.sampling import SamplingParams
+from nereus.runtime.generation.answers import Answer, Carried, GroupOrder
+from nereus.runtime.generation.sampling import SamplingParams, row_limit, stream_seed
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.hf import config_to_hf
 from nereus.runtime.recovery.faults import FaultHook
@@ -113,14 +113,21 @@ def kv_space_gib(config: EngineConfig) -> str:
 
 
 def vllm_sampling(params: SamplingParams, rows: range) -> list:
-    """One ``vllm.SamplingParams`` per row: temperature, top-p, max tokens, EOS and ``stop_token_ids`` as stop
-    tokens, the row's own seed, and the sampled token's log-prob (``logprobs=0``)."""
+    """One ``vllm.SamplingParams`` per row: temperature, top-p, the row's length limit (``row_limit``: a
+    resumed row's is shortened), EOS and ``stop_token_ids`` as stop tokens, the row's own seed, and the
+    sampled token's log-prob (``logprobs=0``). A row with nothing left to generate gets None."""
     from vllm import SamplingParams as VllmSampling
 
     stop = sorted(params.stops) or None
-    return [VllmSampling(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
+    return [VllmSampling(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=row_limit(params, r),
                          stop_token_ids=stop, seed=stream_seed(params.seed, r), logprobs=0, detokenize=False)
-            for r in rows]
+            if row_limit(params, r) > 0 else None for r in rows]
+
+
+def answer_of(completion) -> tuple[list[int], list[float]]:
+    """A vLLM completion's tokens and their log-probs (so far, for one still running)."""
+    tokens = list(completion.token_ids)
+    return tokens, [float(step[t].logprob) for step, t in zip(completion.logprobs, tokens, strict=True)]
 
 
 class VllmEngine:
@@ -154,20 +161,61 @@ class VllmEngine:
         self.llm.reset_prefix_cache()
         return time.perf_counter() - t0
 
-    def generate(self, prompts: list[list[int]], first_row: int,
-                 params: SamplingParams) -> list[tuple[list[int], list[float]]]:
-        """New tokens and their log-probs per prompt; ``first_row``: the global row of ``prompts[0]``."""
+    def generate(self, prompts: list[list[int]], first_row: int, params: SamplingParams) -> list[Answer]:
+        """New tokens and their log-probs per prompt; ``first_row``: the global row of ``prompts[0]``. With
+        ``params.keep_groups`` a round of tail batching or partial rollout (``round``)."""
         from vllm.inputs import TokensPrompt
 
+        if params.keep_groups:
+            return self.round(prompts, first_row, params)
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outs = self.llm.generate(inputs, vllm_sampling(params, range(first_row, first_row + len(prompts))),
                                  use_tqdm=False)
-        answers = []
-        for o in outs:
-            c = o.outputs[0]
-            tokens = list(c.token_ids)
-            answers.append((tokens, [float(step[t].logprob) for step, t in zip(c.logprobs, tokens, strict=True)]))
-        return answers
+        return [answer_of(o.outputs[0]) for o in outs]
+
+    def round(self, prompts: list[list[int]], first_row: int, params: SamplingParams) -> list[Answer]:
+        """The engine stepped request by request until ``params.keep_groups`` whole groups of these rows
+        have finished (``answers.GroupOrder``: the replica's ``must_groups`` lowest among them), then every
+        unfinished request aborted: kept rows answer their tokens, the others None, or with
+        ``params.carry_partial`` what they generated so far (``Carried``). Each request samples from its
+        own seed, so a kept row's tokens are those of a plain ``generate``."""
+        from vllm.inputs import TokensPrompt
+
+        engine, rows = self.llm.llm_engine, range(first_row, first_row + len(prompts))
+        order = GroupOrder(rows, params.group_size, params.keep_groups, params.must_groups)
+        latest: dict[int, tuple[list[int], list[float]]] = {}
+        done: set[int] = set()
+        live: dict[str, int] = {}
+        for row, prompt, sampling in zip(rows, prompts, vllm_sampling(params, rows), strict=True):
+            if sampling is None:  # nothing left to generate: finished already
+                done.add(row)
+                continue
+            rid = f"nereus-round-{row}"  # outputs and aborts name requests by this id (the engine adds a suffix)
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), sampling)
+            live[rid] = row
+        while live:
+            order.update(done)
+            if order.satisfied:
+                engine.abort_request(list(live))
+                break
+            if not engine.has_unfinished_requests():
+                raise RuntimeError(f"the vLLM engine holds none of the round's {len(live)} unfinished requests")
+            for out in engine.step():
+                row = live.get(out.request_id)
+                if row is not None:
+                    latest[row] = answer_of(out.outputs[0])
+                    if out.finished:
+                        done.add(row)
+                        del live[out.request_id]
+        order.update(done)
+        kept, out = order.kept_rows(), []
+        for r in rows:
+            tokens, logps = latest.get(r, ([], []))
+            if r in kept:
+                out.append((tokens, logps))
+            else:
+                out.append(Carried(tokens, logps, r in done) if params.carry_partial else None)
+        return out
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The engine's parameters by its own names (fused layout), copied out (tests)."""
@@ -185,8 +233,7 @@ class EngineServer:
     def load_weights(self, weights: dict[str, torch.Tensor]) -> float:
         return self.engine.load_weights(weights)
 
-    def generate(self, prompts: list[list[int]], first_row: int,
-                 params: SamplingParams) -> list[tuple[list[int], list[float]]]:
+    def generate(self, prompts: list[list[int]], first_row: int, params: SamplingParams) -> list[Answer]:
         return self.engine.generate(prompts, first_row, params)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -228,7 +275,7 @@ class ReplicaEngine:
         return self.last_load_s
 
     def generate(self, prompts: list[list[int]], rows: slice, params: SamplingParams,
-                 faults: FaultHook | None = None) -> list[tuple[list[int], list[float]]]:
+                 faults: FaultHook | None = None) -> list[Answer]:
         """This replica's rows ``rows`` of ``prompts``; the fault point ``generate`` lies while the engine
         generates (a worker killed there takes its engine with it)."""
         import ray

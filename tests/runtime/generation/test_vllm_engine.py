@@ -147,3 +147,31 @@ def test_ngram_speculation_runs_in_the_cpu_build_and_keeps_greedy_tokens(ray_run
             assert (model_logprobs(state, p, tokens) - torch.tensor(logps, dtype=torch.float64)).abs().max() < 1e-4
     finally:
         ray.kill(server)
+
+
+def test_a_round_keeps_the_first_whole_groups_and_aborts_the_rest(engines):
+    """Tail batching's and partial rollout's round on the engine (``VllmEngine.round``): the kept groups'
+    rows are those of a plain call (each request has its own seed), an aborted row carries a prefix of
+    them, and a resumed row continues where it stopped (greedy)."""
+    from dataclasses import replace
+
+    from nereus.runtime.generation.answers import Carried
+
+    _, fresh = engines
+    ps = [p for p in prompts() for _ in range(2)]  # 4 groups of 2 rows
+    plain = get(fresh.generate.remote(ps, 0, SAMPLED), "engine call")
+    kept = get(fresh.generate.remote(ps, 0, replace(SAMPLED, keep_groups=2, group_size=2)), "engine call")
+    groups = {i // 2 for i, a in enumerate(kept) if a is not None}
+    assert len(groups) == 2 and all(kept[i] == plain[i] for g in groups for i in (2 * g, 2 * g + 1))
+    carried = get(fresh.generate.remote(ps, 0, replace(SAMPLED, keep_groups=2, group_size=2, carry_partial=True)),
+                  "engine call")
+    for i, a in enumerate(carried):
+        if isinstance(a, Carried):
+            assert a.tokens == plain[i][0][: len(a.tokens)] and a.done == (a.tokens == plain[i][0])
+    whole = get(fresh.generate.remote(ps[:4], 0, GREEDY), "engine call")
+    cut = [3, 0, 10, 5]  # tokens a previous step generated; row 2 had finished
+    resumed = replace(GREEDY, keep_groups=2, group_size=2, must_groups=2, resumed=tuple(cut),
+                      resumed_done=frozenset({2}))
+    again = get(fresh.generate.remote([p + whole[i][0][:c] for i, (p, c) in enumerate(zip(ps[:4], cut, strict=True))],
+                                      0, resumed), "engine call")
+    assert again[2] == ([], []) and all(whole[i][0][: cut[i]] + again[i][0] == whole[i][0] for i in (0, 1, 3))
