@@ -165,11 +165,13 @@ class PhasedPolicy:
     whose rollout holds GPUs apart runs one-step-off."""
 
     def __init__(self, name: str, inner: Policy, rule: TailRule, every: int = 10, levers: LeverRule | None = None,
-                 policy_lag: int = 0, pools: PoolRule | None = None, levers_wait_for_fit: bool = False) -> None:
+                 policy_lag: int = 0, pools: PoolRule | None = None, calibrated_levers: bool = False) -> None:
         self.name, self.inner, self.rule, self.every = name, inner, rule, every
         self.levers, self.policy_lag = levers, policy_lag
-        # no levers before the controller's first calibration fit (a backend whose priors are far off)
-        self.levers_wait_for_fit = levers_wait_for_fit
+        # levers on the calibrated model only (a backend whose priors are far off): none before the
+        # controller's first fit, and one only when its predicted gain beats the calibration's residual
+        # error, as the controller admits a plan (a gain smaller than the model's own error is not a gain)
+        self.calibrated_levers = calibrated_levers
         self.pools = pools if policy_lag >= STALENESS else None
         self._colocated = self.controller.constraints if self.pools else None  # the inner policy's own
         self._levers: GenerationLevers | None = None
@@ -213,12 +215,15 @@ class PhasedPolicy:
         lag."""
         if self.pools is not None and runs_apart(base):
             return self._async_levers(job, base, factors)
-        if self.levers is None or (self.levers_wait_for_fit and not factors):
+        if self.levers is None or (self.calibrated_levers and not factors):
             return None
         model, bulk, f, _ = generation_forecast(job, base, factors)
         cap = getattr(self.controller.constraints, "capability", None)  # the simulator's backend has none
         rest = padded_rest(job, base, factors) if cap is not None and cap.padded_rollouts else None
         choice = self.levers.choose(model, bulk, f, self.policy_lag, rest)
+        if choice is not None and self.calibrated_levers:
+            base_s = choice.levers.predicted.get("base_s", 0.0)
+            choice = choice if choice.gain_s > getattr(self.controller, "residual", 0.0) * base_s else None
         if choice is None or self._phase is None:
             return None if choice is None else choice.levers
         return choice.levers if choice.gain_s > self._phase.predicted.get("gain_s", 0.0) else None

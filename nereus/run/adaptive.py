@@ -102,14 +102,15 @@ def policy_for(job: JobSpec) -> tuple[Policy, Plan, list[Placed]]:
 
 def lever_policy(inner: Policy) -> PhasedPolicy:
     """``inner`` (the controller, or a held plan that calibrates its re-planner) with the simulator's lever
-    rule on top (``control.levers``): once the first calibration fit is in, and every few steps after, it
+    rule on top (``control.levers``): once the first calibration fit is in, and every 10 steps after, it
     prices speculative decoding (draft length, live-batch threshold, the acceptance it has measured) and
     tail batching (over-launch, each round's inference and training at its longest response: the runtime
-    pads rollouts) on the calibrated cost model and puts the fastest on the plan. Steps run with levers do
+    pads rollouts) on the calibrated cost model and puts the fastest on the plan when its predicted gain
+    beats the calibration's residual error (as the controller admits plans). Steps run with levers do
     not calibrate the model (``ControllerConfig.calibrate_with_levers``). It chooses within policy lag 0:
     partial rollout and one-step-off asynchrony stay job keys on the runtime (``run.rollout.partial_rollout``,
     ``run.async``); no tail layout (``NoTail``)."""
-    return PhasedPolicy("nereus", inner, NoTail(), levers=NereusLevers(), policy_lag=0, levers_wait_for_fit=True)
+    return PhasedPolicy("nereus", inner, NoTail(), levers=NereusLevers(), policy_lag=0, calibrated_levers=True)
 
 
 class AdaptationLog:

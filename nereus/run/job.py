@@ -294,7 +294,8 @@ class RLJob(Observer):
                          f"{d.current_s:.2f} s -> {d.candidate_s:.2f} s")
                 self.say(f"    new plan: {plan_text(o.plan)}")
         if self.levers is not None:
-            extra, line = self.levers.step_done(step, self._ran_on.levers, o.metrics.step_time_s, o.plan.levers)
+            extra, line = self.levers.step_done(step, self._ran_on.levers, o.metrics.step_time_s, o.plan.levers,
+                                                o.plan == self._ran_on)
             last.update(extra)
             if line is not None:
                 self.say(line)

@@ -14,6 +14,7 @@ One generation call has one decision point, its start; the engine with decision 
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, replace
 
@@ -102,32 +103,43 @@ def ask_at_start(policy: GenerationPolicy, step: int, prompts: list[list[int]], 
     return StartDecision(status, d, overhead, params, refused)
 
 
+# plain steps (no lever, the same plan) a lever's measured gain is taken against: the latest ones
+PLAIN_WINDOW = 10
+
+
 @dataclass
 class LeverSpan:
-    """Consecutive steps run under one lever setting: the plan's predicted step with and without them,
-    and the measured steps. The measured gain is the calibrated model's plain step (``base_s``, the
-    counterfactual: no lever) less the measured step time."""
+    """Consecutive steps run under one lever setting: the plan's predicted step with and without them, the
+    measured steps, and the measured plain steps it is compared with: the median of the last ones run on
+    the same plan without levers (none: the calibrated model's plain step, ``base_s``, stands for them)."""
 
     first_step: int
     kinds: str
     base_s: float
     predicted_s: float
     measured_s: list[float]
+    plain_s: float | None = None
 
     @property
     def predicted_gain_s(self) -> float:
         return self.base_s - self.predicted_s
 
     @property
+    def reference_s(self) -> float:
+        return self.plain_s if self.plain_s is not None else self.base_s
+
+    @property
     def measured_gain_s(self) -> float:
-        return self.base_s - sum(self.measured_s) / len(self.measured_s)
+        return self.reference_s - statistics.median(self.measured_s)
 
     def line(self) -> str:
         last = self.first_step + len(self.measured_s)
+        against = ("the median plain step before it" if self.plain_s is not None
+                   else "the calibrated plain step: no plain step measured on this plan")
         return (f"  {self.kinds} in steps {self.first_step + 1}-{last}: step {self.base_s:.3f} s -> "
-                f"{self.predicted_s:.3f} s predicted (gain {self.predicted_gain_s:+.3f} s), measured "
-                f"{self.base_s - self.measured_gain_s:.3f} s (gain {self.measured_gain_s:+.3f} s against the "
-                "calibrated plain step)")
+                f"{self.predicted_s:.3f} s predicted (gain {self.predicted_gain_s:+.3f} s); measured "
+                f"{statistics.median(self.measured_s):.3f} s against {self.reference_s:.3f} s, {against} "
+                f"(gain {self.measured_gain_s:+.3f} s)")
 
 
 class LeverLog:
@@ -137,22 +149,29 @@ class LeverLog:
     def __init__(self) -> None:
         self.spans: list[LeverSpan] = []
         self.chosen: GenerationLevers | None = None
+        self.plain: list[float] = []  # measured steps without levers on the plan in force
 
-    def step_done(self, step: int, ran: GenerationLevers | None, measured_s: float,
-                  nxt: GenerationLevers | None) -> tuple[dict[str, float], str | None]:
-        """After step ``step`` run under ``ran`` (measured ``measured_s``), with ``nxt`` for the next step:
-        its ``nereus/levers/*`` metrics and a line when the levers change."""
+    def step_done(self, step: int, ran: GenerationLevers | None, measured_s: float, nxt: GenerationLevers | None,
+                  same_plan: bool = True) -> tuple[dict[str, float], str | None]:
+        """After step ``step`` run under ``ran`` (measured ``measured_s``), with ``nxt`` for the next step
+        (``same_plan``: on the same placements): its ``nereus/levers/*`` metrics and a line when the levers
+        change."""
         on = ran is not None and ran.any
         if on:
             kinds, p = ran.kinds, ran.predicted
             base, pred = float(p.get("base_s", 0.0)), float(p.get("step_s", p.get("generation_s", 0.0)))
             last = self.spans[-1] if self.spans else None
             if last is None or last.kinds != kinds or last.first_step + len(last.measured_s) != step:
-                self.spans.append(LeverSpan(step, kinds, base, pred, []))
+                plain = statistics.median(self.plain[-PLAIN_WINDOW:]) if self.plain else None
+                self.spans.append(LeverSpan(step, kinds, base, pred, [], plain))
             self.spans[-1].measured_s.append(measured_s)
+        else:
+            self.plain.append(measured_s)
+        if not same_plan:  # the next steps run on other placements: what was measured here says nothing there
+            self.plain = []
         metrics = {"nereus/levers/on": float(on),
                    "nereus/levers/predicted_gain_s": self.spans[-1].predicted_gain_s if on else 0.0,
-                   "nereus/levers/measured_gain_s": self.spans[-1].base_s - measured_s if on else 0.0}
+                   "nereus/levers/measured_gain_s": self.spans[-1].reference_s - measured_s if on else 0.0}
         nxt = nxt if nxt is not None and nxt.any else None
         line = change_line(step + 1, nxt) if nxt != self.chosen else None  # equal: the same levers, re-priced
         self.chosen = nxt

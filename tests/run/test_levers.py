@@ -14,6 +14,8 @@ from nereus.control.backend import StepMetrics
 from nereus.control.held import HeldPlan
 from nereus.control.intrastep import NoTail, PhasedPolicy
 from nereus.control.levers import FixedSpeculation, FixedTailBatching
+from nereus.cost.hardware import Hardware
+from nereus.cost.plan_cost import estimate_plan
 from nereus.run.adaptive import policy_for
 from nereus.run.levers import LeverLog, ask_at_start, change_line
 from nereus.runtime.generation.answers import DecodeStats
@@ -60,11 +62,18 @@ def test_the_lever_log_says_each_change_once_and_sums_up_each_setting():
     assert line == change_line(2, on) and "speculation (suffix drafts, k=3" in line and "tail_batching 0.270 s" in line
     metrics, line = log.step_done(2, on, 0.26, replace(on, predicted={"base_s": 0.31, "step_s": 0.24}))
     assert line is None and metrics["nereus/levers/on"] == 1.0  # the same levers re-priced: nothing to say
-    assert metrics["nereus/levers/measured_gain_s"] == pytest.approx(0.04)
-    log.step_done(3, on, 0.24, None)
+    assert metrics["nereus/levers/measured_gain_s"] == pytest.approx(0.045)  # against the plain steps' median
+    log.step_done(3, on, 0.24, None, same_plan=False)
     [span] = log.spans
     assert span.measured_s == [0.26, 0.24] and span.predicted_gain_s == pytest.approx(0.05)
-    assert "steps 3-4" in log.summary()[0] and "measured 0.250 s (gain +0.050 s" in log.summary()[0]
+    assert span.measured_gain_s == pytest.approx(0.055) and "steps 3-4" in log.summary()[0]
+    assert "measured 0.250 s against 0.305 s, the median plain step before it (gain +0.055 s)" in log.summary()[0]
+    log.step_done(4, None, 0.2, on)  # on other placements: no plain step measured there yet
+    log.step_done(5, on, 0.25, on)
+    assert log.spans[-1].plain_s is not None  # step 4 ran plain on the new placements
+    fresh = LeverLog()
+    fresh.step_done(0, on, 0.25, on)
+    assert fresh.spans[0].reference_s == 0.3 and "the calibrated plain step" in fresh.summary()[0]
 
 
 def _levers_job(tmp_path, **rollout):
@@ -82,28 +91,32 @@ def test_auto_levers_are_refused_beside_fixed_ones_and_vllm(tmp_path):
         _levers_job(tmp_path, levers="always")
 
 
-def measured(step: int, gen: float, levers: GenerationLevers | None = None) -> StepMetrics:
-    """A measured step of the tiny GRPO job's held plan (given stage times: no clock involved)."""
-    stages = {"actor/generation": gen, "actor/inference": 0.05, "reference/inference": 0.05,
-              "actor/training": 0.1}
-    phases = {"generation": gen, "inference": 0.1, "training": 0.1, "weight_sync": 0.01}
-    return StepMetrics(step, stages, phases, gen + 0.21, 3.0, 4.0, 8, 8 * 13.0, gpus=4, levers=levers,
+def measured(job, plan, step: int, scale: float, levers: GenerationLevers | None = None) -> StepMetrics:
+    """A measured step of ``plan``: the cost model's stage times for the job times ``scale`` (given numbers,
+    no clock; a calibration fits them exactly)."""
+    est = estimate_plan(Hardware(job.cluster), job, plan)
+    stages = {ms: scale * t for ms, t in est.stage_times.items()}
+    phases = {k: scale * t for k, t in est.phase_times.items()}
+    return StepMetrics(step, stages, phases, sum(phases.values()), job.workload.response.mean,
+                       job.workload.response.max, job.sequences_per_step(), 1.0, gpus=plan.num_gpus, levers=levers,
                        sibling_correlation=0.9)
 
 
 def test_a_held_plan_chooses_levers_after_its_first_fit_and_calibrates_on_plain_steps_only(tmp_path):
-    policy, plan, _ = policy_for(_levers_job(tmp_path))
+    job = _levers_job(tmp_path)
+    policy, plan, _ = policy_for(job)
     assert isinstance(policy, PhasedPolicy) and plan.levers is None  # no levers before a calibration fit
     ctrl = policy.controller
     for step in range(5):  # fit_every 5: the fit after the fifth step
-        d = policy.after_step(measured(step, 0.2), None)
+        d = policy.after_step(measured(ctrl.job, plan, step, 2.0), None)
     chosen = d.plan.levers
-    assert ctrl.factors and chosen is not None and chosen.any and chosen.policy_lag == 0
+    assert ctrl.factors and ctrl.residual < 0.01  # the model fits these steps
+    assert chosen is not None and chosen.any and chosen.policy_lag == 0
     assert chosen.predicted["base_s"] > chosen.predicted["step_s"]  # whole steps priced (padded rollouts)
     assert policy.levers.siblings == pytest.approx(0.9)  # tail batching priced at the measured correlation
     rows, fitted = len(ctrl.calibrator._rows), dict(ctrl.factors)
     for step in range(5, 10):  # steps under levers: their times are not the plain plan's
-        policy.after_step(measured(step, 0.01, chosen), None)
+        policy.after_step(measured(ctrl.job, plan, step, 0.5, chosen), None)
     assert ctrl.factors == fitted and len(ctrl.calibrator._rows) == rows
 
 
@@ -150,3 +163,11 @@ def test_a_plan_with_tail_batching_runs_short_and_long_rounds(ray_runtime, tmp_p
 def test_held_plans_of_fixed_runs_calibrate_nothing(tmp_path):
     policy, _, _ = policy_for(tiny_job("grpo", str(tmp_path)))
     assert isinstance(policy, HeldPlan) and not policy.calibrate
+
+
+def test_no_lever_whose_gain_is_within_the_calibration_s_error(tmp_path):
+    job = _levers_job(tmp_path)
+    policy, plan, _ = policy_for(job)
+    for step in range(5):  # the stages' times jump by 3x from step to step: a poor fit
+        d = policy.after_step(measured(policy.controller.job, plan, step, 1.0 if step % 2 else 20.0), None)
+    assert policy.controller.residual > 0.5 and d.plan.levers is None
