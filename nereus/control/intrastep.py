@@ -222,8 +222,9 @@ class PhasedPolicy:
         rest = padded_rest(job, base, factors) if cap is not None and cap.padded_rollouts else None
         choice = self.levers.choose(model, bulk, f, self.policy_lag, rest)
         if choice is not None and self.calibrated_levers:
-            base_s = choice.levers.predicted.get("base_s", 0.0)
-            choice = choice if choice.gain_s > getattr(self.controller, "residual", 0.0) * base_s else None
+            lv, residual = choice.levers, getattr(self.controller, "residual", 0.0)
+            if choice.gain_s <= residual * lv.predicted.get("base_s", 0.0):  # declined: its numbers kept
+                return GenerationLevers(policy=lv.policy, predicted={**lv.predicted, "residual": residual})
         if choice is None or self._phase is None:
             return None if choice is None else choice.levers
         return choice.levers if choice.gain_s > self._phase.predicted.get("gain_s", 0.0) else None

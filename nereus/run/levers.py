@@ -105,6 +105,8 @@ def ask_at_start(policy: GenerationPolicy, step: int, prompts: list[list[int]], 
 
 # plain steps (no lever, the same plan) a lever's measured gain is taken against: the latest ones
 PLAIN_WINDOW = 10
+# the lever rule's own figures in ``GenerationLevers.predicted`` (the others are its runner-ups' seconds)
+SUMMARY_KEYS = ("gain_s", "base_s", "step_s", "generation_s")
 
 
 @dataclass
@@ -172,7 +174,7 @@ class LeverLog:
         metrics = {"nereus/levers/on": float(on),
                    "nereus/levers/predicted_gain_s": self.spans[-1].predicted_gain_s if on else 0.0,
                    "nereus/levers/measured_gain_s": self.spans[-1].reference_s - measured_s if on else 0.0}
-        nxt = nxt if nxt is not None and nxt.any else None
+        nxt = nxt if nxt is not None and (nxt.any or nxt.predicted) else None  # none priced: none chosen
         line = change_line(step + 1, nxt) if nxt != self.chosen else None  # equal: the same levers, re-priced
         self.chosen = nxt
         return metrics, line
@@ -187,14 +189,19 @@ def change_line(step: int, levers: GenerationLevers | None) -> str:
     if levers is None:
         return f"\n  levers from step {step + 1}: none"
     p = levers.predicted
+    if not levers.any:  # declined: the best priced did not beat the calibration's error
+        best = min(((k[:-2], v) for k, v in p.items() if k.endswith("_s") and k not in SUMMARY_KEYS),
+                   key=lambda kv: kv[1], default=("none", p.get("base_s", 0.0)))
+        return (f"\n  levers from step {step + 1}: none (best priced: {best[0]} {best[1]:.3f} s against "
+                f"{p.get('base_s', 0.0):.3f} s plain, a gain within the calibration's "
+                f"{100 * p.get('residual', 0.0):.0f}% error)")
     what = []
     if levers.speculation is not None:
         s = levers.speculation
         what.append(f"speculation ({s.draft} drafts, k={s.draft_tokens}, while <= {s.live_at_most} live)")
     if levers.tail_batching is not None:
         what.append(f"tail batching (over-launch {levers.tail_batching.over_launch:g})")
-    others = ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in p.items() if k.endswith("_s") and k not in
-                       ("gain_s", "base_s", "step_s", "generation_s"))
+    others = ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in p.items() if k.endswith("_s") and k not in SUMMARY_KEYS)
     step_s = p.get("step_s", p.get("generation_s", 0.0))
     return (f"\n  levers from step {step + 1}: {' + '.join(what)}; predicted step {p.get('base_s', 0.0):.3f} s -> "
             f"{step_s:.3f} s" + (f" (priced: {others})" if others else ""))

@@ -168,6 +168,11 @@ def test_held_plans_of_fixed_runs_calibrate_nothing(tmp_path):
 def test_no_lever_whose_gain_is_within_the_calibration_s_error(tmp_path):
     job = _levers_job(tmp_path)
     policy, plan, _ = policy_for(job)
-    for step in range(5):  # the stages' times jump by 3x from step to step: a poor fit
+    for step in range(5):  # the stages' times jump 20-fold from step to step: a poor fit
         d = policy.after_step(measured(policy.controller.job, plan, step, 1.0 if step % 2 else 20.0), None)
-    assert policy.controller.residual > 0.5 and d.plan.levers is None
+    declined = d.plan.levers  # nothing on, the best priced kept for the log
+    assert policy.controller.residual > 0.5 and not declined.any and declined.predicted["residual"] > 0.5
+    line = change_line(5, declined)
+    assert "none (best priced: speculation" in line and "within the calibration's" in line
+    log = LeverLog()
+    assert log.step_done(4, None, 0.3, declined)[1] == line and log.step_done(5, declined, 0.3, declined)[1] is None
