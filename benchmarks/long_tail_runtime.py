@@ -13,11 +13,12 @@ same seed, data and warm-started actor, on two local Ray workers, in each mode, 
 - ``async``: ``run.async`` — generation of step k+1 overlaps training of step k on disjoint workers;
 - ``vllm``: static with ``run.rollout.engine: vllm`` (one vLLM engine per generation replica; skipped
   where vLLM is not installed);
-- each tail lever alone on the continuous-batching engine: ``speculative`` (n-gram drafts while at most
-  ``SPEC_MAX_LIVE`` sequences are live), ``tail`` (tail batching, over-launch 1.5, policy lag 0) and
-  ``partial`` (partial rollout, over-launch 1.5, ``run.policy_lag: 1``);
-- ``levers``: speculation + partial rollout together, hand-picked (the controller's own choice of levers
-  on the runtime is not wired yet: this row stands where it will be).
+- each tail lever alone on the fixed batch (``runtime.generation.fixed_decode``): ``speculative`` (n-gram
+  drafts, 4 per row), ``tail`` (tail batching, over-launch 1.5, policy lag 0) and ``partial`` (partial
+  rollout, over-launch 1.5, ``run.policy_lag: 1``);
+- ``levers`` (speculation + partial rollout) and ``tail+spec`` (speculation + tail batching), hand-picked;
+- ``nereus``: the controller's choice (``run.rollout.levers: auto``: the lever rule on the calibrated cost
+  model, docs/adaptation.md).
 
 Every mode uses the same model (head size 32, which vLLM's CPU attention needs) and warm-start.
 
@@ -76,8 +77,6 @@ ASYNC_LAYOUTS = {"actor/generation": {"layout": "dp=1", "ranks": [0]},
                  "reference/inference": {"layout": "dp=1,micro_batch_size=32", "ranks": [1]},
                  "actor/training": {"layout": "dp=1,micro_batch_size=8", "ranks": [1]}}
 MIDSTEP_KEY: dict = {"enabled": True}
-# n-gram speculation while at most a quarter of a replica's slots are live (the tail of the step)
-SPEC_MAX_LIVE = SLOTS // 4
 SPEC_KEY: dict = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 OVER_LAUNCH = 1.5
 
@@ -109,11 +108,6 @@ def asynchronous(spec: dict) -> dict:
 
 def vllm(spec: dict) -> dict:
     spec["run"]["rollout"] = {"engine": "vllm", "cpu_kv_cache_gib": 0.125, "slots": 64}
-    return spec
-
-
-def engine(spec: dict, **rollout: object) -> dict:
-    spec["run"]["rollout"] = {"slots": SLOTS, **copy.deepcopy(rollout)}
     return spec
 
 

@@ -199,7 +199,7 @@ class Stepper:
             self.early = None
             if early is not None:
                 self.early = EarlyInference(self.calls, call, key, early.stages, len(prompts))
-                parts = self.early.run(early.pack)
+                parts = self.early.run(lambda a, b, part: early.pack(a, b, part.rows))
             else:
                 parts = self.calls.wait([call])[0]
         return parts, start.entries(sum((p.stats for p in parts), DecodeStats())) if start else ()

@@ -207,7 +207,7 @@ class EarlyInference:
         for s in self.stages:
             if busy & set(self.calls.rt.specs[s.key].ranks) or not self.eligible(s.key):
                 continue
-            tokens = pack_block(start, start + self.per, answer.value.rows) if tokens is None else tokens
+            tokens = pack_block(start, start + self.per, answer.value) if tokens is None else tokens
             self.early[s.timer][start] = self.calls.submit(s.timer, "infer", s.key, s.call(tokens))
 
     def rest(self, stage: InferenceStage, tokens: torch.Tensor) -> list[tuple[int, Call]]:
