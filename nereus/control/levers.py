@@ -33,6 +33,8 @@ import statistics
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from nereus.control.backend import StepMetrics
 from nereus.cost.batching import Factors
 from nereus.cost.generation import BulkRun, GenModel, forecast_lengths, no_move, run_bulk
@@ -134,8 +136,11 @@ class NereusLevers(LeverRule):
         others = rest.seconds if rest is not None else 0.0  # the same for every lever but tail batching
         options = [(spec_s + others, GenerationLevers(speculation=spec))] if spec is not None else []
         batching = self._tail_batching(model, base, rest)
-        if batching is not None:  # on the rollout as it is: exclusive with speculation here
+        if batching is not None:
             options.append((batching[1], GenerationLevers(tail_batching=batching[0])))
+            if spec is not None:  # both: each round's generation speculated
+                both = self._with_speculation(model, batching, spec, f, base, rest)
+                options.append((both, GenerationLevers(speculation=spec, tail_batching=batching[0])))
         if policy_lag >= 1:
             options += [(t + others, lv) for t, lv in self._partial(model, bulk, f, policy_lag, spec)]
         if not options:
@@ -166,6 +171,30 @@ class NereusLevers(LeverRule):
         for live in powers_of_two(model.slots):
             best = min(best, priced(Speculation(spec.draft, spec.draft_tokens, live)), key=lambda x: x[0])
         return best
+
+    def _with_speculation(self, model: GenModel, batching: tuple[TailBatching, float, TailBatchingEstimate],
+                          spec: Speculation, f: Factors, base: float, rest: PaddedRest | None) -> float:
+        """Tail batching's seconds per step (``batching``) with ``spec`` in its rounds: each round's
+        generation times what speculation saves on its lengths (the short round's clipped at its stop, so
+        that a live-batch threshold below the sequences still running there switches nothing on; the long
+        round's the deferred prompts')."""
+        _, t, est = batching
+        job = model.job
+        lengths = GroupLengths.of(job.workload.response, self.siblings, job.algorithm.samples_per_prompt)
+        short = np.minimum(spread(lengths.response_quantiles(), round(est.short.sequences)), est.stop_length)
+        long = spread(lengths.deferred_quantiles(est.stop_length), round(est.long.sequences))
+        long[-1] = max(long[-1], est.long.longest)
+        ratios = []
+        for lens in (short, long):
+            rnd = run_bulk(model, np.maximum(1.0, lens), f)
+            plain = no_move(model, rnd).generation_s
+            fast = with_speculation(model, rnd, spec.draft_tokens, spec.live_at_most, self.alpha(spec.draft), f)
+            ratios.append(fast.outcome.generation_s / plain if plain > 0 else 1.0)
+        scale = base / est.plain.seconds  # the pool's round seconds in the generation model's units
+        gen = [r.seconds * scale * q for r, q in zip((est.short, est.long), ratios, strict=True)]
+        others = [rest.at(r.longest, est.plain.longest) if rest is not None else 0.0 for r in (est.short, est.long)]
+        n = est.long_rounds_per_short
+        return (gen[0] + others[0] + n * (gen[1] + others[1])) / (1 + n)
 
     def _pool(self, model: GenModel) -> RolloutPool:
         job = model.job
@@ -290,6 +319,12 @@ def cycle_s(est: TailBatchingEstimate, base: float, rest: PaddedRest) -> float:
     scale = base / est.plain.seconds
     s = [r.seconds * scale + rest.at(r.longest, est.plain.longest) for r in (est.short, est.long)]
     return (s[0] + est.long_rounds_per_short * s[1]) / (1 + est.long_rounds_per_short)
+
+
+def spread(quantiles: tuple[float, ...], n: int) -> np.ndarray:
+    """``n`` lengths standing for equally weighted ``quantiles`` (interpolated between them)."""
+    q = np.asarray(quantiles, float)
+    return np.interp(np.linspace(0, len(q) - 1, max(1, n)), np.arange(len(q)), q)
 
 
 def padded_rest(job: JobSpec, plan: Plan, factors: dict[str, float]) -> PaddedRest:

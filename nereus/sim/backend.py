@@ -119,12 +119,13 @@ class SimBackend:
     def _tail_batching(self, plan: Plan, step: int, lengths: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, bool]:
         """Tail batching's round (``sim.groups``): a long round of ``P`` deferred prompts once as many wait
         (regenerated from scratch), else a short round over-launched ``f``-fold that keeps the first ``P``
-        groups to end (True). Without the lever: the drawn lengths."""
+        groups to end (True). Without the lever, or while partial rollout's carried responses finish (the
+        policy switched levers), the drawn lengths."""
         tb = plan.levers.tail_batching if plan.levers is not None else None
         job = self.job_at(step)
         p, g = job.workload.prompts_per_step, job.algorithm.samples_per_prompt
         self._launched_z = z if len(z) else np.zeros(p)
-        if tb is None:
+        if tb is None or len(self.carried):
             return lengths, False
         r, rho = self.trace.response_at(step), self.trace.sibling_correlation
         if len(self.deferred) >= p:
@@ -221,7 +222,12 @@ class SimBackend:
         spec = looks[-1] if looks and isinstance(looks[-1].decision, SetSpeculation) else None
         spec_outcome = None
         if spec is not None and spec.decision.speculation is not None:
-            out, spec_outcome = self._speculate(step, model, bulk, spec.decision.speculation, f, base, gen_noise)
+            out, spec_outcome, finish = self._speculate(step, model, bulk, spec.decision.speculation, f, base,
+                                                        gen_noise)
+            if keep is not None and finish is not None:  # the short round stops as its groups end under speculation
+                self._short = stop_round(finish, keep[1], keep[0])
+                out = replace(out, generation_s=min(out.generation_s, self._short.stop_s),
+                              tail_s=max(0.0, min(out.generation_s, self._short.stop_s) - out.bulk_s))
         stage_times["actor/generation"] = out.generation_s * gen_noise
         inference = phases["inference"]
         after, early = overlapped_inference(inference, out, len(lengths))
@@ -242,19 +248,20 @@ class SimBackend:
         return rate if rate is not None else prior(DraftKind(draft)).alpha
 
     def _speculate(self, step: int, model: GenModel, bulk: BulkRun, spec: Speculation, f: Factors,
-                   base: GenOutcome, gen_noise: float) -> tuple[GenOutcome, Outcome]:
+                   base: GenOutcome, gen_noise: float) -> tuple[GenOutcome, Outcome, np.ndarray | None]:
         """Speculation as the engine runs it: each replica switched on below the live-batch threshold, each
-        sequence's iterations drawn from the trace's acceptance (``cost.levers.spec_run``). Model-free
-        drafts only; another kind is refused and the stage runs without."""
+        sequence's iterations drawn from the trace's acceptance (``cost.levers.spec_run``), and each
+        sequence's finish under it. Model-free drafts only; another kind is refused and the stage runs
+        without."""
         if spec.draft not in MODEL_FREE:
             return base, Outcome(False, f"the simulator runs model-free drafts ({', '.join(MODEL_FREE)}), "
-                                        f"not {spec.draft}")
+                                        f"not {spec.draft}"), None
         run = with_speculation(model, bulk, spec.draft_tokens, spec.live_at_most, self.alpha(spec.draft, step), f,
                                self._rng(step, 4))
         figures = {"accepted_tokens": run.accepted_tokens, "verifications": run.verifications,
                    "spec_tokens": run.spec_tokens, "switched": float(run.switched), "spec_s": run.spec_s * gen_noise}
         gain = (base.generation_s - run.outcome.generation_s) * gen_noise
-        return run.outcome, Outcome(True, "", 0.0, gain, figures)
+        return run.outcome, Outcome(True, "", 0.0, gain, figures), run.finish_s
 
     def apply_transition(self, old: Plan, new: Plan, step: int) -> TransitionMetrics:
         """The transition graph's schedule (shared, cached, with the controller's) under the hidden factor."""

@@ -156,9 +156,10 @@ def test_runs_are_reproducible_and_policies_see_the_same_workload():
     b = simulate(job, tr, "nereus", seed=3, steps=30)
     c = simulate(job, tr, "nereus", seed=4, steps=30)
     d = simulate(job, tr, "verl-like", seed=3, steps=30)
+    e = simulate(job, tr, "nereus-interstep", seed=3, steps=30)  # tail batching (nereus's) changes the rows
     assert [s["step_time_s"] for s in a.steps] == [s["step_time_s"] for s in b.steps]
     assert [s["step_time_s"] for s in a.steps] != [s["step_time_s"] for s in c.steps]
-    assert [s["response_max"] for s in a.steps] == [s["response_max"] for s in d.steps]
+    assert [s["response_max"] for s in e.steps] == [s["response_max"] for s in d.steps]
 
 
 def test_calibration_learns_the_hidden_efficiencies():

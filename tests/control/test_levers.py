@@ -9,7 +9,7 @@ import nereus.control.levers as levers_module
 from nereus.control.backend import StepMetrics
 from nereus.control.levers import FixedSpeculation, NereusLevers, speculation_decision
 from nereus.cost.batching import Factors
-from nereus.cost.generation import GenModel, forecast_lengths, run_bulk
+from nereus.cost.generation import GenModel, forecast_lengths, no_move, run_bulk
 from nereus.cost.hardware import Hardware
 from nereus.cost.levers.speculative import Acceptance
 from nereus.cost.plan_cost import estimate_plan
@@ -67,3 +67,18 @@ def test_the_simulator_runs_the_speculation_the_controller_chose_and_reports_its
     assert summary["policy_lag_mean"] == 0.0 and summary["on_policy_share"] == 1.0
     spec_like = simulate(small_job(16), trace(12), "spec-like", seed=0, steps=12)
     assert any(d["decision"]["kind"] == "set_speculation" for d in spec_like.generation_decisions)
+
+
+def test_both_levers_are_priced_together_round_by_round():
+    """Speculation inside tail batching's rounds: each round's generation shortened by what speculation
+    saves on its lengths, so the pair is priced below either alone where both pay."""
+    model, bulk = _forecast()
+    rule = NereusLevers(siblings_measured=[0.8])
+    base = no_move(model, bulk).generation_s
+    tail = rule._tail_batching(model, base, None)
+    spec_s, spec = rule._speculation(model, bulk, Factors())
+    both = rule._with_speculation(model, tail, spec, Factors(), base, None)
+    assert both < min(tail[1], spec_s)
+    choice = rule.choose(model, bulk, Factors(), policy_lag=0)
+    assert choice.levers.speculation == spec and choice.levers.tail_batching == tail[0]
+    assert choice.levers.predicted["generation_s"] == pytest.approx(both)

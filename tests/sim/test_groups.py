@@ -63,3 +63,31 @@ def test_rollpacker_like_defers_whole_groups_and_trains_on_policy():
                                                                                  verl.steps])]
     assert long_rounds, "a long round of deferred (long) prompts ran"
     assert math.isfinite(record.summary()["tokens_per_s"])
+
+
+def test_a_short_round_with_speculation_stops_when_its_groups_end_under_speculation():
+    """Both levers at once: the short round's sequences decode speculatively, and the round stops once its
+    groups have ended at their speculated finishes (not at the over-launched batch's end)."""
+    from dataclasses import replace
+
+    from nereus.control.levers import speculation_decision
+    from nereus.cost.hardware import Hardware
+    from nereus.planner.search import search
+    from nereus.spec.generation import Continue
+    from nereus.spec.levers import GenerationLevers, Speculation, TailBatching
+
+    class AtStart:
+        def during_generation(self, status):
+            return speculation_decision(status.levers) or Continue()
+
+    job = _grpo()
+    plan = search(Hardware(job.cluster), job).plan
+    spec, tail = Speculation("suffix", 4, 256), TailBatching(2.0)
+
+    def generation_s(levers: GenerationLevers) -> float:
+        m = SimBackend(job, _trace(4)).run_step(replace(plan, levers=levers), 0, AtStart())
+        return m.phase_times_s["generation"]
+
+    both = generation_s(GenerationLevers(speculation=spec, tail_batching=tail))
+    assert both < generation_s(GenerationLevers(tail_batching=tail))  # the same round, faster to its stop
+    assert both < generation_s(GenerationLevers(speculation=spec))  # it stops before the batch's longest

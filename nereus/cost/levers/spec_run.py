@@ -82,6 +82,8 @@ class SpecOutcome:
     verifications: float  # draft-and-verify iterations summed over sequences (vLLM's num_drafts)
     spec_s: float  # seconds from the first switch to the end
     switch_s: list[float] = field(default_factory=list)
+    # each sequence's finish under speculation (the bulk's order; unchanged where its replica never switched)
+    finish_s: np.ndarray | None = None
 
     @property
     def accepted_tokens(self) -> float:
@@ -121,10 +123,12 @@ def switch_times(bulk: BulkRun, live_at_most: int) -> np.ndarray:
 
 
 def _speculated_rest(bulk: BulkRun, t: np.ndarray, replicas: list[int], mean_y: float, var_y: float,
-                     rng: np.random.Generator | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                     rng: np.random.Generator | None,
+                     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Per switching replica (ascending): the tokens left, the draft-and-verify iterations and the tokens
-    generated of each sequence still live at its switch time ``t[r]`` (ascending ids). One array pass over
-    every replica's sequences (the draws in that same order, so a replica at a time draws the same)."""
+    generated of each sequence still live at its switch time ``t[r]``, and those sequences' ids (ascending).
+    One array pass over every replica's sequences (the draws in that same order, so a replica at a time
+    draws the same)."""
     if not replicas:
         return []
     on = np.zeros(len(bulk.runs), bool)
@@ -138,7 +142,7 @@ def _speculated_rest(bulk: BulkRun, t: np.ndarray, replicas: list[int], mean_y: 
         iters = iters + rng.standard_normal(len(ids)) * np.sqrt(left * var_y / mean_y**3)
     iters = np.maximum(1.0, np.ceil(iters))
     bounds = [0, *np.searchsorted(bulk.replica[ids], replicas[1:]).tolist(), len(ids)]
-    return [(left[lo:hi], iters[lo:hi], generated[lo:hi]) for lo, hi in pairwise(bounds)]
+    return [(left[lo:hi], iters[lo:hi], generated[lo:hi], ids[lo:hi]) for lo, hi in pairwise(bounds)]
 
 
 def with_speculation(model: GenModel, bulk: BulkRun, k: int, live_at_most: int, alpha: float, f: Factors,
@@ -154,15 +158,19 @@ def with_speculation(model: GenModel, bulk: BulkRun, k: int, live_at_most: int, 
     t = switch_times(bulk, live_at_most)
     switched = [(r, t_r) for r, (t_r, e) in enumerate(zip(t.tolist(), ends, strict=True))
                 if math.isfinite(t_r) and t_r < e]
-    work, spec_tokens, verifications = [], 0.0, 0.0
-    for left, iters, context in _speculated_rest(bulk, t, [r for r, _ in switched], mean_y, var_y, rng):
+    work, ids, spec_tokens, verifications = [], [], 0.0, 0.0
+    for left, iters, context, live in _speculated_rest(bulk, t, [r for r, _ in switched], mean_y, var_y, rng):
         work.append((iters, prompt + context, 0.0, 0.0))
+        ids.append(live)
         spec_tokens += float(left.sum())
         verifications += float(iters.sum())
+    finish = bulk.finish_s.copy()
     if work:  # every switched replica's rest in one array pass; each keeps all its sequences in flight
         slots = max(len(w[0]) for w in work)
-        for (r, t_r), after in zip(switched, run_replicas(table, work, slots, bulk.bucket, f), strict=True):
+        runs = run_replicas(table, work, slots, bulk.bucket, f)
+        for (r, t_r), after, live in zip(switched, runs, ids, strict=True):
             ends[r] = t_r + after.end_s
+            finish[live] = t_r + after.finish_s
     switches = [t for _, t in switched]
     end = max(ends)
     group = lay.tp * lay.pp
@@ -172,4 +180,4 @@ def with_speculation(model: GenModel, bulk: BulkRun, k: int, live_at_most: int, 
     segs = [(f"replica {r}", "bulk", 0.0, on.get(r, e)) for r, e in enumerate(ends)]
     segs += [(f"replica {r}", "speculation", t_r, ends[r]) for r, t_r in switched]
     out = GenOutcome(end, first, 0.0, end - first, idle, segments=segs)
-    return SpecOutcome(out, len(switches), spec_tokens, verifications, end - first, switches)
+    return SpecOutcome(out, len(switches), spec_tokens, verifications, end - first, switches, finish)
