@@ -217,8 +217,7 @@ class SimBackend:
         gen_noise = noise["actor/generation"]
         if keep is not None:  # a short round of tail batching: the engine stops once P groups have ended
             self._short = stop_round(bulk.finish_s, keep[1], keep[0])
-            out = replace(out, generation_s=min(out.generation_s, self._short.stop_s),
-                          tail_s=max(0.0, min(out.generation_s, self._short.stop_s) - out.bulk_s))
+            out = stopped(out, self._short.stop_s)
         spec = looks[-1] if looks and isinstance(looks[-1].decision, SetSpeculation) else None
         spec_outcome = None
         if spec is not None and spec.decision.speculation is not None:
@@ -226,8 +225,7 @@ class SimBackend:
                                                         gen_noise)
             if keep is not None and finish is not None:  # the short round stops as its groups end under speculation
                 self._short = stop_round(finish, keep[1], keep[0])
-                out = replace(out, generation_s=min(out.generation_s, self._short.stop_s),
-                              tail_s=max(0.0, min(out.generation_s, self._short.stop_s) - out.bulk_s))
+                out = stopped(out, self._short.stop_s)
         stage_times["actor/generation"] = out.generation_s * gen_noise
         inference = phases["inference"]
         after, early = overlapped_inference(inference, out, len(lengths))
@@ -274,6 +272,14 @@ class SimBackend:
         noise = float(math.exp(self._rng(step, 2).normal(0, self.truth.noise)))
         actual = predicted * self.factors["transition"] * noise
         return TransitionMetrics(actual, predicted, est.bytes_moved, {"moved": list(est.moved_model_stages)})
+
+
+def stopped(out: GenOutcome, stop_s: float) -> GenOutcome:
+    """``out`` cut at ``stop_s`` (a short round of tail batching aborts what still runs then): its
+    generation, tail and the timeline's segments."""
+    end = min(out.generation_s, stop_s)
+    segments = [(track, kind, a, min(b, stop_s)) for track, kind, a, b in out.segments if a < stop_s]
+    return replace(out, generation_s=end, tail_s=max(0.0, end - out.bulk_s), segments=segments)
 
 
 def _scale_later_stages(stage_times: dict[str, float], phases: dict[str, float], factor: float) -> None:
