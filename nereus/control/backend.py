@@ -41,8 +41,9 @@ class StepMetrics:
     # the plan's tail levers the step ran under (None: none, or the backend does not say)
     levers: GenerationLevers | None = None
     # the measured correlation of sibling responses' log lengths (``cost.levers.lengths.sibling_correlation``;
-    # None: not measured)
+    # None: not measured) and the spread of all responses' log lengths (a log-normal's sigma)
     sibling_correlation: float | None = None
+    length_sigma: float | None = None
 
     def to_dict(self) -> dict:
         out = asdict(self)

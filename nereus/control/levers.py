@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import statistics
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -103,6 +103,7 @@ class NereusLevers(LeverRule):
     acceptance: dict[str, Acceptance] = field(default_factory=dict)
     name: str = "nereus"
     siblings_measured: list[float] = field(default_factory=list)  # per step, where the backend measures it
+    sigma_measured: list[float] = field(default_factory=list)  # the spread of log lengths, likewise
 
     def alpha(self, draft: str) -> float:
         return self.acceptance.get(draft, prior(DraftKind(draft))).alpha
@@ -114,11 +115,25 @@ class NereusLevers(LeverRule):
         recent = self.siblings_measured[-SIBLINGS_WINDOW:]
         return statistics.median(recent) if recent else SIBLINGS_PRIOR
 
+    def lengths(self, job: JobSpec) -> GroupLengths:
+        """The length model tail batching is priced on: the job's (forecast) response lengths, their spread
+        and the sibling correlation as measured where the backend measures them (the median of the last
+        steps, the job's and the prior until then)."""
+        resp, recent = job.workload.response, self.sigma_measured[-SIBLINGS_WINDOW:]
+        if recent:
+            resp = replace(resp, sigma=statistics.median(recent))
+        return GroupLengths.of(resp, self.siblings, job.algorithm.samples_per_prompt)
+
     def observe(self, m: StepMetrics) -> None:
-        """Calibrate each draft kind's acceptance on the verifications the engine measured, and the sibling
-        correlation on the step's response lengths where the backend measures it."""
-        if m.sibling_correlation is not None:
-            self.siblings_measured.append(m.sibling_correlation)
+        """Calibrate each draft kind's acceptance on the verifications the engine measured, and the length
+        spread and sibling correlation on the step's responses where the backend measures them: on steps
+        without tail batching only (a short round keeps the groups that end first, a long round the
+        others: neither is the step's draw)."""
+        if m.levers is None or m.levers.tail_batching is None:
+            if m.sibling_correlation is not None:
+                self.siblings_measured.append(m.sibling_correlation)
+            if m.length_sigma is not None and m.length_sigma > 0:
+                self.sigma_measured.append(m.length_sigma)
         for e in m.generation:
             d = e.decision
             if isinstance(d, SetSpeculation) and d.speculation is not None and e.outcome.applied:
@@ -180,7 +195,7 @@ class NereusLevers(LeverRule):
         round's the deferred prompts')."""
         _, t, est = batching
         job = model.job
-        lengths = GroupLengths.of(job.workload.response, self.siblings, job.algorithm.samples_per_prompt)
+        lengths = self.lengths(job)
         short = np.minimum(spread(lengths.response_quantiles(), round(est.short.sequences)), est.stop_length)
         long = spread(lengths.deferred_quantiles(est.stop_length), round(est.long.sequences))
         long[-1] = max(long[-1], est.long.longest)
@@ -208,7 +223,7 @@ class NereusLevers(LeverRule):
         or with ``rest`` of the whole step, each round's other stages at its longest response) and its
         estimate. None when none pays ``min_gain``."""
         job = model.job
-        lengths = GroupLengths.of(job.workload.response, self.siblings, job.algorithm.samples_per_prompt)
+        lengths = self.lengths(job)
         pool, groups = self._pool(model), job.workload.prompts_per_step
         if rest is None:
             est = best_over_launch(pool, lengths, groups)

@@ -60,7 +60,8 @@ def step_metrics(step: int, metrics: dict, gpus: int, generation: tuple[Generati
     return StepMetrics(step, stages, phases, metrics["timing_s/step"], metrics["response_length/mean"],
                        metrics["response_length/max"], int(round(rows)), metrics.get("perf/total_num_tokens", 0.0),
                        gpus=gpus, detail=metrics, generation=generation, levers=levers,
-                       sibling_correlation=metrics.get("response_length/sibling_correlation"))
+                       sibling_correlation=metrics.get("response_length/sibling_correlation"),
+                       length_sigma=metrics.get("response_length/log_std"))
 
 
 def plan_text(plan: Plan) -> str:

@@ -27,6 +27,8 @@ def step_metrics(st: Stepper, step: int, roll: Rollout, inf: dict, adv: dict, st
         "response_length/clip_ratio": float(((roll.response_len >= limit) & ~roll.finished).float().mean()),
         # the correlation of sibling responses' log lengths (ICC(1) over the step's groups; 0 when undefined)
         "response_length/sibling_correlation": sibling_correlation(rlen.tolist(), st.alg.samples_per_prompt) or 0.0,
+        # the spread of log lengths (a log-normal's sigma: the length model the cost model prices)
+        "response_length/log_std": float(rlen.clamp(min=1).log().std(unbiased=False)),
         "prompt_length/mean": float(roll.prompt_len.float().mean()),
         "prompt_length/max": float(roll.prompt_len.max()), "prompt_length/min": float(roll.prompt_len.min()),
         "critic/score/mean": float(inf["score"].mean()), "critic/score/max": float(inf["score"].max()),

@@ -99,7 +99,7 @@ def measured(job, plan, step: int, scale: float, levers: GenerationLevers | None
     phases = {k: scale * t for k, t in est.phase_times.items()}
     return StepMetrics(step, stages, phases, sum(phases.values()), job.workload.response.mean,
                        job.workload.response.max, job.sequences_per_step(), 1.0, gpus=plan.num_gpus, levers=levers,
-                       sibling_correlation=0.9)
+                       sibling_correlation=0.9 if levers is None else 0.1, length_sigma=0.8 if levers is None else 2.0)
 
 
 def test_a_held_plan_chooses_levers_after_its_first_fit_and_calibrates_on_plain_steps_only(tmp_path):
@@ -114,10 +114,14 @@ def test_a_held_plan_chooses_levers_after_its_first_fit_and_calibrates_on_plain_
     assert chosen is not None and chosen.any and chosen.policy_lag == 0
     assert chosen.predicted["base_s"] > chosen.predicted["step_s"]  # whole steps priced (padded rollouts)
     assert policy.levers.siblings == pytest.approx(0.9)  # tail batching priced at the measured correlation
+    assert policy.levers.lengths(ctrl.job).sigma == pytest.approx(0.8)  # and spread
     rows, fitted = len(ctrl.calibrator._rows), dict(ctrl.factors)
+    rounds = GenerationLevers(tail_batching=TailBatching(1.5))
     for step in range(5, 10):  # steps under levers: their times are not the plain plan's
-        policy.after_step(measured(ctrl.job, plan, step, 0.5, chosen), None)
+        policy.after_step(measured(ctrl.job, plan, step, 0.5, rounds), None)
     assert ctrl.factors == fitted and len(ctrl.calibrator._rows) == rows
+    # nor are a tail-batching round's lengths the step's draw: the length model keeps the plain steps'
+    assert policy.levers.siblings == pytest.approx(0.9) and policy.levers.lengths(ctrl.job).sigma == 0.8
 
 
 def _run(job, tmp_path, policy_of, ray_runtime):
