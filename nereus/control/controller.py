@@ -138,7 +138,7 @@ class Controller:
         a user-supplied transition cost is left as it is, and so is every price without calibration
         (``calibrate: false`` decides on the priors alone, the same on an idle and on a loaded machine)."""
         if self.config.calibrate and isinstance(self.transition_cost, TransitionCoster):
-            self.transition_cost.observe(old, new, tm.predicted_s, tm.seconds)
+            self.transition_cost.observe(self.job, old, new, tm.predicted_s, tm.seconds)
 
     def predict_measured(self, m: StepMetrics) -> dict[str, float]:
         """The calibrated model's stage times for the step's observed workload on the current plan."""

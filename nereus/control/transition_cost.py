@@ -9,7 +9,13 @@ from __future__ import annotations
 import math
 
 from nereus.cost.hardware import Hardware
-from nereus.cost.transition import TransitionCalibrator, TransitionFit, estimate_transition, moved_stages
+from nereus.cost.transition import (
+    TransitionCalibrator,
+    TransitionFit,
+    engines_rebuilt,
+    estimate_transition,
+    moved_stages,
+)
 from nereus.spec.errors import InfeasibleError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
@@ -26,20 +32,22 @@ class TransitionCoster:
     def fit(self) -> TransitionFit:
         return self.calibrator.fit
 
-    def observe(self, old: Plan, new: Plan, bandwidth_s: float, measured_s: float) -> TransitionFit:
+    def observe(self, job: JobSpec, old: Plan, new: Plan, bandwidth_s: float, measured_s: float) -> TransitionFit:
         """A transition ran: ``bandwidth_s`` its scheduled bandwidth-bound time, ``measured_s`` its wall time."""
-        return self.calibrator.observe(bandwidth_s, moved_stages(old, new), measured_s)
+        return self.calibrator.observe(bandwidth_s, moved_stages(old, new), measured_s, engines_rebuilt(job, old, new))
 
     def quick(self, hw: Hardware, job: JobSpec, old: Plan, new: Plan) -> float:
         """Per-device receive volume over the link, plus the fixed part: cheap enough for every candidate."""
-        return self.fit.seconds(estimate_transition(hw, job, old, new).seconds, moved_stages(old, new))
+        return self.fit.seconds(estimate_transition(hw, job, old, new).seconds, moved_stages(old, new),
+                                engines_rebuilt(job, old, new))
 
     def __call__(self, hw: Hardware, job: JobSpec, old: Plan, new: Plan) -> float:
         """The scheduled makespan of the transition graph plus the fixed part; infinite when the move
         cannot fit in memory even with chunking and host detours."""
         if not self.use_graph:
             return self.quick(hw, job, old, new)
-        return self.fit.seconds(self.scheduled(hw, job, old, new), moved_stages(old, new))
+        return self.fit.seconds(self.scheduled(hw, job, old, new), moved_stages(old, new),
+                                engines_rebuilt(job, old, new))
 
     def scheduled(self, hw: Hardware, job: JobSpec, old: Plan, new: Plan) -> float:
         """The transition graph's makespan (bytes only), cached per pair of plans."""

@@ -10,11 +10,14 @@ new GPU sets share nodes, InfiniBand otherwise), plus a latency per model-stage 
 
 That is the bandwidth part. A transition also has a fixed part that moves no bytes: the driver's round
 trips to every worker, regrouping process groups of the new layouts, rebuilding inference engines and
-freeing the old state. ``TransitionFit`` prices it as
+freeing the old state. A rollout engine that is a program of its own (vLLM: ``run.rollout.engine``) is
+started anew on a moved generation stage, one per data-parallel replica, in parallel; that start (tens of
+seconds on a GPU: loading, compiling, capturing graphs) dwarfs the rest. ``TransitionFit`` prices it as
 
     t = bytes_factor · t_bandwidth + fixed_s + per_stage_s · (model-stages moved)
+        + engine_start_s · [engines rebuilt]
 
-and ``TransitionCalibrator`` fits the three numbers to measured transitions (non-negative least squares
+and ``TransitionCalibrator`` fits the four numbers to measured transitions (non-negative least squares
 on relative errors with a ridge pull towards the prior, as ``nereus.cost.calibration`` does for stage
 times), so the controller's admission test sees what a move costs on this cluster.
 """
@@ -93,16 +96,20 @@ class TransitionFit:
     bytes_factor: float = 1.0
     fixed_s: float = 0.0
     per_stage_s: float = 0.0
+    engine_start_s: float = 0.0  # once per move that rebuilds engines (they start in parallel)
 
     @staticmethod
     def prior(hw: Hardware) -> TransitionFit:
-        return TransitionFit(1.0, hw.priors.transition_fixed_s, hw.priors.transition_per_stage_s)
+        p = hw.priors
+        return TransitionFit(1.0, p.transition_fixed_s, p.transition_per_stage_s, p.engine_start_s)
 
-    def seconds(self, bandwidth_s: float, moved_stages: int) -> float:
-        """A plan that moves nothing costs nothing; every real move pays the fixed part once."""
+    def seconds(self, bandwidth_s: float, moved_stages: int, engines: int = 0) -> float:
+        """A plan that moves nothing costs nothing; every real move pays the fixed part once, and the
+        engines' start once when it rebuilds any."""
         if moved_stages == 0 and bandwidth_s == 0:
             return 0.0
-        return self.bytes_factor * bandwidth_s + self.fixed_s + self.per_stage_s * moved_stages
+        return (self.bytes_factor * bandwidth_s + self.fixed_s + self.per_stage_s * moved_stages
+                + self.engine_start_s * (engines > 0))
 
 
 def moved_stages(old: Plan, new: Plan) -> int:
@@ -111,9 +118,20 @@ def moved_stages(old: Plan, new: Plan) -> int:
     return sum(before.get(p.model_stage) != (p.layout, p.gpus) for p in new.placements)
 
 
+def engines_rebuilt(job: JobSpec, old: Plan, new: Plan) -> int:
+    """Rollout engines a move starts anew: with ``run.rollout.engine: vllm``, one per data-parallel replica
+    of each generation stage whose layout or devices change."""
+    if job.run is None or not job.run.rollout_engine.vllm:
+        return 0
+    before = {p.model_stage: (p.layout, p.gpus) for p in old.placements}
+    return sum(p.layout.dp for p in new.placements
+               if p.model_stage.stage == "generation" and before.get(p.model_stage) != (p.layout, p.gpus))
+
+
 @dataclass
 class TransitionCalibrator:
-    """``TransitionFit`` fitted to measured transitions: rows (bandwidth-bound s, stages moved, measured s).
+    """``TransitionFit`` fitted to measured transitions: rows (bandwidth-bound s, stages moved, engines
+    rebuilt, measured s).
 
     With one kind of move only (the same number of model-stages every time) the fixed and per-stage
     terms are not separately identifiable; the ridge then splits them, and the fit still predicts that
@@ -122,24 +140,28 @@ class TransitionCalibrator:
     prior: TransitionFit = TransitionFit()
     ridge: float = 1e-4
     max_rows: int = 64
-    rows: list[tuple[float, int, float]] = field(default_factory=list)
+    rows: list[tuple[float, int, int, float]] = field(default_factory=list)
     fit: TransitionFit | None = None
 
     def __post_init__(self) -> None:
         self.fit = self.fit or self.prior
 
-    def observe(self, bandwidth_s: float, moved: int, measured_s: float) -> TransitionFit:
+    def observe(self, bandwidth_s: float, moved: int, measured_s: float, engines: int = 0) -> TransitionFit:
         if not (0 < measured_s < float("inf")) or moved < 1:
             return self.fit  # a move that moved nothing, or no measurement, tells nothing
-        self.rows.append((max(0.0, bandwidth_s), moved, measured_s))
+        self.rows.append((max(0.0, bandwidth_s), moved, engines, measured_s))
         del self.rows[: max(0, len(self.rows) - self.max_rows)]
-        a = np.array([[b / y, 1 / y, m / y] for b, m, y in self.rows])
+        a = np.array([[b / y, 1 / y, m / y, (e > 0) / y] for b, m, e, y in self.rows])
         p = self.prior
-        prior = np.array([p.bytes_factor, p.fixed_s, p.per_stage_s])
+        prior = np.array([p.bytes_factor, p.fixed_s, p.per_stage_s, p.engine_start_s])
         lam = np.sqrt(self.ridge * len(self.rows))
-        c = nnls(np.vstack([a, lam * np.eye(3)]), np.concatenate([np.ones(len(self.rows)), lam * prior]))
-        self.fit = TransitionFit(float(c[0]), float(c[1]), float(c[2]))
+        # the pull is on each number relative to its prior where that is over a second (an engine start
+        # of tens of seconds), absolute otherwise (factors near 1, fixed parts near 0)
+        scale = np.maximum(np.abs(prior), 1.0)
+        c = nnls(np.vstack([a, lam * np.diag(1 / scale)]),
+                 np.concatenate([np.ones(len(self.rows)), lam * prior / scale]))
+        self.fit = TransitionFit(*(float(x) for x in c))
         return self.fit
 
     def relative_errors(self) -> list[float]:
-        return [self.fit.seconds(b, m) / y - 1 for b, m, y in self.rows]
+        return [self.fit.seconds(b, m, e) / y - 1 for b, m, e, y in self.rows]

@@ -26,7 +26,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from nereus.control.backend import Decision, GenerationPolicy, Policy, RunToEnd
+from nereus.control.backend import Decision, GenerationPolicy, Policy, RunToEnd, TransitionMetrics
 from nereus.control.controller import Controller, ControllerConfig
 from nereus.control.held import HeldPlan
 from nereus.control.intrastep import NoTail, PhasedPolicy
@@ -127,6 +127,8 @@ class AdaptationLog:
         extra["nereus/controller_s"] = d.overhead_s
         extra["nereus/transition_s"] = o.transition.seconds if o.transition else 0.0
         extra["nereus/transition_predicted_s"] = d.cost_s if o.transition else 0.0
+        # of which the start of the rollout engines it rebuilt (run.rollout.engine: vllm)
+        extra["nereus/transition_engine_s"] = o.transition.detail.get("engine_start_s", 0.0) if o.transition else 0.0
         self.write({"step": m.step + 1, **decision_entry(d, extra["nereus/transition_s"])})
         return extra
 
@@ -136,6 +138,12 @@ class AdaptationLog:
 
     def close(self) -> None:
         self.file.close()
+
+
+def engine_text(tm: TransitionMetrics) -> str:
+    """The transition line's note of the rollout engines it rebuilt, if any."""
+    start = tm.detail.get("engine_start_s")
+    return "" if start is None else f", vLLM engines rebuilt in {start:.2f} s"
 
 
 def decision_entry(d: Decision, transition_s: float) -> dict:

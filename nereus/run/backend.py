@@ -23,6 +23,7 @@ from nereus.control.backend import (
     WorkersLost,
 )
 from nereus.cost.hardware import Hardware
+from nereus.cost.transition import engines_rebuilt
 from nereus.elastic.schedule import schedule_graph
 from nereus.run.driver import Stepper
 from nereus.run.records import read_scale_request
@@ -147,10 +148,22 @@ class RuntimeBackend:
         if keep < len(self.rt.workers):  # workers the schedule takes away leave once the state is off them
             self.rt.resize(keep)
         self._use(new, placed)
+        detail = {"executor_s": out.wall_s, **self._rebuild_engines(old, new)}
         world_job = self.job.with_gpus(len(self.rt.workers))
         predicted = schedule_graph(out.graph, Hardware(world_job.cluster)).makespan_s
         moved = sum(w.bytes_received for w in out.workers)
-        return TransitionMetrics(time.perf_counter() - t0, predicted, moved, {"executor_s": out.wall_s})
+        return TransitionMetrics(time.perf_counter() - t0, predicted, moved, detail)
+
+    def _rebuild_engines(self, old: Plan, new: Plan) -> dict[str, float]:
+        """With ``run.rollout.engine: vllm``, a move of the actor's generation stage (engine TP or replica
+        count, or its devices) closes its engines and opens them on the new layout, loaded with the moved
+        weights (``cost.transition.engines_rebuilt`` prices it); the seconds that took."""
+        if engines_rebuilt(self.job, old, new) == 0:
+            return {}
+        t0 = time.perf_counter()
+        self.rt.close_engine(self.stepper.key["actor", "generation"])
+        self.stepper.open_engine()
+        return {"engine_start_s": time.perf_counter() - t0}
 
     # ----- losses --------------------------------------------------------------------------------------
     def recover(self, lost: WorkersLost, plan_for: SurvivorPlanner) -> RecoveryMetrics:

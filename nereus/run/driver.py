@@ -85,8 +85,9 @@ class Stepper:
         self.partial = PartialRollouts(partial.over_launch) if partial else None
 
     def open_engine(self) -> None:
-        """With ``run.rollout.engine: vllm``: the actor's generation key's engines, one per replica, loaded
-        with its weights (at the start, and again after a recovery re-formed the layout)."""
+        """With ``run.rollout.engine: vllm``: the actor's generation key's engines, one per replica of the
+        layout's TP size, loaded with its weights (at the start, and again after a transition moved the key
+        or a recovery re-formed the layout)."""
         if not self.run.rollout_engine.vllm:
             return
         from nereus.runtime.generation.vllm_engine import EngineConfig
@@ -96,7 +97,7 @@ class Stepper:
         self.rt.open_engine(key, EngineConfig(self.rt.specs[key].cfg, w.prompt_length + w.response.max,
                                               max_num_seqs=self.run.rollout_slots or 256,
                                               dtype=self.rt.specs[key].dtype, seed=self.run.seed,
-                                              settings=self.run.rollout_engine))
+                                              settings=self.run.rollout_engine, tp=self.rt.specs[key].layout.tp))
 
     @contextmanager
     def timer(self, name: str):

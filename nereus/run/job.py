@@ -28,7 +28,7 @@ from nereus.control.loop import ControlLoop, Observer, StepOutcome
 from nereus.control.record import RunRecord
 from nereus.rl.data import Prompt
 from nereus.rl.rewards import RewardRouter, correct
-from nereus.run.adaptive import AdaptationLog, policy_for
+from nereus.run.adaptive import AdaptationLog, engine_text, policy_for
 from nereus.run.backend import RuntimeBackend, plan_text
 from nereus.run.checkpoint import (
     STATE,
@@ -290,7 +290,7 @@ class RLJob(Observer):
                 tm, d = o.transition, o.decision
                 self.say(f"\n  transition after step {step + 1} ({d.action}: {d.reason}): {tm.seconds:.2f} s measured, "
                          f"{d.cost_s:.2f} s predicted ({tm.predicted_s:.2f} s of it moving bytes), "
-                         f"{tm.bytes_moved / 2**20:.1f} MiB moved; predicted step "
+                         f"{tm.bytes_moved / 2**20:.1f} MiB moved{engine_text(tm)}; predicted step "
                          f"{d.current_s:.2f} s -> {d.candidate_s:.2f} s")
                 self.say(f"    new plan: {plan_text(o.plan)}")
         if self.levers is not None:

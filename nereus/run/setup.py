@@ -171,9 +171,10 @@ def placed_from_plan(plan) -> list[Placed]:
 
 
 def engine_runs(job: JobSpec, stage: str, layout: Layout) -> bool:
-    """With ``run.rollout.engine: vllm`` a generation layout is one engine per DP replica: tp=1, pp=1."""
+    """With ``run.rollout.engine: vllm`` a generation layout is one engine per DP replica, of its TP size:
+    pp=1."""
     vllm = stage == "generation" and job.run is not None and job.run.rollout_engine.vllm
-    return not vllm or (layout.tp, layout.pp) == (1, 1)
+    return not vllm or layout.pp == 1
 
 
 def runtime_layout_ok(job: JobSpec, stage: str, layout: Layout, model: str) -> bool:

@@ -30,6 +30,7 @@ PRIOR_KEYS: dict[str, tuple[str, float, float, float | None]] = {
     "micro_batch_overhead_s": ("micro_batch_overhead_s", 1.0, 0.0, None),
     "transition_fixed_s": ("transition_fixed_s", 1.0, 0.0, None),
     "transition_per_stage_s": ("transition_per_stage_s", 1.0, 0.0, None),
+    "engine_start_s": ("engine_start_s", 1.0, 0.0, None),
     "host_cores": ("host_cores", 1.0, 0.0, None),
     "reserved_gib": ("reserved_bytes", GIB, 0.0, None),
     "kv_memory_fraction": ("kv_memory_fraction", 1.0, 1e-6, 1.0),

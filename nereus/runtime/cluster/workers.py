@@ -284,7 +284,8 @@ class Runtime:
 
     # ----- vLLM engines of a generation key (run.rollout.engine: vllm; runtime.generation.vllm_engine) -----
     def open_engine(self, key: str, config: EngineConfig) -> None:
-        """One vLLM engine per data-parallel replica of ``key`` (tp=1, pp=1), loaded with the key's weights;
+        """One vLLM engine per data-parallel replica of ``key`` (pp=1; the engine's TP size is the layout's,
+        ``config.tp``), loaded with the key's weights;
         from then on ``generate_with_logprobs`` on ``key`` generates with them. After a recovery or a
         transition the caller opens them again on the new layout (a re-formed world closes them). An
         engine's start has its own deadline (``ENGINE_START_S``): importing vLLM alone takes 10–30 s."""
@@ -292,6 +293,10 @@ class Runtime:
 
         refs = [self.workers[r].engine_open.remote(key, config) for r in self.specs[key].ranks]
         self.failover.get(self.workers, refs, max(self.timeout_s, ENGINE_START_S))
+
+    def close_engine(self, key: str) -> None:
+        """Every worker's engine of ``key`` closed (a transition moved the key: engines open anew on it)."""
+        self._all([w.close_engines.remote([key]) for w in self.workers], "close_engines")
 
     def update_engine(self, key: str) -> float:
         """The key's current weights into its engines in place (after ``sync_weights``); the slowest

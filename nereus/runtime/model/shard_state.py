@@ -35,6 +35,24 @@ def assemble(parts: list[Shards | None]) -> dict[str, torch.Tensor]:
     return full
 
 
+def replica_weights(sm: ShardedModel) -> dict[str, torch.Tensor] | None:
+    """The replica's whole tensors (pp=1) on its TP rank 0, None on its other TP ranks: every TP rank's
+    shard with its global box, gathered over the TP group — a collective every rank of the group calls.
+    What a rollout engine of the layout's TP size loads: its own loaders cut each worker's shard."""
+    if sm.groups.layout.pp != 1:
+        raise ValueError(f"replica_weights: pp={sm.groups.layout.pp}; a rollout engine's layout has pp=1")
+    if sm.groups.layout.tp == 1:
+        return {k: v.detach() for k, v in sm.shards().items()}
+    import torch.distributed as dist
+
+    boxes = shard_boxes(sm.cfg, sm.groups)
+    mine = {k: (tuple(boxes[k]), v.detach()) for k, v in sm.shards().items()}
+    group, first = sm.groups.tp_group, sm.groups.coords.tp == 0
+    parts: list[Shards | None] | None = [None] * sm.groups.layout.tp if first else None
+    dist.gather_object(mine, parts, dst=dist.get_global_rank(group, 0), group=group)
+    return {k: v.to(sm.dtype) for k, v in assemble(parts).items()} if first else None
+
+
 def read_optimizer(sm: ShardedModel) -> dict[str, torch.Tensor] | None:
     """This rank's Adam state (fp32 master range of the flat buffer, moments, step count), or None before
     the first step."""

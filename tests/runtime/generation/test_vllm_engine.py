@@ -175,3 +175,32 @@ def test_a_round_keeps_the_first_whole_groups_and_aborts_the_rest(engines):
     again = get(fresh.generate.remote([p + whole[i][0][:c] for i, (p, c) in enumerate(zip(ps[:4], cut, strict=True))],
                                       0, resumed), "engine call")
     assert again[2] == ([], []) and all(whole[i][0][: cut[i]] + again[i][0] == whole[i][0] for i in (0, 1, 3))
+
+
+def test_a_tensor_parallel_engine_generates_as_the_model_and_updates_in_place(ray_runtime):
+    """An engine of TP size 2 (its own two worker processes, weights packed through ``WeightReceiver``):
+    greedy tokens equal the model's and log-probs agree within the bound, before and after an update in
+    place; its TP rank 0 holds its half of the embedding and whole norms."""
+    import ray
+
+    config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625), tp=2)
+    server = server_actor(config)
+    try:
+        for seed in (1, 2):
+            state = weights(seed)
+            get(server.load_weights.remote(state), "engine start and load" if seed == 1 else "update", START_S)
+            model = build_model(CFG)
+            model.load_state_dict(state)
+            for params in (GREEDY, SAMPLED):
+                out = get(server.generate.remote(prompts(), 0, params), "engine call")
+                for p, (tokens, logps) in zip(prompts(), out, strict=True):
+                    if params is GREEDY:
+                        assert tokens == reference_generate(model, p, GREEDY)
+                    diff = model_logprobs(state, p, tokens) - torch.tensor(logps, dtype=torch.float64)
+                    assert diff.abs().max() < LOGPROB_BOUND
+        shard = get(server.tensors.remote(), "engine call")
+        vocab = CFG.arch.vocab // 2
+        assert shard["model.embed_tokens.weight"].equal(state["model.embed_tokens.weight"][:vocab])
+        assert shard["model.norm.weight"].equal(state["model.norm.weight"])
+    finally:
+        ray.kill(server)
