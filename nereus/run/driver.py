@@ -173,7 +173,8 @@ class Stepper:
         eos, key = self.tok.stop_token_ids, self.key["actor", "generation"]
         mode, early = self.generation_mode(step, params), self.early_request(prompts, fixed)
         if isinstance(mode, WithDecisionPoints):
-            loop = EngineLoop(self.calls, self.rt, key, mode.params, step, policy or RunToEnd(), self.engine_prices)
+            loop = EngineLoop(self.calls, self.rt, key, mode.params, step, policy or RunToEnd(), self.engine_prices,
+                              self.run.rollout_engine.vllm)
             with self.timer("gen"):  # early inference on the final call (run.midstep)
                 out = loop.run(prompts, early)
             self.early = loop.early

@@ -97,10 +97,11 @@ def kv_shape(spec: KeySpec) -> KVShape:
     return KVShape(a.layers, a.kv_heads, a.head_dim, torch_dtype(spec.dtype).itemsize)
 
 
-def migrate_on_world(calls: Calls, rt: Runtime, key: str, plan: MigrationPlan) -> list[MigrationOutcome]:
+def migrate_on_world(calls: Calls, rt: Runtime, key: str, plan: MigrationPlan,
+                     vllm: bool = False) -> list[MigrationOutcome]:
     """``Worker.gen_migrate`` on every worker of the world (the commit vote is world-wide), accounted as
-    generation time of each worker; every worker's answer, by rank."""
-    call = Call("gen", "generate", rt.submit_all(GenMigrate(key, plan)), time.perf_counter())
+    generation time of each worker; every worker's answer, by rank. ``vllm``: the key's vLLM engines."""
+    call = Call("gen", "generate", rt.submit_all(GenMigrate(key, plan, vllm)), time.perf_counter())
     calls.calls.append(call)
     answers = rt.answers(list(call.refs.values()))
     now = time.perf_counter()
@@ -112,8 +113,9 @@ class EngineLoop:
     """The chunks, decision points, moves and measurements of one step's generation on key ``key``."""
 
     def __init__(self, calls: Calls, rt: Runtime, key: str, params: SamplingParams, step: int,
-                 policy: GenerationPolicy, prices: EngineCalibration) -> None:
+                 policy: GenerationPolicy, prices: EngineCalibration, vllm: bool = False) -> None:
         self.calls, self.rt, self.key, self.params, self.step = calls, rt, key, params, step
+        self.vllm = vllm  # the key generates on vLLM engines: moves re-prefill (``vllm_session``)
         self.policy, self.prices = policy, prices
         self.spec = rt.specs[key]
         self.shape = kv_shape(self.spec)
@@ -206,7 +208,7 @@ class EngineLoop:
         moves = [SeqMove(m.seq.id, m.seq.prompt, m.seq.generated, m.seq.cached, m.seq.rng_bytes, m.seq.replica,
                          m.dst, m.refill) for m in d.moves]
         plan = plan_migration(self.spec.model, self.shape, where, where, moves)
-        answers = migrate_on_world(self.calls, self.rt, self.key, plan)
+        answers = migrate_on_world(self.calls, self.rt, self.key, plan, self.vllm)
         move_s = time.perf_counter() - t0
         failed = [a.error for a in answers if not a.ok]
         if failed:  # nothing moved: every sequence is still where it was (kv_migrate's commit point)

@@ -267,7 +267,7 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         for name, layout in run.layouts.items():
             check_runnable(job.models[name.split("/")[0]], layout, f"run.layouts.{name}")
         check_rollout_engine(run.rollout_engine, {m: a.head_dim for m, a in job.models.items()}, run.layouts,
-                             run.rollout_midstep is not None, vllm_distribution())
+                             vllm_distribution())
     root.finish()
     return job
 

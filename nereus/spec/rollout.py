@@ -157,7 +157,7 @@ def vllm_distribution() -> str | None:
 
 
 def check_rollout_engine(engine: RolloutEngine, head_dims: dict[str, int], layouts: dict[str, object],
-                         midstep: bool, installed: str | None) -> None:
+                         installed: str | None) -> None:
     """One-line errors, before any process starts, for a ``vllm`` engine this installation cannot run:
     vLLM missing, a head size the CPU build refuses, a generation layout or a run.rollout feature the
     vLLM engine does not support yet. ``installed``: ``vllm_distribution()``."""
@@ -176,6 +176,3 @@ def check_rollout_engine(engine: RolloutEngine, head_dims: dict[str, int], layou
         raise SpecError("run.layouts.actor/generation", f"{gen.short()}: the vLLM engine runs one engine per "
                         "data-parallel replica, tensor-parallel at the layout's TP, with pp=1 (give tp and dp), "
                         "or use run.rollout.engine: native")
-    if midstep:
-        raise SpecError(key, "run.rollout.midstep moves sequences between the native engine's replicas: "
-                             "remove midstep, or use engine: native")

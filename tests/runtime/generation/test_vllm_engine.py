@@ -204,3 +204,28 @@ def test_a_tensor_parallel_engine_generates_as_the_model_and_updates_in_place(ra
         assert shard["model.norm.weight"].equal(state["model.norm.weight"])
     finally:
         ray.kill(server)
+
+
+def test_a_row_moved_between_engines_by_re_prefill_ends_as_unmoved(engines):
+    """The step's session on two engines (``vllm_session``): after two engine steps a running row is read
+    on one engine, re-prefilled on the other (its prompt and tokens so far) and released from the first;
+    under greedy sampling its response, log-probs included, is the unmoved one's."""
+    a, fresh = engines
+    get(a.load_weights.remote(weights(2)), "weight update")  # both engines on the same weights
+    ps = prompts()
+    plain = get(fresh.generate.remote(ps, 0, GREEDY), "engine call")
+    get_all([a.session_open.remote(ps[:2], 0, GREEDY, 0), fresh.session_open.remote(ps[2:], 2, GREEDY, 1)],
+            "sessions open")
+    status, _ = get_all([a.session_run.remote(2), fresh.session_run.remote(2)], "two engine steps")
+    running = [s for s in status.active if s.cached]
+    assert running and all(s.generated == 2 and s.cached == s.prompt + 2 for s in running)
+    moved = get(a.session_peek.remote([running[0].id]), "peek")
+    assert list(moved[0].tokens) == plain[running[0].id][0][:2]
+    get(fresh.session_adopt.remote(moved), "adopt")
+    get(a.session_release.remote([running[0].id]), "release")
+    left, right = get_all([a.session_close.remote(), fresh.session_close.remote()], "sessions closed")
+    assert running[0].id not in left.done and set(right.done) == {running[0].id, 2, 3}
+    done = {**left.done, **right.done}
+    for row, (tokens, logps) in done.items():
+        assert tokens == plain[row][0]
+        assert (torch.tensor(logps) - torch.tensor(plain[row][1])).abs().max() < LOGPROB_BOUND
