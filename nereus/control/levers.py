@@ -45,7 +45,7 @@ from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
 from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
 from nereus.cost.levers.tail_batching import TailBatchingEstimate, best_over_launch, tail_batching
 from nereus.cost.plan_cost import estimate_plan
-from nereus.cost.stages import generation_replica
+from nereus.cost.stages import StageCost, generation_replica
 from nereus.spec.generation import SetSpeculation
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
@@ -61,19 +61,32 @@ SIBLINGS_PRIOR = 0.5
 SIBLINGS_WINDOW = 10  # steps of measured sibling correlation the rule prices at (their median)
 
 
+# Terms of a stage's cost that do not grow with the rollout's padded width (``cost.stages.TERMS``): weights
+# read per micro-batch, the optimizer step, the gradient all-reduce (or FSDP's gathers), per-micro-batch
+# dispatch, weight syncs. The rest (compute, TP and PP activation traffic) scales with tokens.
+WIDTH_FREE_TERMS = ("memory", "optimizer", "dp_comm", "overhead", "sync")
+
+
 @dataclass(frozen=True)
 class PaddedRest:
     """Inference and training seconds of a step on a backend that pads each step's rollouts to its longest
-    response (``RuntimeCapability.padded_rollouts``: the CPU runtime packs [prompt, response, pad]):
-    their work is rows × (prompt + longest), so a round of shorter responses shortens them too."""
+    response (``RuntimeCapability.padded_rollouts``: the CPU runtime packs [prompt, response, pad]): the
+    part that grows with width is rows × (prompt + longest), so a round of shorter responses shortens it;
+    ``fixed_s`` of them does not (``WIDTH_FREE_TERMS``). ``padded_generation``: the round's generation
+    pads too — the runtime's fixed batch (``run.rollout.slots: 0``) keeps every row in its forward until
+    the round's longest response ends, so a round costs its rows × its longest, whatever the others'
+    lengths."""
 
     seconds: float
     prompt: float
+    fixed_s: float = 0.0
+    padded_generation: bool = False
 
     def at(self, longest: float, plain_longest: float) -> float:
         """The seconds of a round whose longest response is ``longest`` (``seconds`` priced at
         ``plain_longest``)."""
-        return self.seconds * (self.prompt + longest) / (self.prompt + plain_longest)
+        width = (self.prompt + longest) / (self.prompt + plain_longest)
+        return self.fixed_s + (self.seconds - self.fixed_s) * width
 
 
 @dataclass(frozen=True)
@@ -211,10 +224,12 @@ class NereusLevers(LeverRule):
         n = est.long_rounds_per_short
         return (gen[0] + others[0] + n * (gen[1] + others[1])) / (1 + n)
 
-    def _pool(self, model: GenModel) -> RolloutPool:
+    def _pool(self, model: GenModel, rest: PaddedRest | None = None) -> RolloutPool:
         job = model.job
         replica = generation_replica(model.hw, model.arch, model.placement.layout.tp, job.options.weight_bytes)
-        return RolloutPool(replica, model.placement.layout.dp, model.slots, float(job.workload.prompt_length))
+        padded = rest is not None and rest.padded_generation
+        return RolloutPool(replica, model.placement.layout.dp, model.slots, float(job.workload.prompt_length),
+                           padded)
 
     def _tail_batching(self, model: GenModel, base: float,
                        rest: PaddedRest | None) -> tuple[TailBatching, float, TailBatchingEstimate] | None:
@@ -224,7 +239,7 @@ class NereusLevers(LeverRule):
         estimate. None when none pays ``min_gain``."""
         job = model.job
         lengths = self.lengths(job)
-        pool, groups = self._pool(model), job.workload.prompts_per_step
+        pool, groups = self._pool(model, rest), job.workload.prompts_per_step
         if rest is None:
             est = best_over_launch(pool, lengths, groups)
             if est.over_launch <= 1.0 or est.speedup <= 1 + self.min_gain:
@@ -344,9 +359,24 @@ def spread(quantiles: tuple[float, ...], n: int) -> np.ndarray:
 
 def padded_rest(job: JobSpec, plan: Plan, factors: dict[str, float]) -> PaddedRest:
     """The plan's predicted inference and training seconds at the forecast workload, for a backend that
-    pads rollouts (``PaddedRest``)."""
+    pads rollouts (``PaddedRest``): their width-free share from the stages' calibrated cost terms, and
+    whether generation runs in the fixed batch (no ``run.rollout.slots``)."""
     est = estimate_plan(Hardware(job.cluster), job, plan, factors or None)
-    return PaddedRest(est.phase_times["inference"] + est.phase_times["training"], float(job.workload.prompt_length))
+    seconds = est.phase_times["inference"] + est.phase_times["training"]
+    total = fixed = 0.0
+    for p in plan.placements:
+        if p.model_stage.stage in ("inference", "training"):
+            cost = est.costs[str(p.model_stage)]
+            total += cost.time(factors)
+            fixed += cost.time(factors) - _width_terms(cost).time(factors)
+    share = fixed / total if total > 0 else 0.0
+    fixed_batch = job.run is not None and job.run.rollout_slots == 0 and not job.run.rollout_engine.vllm
+    return PaddedRest(seconds, float(job.workload.prompt_length), seconds * share, fixed_batch)
+
+
+def _width_terms(cost: StageCost) -> StageCost:
+    """``cost`` with only the terms that grow with the rollout's width."""
+    return replace(cost, terms={k: v for k, v in cost.terms.items() if k not in WIDTH_FREE_TERMS})
 
 
 def powers_of_two(limit: int) -> list[int]:

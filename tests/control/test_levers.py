@@ -7,17 +7,23 @@ import pytest
 
 import nereus.control.levers as levers_module
 from nereus.control.backend import StepMetrics
-from nereus.control.levers import FixedSpeculation, NereusLevers, speculation_decision
+from nereus.control.levers import FixedSpeculation, NereusLevers, PaddedRest, padded_rest, speculation_decision
 from nereus.cost.batching import Factors
 from nereus.cost.generation import GenModel, forecast_lengths, no_move, run_bulk
 from nereus.cost.hardware import Hardware
+from nereus.cost.levers.lengths import RolloutPool
 from nereus.cost.levers.speculative import Acceptance
 from nereus.cost.plan_cost import estimate_plan
+from nereus.cost.stages import generation_replica
 from nereus.planner.search import search
+from nereus.run.adaptive import policy_for
 from nereus.sim.run import simulate
+from nereus.spec.cluster import ClusterSpec, gpu_presets
 from nereus.spec.generation import GenerationEntry, Outcome, SetSpeculation
 from nereus.spec.levers import Speculation
+from nereus.spec.model import PRESETS
 from tests.control.test_controller import small_job, trace
+from tests.run.jobs import tiny_job
 
 
 def _forecast():
@@ -82,3 +88,22 @@ def test_both_levers_are_priced_together_round_by_round():
     choice = rule.choose(model, bulk, Factors(), policy_lag=0)
     assert choice.levers.speculation == spec and choice.levers.tail_batching == tail[0]
     assert choice.levers.predicted["generation_s"] == pytest.approx(both)
+
+
+def test_a_padded_round_prices_its_width_free_part_whole_and_every_row_at_its_longest():
+    """The runtime pads rollouts: a round of shorter responses shortens only the part of inference and
+    training that grows with width (``PaddedRest.fixed_s`` stays), and the fixed batch runs every row to
+    the round's longest, so a round's generation depends on its longest, not on the others' lengths."""
+    rest = PaddedRest(1.0, 10.0, fixed_s=0.25)
+    assert rest.at(30.0, 30.0) == pytest.approx(1.0) and rest.at(0.0, 30.0) == pytest.approx(0.25 + 0.75 * 10 / 40)
+    hw = Hardware(ClusterSpec(gpu_presets()["H100"], nodes=1, gpus_per_node=8))
+    replica = generation_replica(hw, PRESETS["qwen2.5-7b"], 1, 2)
+    padded, live = RolloutPool(replica, 1, 64, 100.0, padded=True), RolloutPool(replica, 1, 64, 100.0)
+    skewed, even = (10.0, 10.0, 10.0, 500.0), (500.0, 500.0, 500.0, 500.0)
+    assert padded.seconds(64, skewed, 130.0, 500.0) == pytest.approx(padded.seconds(64, even, 500.0, 500.0))
+    assert live.seconds(64, skewed, 130.0, 500.0) < live.seconds(64, even, 500.0, 500.0)
+    for rollout, fixed_batch in (({}, True), ({"slots": 4}, False)):
+        job = tiny_job("grpo", "unused", rollout=rollout)
+        _, plan, _ = policy_for(job)
+        rest = padded_rest(job, plan, {})
+        assert 0 < rest.fixed_s < rest.seconds and rest.padded_generation == fixed_batch

@@ -171,14 +171,19 @@ def _mean_below(g: GroupLengths, z: float, stop: float, inside: float, grid: tup
 @dataclass(frozen=True)
 class RolloutPool:
     """``replicas`` copies of one inference replica, each with ``slots`` sequences in flight at most,
-    decoding a round's sequences split evenly (``nereus.cost.decode.decode_phases`` per replica)."""
+    decoding a round's sequences split evenly (``nereus.cost.decode.decode_phases`` per replica).
+    ``padded``: a fixed batch that keeps every sequence in its forward until the round's longest ends
+    (each priced at that length)."""
 
     replica: Replica
     replicas: int
     slots: int
     prompt: float
+    padded: bool = False
 
     def phases(self, sequences: float, lengths: tuple[float, ...], mean: float, longest: float) -> DecodePhases:
+        if self.padded:
+            lengths, mean = (longest,) * len(lengths), longest
         per = max(1, math.ceil(sequences / max(1, self.replicas)))
         return decode_phases(self.replica, self.prompt, per, max(1, min(self.slots, per)), tuple(sorted(lengths)),
                              mean, longest)
