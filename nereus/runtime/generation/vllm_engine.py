@@ -41,7 +41,7 @@ import torch
 from nereus.runtime.generation.answers import Answer, Carried, GroupOrder
 from nereus.runtime.generation.sampling import SamplingParams, row_limit, stream_seed
 from nereus.runtime.generation.session import ClosedReplica
-from nereus.runtime.generation.vllm_session import MovedRow, VllmSession
+from nereus.runtime.generation.vllm_session import MovedRow, VllmSession, answer_of
 from nereus.runtime.generation.vllm_weights import RECEIVER, pack, unpack
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.hf import config_to_hf
@@ -131,12 +131,6 @@ def vllm_sampling(params: SamplingParams, rows: range) -> list:
     return [VllmSampling(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=row_limit(params, r),
                          stop_token_ids=stop, seed=stream_seed(params.seed, r), logprobs=0, detokenize=False)
             if row_limit(params, r) > 0 else None for r in rows]
-
-
-def answer_of(completion) -> tuple[list[int], list[float]]:
-    """A vLLM completion's tokens and their log-probs (so far, for one still running)."""
-    tokens = list(completion.token_ids)
-    return tokens, [float(step[t].logprob) for step, t in zip(completion.logprobs, tokens, strict=True)]
 
 
 class VllmEngine:

@@ -34,6 +34,12 @@ from nereus.spec.generation import ReplicaStatus, SequenceRecord
 Response = tuple[list[int], list[float]]
 
 
+def answer_of(completion) -> Response:
+    """A vLLM completion's tokens and their log-probs (so far, for one still running)."""
+    tokens = list(completion.token_ids)
+    return tokens, [float(step[t].logprob) for step, t in zip(completion.logprobs, tokens, strict=True)]
+
+
 @dataclass(frozen=True)
 class MovedRow:
     """An unfinished row on the wire: its prompt and what it generated so far (tokens, log-probs)."""
@@ -94,8 +100,6 @@ class VllmSession:
 
     def run(self, iterations: int) -> ReplicaStatus:
         """Up to ``iterations`` engine steps (fewer when every request ended); the replica's status."""
-        from nereus.runtime.generation.vllm_engine import answer_of
-
         t0, rows, ran, finished = time.perf_counter(), 0, 0, []
         live = self._live()
         while ran < iterations and live:

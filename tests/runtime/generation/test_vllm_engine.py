@@ -1,10 +1,12 @@
 """The vLLM engine wrapper (``runtime.generation.vllm_engine``, the CPU build) against the runtime's own
-model: greedy tokens equal, sampled log-probs within a stated bound, a weight update in place equal to a
-fresh engine loaded with the same weights (prompts longer than one KV block, so a stale prefix cache
-would show), and the engine's fused parameter layout holding exactly the checkpoint tensors."""
+model, at TP 1 and TP 2: greedy tokens equal, sampled log-probs within a stated bound, a weight update in
+place equal to a fresh engine loaded with the same weights (prompts longer than one KV block, so a stale
+prefix cache would show), the engine's fused parameter layout holding exactly the checkpoint tensors, a
+round of tail batching, and a row moved between engines by re-prefill (``vllm_session``)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,12 +73,13 @@ def model_logprobs(state: dict[str, torch.Tensor], prompt: list[int], tokens: li
 
 @pytest.fixture(scope="module")
 def engines(ray_runtime):
-    """Two engines in their own processes (as the workers run them): ``a`` loaded with weights 1, then
-    updated to weights 2 by the tests; ``fresh`` loaded once with weights 2."""
+    """Two engines in their own processes (as the workers run them): ``a`` (TP 1) loaded with weights 1,
+    then updated to weights 2 by the tests; ``fresh`` loaded once with weights 2, of TP size 2 (its own
+    two worker processes, weights packed through ``vllm_weights.WeightReceiver``)."""
     import ray
 
     config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625))
-    a, fresh = server_actor(config), server_actor(config)
+    a, fresh = server_actor(config), server_actor(replace(config, tp=2))
     get_all([a.load_weights.remote(weights(1)), fresh.load_weights.remote(weights(2))], "two engines start and load",
             START_S)
     yield a, fresh
@@ -84,32 +87,40 @@ def engines(ray_runtime):
     ray.kill(fresh)
 
 
-def test_greedy_equals_the_model_and_logprobs_agree(engines):
-    a, _ = engines
-    state = weights(1)
-    out = get(a.generate.remote(prompts(), 0, GREEDY), "engine call")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_equals_the_model_and_logprobs_agree(engines, tp):
+    engine, state = (engines[0], weights(1)) if tp == 1 else (engines[1], weights(2))
+    out = get(engine.generate.remote(prompts(), 0, GREEDY), "engine call")
     model = build_model(CFG)
     model.load_state_dict(state)
     for p, (tokens, logps) in zip(prompts(), out, strict=True):
         assert tokens == reference_generate(model, p, GREEDY)
         assert (model_logprobs(state, p, tokens) - torch.tensor(logps, dtype=torch.float64)).abs().max() < LOGPROB_BOUND
-    sampled = get(a.generate.remote(prompts(), 0, SAMPLED), "engine call")
-    assert sampled == get(a.generate.remote(prompts(), 0, SAMPLED), "engine call")  # per-row seeds: reproducible
+    sampled = get(engine.generate.remote(prompts(), 0, SAMPLED), "engine call")
+    assert sampled == get(engine.generate.remote(prompts(), 0, SAMPLED), "engine call")  # per-row seeds: reproducible
     for p, (tokens, logps) in zip(prompts(), sampled, strict=True):
         assert (model_logprobs(state, p, tokens) - torch.tensor(logps, dtype=torch.float64)).abs().max() < LOGPROB_BOUND
 
 
 def test_update_in_place_equals_a_fresh_engine(engines):
+    """``a`` updated in place generates what ``fresh`` (TP 2) loaded with the same weights generates; a
+    TP-2 engine's rank 0 holds whole norms and its half of the embedding."""
     a, fresh = engines
     before = get(a.generate.remote(prompts(), 0, GREEDY), "engine call")  # fills the prefix cache under weights 1
     get(a.load_weights.remote(weights(2)), "weight update")
-    for params in (GREEDY, SAMPLED):
+    for params in (GREEDY, SAMPLED):  # the same tokens; log-probs summed in another order across TP ranks
         after = get(a.generate.remote(prompts(), 0, params), "engine call")
-        assert after == get(fresh.generate.remote(prompts(), 0, params), "engine call")
+        other = get(fresh.generate.remote(prompts(), 0, params), "engine call")
+        assert [tokens for tokens, _ in after] == [tokens for tokens, _ in other]
+        for (_, x), (_, y) in zip(after, other, strict=True):
+            assert (torch.tensor(x) - torch.tensor(y)).abs().max() < LOGPROB_BOUND
     assert get(a.generate.remote(prompts(), 0, GREEDY), "engine call") != before
     tensors = get(a.tensors.remote(), "engine call")
     assert {d.param for d in engine_layout(CFG).values()} == set(tensors)  # every engine parameter is written
     assert kept_tensors_equal(tensors, weights(2), CFG) >= 2 * CFG.arch.layers + 2  # norms and embeddings at least
+    shard, state = get(fresh.tensors.remote(), "engine call"), weights(2)
+    assert shard["model.embed_tokens.weight"].equal(state["model.embed_tokens.weight"][: CFG.arch.vocab // 2])
+    assert shard["model.norm.weight"].equal(state["model.norm.weight"])
 
 
 def kept_tensors_equal(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], cfg: ModelConfig) -> int:
@@ -153,8 +164,6 @@ def test_a_round_keeps_the_first_whole_groups_and_aborts_the_rest(engines):
     """Tail batching's and partial rollout's round on the engine (``VllmEngine.round``): the kept groups'
     rows are those of a plain call (each request has its own seed), an aborted row carries a prefix of
     them, and a resumed row continues where it stopped (greedy)."""
-    from dataclasses import replace
-
     from nereus.runtime.generation.answers import Carried
 
     _, fresh = engines
@@ -175,35 +184,6 @@ def test_a_round_keeps_the_first_whole_groups_and_aborts_the_rest(engines):
     again = get(fresh.generate.remote([p + whole[i][0][:c] for i, (p, c) in enumerate(zip(ps[:4], cut, strict=True))],
                                       0, resumed), "engine call")
     assert again[2] == ([], []) and all(whole[i][0][: cut[i]] + again[i][0] == whole[i][0] for i in (0, 1, 3))
-
-
-def test_a_tensor_parallel_engine_generates_as_the_model_and_updates_in_place(ray_runtime):
-    """An engine of TP size 2 (its own two worker processes, weights packed through ``WeightReceiver``):
-    greedy tokens equal the model's and log-probs agree within the bound, before and after an update in
-    place; its TP rank 0 holds its half of the embedding and whole norms."""
-    import ray
-
-    config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625), tp=2)
-    server = server_actor(config)
-    try:
-        for seed in (1, 2):
-            state = weights(seed)
-            get(server.load_weights.remote(state), "engine start and load" if seed == 1 else "update", START_S)
-            model = build_model(CFG)
-            model.load_state_dict(state)
-            for params in (GREEDY, SAMPLED):
-                out = get(server.generate.remote(prompts(), 0, params), "engine call")
-                for p, (tokens, logps) in zip(prompts(), out, strict=True):
-                    if params is GREEDY:
-                        assert tokens == reference_generate(model, p, GREEDY)
-                    diff = model_logprobs(state, p, tokens) - torch.tensor(logps, dtype=torch.float64)
-                    assert diff.abs().max() < LOGPROB_BOUND
-        shard = get(server.tensors.remote(), "engine call")
-        vocab = CFG.arch.vocab // 2
-        assert shard["model.embed_tokens.weight"].equal(state["model.embed_tokens.weight"][:vocab])
-        assert shard["model.norm.weight"].equal(state["model.norm.weight"])
-    finally:
-        ray.kill(server)
 
 
 def test_a_row_moved_between_engines_by_re_prefill_ends_as_unmoved(engines):
