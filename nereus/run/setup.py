@@ -138,7 +138,7 @@ def place(job: JobSpec) -> list[Placed]:
         ranks = tuple(ranks)
         if not engine_runs(job, ms.stage, layout):  # the planner's choice; a written one is refused in spec
             raise SpecError(f"run.layouts.{name}", f"{layout.short()}: the vLLM engine runs one engine per "
-                            "data-parallel replica (tp=1, pp=1): give a layout dp=N")
+                            "data-parallel replica at the layout's TP, with pp=1: give a layout tp=T,dp=N")
         if max(ranks) >= run.workers:
             raise SpecError(f"run.layouts.{name}", f"uses worker {max(ranks)} but the run has {run.workers} "
                                                    "workers (run.workers or --workers)")
