@@ -124,6 +124,11 @@ def main() -> None:
     ap.add_argument("--timeline", type=Path, default=None, help="folder for one step's timeline per policy")
     ap.add_argument("--timeline-step", type=int, default=40)
     args = ap.parse_args()
+    jobs = {p.stem for p in (ROOT / "examples").glob("*.yaml")}
+    traces = {p.stem for p in (ROOT / "traces").glob("*.yaml")}
+    for key, given, known in (("--jobs", args.jobs, jobs), ("--traces", args.traces, traces)):
+        if unknown := sorted(set(given) - known):
+            ap.error(f"{key}: {', '.join(unknown)} not found; choose from {', '.join(sorted(known))}")
     results = {}
     for job_name in args.jobs:
         job = load_job(ROOT / "examples" / f"{job_name}.yaml")
