@@ -45,7 +45,7 @@ from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
 from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
 from nereus.cost.levers.tail_batching import TailBatchingEstimate, best_over_launch, tail_batching
 from nereus.cost.plan_cost import estimate_plan
-from nereus.cost.stages import StageCost, generation_replica
+from nereus.cost.stages import generation_replica
 from nereus.spec.generation import SetSpeculation
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
@@ -363,20 +363,13 @@ def padded_rest(job: JobSpec, plan: Plan, factors: dict[str, float]) -> PaddedRe
     whether generation runs in the fixed batch (no ``run.rollout.slots``)."""
     est = estimate_plan(Hardware(job.cluster), job, plan, factors or None)
     seconds = est.phase_times["inference"] + est.phase_times["training"]
-    total = fixed = 0.0
-    for p in plan.placements:
-        if p.model_stage.stage in ("inference", "training"):
-            cost = est.costs[str(p.model_stage)]
-            total += cost.time(factors)
-            fixed += cost.time(factors) - _width_terms(cost).time(factors)
+    costs = [est.costs[str(p.model_stage)] for p in plan.placements if p.model_stage.stage in ("inference", "training")]
+    total = sum(c.time(factors) for c in costs)
+    fixed = sum(replace(c, terms={k: v for k, v in c.terms.items() if k in WIDTH_FREE_TERMS}).time(factors)
+                for c in costs)
     share = fixed / total if total > 0 else 0.0
     fixed_batch = job.run is not None and job.run.rollout_slots == 0 and not job.run.rollout_engine.vllm
     return PaddedRest(seconds, float(job.workload.prompt_length), seconds * share, fixed_batch)
-
-
-def _width_terms(cost: StageCost) -> StageCost:
-    """``cost`` with only the terms that grow with the rollout's width."""
-    return replace(cost, terms={k: v for k, v in cost.terms.items() if k not in WIDTH_FREE_TERMS})
 
 
 def powers_of_two(limit: int) -> list[int]:

@@ -319,13 +319,18 @@ class Worker:
         tail levers), by the key's vLLM engine where one is open."""
         from nereus.runtime.generation.fixed_batch import generate_with_logprobs
 
-        if key in self.rollout:  # the replica's engine generates on its TP rank 0, the output rank
-            engine = self.rollout[key]
-            return self._on(key, lambda sm: None if engine is None else self._output(sm, ReplicaRollout(
-                engine.generate(prompts, sm.replica_rows(len(prompts)), params, self.faults))))
+        if key in self.rollout:
+            return self._on_engine(key, lambda engine, sm: ReplicaRollout(
+                engine.generate(prompts, sm.replica_rows(len(prompts)), params, self.faults)))
         return self._on(key, lambda sm: self._output(sm, generate_with_logprobs(sm, prompts, params)))
 
     # ----- a vLLM engine per generation replica (run.rollout.engine: vllm; runtime.generation.vllm_engine) ----
+    def _on_engine(self, key: str, fn: Callable[[ReplicaEngine, ShardedModel], T]) -> ReplicaOutput[T] | None:
+        """``fn(engine, shard)`` on the replica's TP rank 0, which owns its vLLM engine and is its output
+        rank, as the replica's output; None on the replica's other TP ranks (they hold no engine)."""
+        engine = self.rollout[key]
+        return self._on(key, lambda sm: None if engine is None else self._output(sm, fn(engine, sm)))
+
     def engine_open(self, key: str, config: EngineConfig) -> bool:
         """Start this replica's engine for ``key`` loaded with the key's weights (replacing one open): on the
         replica's TP rank 0; its other TP ranks hand it their shards (``replica_weights``) and hold none."""
@@ -369,9 +374,8 @@ class Worker:
         from nereus.runtime.generation.decode_engine import replica_engine
 
         if key in self.rollout:
-            engine = self.rollout[key]
-            return self._on(key, lambda sm: None if engine is None else self._output(sm, engine.session_open(
-                prompts, sm.replica_rows(len(prompts)), params, sm.groups.coords.dp)))
+            return self._on_engine(key, lambda engine, sm: engine.session_open(
+                prompts, sm.replica_rows(len(prompts)), params, sm.groups.coords.dp))
 
         def run(sm: ShardedModel) -> ReplicaOutput[bool] | None:
             self.engines[key] = replica_engine(sm, prompts, params, params.slots)
@@ -384,9 +388,7 @@ class Worker:
         from nereus.runtime.generation.session import run_chunk
 
         if key in self.rollout:
-            engine = self.rollout[key]
-            return self._on(key, lambda sm: None if engine is None else self._output(sm, engine.session_run(
-                iterations)))
+            return self._on_engine(key, lambda engine, sm: engine.session_run(iterations))
         return self._on(key, lambda sm: self._output(sm, run_chunk(self.engines[key], iterations,
                                                                    sm.groups.coords.dp)))
 
@@ -422,8 +424,7 @@ class Worker:
         from nereus.runtime.generation.session import close_engine
 
         if key in self.rollout:
-            vllm = self.rollout[key]
-            return self._on(key, lambda sm: None if vllm is None else self._output(sm, vllm.session_close()))
+            return self._on_engine(key, lambda engine, sm: engine.session_close())
         engine = self.engines.pop(key, None)
         if engine is None:
             return None

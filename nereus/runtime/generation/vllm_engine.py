@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 from nereus.runtime.generation.answers import Answer, Carried, GroupOrder
-from nereus.runtime.generation.sampling import SamplingParams, row_limit, stream_seed
+from nereus.runtime.generation.sampling import SamplingParams
 from nereus.runtime.generation.session import ClosedReplica
-from nereus.runtime.generation.vllm_session import MovedRow, VllmSession, answer_of
+from nereus.runtime.generation.vllm_session import MovedRow, VllmSession, answer_of, row_sampling
 from nereus.runtime.generation.vllm_weights import RECEIVER, pack, unpack
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.hf import config_to_hf
@@ -122,15 +122,9 @@ def kv_space_gib(config: EngineConfig) -> str:
 
 
 def vllm_sampling(params: SamplingParams, rows: range) -> list:
-    """One ``vllm.SamplingParams`` per row: temperature, top-p, the row's length limit (``row_limit``: a
-    resumed row's is shortened), EOS and ``stop_token_ids`` as stop tokens, the row's own seed, and the
-    sampled token's log-prob (``logprobs=0``). A row with nothing left to generate gets None."""
-    from vllm import SamplingParams as VllmSampling
-
-    stop = sorted(params.stops) or None
-    return [VllmSampling(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=row_limit(params, r),
-                         stop_token_ids=stop, seed=stream_seed(params.seed, r), logprobs=0, detokenize=False)
-            if row_limit(params, r) > 0 else None for r in rows]
+    """One ``vllm.SamplingParams`` per row (``vllm_session.row_sampling``); None for a row with nothing left
+    to generate."""
+    return [row_sampling(params, r) for r in rows]
 
 
 class VllmEngine:
@@ -183,47 +177,25 @@ class VllmEngine:
         return [answer_of(o.outputs[0]) for o in outs]
 
     def round(self, prompts: list[list[int]], first_row: int, params: SamplingParams) -> list[Answer]:
-        """The engine stepped request by request until ``params.keep_groups`` whole groups of these rows
-        have finished (``answers.GroupOrder``: the replica's ``must_groups`` lowest among them), then every
-        unfinished request aborted: kept rows answer their tokens, the others None, or with
-        ``params.carry_partial`` what they generated so far (``Carried``). Each request samples from its
-        own seed, so a kept row's tokens are those of a plain ``generate``."""
-        from vllm.inputs import TokensPrompt
-
-        engine, rows = self.llm.llm_engine, range(first_row, first_row + len(prompts))
+        """The engine stepped one step at a time (a ``VllmSession`` of these rows) until
+        ``params.keep_groups`` whole groups of them have finished (``answers.GroupOrder``: the replica's
+        ``must_groups`` lowest among them), then every unfinished request aborted: kept rows answer their
+        tokens, the others None, or with ``params.carry_partial`` what they generated so far (``Carried``).
+        Each request samples from its own seed, so a kept row's tokens are those of a plain ``generate``."""
+        rows = range(first_row, first_row + len(prompts))
+        session = VllmSession(self.llm, prompts, first_row, params, replica=0)
         order = GroupOrder(rows, params.group_size, params.keep_groups, params.must_groups)
-        latest: dict[int, tuple[list[int], list[float]]] = {}
-        done: set[int] = set()
-        live: dict[str, int] = {}
-        for row, prompt, sampling in zip(rows, prompts, vllm_sampling(params, rows), strict=True):
-            if sampling is None:  # nothing left to generate: finished already
-                done.add(row)
-                continue
-            rid = f"nereus-round-{row}"  # outputs and aborts name requests by this id (the engine adds a suffix)
-            engine.add_request(rid, TokensPrompt(prompt_token_ids=list(prompt)), sampling)
-            live[rid] = row
-        while live:
-            order.update(done)
-            if order.satisfied:
-                engine.abort_request(list(live))
-                break
-            if not engine.has_unfinished_requests():
-                raise RuntimeError(f"the vLLM engine holds none of the round's {len(live)} unfinished requests")
-            for out in engine.step():
-                row = live.get(out.request_id)
-                if row is not None:
-                    latest[row] = answer_of(out.outputs[0])
-                    if out.finished:
-                        done.add(row)
-                        del live[out.request_id]
-        order.update(done)
+        order.update(set(session.done))
+        while not order.satisfied and session.run(1).iterations:
+            order.update(set(session.done))
         kept, out = order.kept_rows(), []
         for r in rows:
-            tokens, logps = latest.get(r, ([], []))
+            tokens, logps = session.rows[r].response()
             if r in kept:
                 out.append((tokens, logps))
             else:
-                out.append(Carried(tokens, logps, r in done) if params.carry_partial else None)
+                out.append(Carried(tokens, logps, r in session.done) if params.carry_partial else None)
+        session.release(list(rows))  # the unfinished requests aborted
         return out
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -286,9 +258,11 @@ def server_actor(config: EngineConfig, **options: object):
     return actor.options(runtime_env={"env_vars": env}, **options).remote(config)
 
 
-def detached(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The shard's tensors without autograd history, as the engine's loader copies them."""
-    return {name: t.detach() for name, t in weights.items()}
+def waited(ref):
+    """The answer of an engine call (``ray.get``: the worker waits while its engine works)."""
+    import ray
+
+    return ray.get(ref)
 
 
 class ReplicaEngine:
@@ -296,66 +270,49 @@ class ReplicaEngine:
     environment), loaded with the replica's weights, asked to generate the replica's rows."""
 
     def __init__(self, config: EngineConfig, weights: dict[str, torch.Tensor]) -> None:
+        """``weights``: the replica's whole tensors without autograd history (``replica_weights``)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.config = config
         self.server = server_actor(config, scheduling_strategy=here)
-        self.last_load_s = ray.get(self.server.load_weights.remote(detached(weights)))
+        self.last_load_s = ray.get(self.server.load_weights.remote(weights))
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> float:
-        import ray
-
-        self.last_load_s = ray.get(self.server.load_weights.remote(detached(weights)))
+        self.last_load_s = waited(self.server.load_weights.remote(weights))
         return self.last_load_s
 
     def generate(self, prompts: list[list[int]], rows: slice, params: SamplingParams,
                  faults: FaultHook | None = None) -> list[Answer]:
         """This replica's rows ``rows`` of ``prompts``; the fault point ``generate`` lies while the engine
         generates (a worker killed there takes its engine with it)."""
-        import ray
-
         ref = self.server.generate.remote(prompts[rows], rows.start, params)
         if faults is not None:
             faults.at("generate")
-        return ray.get(ref)
+        return waited(ref)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        import ray
-
-        return ray.get(self.server.tensors.remote())
+        return waited(self.server.tensors.remote())
 
     # the step's session (``vllm_session``): the engine's calls, waited for
     def session_open(self, prompts: list[list[int]], rows: slice, params: SamplingParams, replica: int) -> bool:
-        import ray
-
-        return ray.get(self.server.session_open.remote(prompts[rows], rows.start, params, replica))
+        return waited(self.server.session_open.remote(prompts[rows], rows.start, params, replica))
 
     def session_run(self, iterations: int) -> ReplicaStatus:
-        import ray
-
-        return ray.get(self.server.session_run.remote(iterations))
+        return waited(self.server.session_run.remote(iterations))
 
     def session_peek(self, rows: list[int]) -> list[MovedRow]:
-        import ray
-
-        return ray.get(self.server.session_peek.remote(rows))
+        return waited(self.server.session_peek.remote(rows))
 
     def session_adopt(self, moved: list[MovedRow]) -> None:
-        import ray
-
-        ray.get(self.server.session_adopt.remote(moved))
+        waited(self.server.session_adopt.remote(moved))
 
     def session_release(self, rows: list[int]) -> None:
-        import ray
-
-        ray.get(self.server.session_release.remote(rows))
+        waited(self.server.session_release.remote(rows))
 
     def session_close(self) -> ClosedReplica:
-        import ray
-
-        return ray.get(self.server.session_close.remote())
+        return waited(self.server.session_close.remote())
 
     def close(self) -> None:
         import ray

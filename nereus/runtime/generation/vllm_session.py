@@ -34,6 +34,21 @@ from nereus.spec.generation import ReplicaStatus, SequenceRecord
 Response = tuple[list[int], list[float]]
 
 
+def row_sampling(params: SamplingParams, row: int, before: int = 0):
+    """``vllm.SamplingParams`` of global row ``row`` that generated ``before`` tokens elsewhere already:
+    temperature, top-p, what is left of its length limit (``row_limit``: a resumed row's is shortened),
+    EOS and ``stop_token_ids`` as stop tokens, its own seed (a moved row's derived from it and ``before``),
+    and the sampled token's log-prob (``logprobs=0``). None when nothing is left to generate."""
+    from vllm import SamplingParams as VllmSampling
+
+    left = row_limit(params, row) - before
+    if left <= 0:
+        return None
+    seed = stream_seed(params.seed, row) if before == 0 else stream_seed(stream_seed(params.seed, row), before)
+    return VllmSampling(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=left,
+                        stop_token_ids=sorted(params.stops) or None, seed=seed, logprobs=0, detokenize=False)
+
+
 def answer_of(completion) -> Response:
     """A vLLM completion's tokens and their log-probs (so far, for one still running)."""
     tokens = list(completion.token_ids)
@@ -78,18 +93,13 @@ class VllmSession:
 
     def _add(self, row: int, state: Row) -> None:
         """Submit ``row`` (from its prompt and what it generated before) as a new request."""
-        from vllm import SamplingParams as VllmSampling
         from vllm.inputs import TokensPrompt
 
-        p, before = self.params, len(state.before[0])
-        left = row_limit(p, row) - before
         self.rows[row] = state
-        if left <= 0:  # nothing left to generate: finished already
+        sampling = row_sampling(self.params, row, len(state.before[0]))
+        if sampling is None:  # nothing left to generate: finished already
             self.done[row] = state.response()
             return
-        seed = stream_seed(p.seed, row) if before == 0 else stream_seed(stream_seed(p.seed, row), before)
-        sampling = VllmSampling(n=1, temperature=p.temperature, top_p=p.top_p, max_tokens=left,
-                                stop_token_ids=sorted(p.stops) or None, seed=seed, logprobs=0, detokenize=False)
         self.incarnation += 1
         state.request = f"nereus-seq-{row}-{self.incarnation}"
         self.engine.add_request(state.request, TokensPrompt(prompt_token_ids=state.prompt + state.before[0]),
@@ -103,6 +113,8 @@ class VllmSession:
         t0, rows, ran, finished = time.perf_counter(), 0, 0, []
         live = self._live()
         while ran < iterations and live:
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"the vLLM engine holds none of the session's {len(live)} unfinished requests")
             rows += len(live)
             for out in self.engine.step():
                 row = live.get(out.request_id)
