@@ -23,14 +23,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/nereus run examples/ppo_tiny.yaml --out runs/demo
 
+# two test processes (pytest-xdist): every test that may start Ray runs in one of them, one at a time
+# (tests/conftest.py), while the other runs the rest beside it
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadgroup
 
-# the inner loop: every test that starts no process (under 3 minutes on 2 cores)
+# the inner loop: every test that starts no process (about a minute on 2 cores)
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadgroup
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_search.py

@@ -31,17 +31,45 @@ def _uses_session_ray(item: pytest.Item) -> bool:
     return "ray_runtime" in getattr(item, "fixturenames", ())
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The fast tier (``make test-fast``: ``-m "not slow"``) leaves out every test that starts processes:
     those marked ``distributed`` and those that use the session's Ray runtime are ``slow`` too.
 
-    The tests that use the session's Ray run last, in their usual order: a second local Ray instance (a
-    child driver's, a benchmark's, a test cluster's) started next to it is slow to come up on a busy
-    machine (its raylet missed Ray's 30 s registration wait; a clean-exit driver took 2.5x as long)."""
+    Every slow test not marked ``rayless`` may start or use a local Ray instance; they form one
+    pytest-xdist group (``--dist loadgroup``), so they run one at a time in one worker while the other
+    tests run beside them: a second local Ray instance (a child driver's, a benchmark's, a test cluster's)
+    started next to another is slow to come up on a busy machine (its raylet missed Ray's 30 s
+    registration wait; a clean-exit driver took 2.5x as long). In that group the tests that use the
+    session's Ray run last, in their usual order, so no other instance starts beside it."""
     for item in items:
         if item.get_closest_marker("distributed") or _uses_session_ray(item):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow") and not item.get_closest_marker("rayless"):
+            item.add_marker(pytest.mark.xdist_group("ray"))
     items[:] = sorted(items, key=_uses_session_ray)  # stable: each group keeps its order
+
+
+# pytest 9.2 ignores how pytest-xdist 3.8 marks a grouped test (pytest-xdist issue 1386): the Ray tests
+# would silently spread over both workers, so such a pair is refused (pyproject.toml's dev extra pins pytest)
+LOADGROUP_BROKEN_FROM = (9, 2)
+LOADGROUP_BROKEN = ("pytest-xdist's --dist loadgroup does not group tests on pytest >= 9.2 (pytest-xdist issue "
+                    "1386): install the dev extra's pytest (pip install 'pytest<9.2')")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    release = tuple(int(p) for p in pytest.__version__.split(".")[:2])
+    if config.getoption("dist", "no") == "loadgroup" and release >= LOADGROUP_BROKEN_FROM:
+        raise pytest.UsageError(LOADGROUP_BROKEN)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A pytest-xdist worker under ``--dist loadgroup`` checks that the Ray group holds (a grouped test's
+    id carries its group), whatever the versions."""
+    if getattr(session.config.option, "loadgroup", False) and any(
+            item.get_closest_marker("xdist_group") and "@" not in item.nodeid for item in session.items):
+        raise pytest.UsageError(LOADGROUP_BROKEN)
 
 
 settings.register_profile("ci", deadline=None, max_examples=60)

@@ -23,6 +23,8 @@ from nereus.spec.job import load_job  # noqa: E402
 from nereus.spec.layout import Layout  # noqa: E402
 from nereus.spec.sharding import rank_tensors  # noqa: E402
 
+pytestmark = pytest.mark.rayless  # processes but no Ray: may run beside the Ray tests
+
 SMALL = ["run.data.train_size=40", "run.data.val_size=12", "run.warmstart.actor_steps=3",
          "run.warmstart.target_accuracy=0", "run.warmstart.reward_steps=3", "run.steps=2", "run.eval_every=1"]
 

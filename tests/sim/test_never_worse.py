@@ -17,7 +17,7 @@ from nereus.spec import load_job
 from nereus.spec.trace import load_trace
 from tests.conftest import EXAMPLES, ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
 TRACES = sorted(p.stem for p in (ROOT / "traces").glob("*.yaml"))
 STEPS = 40
 TOLERANCE = 0.01

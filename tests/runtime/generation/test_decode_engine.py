@@ -26,6 +26,8 @@ from tests.runtime.decode_helpers import (
     share,
 )
 
+pytestmark = pytest.mark.rayless  # processes but no Ray: may run beside the Ray tests
+
 
 def _batched(sm, ps, sp, slots: int):
     engine = DecodeEngine(sm, sp, slots)

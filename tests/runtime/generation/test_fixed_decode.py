@@ -21,7 +21,7 @@ from nereus.spec.rollout import Speculation
 from tests.runtime.decode_helpers import layout, prompts, shard
 from tests.runtime.generation.test_speculative import N_SAMPLED, _exact_pairs, chi2, chi2_limit
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
 SPEC = Speculation(num_speculative_tokens=3, prompt_lookup_max=3)
 
 

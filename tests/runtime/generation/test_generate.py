@@ -20,6 +20,8 @@ from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
 from tests.runtime.common import GQA, MQA, all_layouts
 
+pytestmark = pytest.mark.rayless  # processes but no Ray: may run beside the Ray tests
+
 NEW = 6
 
 

@@ -21,6 +21,8 @@ from nereus.runtime.recovery.faults import FaultHook
 from nereus.runtime.transitions.executor import TransferComm
 from tests.runtime.decode_helpers import CFG, alone, answers, assert_same, layout, params, prompts, shard, share
 
+pytestmark = pytest.mark.rayless  # processes but no Ray: may run beside the Ray tests
+
 SHAPE = KVShape(CFG.arch.layers, CFG.arch.kv_heads, CFG.arch.head_dim, 8)
 BEFORE = 3  # iterations before the move: some sequences mid-generation, some still queued
 

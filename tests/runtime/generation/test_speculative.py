@@ -18,6 +18,8 @@ from nereus.runtime.model.decoder import build_model
 from nereus.spec.rollout import Speculation
 from tests.runtime.decode_helpers import CFG, alone, answers, assert_same, layout, prompts, shard
 
+pytestmark = pytest.mark.rayless  # processes but no Ray: may run beside the Ray tests
+
 
 def chi2_limit(df: int, z: float = 3.719) -> float:
     """The chi-square quantile at normal score ``z`` (3.719: 1 − 1e-4) by Wilson & Hilferty (1931)."""

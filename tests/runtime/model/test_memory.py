@@ -17,7 +17,7 @@ from nereus.runtime.model.sharded import ShardedModel, shard_boxes
 from nereus.spec.layout import Layout
 from tests.runtime.common import MQA, policy_loss
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
 B, SEQ, PROMPT, NEW = 8, 64, 24, 8
 # Layer counts divide evenly: the cost model's KV cache per device assumes layers/pp per stage.
 LAYOUTS = [Layout(tp=t, pp=p, dp=d, micro_batch_size=2, recompute="none", sequence_parallel=False, zero1=z)

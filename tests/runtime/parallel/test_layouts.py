@@ -17,7 +17,7 @@ from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
 from nereus.spec.sharding import rank_tensors
 from tests.runtime.common import ADAM_EPS, GQA, GQA_VALUE, LR, MQA, all_layouts, batch, policy_loss, reference
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
 TOL = dict(rtol=1e-4, atol=2e-5)
 
 

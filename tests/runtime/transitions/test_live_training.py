@@ -35,7 +35,7 @@ from tests.runtime.live_common import (
     train_step,
 )
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
 STEPS, AT = 4, 2
 # Adam's eps=1e-5: at eps=1e-8 a 1e-9 difference of reduction order in a near-zero gradient becomes a
 # 1e-3 difference of the update, and the comparison would be about rounding, not the transition.

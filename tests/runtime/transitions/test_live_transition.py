@@ -33,7 +33,7 @@ from tests.runtime.live_common import (
     train_step,
 )
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
 
 # (layout, GPUs): the ten layouts with TP·PP·DP ≤ 4, placed on different GPU sets and orders
 NODES = [

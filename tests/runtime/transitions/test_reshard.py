@@ -20,7 +20,7 @@ from nereus.runtime.transitions.reshard import (
     p2p_bandwidth,
 )
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
 WORLD = 4
 SHAPES = {"w1": (8, 6), "w2": (6, 10), "wb": (8, 4), "v": (12,)}
 DTYPES = {"w1": torch.float32, "w2": torch.float32, "wb": torch.bfloat16, "v": torch.float32}
