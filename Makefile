@@ -23,13 +23,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/nereus run examples/ppo_tiny.yaml --out runs/demo
 
-# two test processes (pytest-xdist): every test that may start Ray runs in one of them, one at a time
-# (tests/conftest.py), while the other runs the rest beside it
+# one test process: with both cores busy the suite is CPU-bound, and the tests that start Ray slow down
+# beside others more than running them side by side saves (README, "Two commands")
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q --durations=15
 
-# the inner loop: every test that starts no process (about a minute on 2 cores)
+# the inner loop: every test that starts no process, in two test processes (about a minute on 2 cores)
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow" -n 2 --dist loadgroup
