@@ -42,10 +42,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     started next to another is slow to come up on a busy machine (its raylet missed Ray's 30 s
     registration wait; a clean-exit driver took 2.5x as long). In that group the tests that use the
     session's Ray run last, in their usual order, so no other instance starts beside it."""
+    grouped = config.pluginmanager.hasplugin("xdist")  # its marker exists only where it is loaded
     for item in items:
         if item.get_closest_marker("distributed") or _uses_session_ray(item):
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("slow") and not item.get_closest_marker("rayless"):
+        if grouped and item.get_closest_marker("slow") and not item.get_closest_marker("rayless"):
             item.add_marker(pytest.mark.xdist_group("ray"))
     items[:] = sorted(items, key=_uses_session_ray)  # stable: each group keeps its order
 
