@@ -1,4 +1,5 @@
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,58 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if grouped and item.get_closest_marker("slow") and not item.get_closest_marker("rayless"):
             item.add_marker(pytest.mark.xdist_group("ray"))
     items[:] = sorted(items, key=_uses_session_ray)  # stable: each group keeps its order
+
+
+RAY_DAEMONS = ("raylet", "gcs_server")  # what every local Ray instance starts (``/proc/<pid>/stat``'s name)
+
+
+def _ray_daemons_below(root: int) -> list[int]:
+    """Pids of the Ray daemons whose parent chain reaches process ``root`` (Linux ``/proc``)."""
+    parents, daemons = {}, []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1: stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        parents[int(entry.name)] = int(rest[1])  # "pid (name) state ppid ...": a name may hold spaces
+        if name in RAY_DAEMONS:
+            daemons.append(int(entry.name))
+    found = []
+    for pid in daemons:
+        ancestor = parents.get(pid, 0)
+        while ancestor > 1 and ancestor != root:
+            ancestor = parents.get(ancestor, 0)
+        if ancestor == root:
+            found.append(pid)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _rayless_starts_no_ray(request: pytest.FixtureRequest):
+    """A test marked ``rayless`` fails if a Ray instance starts below this process while it runs (looked
+    for every half second and at its end): the mark lets it run beside the Ray tests, so it must hold."""
+    if request.node.get_closest_marker("rayless") is None or not Path("/proc/self/stat").exists():
+        yield
+        return
+    seen: set[int] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.5):
+            seen.update(_ray_daemons_below(os.getpid()))
+
+    watcher = threading.Thread(target=watch, name="rayless-watch", daemon=True)
+    watcher.start()
+    yield
+    done.set()
+    watcher.join()
+    seen.update(_ray_daemons_below(os.getpid()))
+    if seen:
+        pytest.fail(f"{request.node.nodeid} is marked rayless but started Ray (daemon pids {sorted(seen)}): "
+                    "drop its rayless mark")
 
 
 # pytest 9.2 ignores how pytest-xdist 3.8 marks a grouped test (pytest-xdist issue 1386): the Ray tests
