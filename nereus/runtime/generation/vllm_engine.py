@@ -121,12 +121,6 @@ def kv_space_gib(config: EngineConfig) -> str:
     return str(max(1, math.ceil(config.settings.cpu_kv_cache_gib)))
 
 
-def vllm_sampling(params: SamplingParams, rows: range) -> list:
-    """One ``vllm.SamplingParams`` per row (``vllm_session.row_sampling``); None for a row with nothing left
-    to generate."""
-    return [row_sampling(params, r) for r in rows]
-
-
 class VllmEngine:
     """One vLLM engine in this process (which must not be a member of a torch.distributed world)."""
 
@@ -172,7 +166,7 @@ class VllmEngine:
         if params.keep_groups:
             return self.round(prompts, first_row, params)
         inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outs = self.llm.generate(inputs, vllm_sampling(params, range(first_row, first_row + len(prompts))),
+        outs = self.llm.generate(inputs, [row_sampling(params, r) for r in range(first_row, first_row + len(prompts))],
                                  use_tqdm=False)
         return [answer_of(o.outputs[0]) for o in outs]
 
@@ -277,7 +271,7 @@ class ReplicaEngine:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.config = config
         self.server = server_actor(config, scheduling_strategy=here)
-        self.last_load_s = ray.get(self.server.load_weights.remote(weights))
+        self.load_weights(weights)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> float:
         self.last_load_s = waited(self.server.load_weights.remote(weights))
