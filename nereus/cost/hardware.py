@@ -34,8 +34,8 @@ class Priors:
     # measured transitions (CPU profiles set them under ``priors:``).
     transition_fixed_s: float = 0.0
     transition_per_stage_s: float = 0.0
-    # Start of a rollout engine that is a program of its own (vLLM), once per move that rebuilds the
-    # engines of a generation stage (``cost.transition.engines_rebuilt``). A vLLM user's log of a small
+    # Start of a rollout engine that is a program of its own (vLLM), once per move that starts engines
+    # of a generation stage (``cost.transition.engines_rebuilt``). A vLLM user's log of a small
     # model, compile cache already warm: "init engine (profile, create kv cache, warmup model) took 34.11
     # seconds" (vllm-project/vllm issue 20264); larger models and TP 8 take minutes (issue 19824). CPU
     # profiles measure theirs; ``TransitionCalibrator`` refits it from the job's measured rebuilds.

@@ -120,12 +120,25 @@ def moved_stages(old: Plan, new: Plan) -> int:
 
 def engines_rebuilt(job: JobSpec, old: Plan, new: Plan) -> int:
     """Rollout engines a move starts anew: with ``run.rollout.engine: vllm``, one per data-parallel replica
-    of each generation stage whose layout or devices change."""
+    of a generation stage whose layout or devices change, except a replica whose engine device (its TP rank
+    0) held an engine of the same TP size before: that worker keeps its engine running and reloads it
+    (``runtime.generation.engine_pool``)."""
     if job.run is None or not job.run.rollout_engine.vllm:
         return 0
-    before = {p.model_stage: (p.layout, p.gpus) for p in old.placements}
-    return sum(p.layout.dp for p in new.placements
-               if p.model_stage.stage == "generation" and before.get(p.model_stage) != (p.layout, p.gpus))
+    before = {p.model_stage: p for p in old.placements}
+    started = 0
+    for p in new.placements:
+        was = before.get(p.model_stage)
+        if p.model_stage.stage != "generation" or (was is not None and (was.layout, was.gpus) == (p.layout, p.gpus)):
+            continue
+        kept = set() if was is None or was.layout.tp != p.layout.tp else set(engine_devices(was))
+        started += sum(g not in kept for g in engine_devices(p))
+    return started
+
+
+def engine_devices(p: Placement) -> list[int]:
+    """The devices of a generation placement's engines: each data-parallel replica's TP rank 0 (pp = 1)."""
+    return [p.gpus[p.layout.rank(0, d, 0)] for d in range(p.layout.dp)]
 
 
 @dataclass

@@ -22,8 +22,8 @@ from nereus.control.backend import (
     TransitionMetrics,
     WorkersLost,
 )
+from nereus.cost.generation import ROLLOUT
 from nereus.cost.hardware import Hardware
-from nereus.cost.transition import engines_rebuilt
 from nereus.elastic.schedule import schedule_graph
 from nereus.run.driver import Stepper
 from nereus.run.records import read_scale_request
@@ -157,13 +157,16 @@ class RuntimeBackend:
     def _rebuild_engines(self, old: Plan, new: Plan) -> dict[str, float]:
         """With ``run.rollout.engine: vllm``, a move of the actor's generation stage (engine TP or replica
         count, or its devices) closes its engines and opens them on the new layout, loaded with the moved
-        weights (``cost.transition.engines_rebuilt`` prices it); the seconds that took."""
-        if engines_rebuilt(self.job, old, new) == 0:
+        weights: a device that held an engine of the same TP keeps it running (``engine_pool``), the others
+        start one (``cost.transition.engines_rebuilt`` prices those); the seconds that took and the counts."""
+        gen = str(ROLLOUT)
+        if not self.job.run.rollout_engine.vllm or old.placement(gen) == new.placement(gen):
             return {}
         t0 = time.perf_counter()
         self.rt.close_engine(self.stepper.key["actor", "generation"])
-        self.stepper.open_engine()
-        return {"engine_start_s": time.perf_counter() - t0}
+        opened = self.stepper.open_engine()
+        return {"engine_start_s": time.perf_counter() - t0, "engines_started": float(opened.started),
+                "engines_reused": float(opened.reused)}
 
     # ----- losses --------------------------------------------------------------------------------------
     def recover(self, lost: WorkersLost, plan_for: SurvivorPlanner) -> RecoveryMetrics:
@@ -185,7 +188,11 @@ class RuntimeBackend:
 
         out = self.rt.recover(place, lost.lost)
         self._use(chosen["plan"], chosen["placed"])
-        self.stepper.open_engine()  # the re-formed world closed the vLLM engines: rebuilt on the new layout
+        # the re-formed world closed the vLLM engines: opened on the new layout, a survivor's idle one reused
+        opened = self.stepper.open_engine()
+        if opened is not None:
+            self.carry.update({"nereus/engines_started": float(opened.started),
+                               "nereus/engines_reused": float(opened.reused)})
         if self.adaptive and self.plan.num_gpus < len(self.rt.workers):
             self.rt.resize(self.plan.num_gpus)  # survivors beyond what the schedule grants leave
         self.carry.update({"nereus/recovery_s": out.wall_s, "nereus/lost_work_s": lost.elapsed_s,

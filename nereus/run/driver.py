@@ -37,6 +37,7 @@ from nereus.run.tail import TailRounds
 from nereus.runtime.cluster.calls import GenerateWithLogprobs, Logprobs, LogprobsAndEntropy, TrainStep, Values
 from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.generation.answers import DecodeStats, ReplicaRollout
+from nereus.runtime.generation.engine_pool import EnginesOpened
 from nereus.runtime.generation.fixed_batch import SamplingParams
 from nereus.runtime.generation.sampling import derive_seed
 from nereus.runtime.model.sharded import Batch, LossFn, TrainStats
@@ -84,20 +85,21 @@ class Stepper:
         partial = job.run.rollout_partial  # run.rollout.partial_rollout
         self.partial = PartialRollouts(partial.over_launch) if partial else None
 
-    def open_engine(self) -> None:
+    def open_engine(self) -> EnginesOpened | None:
         """With ``run.rollout.engine: vllm``: the actor's generation key's engines, one per replica of the
         layout's TP size, loaded with its weights (at the start, and again after a transition moved the key
-        or a recovery re-formed the layout)."""
+        or a recovery re-formed the layout); the engines started and reused (None without vLLM)."""
         if not self.run.rollout_engine.vllm:
-            return
+            return None
         from nereus.runtime.generation.vllm_engine import EngineConfig
 
         key = self.key["actor", "generation"]
         w = self.job.workload
-        self.rt.open_engine(key, EngineConfig(self.rt.specs[key].cfg, w.prompt_length + w.response.max,
-                                              max_num_seqs=self.run.rollout_slots or 256,
-                                              dtype=self.rt.specs[key].dtype, seed=self.run.seed,
-                                              settings=self.run.rollout_engine, tp=self.rt.specs[key].layout.tp))
+        return self.rt.open_engine(key, EngineConfig(self.rt.specs[key].cfg, w.prompt_length + w.response.max,
+                                                     max_num_seqs=self.run.rollout_slots or 256,
+                                                     dtype=self.rt.specs[key].dtype, seed=self.run.seed,
+                                                     settings=self.run.rollout_engine,
+                                                     tp=self.rt.specs[key].layout.tp))
 
     @contextmanager
     def timer(self, name: str):

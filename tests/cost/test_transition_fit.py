@@ -132,6 +132,29 @@ def test_a_move_of_a_vllm_generation_stage_rebuilds_one_engine_per_replica():
     assert engines_rebuilt(_vllm(job), plan, plan) == 0
 
 
+def _with_generation(plan, layout, gpus):
+    from dataclasses import replace
+
+    i, p = next((i, p) for i, p in enumerate(plan.placements) if p.model_stage.stage == "generation")
+    return replace(plan, placements=(*plan.placements[:i], replace(p, layout=layout, gpus=tuple(gpus)),
+                                     *plan.placements[i + 1:]))
+
+
+def test_a_device_that_keeps_an_engine_of_the_same_tp_starts_none():
+    """Engines are kept where a replica's engine device (its TP rank 0) held one of the same TP size
+    (``runtime.generation.engine_pool``): only the other replicas start one."""
+    from nereus.spec.layout import Layout
+
+    job = _vllm(small_job())
+    plan = Controller(job, ControllerConfig(calibrate=False), Schedule(default_max=2048)).initial_plan(8)
+    four = _with_generation(plan, Layout(tp=2, dp=4), range(8))  # engines on devices 0, 2, 4, 6
+    assert engines_rebuilt(job, four, _with_generation(plan, Layout(tp=2, dp=2), [0, 1, 4, 5])) == 0
+    assert engines_rebuilt(job, four, _with_generation(plan, Layout(tp=2, dp=2), [1, 0, 4, 5])) == 1  # 1 heads
+    assert engines_rebuilt(job, four, _with_generation(plan, Layout(tp=1, dp=4), [0, 2, 4, 6])) == 4  # TP changed
+    two = _with_generation(plan, Layout(tp=2, dp=2), [0, 1, 2, 3])
+    assert engines_rebuilt(job, two, _with_generation(plan, Layout(tp=2, dp=4), range(8))) == 2  # 4 and 6 new
+
+
 def test_engine_start_is_priced_and_fitted_apart_from_the_other_fixed_parts():
     """Measured = bandwidth + 0.5 s + 12 s when the move rebuilds engines: the fit finds the engine start
     (moves with and without engines make it identifiable), and the controller's price carries the prior

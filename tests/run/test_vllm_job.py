@@ -85,6 +85,9 @@ def test_ppo_with_vllm_recovers_a_worker_killed_mid_generation(ray_runtime, tmp_
     metrics = rows(tmp_path / "run")
     assert [r["step"] for r in metrics] == [1, 2]
     assert metrics[LOSE_AT]["nereus/recovery_s"] > 0
+    # the survivor that held an engine kept it running (engine_pool): reloaded, not started again
+    assert metrics[LOSE_AT]["nereus/engines_reused"] >= 1
+    assert metrics[LOSE_AT]["nereus/engines_reused"] + metrics[LOSE_AT]["nereus/engines_started"] == 2
     check_on_policy(metrics)
 
 
@@ -133,6 +136,7 @@ def test_grpo_with_vllm_tail_batching_and_a_tp_change_mid_run(ray_runtime, tmp_p
         rl.release()
     [move] = rl.policy.moves
     assert move.detail["engine_start_s"] > 0  # the engines were rebuilt on the new layout
+    assert (move.detail["engines_started"], move.detail["engines_reused"]) == (1, 0)  # TP 2: none to reuse
     metrics = rows(tmp_path / "run")
     assert [r["step"] for r in metrics] == [1, 2]
     assert [r["tail/long_round"] for r in metrics] == [0.0, 1.0] and all(r["tail/kept_groups"] == 2.0 for r in metrics)
@@ -151,7 +155,7 @@ def test_ppo_with_vllm_moves_running_requests_between_engines(ray_runtime, tmp_p
     from tests.run.test_midstep import MoveRunning
 
     out = tmp_path / "run"
-    job = vllm_job("ppo", str(out), steps=1, rollout={"slots": 4, "midstep": {"enabled": True, "calibrate": False}})
+    job = vllm_job("ppo", str(out), steps=1, rollout={"midstep": {"enabled": True, "calibrate": False}})
     rl = RLJob(job, runtime=ray_runtime, quiet=True)
     rl.policy.generation = MoveRunning(refill=True)
     try:

@@ -22,6 +22,7 @@ from nereus.elastic.kvplan import MigrationPlan
 from nereus.runtime.cluster.calls import ReplicaOutput
 from nereus.runtime.generation.answers import ReplicaRollout
 from nereus.runtime.generation.decode_engine import DecodeEngine
+from nereus.runtime.generation.engine_pool import EngineOpened, IdleEngines
 from nereus.runtime.generation.sampling import SamplingParams
 from nereus.runtime.generation.session import ClosedReplica, MigrationOutcome
 from nereus.runtime.generation.vllm_engine import EngineConfig, ReplicaEngine
@@ -67,6 +68,7 @@ class Worker:
         self.engines: dict[str, DecodeEngine] = {}  # key -> its generation engine across calls (run.midstep)
         # key -> this replica's vLLM engine (run.rollout.engine); None on a TP rank > 0 of its replica
         self.rollout: dict[str, ReplicaEngine | None] = {}
+        self.idle = IdleEngines()  # closed engines, kept running for the next open of the same config
 
     # ----- failure handling -----------------------------------------------------------------------
     @ray.method(concurrency_group="control")
@@ -331,19 +333,23 @@ class Worker:
         engine = self.rollout[key]
         return self._on(key, lambda sm: None if engine is None else self._output(sm, fn(engine, sm)))
 
-    def engine_open(self, key: str, config: EngineConfig) -> bool:
-        """Start this replica's engine for ``key`` loaded with the key's weights (replacing one open): on the
-        replica's TP rank 0; its other TP ranks hand it their shards (``replica_weights``) and hold none."""
-        from nereus.runtime.generation.vllm_engine import ReplicaEngine
+    def engine_open(self, key: str, config: EngineConfig) -> EngineOpened:
+        """This replica's engine for ``key`` loaded with the key's weights (replacing one open): on the
+        replica's TP rank 0, an idle engine of ``config`` if this worker has one, else a new one; its other
+        TP ranks hand it their shards (``replica_weights``) and hold none."""
         from nereus.runtime.model.shard_state import replica_weights
 
         self.close_engines([key])
         sm = self.models.get(key)
         if sm is None:
-            return False
+            return EngineOpened.NONE
         weights = self._guarded(replica_weights, sm)
-        self.rollout[key] = None if weights is None else self._guarded(ReplicaEngine, config, weights)
-        return True
+        if weights is None:
+            self.rollout[key] = None
+            return EngineOpened.NONE
+        engine, reused = self._guarded(self.idle.open, config, weights)
+        self.rollout[key] = engine
+        return EngineOpened.REUSED if reused else EngineOpened.STARTED
 
     def engine_update(self, key: str) -> float | None:
         """The key's current weights into its engine, in place (the per-step sync); the engine's seconds
@@ -362,10 +368,11 @@ class Worker:
         return None if engine is None else self._guarded(engine.tensors)
 
     def close_engines(self, keys: list[str] | None = None) -> None:
+        """The keys' engines (every key's by default) closed to this worker's idle ones (``engine_pool``)."""
         for key in list(self.rollout) if keys is None else keys:
             engine = self.rollout.pop(key, None)
             if engine is not None:
-                engine.close()
+                self.idle.park(engine)
 
     # ----- a generation engine that lives across calls (``gen_session``: mid-step moves) -------------
     def gen_open(self, key: str, prompts: list[list[int]], params: SamplingParams) -> ReplicaOutput[bool] | None:

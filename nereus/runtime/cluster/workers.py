@@ -63,6 +63,7 @@ from nereus.spec.layout import Layout
 
 if TYPE_CHECKING:
     from nereus.elastic.plan import TransitionPlan
+    from nereus.runtime.generation.engine_pool import EnginesOpened
     from nereus.runtime.generation.vllm_engine import EngineConfig
     from nereus.runtime.transitions.holdings import Holdings
 
@@ -283,16 +284,18 @@ class Runtime:
         return [row for part in self._on(key, GenerateWithLogprobs(prompts, params)) for row in part.rows]
 
     # ----- vLLM engines of a generation key (run.rollout.engine: vllm; runtime.generation.vllm_engine) -----
-    def open_engine(self, key: str, config: EngineConfig) -> None:
+    def open_engine(self, key: str, config: EngineConfig) -> EnginesOpened:
         """One vLLM engine per data-parallel replica of ``key`` (pp=1; the engine's TP size is the layout's,
-        ``config.tp``), loaded with the key's weights;
-        from then on ``generate_with_logprobs`` on ``key`` generates with them. After a recovery or a
-        transition the caller opens them again on the new layout (a re-formed world closes them). An
-        engine's start has its own deadline (``ENGINE_START_S``): importing vLLM alone takes 10–30 s."""
+        ``config.tp``), loaded with the key's weights: a worker's idle engine of ``config`` where it has one
+        (``engine_pool``), else a new one; from then on ``generate_with_logprobs`` on ``key`` generates with
+        them. After a recovery or a transition the caller opens them again on the new layout (a re-formed
+        world closes them). An engine's start has its own deadline (``ENGINE_START_S``): importing vLLM
+        alone takes 10–30 s."""
+        from nereus.runtime.generation.engine_pool import EnginesOpened
         from nereus.runtime.generation.vllm_engine import ENGINE_START_S
 
         refs = [self.workers[r].engine_open.remote(key, config) for r in self.specs[key].ranks]
-        self.failover.get(self.workers, refs, max(self.timeout_s, ENGINE_START_S))
+        return EnginesOpened.of(self.failover.get(self.workers, refs, max(self.timeout_s, ENGINE_START_S)))
 
     def close_engine(self, key: str) -> None:
         """Every worker's engine of ``key`` closed (a transition moved the key: engines open anew on it)."""

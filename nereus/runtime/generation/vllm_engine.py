@@ -235,6 +235,14 @@ class EngineServer:
     def load_weights(self, weights: dict[str, torch.Tensor]) -> float:
         return self.engine.load_weights(weights)
 
+    def reuse(self, weights: dict[str, torch.Tensor]) -> float:
+        """Ready for its next owner (``engine_pool``): a session its last owner left open dropped (its
+        requests aborted, else the next ``generate`` would run them too), then ``weights`` loaded."""
+        if self.session is not None:
+            self.session.release(list(self.session.rows))
+            self.session = None
+        return self.engine.load_weights(weights)
+
     def generate(self, prompts: list[list[int]], first_row: int, params: SamplingParams) -> list[Answer]:
         return self.engine.generate(prompts, first_row, params)
 
@@ -275,6 +283,11 @@ class ReplicaEngine:
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> float:
         self.last_load_s = waited(self.server.load_weights.remote(weights))
+        return self.last_load_s
+
+    def reuse(self, weights: dict[str, torch.Tensor]) -> float:
+        """The running engine taken by a new owner (``engine_pool.IdleEngines``), loaded with ``weights``."""
+        self.last_load_s = waited(self.server.reuse.remote(weights))
         return self.last_load_s
 
     def generate(self, prompts: list[list[int]], rows: slice, params: SamplingParams,
