@@ -1,18 +1,18 @@
 """A worker's closed vLLM engines, kept running for its next engine of the same configuration.
 
 A vLLM engine's start is its process, vLLM's import and the engine's build: 10-80 s on this CPU host,
-minutes on a GPU node (``cost.hardware.HardwarePriors.engine_start_s``); a weight reload into a running
+minutes on a GPU node (``cost.hardware.Priors.engine_start_s``); a weight reload into a running
 engine takes well under a second (``ReplicaEngine.reuse``). So an engine closed on a worker — by a
 recovery that re-forms the world, a transition that moves the generation stage, or the end of a job on a
 runtime that runs another — is kept idle, and the worker's next ``engine_open`` with an equal
 ``EngineConfig`` takes it instead of starting one. Survivors of a lost worker and the replicas a move
-leaves on the same device at the same TP thus keep their engines (``cost.transition.engines_started``
-prices exactly those starts).
+leaves on the same device at the same TP thus keep their engines (``cost.transition.engines_rebuilt``
+counts only the engines a move starts).
 
 On a GPU an idle engine holds its share of the device's memory, and a new engine's start checks the free
 memory against ``gpu_memory_utilization``; so there, starting an engine of another configuration first
-closes every idle one. On CPU each engine has a fixed KV cache of its own (``cpu_kv_cache_gib``), and up to
-``keep`` idle engines stay.
+closes every idle one. On CPU each engine has a fixed KV cache of its own (``cpu_kv_cache_gib``). Either
+way at most ``keep`` idle engines stay, the oldest closed first.
 """
 
 from __future__ import annotations
