@@ -23,11 +23,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/nereus run examples/ppo_tiny.yaml --out runs/demo
 
-# one test process: with both cores busy the suite is CPU-bound, and the tests that start Ray slow down
-# beside others more than running them side by side saves (README, "Two commands")
+# two test processes: every test that starts processes runs in one of them, one at a time; the
+# single-process tests run in the other (tests/conftest.py; README, "Two commands")
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadgroup
 
 # the inner loop: every test that starts no process, in two test processes (about a minute on 2 cores)
 test-fast: $(STAMP)

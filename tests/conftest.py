@@ -37,17 +37,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The fast tier (``make test-fast``: ``-m "not slow"``) leaves out every test that starts processes:
     those marked ``distributed`` and those that use the session's Ray runtime are ``slow`` too.
 
-    Every slow test not marked ``rayless`` may start or use a local Ray instance; they form one
-    pytest-xdist group (``--dist loadgroup``), so they run one at a time in one worker while the other
-    tests run beside them: a second local Ray instance (a child driver's, a benchmark's, a test cluster's)
-    started next to another is slow to come up on a busy machine (its raylet missed Ray's 30 s
-    registration wait; a clean-exit driver took 2.5x as long). In that group the tests that use the
-    session's Ray run last, in their usual order, so no other instance starts beside it."""
+    Every slow test that starts processes (one not marked ``rayless`` may start or use a local Ray
+    instance; one marked ``distributed`` runs a gloo world) joins one pytest-xdist group (``--dist
+    loadgroup``), so they run one at a time in one worker while the single-process tests run beside them
+    in the other: a second local Ray instance (a child driver's, a benchmark's, a test cluster's) started
+    next to another is slow to come up on a busy machine (its raylet missed Ray's 30 s registration wait; a
+    clean-exit driver took 2.5x as long), and process groups that exchange many messages slow down most
+    beside other processes. In that group the tests that use the session's Ray run last, in their usual
+    order, so no other instance starts beside it."""
     grouped = config.pluginmanager.hasplugin("xdist")  # its marker exists only where it is loaded
     for item in items:
         if item.get_closest_marker("distributed") or _uses_session_ray(item):
             item.add_marker(pytest.mark.slow)
-        if grouped and item.get_closest_marker("slow") and not item.get_closest_marker("rayless"):
+        starts_processes = item.get_closest_marker("distributed") or not item.get_closest_marker("rayless")
+        if grouped and item.get_closest_marker("slow") and starts_processes:
             item.add_marker(pytest.mark.xdist_group("ray"))
     items[:] = sorted(items, key=_uses_session_ray)  # stable: each group keeps its order
 
