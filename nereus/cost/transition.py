@@ -129,7 +129,7 @@ def engines_rebuilt(job: JobSpec, old: Plan, new: Plan) -> int:
     started = 0
     for p in new.placements:
         was = before.get(p.model_stage)
-        if p.model_stage.stage != "generation" or (was is not None and (was.layout, was.gpus) == (p.layout, p.gpus)):
+        if p.model_stage.stage != "generation" or was == p:
             continue
         kept = set() if was is None or was.layout.tp != p.layout.tp else set(engine_devices(was))
         started += sum(g not in kept for g in engine_devices(p))

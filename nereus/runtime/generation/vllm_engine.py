@@ -211,10 +211,15 @@ class EngineServer:
         self.session: VllmSession | None = None
 
     def session_open(self, prompts: list[list[int]], first_row: int, params: SamplingParams, replica: int) -> bool:
-        if self.session is not None:
-            self.session.release(list(self.session.rows))  # a step abandoned mid-way: its requests go
+        self._drop_session()  # a step abandoned mid-way: its requests go
         self.session = VllmSession(self.engine.llm, prompts, first_row, params, replica)
         return True
+
+    def _drop_session(self) -> None:
+        """The open session's requests aborted, if one is open (else the next generation would run them too)."""
+        if self.session is not None:
+            self.session.release(list(self.session.rows))
+            self.session = None
 
     def session_run(self, iterations: int) -> ReplicaStatus:
         return self.session.run(iterations)
@@ -236,11 +241,9 @@ class EngineServer:
         return self.engine.load_weights(weights)
 
     def reuse(self, weights: dict[str, torch.Tensor]) -> float:
-        """Ready for its next owner (``engine_pool``): a session its last owner left open dropped (its
-        requests aborted, else the next ``generate`` would run them too), then ``weights`` loaded."""
-        if self.session is not None:
-            self.session.release(list(self.session.rows))
-            self.session = None
+        """Ready for its next owner (``engine_pool``): a session its last owner left open dropped, then
+        ``weights`` loaded."""
+        self._drop_session()
         return self.engine.load_weights(weights)
 
     def generate(self, prompts: list[list[int]], first_row: int, params: SamplingParams) -> list[Answer]:
