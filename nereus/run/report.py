@@ -36,6 +36,8 @@ def step_metrics(st: Stepper, step: int, roll: Rollout, inf: dict, adv: dict, st
     }
     if "rule" in inf:
         m["reward/rule/mean"] = float(inf["rule"].mean())
+    if st.alg.samples_per_prompt > 1:  # GRPO's groups: how many carry a learning signal
+        m.update(solve_shares(inf["score"], st.alg.samples_per_prompt))
     if "rm" in inf:
         m["reward_model/score/mean"] = float(inf["rm"].mean())
     m.update(masked_stats("critic/advantages", adv["adv"], mask))
@@ -95,6 +97,22 @@ def rollout_probs_diff(rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask:
             "training/rollout_probs_diff_mean": float(diff.mean()),
             "training/rollout_probs_diff_std": float(diff.std()),
             "training/rollout_actor_probs_pearson_corr": float(corr) if torch.isfinite(corr) else 1.0}
+
+
+def solve_shares(scores: torch.Tensor, group_size: int) -> dict[str, float]:
+    """Shares of the step's prompt groups (``group_size`` consecutive rows) that no sibling solved (every
+    score ≤ 0), that every sibling solved (every score ≥ 1) and the rest, under the names verl's PRIME
+    and DAPO recipes log (``batch/solve_none``, ``batch/solve_all``, ``batch/solve_partial``; they log
+    counts, these are shares so that rounds of different sizes compare). A group whose siblings score
+    alike has zero group-relative advantage: with 0/1 rule rewards only ``solve_partial`` groups teach
+    the policy anything (GRPO, Shao et al. 2024, arXiv 2402.03300, eq. 3)."""
+    n = scores.numel() // group_size
+    if n == 0:
+        return {}
+    groups = scores[: n * group_size].reshape(n, group_size).double()
+    none = float((groups <= 0).all(dim=1).sum()) / n
+    every = float((groups >= 1).all(dim=1).sum()) / n
+    return {"batch/solve_none": none, "batch/solve_all": every, "batch/solve_partial": 1.0 - none - every}
 
 
 def mean(stats: list[dict[str, float]], name: str) -> float:

@@ -36,6 +36,10 @@ def test_every_modes_job_is_accepted_by_the_spec(tmp_path: Path) -> None:
     refused = [] if vllm_distribution() is not None else ["vllm"]  # the one mode that needs an optional package
     assert list(skipped) == refused and list(jobs) == [m for m in bench.MODES if m not in refused]
     assert set(SMOKE_MODES) <= set(bench.MODES)
+    # the steadier accuracy: the evaluations after the run's middle (the warm-start's, at step 0, never)
+    curve = [[0, 0.1], [10, 0.5], [20, 0.7], [30, 0.8], [40, 0.9]]
+    assert bench.late_accuracy(curve) == pytest.approx(0.85)  # steps 30 and 40
+    assert bench.late_accuracy([[0, 0.1], [3, 0.4]]) == 0.4
 
 
 def test_quick_run_writes_table_json_and_plot(tmp_path: Path) -> None:
@@ -61,6 +65,8 @@ def test_quick_run_writes_table_json_and_plot(tmp_path: Path) -> None:
         assert rnd["accuracy_curve"][0] == [0, rnd["warmstart_accuracy"]], mode
         assert rnd["accuracy_curve"][-1] == [steps, rnd["final_accuracy"]], mode
         assert f["vs_static"] > 0 and isinstance(f["goal_met"], bool), mode
+        assert f["late_accuracy"] == f["final_accuracy"], mode  # no --eval-every: the last evaluation alone
+        assert 0 <= f["extra"]["batch/solve_partial"] <= 1, mode
         if mode == "intra+midstep":
             assert f["vs_intra"] > 0 and "midstep/moves" in f["extra"]
         if mode == "async":

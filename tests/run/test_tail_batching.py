@@ -83,6 +83,9 @@ def test_grpo_job_alternates_short_and_long_rounds(ray_runtime, tmp_path, slots)
     assert [r["tail/launched_groups"] for r in rows] == [4.0, 2.0, 4.0, 2.0]
     assert all(r["tail/kept_groups"] == 2.0 and r["rollout/policy_lag_max"] == 0.0 for r in rows)
     assert [r["tail/deferred_groups"] for r in rows] == [2.0, 0.0, 2.0, 0.0]
+    for r in rows:  # each round's kept groups by how many siblings solved them (shares of 2 groups)
+        shares = [r[f"batch/solve_{k}"] for k in ("none", "all", "partial")]
+        assert sum(shares) == pytest.approx(1.0) and all(2 * s == round(2 * s) for s in shares)
 
 
 def test_partial_rounds_carry_groups_per_replica_and_stitch_versions():
