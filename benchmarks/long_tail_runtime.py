@@ -31,9 +31,11 @@ starts from a copy of its checkpoints.
 Per mode: mean step time (wall time between the ends of consecutive steps; the first ``--skip`` steps left
 out as warm-up), the job's own ``timing_s/step`` and ``timing_s/gen``, each worker's idle fraction
 (``perf/idle_fraction/worker_<i>``), the held-out accuracy after the last step (greedy, the job's eval on the
-val parquet). The modes run in ``--rounds`` rounds, each round every mode once in a rotated order, so the
-drifting load of a shared machine hits all alike; "vs static" is the median over rounds of the ratio within
-a round. ``--out`` gets ``long_tail_runtime.json`` (every number) and ``long_tail_runtime.png``.
+val parquet) and the mean of the evaluations in the run's second half (with ``--eval-every``), and the share of
+trained prompt groups with a learning signal (``batch/solve_partial``). The modes run in ``--rounds``
+rounds, each round every mode once in a rotated order, so the drifting load of a shared machine hits all
+alike; "vs static" is the median over rounds of the ratio within a round. ``--out`` gets
+``long_tail_runtime.json`` (every number) and ``long_tail_runtime.png``.
 
     python benchmarks/long_tail_runtime.py [--steps 50] [--warmstart 300] [--rounds 2] [--out DIR]
                                            [--modes static,overlap,intra,intra+midstep,async] [--quick]
