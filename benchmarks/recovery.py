@@ -177,7 +177,7 @@ def run_restart(args, out: Path) -> dict:
 
     def timed_step(stepper, step, policy=None, levers=None):
         out = real_step(stepper, step, policy, levers)
-        times.append(out[0]["timing_s/step"])
+        times.append(out.metrics["timing_s/step"])
         return out
 
     Stepper.run_step = timed_step

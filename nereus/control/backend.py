@@ -44,6 +44,8 @@ class StepMetrics:
     # None: not measured) and the spread of all responses' log lengths (a log-normal's sigma)
     sibling_correlation: float | None = None
     length_sigma: float | None = None
+    # every trained response's length, a prompt's group consecutive (empty: the backend does not say)
+    response_lengths: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -39,7 +39,7 @@ from nereus.control.backend import StepMetrics
 from nereus.cost.batching import Factors
 from nereus.cost.generation import BulkRun, GenModel, forecast_lengths, no_move, run_bulk
 from nereus.cost.hardware import Hardware
-from nereus.cost.levers.lengths import GroupLengths, RolloutPool
+from nereus.cost.levers.lengths import GroupLengths, MeasuredLengths, RolloutPool, measured_groups
 from nereus.cost.levers.partial_rollout import budget_for_lag, steady_round
 from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
 from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
@@ -59,6 +59,10 @@ OVER_LAUNCHES = (1.0, 1.25, 1.5, 2.0, 3.0)  # tail batching's candidates (cost.l
 # without a coefficient; 0.5 is ours.
 SIBLINGS_PRIOR = 0.5
 SIBLINGS_WINDOW = 10  # steps of measured sibling correlation the rule prices at (their median)
+# Measured groups the rule prices tail batching on once it has them (the last SIBLINGS_WINDOW plain steps'):
+# a short round's stop is the 1/f quantile of group completion lengths, over-launch 3 its lowest third,
+# which 32 groups resolve to a few groups (two steps of the runtime's 16-prompt GRPO job).
+MEASURED_GROUPS_MIN = 32
 
 
 # Terms of a stage's cost that do not grow with the rollout's padded width (``cost.stages.TERMS``): weights
@@ -117,6 +121,7 @@ class NereusLevers(LeverRule):
     name: str = "nereus"
     siblings_measured: list[float] = field(default_factory=list)  # per step, where the backend measures it
     sigma_measured: list[float] = field(default_factory=list)  # the spread of log lengths, likewise
+    lengths_measured: list[tuple[float, ...]] = field(default_factory=list)  # per step, its responses' lengths
 
     def alpha(self, draft: str) -> float:
         return self.acceptance.get(draft, prior(DraftKind(draft))).alpha
@@ -128,10 +133,15 @@ class NereusLevers(LeverRule):
         recent = self.siblings_measured[-SIBLINGS_WINDOW:]
         return statistics.median(recent) if recent else SIBLINGS_PRIOR
 
-    def lengths(self, job: JobSpec) -> GroupLengths:
-        """The length model tail batching is priced on: the job's (forecast) response lengths, their spread
-        and the sibling correlation as measured where the backend measures them (the median of the last
-        steps, the job's and the prior until then)."""
+    def lengths(self, job: JobSpec) -> GroupLengths | MeasuredLengths:
+        """The length model tail batching is priced on: where the backend reports its responses' lengths,
+        the groups of the last plain steps (``MEASURED_GROUPS_MIN`` at least); else the job's (forecast)
+        response lengths as a log-normal, their spread and the sibling correlation as measured where the
+        backend measures them (the median of the last steps, the job's and the prior until then)."""
+        size = job.algorithm.samples_per_prompt
+        groups = tuple(g for step in self.lengths_measured[-SIBLINGS_WINDOW:] for g in measured_groups(step, size))
+        if len(groups) >= MEASURED_GROUPS_MIN:
+            return MeasuredLengths(groups, job.workload.response.max)
         resp, recent = job.workload.response, self.sigma_measured[-SIBLINGS_WINDOW:]
         if recent:
             resp = replace(resp, sigma=statistics.median(recent))
@@ -147,6 +157,8 @@ class NereusLevers(LeverRule):
                 self.siblings_measured.append(m.sibling_correlation)
             if m.length_sigma is not None and m.length_sigma > 0:
                 self.sigma_measured.append(m.length_sigma)
+            if m.response_lengths:
+                self.lengths_measured.append(m.response_lengths)
         for e in m.generation:
             d = e.decision
             if isinstance(d, SetSpeculation) and d.speculation is not None and e.outcome.applied:

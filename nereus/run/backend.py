@@ -119,16 +119,18 @@ class RuntimeBackend:
             self.carry["nereus/snapshot_s"] = self.rt.snapshot(step)
         t0 = time.perf_counter()
         try:
-            metrics, generation = self.stepper.run_step(step, policy, plan.levers)
+            ran = self.stepper.run_step(step, policy, plan.levers)
         except WorkerLostError as err:
             raise WorkersLost(step, err.lost, time.perf_counter() - t0, str(err)) from err
+        metrics, generation = ran.metrics, ran.generation
         metrics["nereus/snapshot_s"] = 0.0
         metrics.update(self.carry)
         self.carry = {}
         levers = plan.levers if plan.levers is not None and plan.levers.any else None
         m = step_metrics(step, metrics, len(self.rt.workers), generation, levers)
-        ran = {str(ms) for ms in plan.model_stages()}  # GRPO's rule reward is timed as "reward", no model-stage
-        return replace(m, stage_times_s={ms: t for ms, t in m.stage_times_s.items() if ms in ran})
+        stages = {str(ms) for ms in plan.model_stages()}  # GRPO's rule reward is timed as "reward", no model-stage
+        return replace(m, stage_times_s={ms: t for ms, t in m.stage_times_s.items() if ms in stages},
+                       response_lengths=ran.response_lengths)
 
     def _use(self, plan: Plan, placed: list[Placed]) -> None:
         self.plan, self.placed = plan, placed

@@ -65,6 +65,17 @@ class WithDecisionPoints:
     params: SamplingParams
 
 
+@dataclass(frozen=True)
+class StepRun:
+    """One RL step's results for the backend: its metric line, the decisions the policy took inside its
+    generation, and every trained response's length (a prompt's group consecutive; empty where the step
+    does not say: asynchronous steps)."""
+
+    metrics: dict[str, float]
+    generation: tuple[GenerationEntry, ...] = ()
+    response_lengths: tuple[float, ...] = ()
+
+
 class Stepper:
     """Runs steps of ``job`` on runtime ``rt`` whose models are loaded under ``placed``."""
 
@@ -390,14 +401,14 @@ class Stepper:
 
     def step(self, step: int, policy: GenerationPolicy | None = None) -> dict[str, float]:
         """One RL step; its metric line."""
-        return self.run_step(step, policy)[0]
+        return self.run_step(step, policy).metrics
 
-    def run_step(self, step: int, policy: GenerationPolicy | None = None, levers: GenerationLevers | None = None,
-                 ) -> tuple[dict[str, float], tuple[GenerationEntry, ...]]:
-        """One RL step under the plan's ``levers``: its metric line, and the decisions ``policy`` took inside
-        its generation."""
+    def run_step(self, step: int, policy: GenerationPolicy | None = None,
+                 levers: GenerationLevers | None = None) -> StepRun:
+        """One RL step under the plan's ``levers``: its metric line, the decisions ``policy`` took inside its
+        generation, and its responses' lengths."""
         if self.asynchronous is not None and self.asynchronous.enabled:  # run.async: generation one step ahead
-            return self.asynchronous.step(step), ()
+            return StepRun(self.asynchronous.step(step))
         self.timing, self.grad_norms = {}, {}
         self.calls.reset()
         t0 = time.perf_counter()
@@ -415,7 +426,7 @@ class Stepper:
                                            self.timing.get("timing_s/update_weights", 0.0)))
         if self.asynchronous is not None:  # run.async auto: decides from the synchronous steps' times
             self.asynchronous.observe(step, m)
-        return m, gen.entries
+        return StepRun(m, gen.entries, tuple(float(x) for x in roll.response_len.tolist()))
 
     def metrics(self, step: int, roll: Rollout, inf: dict, adv: dict, stats: dict) -> dict[str, float]:
         """verl's metric names (``critic/score/mean``, ``actor/pg_loss``, ``response_length/mean``...)."""

@@ -11,7 +11,7 @@ from nereus.control.levers import FixedSpeculation, NereusLevers, PaddedRest, pa
 from nereus.cost.batching import Factors
 from nereus.cost.generation import GenModel, forecast_lengths, no_move, run_bulk
 from nereus.cost.hardware import Hardware
-from nereus.cost.levers.lengths import RolloutPool
+from nereus.cost.levers.lengths import GroupLengths, MeasuredLengths, RolloutPool
 from nereus.cost.levers.speculative import Acceptance
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import generation_replica
@@ -20,7 +20,7 @@ from nereus.run.adaptive import policy_for
 from nereus.sim.run import simulate
 from nereus.spec.cluster import ClusterSpec, gpu_presets
 from nereus.spec.generation import GenerationEntry, Outcome, SetSpeculation
-from nereus.spec.levers import Speculation
+from nereus.spec.levers import GenerationLevers, Speculation, TailBatching
 from nereus.spec.model import PRESETS
 from tests.control.test_controller import small_job, trace
 from tests.run.jobs import tiny_job
@@ -107,3 +107,27 @@ def test_a_padded_round_prices_its_width_free_part_whole_and_every_row_at_its_lo
         _, plan, _ = policy_for(job)
         rest = padded_rest(job, plan, {})
         assert 0 < rest.fixed_s < rest.seconds and rest.padded_generation == fixed_batch
+
+
+def test_tail_batching_is_priced_on_the_measured_groups_of_plain_steps():
+    """Where the backend reports its responses' lengths, the rule prices tail batching on the groups of the
+    last plain steps once it has enough of them; a step run under tail batching (its rounds keep or defer
+    groups by length) is not the step's draw and is left out."""
+    job = tiny_job("grpo", "unused")
+    g = job.algorithm.samples_per_prompt
+    rule = NereusLevers()
+    assert isinstance(rule.lengths(job), GroupLengths)  # nothing measured: the job's log-normal
+
+    def step(i: int, lengths: tuple[float, ...], levers: GenerationLevers | None = None) -> StepMetrics:
+        return StepMetrics(i, {}, {}, 1.0, 1.0, 1.0, len(lengths), 1.0, levers=levers, response_lengths=lengths)
+
+    per_step = tuple(float(1 + (i // g) % 5) for i in range(8 * g))  # 8 groups of alike siblings, lengths 1-5
+    for i in range(3):
+        rule.observe(step(i, per_step))
+    assert isinstance(rule.lengths(job), GroupLengths)  # 24 groups: not yet
+    rule.observe(step(3, (99.0,) * (8 * g), GenerationLevers(tail_batching=TailBatching(1.5))))
+    assert isinstance(rule.lengths(job), GroupLengths)  # a tail-batched step adds none
+    rule.observe(step(4, per_step))
+    measured = rule.lengths(job)
+    assert isinstance(measured, MeasuredLengths) and len(measured.groups) == 32
+    assert measured.group_quantile(0.5) == 2.5  # group lengths 1, 2, 3 eight times each, 4 and 5 four times

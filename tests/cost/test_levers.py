@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from nereus.cost.decode import Replica, StepModel, decode_phases
 from nereus.cost.hardware import Hardware
 from nereus.cost.levers import speculative as sp
 from nereus.cost.levers.async_split import async_step, best_split, speedup_over_colocated
-from nereus.cost.levers.lengths import GroupLengths, RolloutPool
+from nereus.cost.levers.lengths import GroupLengths, MeasuredLengths, RolloutPool, measured_groups
 from nereus.cost.levers.partial_rollout import best_budget, budget_for_lag, partial_rollout
 from nereus.cost.levers.tail_batching import best_over_launch, tail_batching
 from nereus.cost.stages import generation_replica
@@ -216,3 +217,34 @@ def test_sibling_correlation_is_the_intraclass_correlation_of_log_lengths():
     assert sibling_correlation([1, e**3, e, e**2], 2) == 0.0  # more spread within groups than between
     assert sibling_correlation([5, 5, 5, 5], 2) is None and sibling_correlation([1, 2, 3], 4) is None
     assert sibling_correlation([1, 2, 3, 4], 1) is None  # no siblings
+
+
+def test_measured_lengths_answer_from_the_groups_themselves():
+    """``MeasuredLengths`` takes quantiles of the measured draws: a group finishes with its longest response,
+    a short round keeps the groups done by its stop, the rest are the deferred prompts' lengths."""
+    groups = ((2.0, 3.0), (4.0, 4.0), (5.0, 9.0), (30.0, 37.0))
+    m = MeasuredLengths(groups, 37)
+    assert m.group_size == 2 and m.mean == pytest.approx(sum(sum(g) for g in groups) / 8)
+    assert m.group_quantile(0.5) == pytest.approx(6.5)  # group maxima 3, 4, 9, 37: halfway between 4 and 9
+    assert m.group_quantile(1.0) == 37.0
+    assert m.kept_mean(4.0) == pytest.approx(13 / 4)  # the first two groups
+    assert m.deferred_quantiles(4.0, 2) == pytest.approx(tuple(np.quantile([5, 9, 30, 37], [0.25, 0.75])))
+    assert m.deferred_longest(40.0, 8) == 40.0  # nothing deferred past every length: the stop itself
+    assert measured_groups([1, 2, 3, 4, 5], 2) == ((1.0, 2.0), (3.0, 4.0))  # a partial group is left out
+
+
+def test_tail_batching_on_measured_pareto_lengths_stops_where_the_groups_do():
+    """On lengths drawn from the ``repeat`` task's law (P(k ≥ n) = 2/(n + 1), capped) the short round's stop
+    is the measured groups' 1/f quantile, well below what a log-normal of the same mean and spread gives."""
+    rng = np.random.default_rng(0)
+    k = np.minimum(36, np.floor(2 / (1 - rng.random(400))) - 1)
+    groups = tuple((x + 1.0,) * 8 for x in k)  # alike siblings: the model answers each prompt's length
+    measured = MeasuredLengths(groups, 37)
+    hw = Hardware(ClusterSpec(gpu_presets()["H100"], nodes=1, gpus_per_node=8))
+    pool = RolloutPool(generation_replica(hw, PRESETS["qwen2.5-7b"], 1, 2), 2, 64, 12.0, padded=True)
+    est = tail_batching(pool, measured, 16, 1.5)
+    assert est.stop_length == pytest.approx(np.quantile([g[0] for g in groups], 1 / 1.5))
+    assert est.stop_length <= 7  # the P-th of 1.5 P groups: k about 5
+    sigma = float(np.log(np.concatenate([np.asarray(g) for g in groups])).std())
+    fitted = GroupLengths(measured.mean, 37, sigma, 0.95, 8)
+    assert tail_batching(pool, fitted, 16, 1.5).stop_length > 1.5 * est.stop_length

@@ -68,11 +68,19 @@ def test_engine_keeps_the_first_whole_groups_and_aborts_the_rest():
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("slots", [0, 8])  # the fixed batch; the continuous-batching engine
-def test_grpo_job_alternates_short_and_long_rounds(ray_runtime, tmp_path, slots):
+def test_grpo_job_alternates_short_and_long_rounds(ray_runtime, tmp_path, slots, monkeypatch):
+    from nereus.run.backend import RuntimeBackend
     from nereus.run.job import RLJob
 
     job = tiny_job("grpo", str(tmp_path), steps=4,
                    rollout={"slots": slots, "tail_batching": {"over_launch": 2.0}})
+    seen, real = [], RuntimeBackend.run_step
+
+    def run_step(self, plan, step, policy):  # what the controller is told of each step
+        seen.append(real(self, plan, step, policy))
+        return seen[-1]
+
+    monkeypatch.setattr(RuntimeBackend, "run_step", run_step)
     rl = RLJob(job, runtime=ray_runtime, out_dir=tmp_path, quiet=True)
     try:
         rl.execute()
@@ -83,6 +91,9 @@ def test_grpo_job_alternates_short_and_long_rounds(ray_runtime, tmp_path, slots)
     assert [r["tail/launched_groups"] for r in rows] == [4.0, 2.0, 4.0, 2.0]
     assert all(r["tail/kept_groups"] == 2.0 and r["rollout/policy_lag_max"] == 0.0 for r in rows)
     assert [r["tail/deferred_groups"] for r in rows] == [2.0, 0.0, 2.0, 0.0]
+    for m, r in zip(seen, rows, strict=True):  # every trained response's length reaches the controller
+        assert len(m.response_lengths) == r["tail/kept_groups"] * job.algorithm.samples_per_prompt
+        assert sum(m.response_lengths) / len(m.response_lengths) == pytest.approx(r["response_length/mean"])
     for r in rows:  # each round's kept groups by how many siblings solved them (shares of 2 groups)
         shares = [r[f"batch/solve_{k}"] for k in ("none", "all", "partial")]
         assert sum(shares) == pytest.approx(1.0) and all(2 * s == round(2 * s) for s in shares)

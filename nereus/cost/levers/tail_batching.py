@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nereus.cost.levers.lengths import LENGTH_POINTS, GroupLengths, RolloutPool
+from nereus.cost.levers.lengths import LENGTH_POINTS, GroupLengths, MeasuredLengths, RolloutPool
+
+# a length model: the log-normal of the trace or job, or the lengths a backend measured
+Lengths = GroupLengths | MeasuredLengths
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class TailBatchingEstimate:
         return 1 - (self.short.kept_tokens + n * self.long.kept_tokens) / generated
 
 
-def plain_round(pool: RolloutPool, lengths: GroupLengths, groups: int) -> Round:
+def plain_round(pool: RolloutPool, lengths: Lengths, groups: int) -> Round:
     """The synchronous round: ``groups`` × G responses, every one to its end (the step's longest)."""
     n = groups * lengths.group_size
     q = lengths.response_quantiles()
@@ -67,7 +70,7 @@ def plain_round(pool: RolloutPool, lengths: GroupLengths, groups: int) -> Round:
     return Round(pool.seconds(n, q, lengths.mean, longest), n, tokens, tokens, longest)
 
 
-def tail_batching(pool: RolloutPool, lengths: GroupLengths, groups: int, over_launch: float,
+def tail_batching(pool: RolloutPool, lengths: Lengths, groups: int, over_launch: float,
                   long_pool: RolloutPool | None = None) -> TailBatchingEstimate:
     """Price tail batching for ``groups`` prompt groups a step launched ``over_launch`` × (≥ 1) at a time;
     ``long_pool`` is the layout of the long rounds (default: the same as the short rounds)."""
@@ -90,7 +93,7 @@ def tail_batching(pool: RolloutPool, lengths: GroupLengths, groups: int, over_la
     return TailBatchingEstimate(f, stop, plain, short, long, f - 1)
 
 
-def best_over_launch(pool: RolloutPool, lengths: GroupLengths, groups: int,
+def best_over_launch(pool: RolloutPool, lengths: Lengths, groups: int,
                      candidates: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0, 3.0),
                      long_pool: RolloutPool | None = None) -> TailBatchingEstimate:
     """The over-launch factor with the fastest mean round among ``candidates`` (1.0: off)."""
