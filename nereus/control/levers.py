@@ -157,8 +157,8 @@ class NereusLevers(LeverRule):
                 self.siblings_measured.append(m.sibling_correlation)
             if m.length_sigma is not None and m.length_sigma > 0:
                 self.sigma_measured.append(m.length_sigma)
-            if m.response_lengths:
-                self.lengths_measured.append(m.response_lengths)
+            if m.response_lengths:  # only the window is priced on: a long run keeps no more
+                self.lengths_measured = [*self.lengths_measured[1 - SIBLINGS_WINDOW:], m.response_lengths]
         for e in m.generation:
             d = e.decision
             if isinstance(d, SetSpeculation) and d.speculation is not None and e.outcome.applied:

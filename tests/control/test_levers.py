@@ -130,4 +130,7 @@ def test_tail_batching_is_priced_on_the_measured_groups_of_plain_steps():
     rule.observe(step(4, per_step))
     measured = rule.lengths(job)
     assert isinstance(measured, MeasuredLengths) and len(measured.groups) == 32
+    for i in range(5, 30):
+        rule.observe(step(i, per_step))
+    assert len(rule.lengths_measured) == levers_module.SIBLINGS_WINDOW  # a long run keeps the window only
     assert measured.group_quantile(0.5) == 2.5  # group lengths 1, 2, 3 eight times each, 4 and 5 four times
