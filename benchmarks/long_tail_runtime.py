@@ -17,10 +17,8 @@ same seed, data and warm-started actor, on two local Ray workers, in each mode, 
   drafts, 4 per row), ``tail`` (tail batching, over-launch 1.5, policy lag 0) and ``partial`` (partial
   rollout, over-launch 1.5, ``run.policy_lag: 1``);
 - ``levers`` (speculation + partial rollout) and ``tail+spec`` (speculation + tail batching), hand-picked;
-- ``layouts``: the controller's layouts alone (``run.adapt`` on this machine's measured profile,
-  examples/cpu-local.yaml: it plans, calibrates and re-plans the layouts while the job runs);
-- ``nereus``: the controller's choice: its layouts and its levers (``run.rollout.levers: auto``: the lever
-  rule on the calibrated cost model, docs/adaptation.md).
+- ``nereus``: the controller's choice (``run.rollout.levers: auto``: the lever rule on the calibrated cost
+  model, docs/adaptation.md).
 
 Every mode uses the same model (head size 32, which vLLM's CPU attention needs) and warm-start.
 
@@ -143,20 +141,10 @@ def tail_spec(spec: dict) -> dict:
     return fixed(spec, speculative=SPEC_KEY, tail_batching={"over_launch": OVER_LAUNCH})
 
 
-def controller_layouts(spec: dict) -> dict:
-    """The controller's layouts: ``run.adapt`` (no ``run.layouts``) on this machine's measured profile
-    (examples/cpu-local.yaml, with examples/ppo_tiny.yaml's priors for two workers sharing two cores)."""
-    spec["run"].pop("layouts", None)
-    spec["run"]["adapt"] = {"cooldown": 3}
-    spec["cluster"] = {"profile": str(ROOT / "examples" / "cpu-local.yaml"), "nodes": 1, "gpus_per_node": 2,
-                       "priors": {"micro_batch_overhead_s": 0.003, "host_cores": 2}}
-    return fixed(spec)
-
-
 def chosen(spec: dict) -> dict:
-    """The controller's choice: layouts (``controller_layouts``) and ``run.rollout.levers: auto``
-    (speculation and tail batching priced on the calibrated cost model, step by step)."""
-    return fixed(controller_layouts(spec), levers="auto")
+    """The controller's choice: ``run.rollout.levers: auto`` (speculation and tail batching priced by the
+    cost model on the job's cpu-local profile, step by step)."""
+    return fixed(spec, levers="auto")
 
 
 # the modes' own per-step metrics worth a mean in the figures (mid-step moves; the async mode's staleness;
@@ -168,8 +156,7 @@ EXTRA = ("midstep/moves", "midstep/moved_sequences", "midstep/move_s", "midstep/
 MODES: dict[str, Callable[[dict], dict]] = {"static": static, "overlap": overlap, "intra": intra,
                                              "intra+midstep": intra_midstep, "async": asynchronous, "vllm": vllm,
                                              "speculative": speculative, "tail": tail, "partial": partial,
-                                             "levers": levers, "tail+spec": tail_spec,
-                                             "layouts": controller_layouts, "nereus": chosen}
+                                             "levers": levers, "tail+spec": tail_spec, "nereus": chosen}
 
 
 def base_spec(data: Path, args: argparse.Namespace) -> dict:
