@@ -139,7 +139,7 @@ class NereusLevers(LeverRule):
         response lengths as a log-normal, their spread and the sibling correlation as measured where the
         backend measures them (the median of the last steps, the job's and the prior until then)."""
         size = job.algorithm.samples_per_prompt
-        groups = tuple(g for step in self.lengths_measured[-SIBLINGS_WINDOW:] for g in measured_groups(step, size))
+        groups = tuple(g for step in self.lengths_measured for g in measured_groups(step, size))  # the window
         if len(groups) >= MEASURED_GROUPS_MIN:
             return MeasuredLengths(groups, job.workload.response.max)
         resp, recent = job.workload.response, self.sigma_measured[-SIBLINGS_WINDOW:]

@@ -210,7 +210,6 @@ def sibling_correlation(lengths: Sequence[float], group_size: int) -> float | No
     return min(max((msb - msw) / (msb + (g - 1) * msw), 0.0), 0.99)
 
 
-
 @dataclass(frozen=True)
 class MeasuredLengths:
     """Response lengths of prompt groups as a backend measured them (``groups``: each group's sibling
@@ -224,12 +223,17 @@ class MeasuredLengths:
     max: int
 
     @cached_property
+    def _matrix(self) -> np.ndarray:
+        """The groups as rows (every group has the job's ``samples_per_prompt`` siblings)."""
+        return np.asarray(self.groups, float)
+
+    @cached_property
     def _responses(self) -> np.ndarray:
-        return np.asarray([x for g in self.groups for x in g], float)
+        return self._matrix.ravel()
 
     @cached_property
     def _group_max(self) -> np.ndarray:
-        return np.asarray([max(g) for g in self.groups], float)
+        return self._matrix.max(axis=1)
 
     @property
     def group_size(self) -> int:
@@ -265,9 +269,8 @@ class MeasuredLengths:
 
     def _split(self, stop: float) -> tuple[np.ndarray, np.ndarray]:
         """The responses of the groups finished by ``stop`` and of the others."""
-        done = [g for g in self.groups if max(g) <= stop]
-        rest = [g for g in self.groups if max(g) > stop]
-        return (np.asarray([x for g in done for x in g], float), np.asarray([x for g in rest for x in g], float))
+        done = self._group_max <= stop
+        return self._matrix[done].ravel(), self._matrix[~done].ravel()
 
 
 def _quantiles(values: np.ndarray, points: int) -> tuple[float, ...]:
