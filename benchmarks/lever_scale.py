@@ -3,7 +3,9 @@
 
 Part 1: the planner's search for the 8B PPO example at 1,024 GPUs, then the lever choice on its plan
 (``control.levers.NereusLevers.choose``: speculation's draft kind, length and live-batch threshold priced at
-sequence granularity; partial rollout at policy lag 1), median of ``--repeats``. Target: <= 0.5 s.
+sequence granularity; partial rollout at policy lag 1), median of ``--repeats``. Target: <= 0.5 s. Then the
+choice made at the start and on a GPU change: the rollout's TP priced with the levers and, at lag 1, the
+pool split (``control.pools.PoolRule``: one search and lever choice per option).
 Part 2: ``nereus`` on ``r1_zero_growth`` at 1,024 GPUs for ``--steps`` steps (target: 1,000 steps <= 60 s),
 and ``verl-like`` next to it for scale.
 
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 
 from nereus.control.levers import NereusLevers, generation_forecast
+from nereus.control.pools import PoolRule
 from nereus.cost.hardware import Hardware
 from nereus.planner.search import search
 from nereus.sim.run import simulate
@@ -51,6 +54,14 @@ def main() -> None:
     print(f"{args.gpus} GPUs, {job.name}: plan search {statistics.median(searches):.3f} s, lever choice "
           f"{statistics.median(choices):.3f} s, together {statistics.median(total):.3f} s median "
           f"(max {max(total):.3f} s; target <= 0.5 s); chose {choice.levers.to_dict() if choice else None}")
+    starts = []
+    for _ in range(args.repeats):  # once at the start and on a GPU change, not per decision
+        t0 = time.perf_counter()
+        start = PoolRule().choose(job, {}, NereusLevers(), args.lag, None)
+        starts.append(time.perf_counter() - t0)
+    print(f"  the start's choice of the rollout's TP{' and pool split' if args.lag else ''} (control.pools): "
+          f"{statistics.median(starts):.3f} s median; rollout TP "
+          f"{start.plan.placement('actor/generation').layout.tp} on {start.gen_gpus or args.gpus} GPUs", flush=True)
     trace = load_trace(ROOT / "traces" / "r1_zero_growth.yaml")
     for policy in ("nereus", "verl-like") if args.steps > 0 else ():
         t0 = time.perf_counter()

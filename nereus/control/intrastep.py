@@ -159,10 +159,10 @@ class RlhfuseTail(TailRule):
 class PhasedPolicy:
     """A between-step policy whose generation stages switch to a tail layout inside the step, or use the
     levers ``levers`` picks (``control.levers``): whichever predicts the larger gain, within
-    ``policy_lag``. With ``pools`` and a policy lag of one step or more, it also chooses at the start and
-    whenever the GPU count changes whether the rollout runs one-step-off on GPUs of its own
-    (``control.pools``); the inner policy then adapts both pools' layouts under that split, and every plan
-    whose rollout holds GPUs apart runs one-step-off."""
+    ``policy_lag``. With ``pools`` it also chooses at the start and whenever the GPU count changes the
+    rollout's tensor parallelism priced with the levers and, at a policy lag of one step or more, whether
+    the rollout runs one-step-off on GPUs of its own (``control.pools``); the inner policy then adapts the
+    layouts under that choice, and every plan whose rollout holds GPUs apart runs one-step-off."""
 
     def __init__(self, name: str, inner: Policy, rule: TailRule, every: int = 10, levers: LeverRule | None = None,
                  policy_lag: int = 0, pools: PoolRule | None = None, calibrated_levers: bool = False) -> None:
@@ -172,7 +172,7 @@ class PhasedPolicy:
         # controller's first fit, and one only when its predicted gain beats the calibration's residual
         # error, as the controller admits a plan (a gain smaller than the model's own error is not a gain)
         self.calibrated_levers = calibrated_levers
-        self.pools = pools if policy_lag >= STALENESS else None
+        self.pools = pools
         self._colocated = self.controller.constraints if self.pools else None  # the inner policy's own
         self._levers: GenerationLevers | None = None
         self._last: tuple[int, Plan | None] = (-10**9, None)
@@ -213,7 +213,7 @@ class PhasedPolicy:
         """The lever rule's choice when it predicts more than the tail layout's gain (None: the tail layout);
         on a plan whose rollout runs apart under ``pools``, one-step-off with the levers of one step less of
         lag."""
-        if self.pools is not None and runs_apart(base):
+        if self.pools is not None and self.policy_lag >= STALENESS and runs_apart(base):
             return self._async_levers(job, base, factors)
         if self.levers is None or (self.calibrated_levers and not factors):
             return None

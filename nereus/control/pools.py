@@ -28,6 +28,7 @@ from nereus.cost.generation import ROLLOUT
 from nereus.cost.hardware import Hardware
 from nereus.cost.levers.async_split import async_step
 from nereus.cost.plan_cost import PlanEstimate, estimate_plan
+from nereus.planner.candidates import tp_degrees
 from nereus.planner.search import Constraints, placement_units, search
 from nereus.spec.errors import InfeasibleError
 from nereus.spec.job import JobSpec
@@ -49,6 +50,17 @@ def split_constraints(job: JobSpec, gen_gpus: int,
         return fits and (layout_filter is None or layout_filter(ms, layout))
 
     return Constraints((f"rollout | {others}",), pools)
+
+
+def rollout_tp_constraints(base: Constraints | None, tp: int) -> Constraints:
+    """``base`` with the rollout's tensor parallelism pinned at ``tp``."""
+    given = base.layout_filter if base is not None else None
+
+    def pinned(ms: ModelStage, layout: Layout) -> bool:
+        return (ms != ROLLOUT or layout.tp == tp) and (given is None or given(ms, layout))
+
+    return Constraints(base.strategies if base is not None else None, pinned,
+                       base.capability if base is not None else None)
 
 
 def runs_apart(plan: Plan) -> bool:
@@ -87,30 +99,55 @@ class PoolRule:
     def choose(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int,
                base: Constraints | None, colocated_plan: Plan | None = None) -> PoolChoice:
         """The fastest of the colocated plan (under ``base``; ``colocated_plan`` when the caller has searched
-        it already) and the splits of ``job``'s GPUs, each with its levers; the colocated one unless a split
-        beats it by ``min_gain``."""
+        it already) and the splits of ``job``'s GPUs, each with its levers and each also at every rollout TP
+        (``rollout_tp_constraints``); the planner's own choice unless another beats it by ``min_gain``."""
         if colocated_plan is None:
             colocated = self._price(job, factors, levers, policy_lag, base, None)
         else:
             colocated = replace(self.price(job, factors, levers, policy_lag, colocated_plan), constraints=base)
+        colocated = self._at_rollout_tps(job, factors, levers, policy_lag, base, None, colocated)
         if policy_lag < STALENESS:
             return colocated
         n, node = job.cluster.num_gpus, job.cluster.gpus_per_node
         sizes = [g for g in powers_of_two(n // 2) if g >= min(node, n // 2)]
-        splits = [c for g in sizes
-                  if (c := self._price(job, factors, levers, policy_lag,
-                                       split_constraints(job, g, base.layout_filter if base else None), g))]
+        splits = []
+        for g in sizes:
+            pools = split_constraints(job, g, base.layout_filter if base else None)
+            if (c := self._price(job, factors, levers, policy_lag, pools, g)) is not None:
+                splits.append(self._at_rollout_tps(job, factors, levers, policy_lag, pools, g, c))
         best = min(splits, key=lambda c: c.step_s, default=None)
         if best is None or best.step_s >= colocated.step_s * (1 - self.min_gain):
             return colocated
         return best
 
+    def _at_rollout_tps(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int,
+                        constraints: Constraints | None, gen_gpus: int | None, planned: PoolChoice) -> PoolChoice:
+        """``planned`` (the planner's plan under ``constraints``, priced with its levers) against the same pool
+        with the rollout pinned at each other TP: the planner ranks rollout layouts without the levers, yet
+        speculation's verification turns compute-bound sooner on a wide replica's large batch (256 live
+        sequences per TP-4 replica against 128 per TP-2 one), so the best layout with the levers can differ.
+        Another TP is kept only when it beats ``planned`` by ``min_gain``."""
+        if levers is None:
+            return planned
+        own = planned.plan.placement(str(ROLLOUT)).layout.tp
+        best = planned
+        for tp in tp_degrees(job, ROLLOUT.model, gen_gpus or job.cluster.num_gpus):
+            if tp == own:
+                continue
+            pinned = rollout_tp_constraints(constraints, tp)
+            c = self._price(job, factors, levers, policy_lag, pinned, gen_gpus, optional=True)
+            if c is not None and c.step_s < planned.step_s * (1 - self.min_gain) and c.step_s < best.step_s:
+                best = c
+        return best
+
     def _price(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int,
-               constraints: Constraints | None, gen_gpus: int | None) -> PoolChoice | None:
+               constraints: Constraints | None, gen_gpus: int | None, optional: bool = False) -> PoolChoice | None:
+        """The planner's plan under ``constraints`` priced with its levers; None where none fits a split's
+        pools or an ``optional`` pin (the colocated plan itself must fit: its error names the model-stage)."""
         try:
             result = search(Hardware(job.cluster), job, factors or None, constraints=constraints)
         except InfeasibleError:
-            if gen_gpus is None:
+            if gen_gpus is None and not optional:
                 raise
             return None
         choice = self.price(job, factors, levers, policy_lag, result.plan, result.estimate)

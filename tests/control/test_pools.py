@@ -2,17 +2,21 @@
 >= 1 — both pools laid out by the planner, the step priced as ``cost.levers.async_split`` prices it, and the
 simulator running what was chosen."""
 
+from dataclasses import replace
+
 import pytest
 
 from nereus.control.levers import NereusLevers
-from nereus.control.pools import ROLLOUT, PoolRule, runs_apart, split_constraints
+from nereus.control.pools import ROLLOUT, PoolRule, rollout_tp_constraints, runs_apart, split_constraints
 from nereus.cost.hardware import Hardware
 from nereus.cost.levers.async_split import async_step
-from nereus.planner.search import search
+from nereus.planner.search import Constraints, search
 from nereus.sim.baselines import make_policy
 from nereus.sim.run import simulate, simulate_with_backend
 from nereus.sim.step_timeline import step_rows
 from nereus.spec import load_job
+from nereus.spec.capability import RuntimeCapability
+from nereus.spec.job import ResponseLength
 from nereus.spec.trace import load_trace
 from tests.conftest import EXAMPLES, ROOT
 from tests.control.test_controller import small_job
@@ -31,11 +35,45 @@ def test_the_split_constraints_put_the_rollout_alone_on_its_pool():
     assert not runs_apart(colocated) or colocated.strategy != "colocated"
 
 
-def test_on_policy_the_rule_keeps_the_colocated_plan():
+def test_on_policy_the_rule_keeps_the_planners_plan_unless_another_rollout_tp_pays():
     job = _long_tail_job()
-    choice = PoolRule().choose(job, {}, NereusLevers(), 0, None)
-    assert choice.gen_gpus is None and choice.constraints is None
-    assert choice.plan == search(Hardware(job.cluster), job).plan
+    planned = search(Hardware(job.cluster), job).plan
+    kept = PoolRule(min_gain=1.0).choose(job, {}, NereusLevers(), 0, None)
+    assert kept.gen_gpus is None and kept.constraints is None and kept.plan == planned
+    assert PoolRule().choose(job, {}, None, 0, None).plan == planned  # no levers: nothing to price them with
+
+
+def test_the_rollout_tp_is_chosen_with_the_levers_priced_on_it():
+    """The planner ranks rollout layouts without the levers; on the 7B GRPO job (2,048 sequences a step) it
+    puts 256 sequences on each TP-4 replica, where speculation's verification is compute-bound longer than
+    on TP-2 replicas of 128: with the levers priced, TP 2 pays at r1_zero_growth's first lengths, and the
+    choice pins it for the controller. At the job's own longer lengths TP 4 stays."""
+    job = _long_tail_job().with_response(ResponseLength(1500, 8192, "lognormal", 0.7))
+    rule, levers = PoolRule(), NereusLevers()
+    planned = search(Hardware(job.cluster), job).plan
+    own = rule.price(job, {}, levers, 0, planned)
+    choice = rule.choose(job, {}, levers, 0, None)
+    tp = choice.plan.placement(str(ROLLOUT)).layout.tp
+    assert planned.placement(str(ROLLOUT)).layout.tp == 4 and tp == 2 and choice.gen_gpus is None
+    assert choice.step_s < own.step_s * (1 - rule.min_gain)
+    assert choice.levers is not None and choice.levers.speculation is not None
+    pinned = choice.constraints.layout_filter
+    rollout = planned.placement(str(ROLLOUT))
+    assert not pinned(ROLLOUT, rollout.layout) and pinned(ROLLOUT, replace(rollout.layout, tp=2, dp=16))
+    training = next(p for p in planned.placements if p.model_stage.stage == "training")
+    assert pinned(training.model_stage, training.layout)  # only the rollout is pinned
+    # the controller plans under the pin from the start
+    policy = make_policy("nereus", job, policy_lag=0)
+    assert policy.initial_plan(job.cluster.num_gpus).placement(str(ROLLOUT)).layout.tp == 2
+    longer = rule.choose(_long_tail_job(), {}, levers, 0, None)
+    assert longer.plan.placement(str(ROLLOUT)).layout.tp == 4 and longer.constraints is None
+
+
+def test_a_pinned_rollout_tp_keeps_the_runtimes_capability():
+    cap = RuntimeCapability(padded_rollouts=True)
+    pinned = rollout_tp_constraints(Constraints(capability=cap), 2)
+    assert pinned.capability is cap
+    assert rollout_tp_constraints(None, 2).capability is None
 
 
 def test_a_long_tail_at_one_step_of_lag_runs_one_step_off_priced_as_the_async_step():
