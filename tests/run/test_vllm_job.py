@@ -68,6 +68,9 @@ def test_ppo_with_vllm_recovers_a_worker_killed_mid_generation(ray_runtime, tmp_
     def generate_losing_a_worker(self, step, prompts, policy=None, levers=None):
         if step == LOSE_AT and not armed:
             armed.append(step)
+            # the loss under test comes after the step's snapshot is in (one lost while its images are
+            # still being taken falls back to the snapshot before and redoes one step more)
+            self.rt.settle_snapshot()
             self.rt.inject(FaultPlan.kill(1, "generate"))  # SIGKILL while its engine generates
         return real_generate(self, step, prompts, policy, levers)
 

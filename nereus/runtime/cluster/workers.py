@@ -415,6 +415,10 @@ class Runtime:
         ring = replica_ring(self.homes, ray.get_runtime_context().get_node_id()) if self.nodes else None
         return self.failover.snapshot(step, self.workers, list(self.specs.values()), self.homes or None, ring)
 
+    def settle_snapshot(self) -> None:
+        """Wait until the snapshot being taken is in (``Failover.settle``)."""
+        self.failover.settle(self.workers)
+
     def forget_snapshots(self) -> None:
         self.failover.forget()
 

@@ -180,9 +180,7 @@ class Failover:
 
         t0 = time.perf_counter()
         specs = list(specs)
-        if self._pending is not None:
-            self.get(workers, self._pending.complete())
-            self._promote(self._pending)
+        self.settle(workers)
         trained = _trained_models(specs)
         models = [m for m in _models(specs) if m in trained or m not in self.snapshots or m in self.refresh]
         if models:  # a trained model's training key holds what its other keys follow
@@ -203,6 +201,13 @@ class Failover:
             self._pending = PendingSnapshot(step, refs, {m: list(homes or []) for m in models}, copies)
         self.dirty.clear()
         return time.perf_counter() - t0
+
+    def settle(self, workers: list[ActorHandle]) -> None:
+        """Wait for the snapshot being taken and make it the one recovery uses (a worker lost before its
+        image is in makes recovery fall back to the snapshot before: ``recovery_sources``)."""
+        if self._pending is not None:
+            self.get(workers, self._pending.complete())
+            self._promote(self._pending)
 
     @property
     def latest_snapshot_step(self) -> int | None:
