@@ -18,7 +18,9 @@ same seed, data and warm-started actor, on two local Ray workers, in each mode, 
   rollout, over-launch 1.5, ``run.policy_lag: 1``);
 - ``levers`` (speculation + partial rollout) and ``tail+spec`` (speculation + tail batching), hand-picked;
 - ``nereus``: the controller's choice (``run.rollout.levers: auto``: the lever rule on the calibrated cost
-  model, docs/adaptation.md).
+  model, docs/adaptation.md);
+- ``concurrent``: ``run.overlap`` alone (the actor's and the reference's inference, on different workers, at
+  once; results identical), and ``nereus+concurrent``: the controller's choice on top of it.
 
 Every mode uses the same model (head size 32, which vLLM's CPU attention needs) and warm-start.
 
@@ -141,6 +143,16 @@ def tail_spec(spec: dict) -> dict:
     return fixed(spec, speculative=SPEC_KEY, tail_batching={"over_launch": OVER_LAUNCH})
 
 
+def concurrent(spec: dict) -> dict:
+    """Model-stages on disjoint workers at once (``run.overlap``), the fixed batch as in ``static``."""
+    spec["run"]["overlap"] = True
+    return spec
+
+
+def chosen_concurrent(spec: dict) -> dict:
+    return chosen(concurrent(spec))
+
+
 def chosen(spec: dict) -> dict:
     """The controller's choice: ``run.rollout.levers: auto`` (speculation and tail batching priced by the
     cost model on the job's cpu-local profile, step by step)."""
@@ -156,7 +168,8 @@ EXTRA = ("midstep/moves", "midstep/moved_sequences", "midstep/move_s", "midstep/
 MODES: dict[str, Callable[[dict], dict]] = {"static": static, "overlap": overlap, "intra": intra,
                                              "intra+midstep": intra_midstep, "async": asynchronous, "vllm": vllm,
                                              "speculative": speculative, "tail": tail, "partial": partial,
-                                             "levers": levers, "tail+spec": tail_spec, "nereus": chosen}
+                                             "levers": levers, "tail+spec": tail_spec, "nereus": chosen,
+                                             "concurrent": concurrent, "nereus+concurrent": chosen_concurrent}
 
 
 def base_spec(data: Path, args: argparse.Namespace) -> dict:
