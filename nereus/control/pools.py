@@ -28,7 +28,7 @@ from nereus.cost.generation import ROLLOUT
 from nereus.cost.hardware import Hardware
 from nereus.cost.levers.async_split import async_step
 from nereus.cost.plan_cost import PlanEstimate, estimate_plan
-from nereus.planner.candidates import tp_degrees
+from nereus.planner.candidates import enumerate_layouts, tp_degrees
 from nereus.planner.search import Constraints, placement_units, search
 from nereus.spec.errors import InfeasibleError
 from nereus.spec.job import JobSpec
@@ -61,6 +61,25 @@ def rollout_tp_constraints(base: Constraints | None, tp: int) -> Constraints:
 
     return Constraints(base.strategies if base is not None else None, pinned,
                        base.capability if base is not None else None)
+
+
+def rollout_at_tp(job: JobSpec, plan: Plan, tp: int, factors: dict[str, float],
+                  layout_filter: Callable[[ModelStage, Layout], bool] | None = None,
+                  ) -> tuple[Plan, PlanEstimate] | None:
+    """``plan`` with its rollout re-laid at TP ``tp`` on the same GPUs, every other placement kept: of the
+    layouts the planner enumerates there (within ``layout_filter``), the one whose plan is predicted
+    fastest and fits every device; None when none does."""
+    hw, rollout = Hardware(job.cluster), plan.placement(str(ROLLOUT))
+    best = None
+    for lay in enumerate_layouts(job, ROLLOUT, len(rollout.gpus)):
+        if lay.tp != tp or lay.world != len(rollout.gpus) or (layout_filter and not layout_filter(ROLLOUT, lay)):
+            continue
+        cand = replace(plan, placements=tuple(replace(p, layout=lay) if p.model_stage == ROLLOUT else p
+                                              for p in plan.placements))
+        est = estimate_plan(hw, job, cand, factors or None)
+        if est.feasible and (best is None or est.step_time_s < best[1].step_time_s):
+            best = (cand, est)
+    return best
 
 
 def runs_apart(plan: Plan) -> bool:
@@ -110,12 +129,12 @@ class PoolRule:
             return colocated
         n, node = job.cluster.num_gpus, job.cluster.gpus_per_node
         sizes = [g for g in powers_of_two(n // 2) if g >= min(node, n // 2)]
-        splits = []
-        for g in sizes:
-            pools = split_constraints(job, g, base.layout_filter if base else None)
-            if (c := self._price(job, factors, levers, policy_lag, pools, g)) is not None:
-                splits.append(self._at_rollout_tps(job, factors, levers, policy_lag, pools, g, c))
+        splits = [c for g in sizes
+                  if (c := self._price(job, factors, levers, policy_lag,
+                                       split_constraints(job, g, base.layout_filter if base else None), g))]
         best = min(splits, key=lambda c: c.step_s, default=None)
+        if best is not None:  # the fastest split's rollout at the neighbouring TPs too
+            best = self._at_rollout_tps(job, factors, levers, policy_lag, best.constraints, best.gen_gpus, best)
         if best is None or best.step_s >= colocated.step_s * (1 - self.min_gain):
             return colocated
         return best
@@ -126,28 +145,33 @@ class PoolRule:
         with the rollout pinned at each other TP: the planner ranks rollout layouts without the levers, yet
         speculation's verification turns compute-bound sooner on a wide replica's large batch (256 live
         sequences per TP-4 replica against 128 per TP-2 one), so the best layout with the levers can differ.
-        Another TP is kept only when it beats ``planned`` by ``min_gain``."""
+        Another TP is kept only when it beats ``planned`` by ``min_gain``. The TPs tried are the planner's
+        neighbours, half and twice its own (the price moves with the batch a replica holds, which halves or
+        doubles with each step). They re-lay the rollout
+        alone on its GPUs (``rollout_at_tp``, no second search: at 1,024 GPUs a search costs as much as the
+        lever choice); the controller plans every stage under the pin from then on."""
         if levers is None:
             return planned
         own = planned.plan.placement(str(ROLLOUT)).layout.tp
         best = planned
-        for tp in tp_degrees(job, ROLLOUT.model, gen_gpus or job.cluster.num_gpus):
-            if tp == own:
+        given = constraints.layout_filter if constraints is not None else None
+        for tp in set(tp_degrees(job, ROLLOUT.model, gen_gpus or job.cluster.num_gpus)) & {own // 2, own * 2}:
+            relaid = rollout_at_tp(job, planned.plan, tp, factors, given)
+            if relaid is None:
                 continue
-            pinned = rollout_tp_constraints(constraints, tp)
-            c = self._price(job, factors, levers, policy_lag, pinned, gen_gpus, optional=True)
-            if c is not None and c.step_s < planned.step_s * (1 - self.min_gain) and c.step_s < best.step_s:
-                best = c
+            c = self.price(job, factors, levers, policy_lag, *relaid)
+            if c.step_s < planned.step_s * (1 - self.min_gain) and c.step_s < best.step_s:
+                best = replace(c, constraints=rollout_tp_constraints(constraints, tp))
         return best
 
     def _price(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int,
-               constraints: Constraints | None, gen_gpus: int | None, optional: bool = False) -> PoolChoice | None:
+               constraints: Constraints | None, gen_gpus: int | None) -> PoolChoice | None:
         """The planner's plan under ``constraints`` priced with its levers; None where none fits a split's
-        pools or an ``optional`` pin (the colocated plan itself must fit: its error names the model-stage)."""
+        pools (the colocated plan itself must fit: its error names the model-stage)."""
         try:
             result = search(Hardware(job.cluster), job, factors or None, constraints=constraints)
         except InfeasibleError:
-            if gen_gpus is None and not optional:
+            if gen_gpus is None:
                 raise
             return None
         choice = self.price(job, factors, levers, policy_lag, result.plan, result.estimate)

@@ -7,7 +7,14 @@ from dataclasses import replace
 import pytest
 
 from nereus.control.levers import NereusLevers
-from nereus.control.pools import ROLLOUT, PoolRule, rollout_tp_constraints, runs_apart, split_constraints
+from nereus.control.pools import (
+    ROLLOUT,
+    PoolRule,
+    rollout_at_tp,
+    rollout_tp_constraints,
+    runs_apart,
+    split_constraints,
+)
 from nereus.cost.hardware import Hardware
 from nereus.cost.levers.async_split import async_step
 from nereus.planner.search import Constraints, search
@@ -67,6 +74,17 @@ def test_the_rollout_tp_is_chosen_with_the_levers_priced_on_it():
     assert policy.initial_plan(job.cluster.num_gpus).placement(str(ROLLOUT)).layout.tp == 2
     longer = rule.choose(_long_tail_job(), {}, levers, 0, None)
     assert longer.plan.placement(str(ROLLOUT)).layout.tp == 4 and longer.constraints is None
+
+
+def test_the_rollout_is_re_laid_at_another_tp_on_its_own_gpus_alone():
+    job = _long_tail_job()
+    planned = search(Hardware(job.cluster), job).plan
+    plan, est = rollout_at_tp(job, planned, 2, {})
+    rollout = plan.placement(str(ROLLOUT))
+    assert rollout.layout.tp == 2 and rollout.gpus == planned.placement(str(ROLLOUT)).gpus and est.feasible
+    assert [p for p in plan.placements if p.model_stage != ROLLOUT] == \
+        [p for p in planned.placements if p.model_stage != ROLLOUT]
+    assert rollout_at_tp(job, planned, 2, {}, lambda ms, lay: lay.pp > 8) is None  # nothing allowed
 
 
 def test_a_pinned_rollout_tp_keeps_the_runtimes_capability():
