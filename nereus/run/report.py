@@ -15,6 +15,24 @@ if TYPE_CHECKING:
     from nereus.run.driver import Stepper
 
 
+def critic_metrics(st: Stepper, step: int, mask: torch.Tensor, inf: dict, adv: dict, stats: dict) -> dict[str, float]:
+    """verl's ``critic/*`` figures: advantages, rewards, returns (GRPO: the advantages, as verl's) and, with a
+    critic, its values and update."""
+    m = masked_stats("critic/advantages", adv["adv"], mask)
+    if "rewards" in adv:
+        seq = (adv["rewards"] * mask).sum(1)
+        m.update({"critic/rewards/mean": float(seq.mean()), "critic/rewards/max": float(seq.max()),
+                  "critic/rewards/min": float(seq.min())})
+    m.update(masked_stats("critic/returns", adv["returns"], mask))
+    if "values" in inf:
+        m.update(masked_stats("critic/values", inf["values"], mask))
+        m["critic/vf_explained_var"] = explained_variance(adv["returns"], inf["values"], mask)
+        c, r = stats["critic"], st.run
+        m.update({"critic/vf_loss": mean(c, "vf_loss"), "critic/vf_clipfrac": weighted(c, "vf_clipfrac"),
+                  "critic/vpred_mean": weighted(c, "vpred_mean"), "critic/lr": r.lr_at(r.critic_lr, step)})
+    return m
+
+
 def step_metrics(st: Stepper, step: int, roll: Rollout, inf: dict, adv: dict, stats: dict) -> dict[str, float]:
     mask, r = roll.mask, st.run
     limit = r.max_response_length(step, st.job.workload.response.max)
@@ -40,18 +58,7 @@ def step_metrics(st: Stepper, step: int, roll: Rollout, inf: dict, adv: dict, st
         m.update(solve_shares(inf["score"], st.alg.samples_per_prompt))
     if "rm" in inf:
         m["reward_model/score/mean"] = float(inf["rm"].mean())
-    m.update(masked_stats("critic/advantages", adv["adv"], mask))
-    if "rewards" in adv:
-        seq = (adv["rewards"] * mask).sum(1)
-        m.update({"critic/rewards/mean": float(seq.mean()), "critic/rewards/max": float(seq.max()),
-                  "critic/rewards/min": float(seq.min())})
-    m.update(masked_stats("critic/returns", adv["returns"], mask))  # GRPO: the advantages, as verl's
-    if "values" in inf:
-        m.update(masked_stats("critic/values", inf["values"], mask))
-        m["critic/vf_explained_var"] = explained_variance(adv["returns"], inf["values"], mask)
-        c = stats["critic"]
-        m.update({"critic/vf_loss": mean(c, "vf_loss"), "critic/vf_clipfrac": weighted(c, "vf_clipfrac"),
-                  "critic/vpred_mean": weighted(c, "vpred_mean"), "critic/lr": r.lr_at(r.critic_lr, step)})
+    m.update(critic_metrics(st, step, mask, inf, adv, stats))
     a = stats["actor"]
     m.update({"actor/pg_loss": mean(a, "pg_loss"), "actor/pg_clipfrac": weighted(a, "pg_clipfrac"),
               "actor/pg_clipfrac_lower": weighted(a, "pg_clipfrac_lower"),
