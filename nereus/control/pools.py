@@ -30,6 +30,7 @@ from nereus.cost.levers.async_split import async_step
 from nereus.cost.plan_cost import PlanEstimate, estimate_plan
 from nereus.planner.candidates import enumerate_layouts, tp_degrees
 from nereus.planner.search import Constraints, placement_units, search
+from nereus.spec.capability import RuntimeCapability
 from nereus.spec.errors import InfeasibleError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage, Plan
@@ -39,9 +40,10 @@ STALENESS = 1  # one-step-off: the only asynchrony run.policy_lag 1 allows
 
 
 def split_constraints(job: JobSpec, gen_gpus: int,
-                      layout_filter: Callable[[ModelStage, Layout], bool] | None = None) -> Constraints:
+                      layout_filter: Callable[[ModelStage, Layout], bool] | None = None,
+                      capability: RuntimeCapability | None = None) -> Constraints:
     """The rollout alone on exactly ``gen_gpus`` GPUs, every other model together on the rest (within
-    ``layout_filter``, when given)."""
+    ``layout_filter``, when given; ``capability``: the runtime the plan is for, kept on the constraints)."""
     n = job.cluster.num_gpus
     others = "+".join(u for u in placement_units(job) if u != "rollout")
 
@@ -49,7 +51,7 @@ def split_constraints(job: JobSpec, gen_gpus: int,
         fits = layout.world == gen_gpus if ms == ROLLOUT else layout.world <= n - gen_gpus
         return fits and (layout_filter is None or layout_filter(ms, layout))
 
-    return Constraints((f"rollout | {others}",), pools)
+    return Constraints((f"rollout | {others}",), pools, capability)
 
 
 def rollout_tp_constraints(base: Constraints | None, tp: int) -> Constraints:
@@ -129,9 +131,9 @@ class PoolRule:
             return colocated
         n, node = job.cluster.num_gpus, job.cluster.gpus_per_node
         sizes = [g for g in powers_of_two(n // 2) if g >= min(node, n // 2)]
+        given, cap = (base.layout_filter, base.capability) if base is not None else (None, None)
         splits = [c for g in sizes
-                  if (c := self._price(job, factors, levers, policy_lag,
-                                       split_constraints(job, g, base.layout_filter if base else None), g))]
+                  if (c := self._price(job, factors, levers, policy_lag, split_constraints(job, g, given, cap), g))]
         best = min(splits, key=lambda c: c.step_s, default=None)
         if best is not None:  # the fastest split's rollout at the neighbouring TPs too
             best = self._at_rollout_tps(job, factors, levers, policy_lag, best.constraints, best.gen_gpus, best)

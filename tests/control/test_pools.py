@@ -87,11 +87,12 @@ def test_the_rollout_is_re_laid_at_another_tp_on_its_own_gpus_alone():
     assert rollout_at_tp(job, planned, 2, {}, lambda ms, lay: lay.pp > 8) is None  # nothing allowed
 
 
-def test_a_pinned_rollout_tp_keeps_the_runtimes_capability():
+def test_a_pinned_rollout_tp_and_a_split_keep_the_runtimes_capability():
     cap = RuntimeCapability(padded_rollouts=True)
     pinned = rollout_tp_constraints(Constraints(capability=cap), 2)
     assert pinned.capability is cap
     assert rollout_tp_constraints(None, 2).capability is None
+    assert split_constraints(small_job(16), 4, None, cap).capability is cap
 
 
 def test_a_long_tail_at_one_step_of_lag_runs_one_step_off_priced_as_the_async_step():
