@@ -1,4 +1,5 @@
-"""Decisions about bounded asynchrony: whether the rollout gets GPUs of its own, and how many.
+"""Decisions about the rollout's GPUs: whether it gets GPUs of its own (bounded asynchrony), how many, and
+its tensor parallelism priced with the levers.
 
 With ``run.policy_lag`` >= 1 the controller may run one-step-off: the rollout alone on g GPUs generates
 step k + 1 while every other model trains step k on the n - g others (verl's one-step-off recipe;
@@ -7,13 +8,15 @@ colocated plan against every split whose rollout pool is a power of two from one
 (the planner lays out both pools under ``split_constraints``; the GPU counts the search splits by are
 powers of two, so other pool sizes leave GPUs idle), each with the generation levers the lever rule picks
 for it — at one step less of lag on a split, whose every token is already a step old — and keeps the
-fastest. A split is admitted only when it beats the colocated step by ``min_gain``.
+fastest. A split is admitted only when it beats the colocated step by ``min_gain``. At every policy lag
+the colocated plan, and the fastest split, are also priced with the rollout at half and twice the
+planner's TP, since the levers' gain depends on the batch a replica holds (``PoolRule._at_rollout_tps``).
 
 Within a split the pools are independent (the rollout's layout sets the generation time, the others'
 the training time), so the controller's usual search, which minimises their sum, also minimises the
 slower pool: it keeps adapting each pool's layout between steps under the split's constraints.
 
-The split is chosen at the start, on the priors, and again when the GPU count changes, not on the
+The split and the TP are chosen at the start, on the priors, and again when the GPU count changes, not on the
 calibrated model: the calibration fits the generation factors to steps measured with the levers on, so a
 calibrated price would count a lever's gain twice (a split measured at 85 s of generation priced at 46 s).
 """
@@ -120,8 +123,9 @@ class PoolRule:
     def choose(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int,
                base: Constraints | None, colocated_plan: Plan | None = None) -> PoolChoice:
         """The fastest of the colocated plan (under ``base``; ``colocated_plan`` when the caller has searched
-        it already) and the splits of ``job``'s GPUs, each with its levers and each also at every rollout TP
-        (``rollout_tp_constraints``); the planner's own choice unless another beats it by ``min_gain``."""
+        it already) and the splits of ``job``'s GPUs, each with its levers, the colocated plan and the fastest
+        split also at the neighbouring rollout TPs (``_at_rollout_tps``); the planner's own choice unless
+        another beats it by ``min_gain``."""
         if colocated_plan is None:
             colocated = self._price(job, factors, levers, policy_lag, base, None)
         else:
@@ -143,21 +147,20 @@ class PoolRule:
 
     def _at_rollout_tps(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int,
                         constraints: Constraints | None, gen_gpus: int | None, planned: PoolChoice) -> PoolChoice:
-        """``planned`` (the planner's plan under ``constraints``, priced with its levers) against the same pool
-        with the rollout pinned at each other TP: the planner ranks rollout layouts without the levers, yet
+        """``planned`` (the planner's plan under ``constraints``, priced with its levers) against the same plan
+        with the rollout at half and twice its TP: the planner ranks rollout layouts without the levers, yet
         speculation's verification turns compute-bound sooner on a wide replica's large batch (256 live
-        sequences per TP-4 replica against 128 per TP-2 one), so the best layout with the levers can differ.
-        Another TP is kept only when it beats ``planned`` by ``min_gain``. The TPs tried are the planner's
-        neighbours, half and twice its own (the price moves with the batch a replica holds, which halves or
-        doubles with each step). They re-lay the rollout
-        alone on its GPUs (``rollout_at_tp``, no second search: at 1,024 GPUs a search costs as much as the
-        lever choice); the controller plans every stage under the pin from then on."""
+        sequences per TP-4 replica against 128 per TP-2 one), so the best layout with the levers can differ,
+        and it moves with the batch a replica holds, which halves or doubles with each step of TP. Another
+        TP is kept only when it beats ``planned`` by ``min_gain``; it re-lays the rollout alone on its GPUs
+        (``rollout_at_tp``: no second search, which at 1,024 GPUs costs as much as the lever choice), and
+        the controller plans every stage under that TP from then on (``rollout_tp_constraints``)."""
         if levers is None:
             return planned
         own = planned.plan.placement(str(ROLLOUT)).layout.tp
         best = planned
         given = constraints.layout_filter if constraints is not None else None
-        for tp in set(tp_degrees(job, ROLLOUT.model, gen_gpus or job.cluster.num_gpus)) & {own // 2, own * 2}:
+        for tp in sorted(set(tp_degrees(job, ROLLOUT.model, gen_gpus or job.cluster.num_gpus)) & {own // 2, own * 2}):
             relaid = rollout_at_tp(job, planned.plan, tp, factors, given)
             if relaid is None:
                 continue
