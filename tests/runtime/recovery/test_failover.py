@@ -118,3 +118,31 @@ def test_worker_killed_mid_transition(ray_runtime):
         rt.train_step(train.key, make_batch(ACTOR, 2), loss, lr=ADAM_LR)
     finally:
         _release(rt, [train.key, ref.key])
+
+
+def test_a_snapshot_whose_lost_image_failed_gives_way_to_the_one_before(ray_runtime):
+    """A worker lost before its image of the newest snapshot was in: recovery settles on the snapshot before,
+    and every trained model comes from it (their live state has changed since); a lost worker whose image
+    is in leaves the newest snapshot in force, with nothing taken from it."""
+    import ray
+
+    from nereus.runtime.recovery.failover import Failover, PendingSnapshot
+
+    @ray.remote(num_cpus=0)  # the runtime's workers hold the CPUs
+    def image(ok: bool) -> bytes:
+        if not ok:
+            raise RuntimeError("the worker died before its image was in")
+        return b"image"
+
+    specs = [spec("actor", lay(dp=2), [0, 1]), spec("reference", lay(dp=2), [0, 1])]
+
+    def failover(newest_ok: bool) -> Failover:
+        f = Failover()
+        f.snapshots, f.snapshot_step = {m: [ray.put(b"old"), ray.put(b"old")] for m in ("actor", "reference")}, 3
+        f._pending = PendingSnapshot(4, {"actor": [image.remote(True), image.remote(newest_ok)]}, {})
+        return f
+
+    fell_back = failover(newest_ok=False)
+    assert fell_back.recovery_sources([], specs, lost=[1]) == {"actor"} and fell_back.snapshot_step == 3
+    kept = failover(newest_ok=True)
+    assert kept.recovery_sources([], specs, lost=[1]) == set() and kept.snapshot_step == 4
