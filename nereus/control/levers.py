@@ -43,7 +43,7 @@ from nereus.cost.levers.lengths import GroupLengths, MeasuredLengths, RolloutPoo
 from nereus.cost.levers.partial_rollout import budget_for_lag, steady_round
 from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
 from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
-from nereus.cost.levers.tail_batching import TailBatchingEstimate, best_over_launch, tail_batching
+from nereus.cost.levers.tail_batching import Lengths, TailBatchingEstimate, best_over_launch, tail_batching
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import generation_replica
 from nereus.spec.generation import SetSpeculation
@@ -133,7 +133,7 @@ class NereusLevers(LeverRule):
         recent = self.siblings_measured[-SIBLINGS_WINDOW:]
         return statistics.median(recent) if recent else SIBLINGS_PRIOR
 
-    def lengths(self, job: JobSpec) -> GroupLengths | MeasuredLengths:
+    def lengths(self, job: JobSpec) -> Lengths:
         """The length model tail batching is priced on: where the backend reports its responses' lengths,
         the groups of the last plain steps (``MEASURED_GROUPS_MIN`` at least); else the job's (forecast)
         response lengths as a log-normal, their spread and the sibling correlation as measured where the
@@ -175,11 +175,12 @@ class NereusLevers(LeverRule):
         spec = spec if base - spec_s > self.min_gain * base else None
         others = rest.seconds if rest is not None else 0.0  # the same for every lever but tail batching
         options = [(spec_s + others, GenerationLevers(speculation=spec))] if spec is not None else []
-        batching = self._tail_batching(model, base, rest)
+        lengths = self.lengths(model.job)  # one length model for tail batching alone and with speculation
+        batching = self._tail_batching(model, lengths, base, rest)
         if batching is not None:
             options.append((batching[1], GenerationLevers(tail_batching=batching[0])))
             if spec is not None:  # both: each round's generation speculated
-                both = self._with_speculation(model, batching, spec, f, base, rest)
+                both = self._with_speculation(model, lengths, batching, spec, f, base, rest)
                 options.append((both, GenerationLevers(speculation=spec, tail_batching=batching[0])))
         if policy_lag >= 1:
             options += [(t + others, lv) for t, lv in self._partial(model, bulk, f, policy_lag, spec)]
@@ -212,15 +213,14 @@ class NereusLevers(LeverRule):
             best = min(best, priced(Speculation(spec.draft, spec.draft_tokens, live)), key=lambda x: x[0])
         return best
 
-    def _with_speculation(self, model: GenModel, batching: tuple[TailBatching, float, TailBatchingEstimate],
-                          spec: Speculation, f: Factors, base: float, rest: PaddedRest | None) -> float:
+    def _with_speculation(self, model: GenModel, lengths: Lengths,
+                          batching: tuple[TailBatching, float, TailBatchingEstimate], spec: Speculation, f: Factors,
+                          base: float, rest: PaddedRest | None) -> float:
         """Tail batching's seconds per step (``batching``) with ``spec`` in its rounds: each round's
         generation times what speculation saves on its lengths (the short round's clipped at its stop, so
         that a live-batch threshold below the sequences still running there switches nothing on; the long
         round's the deferred prompts')."""
         _, t, est = batching
-        job = model.job
-        lengths = self.lengths(job)
         short = np.minimum(spread(lengths.response_quantiles(), round(est.short.sequences)), est.stop_length)
         long = spread(lengths.deferred_quantiles(est.stop_length), round(est.long.sequences))
         long[-1] = max(long[-1], est.long.longest)
@@ -243,14 +243,13 @@ class NereusLevers(LeverRule):
         return RolloutPool(replica, model.placement.layout.dp, model.slots, float(job.workload.prompt_length),
                            padded)
 
-    def _tail_batching(self, model: GenModel, base: float,
+    def _tail_batching(self, model: GenModel, lengths: Lengths, base: float,
                        rest: PaddedRest | None) -> tuple[TailBatching, float, TailBatchingEstimate] | None:
         """The over-launch factor that pays most (``cost.levers.tail_batching``) at the prior sibling
         correlation, the seconds it predicts per step (of generation alone: ``base`` scaled by its speedup;
         or with ``rest`` of the whole step, each round's other stages at its longest response) and its
         estimate. None when none pays ``min_gain``."""
         job = model.job
-        lengths = self.lengths(job)
         pool, groups = self._pool(model, rest), job.workload.prompts_per_step
         if rest is None:
             est = best_over_launch(pool, lengths, groups)

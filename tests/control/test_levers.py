@@ -81,9 +81,10 @@ def test_both_levers_are_priced_together_round_by_round():
     model, bulk = _forecast()
     rule = NereusLevers(siblings_measured=[0.8])
     base = no_move(model, bulk).generation_s
-    tail = rule._tail_batching(model, base, None)
+    lengths = rule.lengths(model.job)
+    tail = rule._tail_batching(model, lengths, base, None)
     spec_s, spec = rule._speculation(model, bulk, Factors())
-    both = rule._with_speculation(model, tail, spec, Factors(), base, None)
+    both = rule._with_speculation(model, lengths, tail, spec, Factors(), base, None)
     assert both < min(tail[1], spec_s)
     choice = rule.choose(model, bulk, Factors(), policy_lag=0)
     assert choice.levers.speculation == spec and choice.levers.tail_batching == tail[0]
