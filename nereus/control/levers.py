@@ -41,7 +41,7 @@ from nereus.cost.generation import BulkRun, GenModel, forecast_lengths, no_move,
 from nereus.cost.hardware import Hardware
 from nereus.cost.levers.lengths import GroupLengths, MeasuredLengths, RolloutPool, measured_groups
 from nereus.cost.levers.partial_rollout import budget_for_lag, steady_round
-from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
+from nereus.cost.levers.spec_run import MODEL_FREE, switch_times, with_speculation
 from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
 from nereus.cost.levers.tail_batching import Lengths, TailBatchingEstimate, best_over_launch, tail_batching
 from nereus.cost.plan_cost import estimate_plan
@@ -122,6 +122,8 @@ class NereusLevers(LeverRule):
     siblings_measured: list[float] = field(default_factory=list)  # per step, where the backend measures it
     sigma_measured: list[float] = field(default_factory=list)  # the spread of log lengths, likewise
     lengths_measured: list[tuple[float, ...]] = field(default_factory=list)  # per step, its responses' lengths
+    # the log-normal length model last priced on, kept while its inputs stay, with the quantiles it answered
+    last_lengths: GroupLengths | None = field(default=None, repr=False, compare=False)
 
     def alpha(self, draft: str) -> float:
         return self.acceptance.get(draft, prior(DraftKind(draft))).alpha
@@ -145,7 +147,10 @@ class NereusLevers(LeverRule):
         resp, recent = job.workload.response, self.sigma_measured[-SIBLINGS_WINDOW:]
         if recent:
             resp = replace(resp, sigma=statistics.median(recent))
-        return GroupLengths.of(resp, self.siblings, job.algorithm.samples_per_prompt)
+        built = GroupLengths.of(resp, self.siblings, job.algorithm.samples_per_prompt)
+        if built != self.last_lengths:
+            self.last_lengths = built
+        return self.last_lengths
 
     def observe(self, m: StepMetrics) -> None:
         """Calibrate each draft kind's acceptance on the verifications the engine measured, and the length
@@ -200,11 +205,17 @@ class NereusLevers(LeverRule):
     def _speculation(self, model: GenModel, bulk: BulkRun, f: Factors) -> tuple[float, Speculation]:
         """The fastest speculation on the forecast and its generation seconds. The model-free kinds cost the
         same to draft (a lookup per sequence), so the one with the highest acceptance wins at every k and
-        threshold: coarse, its every draft length on at every live batch; fine, the best one's thresholds."""
+        threshold: coarse, its every draft length on at every live batch; fine, the best one's thresholds.
+        Thresholds that switch every replica at the same moments price the same (a replica holding 8
+        sequences switches at its last start for every threshold from 8 up): each is priced once."""
+        seen: dict[tuple[int, bytes], float] = {}
 
         def priced(s: Speculation) -> tuple[float, Speculation]:
-            alpha = self.alpha(s.draft)
-            return with_speculation(model, bulk, s.draft_tokens, s.live_at_most, alpha, f).outcome.generation_s, s
+            key = (s.draft_tokens, switch_times(bulk, s.live_at_most).tobytes())
+            if key not in seen:
+                alpha = self.alpha(s.draft)
+                seen[key] = with_speculation(model, bulk, s.draft_tokens, s.live_at_most, alpha, f).outcome.generation_s
+            return seen[key], s
 
         draft = max(MODEL_FREE, key=self.alpha)
         best = min((priced(Speculation(draft, k, model.slots)) for k in DRAFT_LENGTHS), key=lambda x: x[0])

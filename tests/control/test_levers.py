@@ -51,6 +51,32 @@ def test_the_rule_picks_the_speculation_with_the_largest_predicted_gain():
     assert fixed.levers.speculation == Speculation("ngram", 5, 32)
 
 
+def test_the_rule_keeps_its_length_model_while_its_inputs_stay_and_prices_each_switch_pattern_once(monkeypatch):
+    """Across the plans one decision prices (the pools' options), the length model and its quantiles are
+    built once; speculation thresholds that switch every replica at the same moments are priced once."""
+    job = tiny_job("grpo", "unused")
+    rule = NereusLevers()
+    first = rule.lengths(job)
+    assert rule.lengths(job) is first
+    rule.observe(StepMetrics(0, {}, {}, 1.0, 1.0, 1.0, 8, 1.0, length_sigma=0.3))
+    assert rule.lengths(job) is not first and rule.lengths(job).sigma == 0.3
+    model, _ = _forecast()
+    replicas = model.placement.layout.dp  # two sequences a replica: every threshold from 2 up switches alike
+    bulk = run_bulk(model, forecast_lengths(model.job.workload.response, 2 * replicas), Factors())
+    calls = []
+    real = levers_module.with_speculation
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(args[3])  # the live-batch threshold
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(levers_module, "with_speculation", counted)
+    rule._speculation(model, bulk, Factors())
+    patterns = {levers_module.switch_times(bulk, live).tobytes() for live in levers_module.powers_of_two(model.slots)}
+    assert len(patterns) < len(levers_module.powers_of_two(model.slots))
+    assert len(calls) == len(levers_module.DRAFT_LENGTHS) + len(patterns) - 1  # the coarse pass's own is kept
+
+
 def test_acceptance_is_calibrated_on_the_engines_counts_not_read_from_the_trace():
     rule = NereusLevers()
     prior = rule.alpha("suffix")

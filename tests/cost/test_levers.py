@@ -112,6 +112,21 @@ def test_alike_siblings_finish_together_and_deferred_prompts_stay_long():
     assert alike.kept_mean(stop) < stop and alike.kept_mean(stop) < alike.mean
 
 
+def test_a_length_models_answers_are_kept_per_question_and_equal_a_fresh_ones():
+    """The quantiles are kept on the (frozen) instance: asked again, or with other arguments, each answer is
+    the one a fresh instance computes for those arguments."""
+    kept = GroupLengths.of(DAPO, 0.5, 16)
+    for stop in (2000.0, 4000.0, 2000.0):
+        fresh = GroupLengths.of(DAPO, 0.5, 16)
+        assert kept.deferred_quantiles(stop) == fresh.deferred_quantiles(stop)
+        assert kept.deferred_longest(stop, 64) == fresh.deferred_longest(stop, 64)
+        assert kept.kept_mean(stop) == fresh.kept_mean(stop)
+    assert kept.deferred_quantiles(2000.0) != kept.deferred_quantiles(4000.0)
+    assert kept.response_quantiles(8) == GroupLengths.of(DAPO, 0.5, 16).response_quantiles(8)
+    assert len(kept.response_quantiles(8)) == 8 and len(kept.response_quantiles(16)) == 16
+    assert kept == GroupLengths.of(DAPO, 0.5, 16)  # what it has answered is no part of its value
+
+
 # --- tail batching (RollPacker) -----------------------------------------------------------------------------
 
 def test_tail_batching_without_over_launch_is_the_synchronous_round():

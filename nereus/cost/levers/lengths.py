@@ -12,9 +12,10 @@ longest response. Expectations over Z_prompt use equally weighted normal quantil
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from statistics import NormalDist
 
@@ -32,6 +33,21 @@ QUANTILE_STEPS = 32
 LENGTH_POINTS = 16  # quantiles of a length distribution handed to the decode model (as cost.stages does)
 
 
+def _memoized(method: Callable) -> Callable:
+    """A pure method of a frozen ``GroupLengths`` with its answers kept on the instance: every lever and
+    every plan the controller prices asks the same quantiles (their bisections were half of the start-of-run
+    choice at 1,024 GPUs), and the instance cannot change under them."""
+
+    @functools.wraps(method)
+    def cached(self: GroupLengths, *args: float) -> object:
+        key = (method.__name__, args)
+        if key not in self.answers:
+            self.answers[key] = method(self, *args)
+        return self.answers[key]
+
+    return cached
+
+
 @dataclass(frozen=True)
 class GroupLengths:
     """Lengths of groups of ``group_size`` responses with sibling correlation ``siblings`` (ρ)."""
@@ -41,6 +57,7 @@ class GroupLengths:
     sigma: float
     siblings: float
     group_size: int
+    answers: dict = field(default_factory=dict, init=False, compare=False, hash=False, repr=False)
 
     @staticmethod
     def of(resp: ResponseLength, siblings: float, group_size: int) -> GroupLengths:
@@ -95,6 +112,7 @@ class GroupLengths:
         g = self.group_size
         return sum(f ** g for f in self.prompt_cdfs(x)) / PROMPT_POINTS
 
+    @_memoized
     def group_quantile(self, q: float) -> float:
         """The length by which a share ``q`` of the groups has finished (bisection on ``group_cdf``)."""
         return float(self.max) if q >= 1 else self._quantile(self.group_cdf, q)
@@ -109,10 +127,12 @@ class GroupLengths:
             lo, hi = (mid, hi) if cdf(mid) < q else (lo, mid)
         return hi
 
+    @_memoized
     def longest(self, count: int) -> float:
         """Expected longest of ``count`` responses (the 1 − 1/(count+1) quantile of the marginal)."""
         return self._quantile(self.response_cdf, 1 - 1 / (count + 1))
 
+    @_memoized
     def response_quantiles(self, points: int = LENGTH_POINTS) -> tuple[float, ...]:
         return tuple(self._quantile(self.response_cdf, (i + 0.5) / points) for i in range(points))
 
@@ -129,16 +149,19 @@ class GroupLengths:
         w = self.deferred_weights(stop) if weights is None else weights
         return sum(wj * f for wj, f in zip(w, self.prompt_cdfs(x), strict=True) if wj > 0)
 
+    @_memoized
     def deferred_quantiles(self, stop: float, points: int = LENGTH_POINTS) -> tuple[float, ...]:
         w = self.deferred_weights(stop)
         return tuple(self._quantile(lambda x: self.deferred_cdf(x, stop, w), (i + 0.5) / points)
                      for i in range(points))
 
+    @_memoized
     def deferred_longest(self, stop: float, count: int) -> float:
         """Expected longest of ``count`` fresh responses to deferred prompts (the 1 − 1/(count+1) quantile)."""
         w = self.deferred_weights(stop)
         return self._quantile(lambda x: self.deferred_cdf(x, stop, w), 1 - 1 / (count + 1))
 
+    @_memoized
     def kept_mean(self, stop: float) -> float:
         """Mean length of a response whose group finished by ``stop`` (the groups a short round keeps)."""
         q = self.response_quantiles(LENGTH_POINTS * 4)
