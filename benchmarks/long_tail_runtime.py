@@ -32,7 +32,8 @@ starts from a copy of its checkpoints.
 
 Per mode: mean step time (wall time between the ends of consecutive steps; the first ``--skip`` steps left
 out as warm-up), the job's own ``timing_s/step`` and ``timing_s/gen``, each worker's idle fraction
-(``perf/idle_fraction/worker_<i>``), the held-out accuracy after the last step (greedy, the job's eval on the
+(``perf/idle_fraction/worker_<i>``), the held-out accuracy after the last step (the mean of ``--val-samples``
+sampled answers per prompt, or greedy; the job's eval on the
 val parquet) and the mean of the evaluations in the run's second half (with ``--eval-every``), and the share of
 trained prompt groups with a learning signal (``batch/solve_partial``). The modes run in ``--rounds``
 rounds, each round every mode once in a rotated order, so the drifting load of a shared machine hits all
@@ -83,6 +84,11 @@ ASYNC_LAYOUTS = {"actor/generation": {"layout": "dp=1", "ranks": [0]},
 MIDSTEP_KEY: dict = {"enabled": True}
 SPEC_KEY: dict = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 OVER_LAUNCH = 1.5
+# Held-out answers sampled at the rollouts' own temperature: the task's held-out set holds one prompt per
+# count (rl.longtail.held_out), a third of its rows the count-1 prompt, so a greedy accuracy moves by a
+# count's whole share (up to 33 points) when one argmax flips, and two runs of one job differ by 5-10 points
+# from step to step; the mean of n samples per row moves with the policy's success rate.
+VAL_TEMPERATURE = 1.0
 
 
 def static(spec: dict) -> dict:
@@ -183,15 +189,22 @@ def base_spec(data: Path, args: argparse.Namespace) -> dict:
                        warmstart={"actor_steps": args.warmstart, "batch": 64, "lr": 0.003},
                        data={"train": str(data / "repeat_train.parquet"), "val": str(data / "repeat_val.parquet")},
                        checkpoint={"dir": str(data / "unused"), "every": 10**6})
+    if args.val_samples:  # the mean of n sampled answers (verl's mean@n): see VAL_TEMPERATURE
+        spec["run"]["rollout"] = {"val_kwargs": {"n": args.val_samples, "do_sample": True,
+                                                 "temperature": VAL_TEMPERATURE}}
     return spec
 
 
 def mode_jobs(base: dict, names: list[str]) -> tuple[dict[str, JobSpec], dict[str, str]]:
     """Each mode's job, and for each mode the spec refuses (a key not there yet) the spec's error."""
     jobs, skipped = {}, {}
+    val = base["run"].get("rollout", {}).get("val_kwargs")  # every mode evaluates alike
     for name in names:
+        spec = MODES[name](copy.deepcopy(base))
+        if val is not None:
+            spec["run"]["rollout"] = {**spec["run"].get("rollout", {}), "val_kwargs": copy.deepcopy(val)}
         try:
-            jobs[name] = job_from_dict(MODES[name](copy.deepcopy(base)))
+            jobs[name] = job_from_dict(spec)
         except SpecError as err:
             skipped[name] = str(err)
     return jobs, skipped
@@ -322,7 +335,7 @@ def table(figures: dict, skipped: dict, failed: dict, args: argparse.Namespace) 
             + f"{'resp mean/max':>15}{'signal':>8}{'held-out acc':>14}{'Δ pts':>7}")
     lines = [f"GRPO long-tail `repeat`, 2 workers, seed {args.seed}, {args.warmstart} warm-start steps, "
              f"{args.rounds} round(s) x {args.steps} RL steps; means over steps {args.skip + 1}..{args.steps} "
-             f"(first {args.skip} left out: warm-up); held-out accuracy greedy on {args.val_size} prompts "
+             f"(first {args.skip} left out: warm-up); held-out accuracy {val_text(args)} on {args.val_size} prompts "
              f"after step {args.steps}, mean over rounds; signal: the share of trained prompt groups whose "
              "siblings neither all solved nor all failed (batch/solve_partial: the only ones with a GRPO "
              "advantage); 2nd half: the mean held-out accuracy of the evaluations after the run's middle "
@@ -369,7 +382,7 @@ def plot(path: Path, runs: dict, figures: dict, skip: int) -> None:
         right.plot([s for s, _ in curve], [100 * a for _, a in curve], marker="o", label=mode)
     left.axvspan(0.5, skip + 0.5, color="0.9", label="left out (warm-up)")
     left.set(xlabel="RL step", ylabel="wall s per step (mean over rounds)", title="step time")
-    right.set(xlabel="RL step", ylabel="held-out accuracy % (greedy; round 1)", title="held-out accuracy",
+    right.set(xlabel="RL step", ylabel="held-out accuracy % (round 1)", title="held-out accuracy",
               ylim=(0, 100))
     left.legend(fontsize=8)
     right.legend(fontsize=8)
@@ -389,6 +402,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: only at the end)")
     p.add_argument("--train-size", type=int, help="training prompts (4000; --quick 256)")
     p.add_argument("--val-size", type=int, help="held-out prompts (200; --quick 16)")
+    p.add_argument("--val-samples", type=int, default=8,
+                   help="answers sampled per held-out prompt, the accuracy their mean (0: one greedy answer)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a tiny run (smoke test; its figures mean nothing)")
     args = p.parse_args(argv)
@@ -403,6 +418,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.skip >= args.steps:
         p.error(f"--skip {args.skip} leaves no step of --steps {args.steps}")
     return args
+
+
+def val_text(args: argparse.Namespace) -> str:
+    if not args.val_samples:
+        return "greedy"
+    return f"mean@{args.val_samples} (sampled at temperature {VAL_TEMPERATURE:g})"
 
 
 def run_all(args: argparse.Namespace, tmp: Path) -> tuple[dict, dict, dict, WarmStartOnce]:

@@ -47,6 +47,7 @@ from nereus.run.manifest import verify_manifest, write_manifest, write_text_atom
 from nereus.run.metrics import MetricsLog, Progress, check_loggers, prepare_resume
 from nereus.run.midstep import move_line
 from nereus.run.setup import (
+    EVALUATION,
     TRAINED,
     Placed,
     check_batches,
@@ -68,6 +69,7 @@ from nereus.run.warmstart import (
 from nereus.runtime.cluster.raylocal import SESSION, session_record
 from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.generation.fixed_batch import SamplingParams
+from nereus.runtime.generation.sampling import derive_seed
 from nereus.runtime.model.hf import save_checkpoint
 from nereus.runtime.transitions.live import KeySpec
 from nereus.spec.errors import SpecError
@@ -169,19 +171,25 @@ class RLJob(Observer):
         if self._own_runtime:
             self.rt.shutdown()
 
-    def evaluate(self, prompts: list[Prompt]) -> float:
-        """Accuracy of greedy responses on ``prompts`` at the final response-length limit: the share each
-        row's ``data_source`` rule scores correct (``rl.rewards.correct``; exact match for the built-in task)."""
+    def evaluate(self, prompts: list[Prompt], step: int = 0) -> float:
+        """Accuracy on ``prompts`` at the final response-length limit: the share of responses each row's
+        ``data_source`` rule scores correct (``rl.rewards.correct``; exact match for the built-in task).
+        Greedy, one response a prompt, unless ``run.rollout.val_kwargs`` samples ``n`` (their mean: verl's
+        ``mean@n``) from a seed of the run's and ``step``'s alone, so that evaluating leaves the training's
+        draws as they are and two runs of one seed are evaluated on the same draws at the same step."""
         gen = next(p for p in self.placed if p.stage == "generation")
-        ids = [list(p.ids) for p in prompts]
+        vk = self.run.val_kwargs
+        rows = [p for p in prompts for _ in range(vk.samples)]
+        ids = [list(p.ids) for p in rows]
         pad = (-len(ids)) % gen.layout.dp
-        params = SamplingParams(max_new_tokens=self.job.workload.response.max, temperature=0.0,
-                                eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
-                                stop_token_ids=self.tok.stop_token_ids)
+        tok = self.tok
+        params = SamplingParams(max_new_tokens=self.job.workload.response.max, temperature=vk.sampling_temperature,
+                                top_p=vk.top_p, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                seed=derive_seed(self.run.seed, EVALUATION, step), stop_token_ids=tok.stop_token_ids)
         out = self.rt.generate(gen.key, ids + ids[:1] * pad, params)[: len(ids)]
         stops = self.tok.stop_token_ids
         hits = [correct(p.data_source, self.tok.decode([t for t in r if t not in stops]), p.ground_truth,
-                        bool(r) and r[-1] in stops, p.extra_info) >= 1.0 for p, r in zip(prompts, out, strict=True)]
+                        bool(r) and r[-1] in stops, p.extra_info) >= 1.0 for p, r in zip(rows, out, strict=True)]
         return sum(hits) / len(hits)
 
     # ----- checkpoints --------------------------------------------------------------------------------
@@ -308,7 +316,7 @@ class RLJob(Observer):
                 self.say(line)
         done = step + 1
         if (self.run.eval_every and done % self.run.eval_every == 0) or done == self.run.steps:
-            last["val/accuracy"] = self.evaluate(self.val)
+            last["val/accuracy"] = self.evaluate(self.val, done)
         self.log.log(done, last)
         self.bar.update(done)
         every = self.run.checkpoint_every

@@ -11,7 +11,7 @@ from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
 from nereus.spec.rollout import PartialRollout, RolloutEngine, TailBatching
-from nereus.spec.run_rollout import MidstepSpec, read_rollout_section
+from nereus.spec.run_rollout import MidstepSpec, ValKwargs, read_rollout_section
 
 # auto: the row's data_source picks the rule (nereus.rl.rewards, as verl's default reward manager does)
 RULES = ("auto", "exact_match", "digit_match", "none")
@@ -173,6 +173,8 @@ class RunSpec:
     rollout_levers: str = "none"
     # run.overlap: model-stages on disjoint workers run at once (run.overlap.Calls); results are identical
     overlap: bool = False
+    # run.rollout.val_kwargs (verl's): greedy by default; sampled, n responses per held-out prompt
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     # run.async (a Python keyword, hence the field name): one-step-off-policy generation, see AsyncSpec
     async_mode: AsyncSpec = field(default_factory=AsyncSpec)
     # run.policy_lag: how many steps a trained token may lag the policy being trained (spec.levers):
@@ -416,7 +418,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=ro.slots,
         rollout_pad_to_max=ro.pad_to_max, rollout_midstep=ro.midstep, rollout_engine=ro.engine,
         rollout_tail=ro.tail, rollout_partial=ro.partial, rollout_levers=ro.levers, policy_lag=ro.policy_lag,
-        overlap=f.get("overlap", bool, False), async_mode=_async(f))
+        overlap=f.get("overlap", bool, False), async_mode=_async(f), val_kwargs=ro.val_kwargs)
     ckpt.finish()
     f.finish()
     _check_run(f, spec)

@@ -1,6 +1,7 @@
 """``run.rollout`` of a job spec: the generation engine's settings (continuous-batching slots, the fixed
-batch's padding, mid-step moves, the engine, speculative decoding, tail batching, partial rollout) and the
-policy lag they are allowed, read and checked together because each lever needs the others' choices."""
+batch's padding, mid-step moves, the engine, speculative decoding, tail batching, partial rollout, how the
+held-out prompts are answered) and the policy lag they are allowed, read and checked together because each
+lever needs the others' choices."""
 
 from __future__ import annotations
 
@@ -44,6 +45,28 @@ class MidstepSpec:
 
 
 @dataclass(frozen=True)
+class ValKwargs:
+    """``run.rollout.val_kwargs`` (verl's ``actor_rollout_ref.rollout.val_kwargs``): how the held-out prompts
+    are answered. The default is greedy, one response each; with ``do_sample`` each prompt gets ``n``
+    responses sampled at ``temperature`` and ``top_p``, and the accuracy is their mean (verl's
+    ``reward/mean@n``): an estimate of the sampled policy's success rate that moves smoothly with it, where
+    greedy accuracy on a few distinct prompts jumps by each prompt's whole share when its argmax flips."""
+
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    do_sample: bool = False
+
+    @property
+    def samples(self) -> int:
+        return self.n if self.do_sample else 1
+
+    @property
+    def sampling_temperature(self) -> float:
+        return self.temperature if self.do_sample else 0.0
+
+
+@dataclass(frozen=True)
 class RolloutSection:
     """What ``run.rollout`` (and ``run.policy_lag``) chose, checked against each other."""
 
@@ -55,6 +78,7 @@ class RolloutSection:
     partial: PartialRollout | None
     policy_lag: int
     levers: str = "none"
+    val_kwargs: ValKwargs = ValKwargs()
 
 
 def _midstep(rollout: Fields, slots: int) -> MidstepSpec | None:
@@ -74,6 +98,26 @@ def _midstep(rollout: Fields, slots: int) -> MidstepSpec | None:
         raise SpecError(m.key_path("enabled"), "mid-step moves run on the continuous-batching engine: set "
                                                "run.rollout.slots > 0 (sequences per replica)")
     return spec if enabled else None
+
+
+def _val_kwargs(rollout: Fields) -> ValKwargs:
+    """``run.rollout.val_kwargs``: greedy unless ``do_sample``; sampling needs a temperature above 0."""
+    if not rollout.has("val_kwargs"):
+        return ValKwargs()
+    v = rollout.sub("val_kwargs")
+    spec = ValKwargs(n=v.get("n", int, 1, minimum=1, maximum=1024),
+                     temperature=v.get("temperature", float, 0.0, minimum=0),
+                     top_p=v.get("top_p", float, 1.0, minimum=0, maximum=1),
+                     do_sample=v.get("do_sample", bool, False))
+    v.finish()
+    if not spec.do_sample and spec.n > 1:
+        raise SpecError(v.key_path("n"), f"{spec.n} greedy responses would all be the same: set do_sample: true "
+                                         "to sample them, or n: 1")
+    if spec.do_sample and (spec.temperature <= 0 or spec.top_p <= 0):
+        key, value = ("temperature", spec.temperature) if spec.temperature <= 0 else ("top_p", spec.top_p)
+        raise SpecError(v.key_path(key), f"{value} leaves nothing to sample with do_sample: true: give a value "
+                                         "above 0 (verl's val_kwargs use temperature 1.0, top_p 1.0)")
+    return spec
 
 
 def _refill_only(midstep: MidstepSpec, key: str) -> MidstepSpec:
@@ -109,8 +153,9 @@ def read_rollout_section(f: Fields) -> RolloutSection:
                         "run.policy_lag: 1, or remove run.rollout.partial_rollout")
     levers = rollout.get("levers", str, "none", choices=LEVER_CHOICES)
     _check_auto_levers(levers, engine, midstep, tail, partial)
+    val_kwargs = _val_kwargs(rollout)
     rollout.finish()
-    return RolloutSection(slots, pad_to_max, midstep, engine, tail, partial, lag, levers)
+    return RolloutSection(slots, pad_to_max, midstep, engine, tail, partial, lag, levers, val_kwargs)
 
 
 def _check_auto_levers(levers: str, engine: RolloutEngine, midstep: MidstepSpec | None, tail: TailBatching | None,

@@ -121,6 +121,10 @@ TABLE: dict[str, VerlKey] = {
     f"{_R}.n": _mapped("algorithm.samples_per_prompt", "GRPO needs >= 2"),
     f"{_R}.temperature": _mapped("run.temperature"),
     f"{_R}.top_p": _mapped("run.top_p"),
+    f"{_R}.val_kwargs.n": _mapped("run.rollout.val_kwargs.n", "responses per held-out prompt (with do_sample)"),
+    f"{_R}.val_kwargs.temperature": _mapped("run.rollout.val_kwargs.temperature"),
+    f"{_R}.val_kwargs.top_p": _mapped("run.rollout.val_kwargs.top_p"),
+    f"{_R}.val_kwargs.do_sample": _mapped("run.rollout.val_kwargs.do_sample", "false: greedy (the default)"),
     f"{_R}.top_k": _refused("top-k sampling is not implemented (top-p is)", -1, 0),
     f"{_R}.do_sample": _refused("rollouts always sample (greedy decoding is for evaluation)", True),
     f"{_R}.max_num_seqs": _mapped("run.rollout.slots", "sequences per replica in continuous batching; Nereus's "

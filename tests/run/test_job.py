@@ -92,3 +92,34 @@ def test_resume_continues_like_an_uninterrupted_run(ray_runtime, tmp_path):
         for k, v in ra.items():
             if not k.startswith(TIMING):
                 assert rb[k] == pytest.approx(v, rel=1e-4, abs=1e-5), (ra["step"], k)
+
+
+def test_sampled_evaluation_is_a_mean_over_n_and_leaves_training_as_it_is(ray_runtime, tmp_path):
+    """``run.rollout.val_kwargs`` with ``do_sample``: each held-out prompt answered ``n`` times, the accuracy
+    their mean (a multiple of 1/(n·prompts)), drawn from a seed of the run's and the step's alone, so the
+    same step evaluates the same and the training's own draws are those of a greedily evaluated run."""
+    sampled, greedy = tmp_path / "sampled", tmp_path / "greedy"
+    n = 3
+    kwargs = {"n": n, "do_sample": True, "temperature": 1.0}
+    job = tiny_job("grpo", str(sampled), steps=2, eval_every=1, rollout={"val_kwargs": kwargs})
+    rl = RLJob(job, runtime=ray_runtime, out_dir=sampled, quiet=True)
+    try:
+        rl.execute()
+        asked, generate = [], rl.rt.generate
+        rl.rt.generate = lambda key, ids, params: asked.append((len(ids), params.temperature)) or generate(
+            key, ids, params)
+        again = [rl.evaluate(rl.val, 2) for _ in range(2)]
+    finally:
+        vars(rl.rt).pop("generate", None)  # the runtime is the session's: its own method again
+        rl.release()
+    _run(tiny_job("grpo", str(greedy), steps=2, eval_every=1), ray_runtime, greedy)
+    a, b = _lines(sampled / "metrics.jsonl"), _lines(greedy / "metrics.jsonl")
+    rows = n * len(rl.val)
+    for ra, rb in zip(a, b, strict=True):
+        assert round(ra["val/accuracy"] * rows, 6).is_integer()
+        for k, v in rb.items():
+            if not k.startswith(TIMING) and k != "val/accuracy":
+                assert ra[k] == pytest.approx(v, rel=1e-6, abs=1e-7), (ra["step"], k)
+    assert again[0] == again[1] == a[-1]["val/accuracy"]
+    dp = 2  # the generation layout's: rows are padded to a multiple of it
+    assert asked == [(rows + (-rows) % dp, 1.0)] * 2

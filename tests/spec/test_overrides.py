@@ -32,6 +32,7 @@ def test_verl_keys_map_to_nereus_keys():
     assert parse_override("actor_rollout_ref.actor.clip_ratio_c=2.5") == ("run.clip_ratio_c", 2.5, False)
     assert parse_override("actor_rollout_ref.rollout.n=4") == ("algorithm.samples_per_prompt", 4, False)
     assert parse_override("trainer.logger=['console','tensorboard']")[0] == "run.logger"
+    assert parse_override("actor_rollout_ref.rollout.val_kwargs.n=8") == ("run.rollout.val_kwargs.n", 8, False)
     # derived, ignored and refused keys come back as written, for apply_overrides
     assert parse_override("actor_rollout_ref.actor.ppo_mini_batch_size=64")[0] == (
         "actor_rollout_ref.actor.ppo_mini_batch_size")

@@ -91,3 +91,17 @@ def test_vllm_midstep_moves_re_prefill(tmp_path):
     assert job.run.rollout_midstep.transfer == "refill"
     with pytest.raises(SpecError, match=r"run\.rollout\.midstep\.transfer: kv"):
         vllm_job("ppo", str(tmp_path), rollout={"slots": 4, "midstep": {"enabled": True, "transfer": "kv"}})
+
+
+def test_val_kwargs_read_as_verls_and_refuse_what_cannot_sample(tmp_path):
+    job = tiny_job("grpo", str(tmp_path), rollout={"val_kwargs": {"n": 4, "do_sample": True, "temperature": 0.7}})
+    vk = job.run.val_kwargs
+    assert (vk.samples, vk.sampling_temperature, vk.top_p) == (4, 0.7, 1.0)
+    greedy = tiny_job("grpo", str(tmp_path)).run.val_kwargs
+    assert (greedy.samples, greedy.sampling_temperature) == (1, 0.0)
+    with pytest.raises(SpecError, match=r"run\.rollout\.val_kwargs\.n: 4 greedy responses"):
+        tiny_job("grpo", str(tmp_path), rollout={"val_kwargs": {"n": 4}})
+    with pytest.raises(SpecError, match=r"run\.rollout\.val_kwargs\.temperature: 0.0 leaves nothing"):
+        tiny_job("grpo", str(tmp_path), rollout={"val_kwargs": {"do_sample": True}})
+    with pytest.raises(SpecError, match=r"run\.rollout\.val_kwargs\.top_k"):
+        tiny_job("grpo", str(tmp_path), rollout={"val_kwargs": {"top_k": 5}})
