@@ -75,7 +75,7 @@ def test_quick_run_writes_table_json_and_plot(tmp_path: Path) -> None:
             assert 0 <= f["extra"]["rollout/policy_lag_mean"] <= (0 if mode == "tail" else 1), mode
         assert mode in proc.stdout
     # every mode started from the same warm-started actor: one warm-start, the very same initial actor file,
-    # the same greedy accuracy before RL (async generates on other layouts, whose padding may round differently)
+    # the same accuracy before RL (async generates on other layouts, whose padding may round differently)
     assert data["warmstarts"] == 1
     assert len({data["runs"][m][0]["init_actor_sha256"] for m in modes}) == 1
     assert len({f["warmstart_accuracy"] for m, f in data["figures"].items() if m != "async"}) == 1
