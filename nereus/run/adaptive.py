@@ -56,17 +56,19 @@ class CurriculumSchedule:
 
 def controller_for(job: JobSpec) -> Controller:
     """The controller of an adaptive run; for a fixed run (no ``run.adapt``) the one that re-plans it onto
-    survivors. Either plans within what the runtime runs (``CAPABILITY``: its option space and layouts)."""
-    from nereus.runtime.capability import CAPABILITY
+    survivors. Either plans within what the runtime runs (``capability_for``: its option space and layouts, and
+    whether the phases' stages run at once)."""
+    from nereus.runtime.capability import capability_for
 
     a = job.run.adapt
-    job = replace(job, options=CAPABILITY.planning_options(job.options))
+    capability = capability_for(job.run.overlap)
+    job = replace(job, options=capability.planning_options(job.options))
     cfg = ControllerConfig(calibrate_with_levers=False) if a is None else ControllerConfig(
         horizon=a.horizon, margin=a.margin, min_gain=a.min_gain, cooldown=a.cooldown,
         replan_every=a.replan_every, fit_every=a.fit_every, calibrate=a.calibrate,
         predict_measured=True, calibrate_with_levers=False)
     allowed = Constraints(layout_filter=lambda ms, lay: runtime_layout_ok(job, ms.stage, lay, ms.model),
-                          capability=CAPABILITY)
+                          capability=capability)
     return Controller(job, cfg, schedule=CurriculumSchedule(job), total_steps=job.run.steps, constraints=allowed,
                       generation=generation_rule(job))
 

@@ -11,7 +11,7 @@ from nereus.rl.data import CharTokenizer, Prompt, load_prompts, write_rows
 from nereus.rl.rewards import RewardRouter
 from nereus.rl.task import reverse_rows, split_rows
 from nereus.rl.tokenizer import HFTokenizer, Tokenizer
-from nereus.runtime.capability import CAPABILITY
+from nereus.runtime.capability import CAPABILITY, capability_for
 from nereus.runtime.generation.sampling import derive_seed
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.hf import read_config
@@ -98,7 +98,7 @@ def _planned(job: JobSpec) -> dict[str, tuple[Layout, tuple[int, ...]]]:
     from nereus.planner.search import Constraints, search
 
     sized = job.with_gpus(job.run.workers)
-    sized = replace(sized, options=CAPABILITY.planning_options(sized.options))
+    sized = replace(sized, options=capability_for(job.run.overlap).planning_options(sized.options))
     allowed = Constraints(layout_filter=lambda ms, lay: engine_runs(job, ms.stage, lay), capability=CAPABILITY)
     plan = search(Hardware(sized.cluster), sized, constraints=allowed).plan
     return {str(p.model_stage): (p.layout, tuple(p.gpus)) for p in plan.placements}

@@ -3,10 +3,20 @@ that job setup and the controller can ask it before any worker starts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from nereus.spec.capability import RuntimeCapability
 
 # TP, PP, DP, micro-batches, ZeRO-1, GPipe/1F1B; no recompute, sequence parallelism, interleaving or FSDP;
-# the RL driver runs model-stages one after another; a step's rollouts are packed to its longest response
-# (run.rollout.pack), so inference and training pay for the padding.
+# the RL driver runs model-stages one after another (with run.overlap, those on disjoint workers at once:
+# ``capability_for``); a step's rollouts are packed to its longest response (run.rollout.pack), so inference
+# and training pay for the padding.
 CAPABILITY = RuntimeCapability(recompute=("none",), sequence_parallel=False, max_interleave=1, fsdp=False,
                                concurrent_stages=False, padded_rollouts=True)
+
+
+def capability_for(overlap: bool) -> RuntimeCapability:
+    """``CAPABILITY`` for a job with ``run.overlap`` set as ``overlap``: with it the driver runs the
+    model-stages of one phase that sit on disjoint workers at once (``run.overlap.Calls``), so the planner
+    and the lever rule price such a phase at its slowest group, as the runtime runs it, not their sum."""
+    return replace(CAPABILITY, concurrent_stages=overlap)

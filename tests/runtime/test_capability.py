@@ -56,3 +56,31 @@ def test_planner_under_the_capability_proposes_only_runnable_layouts():
     Constraints(layout_filter=lambda ms, lay: seen.append(lay) or True, capability=CAPABILITY).layout_filter(
         plan.placements[0].model_stage, PLAIN)
     assert seen == [PLAIN]  # a caller's own filter still applies
+
+
+def test_with_run_overlap_the_controller_prices_a_phase_at_its_slowest_disjoint_group(tmp_path):
+    """``run.overlap`` runs the model-stages of a phase on disjoint workers at once: the controller's job
+    then prices such a phase at its slowest group (``capability_for``), without it at their sum."""
+    from nereus.control.levers import padded_rest
+    from nereus.cost.plan_cost import estimate_plan
+    from nereus.run.adaptive import controller_for, plan_of
+    from nereus.run.setup import place
+    from nereus.runtime.capability import capability_for
+    from tests.run.jobs import tiny_job
+
+    assert capability_for(True).concurrent_stages and not capability_for(False).concurrent_stages
+    rests, phases = {}, {}
+    for overlap in (False, True):
+        job = tiny_job("grpo", str(tmp_path), overlap=overlap)
+        ctrl = controller_for(job)
+        assert ctrl.job.options.concurrent_stages is overlap
+        plan = plan_of(place(job), job.run.workers)
+        est = estimate_plan(Hardware(ctrl.job.cluster), ctrl.job, plan)
+        inference = [est.costs[str(p.model_stage)].time({}) for p in plan.placements
+                     if p.model_stage.stage == "inference"]
+        phases[overlap] = (est.phase_times["inference"], inference)
+        rests[overlap] = padded_rest(ctrl.job, plan, {}).seconds
+    (alone, stages), (together, same) = phases[False], phases[True]
+    assert stages == same and len(stages) == 2  # the actor's and the reference's, on disjoint workers
+    assert alone == pytest.approx(sum(stages)) and together == pytest.approx(max(stages))
+    assert rests[True] == pytest.approx(rests[False] - min(stages))
