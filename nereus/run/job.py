@@ -187,8 +187,8 @@ class RLJob(Observer):
                                 top_p=vk.top_p, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                                 seed=derive_seed(self.run.seed, EVALUATION, step), stop_token_ids=tok.stop_token_ids)
         out = self.rt.generate(gen.key, ids + ids[:1] * pad, params)[: len(ids)]
-        stops = self.tok.stop_token_ids
-        hits = [correct(p.data_source, self.tok.decode([t for t in r if t not in stops]), p.ground_truth,
+        stops = tok.stop_token_ids
+        hits = [correct(p.data_source, tok.decode([t for t in r if t not in stops]), p.ground_truth,
                         bool(r) and r[-1] in stops, p.extra_info) >= 1.0 for p, r in zip(rows, out, strict=True)]
         return sum(hits) / len(hits)
 

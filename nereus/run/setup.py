@@ -97,9 +97,10 @@ def _planned(job: JobSpec) -> dict[str, tuple[Layout, tuple[int, ...]]]:
     from nereus.cost.hardware import Hardware
     from nereus.planner.search import Constraints, search
 
+    capability = capability_for(job.run.overlap)
     sized = job.with_gpus(job.run.workers)
-    sized = replace(sized, options=capability_for(job.run.overlap).planning_options(sized.options))
-    allowed = Constraints(layout_filter=lambda ms, lay: engine_runs(job, ms.stage, lay), capability=CAPABILITY)
+    sized = replace(sized, options=capability.planning_options(sized.options))
+    allowed = Constraints(layout_filter=lambda ms, lay: engine_runs(job, ms.stage, lay), capability=capability)
     plan = search(Hardware(sized.cluster), sized, constraints=allowed).plan
     return {str(p.model_stage): (p.layout, tuple(p.gpus)) for p in plan.placements}
 

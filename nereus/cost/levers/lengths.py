@@ -12,11 +12,10 @@ longest response. Expectations over Z_prompt use equally weighted normal quantil
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, wraps
 from statistics import NormalDist
 
 import numpy as np
@@ -38,7 +37,7 @@ def _memoized(method: Callable) -> Callable:
     every plan the controller prices asks the same quantiles (their bisections were half of the start-of-run
     choice at 1,024 GPUs), and the instance cannot change under them."""
 
-    @functools.wraps(method)
+    @wraps(method)
     def cached(self: GroupLengths, *args: float) -> object:
         key = (method.__name__, args)
         if key not in self.answers:
