@@ -44,13 +44,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     next to another is slow to come up on a busy machine (its raylet missed Ray's 30 s registration wait; a
     clean-exit driver took 2.5x as long), and process groups that exchange many messages slow down most
     beside other processes. In that group the tests that use the session's Ray run last, in their usual
-    order, so no other instance starts beside it."""
+    order, so no other instance starts beside it.
+
+    The gloo worlds that start no Ray (``distributed`` and ``rayless``) join a second group: they run one
+    at a time too, in the other worker, beside the Ray tests and before that worker's single-process
+    tests. Serial with the Ray tests they made that group the suite's whole length (about 800 of 825 s,
+    the other worker idle after 280 s); a Ray test mostly waits on start-up and messages, so a gloo world
+    beside it slows it less than the queue did."""
     grouped = config.pluginmanager.hasplugin("xdist")  # its marker exists only where it is loaded
     for item in items:
-        if item.get_closest_marker("distributed") or _uses_session_ray(item):
+        distributed, rayless = item.get_closest_marker("distributed"), item.get_closest_marker("rayless")
+        if distributed or _uses_session_ray(item):
             item.add_marker(pytest.mark.slow)
-        starts_processes = item.get_closest_marker("distributed") or not item.get_closest_marker("rayless")
-        if grouped and item.get_closest_marker("slow") and starts_processes:
+        if not grouped or not item.get_closest_marker("slow"):
+            continue
+        if distributed and rayless:
+            item.add_marker(pytest.mark.xdist_group("gloo"))
+        elif distributed or not rayless:
             item.add_marker(pytest.mark.xdist_group("ray"))
     items[:] = sorted(items, key=_uses_session_ray)  # stable: each group keeps its order
 

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
 
 
 def test_small_run_writes_all_figures(tmp_path: Path) -> None:

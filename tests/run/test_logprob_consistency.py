@@ -80,5 +80,6 @@ def _body(rank: int, world: int) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.rayless  # no Ray: may run beside the Ray tests
 def test_generation_logprobs_equal_training_logprobs_under_every_layout():
     run_world(_body, 4, timeout_s=60)

@@ -12,7 +12,7 @@ from nereus.runtime.cluster.profile import ProfileSizes, measure
 from nereus.spec.cluster import read_profile
 from tests.conftest import EXAMPLES
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
 
 # Tiny sizes: the whole measurement takes well under a second after the fork.
 TINY = ProfileSizes(tokens=32, hidden=64, matmul_layers=1, stream_mib=1, stream_iters=1, small_bytes=64,
