@@ -62,7 +62,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("gloo"))
         elif distributed or not rayless:
             item.add_marker(pytest.mark.xdist_group("ray"))
-    items[:] = sorted(items, key=_uses_session_ray)  # stable: each group keeps its order
+    items[:] = sorted(items, key=_queue_order)  # stable: each group keeps its order
+
+
+def _queue_order(item: pytest.Item) -> tuple[int, bool]:
+    """Where a test goes in pytest-xdist's queue (``pytest_configure`` keeps the collection's order): the Ray
+    group first (it is the suite's length; the tests that use the session's Ray last within it), then the
+    single-process tests, then the gloo worlds. The other worker takes the single-process tests while the
+    Ray group starts its own instances, and the gloo worlds once they are done: a test starting a Ray
+    instance slowed most beside a 4-rank gloo world (the recovery benchmark's smoke test 54 s alone, 152 s
+    there on a busy host), less beside one single-process test."""
+    groups = [m.kwargs.get("name", m.args[0] if m.args else "") for m in item.iter_markers("xdist_group")]
+    rank = 0 if "ray" in groups else 2 if "gloo" in groups else 1
+    return rank, _uses_session_ray(item)
 
 
 RAY_DAEMONS = ("raylet", "gcs_server")  # what every local Ray instance starts (``/proc/<pid>/stat``'s name)
@@ -128,6 +140,8 @@ def pytest_configure(config: pytest.Config) -> None:
     release = tuple(int(p) for p in pytest.__version__.split(".")[:2])
     if config.getoption("dist", "no") == "loadgroup" and release >= LOADGROUP_BROKEN_FROM:
         raise pytest.UsageError(LOADGROUP_BROKEN)
+    if config.getoption("dist", "no") == "loadgroup":  # groups in the order `_queue_order` gives, not by size
+        config.option.loadscopereorder = False
 
 
 @pytest.hookimpl(trylast=True)
