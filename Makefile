@@ -23,8 +23,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/nereus run examples/ppo_tiny.yaml --out runs/demo
 
-# two test processes: every test that starts Ray runs in one of them, one at a time; the gloo worlds
-# without Ray, then the single-process tests, run in the other (tests/conftest.py; README, "Two commands")
+# two test processes: every test that starts Ray runs in one of them, one at a time; the single-process
+# tests, then the gloo worlds without Ray, run in the other (tests/conftest.py; README, "Two commands")
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadgroup

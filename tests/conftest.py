@@ -47,10 +47,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     order, so no other instance starts beside it.
 
     The gloo worlds that start no Ray (``distributed`` and ``rayless``) join a second group: they run one
-    at a time too, in the other worker, beside the Ray tests and before that worker's single-process
-    tests. Serial with the Ray tests they made that group the suite's whole length (about 800 of 825 s,
-    the other worker idle after 280 s); a Ray test mostly waits on start-up and messages, so a gloo world
-    beside it slows it less than the queue did."""
+    at a time too, in the other worker, after its single-process tests (``_queue_order``). Serial with
+    the Ray tests they made that group the suite's whole length (about 800 of 825 s, the other worker idle
+    after 280 s); a Ray test mostly waits on start-up and messages, so a gloo world beside it slows it
+    less than the queue did."""
     grouped = config.pluginmanager.hasplugin("xdist")  # its marker exists only where it is loaded
     for item in items:
         distributed, rayless = item.get_closest_marker("distributed"), item.get_closest_marker("rayless")
