@@ -47,11 +47,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     order, so no other instance starts beside it.
 
     The gloo worlds that start no Ray (``distributed`` and ``rayless``) join a second group: they run one
-    at a time too, in the other worker, after its single-process tests (``_queue_order``). Serial with
+    at a time too, in the other worker, after its single-process tests (``QUEUE_RANK``). Serial with
     the Ray tests they made that group the suite's whole length (about 800 of 825 s, the other worker idle
     after 280 s); a Ray test mostly waits on start-up and messages, so a gloo world beside it slows it
     less than the queue did."""
     grouped = config.pluginmanager.hasplugin("xdist")  # its marker exists only where it is loaded
+    groups: dict[str, str] = {}  # nodeid -> its xdist group
     for item in items:
         distributed, rayless = item.get_closest_marker("distributed"), item.get_closest_marker("rayless")
         if distributed or _uses_session_ray(item):
@@ -59,22 +60,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not grouped or not item.get_closest_marker("slow"):
             continue
         if distributed and rayless:
-            item.add_marker(pytest.mark.xdist_group("gloo"))
+            groups[item.nodeid] = "gloo"
         elif distributed or not rayless:
-            item.add_marker(pytest.mark.xdist_group("ray"))
-    items[:] = sorted(items, key=_queue_order)  # stable: each group keeps its order
+            groups[item.nodeid] = "ray"
+        if item.nodeid in groups:
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    # stable: each group keeps its order
+    items[:] = sorted(items, key=lambda item: (QUEUE_RANK[groups.get(item.nodeid)], _uses_session_ray(item)))
 
 
-def _queue_order(item: pytest.Item) -> tuple[int, bool]:
-    """Where a test goes in pytest-xdist's queue (``pytest_configure`` keeps the collection's order): the Ray
-    group first (it is the suite's length; the tests that use the session's Ray last within it), then the
-    single-process tests, then the gloo worlds. The other worker takes the single-process tests while the
-    Ray group starts its own instances, and the gloo worlds once they are done: a test starting a Ray
-    instance slowed most beside a 4-rank gloo world (the recovery benchmark's smoke test 54 s alone, 152 s
-    there on a busy host), less beside one single-process test."""
-    groups = [m.kwargs.get("name", m.args[0] if m.args else "") for m in item.iter_markers("xdist_group")]
-    rank = 0 if "ray" in groups else 2 if "gloo" in groups else 1
-    return rank, _uses_session_ray(item)
+# Where a test goes in pytest-xdist's queue (``pytest_configure`` keeps the collection's order), by its
+# group: the Ray group first (it is the suite's length; the tests that use the session's Ray last within
+# it), then the single-process tests, then the gloo worlds. The other worker takes the single-process tests
+# while the Ray group starts its own instances, and the gloo worlds once they are done: a test starting a
+# Ray instance slowed most beside a 4-rank gloo world (the recovery benchmark's smoke test 54 s alone,
+# 152 s there on a busy host), less beside one single-process test.
+QUEUE_RANK = {"ray": 0, None: 1, "gloo": 2}
 
 
 RAY_DAEMONS = ("raylet", "gcs_server")  # what every local Ray instance starts (``/proc/<pid>/stat``'s name)
@@ -138,10 +139,11 @@ LOADGROUP_BROKEN = ("pytest-xdist's --dist loadgroup does not group tests on pyt
 
 def pytest_configure(config: pytest.Config) -> None:
     release = tuple(int(p) for p in pytest.__version__.split(".")[:2])
-    if config.getoption("dist", "no") == "loadgroup" and release >= LOADGROUP_BROKEN_FROM:
+    if config.getoption("dist", "no") != "loadgroup":
+        return
+    if release >= LOADGROUP_BROKEN_FROM:
         raise pytest.UsageError(LOADGROUP_BROKEN)
-    if config.getoption("dist", "no") == "loadgroup":  # groups in the order `_queue_order` gives, not by size
-        config.option.loadscopereorder = False
+    config.option.loadscopereorder = False  # groups in the order ``QUEUE_RANK`` gives, not by size
 
 
 @pytest.hookimpl(trylast=True)
