@@ -50,7 +50,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     at a time too, in the other worker, after its single-process tests (``QUEUE_RANK``). Serial with
     the Ray tests they made that group the suite's whole length (about 800 of 825 s, the other worker idle
     after 280 s); a Ray test mostly waits on start-up and messages, so a gloo world beside it slows it
-    less than the queue did."""
+    less than the queue did.
+
+    A test marked ``beside_ray`` (it starts its own Ray instance in a child process and checks only that
+    instance) joins a third group, queued last: the other worker takes it once its gloo worlds are done,
+    while the Ray group runs the tests on the session's Ray. Left in the Ray group, the benchmark smoke
+    test so marked kept the other worker idle for a third of the suite."""
     grouped = config.pluginmanager.hasplugin("xdist")  # its marker exists only where it is loaded
     groups: dict[str, str] = {}  # nodeid -> its xdist group
     for item in items:
@@ -61,6 +66,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if distributed and rayless:
             groups[item.nodeid] = "gloo"
+        elif item.get_closest_marker("beside_ray"):
+            groups[item.nodeid] = "ray-beside"
         elif distributed or not rayless:
             groups[item.nodeid] = "ray"
         if item.nodeid in groups:
@@ -74,8 +81,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # it), then the single-process tests, then the gloo worlds. The other worker takes the single-process tests
 # while the Ray group starts its own instances, and the gloo worlds once they are done: a test starting a
 # Ray instance slowed most beside a 4-rank gloo world (the recovery benchmark's smoke test 54 s alone,
-# 152 s there on a busy host), less beside one single-process test.
-QUEUE_RANK = {"ray": 0, None: 1, "gloo": 2}
+# 152 s there on a busy host), less beside one single-process test. Last, the tests that start their own
+# Ray beside the session's (``beside_ray``): the other worker's share of the Ray group's length.
+QUEUE_RANK = {"ray": 0, None: 1, "gloo": 2, "ray-beside": 3}
 
 
 RAY_DAEMONS = ("raylet", "gcs_server")  # what every local Ray instance starts (``/proc/<pid>/stat``'s name)

@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+# its own Ray instance in the benchmark's process, none of the session's: it may run beside the Ray group
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.beside_ray]
 
 
 def test_recovery_benchmark_writes_all_figures(tmp_path: Path) -> None:
