@@ -20,7 +20,13 @@ same seed, data and warm-started actor, on two local Ray workers, in each mode, 
 - ``nereus``: the controller's choice (``run.rollout.levers: auto``: the lever rule on the calibrated cost
   model, docs/adaptation.md);
 - ``concurrent``: ``run.overlap`` alone (the actor's and the reference's inference, on different workers, at
-  once; results identical), and ``nereus+concurrent``: the controller's choice on top of it.
+  once; results identical), and ``nereus+concurrent``: the controller's choice on top of it;
+- ``adapt``: ``run.adapt`` — the controller plans every layout (parallelism, placement, micro-batch size) on
+  the cost model, calibrates it and may change it between steps, no levers; ``nereus+adapt``: the
+  controller's whole choice, layouts and levers (``run.adapt`` + ``run.rollout.levers: auto`` +
+  ``run.overlap``). Both price on this machine's measured profile (``examples/cpu-local.yaml`` with the
+  per-micro-batch and shared-core priors of ``examples/ppo_tiny.yaml``) instead of the example's inline
+  figures.
 
 Every mode uses the same model (head size 32, which vLLM's CPU attention needs) and warm-start.
 
@@ -159,6 +165,24 @@ def chosen_concurrent(spec: dict) -> dict:
     return chosen(concurrent(spec))
 
 
+def adapted(spec: dict) -> dict:
+    """``run.adapt``: the controller plans every layout on the calibrated cost model (no hand-picked ones)
+    and may change them between steps; no levers."""
+    spec["run"].pop("layouts")
+    spec["run"]["adapt"] = {}
+    # what the planner prices on: this machine as `nereus profile` measured it, with the per-micro-batch and
+    # shared-core priors of examples/ppo_tiny.yaml (the example spec's inline figures have no latencies)
+    spec["cluster"] = {"profile": str(ROOT / "examples" / "cpu-local.yaml"),
+                       "priors": {"micro_batch_overhead_s": 0.003, "host_cores": 2}}
+    return spec
+
+
+def chosen_adapted(spec: dict) -> dict:
+    """The controller's whole choice: layouts (``run.adapt``) and levers (``run.rollout.levers: auto``), with
+    ``run.overlap``."""
+    return chosen(concurrent(adapted(spec)))
+
+
 def chosen(spec: dict) -> dict:
     """The controller's choice: ``run.rollout.levers: auto`` (speculation and tail batching priced by the
     cost model on the job's cpu-local profile, step by step)."""
@@ -175,7 +199,8 @@ MODES: dict[str, Callable[[dict], dict]] = {"static": static, "overlap": overlap
                                              "intra+midstep": intra_midstep, "async": asynchronous, "vllm": vllm,
                                              "speculative": speculative, "tail": tail, "partial": partial,
                                              "levers": levers, "tail+spec": tail_spec, "nereus": chosen,
-                                             "concurrent": concurrent, "nereus+concurrent": chosen_concurrent}
+                                             "concurrent": concurrent, "nereus+concurrent": chosen_concurrent,
+                                             "adapt": adapted, "nereus+adapt": chosen_adapted}
 
 
 def base_spec(data: Path, args: argparse.Namespace) -> dict:

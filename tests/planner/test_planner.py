@@ -87,3 +87,26 @@ def test_stages_tied_at_the_largest_transient_still_swap_to_smaller_micro_batche
     inference = [p.layout.micro_batch_size for p in result.plan.placements
                  if p.model_stage.model in ("actor", "reference") and p.model_stage.stage == "inference"]
     assert inference and max(inference) < 8
+
+
+def test_priced_per_pass_overhead_makes_the_planner_take_whole_mini_batches(examples):
+    # The long-tail GRPO job on this machine's measured profile: 128 sequences a step, 2 mini-batches, so
+    # each of 2 training replicas gets 32 rows per optimizer step. With a fixed cost per micro-batch pass
+    # (CPU workers: Python dispatch), one pass of 32 beats four of 8; without it nothing favours fewer.
+    import yaml
+
+    from nereus.planner.candidates import MICRO_BATCH_SIZES
+
+    spec = yaml.safe_load((examples / "grpo_longtail_tiny.yaml").read_text())
+    spec["run"].pop("layouts")
+    spec["run"]["adapt"] = {}
+
+    def training_and_inference(priors: dict) -> list[int]:
+        spec["cluster"] = {"profile": str(examples / "cpu-local.yaml"), "priors": priors}
+        job = job_from_dict(spec)
+        plan = search(Hardware(job.cluster), job).plan
+        return [p.layout.micro_batch_size for p in plan.placements if p.model_stage.stage != "generation"]
+
+    assert 32 in MICRO_BATCH_SIZES
+    assert training_and_inference({"micro_batch_overhead_s": 0.003, "host_cores": 2}) == [32, 32, 32]
+    assert max(training_and_inference({"micro_batch_overhead_s": 0.0, "host_cores": 2})) < 32

@@ -240,6 +240,13 @@ class Worker:
                 self.pending[s.key] = ParallelGroups(s.layout, list(s.ranks), tied_embeddings=tied_head(s.cfg))
         return True
 
+    def follows(self, source: str, keys: list[str]) -> bool:
+        """Whether every shard this worker holds of ``keys`` is ``source``'s shard's memory here
+        (``transitions.live.follows``): true also when it holds none of them."""
+        from nereus.runtime.transitions.live import follows
+
+        return all(follows(self.models[k], self.models.get(source)) for k in keys if k in self.models)
+
     def transition(self, graph: TransitionPlan, old_specs: list[KeySpec], new_specs: list[KeySpec],
                    sources: list[KeySpec] | None = None) -> TransitionAnswer:
         """Replace the keys of ``old_specs`` by ``new_specs``, state moved as ``graph`` plans (groups from

@@ -15,6 +15,7 @@ all workers, because torch.distributed creates each group collectively.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -173,10 +174,18 @@ class Runtime:
     def sync_weights(self, model: str, job: JobSpec) -> MoveResult:
         """The training key's weights to every other key of ``model`` (the per-step training → generation
         and inference sync), through the same executor: boxes that coincide on a device become one shared
-        tensor, the rest move point to point."""
+        tensor, the rest move point to point. Where every worker's shards of the other keys already are
+        the training shards' memory (a sync left them so, and Adam updates in place), nothing moves: one
+        question to the workers instead of the executor's collectives (a ``MoveResult`` without graph)."""
         train = next(s for s in self.specs.values() if s.model == model and s.training)
         keys = [train] + [s for s in self.specs.values() if s.model == model and not s.training]
-        return self._move(job, keys, keys, [train]) if len(keys) > 1 else MoveResult(0.0)
+        if len(keys) == 1:
+            return MoveResult(0.0)
+        start = time.perf_counter()
+        others = [s.key for s in keys[1:]]
+        if all(self._get([w.follows.remote(train.key, others) for w in self.workers])):
+            return MoveResult(time.perf_counter() - start)
+        return self._move(job, keys, keys, [train])
 
     def _move(self, job: JobSpec, old_specs: list[KeySpec], new_specs: list[KeySpec],
               sources: list[KeySpec]) -> MoveResult:

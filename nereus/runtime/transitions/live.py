@@ -182,6 +182,23 @@ def transition_keys(graph: TransitionPlan, old: dict[str, ShardedModel], old_spe
     return models, ex.measured
 
 
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are views of the very same elements (storage, offset, shape, strides, dtype)."""
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.dtype == b.dtype
+            and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride())
+
+
+def follows(target: ShardedModel, source: ShardedModel | None) -> bool:
+    """Whether every parameter of ``target`` (tied copies included) is the very memory of ``source``'s
+    parameter of the same name, so that ``source``'s in-place updates (Adam) are ``target``'s too and a
+    weight sync between them would move nothing. The executor aliases a box only onto the same box, so
+    aliasing implies that each tensor holds the box the sync would give it."""
+    if source is None:
+        return False
+    mine = dict(source.model.named_parameters())
+    return all(name in mine and same_memory(p, mine[name]) for name, p in target.model.named_parameters())
+
+
 def rebuild(sm: ShardedModel, groups: ParallelGroups) -> ShardedModel:
     """``sm`` on new process groups of the same layout (after the world was re-formed): the same
     parameter tensors adopted, the same Adam segments, moments and step count handed over."""

@@ -82,3 +82,36 @@ def test_workers_leave_and_join_without_losing_state(ray_runtime):
     finally:
         rt.resize(4)
         rt.release(train.key)
+
+
+def test_a_sync_onto_coinciding_shards_moves_nothing_once_they_share_memory(ray_runtime):
+    """Generation at the training layout and inference on one of its workers: the first sync aliases their
+    shards onto the training ones, so Adam's in-place steps reach them and later syncs move nothing (no
+    graph) yet leave every key equal to training; once a transition gives generation other boxes, the sync
+    moves weights again."""
+    rt, j = ray_runtime, job()
+    state = initial_state("actor")
+    train, gen = spec("actor", lay(dp=2), [0, 1]), spec("actor", lay(dp=2), [0, 1], stage="generation")
+    inf = spec("actor", lay(), [1], stage="inference")
+    for s in (train, gen, inf):
+        rt.load(s.key, ACTOR, s.layout, list(s.ranks), state=state)
+    try:
+        tokens = make_batch(ACTOR, 0)["tokens"]
+        assert rt.sync_weights("actor", j).graph is not None  # loaded apart: the first sync aliases them
+        for seed in (1, 2):
+            rt.train_step(train.key, make_batch(ACTOR, seed), loss, lr=1e-2)
+            out = rt.sync_weights("actor", j)
+            assert out.graph is None and out.workers == ()
+            fresh = rt.logprobs(train.key, tokens)
+            assert torch.equal(rt.logprobs(gen.key, tokens), fresh) and torch.equal(rt.logprobs(inf.key, tokens), fresh)
+        rt.transition([train, spec("actor", lay(tp=2), [0, 1], stage="generation"), inf], j)
+        rt.train_step(train.key, make_batch(ACTOR, 3), loss, lr=1e-2)
+        stale = rt.logprobs(gen.key, tokens)
+        assert rt.sync_weights("actor", j).graph is not None
+        fresh = rt.logprobs(train.key, tokens)
+        assert not torch.allclose(stale, fresh)
+        torch.testing.assert_close(rt.logprobs(gen.key, tokens), fresh, **TOL)
+        assert torch.equal(rt.logprobs(inf.key, tokens), fresh)
+    finally:
+        for s in (train, gen, inf):
+            rt.release(s.key)
