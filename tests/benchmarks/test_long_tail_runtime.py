@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+# the benchmark starts its own Ray instance in its process, none of the session's: it may run beside the Ray group
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.beside_ray]
 
 
 SMOKE_MODES = ("static", "intra", "intra+midstep", "async", "levers")
