@@ -54,9 +54,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
     A test marked ``beside_ray`` (it starts its own Ray instance in a child process and checks only that
     instance) joins a third group, queued last: the other worker takes it once its gloo worlds are done,
-    while the Ray group runs the tests on the session's Ray. Left in the Ray group, the two benchmark
-    smoke tests so marked (recovery, long-tail runtime) kept the other worker idle for a third of the
-    suite."""
+    while the Ray group runs the tests on the session's Ray. Left in the Ray group, the benchmark smoke
+    test so marked kept the other worker idle for a third of the suite."""
     grouped = config.pluginmanager.hasplugin("xdist")  # its marker exists only where it is loaded
     groups: dict[str, str] = {}  # nodeid -> its xdist group
     for item in items:

@@ -17,8 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# the benchmark starts its own Ray instance in its process, none of the session's: it may run beside the Ray group
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.beside_ray]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 SMOKE_MODES = ("static", "intra", "intra+midstep", "async", "levers")
