@@ -24,7 +24,8 @@ demo: $(STAMP)
 	$(BIN)/nereus run examples/ppo_tiny.yaml --out runs/demo
 
 # two test processes: every test that starts Ray runs in one of them, one at a time; the single-process
-# tests, then the gloo worlds without Ray, run in the other (tests/conftest.py; README, "Two commands")
+# tests, then the gloo worlds without Ray, then the tests marked beside_ray (their own Ray beside the session's)
+# run in the other (tests/conftest.py; README, "Two commands")
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --durations=15 -n 2 --dist loadgroup
