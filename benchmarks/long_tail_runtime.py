@@ -171,9 +171,9 @@ def adapted(spec: dict) -> dict:
     spec["run"].pop("layouts")
     spec["run"]["adapt"] = {}
     # what the planner prices on: this machine as `nereus profile` measured it, with the per-micro-batch and
-    # shared-core priors of examples/ppo_tiny.yaml (the example spec's inline figures have no latencies)
-    spec["cluster"] = {"profile": str(ROOT / "examples" / "cpu-local.yaml"),
-                       "priors": {"micro_batch_overhead_s": 0.003, "host_cores": 2}}
+    # shared-core priors, as examples/ppo_tiny.yaml has them (the example spec's inline figures have no latencies)
+    tiny = yaml.safe_load((ROOT / "examples" / "ppo_tiny.yaml").read_text())["cluster"]
+    spec["cluster"] = {"profile": str(ROOT / "examples" / tiny["profile"]), "priors": dict(tiny["priors"])}
     return spec
 
 
