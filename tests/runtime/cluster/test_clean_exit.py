@@ -22,8 +22,7 @@ pytest.importorskip("ray")
 
 from nereus.runtime.cluster.raylocal import OWNER_ENV, SESSION, leftovers, owner_tag  # noqa: E402
 
-# each driver's Ray lives in its own subprocess, found by its owner tag: they may run beside the session's
-pytestmark = [pytest.mark.distributed, pytest.mark.beside_ray]
+pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[3]
 ARCH = {"layers": 2, "hidden": 32, "ffn_hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 64}
 WAIT_S = 600  # an upper bound for a step of the machine's slowest day, never an expected duration
