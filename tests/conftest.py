@@ -44,7 +44,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     next to another is slow to come up on a busy machine (its raylet missed Ray's 30 s registration wait; a
     clean-exit driver took 2.5x as long), and process groups that exchange many messages slow down most
     beside other processes. In that group the tests that use the session's Ray run last, in their usual
-    order, so no other instance starts beside it.
+    order, so no other instance starts beside it; the vLLM tests first among them (``vllm``): each engine
+    is a process that imports vLLM (10–30 s of CPU), and they slowed most (65 s alone, 120–196 s busy)
+    where the other worker ran gloo worlds or a Ray instance of its own, which it does later.
 
     The gloo worlds that start no Ray (``distributed`` and ``rayless``) join a second group: they run one
     at a time too, in the other worker, after its single-process tests (``QUEUE_RANK``). Serial with
@@ -72,8 +74,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             groups[item.nodeid] = "ray"
         if item.nodeid in groups:
             item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
-    # stable: each group keeps its order
-    items[:] = sorted(items, key=lambda item: (QUEUE_RANK[groups.get(item.nodeid)], _uses_session_ray(item)))
+    # stable: each group keeps its order, but for the vLLM tests, first on the session's Ray
+    items[:] = sorted(items, key=lambda item: (QUEUE_RANK[groups.get(item.nodeid)], _uses_session_ray(item),
+                                               item.get_closest_marker("vllm") is None))
 
 
 # Where a test goes in pytest-xdist's queue (``pytest_configure`` keeps the collection's order), by its

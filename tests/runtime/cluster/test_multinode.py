@@ -147,6 +147,7 @@ def test_a_pending_snapshot_counts_when_each_image_is_readable_somewhere() -> No
 # ----- the job on two nodes ----------------------------------------------------------------------------
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.beside_ray  # its cluster lives in a child process: it may run beside the session's Ray
 def test_job_survives_losing_a_node(tmp_path: Path) -> None:
     from nereus.run.manifest import verify_manifest
 

