@@ -136,26 +136,41 @@ def test_killed_mid_checkpoint_the_next_start_reaps_and_resumes(tmp_path):
     assert (run / "latest").read_text() == "3"
 
 
-def test_cleanup_kills_what_a_dead_driver_left(tmp_path):
-    """A stand-in for Ray's daemons (no Ray needed): a process started with a driver's owner tag outlives
-    the driver, which was SIGKILLed; `nereus cleanup` finds it by the tag and kills it; a live driver's
-    processes are left alone."""
+def _cleanup_after_the_driver_died(tmp_path: Path) -> bool | None:
+    """One try of the scenario below: True when `nereus cleanup` killed the stand-in, None when another
+    process reaped it first (inconclusive), an assertion error when cleanup missed a live one."""
     driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     tag = owner_tag(driver.pid)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
                              env={**_env(), OWNER_ENV: tag})
     try:
+        tmp_path.mkdir()
         (tmp_path / SESSION).write_text(json.dumps({"owner": tag, "driver_pid": driver.pid}))
         cmd = [sys.executable, "-m", "nereus", "cleanup", "--dir", str(tmp_path)]
         alive = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=WAIT_S)
         assert "still running" in alive.stdout and child.poll() is None
         driver.kill()
         driver.wait()
-        assert child.pid in leftovers()
         done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=WAIT_S)
-        assert done.returncode == 0 and f"killed 1 process(es) [{child.pid}]" in done.stdout
-        assert child.wait(WAIT_S) == -signal.SIGKILL
+        assert done.returncode == 0, done.stderr
+        if f"killed 1 process(es) [{child.pid}]" in done.stdout:
+            assert child.wait(WAIT_S) == -signal.SIGKILL
+            return True
+        assert child.poll() is not None, f"cleanup left the dead driver's process {child.pid}: {done.stdout}"
+        return None
     finally:
         for p in (driver, child):
             p.kill()
             p.wait()
+
+
+def test_cleanup_kills_what_a_dead_driver_left(tmp_path):
+    """A stand-in for Ray's daemons (no Ray needed): a process started with a driver's owner tag outlives
+    the driver, which was SIGKILLed; `nereus cleanup` finds it by the tag and kills it; a live driver's
+    processes are left alone. Every start of a local Ray instance reaps the leftovers of every dead driver,
+    so one started by a test in the other worker may take the stand-in first: that try shows nothing
+    either way and is repeated (a cleanup that misses a live leftover fails at once)."""
+    for attempt in range(5):
+        if _cleanup_after_the_driver_died(tmp_path / str(attempt)):
+            return
+    pytest.fail("another process reaped the stand-in before `nereus cleanup` ran, five times in a row")
