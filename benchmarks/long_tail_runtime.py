@@ -183,6 +183,20 @@ def chosen_adapted(spec: dict) -> dict:
     return chosen(concurrent(adapted(spec)))
 
 
+def engine_logp(spec: dict) -> dict:
+    """The old log-probs from the engine (``algorithm.recompute_old_log_prob: false``): the log-probs the
+    native engine recorded while sampling, the actor's inference stage not run."""
+    spec["algorithm"]["recompute_old_log_prob"] = False
+    if "layouts" in spec["run"]:
+        spec["run"]["layouts"].pop("actor/inference", None)
+    return spec
+
+
+def chosen_adapted_logp(spec: dict) -> dict:
+    """``nereus+adapt`` with the engine's old log-probs (a job setting, not a controller decision)."""
+    return engine_logp(chosen_adapted(spec))
+
+
 def chosen(spec: dict) -> dict:
     """The controller's choice: ``run.rollout.levers: auto`` (speculation and tail batching priced by the
     cost model on the job's cpu-local profile, step by step)."""
@@ -200,7 +214,8 @@ MODES: dict[str, Callable[[dict], dict]] = {"static": static, "overlap": overlap
                                              "speculative": speculative, "tail": tail, "partial": partial,
                                              "levers": levers, "tail+spec": tail_spec, "nereus": chosen,
                                              "concurrent": concurrent, "nereus+concurrent": chosen_concurrent,
-                                             "adapt": adapted, "nereus+adapt": chosen_adapted}
+                                             "adapt": adapted, "nereus+adapt": chosen_adapted,
+                                             "engine-logp": engine_logp, "nereus+adapt+logp": chosen_adapted_logp}
 
 
 def base_spec(data: Path, args: argparse.Namespace) -> dict:

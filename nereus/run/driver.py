@@ -238,8 +238,10 @@ class Stepper:
 
     def inference_stages(self) -> list[InferenceStage]:
         """Each inference stage (timer, inference key, request), in the order they are issued. One pass
-        of the actor gives the old log-probs and the rollout policy's full-vocabulary entropy."""
-        out = [InferenceStage("old_log_prob", self.key["actor", "inference"], LogprobsAndEntropy)]
+        of the actor gives the old log-probs and the rollout policy's full-vocabulary entropy; none with
+        ``algorithm.recompute_old_log_prob: false`` (the engine's log-probs are used, ``infer``)."""
+        out = [InferenceStage("old_log_prob", self.key["actor", "inference"], LogprobsAndEntropy)
+               ] if self.job.algorithm.recompute_old_log_prob else []
         out += [InferenceStage("ref", self.key["reference", "inference"], Logprobs)] if self.has("reference") else []
         out += [InferenceStage("values", self.key["critic", "inference"], Values)] if self.has("critic") else []
         return out + ([InferenceStage("reward", self.key["reward", "inference"], Values)]
@@ -270,8 +272,11 @@ class Stepper:
             with self.timer("reward"):
                 rule = self.rule_scores(roll, rows)
                 got.update({s.timer: run(s) for s in stages if s.timer == "reward"})
-        logp, entropy = got["old_log_prob"]
-        out = {"old_logp": roll.response_frame(logp), "entropy": roll.response_frame(entropy)}
+        if "old_log_prob" in got:
+            logp, entropy = got["old_log_prob"]
+            out = {"old_logp": roll.response_frame(logp), "entropy": roll.response_frame(entropy)}
+        else:  # the log-probs the engine recorded while sampling: the same weights, forward and logits
+            out = {"old_logp": roll.gen_logp * roll.mask}
         if "ref" in got:
             out["ref_logp"] = roll.response_frame(got["ref"])
         if "values" in got:

@@ -76,9 +76,10 @@ def step_metrics(st: Stepper, step: int, roll: Rollout, inf: dict, adv: dict, st
         kl = kl_estimate(inf["old_logp"], inf["ref_logp"], r.kl_penalty)
         m["actor/reward_kl_penalty"] = float(masked_mean(kl, mask, dim=-1).mean())
         m["actor/reward_kl_penalty_coeff"] = r.kl_coef
-    diff = ((roll.gen_logp - inf["old_logp"]).abs() * mask)
-    m["rollout/logprob_diff_max"] = float(diff.max())
-    m.update(rollout_probs_diff(roll.gen_logp, inf["old_logp"], mask))
+    if st.alg.recompute_old_log_prob:  # else the old log-probs are the engine's: nothing to compare
+        diff = ((roll.gen_logp - inf["old_logp"]).abs() * mask)
+        m["rollout/logprob_diff_max"] = float(diff.max())
+        m.update(rollout_probs_diff(roll.gen_logp, inf["old_logp"], mask))
     m.update({f"{model}/grad_norm": norm for model, norm in st.grad_norms.items()})
     m.update(st.timing)
     tokens = int(roll.prompt_len.sum() + roll.response_len.sum())

@@ -44,6 +44,9 @@ class Algorithm:
     mini_batches: int = 1  # optimizer updates per step (PPO mini-batches)
     epochs: int = 1
     adv_estimator: str = ""  # a name in nereus.spec.algorithms.ADVANTAGE_ESTIMATORS; "" for training-only
+    # False: the old log-probs are the ones the rollout engine recorded while sampling, and the actor's
+    # inference stage is not run (``check_old_log_prob`` says when that is exact)
+    recompute_old_log_prob: bool = True
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ class JobSpec:
         if alg.name == "train":
             return [ModelStage(alg.models[0], "training")]
         out = [ModelStage("actor", "generation")]
-        out += [ModelStage(m, "inference") for m in ("actor", "reference", "critic", "reward") if m in alg.models]
+        out += [ModelStage(m, "inference") for m in ("actor", "reference", "critic", "reward")
+                if m in alg.models and (m != "actor" or alg.recompute_old_log_prob)]
         out += [ModelStage(m, "training") for m in ("actor", "critic") if m in alg.models]
         return out
 
@@ -142,6 +146,7 @@ def _read_algorithm(f: Fields, models: dict[str, ModelArch]) -> Algorithm:
         mini_batches=f.get("mini_batches", int, 1, minimum=1, maximum=MAX_SEQUENCES),
         epochs=f.get("epochs", int, 1, minimum=1, maximum=MAX_EPOCHS),
         adv_estimator=_read_estimator(f, name, used),
+        recompute_old_log_prob=f.get("recompute_old_log_prob", bool, True),
     )
     f.finish()
     if alg.adv_estimator in NEEDS_GROUPS and alg.samples_per_prompt < 2:
@@ -268,8 +273,27 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
             check_runnable(job.models[name.split("/")[0]], layout, f"run.layouts.{name}")
         check_rollout_engine(run.rollout_engine, {m: a.head_dim for m, a in job.models.items()}, run.layouts,
                              vllm_distribution())
+        check_old_log_prob(job.algorithm, run)
     root.finish()
     return job
+
+
+def check_old_log_prob(alg: Algorithm, run: RunSpec) -> None:
+    """``algorithm.recompute_old_log_prob: false`` only where the engine's sampled log-probs are the trainer's
+    old log-probs: every trained token sampled by the weights being trained (no lag, no run-ahead step), by
+    the native engine, which records each token's log-prob from the same fp32 forward and the same
+    untempered, uncut logits as the trainer's inference (within 1e-6 on the long-tail task; vLLM's are its
+    kernels' numbers, up to 0.2 apart from an fp32 trainer's in bf16)."""
+    if alg.recompute_old_log_prob:
+        return
+    key = "algorithm.recompute_old_log_prob"
+    why = {"run.rollout.engine": run.rollout_engine.vllm, "run.policy_lag": run.policy_lag > 0,
+           "run.async.enabled": run.async_mode.on, "run.rollout.partial_rollout": run.rollout_partial is not None}
+    for name, refuses in why.items():
+        if refuses:
+            raise SpecError(key, f"false needs the native engine's on-policy samples (its log-probs are then "
+                                 f"the trainer's), which {name} rules out: "
+                                 "set it to true or change that key")
 
 
 def _reward_function(run: RunSpec, base_dir: Path) -> RunSpec:

@@ -7,7 +7,9 @@ from nereus.spec.job import JobSpec, job_from_dict
 ARCH = {"layers": 2, "hidden": 32, "ffn_hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 64}
 
 
-def tiny_job(algorithm: str, out_dir: str, steps: int = 3, arch: dict | None = None, **run: object) -> JobSpec:
+def tiny_job(algorithm: str, out_dir: str, steps: int = 3, arch: dict | None = None,
+             recompute_old_log_prob: bool = True, **run: object) -> JobSpec:
+    """``recompute_old_log_prob``: False takes the old log-probs from the engine (no actor/inference layout)."""
     ppo = algorithm == "ppo"
     models = ["actor", "critic", "reference", "reward"] if ppo else ["actor", "reference"]
     layouts = {
@@ -16,6 +18,8 @@ def tiny_job(algorithm: str, out_dir: str, steps: int = 3, arch: dict | None = N
         "reference/inference": {"layout": "pp=2,micro_batch_size=2", "ranks": [1, 0]},
         "actor/training": {"layout": "pp=2,dp=2,micro_batch_size=1", "ranks": [0, 1, 2, 3]},
     }
+    if not recompute_old_log_prob:
+        del layouts["actor/inference"]
     if ppo:
         layouts |= {"critic/inference": {"layout": "dp=2,micro_batch_size=4", "ranks": [2, 3]},
                     "reward/inference": {"layout": "tp=2,micro_batch_size=8", "ranks": [0, 3]},
@@ -23,7 +27,8 @@ def tiny_job(algorithm: str, out_dir: str, steps: int = 3, arch: dict | None = N
     spec = {
         "name": f"{algorithm}-test",
         "models": {m: dict(arch or ARCH) for m in models},
-        "algorithm": {"name": algorithm, "samples_per_prompt": 2 if ppo else 4, "mini_batches": 2},
+        "algorithm": {"name": algorithm, "samples_per_prompt": 2 if ppo else 4, "mini_batches": 2,
+                      "recompute_old_log_prob": recompute_old_log_prob},
         "workload": {"prompts_per_step": 4 if ppo else 2, "prompt_length": 10,
                      "response_length": {"mean": 3, "max": 4}},
         "cluster": {"gpu": "H100", "nodes": 1, "gpus_per_node": 4},
