@@ -26,7 +26,10 @@ same seed, data and warm-started actor, on two local Ray workers, in each mode, 
   controller's whole choice, layouts and levers (``run.adapt`` + ``run.rollout.levers: auto`` +
   ``run.overlap``). Both price on this machine's measured profile (``examples/cpu-local.yaml`` with the
   per-micro-batch and shared-core priors of ``examples/ppo_tiny.yaml``) instead of the example's inline
-  figures.
+  figures;
+- ``engine-logp``: static trained on the log-probs the engine recorded while sampling
+  (``algorithm.recompute_old_log_prob: false``: no ``old_log_prob`` pass), and ``nereus+adapt+logp``:
+  ``nereus+adapt`` with it (``examples/grpo_longtail_nereus.yaml``).
 
 Every mode uses the same model (head size 32, which vLLM's CPU attention needs) and warm-start.
 
@@ -370,7 +373,7 @@ def against_static(figures: dict, runs: dict, skip: int) -> None:
 def table(figures: dict, skipped: dict, failed: dict, args: argparse.Namespace) -> str:
     """The printed table and the verdict on the goal."""
     idle_keys = sorted({k for f in figures.values() for k in f["idle"]})
-    head = (f"{'mode':<15}{'step s':>8}{'vs static':>10}{'job step s':>11}{'gen s':>8}"
+    head = (f"{'mode':<18}{'step s':>8}{'vs static':>10}{'job step s':>11}{'gen s':>8}"
             + "".join(f"{'idle ' + k.replace('worker_', 'w'):>8}" for k in idle_keys)
             + f"{'resp mean/max':>15}{'signal':>8}{'held-out acc':>14}{'Δ pts':>7}")
     lines = [f"GRPO long-tail `repeat`, 2 workers, seed {args.seed}, {args.warmstart} warm-start steps, "
@@ -384,7 +387,7 @@ def table(figures: dict, skipped: dict, failed: dict, args: argparse.Namespace) 
         ratio = f"{f['vs_static']:9.2f}x" if "vs_static" in f else f"{'—':>10}"
         delta = f"{f['accuracy_delta_points']:+7.1f}" if "accuracy_delta_points" in f else f"{'—':>7}"
         late = f"{f['late_accuracy_delta_points']:+7.1f}" if "late_accuracy_delta_points" in f else f"{'—':>7}"
-        lines.append(f"{mode:<15}{f['step_s']:8.3f}{ratio}{f['timing_step_s']:11.3f}{f['gen_s']:8.3f}"
+        lines.append(f"{mode:<18}{f['step_s']:8.3f}{ratio}{f['timing_step_s']:11.3f}{f['gen_s']:8.3f}"
                      + "".join(f"{f['idle'].get(k, 0.0):8.2f}" for k in idle_keys)
                      + f"{f['response_mean']:8.1f}/{f['response_max']:<6.1f}"
                      + f"{100 * f['extra'].get('batch/solve_partial', 0.0):7.0f}%"
@@ -392,7 +395,7 @@ def table(figures: dict, skipped: dict, failed: dict, args: argparse.Namespace) 
                      + f"{100 * f['late_accuracy']:8.1f}%{late}")
     for mode, why in {**skipped, **failed}.items():
         why = why.split("; allowed keys")[0]  # the spec's list of keys says nothing here
-        lines.append(f"{mode:<15}{'skipped' if mode in skipped else 'FAILED'}: {why}")
+        lines.append(f"{mode:<18}{'skipped' if mode in skipped else 'FAILED'}: {why}")
     lines.append(f"goal: >= {100 * (1 - GOAL_RATIO):.0f}% lower mean step time than static, held-out "
                  f"accuracy at most {GOAL_POINTS:g} points below static's")
     for mode, f in figures.items():
