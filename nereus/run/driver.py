@@ -241,7 +241,7 @@ class Stepper:
         of the actor gives the old log-probs and the rollout policy's full-vocabulary entropy; none with
         ``algorithm.recompute_old_log_prob: false`` (the engine's log-probs are used, ``infer``)."""
         out = [InferenceStage("old_log_prob", self.key["actor", "inference"], LogprobsAndEntropy)
-               ] if self.job.algorithm.recompute_old_log_prob else []
+               ] if self.alg.recompute_old_log_prob else []
         out += [InferenceStage("ref", self.key["reference", "inference"], Logprobs)] if self.has("reference") else []
         out += [InferenceStage("values", self.key["critic", "inference"], Values)] if self.has("critic") else []
         return out + ([InferenceStage("reward", self.key["reward", "inference"], Values)]

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nereus.run.driver import Stepper
+from nereus.run.job import RLJob
 from nereus.spec.job import JobSpec, job_from_dict
 
 ARCH = {"layers": 2, "hidden": 32, "ffn_hidden": 64, "heads": 4, "kv_heads": 2, "vocab": 64}
@@ -55,3 +63,27 @@ def vllm_job(algorithm: str, out_dir: str, steps: int = 3, rollout: dict | None 
     job on the tests' session runtime reuses the engines the previous one left idle (``engine_pool``)."""
     return tiny_job(algorithm, out_dir, steps, arch=VLLM_ARCH,
                     rollout={"engine": "vllm", "cpu_kv_cache_gib": 0.0625, "slots": 4, **(rollout or {})}, **run)
+
+
+def run_recording_infer(job: JobSpec, runtime: object, out: Path, monkeypatch: pytest.MonkeyPatch,
+                        rollout: tuple[str, ...] = ("tokens",)) -> tuple[list[dict], list[dict[str, torch.Tensor]]]:
+    """Run ``job`` on ``runtime``: its metric lines and, at each step, what ``Stepper.infer`` returned, the
+    rollout's fields named in ``rollout`` and ``early`` (the row blocks of each inference stage issued while
+    generation was still running)."""
+    seen: list[dict[str, torch.Tensor]] = []
+    real = Stepper.infer
+
+    def infer(self, roll, rows):
+        got = real(self, roll, rows)
+        seen.append({k: v.clone() for k, v in got.items()} | {k: getattr(roll, k).clone() for k in rollout})
+        seen[-1]["early"] = {t: sorted(calls) for t, calls in self.early.early.items()} if self.early else {}
+        return got
+
+    monkeypatch.setattr(Stepper, "infer", infer)
+    rl = RLJob(job, runtime=runtime, out_dir=out, quiet=True)
+    try:
+        rl.execute()
+    finally:
+        rl.release()
+        monkeypatch.undo()
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], seen

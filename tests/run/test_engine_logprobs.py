@@ -6,18 +6,14 @@ come from other weights or another engine's numbers."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from nereus.cost.hardware import Hardware
 from nereus.planner.search import search
-from nereus.run.driver import Stepper
-from nereus.run.job import RLJob
 from nereus.spec.errors import SpecError
 from nereus.spec.layout import ModelStage
-from tests.run.jobs import tiny_job
+from tests.run.jobs import run_recording_infer, tiny_job
 
 ATOL = 2e-5  # engine vs inference log-probs of the same tokens (tests/run/test_logprob_consistency.py)
 
@@ -38,33 +34,14 @@ def test_refused_where_a_token_may_come_from_other_weights(tmp_path, run, key):
         tiny_job("grpo", str(tmp_path), recompute_old_log_prob=False, **run)
 
 
-def _first_step(job, runtime, out, monkeypatch) -> tuple[dict, dict[str, torch.Tensor]]:
-    seen: list[dict[str, torch.Tensor]] = []
-    real = Stepper.infer
-
-    def infer(self, roll, rows):
-        got = real(self, roll, rows)
-        seen.append({k: v.clone() for k, v in got.items()} | {"tokens": roll.tokens.clone(),
-                                                              "gen_logp": roll.gen_logp * roll.mask})
-        return got
-
-    monkeypatch.setattr(Stepper, "infer", infer)
-    rl = RLJob(job, runtime=runtime, out_dir=out, quiet=True)
-    try:
-        rl.execute()
-    finally:
-        rl.release()
-        monkeypatch.undo()
-    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0]), seen[0]
-
-
 @pytest.mark.distributed
 def test_a_grpo_step_trains_on_the_engine_log_probs(ray_runtime, tmp_path, monkeypatch):
-    runs = {r: _first_step(tiny_job("grpo", str(tmp_path / str(r)), steps=1, recompute_old_log_prob=r), ray_runtime,
-                           tmp_path / str(r), monkeypatch) for r in (True, False)}
-    (row_on, inf_on), (row_off, inf_off) = runs[True], runs[False]
+    runs = {r: run_recording_infer(tiny_job("grpo", str(tmp_path / str(r)), steps=1, recompute_old_log_prob=r),
+                                   ray_runtime, tmp_path / str(r), monkeypatch, ("tokens", "gen_logp", "mask"))
+            for r in (True, False)}
+    ([row_on], [inf_on]), ([row_off], [inf_off]) = runs[True], runs[False]
     assert torch.equal(inf_on["tokens"], inf_off["tokens"])  # the same samples: the step's generation is alike
-    assert torch.equal(inf_off["old_logp"], inf_off["gen_logp"])  # trained on what the engine recorded
+    assert torch.equal(inf_off["old_logp"], inf_off["gen_logp"] * inf_off["mask"])  # what the engine recorded
     torch.testing.assert_close(inf_on["old_logp"], inf_off["old_logp"], atol=ATOL, rtol=0)
     torch.testing.assert_close(inf_on["ref_logp"], inf_off["ref_logp"], atol=0, rtol=0)
     assert "timing_s/old_log_prob" in row_on and "timing_s/old_log_prob" not in row_off

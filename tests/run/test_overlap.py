@@ -15,31 +15,9 @@ from nereus.run.driver import Stepper
 from nereus.run.job import RLJob
 from nereus.spec.errors import SpecError
 from nereus.spec.overrides import parse_override
-from tests.run.jobs import tiny_job
+from tests.run.jobs import run_recording_infer, tiny_job
 
 TIMING = ("timing_s/", "perf/throughput", "perf/time_per_step", "perf/idle_fraction/", "nereus/snapshot_s")
-
-
-def _run(job, runtime, out, monkeypatch) -> tuple[list[dict], list[dict[str, torch.Tensor]]]:
-    """The job's metric lines and what ``Stepper.infer`` returned at each step (with ``early``: the row
-    blocks of each inference stage issued while generation was still running)."""
-    seen: list[dict[str, torch.Tensor]] = []
-    real = Stepper.infer
-
-    def infer(self, roll, rows):
-        out = real(self, roll, rows)
-        seen.append({k: v.clone() for k, v in out.items()} | {"tokens": roll.tokens.clone()})
-        seen[-1]["early"] = {t: sorted(calls) for t, calls in self.early.early.items()} if self.early else {}
-        return out
-
-    monkeypatch.setattr(Stepper, "infer", infer)
-    rl = RLJob(job, runtime=runtime, out_dir=out, quiet=True)
-    try:
-        rl.execute()
-    finally:
-        rl.release()
-        monkeypatch.undo()
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], seen
 
 
 def _check_worker_metrics(rows: list[dict], workers: int) -> None:
@@ -73,7 +51,8 @@ def test_overlapped_ppo_step_equals_sequential(ray_runtime, tmp_path, monkeypatc
     runs = {}
     for overlap in (False, True):
         out = tmp_path / f"overlap_{overlap}"
-        runs[overlap] = _run(tiny_job("ppo", str(out), steps=2, overlap=overlap), ray_runtime, out, monkeypatch)
+        job = tiny_job("ppo", str(out), steps=2, overlap=overlap)
+        runs[overlap] = run_recording_infer(job, ray_runtime, out, monkeypatch)
     _same(runs[False], runs[True])
     assert {"values", "ref_logp", "rm", "rule"} <= set(runs[True][1][0])
     for rows, _ in runs.values():
@@ -91,11 +70,11 @@ def test_early_inference_with_continuous_batching(ray_runtime, tmp_path, monkeyp
         out = tmp_path / f"slots_{overlap}"
         job = tiny_job("grpo", str(out), steps=2, overlap=overlap, rollout={"slots": 2, "pad_to_max": True})
         assert job.run.rollout_slots == 2 and job.run.rollout_pad_to_max
-        runs[overlap] = _run(job, ray_runtime, out, monkeypatch)
+        runs[overlap] = run_recording_infer(job, ray_runtime, out, monkeypatch)
     _same(runs[False], runs[True])
     # the engine ran: its per-sequence streams sample other tokens than the fixed batch's one stream
-    fixed = _run(tiny_job("grpo", str(tmp_path / "fixed"), steps=1, rollout={"pad_to_max": True}), ray_runtime,
-                 tmp_path / "fixed", monkeypatch)
+    fixed = run_recording_infer(tiny_job("grpo", str(tmp_path / "fixed"), steps=1, rollout={"pad_to_max": True}),
+                                ray_runtime, tmp_path / "fixed", monkeypatch)
     assert not torch.equal(fixed[1][0]["tokens"], runs[False][1][0]["tokens"])
     for inf in runs[True][1]:
         # 8 rows, 4 per generation replica; the reference (pp=2 on workers 1, 0) waits for both replicas
