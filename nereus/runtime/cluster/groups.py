@@ -8,9 +8,11 @@ Rank order inside ``ranks`` is ``Layout.rank``: tensor-parallel fastest, then da
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,25 @@ def local_device() -> torch.device:
         return torch.device("cpu")
     index = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
     return torch.device("cuda", index % torch.cuda.device_count())
+
+
+@cache
+def _new_group_keeps_order() -> bool:
+    """Whether this torch's ``new_group`` takes ``sort_ranks`` (older releases, such as the 2.11 of
+    some CUDA images, always sort a group's members)."""
+    return "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
+def new_group_in_order(members: list[int], timeout: timedelta) -> dist.ProcessGroup:
+    """A process group whose ranks are ``members`` in the given order (a rank's place in the group is its
+    layout coordinate). A torch that can only sort members builds groups whose members are already
+    sorted, and refuses others in one line rather than shard in the wrong order."""
+    if _new_group_keeps_order():
+        return dist.new_group(members, timeout=timeout, sort_ranks=False)
+    if members != sorted(members):
+        raise RuntimeError(f"process group {members}: torch {torch.__version__} sorts a group's ranks, and this "
+                           "layout needs them in coordinate order; install torch >= 2.13 (the runtime's pin)")
+    return dist.new_group(members, timeout=timeout)
 
 
 @dataclass
@@ -82,7 +103,7 @@ class ParallelGroups:
         for members in self._members(kind):
             # collective over the whole world; unsorted, so a rank's place in the group is its coordinate
             # (TP shards gather in TP order, ZeRO ranges follow the DP coordinate as the contract says)
-            group = dist.new_group(members, timeout=timeout, sort_ranks=False)
+            group = new_group_in_order(members, timeout)
             if me in members:
                 mine = group
         return mine

@@ -115,8 +115,8 @@ class ShardedModel:
         model = parallelize(whole, ParallelDims(lay.pp, c.pp, lay.tp, c.tp, groups.tp_group))
         if assign:  # adopt the given tensors as the parameters (a transition's new buffers): no copy
             model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True, assign=True)
-        else:
-            model.to_empty(device=groups.device)
+        else:  # parameters in ``dtype`` as the adopted ones are (load_state_dict casts into the target's dtype)
+            model.to(dtype=dtype).to_empty(device=groups.device)
             model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
         model.inv_freq = rope_inv_freq(cfg).to(groups.device)
         self.model: CausalLM = model
