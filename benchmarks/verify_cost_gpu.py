@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 # nereus.spec.model.PRESETS; "small" is a tiny one for the CPU run.
 SHAPES = {
     "llama3-8b": (32, 4096, 14336, 32, 8, 128256),
+    "qwen2.5-7b": (28, 3584, 18944, 28, 4, 152064),
     "qwen2.5-0.5b": (24, 896, 4864, 14, 2, 151936),
     "small": (2, 64, 128, 4, 2, 128),
 }
@@ -239,6 +240,8 @@ def print_comparison(table: list[dict]) -> None:
               f" over {len(spec)} rows")
 
 
+# Rows (k + 1) per shape: targets get their verifications, a draft-sized model only its plain step.
+DEFAULT_ROWS = {"llama3-8b": [1, 2, 3, 4, 5, 8], "qwen2.5-7b": [1, 2, 4, 8]}
 FIELDS = ("shape", "batch", "rows", "context", "seconds")
 
 
@@ -264,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--preset", default="H200", help="GPU preset of the predictions (nereus.spec.cluster)")
     p.add_argument("--shapes", default="llama3-8b,qwen2.5-0.5b")
+    p.add_argument("--rows", help="k + 1 values to measure, e.g. 1,2,4,8 (default: by shape, DEFAULT_ROWS)")
     p.add_argument("--small", action="store_true", help="the tiny shape, two batches, on CPU")
     p.add_argument("--cache-limit-gb", type=float, default=90.0)
     p.add_argument("--out", help="write the measured rows here (CSV, rewritten after every configuration)")
@@ -276,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run with --device cpu --small", file=sys.stderr)
         return 2
     # the target's verification by draft length; a small draft model's plain decode step by batch
+    rows = [int(r) for r in a.rows.split(",")] if a.rows else None
     plan = ([("small", [1, 4], [1, 3], [16])] if a.small else
-            [(s, [1, 2, 4, 8, 16, 32, 64, 128, 256], [1, 2, 3, 4, 5, 8] if s == "llama3-8b" else [1], [512, 4096])
+            [(s, [1, 2, 4, 8, 16, 32, 64, 128, 256], rows or DEFAULT_ROWS.get(s, [1]), [512, 4096])
              for s in a.shapes.split(",")])
     device = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
 

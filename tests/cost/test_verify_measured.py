@@ -46,9 +46,9 @@ def ratios() -> list[tuple[tuple[str, int, int, int], float, float]]:
 def test_verification_in_plain_steps_matches_the_h200_by_batch_and_draft_length() -> None:
     rows = ratios()
     errors = [abs(p / m - 1) for _, m, p in rows]
-    assert len(rows) >= 80
-    assert statistics.mean(errors) < 0.10  # measured 6.2%
-    assert max(errors) < 0.25  # measured 15.3% (batch 32, 8 rows, context 512)
+    assert {shape for (shape, *_), _, _ in rows} == {"llama3-8b", "qwen2.5-7b"} and len(rows) >= 130
+    assert statistics.mean(errors) < 0.10  # measured 6.1%
+    assert max(errors) < 0.25  # measured 17.9% (Qwen2.5-7B, batch 256, 8 rows, context 4,096)
 
 
 def test_the_model_says_where_speculation_pays_as_the_h200_does() -> None:
@@ -56,11 +56,11 @@ def test_the_model_says_where_speculation_pays_as_the_h200_does() -> None:
     for alpha in (0.6, 0.75):
         agree = [(expected_tokens(alpha, q - 1) > m) == (expected_tokens(alpha, q - 1) > p)
                  for (_, _, q, _), m, p in ratios()]
-        assert sum(agree) >= 0.95 * len(agree)  # measured: 85 and 84 of 85
+        assert sum(agree) >= 0.95 * len(agree)  # measured: 136 and 138 of 139
 
 
 def test_verification_turns_compute_bound_with_the_batch() -> None:
-    by_batch = {b: (m, p) for (_, b, q, c), m, p in ratios() if q == 8 and c == 512}
+    by_batch = {b: (m, p) for (shape, b, q, c), m, p in ratios() if shape == "llama3-8b" and q == 8 and c == 512}
     batches = sorted(by_batch)
     for small, large in zip(batches, batches[1:], strict=False):
         assert by_batch[large][0] >= by_batch[small][0] * 0.98 and by_batch[large][1] >= by_batch[small][1]
