@@ -235,11 +235,12 @@ class PhasedPolicy:
 
     def _choose_pools(self, step: int, num_gpus: int, colocated: Plan | None = None) -> Plan:
         """The pool split for ``num_gpus`` (``control.pools``; ``colocated``: the inner policy's plan for it,
-        when it has one): the inner policy plans under the choice's constraints from now on; returns the
-        choice's plan."""
+        when it has one), priced on the priors as ``control.pools`` says why (the calibration, fitted with
+        the levers on, would count their gain twice): the inner policy plans under the choice's constraints
+        from now on; returns the choice's plan."""
         ctrl = self.controller
         job = ctrl.job_for(step, num_gpus)
-        choice = self.pools.choose(job, ctrl.factors, self.levers, self.policy_lag, self._colocated, colocated)
+        choice = self.pools.choose(job, {}, self.levers, self.policy_lag, self._colocated, colocated)
         ctrl.constraints = choice.constraints
         return choice.plan
 

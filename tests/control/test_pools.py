@@ -137,3 +137,23 @@ def test_the_step_timeline_draws_the_training_pool_beside_the_rollout():
     sync = [a for g, kind, a, _ in rows if kind == "weight_sync"]
     assert sync and min(sync) == pytest.approx(max(generation_end, pool[1][3]))
     assert max(b for *_, b in rows) == pytest.approx(record.steps[-1]["step_time_s"], rel=1e-6)
+
+
+def test_a_gpu_change_chooses_the_pools_on_the_priors_not_the_calibration():
+    # The calibration fits the generation factors to steps measured with the levers on; pricing the split
+    # on it counts the levers' gain twice (control.pools). Elastic runs at lag 1 chose splits that way and
+    # ran slower than at lag 0 (growth_from_16: 35.1 s against 32.4 s mean step; 32.3 s on the priors).
+    job = _long_tail_job()
+    policy = make_policy("nereus", job, policy_lag=1)
+    seen = []
+
+    class Recording(PoolRule):
+        def choose(self, job, factors, *args, **kwargs):
+            seen.append(dict(factors))
+            return super().choose(job, factors, *args, **kwargs)
+
+    policy.pools = Recording()
+    policy.initial_plan(job.cluster.num_gpus)
+    policy.controller.factors = {"generation.memory": 0.6}  # a fit that halves generation's weight reads
+    policy.survivor_plan(job.cluster.num_gpus // 2, 10)
+    assert seen == [{}, {}]
