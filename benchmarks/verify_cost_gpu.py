@@ -37,14 +37,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# Shapes from the models' config.json (layers, hidden, FFN, heads, KV heads, vocabulary), as in
-# nereus.spec.model.PRESETS; "small" is a tiny one for the CPU run.
-SHAPES = {
-    "llama3-8b": (32, 4096, 14336, 32, 8, 128256),
-    "qwen2.5-7b": (28, 3584, 18944, 28, 4, 152064),
-    "qwen2.5-0.5b": (24, 896, 4864, 14, 2, 151936),
-    "small": (2, 64, 128, 4, 2, 128),
-}
+from nereus.spec.model import PRESETS, ModelArch  # noqa: E402
+
+# The presets' shapes (nereus.spec.model.PRESETS) and a tiny one for the CPU run.
+SHAPES = {**PRESETS, "small": ModelArch(layers=2, hidden=64, ffn_hidden=128, heads=4, kv_heads=2, vocab=128)}
 
 
 @dataclass(frozen=True)
@@ -66,7 +62,8 @@ class RandomDecoder:
     per sequence over a KV cache of ``context`` tokens."""
 
     def __init__(self, shape: str, device: str, dtype: torch.dtype) -> None:
-        layers, hidden, ffn, heads, kv_heads, vocab = SHAPES[shape]
+        a = SHAPES[shape]
+        layers, hidden, ffn, heads, kv_heads, vocab = a.layers, a.hidden, a.ffn_hidden, a.heads, a.kv_heads, a.vocab
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
         self.layers, self.hidden, self.device, self.dtype = layers, hidden, device, dtype
         g = torch.Generator(device=device).manual_seed(0)
@@ -116,8 +113,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def cache_bytes(shape: str, batch: int, length: int, elem: int) -> int:
-    layers, hidden, _, heads, kv_heads, _ = SHAPES[shape]
-    return 2 * layers * batch * kv_heads * length * (hidden // heads) * elem
+    a = SHAPES[shape]
+    return 2 * a.layers * batch * a.kv_heads * length * a.head_dim * elem
 
 
 def time_config(model: RandomDecoder, cfg: Config, replays: int, repeats: int) -> float:
@@ -187,34 +184,32 @@ def measure(shape: str, batches: list[int], rows: list[int], contexts: list[int]
     return out
 
 
-def predicted_seconds(cfg: Config, preset: str) -> float:
-    """The cost model's verification time for the configuration on one GPU of ``preset`` (engine
-    ``graph``: no host costs, as the captured forward here)."""
+def step_models(preset: str) -> dict[str, object]:
+    """The cost model's replica of each preset shape on one GPU of ``preset`` (engine ``graph``: no host
+    costs, as the captured forward here)."""
     from nereus.cost.decode import Replica, StepModel
     from nereus.cost.hardware import Hardware
-    from nereus.cost.levers.speculative import verify_seconds
     from nereus.spec.cluster import ClusterSpec, gpu_presets
-    from nereus.spec.model import PRESETS
 
     hw = Hardware(ClusterSpec(gpu_presets()[preset], nodes=1, gpus_per_node=8))
-    m = StepModel(Replica(hw, PRESETS[cfg.shape], 1, engine="graph"))
-    return verify_seconds(m, cfg.batch, cfg.context, cfg.rows)
+    return {name: StepModel(Replica(hw, arch, 1, engine="graph")) for name, arch in PRESETS.items()}
 
 
 def comparison(rows: list[Measured], preset: str) -> list[dict]:
-    """Per configuration: measured and predicted seconds, and the verification's cost in plain steps
-    (T(b, rows) / T(b, 1)) measured and predicted."""
+    """Per configuration of a preset shape: measured and predicted seconds (``verify_seconds``), and the
+    verification's cost in plain steps (T(b, rows) / T(b, 1)) measured and predicted."""
+    from nereus.cost.levers.speculative import verify_seconds
+
+    models = step_models(preset)
     plain = {(m.config.shape, m.config.batch, m.config.context): m.seconds for m in rows if m.config.rows == 1}
     out = []
-    from nereus.spec.model import PRESETS
-
     for m in rows:
         c = m.config
-        if c.shape not in PRESETS:  # the CPU run's tiny shape has no preset to predict from
+        if c.shape not in models:  # the CPU run's tiny shape has no preset to predict from
             continue
-        pred = predicted_seconds(c, preset)
+        pred = verify_seconds(models[c.shape], c.batch, c.context, c.rows)
+        pred_base = verify_seconds(models[c.shape], c.batch, c.context, 1)
         base = plain.get((c.shape, c.batch, c.context))
-        pred_base = predicted_seconds(Config(c.shape, c.batch, 1, c.context), preset)
         out.append({**asdict(c), "measured_s": m.seconds, "predicted_s": pred,
                     "measured_ratio": m.seconds / base if base else math.nan,
                     "predicted_ratio": pred / pred_base})
