@@ -58,13 +58,17 @@ class TransferComm:
 
     def __init__(self, timeout_s: float = 60.0) -> None:
         self.timeout = timedelta(seconds=timeout_s)
-        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=4 * timeout_s + 30))
-        self.transfer = dist.new_group(timeout=self.timeout)
+        # a group's timeout also bounds its creation (a store rendezvous of every rank); a rank that reaches
+        # it late is slow, not failed, so creation gets the control group's long bound and the transfers
+        # keep theirs through ``wait`` (gloo and NCCL honour a timeout given to ``Work.wait``)
+        self.group_timeout = timedelta(seconds=4 * timeout_s + 30)
+        self.control = dist.new_group(backend="gloo", timeout=self.group_timeout)
+        self.transfer = dist.new_group(timeout=self.group_timeout)
         self.abandoned: list = []
 
     def renew(self) -> None:
         self.abandoned.append(self.transfer)
-        self.transfer = dist.new_group(timeout=self.timeout)
+        self.transfer = dist.new_group(timeout=self.group_timeout)
 
     def wait(self, works: list) -> None:
         """Wait for point-to-point work, each at most the transfer timeout (a peer that failed never
