@@ -7,8 +7,9 @@ policy's mean step, throughput (tokens/s) and tokens per GPU-second, its ratio t
 step-time change against ``fixed-oracle``, the policy lag of its trained tokens (mean, largest, share
 on-policy) and where the step's time goes (generation, inference, training, weight sync). ``nereus`` runs
 at ``run.policy_lag`` 0 and again at 1 (``nereus@lag1``). Then the acceptance ratios on the long-tail
-traces. With ``--timeline DIR`` it writes one step per policy (``--timeline-step``) of the first trace as a
-Perfetto trace (JSON) and a PNG.
+traces, each with the ratio its work would reach spread evenly over the GPUs (``balanced_tokens_per_s``:
+the bound no re-balancing of its pools or stages passes). With ``--timeline DIR`` it writes one step per
+policy (``--timeline-step``) of the first trace as a Perfetto trace (JSON) and a PNG.
 
     python benchmarks/long_tail.py [--jobs ppo_8b_h100 grpo_7b_h100] [--traces long_tail_dapo ...]
         [--steps 0] [--policies ...] [--timeline docs/img/levers --timeline-step 40]
@@ -92,8 +93,11 @@ def acceptance(results: dict[tuple[str, str], dict[str, dict]]) -> None:
                 continue
             ours = res[label]["tokens_per_s"]
             rivals = ", ".join(f"{r} {ours / res[r]['tokens_per_s']:.2f}x" for r in RIVALS[label] if r in res)
+            rivals = f"; vs {rivals}" if rivals else ""
             goal = f" (goal {target}x)" if trace in ("long_tail_dapo", "r1_zero_growth") else ""
-            print(f"  {job:<14}{trace:<19}{label:<12} {ours / verl:.2f}x verl-like{goal}; vs {rivals}")
+            floor = res[label].get("balanced_tokens_per_s")
+            floor = f"; {floor / verl:.2f}x with its work balanced" if floor else ""
+            print(f"  {job:<14}{trace:<19}{label:<12} {ours / verl:.2f}x verl-like{goal}{rivals}{floor}")
         if "fixed-oracle" in res and "nereus" in res:
             change = res["nereus"]["mean_step_s"] / res["fixed-oracle"]["mean_step_s"] - 1
             print(f"  {job:<14}{trace:<19}nereus step {100 * change:+.1f}% vs fixed-oracle (goal <= +1%)")

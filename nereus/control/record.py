@@ -38,6 +38,8 @@ class RunRecord:
                            "policy_lag": list(m.policy_lag)})
         if "generation" in m.detail:  # sequence-level generation (the simulator): where its time went
             self.steps[-1]["generation"] = m.detail["generation"]
+        if "busy_gpu_s" in m.detail:  # the simulator: GPU-seconds the step's work held (sim.backend)
+            self.steps[-1]["busy_gpu_s"] = m.detail["busy_gpu_s"]
 
     def add_generation(self, entry: GenerationEntry) -> None:
         """A decision taken inside a step's generation (acting or declined) with its outcome."""
@@ -96,6 +98,7 @@ class RunRecord:
             "controller_overhead_share": sum(overheads) / run_s if run_s else 0.0,
             "wall_s": self.wall_s,
             **lag_summary(steps),
+            **balanced_summary(steps, tokens),
         }
 
     def to_dict(self) -> dict:
@@ -117,3 +120,14 @@ def lag_summary(steps: list[dict]) -> dict[str, float]:
     on = sum(t * lag[0] for t, lag in weights) / total
     top = max((max((j for j, x in enumerate(lag) if x > 0), default=0) for _, lag in weights), default=0)
     return {"policy_lag_mean": mean, "policy_lag_max": top, "on_policy_share": on}
+
+
+def balanced_summary(steps: list[dict], tokens: float) -> dict[str, float]:
+    """Where every step records the GPU-seconds its work held (the simulator), the run with that work
+    spread evenly over each step's GPUs: the mean step and throughput that balancing pools and stages
+    alone could reach at best (transitions and lost time kept as they were)."""
+    if not steps or any("busy_gpu_s" not in s for s in steps):
+        return {}
+    balanced = [s["busy_gpu_s"] / s["gpus"] for s in steps]
+    run_s = sum(balanced) + sum(s["transition_s"] + s["lost_s"] for s in steps)
+    return {"balanced_step_s": sum(balanced) / len(steps), "balanced_tokens_per_s": tokens / run_s if run_s else 0.0}

@@ -19,6 +19,7 @@ from nereus.control.pools import runs_one_step_off
 from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.batching import Factors
 from nereus.cost.generation import (
+    ROLLOUT,
     BulkRun,
     GenModel,
     GenOutcome,
@@ -184,6 +185,8 @@ class SimBackend:
         if runs_one_step_off(plan):  # generation of the next step overlaps this step's inference and training
             step_s = max(phases["generation"], phases["inference"] + phases["training"]) + phases["weight_sync"]
             lag = (0.0, 1.0)
+        idle = detail["generation"]["idle_gpu_s"] if "generation" in detail else 0.0
+        detail = {**detail, "busy_gpu_s": busy_gpu_seconds(plan, phases, idle)}
         return StepMetrics(step, stage_times, phases, step_s, mean, longest,
                            job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus, detail,
                            entries, lag)
@@ -272,6 +275,20 @@ class SimBackend:
         noise = float(math.exp(self._rng(step, 2).normal(0, self.truth.noise)))
         actual = predicted * self.factors["transition"] * noise
         return TransitionMetrics(actual, predicted, est.bytes_moved, {"moved": list(est.moved_model_stages)})
+
+
+def busy_gpu_seconds(plan: Plan, phases: dict[str, float], idle_generation_gpu_s: float) -> float:
+    """GPU-seconds a step's work holds: each phase's GPUs for its time (the rollout pool's for generation
+    and the others' for inference and training when the plan runs one-step-off, every GPU otherwise), less
+    the generation's idle ones. Spread evenly over the plan's GPUs it is the step no schedule of this work
+    beats (``RunRecord.summary``'s ``balanced_step_s``): what balancing alone could still gain."""
+    n = plan.num_gpus
+    if runs_one_step_off(plan):
+        g = len(plan.placement(ROLLOUT).gpus)
+        held = g * phases["generation"] + (n - g) * (phases["inference"] + phases["training"])
+    else:
+        held = n * (phases["generation"] + phases["inference"] + phases["training"])
+    return held + n * phases["weight_sync"] - idle_generation_gpu_s
 
 
 def stopped(out: GenOutcome, stop_s: float) -> GenOutcome:

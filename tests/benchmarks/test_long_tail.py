@@ -27,6 +27,7 @@ def test_smallest_run_prints_every_policy_and_writes_timelines(tmp_path: Path) -
     for p in policies:
         assert f"\n  {p} " in out and f"timeline {tmp_path}" in out
     assert "STOPPED" not in out and "x verl-like (goal 1.6x)" in out and "vs fixed-oracle (goal <= +1%)" in out
+    assert "with its work balanced" in out  # every simulated step records the GPU-seconds its work held
     for p in policies:
         stem = tmp_path / f"long_tail_dapo_{p.replace('@', '_')}_step1"
         events = json.loads(stem.with_suffix(".json").read_text())["traceEvents"]
