@@ -33,3 +33,16 @@ def test_smallest_run_prints_every_policy_and_writes_timelines(tmp_path: Path) -
         events = json.loads(stem.with_suffix(".json").read_text())["traceEvents"]
         assert any(e["ph"] == "X" for e in events)
         assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_several_seeds_end_with_each_goal_per_seed() -> None:
+    args = ["--jobs", "grpo_7b_h100", "--traces", "long_tail_dapo", "--steps", "2", "--policies", "nereus",
+            "verl-like", "--seeds", "0", "1"]
+    proc = subprocess.run([sys.executable, "benchmarks/long_tail.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    assert "seed 0\n" in out and "seed 1\n" in out and "across seeds 0, 1" in out
+    row = next(line for line in out.splitlines() if line.startswith("  grpo_7b_h100") and "min " in line)
+    ratios = [float(x) for x in row.split("nereus")[1].split("min")[0].split()]
+    assert len(ratios) == 2 and all(0 < x < 10 for x in ratios) and row.endswith(("/2",))
