@@ -96,8 +96,8 @@ def acceptance(results: dict[tuple[str, str], dict[str, dict]]) -> None:
             rivals = ", ".join(f"{r} {ours / res[r]['tokens_per_s']:.2f}x" for r in RIVALS[label] if r in res)
             rivals = f"; vs {rivals}" if rivals else ""
             goal = f" (goal {target}x)" if trace in GOAL_TRACES else ""
-            floor = res[label].get("balanced_tokens_per_s")
-            floor = f"; {floor / verl:.2f}x with its work balanced" if floor else ""
+            balanced = res[label].get("balanced_tokens_per_s")
+            floor = f"; {balanced / verl:.2f}x with its work balanced" if balanced else ""
             print(f"  {job:<14}{trace:<19}{label:<12} {ours / verl:.2f}x verl-like{goal}{rivals}{floor}")
         if "fixed-oracle" in res and "nereus" in res:
             change = res["nereus"]["mean_step_s"] / res["fixed-oracle"]["mean_step_s"] - 1

@@ -182,11 +182,12 @@ class SimBackend:
             tokens = trained
         lag = (1.0,) if rnd is None else rnd.policy_lag
         step_s = sum(phases.values())
-        if runs_one_step_off(plan):  # generation of the next step overlaps this step's inference and training
+        rollout_gpus = len(plan.placement(ROLLOUT).gpus) if runs_one_step_off(plan) else None
+        if rollout_gpus:  # generation of the next step overlaps this step's inference and training
             step_s = max(phases["generation"], phases["inference"] + phases["training"]) + phases["weight_sync"]
             lag = (0.0, 1.0)
         idle = detail["generation"]["idle_gpu_s"] if "generation" in detail else 0.0
-        detail = {**detail, "busy_gpu_s": busy_gpu_seconds(plan, phases, idle)}
+        detail = {**detail, "busy_gpu_s": busy_gpu_seconds(plan.num_gpus, rollout_gpus, phases, idle)}
         return StepMetrics(step, stage_times, phases, step_s, mean, longest,
                            job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus, detail,
                            entries, lag)
@@ -277,15 +278,16 @@ class SimBackend:
         return TransitionMetrics(actual, predicted, est.bytes_moved, {"moved": list(est.moved_model_stages)})
 
 
-def busy_gpu_seconds(plan: Plan, phases: dict[str, float], idle_generation_gpu_s: float) -> float:
-    """GPU-seconds a step's work holds: each phase's GPUs for its time (the rollout pool's for generation
-    and the others' for inference and training when the plan runs one-step-off, every GPU otherwise), less
-    the generation's idle ones. Spread evenly over the plan's GPUs it is the step no schedule of this work
-    beats (``RunRecord.summary``'s ``balanced_step_s``): what balancing alone could still gain."""
-    n = plan.num_gpus
-    if runs_one_step_off(plan):
-        g = len(plan.placement(ROLLOUT).gpus)
-        held = g * phases["generation"] + (n - g) * (phases["inference"] + phases["training"])
+def busy_gpu_seconds(num_gpus: int, rollout_gpus: int | None, phases: dict[str, float],
+                     idle_generation_gpu_s: float) -> float:
+    """GPU-seconds a step's work holds: each phase's GPUs for its time (the rollout pool's ``rollout_gpus``
+    for generation and the others for inference and training when the plan runs one-step-off, every GPU
+    when ``rollout_gpus`` is None), less the generation's idle ones. Spread evenly over the plan's GPUs it
+    is the step no schedule of this work beats (``RunRecord.summary``'s ``balanced_step_s``): what
+    balancing alone could still gain."""
+    n = num_gpus
+    if rollout_gpus:
+        held = rollout_gpus * phases["generation"] + (n - rollout_gpus) * (phases["inference"] + phases["training"])
     else:
         held = n * (phases["generation"] + phases["inference"] + phases["training"])
     return held + n * phases["weight_sync"] - idle_generation_gpu_s
