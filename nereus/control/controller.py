@@ -25,7 +25,7 @@ from nereus.control.backend import (
 )
 from nereus.control.forecast import LengthForecaster, Schedule
 from nereus.control.transition_cost import TransitionCoster
-from nereus.cost.calibration import Calibrator
+from nereus.cost.calibration import Calibrator, plain_equivalent
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.transition import TransitionFit
@@ -133,6 +133,14 @@ class Controller:
             self.plan = decision.plan
         return decision
 
+    def adopt(self, plan: Plan, constraints: Constraints | None, step: int, decision: Decision) -> None:
+        """Move to ``plan``, chosen by a rule above this controller (``control.pools``'s re-check), in place of
+        this step's decision (``keep``), and plan under ``constraints`` from then on; the move starts the
+        cooldown as the controller's own do."""
+        self.plan, self.constraints, self._last_move = plan, constraints, step
+        if self.log and self.log[-1].step == decision.step:
+            self.log[-1] = decision
+
     def transition_done(self, old: Plan, new: Plan, tm: TransitionMetrics) -> None:
         """Calibrate the fixed part of transitions on the one that ran (``cost.transition.TransitionFit``);
         a user-supplied transition cost is left as it is, and so is every price without calibration
@@ -155,7 +163,7 @@ class Controller:
         self.forecaster.observe(m.step, m.response_mean)
         if not self.config.calibrate or (m.levers is not None and not self.config.calibrate_with_levers):
             return
-        measured = {k: v for k, v in m.stage_times_s.items() if v > 0}
+        measured = plain_equivalent({k: v for k, v in m.stage_times_s.items() if v > 0}, m.levers)
         if m.phase_times_s.get("weight_sync", 0) > 0:
             measured["weight_sync"] = m.phase_times_s["weight_sync"]
         job = observed_job(self.job, m, self.forecaster.sigma).with_gpus(

@@ -29,7 +29,7 @@ from nereus.control.backend import ClusterState, Decision, Policy, StepMetrics, 
 from nereus.control.controller import usable_gpus
 from nereus.control.held import HeldPlan
 from nereus.control.levers import LeverRule, generation_forecast, padded_rest, powers_of_two, speculation_decision
-from nereus.control.pools import STALENESS, PoolRule, runs_apart
+from nereus.control.pools import STALENESS, PoolRule, rollout_tp, runs_apart
 from nereus.cost.generation import Prediction, no_move, predict
 from nereus.spec.generation import (
     ChangeTailLayout,
@@ -159,10 +159,11 @@ class RlhfuseTail(TailRule):
 class PhasedPolicy:
     """A between-step policy whose generation stages switch to a tail layout inside the step, or use the
     levers ``levers`` picks (``control.levers``): whichever predicts the larger gain, within
-    ``policy_lag``. With ``pools`` it also chooses at the start and whenever the GPU count changes the
-    rollout's tensor parallelism priced with the levers and, at a policy lag of one step or more, whether
-    the rollout runs one-step-off on GPUs of its own (``control.pools``); the inner policy then adapts the
-    layouts under that choice, and every plan whose rollout holds GPUs apart runs one-step-off."""
+    ``policy_lag``. With ``pools`` it also chooses at the start, every ``PoolRule.every`` steps on the
+    calibrated model and whenever the GPU count changes the rollout's tensor parallelism priced with the
+    levers and, at a policy lag of one step or more, whether the rollout runs one-step-off on GPUs of its
+    own (``control.pools``); the inner policy then adapts the layouts under that choice, and every plan
+    whose rollout holds GPUs apart runs one-step-off."""
 
     def __init__(self, name: str, inner: Policy, rule: TailRule, every: int = 10, levers: LeverRule | None = None,
                  policy_lag: int = 0, pools: PoolRule | None = None, calibrated_levers: bool = False) -> None:
@@ -235,12 +236,11 @@ class PhasedPolicy:
 
     def _choose_pools(self, step: int, num_gpus: int, colocated: Plan | None = None) -> Plan:
         """The pool split for ``num_gpus`` (``control.pools``; ``colocated``: the inner policy's plan for it,
-        when it has one), priced on the priors as ``control.pools`` says why (the calibration, fitted with
-        the levers on, would count their gain twice): the inner policy plans under the choice's constraints
-        from now on; returns the choice's plan."""
+        when it has one), priced on the calibrated model (the priors before its first fit): the inner
+        policy plans under the choice's constraints from now on; returns the choice's plan."""
         ctrl = self.controller
         job = ctrl.job_for(step, num_gpus)
-        choice = self.pools.choose(job, {}, self.levers, self.policy_lag, self._colocated, colocated)
+        choice = self.pools.choose(job, ctrl.factors, self.levers, self.policy_lag, self._colocated, colocated)
         ctrl.constraints = choice.constraints
         return choice.plan
 
@@ -270,8 +270,36 @@ class PhasedPolicy:
             if gpus != ctrl.plan.num_gpus:
                 self._choose_pools(m.step + 1, gpus)
         d = self.inner.after_step(m, cluster)
+        if self.pools is not None and d.plan is None:
+            d = self._recheck_pools(m, d)
         base = d.plan if d.plan is not None and d.plan != self._base else self._base
         return replace(d, plan=self._phased(base, m.step + 1))
+
+    def _recheck_pools(self, m: StepMetrics, kept: Decision) -> Decision:
+        """Every ``PoolRule.every`` steps once the controller has a fit, the pools chosen again on the
+        calibrated model (``PoolRule.recheck``); a move there is admitted as the controller admits a plan
+        (its gain over the horizon beats the transition's cost by the margin) and the controller plans
+        under the new pools from then on. Else ``kept``, the controller's own decision."""
+        ctrl, step = self.controller, m.step + 1
+        if not ctrl.factors or step % self.pools.every:
+            return kept
+        horizon = ctrl.config.horizon
+        job = ctrl.job_for(step + horizon // 2, ctrl.plan.num_gpus)
+        found = self.pools.recheck(job, ctrl.factors, self.levers, self.policy_lag, self._colocated, ctrl.plan,
+                                   ctrl.residual)
+        if found is None:
+            return kept
+        current, choice = found
+        gain, cost = (current.step_s - choice.step_s) * horizon, ctrl.transition_cost(ctrl.hw, job, ctrl.plan,
+                                                                                       choice.plan)
+        if gain <= cost * (1 + ctrl.config.margin):
+            return kept
+        pools = "colocated" if choice.gen_gpus is None else f"the rollout apart on {choice.gen_gpus} GPUs"
+        d = Decision(m.step, "transition", f"pools on the calibrated model: {pools}, rollout TP "
+                                           f"{rollout_tp(choice.plan)}", current.step_s, choice.step_s,
+                     gain, cost, horizon, overhead_s=kept.overhead_s, plan=choice.plan)
+        ctrl.adopt(choice.plan, choice.constraints, step, d)
+        return d
 
     def transition_done(self, old: Plan, new: Plan, tm: TransitionMetrics) -> None:
         self.inner.transition_done(old, new, tm)

@@ -16,9 +16,15 @@ Within a split the pools are independent (the rollout's layout sets the generati
 the training time), so the controller's usual search, which minimises their sum, also minimises the
 slower pool: it keeps adapting each pool's layout between steps under the split's constraints.
 
-The split and the TP are chosen at the start, on the priors, and again when the GPU count changes, not on the
-calibrated model: the calibration fits the generation factors to steps measured with the levers on, so a
-calibrated price would count a lever's gain twice (a split measured at 85 s of generation priced at 46 s).
+The split and the rollout's TP are chosen at the start on the priors, then on the calibrated model every
+``PoolRule.every`` steps (``PoolRule.recheck``: a move only for ``switch_gain`` of the step, as the
+controller admits a plan, against its transition cost) and when the GPU count changes. The calibration fits
+the generation factors to plain-equivalent times (``cost.calibration.plain_equivalent``: a lever-on step's
+generation times the lever's predicted plain / lever seconds), so a calibrated price counts a lever's gain
+once; fitted to the measured times as they were, it counted it twice (a split measured at 85 s of
+generation was priced at 46 s). The rollout's TP is pinned for the controller even where the planner's own
+stays (``rollout_tp_constraints``): its search ranks rollout layouts without the levers, and moved a split's
+rollout from TP 2 to a TP 4 that ran 10-20% slower with speculation.
 """
 
 from __future__ import annotations
@@ -87,6 +93,10 @@ def rollout_at_tp(job: JobSpec, plan: Plan, tp: int, factors: dict[str, float],
     return best
 
 
+def rollout_tp(plan: Plan) -> int:
+    return plan.placement(str(ROLLOUT)).layout.tp
+
+
 def runs_apart(plan: Plan) -> bool:
     """Whether the rollout's GPUs hold nothing else (a plan one-step-off asynchrony can run on)."""
     rollout = set(plan.placement(str(ROLLOUT)).gpus)
@@ -119,6 +129,26 @@ class PoolChoice:
 class PoolRule:
     min_gain: float = 0.02  # of the colocated step: a split moves every model, so it must pay clearly
     name: str = "nereus"
+    # the calibrated re-check (``recheck``): every ``every`` steps, and a move away from the pools in force
+    # only when it predicts ``switch_gain`` of the step (or the calibration's residual error, if larger)
+    every: int = 50
+    switch_gain: float = 0.05
+
+    def recheck(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int,
+                base: Constraints | None, plan: Plan, residual: float = 0.0) -> tuple[PoolChoice, PoolChoice] | None:
+        """The pools chosen again on the calibrated model (``factors``, fitted on plain-equivalent generation
+        times, ``cost.calibration.plain_equivalent``, so a lever's gain is priced once): (``plan`` priced so,
+        the choice) when the choice runs the rollout on other GPUs than ``plan`` (colocated against apart,
+        or another pool size) and is faster by ``switch_gain`` or ``residual``; None otherwise. The start's
+        choice is on the priors; this one on what the job measured (a split whose training pool turns out
+        the slower, under a hardware truth far from the model's, goes back to colocated)."""
+        current = self.price(job, factors, levers, policy_lag, plan)
+        choice = self.choose(job, factors, levers, policy_lag, base)
+        if (choice.gen_gpus, rollout_tp(choice.plan)) == (current.gen_gpus, rollout_tp(plan)):
+            return None
+        if choice.step_s >= current.step_s * (1 - max(self.switch_gain, residual)):
+            return None
+        return current, choice
 
     def choose(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int,
                base: Constraints | None, colocated_plan: Plan | None = None) -> PoolChoice:
@@ -167,6 +197,8 @@ class PoolRule:
             c = self.price(job, factors, levers, policy_lag, *relaid)
             if c.step_s < planned.step_s * (1 - self.min_gain) and c.step_s < best.step_s:
                 best = replace(c, constraints=rollout_tp_constraints(constraints, tp))
+        if best is planned:  # pinned too: the controller's search would rank the rollout's TP without the levers
+            best = replace(planned, constraints=rollout_tp_constraints(constraints, own))
         return best
 
     def _price(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int,

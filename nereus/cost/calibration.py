@@ -28,6 +28,9 @@ from nereus.cost.plan_cost import PlanEstimate, estimate_plan
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
+from nereus.spec.levers import GenerationLevers
+
+ROLLOUT_STAGE = "actor/generation"
 
 
 @dataclass
@@ -117,3 +120,17 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
             x[~passive] = 0.0
         w = a.T @ (b - a @ x)
     return x
+
+
+def plain_equivalent(measured_s: dict[str, float], levers: GenerationLevers | None) -> dict[str, float]:
+    """``measured_s`` with the rollout's seconds of a step run under ``levers`` turned into the seconds the
+    plain plan the model prices would have taken: times the levers' predicted plain / lever generation
+    seconds (``predicted``'s ``base_s`` / ``generation_s``, from the lever rule's choice). Fitted as
+    measured, a lever-on step would fold the lever's gain into the generation factors, and a plan priced
+    with the lever on those factors would count the gain twice. Unchanged without levers or without that
+    prediction (a choice priced as whole steps, ``step_s``)."""
+    p = levers.predicted if levers is not None else {}
+    base, fast = p.get("base_s", 0.0), p.get("generation_s", 0.0)
+    if ROLLOUT_STAGE not in measured_s or base <= 0 or fast <= 0:
+        return measured_s
+    return {**measured_s, ROLLOUT_STAGE: measured_s[ROLLOUT_STAGE] * base / fast}

@@ -190,7 +190,7 @@ class SimBackend:
         detail = {**detail, "busy_gpu_s": busy_gpu_seconds(plan.num_gpus, rollout_gpus, phases, idle)}
         return StepMetrics(step, stage_times, phases, step_s, mean, longest,
                            job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus, detail,
-                           entries, lag)
+                           entries, lag, plan.levers)
 
     def _round(self, plan: Plan, lengths: np.ndarray, prompt: float) -> Round | None:
         """This step's partial-rollout round (``sim.carry``), None when nothing is budgeted or carried."""

@@ -179,3 +179,25 @@ def test_calibration_learns_the_hidden_efficiencies():
     assert abs(calibrated / m.step_time_s - 1) < abs(prior / m.step_time_s - 1)
     assert abs(calibrated / m.step_time_s - 1) < 0.1
     assert not math.isnan(calibrated)
+
+
+def test_steps_run_with_a_lever_calibrate_the_plain_plan_not_the_lever():
+    """A step whose speculation halved its generation is fitted at its plain equivalent (the lever's
+    predicted plain / lever seconds): the calibrated plain plan keeps the prior's generation time, so the
+    lever's gain is not priced twice. Measured with the lever on and fitted as it was, the plain
+    generation would come out at half."""
+    from nereus.control.backend import StepMetrics
+    from nereus.spec.levers import GenerationLevers, Speculation
+
+    job = small_job()
+    ctl = Controller(job, ControllerConfig(fit_every=5, replan_every=1000, drift=10.0), Schedule(default_max=2048))
+    plan = ctl.initial_plan(16)
+    est = estimate_plan(Hardware(job.cluster), job, plan)
+    levers = GenerationLevers(speculation=Speculation("suffix", 4, 64), predicted={"base_s": 2.0, "generation_s": 1.0})
+    resp = job.workload.response
+    for step in range(10):
+        measured = {**est.stage_times, "actor/generation": est.stage_times["actor/generation"] / 2}
+        ctl.observe(StepMetrics(step, measured, dict(est.phase_times), est.step_time_s, resp.mean, resp.max,
+                                job.sequences_per_step(), 0.0, levers=levers))
+    calibrated = estimate_plan(Hardware(job.cluster), job, plan, ctl.factors).stage_times["actor/generation"]
+    assert calibrated == pytest.approx(est.stage_times["actor/generation"], rel=0.05)

@@ -46,7 +46,11 @@ def test_on_policy_the_rule_keeps_the_planners_plan_unless_another_rollout_tp_pa
     job = _long_tail_job()
     planned = search(Hardware(job.cluster), job).plan
     kept = PoolRule(min_gain=1.0).choose(job, {}, NereusLevers(), 0, None)
-    assert kept.gen_gpus is None and kept.constraints is None and kept.plan == planned
+    assert kept.gen_gpus is None and kept.plan == planned
+    # its rollout TP pinned all the same: the controller's search ranks rollout layouts without the levers
+    rollout = planned.placement(str(ROLLOUT)).layout
+    pinned = kept.constraints.layout_filter
+    assert pinned(ROLLOUT, rollout) and not pinned(ROLLOUT, replace(rollout, tp=rollout.tp // 2, dp=rollout.dp * 2))
     assert PoolRule().choose(job, {}, None, 0, None).plan == planned  # no levers: nothing to price them with
 
 
@@ -73,7 +77,8 @@ def test_the_rollout_tp_is_chosen_with_the_levers_priced_on_it():
     policy = make_policy("nereus", job, policy_lag=0)
     assert policy.initial_plan(job.cluster.num_gpus).placement(str(ROLLOUT)).layout.tp == 2
     longer = rule.choose(_long_tail_job(), {}, levers, 0, None)
-    assert longer.plan.placement(str(ROLLOUT)).layout.tp == 4 and longer.constraints is None
+    assert longer.plan.placement(str(ROLLOUT)).layout.tp == 4
+    assert not longer.constraints.layout_filter(ROLLOUT, replace(rollout.layout, tp=2, dp=16))
 
 
 def test_the_rollout_is_re_laid_at_another_tp_on_its_own_gpus_alone():
@@ -139,10 +144,10 @@ def test_the_step_timeline_draws_the_training_pool_beside_the_rollout():
     assert max(b for *_, b in rows) == pytest.approx(record.steps[-1]["step_time_s"], rel=1e-6)
 
 
-def test_a_gpu_change_chooses_the_pools_on_the_priors_not_the_calibration():
-    # The calibration fits the generation factors to steps measured with the levers on; pricing the split
-    # on it counts the levers' gain twice (control.pools). Elastic runs at lag 1 chose splits that way and
-    # ran slower than at lag 0 (growth_from_16: 35.1 s against 32.4 s mean step; 32.3 s on the priors).
+def test_the_pools_are_chosen_on_the_priors_then_on_the_calibration():
+    """At the start on the priors; at a GPU change on the calibrated model (fitted on plain-equivalent
+    generation times, so a lever's gain is priced once: growth_from_16 at lag 1, 8B PPO, whole trace,
+    seed 0: 30.3 s mean step, 31.7 s with the choice on the priors)."""
     job = _long_tail_job()
     policy = make_policy("nereus", job, policy_lag=1)
     seen = []
@@ -154,6 +159,34 @@ def test_a_gpu_change_chooses_the_pools_on_the_priors_not_the_calibration():
 
     policy.pools = Recording()
     policy.initial_plan(job.cluster.num_gpus)
-    policy.controller.factors = {"generation.memory": 0.6}  # a fit that halves generation's weight reads
+    policy.controller.factors = {"generation.memory": 0.6}  # a fit that cuts generation's weight reads
     policy.survivor_plan(job.cluster.num_gpus // 2, 10)
-    assert seen == [{}, {}]
+    assert seen == [{}, {"generation.memory": 0.6}]
+
+
+def test_the_recheck_moves_the_pools_only_where_the_calibration_says_the_others_pay():
+    job, rule, levers = _long_tail_job(), PoolRule(), NereusLevers()
+    start = rule.choose(job, {}, levers, 1, None)
+    assert start.gen_gpus == 16 and rule.recheck(job, {}, levers, 1, None, start.plan) is None  # same model
+    dearer_training = {"training.compute": 3.0, "inference.compute": 3.0}
+    current, choice = rule.recheck(job, dearer_training, levers, 1, None, start.plan)
+    assert current.gen_gpus == 16 and choice.gen_gpus == 8  # the training pool grows
+    assert choice.step_s < current.step_s * (1 - rule.switch_gain)
+    dearer_generation = {"generation.memory": 3.0, "generation.compute": 3.0}
+    current, choice = rule.recheck(job, dearer_generation, levers, 1, None, start.plan)
+    assert choice.gen_gpus is None and not runs_apart(choice.plan)  # every GPU generates, then trains
+    assert rule.recheck(job, dearer_training, levers, 1, None, start.plan) is not None
+    assert PoolRule(switch_gain=0.9).recheck(job, dearer_training, levers, 1, None, start.plan) is None
+
+
+def test_a_run_moves_its_pools_on_the_recheck_and_records_why():
+    """GRPO on r1_zero_growth at lag 1 under seed 3's truth (decoding's compute 1.67x the model's): the
+    split chosen on the priors is re-priced every ``PoolRule.every`` steps on the calibration, and the
+    rollout moves back among the other models (then to another TP), each move predicted to pay."""
+    job = _long_tail_job()
+    trace = load_trace(ROOT / "traces" / "r1_zero_growth.yaml")
+    record = simulate(job, trace, "nereus", 3, 120, policy_lag=1)
+    moves = [d for d in record.decisions if d.get("reason", "").startswith("pools on the calibrated model")]
+    assert moves and all((d["step"] + 1) % PoolRule().every == 0 for d in moves)
+    assert all(d["candidate_s"] < d["current_s"] * (1 - PoolRule().switch_gain) for d in moves)
+    assert "colocated" in moves[0]["reason"] and record.steps[-1]["strategy"] == "colocated"

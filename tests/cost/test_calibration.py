@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from nereus.cost.calibration import Calibrator
+from nereus.cost.calibration import Calibrator, plain_equivalent
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import TERMS, stage_cost
@@ -72,3 +72,15 @@ def test_calibration_without_data_keeps_priors_and_rejects_bad_input():
         cal.observe(job, plan, {"actor/training": -1.0})
     with pytest.raises(SpecError, match=r"measured\.judge/inference: not a model-stage"):
         cal.observe(job, plan, {"judge/inference": 1.0})
+
+
+def test_a_lever_on_rollout_time_is_calibrated_at_its_plain_equivalent():
+    from nereus.spec.levers import GenerationLevers, Speculation
+
+    measured = {"actor/generation": 30.0, "actor/training": 12.0}
+    spec = Speculation("suffix", 4, 64)
+    levers = GenerationLevers(speculation=spec, predicted={"base_s": 90.0, "generation_s": 45.0})
+    assert plain_equivalent(measured, levers) == {"actor/generation": 60.0, "actor/training": 12.0}
+    assert plain_equivalent(measured, None) == measured
+    whole_steps = GenerationLevers(speculation=spec, predicted={"base_s": 90.0, "step_s": 70.0})
+    assert plain_equivalent(measured, whole_steps) == measured  # no generation-only prediction: as measured
