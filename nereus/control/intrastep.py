@@ -29,7 +29,16 @@ from nereus.control.backend import ClusterState, Decision, Policy, StepMetrics, 
 from nereus.control.controller import usable_gpus
 from nereus.control.held import HeldPlan
 from nereus.control.levers import LeverRule, generation_forecast, padded_rest, powers_of_two, speculation_decision
-from nereus.control.pools import STALENESS, PoolRule, rollout_tp, runs_apart
+from nereus.control.pools import (
+    MEASURE_STEPS,
+    STALENESS,
+    PoolMove,
+    PoolRule,
+    pools_of,
+    rollout_tp,
+    runs_apart,
+    tokens_per_s,
+)
 from nereus.cost.generation import Prediction, no_move, predict
 from nereus.spec.generation import (
     ChangeTailLayout,
@@ -180,6 +189,9 @@ class PhasedPolicy:
         self._phase: TailPhase | None = None
         self._base: Plan | None = None  # the inner policy's plan object (a new one: re-choose the phases)
         self._fitted = False  # whether the controller had a calibration fit at the last choice
+        self._recent: list[tuple[float, float]] = []  # the last steps' (tokens, seconds), a pool move's yardstick
+        self._move: PoolMove | None = None  # a pool move on trial
+        self._undone: dict[tuple[int | None, int], int] = {}  # pools whose move was undone -> the step it was
 
     @property
     def controller(self):
@@ -240,6 +252,7 @@ class PhasedPolicy:
         policy plans under the choice's constraints from now on; returns the choice's plan."""
         ctrl = self.controller
         job = ctrl.job_for(step, num_gpus)
+        self._recent, self._move, self._undone = [], None, {}  # steps on other GPUs measure nothing here
         choice = self.pools.choose(job, ctrl.factors, self.levers, self.policy_lag, self._colocated, colocated)
         ctrl.constraints = choice.constraints
         return choice.plan
@@ -265,11 +278,14 @@ class PhasedPolicy:
         if self.levers is not None:
             self.levers.observe(m)
         if self.pools is not None:  # the split is chosen again when the GPU count changes
+            self._recent = [*self._recent[1 - MEASURE_STEPS:], (m.tokens, m.step_time_s)]
             ctrl = self.controller
             gpus = usable_gpus(cluster.num_gpus, ctrl.job.cluster.gpus_per_node)
             if gpus != ctrl.plan.num_gpus:
                 self._choose_pools(m.step + 1, gpus)
         d = self.inner.after_step(m, cluster)
+        if self.pools is not None and d.plan is None:
+            d = self._judge_pool_move(m, d)
         if self.pools is not None and d.plan is None:
             d = self._recheck_pools(m, d)
         base = d.plan if d.plan is not None and d.plan != self._base else self._base
@@ -281,7 +297,7 @@ class PhasedPolicy:
         (its gain over the horizon beats the transition's cost by the margin) and the controller plans
         under the new pools from then on. Else ``kept``, the controller's own decision."""
         ctrl, step = self.controller, m.step + 1
-        if not ctrl.factors or step % self.pools.every:
+        if not ctrl.factors or step % self.pools.every or self._move is not None or len(self._recent) < MEASURE_STEPS:
             return kept
         horizon = ctrl.config.horizon
         job = ctrl.job_for(step + horizon // 2, ctrl.plan.num_gpus)
@@ -292,13 +308,35 @@ class PhasedPolicy:
         current, choice = found
         gain, cost = (current.step_s - choice.step_s) * horizon, ctrl.transition_cost(ctrl.hw, job, ctrl.plan,
                                                                                        choice.plan)
-        if gain <= cost * (1 + ctrl.config.margin):
+        undone = self._undone.get(pools_of(choice))
+        if gain <= cost * (1 + ctrl.config.margin) or (undone is not None and step - undone < 4 * self.pools.every):
             return kept
+        self._move = PoolMove(step, tokens_per_s(self._recent), ctrl.plan, ctrl.constraints, pools_of(choice))
         pools = "colocated" if choice.gen_gpus is None else f"the rollout apart on {choice.gen_gpus} GPUs"
         d = Decision(m.step, "transition", f"pools on the calibrated model: {pools}, rollout TP "
                                            f"{rollout_tp(choice.plan)}", current.step_s, choice.step_s,
                      gain, cost, horizon, overhead_s=kept.overhead_s, plan=choice.plan)
         ctrl.adopt(choice.plan, choice.constraints, step, d)
+        return d
+
+    def _judge_pool_move(self, m: StepMetrics, kept: Decision) -> Decision:
+        """A pool move's verdict once ``MEASURE_STEPS`` steps ran on it (``control.pools.PoolMove``): kept, or
+        undone back to the plan it left when it measured fewer tokens per second than the steps before it
+        by ``PoolRule.switch_gain``; its pools are then not tried again for four re-checks."""
+        move, ctrl = self._move, self.controller
+        if move is None or m.step + 1 < move.step + MEASURE_STEPS:
+            return kept
+        self._move = None
+        after = tokens_per_s(self._recent)
+        if after >= move.before_tokens_per_s * (1 - self.pools.switch_gain):
+            return kept
+        self._undone[move.pools] = m.step + 1
+        job = ctrl.job_for(m.step + 1, ctrl.plan.num_gpus)
+        cost = ctrl.transition_cost(ctrl.hw, job, ctrl.plan, move.old_plan)
+        d = Decision(m.step, "transition", f"pool move undone: {after:.0f} tokens/s measured on it against "
+                                           f"{move.before_tokens_per_s:.0f} before it", cost_s=cost,
+                     overhead_s=kept.overhead_s, plan=move.old_plan)
+        ctrl.adopt(move.old_plan, move.old_constraints, m.step + 1, d)
         return d
 
     def transition_done(self, old: Plan, new: Plan, tm: TransitionMetrics) -> None:

@@ -109,6 +109,33 @@ def runs_one_step_off(plan: Plan) -> bool:
 
 
 @dataclass(frozen=True)
+class PoolMove:
+    """A re-check's move on trial: kept when its first ``MEASURE_STEPS`` steps deliver at least the tokens per
+    second of the ``MEASURE_STEPS`` before it (less ``PoolRule.switch_gain``), else undone back to
+    ``old_plan`` under ``old_constraints``: the calibration prices pools and TPs it never measured by
+    extrapolation (a GRPO split's 8-GPU TP-1 rollout priced at 90 s of generation ran 176 s)."""
+
+    step: int  # the first step on the new pools
+    before_tokens_per_s: float
+    old_plan: Plan
+    old_constraints: Constraints | None
+    pools: tuple[int | None, int]  # the new pools: the rollout's GPUs apart (None: colocated), its TP
+
+
+MEASURE_STEPS = 10  # steps measured before a pool move and after it
+
+
+def tokens_per_s(steps: list[tuple[float, float]]) -> float:
+    """Throughput of measured (tokens, seconds) steps."""
+    seconds = sum(s for _, s in steps)
+    return sum(t for t, _ in steps) / seconds if seconds > 0 else 0.0
+
+
+def pools_of(choice: PoolChoice) -> tuple[int | None, int]:
+    return choice.gen_gpus, rollout_tp(choice.plan)
+
+
+@dataclass(frozen=True)
 class PoolChoice:
     """A priced option: the plan (colocated when ``gen_gpus`` is None), its levers and predicted step."""
 
@@ -143,23 +170,27 @@ class PoolRule:
         choice is on the priors; this one on what the job measured (a split whose training pool turns out
         the slower, under a hardware truth far from the model's, goes back to colocated)."""
         current = self.price(job, factors, levers, policy_lag, plan)
-        choice = self.choose(job, factors, levers, policy_lag, base)
-        if (choice.gen_gpus, rollout_tp(choice.plan)) == (current.gen_gpus, rollout_tp(plan)):
+        colocated = current.gen_gpus is None  # then ``plan`` is the colocated plan, laid out by the controller
+        choice = self.choose(job, factors, levers, policy_lag, base, plan if colocated else None,
+                             current if colocated else None)
+        if pools_of(choice) == pools_of(current):
             return None
         if choice.step_s >= current.step_s * (1 - max(self.switch_gain, residual)):
             return None
         return current, choice
 
     def choose(self, job: JobSpec, factors: dict[str, float], levers: LeverRule | None, policy_lag: int,
-               base: Constraints | None, colocated_plan: Plan | None = None) -> PoolChoice:
+               base: Constraints | None, colocated_plan: Plan | None = None,
+               priced: PoolChoice | None = None) -> PoolChoice:
         """The fastest of the colocated plan (under ``base``; ``colocated_plan`` when the caller has searched
-        it already) and the splits of ``job``'s GPUs, each with its levers, the colocated plan and the fastest
-        split also at the neighbouring rollout TPs (``_at_rollout_tps``); the planner's own choice unless
-        another beats it by ``min_gain``."""
+        it already, ``priced`` when it has priced it too) and the splits of ``job``'s GPUs, each with its
+        levers, the colocated plan and the fastest split also at the neighbouring rollout TPs
+        (``_at_rollout_tps``); the planner's own choice unless another beats it by ``min_gain``."""
         if colocated_plan is None:
             colocated = self._price(job, factors, levers, policy_lag, base, None)
         else:
-            colocated = replace(self.price(job, factors, levers, policy_lag, colocated_plan), constraints=base)
+            priced = priced or self.price(job, factors, levers, policy_lag, colocated_plan)
+            colocated = replace(priced, constraints=base)
         colocated = self._at_rollout_tps(job, factors, levers, policy_lag, base, None, colocated)
         if policy_lag < STALENESS:
             return colocated

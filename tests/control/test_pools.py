@@ -6,10 +6,14 @@ from dataclasses import replace
 
 import pytest
 
+from nereus.control.backend import Decision, StepMetrics
 from nereus.control.levers import NereusLevers
 from nereus.control.pools import (
+    MEASURE_STEPS,
     ROLLOUT,
+    PoolMove,
     PoolRule,
+    pools_of,
     rollout_at_tp,
     rollout_tp_constraints,
     runs_apart,
@@ -190,3 +194,29 @@ def test_a_run_moves_its_pools_on_the_recheck_and_records_why():
     assert moves and all((d["step"] + 1) % PoolRule().every == 0 for d in moves)
     assert all(d["candidate_s"] < d["current_s"] * (1 - PoolRule().switch_gain) for d in moves)
     assert "colocated" in moves[0]["reason"] and record.steps[-1]["strategy"] == "colocated"
+
+
+def test_a_pool_move_that_measures_slower_than_before_it_is_undone():
+    """The calibration prices pools it never measured by extrapolation; a move is on trial for
+    ``MEASURE_STEPS`` steps and goes back to the plan it left when it delivers fewer tokens per second than
+    the steps before it (by ``switch_gain``); those pools then wait four re-checks."""
+    job = _long_tail_job()
+    colocated = PoolRule().choose(job, {}, NereusLevers(), 0, None)
+
+    def judged(after_tokens_per_s: float):
+        policy = make_policy("nereus", job, policy_lag=1)
+        policy.initial_plan(job.cluster.num_gpus)
+        ctrl = policy.controller
+        split, split_constraints_ = ctrl.plan, ctrl.constraints
+        policy._move = PoolMove(50, 100.0, split, split_constraints_, pools_of(colocated))
+        ctrl.plan, ctrl.constraints = colocated.plan, colocated.constraints
+        policy._recent = [(after_tokens_per_s, 1.0)] * MEASURE_STEPS
+        m = StepMetrics(50 + MEASURE_STEPS - 1, {}, {}, 1.0, 1000.0, 2000.0, 2048, after_tokens_per_s)
+        return policy, split, policy._judge_pool_move(m, Decision(m.step, "keep", "")), split_constraints_
+
+    policy, split, d, before = judged(90.0)
+    assert d.action == "transition" and d.plan == split and "undone" in d.reason
+    assert policy.controller.plan == split and policy.controller.constraints is before
+    assert policy._undone == {pools_of(colocated): 50 + MEASURE_STEPS} and policy._move is None
+    policy, _, d, _ = judged(97.0)  # within switch_gain: kept
+    assert d.action == "keep" and policy.controller.plan == colocated.plan and policy._move is None
