@@ -165,8 +165,8 @@ class PoolRule:
                 base: Constraints | None, plan: Plan, residual: float = 0.0) -> tuple[PoolChoice, PoolChoice] | None:
         """The pools chosen again on the calibrated model (``factors``, fitted on plain-equivalent generation
         times, ``cost.calibration.plain_equivalent``, so a lever's gain is priced once): (``plan`` priced so,
-        the choice) when the choice runs the rollout on other GPUs than ``plan`` (colocated against apart,
-        or another pool size) and is faster by ``switch_gain`` or ``residual``; None otherwise. The start's
+        the choice) when the choice lays the rollout out otherwise than ``plan`` (colocated against apart,
+        another pool size or another TP) and is faster by ``switch_gain`` or ``residual``; None otherwise. The start's
         choice is on the priors; this one on what the job measured (a split whose training pool turns out
         the slower, under a hardware truth far from the model's, goes back to colocated)."""
         current = self.price(job, factors, levers, policy_lag, plan)

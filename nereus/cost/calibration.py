@@ -23,14 +23,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nereus.cost.generation import ROLLOUT
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import PlanEstimate, estimate_plan
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
 from nereus.spec.levers import GenerationLevers
-
-ROLLOUT_STAGE = "actor/generation"
 
 
 @dataclass
@@ -131,6 +130,7 @@ def plain_equivalent(measured_s: dict[str, float], levers: GenerationLevers | No
     prediction (a choice priced as whole steps, ``step_s``)."""
     p = levers.predicted if levers is not None else {}
     base, fast = p.get("base_s", 0.0), p.get("generation_s", 0.0)
-    if ROLLOUT_STAGE not in measured_s or base <= 0 or fast <= 0:
+    stage = str(ROLLOUT)
+    if stage not in measured_s or base <= 0 or fast <= 0:
         return measured_s
-    return {**measured_s, ROLLOUT_STAGE: measured_s[ROLLOUT_STAGE] * base / fast}
+    return {**measured_s, stage: measured_s[stage] * base / fast}
