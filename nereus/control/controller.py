@@ -51,9 +51,10 @@ class ControllerConfig:
     calibrate: bool = True
     fit_every: int = 5
     predict_measured: bool = False  # report the model's stage times for each measured step (Decision)
-    # calibrate on steps that ran with tail levers too: their stage times are not the plain plan's the
-    # model prices, so a lever's gain fitted into the factors is counted again when the lever is priced;
-    # False leaves those steps out (the runtime's choice; the simulator keeps every step)
+    # calibrate on steps that ran with tail levers too, each at its plain-equivalent generation time
+    # (``cost.calibration.plain_equivalent``: the lever's predicted plain / lever seconds, so its gain is
+    # not fitted into the factors and counted again when the lever is priced); False leaves those steps
+    # out (the runtime's choice: its lever predictions are coarser; the simulator keeps every step)
     calibrate_with_levers: bool = True
 
 
