@@ -54,7 +54,7 @@ class ControllerConfig:
     # calibrate on steps that ran with tail levers too, each at its plain-equivalent generation time
     # (``cost.calibration.plain_equivalent``: the lever's predicted plain / lever seconds, so its gain is
     # not fitted into the factors and counted again when the lever is priced); False leaves those steps
-    # out (the runtime's choice: its lever predictions are coarser; the simulator keeps every step)
+    # out (the runtime's choice; the simulator keeps every step)
     calibrate_with_levers: bool = True
 
 
