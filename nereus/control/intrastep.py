@@ -284,10 +284,10 @@ class PhasedPolicy:
             if gpus != ctrl.plan.num_gpus:
                 self._choose_pools(m.step + 1, gpus)
         d = self.inner.after_step(m, cluster)
-        if self.pools is not None and d.plan is None:
+        if self.pools is not None and d.plan is None:  # the controller kept its plan: a pool move's turn
             d = self._judge_pool_move(m, d)
-        if self.pools is not None and d.plan is None:
-            d = self._recheck_pools(m, d)
+            if d.plan is None:
+                d = self._recheck_pools(m, d)
         base = d.plan if d.plan is not None and d.plan != self._base else self._base
         return replace(d, plan=self._phased(base, m.step + 1))
 
@@ -306,14 +306,17 @@ class PhasedPolicy:
         if found is None:
             return kept
         current, choice = found
+        pools = pools_of(choice)
+        undone = self._undone.get(pools)
+        if undone is not None and step - undone < 4 * self.pools.every:  # measured slower lately
+            return kept
         gain, cost = (current.step_s - choice.step_s) * horizon, ctrl.transition_cost(ctrl.hw, job, ctrl.plan,
                                                                                        choice.plan)
-        undone = self._undone.get(pools_of(choice))
-        if gain <= cost * (1 + ctrl.config.margin) or (undone is not None and step - undone < 4 * self.pools.every):
+        if gain <= cost * (1 + ctrl.config.margin):
             return kept
-        self._move = PoolMove(step, tokens_per_s(self._recent), ctrl.plan, ctrl.constraints, pools_of(choice))
-        pools = "colocated" if choice.gen_gpus is None else f"the rollout apart on {choice.gen_gpus} GPUs"
-        d = Decision(m.step, "transition", f"pools on the calibrated model: {pools}, rollout TP "
+        self._move = PoolMove(step, tokens_per_s(self._recent), ctrl.plan, ctrl.constraints, pools)
+        where = "colocated" if choice.gen_gpus is None else f"the rollout apart on {choice.gen_gpus} GPUs"
+        d = Decision(m.step, "transition", f"pools on the calibrated model: {where}, rollout TP "
                                            f"{rollout_tp(choice.plan)}", current.step_s, choice.step_s,
                      gain, cost, horizon, overhead_s=kept.overhead_s, plan=choice.plan)
         ctrl.adopt(choice.plan, choice.constraints, step, d)

@@ -218,7 +218,7 @@ class PoolRule:
         the controller plans every stage under that TP from then on (``rollout_tp_constraints``)."""
         if levers is None:
             return planned
-        own = planned.plan.placement(str(ROLLOUT)).layout.tp
+        own = rollout_tp(planned.plan)
         best = planned
         given = constraints.layout_filter if constraints is not None else None
         for tp in sorted(set(tp_degrees(job, ROLLOUT.model, gen_gpus or job.cluster.num_gpus)) & {own // 2, own * 2}):
