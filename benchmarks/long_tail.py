@@ -99,9 +99,20 @@ def acceptance(results: dict[tuple[str, str], dict[str, dict]]) -> None:
             balanced = res[label].get("balanced_tokens_per_s")
             floor = f"; {balanced / verl:.2f}x with its work balanced" if balanced else ""
             print(f"  {job:<14}{trace:<19}{label:<12} {ours / verl:.2f}x verl-like{goal}{rivals}{floor}")
+            if goal and balanced and balanced < target * verl:
+                print(f"  {'':<33}{work_needed(res[label], verl, target)}")
         if "fixed-oracle" in res and "nereus" in res:
             change = res["nereus"]["mean_step_s"] / res["fixed-oracle"]["mean_step_s"] - 1
             print(f"  {job:<14}{trace:<19}nereus step {100 * change:+.1f}% vs fixed-oracle (goal <= +1%)")
+
+
+def work_needed(s: dict, verl: float, target: float) -> str:
+    """For a policy whose work misses ``target`` x verl-like even spread evenly over the GPUs: the balanced
+    seconds a step the goal allows (transitions and lost time scaled alike) against what its generation and
+    its other stages hold now — the work that must shrink, since no schedule of it suffices."""
+    allowed = s["balanced_step_s"] * s["balanced_tokens_per_s"] / (target * verl)
+    return (f"{target}x needs <= {allowed:.1f} s of balanced work a step; it holds {s['balanced_step_s']:.1f} s: "
+            f"generation {s['balanced_generation_s']:.1f} s, inference+training+sync {s['balanced_rest_s']:.1f} s")
 
 
 def across_seeds(by_seed: dict[int, dict[tuple[str, str], dict[str, dict]]]) -> None:

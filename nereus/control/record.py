@@ -40,6 +40,7 @@ class RunRecord:
             self.steps[-1]["generation"] = m.detail["generation"]
         if "busy_gpu_s" in m.detail:  # the simulator: GPU-seconds the step's work held (sim.backend)
             self.steps[-1]["busy_gpu_s"] = m.detail["busy_gpu_s"]
+            self.steps[-1]["busy_generation_gpu_s"] = m.detail["busy_generation_gpu_s"]
 
     def add_generation(self, entry: GenerationEntry) -> None:
         """A decision taken inside a step's generation (acting or declined) with its outcome."""
@@ -125,9 +126,13 @@ def lag_summary(steps: list[dict]) -> dict[str, float]:
 def balanced_summary(steps: list[dict], tokens: float) -> dict[str, float]:
     """Where every step records the GPU-seconds its work held (the simulator), the run with that work
     spread evenly over each step's GPUs: the mean step and throughput that balancing pools and stages
-    alone could reach at best (transitions and lost time kept as they were)."""
-    if not steps or any("busy_gpu_s" not in s for s in steps):
+    alone could reach at best (transitions and lost time kept as they were), and that mean step's
+    generation and other stages (``balanced_generation_s``, ``balanced_rest_s``)."""
+    if not steps or any("busy_gpu_s" not in s or "busy_generation_gpu_s" not in s for s in steps):
         return {}
     balanced = [s["busy_gpu_s"] / s["gpus"] for s in steps]
+    generation = sum(s["busy_generation_gpu_s"] / s["gpus"] for s in steps) / len(steps)
     run_s = sum(balanced) + sum(s["transition_s"] + s["lost_s"] for s in steps)
-    return {"balanced_step_s": sum(balanced) / len(steps), "balanced_tokens_per_s": tokens / run_s if run_s else 0.0}
+    mean = sum(balanced) / len(steps)
+    return {"balanced_step_s": mean, "balanced_tokens_per_s": tokens / run_s if run_s else 0.0,
+            "balanced_generation_s": generation, "balanced_rest_s": mean - generation}

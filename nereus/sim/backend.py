@@ -187,7 +187,8 @@ class SimBackend:
             step_s = max(phases["generation"], phases["inference"] + phases["training"]) + phases["weight_sync"]
             lag = (0.0, 1.0)
         idle = detail["generation"]["idle_gpu_s"] if "generation" in detail else 0.0
-        detail = {**detail, "busy_gpu_s": busy_gpu_seconds(plan.num_gpus, rollout_gpus, phases, idle)}
+        busy_generation, busy_rest = busy_gpu_seconds(plan.num_gpus, rollout_gpus, phases, idle)
+        detail = {**detail, "busy_gpu_s": busy_generation + busy_rest, "busy_generation_gpu_s": busy_generation}
         return StepMetrics(step, stage_times, phases, step_s, mean, longest,
                            job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus, detail,
                            entries, lag, plan.levers)
@@ -279,18 +280,17 @@ class SimBackend:
 
 
 def busy_gpu_seconds(num_gpus: int, rollout_gpus: int | None, phases: dict[str, float],
-                     idle_generation_gpu_s: float) -> float:
-    """GPU-seconds a step's work holds: each phase's GPUs for its time (the rollout pool's ``rollout_gpus``
-    for generation and the others for inference and training when the plan runs one-step-off, every GPU
-    when ``rollout_gpus`` is None), less the generation's idle ones. Spread evenly over the plan's GPUs it
-    is the step no schedule of this work beats (``RunRecord.summary``'s ``balanced_step_s``): what
-    balancing alone could still gain."""
+                     idle_generation_gpu_s: float) -> tuple[float, float]:
+    """GPU-seconds a step's work holds, (generation's, the rest's): each phase's GPUs for its time (the
+    rollout pool's ``rollout_gpus`` for generation and the others for inference and training when the plan
+    runs one-step-off, every GPU when ``rollout_gpus`` is None), less the generation's idle ones; the
+    weight sync holds every GPU and counts with the rest. Spread evenly over the plan's GPUs their sum is
+    the step no schedule of this work beats (``RunRecord.summary``'s ``balanced_step_s``): what balancing
+    alone could still gain; the split says which work a goal beyond it must shrink."""
     n = num_gpus
-    if rollout_gpus:
-        held = rollout_gpus * phases["generation"] + (n - rollout_gpus) * (phases["inference"] + phases["training"])
-    else:
-        held = n * (phases["generation"] + phases["inference"] + phases["training"])
-    return held + n * phases["weight_sync"] - idle_generation_gpu_s
+    gen_gpus, rest_gpus = (rollout_gpus, n - rollout_gpus) if rollout_gpus else (n, n)
+    generation = gen_gpus * phases["generation"] - idle_generation_gpu_s
+    return generation, rest_gpus * (phases["inference"] + phases["training"]) + n * phases["weight_sync"]
 
 
 def stopped(out: GenOutcome, stop_s: float) -> GenOutcome:

@@ -12,9 +12,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import long_tail  # noqa: E402
 
 
+@pytest.mark.slow
+@pytest.mark.rayless  # no Ray: may run beside the Ray tests
 def test_smallest_run_prints_every_policy_and_writes_timelines(tmp_path: Path) -> None:
     policies = ["nereus", "nereus@lag1", "verl-like", "fixed-oracle", "spec-like", "rollpacker-like", "april-like",
                 "verl-async-like"]
@@ -35,6 +39,8 @@ def test_smallest_run_prints_every_policy_and_writes_timelines(tmp_path: Path) -
         assert stem.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+@pytest.mark.rayless
 def test_several_seeds_end_with_each_goal_per_seed() -> None:
     args = ["--jobs", "grpo_7b_h100", "--traces", "long_tail_dapo", "--steps", "2", "--policies", "nereus",
             "verl-like", "--seeds", "0", "1"]
@@ -46,3 +52,13 @@ def test_several_seeds_end_with_each_goal_per_seed() -> None:
     row = next(line for line in out.splitlines() if line.startswith("  grpo_7b_h100") and "min " in line)
     ratios = [float(x) for x in row.split("nereus")[1].split("min")[0].split()]
     assert len(ratios) == 2 and all(0 < x < 10 for x in ratios) and row.endswith(("/2",))
+
+
+def test_a_goal_beyond_the_balanced_bound_names_the_work_it_needs() -> None:
+    """1.8x balanced against a 2.2x goal: the allowed balanced step is 100 s x 1.8 / 2.2, the run's held
+    work split into generation and the rest as summarised."""
+    run = {"balanced_step_s": 100.0, "balanced_tokens_per_s": 180.0, "balanced_generation_s": 60.0,
+           "balanced_rest_s": 40.0}
+    line = long_tail.work_needed(run, verl=100.0, target=2.2)
+    assert line.startswith("2.2x needs <= 81.8 s of balanced work a step; it holds 100.0 s")
+    assert "generation 60.0 s, inference+training+sync 40.0 s" in line
