@@ -56,6 +56,9 @@ class ControllerConfig:
     # not fitted into the factors and counted again when the lever is priced); False leaves those steps
     # out (the runtime's choice; the simulator keeps every step)
     calibrate_with_levers: bool = True
+    # per-term factors taken as known instead of fitted (``cost.calibration.Calibrator.known``): a simulated
+    # run's hidden truth, to measure what calibrating costs against knowing (benchmarks/calibration_headroom.py)
+    known_factors: tuple[tuple[str, float], ...] = ()
 
 
 def usable_gpus(available: int, gpus_per_node: int) -> int:
@@ -81,7 +84,7 @@ class Controller:
         self.constraints = constraints
         self.hw = Hardware(job.cluster)
         self.transition_cost = transition_cost or TransitionCoster(prior=TransitionFit.prior(self.hw))
-        self.calibrator = Calibrator(self.hw)
+        self.calibrator = Calibrator(self.hw, known=dict(self.config.known_factors))
         sigma = job.workload.response.sigma if job.workload.response else 0.6
         self.forecaster = LengthForecaster(sigma=sigma)
         self.plan: Plan | None = None

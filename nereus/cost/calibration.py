@@ -38,6 +38,10 @@ class Calibrator:
     ridge: float = 1e-4
     max_rows: int = 512  # recent measurements kept; older ones age out as the job changes
     min_layouts: int = 2  # distinct layouts of a stage kind before its terms get factors of their own
+    # factors known beforehand, taken instead of fitted for every term the rows exercise (a simulated run's
+    # hidden truth, which prices what the fit's errors cost: benchmarks/calibration_headroom.py); a term
+    # missing from them keeps its prior 1
+    known: dict[str, float] = field(default_factory=dict)
     _rows: list[tuple[dict[str, float], float, tuple]] = field(default_factory=list)
     factors: dict[str, float] = field(default_factory=dict)
 
@@ -67,6 +71,9 @@ class Calibrator:
         if not self._rows:
             return {}
         keys = sorted({k for terms, _, _ in self._rows for k in terms})
+        if self.known:
+            self.factors = {k: self.known.get(k, 1.0) for k in keys}
+            return self.factors
         layouts: dict[str, set] = {}
         for _, _, sig in self._rows:
             layouts.setdefault(sig[0], set()).add(sig)

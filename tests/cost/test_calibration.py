@@ -84,3 +84,29 @@ def test_a_lever_on_rollout_time_is_calibrated_at_its_plain_equivalent():
     assert plain_equivalent(measured, None) == measured
     whole_steps = GenerationLevers(speculation=spec, predicted={"base_s": 90.0, "step_s": 70.0})
     assert plain_equivalent(measured, whole_steps) == measured  # no generation-only prediction: as measured
+
+
+def test_known_factors_replace_the_fit_for_every_term_the_rows_exercise():
+    """One layout measured: the fit shares one factor per stage kind (``min_layouts``), the known factors
+    are taken term by term instead (a term they lack keeps its prior 1), and the residual is computed on
+    them, so a run handed the truth reports its noise alone."""
+    rng = random.Random(3)
+    job = ppo_job(8)
+    hw = Hardware(job.cluster)
+    plan = random_plans(job, hw, 1, rng)[0]
+    planted = {f"{stage}.{term}": rng.uniform(0.5, 2.0)
+               for stage in ("generation", "inference", "training") for term in TERMS}
+    del planted["training.optimizer"]  # unknown: it keeps the prior, in the truth as in the known factors
+    truth = estimate_plan(hw, job, plan, planted)
+    fitted, known = Calibrator(hw), Calibrator(hw, known=planted)
+    for cal in (fitted, known):
+        for _ in range(4):
+            cal.observe(job, plan, dict(truth.stage_times))
+        cal.fit()
+    generation = {k: v for k, v in fitted.factors.items() if k.startswith("generation.")}
+    assert len(set(generation.values())) == 1  # one layout: the terms share one fitted factor
+    exercised = set(fitted.factors)
+    assert set(known.factors) == exercised and all(known.factors[k] == planted[k] for k in exercised if k in planted)
+    assert exercised - set(planted) == {"training.optimizer"} and known.factors["training.optimizer"] == 1.0
+    assert known.predict(job, plan).step_time_s == pytest.approx(truth.step_time_s)
+    assert max(abs(e) for e in known.relative_errors()) < 1e-9
