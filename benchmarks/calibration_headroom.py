@@ -14,30 +14,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
+
+from long_tail import ROOT, gpu_range, run_one
 
 from nereus.control.controller import ControllerConfig
 from nereus.sim.backend import TruthConfig, hidden_factors
-from nereus.sim.run import simulate
 from nereus.spec import load_job
 from nereus.spec.trace import load_trace
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def mean_steps(job_name: str, trace_name: str, lag: int, seed: int, steps: int) -> tuple[float, float]:
-    """``nereus``'s mean step with its factors fitted, and with them known (the run's hidden truth)."""
-    job = load_job(ROOT / "examples" / f"{job_name}.yaml")
-    trace = load_trace(ROOT / "traces" / f"{trace_name}.yaml")
-    first = trace.gpus_at(0, job.cluster.num_gpus)
-    job = job.with_gpus(max([first, *(n for _, n in trace.gpus)]))
+def mean_steps(job, trace, lag: int, seed: int, steps: int) -> tuple[float, float]:
+    """``nereus``'s mean step on ``trace`` with its factors fitted, and with them known (the run's hidden
+    truth)."""
+    first, biggest = gpu_range(job, trace)
     n = min(steps or trace.steps, trace.steps)
     known = ControllerConfig(known_factors=tuple(sorted(hidden_factors(seed, TruthConfig()).items())))
-    out = []
-    for config in (None, known):
-        record = simulate(job, trace, "nereus", seed, n, config=config, initial_gpus=first, policy_lag=lag)
-        out.append(record.summary()["mean_step_s"])
-    return out[0], out[1]
+    fitted, knowing = (run_one(job.with_gpus(biggest), trace, f"nereus@lag{lag}", seed, n, first, config)
+                       for config in (None, known))
+    return fitted["mean_step_s"], knowing["mean_step_s"]
 
 
 def main() -> None:
@@ -50,13 +44,15 @@ def main() -> None:
     args = ap.parse_args()
     print(f"  {'job':<14}{'trace':<18}{'lag':>4}{'seed':>5}{'fitted':>10}{'known':>10}{'change':>9}", flush=True)
     changes = []
-    for job in args.jobs:
-        for trace in args.traces:
+    for job_name in args.jobs:
+        job = load_job(ROOT / "examples" / f"{job_name}.yaml")
+        for trace_name in args.traces:
+            trace = load_trace(ROOT / "traces" / f"{trace_name}.yaml")
             for lag in args.lags:
                 for seed in args.seeds:
                     fitted, known = mean_steps(job, trace, lag, seed, args.steps)
                     changes.append(known / fitted - 1)
-                    print(f"  {job:<14}{trace:<18}{lag:>4}{seed:>5}{fitted:9.1f}s{known:9.1f}s"
+                    print(f"  {job_name:<14}{trace_name:<18}{lag:>4}{seed:>5}{fitted:9.1f}s{known:9.1f}s"
                           f"{100 * changes[-1]:+8.1f}%", flush=True)
     mean = statistics.mean(changes)
     print(f"known factors against fitted, mean step over {len(changes)} runs: mean {100 * mean:+.1f}%, "

@@ -43,20 +43,27 @@ def policy_and_lag(label: str) -> tuple[str, int | None]:
     return name, int(lag) if lag else None
 
 
-def run_one(job, trace, label: str, seed: int, steps: int, first: int) -> dict:
+def run_one(job, trace, label: str, seed: int, steps: int, first: int, config=None) -> dict:
+    """``label``'s run of ``trace`` (``config``: the controller's, None for its defaults): its summary, the
+    share of its step time in each phase and the seconds it took to simulate."""
     name, lag = policy_and_lag(label)
     start = time.perf_counter()
-    record = simulate(job, trace, name, seed, steps, initial_gpus=first, policy_lag=lag)
+    record = simulate(job, trace, name, seed, steps, config=config, initial_gpus=first, policy_lag=lag)
     s = record.summary()
     total = {p: sum(st["phases"].get(p, 0.0) for st in record.steps) for p in PHASES}
     step_s = sum(total.values()) or 1.0
     return {**s, "split": {p: total[p] / step_s for p in PHASES}, "sim_s": time.perf_counter() - start}
 
 
+def gpu_range(job, trace) -> tuple[int, int]:
+    """The GPUs ``trace`` starts ``job`` on and the most it ever gives it (the job is sized to the latter)."""
+    first = trace.gpus_at(0, job.cluster.num_gpus)
+    return first, max([first, *(n for _, n in trace.gpus)])
+
+
 def run_trace(job, name: str, labels: tuple[str, ...], seed: int, steps: int) -> dict[str, dict]:
     trace = load_trace(ROOT / "traces" / f"{name}.yaml")
-    first = trace.gpus_at(0, job.cluster.num_gpus)
-    biggest = max([first, *(n for _, n in trace.gpus)])
+    first, biggest = gpu_range(job, trace)
     n = min(steps or trace.steps, trace.steps)
     print(f"{job.name} on {name}: {n} of {trace.steps} steps, {first}..{biggest} GPUs", flush=True)
     out = {}

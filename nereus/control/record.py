@@ -130,9 +130,9 @@ def balanced_summary(steps: list[dict], tokens: float) -> dict[str, float]:
     generation and other stages (``balanced_generation_s``, ``balanced_rest_s``)."""
     if not steps or any("busy_gpu_s" not in s or "busy_generation_gpu_s" not in s for s in steps):
         return {}
-    balanced = [s["busy_gpu_s"] / s["gpus"] for s in steps]
+    balanced = sum(s["busy_gpu_s"] / s["gpus"] for s in steps)
     generation = sum(s["busy_generation_gpu_s"] / s["gpus"] for s in steps) / len(steps)
-    run_s = sum(balanced) + sum(s["transition_s"] + s["lost_s"] for s in steps)
-    mean = sum(balanced) / len(steps)
+    run_s = balanced + sum(s["transition_s"] + s["lost_s"] for s in steps)
+    mean = balanced / len(steps)
     return {"balanced_step_s": mean, "balanced_tokens_per_s": tokens / run_s if run_s else 0.0,
             "balanced_generation_s": generation, "balanced_rest_s": mean - generation}
