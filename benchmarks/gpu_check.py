@@ -7,7 +7,7 @@ measured beside the cost model's predictions (measured / predicted).
 
 Per shape (random weights, no checkpoint on disk): a training step (forward, backward, Adam) of the
 plain decoder; decode time per token and prefill by batch with the runtime's native engine and, where
-vLLM is installed, with the vLLM engine (``runtime.generation.vllm_engine``, in a child process: vLLM takes
+vLLM is installed, with the vLLM engine (``runtime.engines.vllm_engine``, in a child process: vLLM takes
 over torch.distributed of its process); and the weight sync into the engine (vLLM's in-place reload).
 Predictions: ``cost.stages.training_cost``, ``cost.decode.step_time`` / ``prefill_time`` of the
 planner's generation replica, ``cost.weight_sync.engine_reload_time``; on CPU the hardware is this
@@ -115,10 +115,10 @@ def native_decode(cfg: ModelConfig, sizes: Sizes, device: str, dtype: torch.dtyp
     """Per batch: prefill seconds (one new token) and decode seconds per token of the native engine."""
     import torch.distributed as dist
 
-    from nereus.runtime.cluster.groups import ParallelGroups
-    from nereus.runtime.generation.fixed_batch import SamplingParams, generate
+    from nereus.runtime.comm.groups import ParallelGroups
+    from nereus.runtime.engines.fixed_batch import SamplingParams, generate
     from nereus.runtime.model.hf import slice_boxes
-    from nereus.runtime.model.sharded import ShardedModel, shard_boxes
+    from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes
 
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -142,8 +142,8 @@ def native_decode(cfg: ModelConfig, sizes: Sizes, device: str, dtype: torch.dtyp
 
 def vllm_part(shape: str, small: bool) -> dict:
     """In the child process: the vLLM engine's reload and decode figures (JSON on stdout)."""
-    from nereus.runtime.generation.fixed_batch import SamplingParams
-    from nereus.runtime.generation.vllm_engine import EngineConfig, VllmEngine
+    from nereus.runtime.engines.fixed_batch import SamplingParams
+    from nereus.runtime.engines.vllm_engine import EngineConfig, VllmEngine
     from nereus.spec.rollout import RolloutEngine
 
     sizes = CPU_SIZES if small else GPU_SIZES

@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 
 from nereus.run.driver import Stepper  # noqa: E402
 from nereus.run.job import RLJob  # noqa: E402
+from nereus.runtime.comm.faults import FaultPlan  # noqa: E402
 from nereus.runtime.recovery.failover import WorkerLostError  # noqa: E402
-from nereus.runtime.recovery.faults import FaultPlan  # noqa: E402
 from nereus.spec.errors import SpecError  # noqa: E402
 from nereus.spec.job import job_from_dict  # noqa: E402
 
@@ -126,8 +126,8 @@ def run_lost_node(args, out: Path) -> dict:
     (run in a child process of this script: ``--lost-node-child``)."""
     import ray
 
-    from nereus.runtime.cluster.nodes import start_local_cluster
     from nereus.runtime.cluster.workers import Runtime
+    from nereus.runtime.hosts.nodes import start_local_cluster
 
     # objects above 1 KiB in the object store, so no snapshot image of the tiny models sits in the driver
     cluster, _ = start_local_cluster(2, 2, system_config={"max_direct_call_object_size": 1024})

@@ -53,7 +53,7 @@ from nereus.rl.tokenizer import Tokenizer  # noqa: E402
 from nereus.run.rollout import mini_batches  # noqa: E402
 from nereus.run.setup import MINI_BATCH_ORDER, PROMPT_ORDER, SAMPLING, datasets, model_configs, tokenizer_for  # noqa: E402
 from nereus.run.warmstart import greedy_accuracy, initial_checkpoints  # noqa: E402
-from nereus.runtime.generation.sampling import derive_seed  # noqa: E402
+from nereus.runtime.engines.sampling import derive_seed  # noqa: E402
 from nereus.runtime.model.decoder import CausalLM  # noqa: E402
 from nereus.runtime.model.hf import load_boxes  # noqa: E402
 from nereus.spec.job import JobSpec, load_job  # noqa: E402

@@ -41,12 +41,12 @@ import torch.distributed as dist
 
 from nereus.cost.hardware import Hardware
 from nereus.elastic.transition import plan_transition
-from nereus.runtime.cluster.groups import ParallelGroups
 from nereus.runtime.cluster.launch import run_world
+from nereus.runtime.comm.groups import ParallelGroups
+from nereus.runtime.comm.transfer import TransferComm
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.hf import slice_boxes
-from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
-from nereus.runtime.transitions.executor import TransferComm
+from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
 from nereus.runtime.transitions.holdings import WEIGHTS, holdings_of
 from nereus.runtime.transitions.live import KeySpec, new_needs, plan_of, transition_keys
 from nereus.runtime.transitions.reshard import all_pairs_bandwidth, checkpoint_reshard, gather_scatter, p2p_bandwidth

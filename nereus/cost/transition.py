@@ -122,7 +122,7 @@ def engines_rebuilt(job: JobSpec, old: Plan, new: Plan) -> int:
     """Rollout engines a move starts anew: with ``run.rollout.engine: vllm``, one per data-parallel replica
     of a generation stage whose layout or devices change, except a replica whose engine device (its TP rank
     0) held an engine of the same TP size before: that worker keeps its engine running and reloads it
-    (``runtime.generation.engine_pool``)."""
+    (``runtime.engines.engine_pool``)."""
     if job.run is None or not job.run.rollout_engine.vllm:
         return 0
     before = {p.model_stage: p for p in old.placements}

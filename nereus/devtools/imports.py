@@ -11,7 +11,10 @@ rules (see ``docs`` and the design's dependency rules):
 * the torch-free layers (spec, cost, planner, elastic, control, sim) never reach torch or ray, directly
   or through other nereus modules (importing ``nereus.a.b`` also runs ``nereus/a/__init__.py``);
 * control reaches none of runtime, run, sim, rl; run and runtime never reach sim;
-* the package graph (first component under ``nereus``) and the file graph have no cycle.
+* the package graph (first component under ``nereus``) and the file graph have no cycle;
+* runtime's rooms (its subfolders) import only rooms below them in ``RUNTIME_ORDER``, each room once
+  (type-only imports count: they are arrows in the house too);
+* no module imports another nereus module's private name (``from nereus.x import _name``).
 
 ``python -m nereus.devtools.imports`` prints every violation of every rule and exits 1 when there are any.
 """
@@ -34,6 +37,12 @@ FORBIDDEN_PACKAGES: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "run": ("sim",),
     "runtime": ("sim",),
 })
+# runtime's rooms, lowest first: a room imports only the rooms before it. hosts (Ray nodes, placement,
+# bounded waits, the local Ray), comm (process groups, the transfer communicator, fault hooks), model (the
+# plain decoder, knowing nothing of parallelism), parallel (TP/PP/DP applied to it, the sharded model),
+# engines (rollout engines), transitions (live moves), recovery (snapshots, failover), cluster (the
+# worker actor and the driver's runtime)
+RUNTIME_ORDER = ("hosts", "comm", "model", "parallel", "engines", "transitions", "recovery", "cluster")
 
 
 @dataclass(frozen=True)
@@ -290,6 +299,43 @@ def file_cycles(tree: Tree) -> list[str]:
             for cycle, members in _cycles(sorted(tree.modules), edges)]
 
 
+def _room(tree: Tree, module: str) -> str | None:
+    """The runtime room of ``module`` (``nereus.runtime.engines.native`` -> ``engines``), None outside one."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "runtime" else None
+
+
+def runtime_layers(tree: Tree) -> list[str]:
+    """Rule (e): a runtime room imports only rooms below it in ``RUNTIME_ORDER``; an unknown room is
+    reported too (it needs a place in the order)."""
+    problems = []
+    rooms = {r for m in tree.modules if (r := _room(tree, m))}
+    for room in sorted(rooms - set(RUNTIME_ORDER)):
+        problems.append(f"nereus/runtime/{room}/ has no place in RUNTIME_ORDER (nereus/devtools/imports.py)")
+    for module, imps in sorted(tree.imports.items()):
+        src = _room(tree, module)
+        for imp in imps:
+            dst = _room(tree, imp.target) if tree.internal(imp) else None
+            if src in RUNTIME_ORDER and dst in RUNTIME_ORDER and RUNTIME_ORDER.index(dst) > RUNTIME_ORDER.index(src):
+                problems.append(f"runtime/{src}/ must not import runtime/{dst}/ (above it): {imp.where()}")
+    return problems
+
+
+def private_imports(tree: Tree) -> list[str]:
+    """Rule (f): ``from nereus.x import _name`` of another module's private name."""
+    problems = []
+    for module, imps in sorted(tree.imports.items()):
+        for imp in imps:
+            node = ast.parse(imp.text.rstrip("\\")) if imp.text.startswith("from ") else None
+            if node is None or not tree.internal(imp):
+                continue
+            names = [a.name for a in node.body[0].names] if isinstance(node.body[0], ast.ImportFrom) else []
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private and imp.target != module:
+                problems.append(f"private name {', '.join(private)} imported from {imp.target}: {imp.where()}")
+    return problems
+
+
 def check(package_dir: str | Path) -> list[str]:
     """Every violation of every rule (layering, cycles, computed-name dispatch, module state), as
     messages naming files and lines."""
@@ -297,8 +343,8 @@ def check(package_dir: str | Path) -> list[str]:
     from nereus.devtools.module_state import module_state
 
     tree = scan(package_dir)
-    return (forbidden_imports(tree) + package_cycles(tree) + file_cycles(tree) + dispatch(package_dir)
-            + module_state(package_dir))
+    return (forbidden_imports(tree) + package_cycles(tree) + file_cycles(tree) + runtime_layers(tree)
+            + private_imports(tree) + dispatch(package_dir) + module_state(package_dir))
 
 
 def main(argv: list[str] | None = None) -> int:

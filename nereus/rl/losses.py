@@ -12,7 +12,7 @@ import torch
 
 from nereus.rl.core import clipped_policy_loss, clipped_value_loss, kl_estimate, masked_mean
 from nereus.rl.offpolicy import decoupled_policy_loss
-from nereus.runtime.model.sharded import Loss
+from nereus.runtime.parallel.sharded import Loss
 
 
 def _response(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -28,8 +28,8 @@ from nereus.elastic.schedule import schedule_graph
 from nereus.run.driver import Stepper
 from nereus.run.records import read_scale_request
 from nereus.run.setup import Placed, placed_from_plan
-from nereus.runtime.cluster.nodes import PlacementError
 from nereus.runtime.cluster.workers import Runtime
+from nereus.runtime.hosts.nodes import PlacementError
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.recovery.failover import WorkerLostError
 from nereus.runtime.transitions.live import KeySpec

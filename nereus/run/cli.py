@@ -24,8 +24,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise SpecError("run", f"needs the runtime's dependencies ({err.name} is missing); "
                                "install them with: pip install -e '.[runtime]'") from None
-    if args.address:  # before any work: a bounded probe, not minutes of Ray's retries (runtime.cluster.address)
-        from nereus.runtime.cluster.address import check_address
+    if args.address:  # before any work: a bounded probe, not minutes of Ray's retries (runtime.hosts.address)
+        from nereus.runtime.hosts.address import check_address
 
         args.address = check_address(args.address)
     try:
@@ -40,7 +40,7 @@ def cmd_run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     for p in rl.placed:
         print(f"  {p.model + '/' + p.stage:<22} {p.layout.short():<22} workers {list(p.ranks)}", file=sys.stderr)
-    from nereus.runtime.cluster.raylocal import exit_on_signals
+    from nereus.runtime.hosts.raylocal import exit_on_signals
 
     # SIGTERM, SIGINT, SIGHUP: workers released, Ray shut down and reaped, exit 128 + signal (docs/reliability.md)
     signalled = exit_on_signals()
@@ -120,7 +120,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     """Kill what a killed driver left of its local Ray (``raylocal.cleanup_run``): the run's in ``--dir``,
     else of every driver that is gone."""
     from nereus.run.records import read_session_record
-    from nereus.runtime.cluster.raylocal import SESSION, cleanup_run
+    from nereus.runtime.hosts.raylocal import SESSION, cleanup_run
     from nereus.spec.errors import SpecError
 
     record = None

@@ -36,11 +36,11 @@ from nereus.run.setup import MINI_BATCH_ORDER, PROMPT_ORDER, SAMPLING, SPARE_PRO
 from nereus.run.tail import TailRounds
 from nereus.runtime.cluster.calls import GenerateWithLogprobs, Logprobs, LogprobsAndEntropy, TrainStep, Values
 from nereus.runtime.cluster.workers import Runtime
-from nereus.runtime.generation.answers import DecodeStats, ReplicaRollout
-from nereus.runtime.generation.engine_pool import EnginesOpened
-from nereus.runtime.generation.fixed_batch import SamplingParams
-from nereus.runtime.generation.sampling import derive_seed
-from nereus.runtime.model.sharded import Batch, LossFn, TrainStats
+from nereus.runtime.engines.answers import DecodeStats, ReplicaRollout
+from nereus.runtime.engines.engine_pool import EnginesOpened
+from nereus.runtime.engines.fixed_batch import SamplingParams
+from nereus.runtime.engines.sampling import derive_seed
+from nereus.runtime.parallel.sharded import Batch, LossFn, TrainStats
 from nereus.spec.generation import GenerationEntry
 from nereus.spec.job import JobSpec
 from nereus.spec.levers import GenerationLevers
@@ -102,7 +102,7 @@ class Stepper:
         or a recovery re-formed the layout); the engines started and reused (None without vLLM)."""
         if not self.run.rollout_engine.vllm:
             return None
-        from nereus.runtime.generation.vllm_engine import EngineConfig
+        from nereus.runtime.engines.vllm_engine import EngineConfig
 
         key = self.key["actor", "generation"]
         w = self.job.workload
@@ -364,7 +364,7 @@ class Stepper:
             for model in ("actor", "critic"):
                 if self.has(model):
                     self.rt.sync_weights(model, self.job)
-            if self.run.rollout_engine.vllm:  # then into the engines, in place (runtime.generation.vllm_engine)
+            if self.run.rollout_engine.vllm:  # then into the engines, in place (runtime.engines.vllm_engine)
                 self.timing["timing_s/update_weights_engine"] = self.rt.update_engine(self.key["actor", "generation"])
 
     # ----- one step -----------------------------------------------------------------------------------

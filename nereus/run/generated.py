@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from nereus.rl.data import Prompt
 from nereus.run.rollout import Rollout
-from nereus.runtime.generation.answers import DecodeStats, ReplicaRollout
+from nereus.runtime.engines.answers import DecodeStats, ReplicaRollout
 from nereus.spec.generation import GenerationEntry
 
 

@@ -66,10 +66,10 @@ from nereus.run.warmstart import (
     pretrained_checkpoints,
     write_sources,
 )
-from nereus.runtime.cluster.raylocal import SESSION, session_record
 from nereus.runtime.cluster.workers import Runtime
-from nereus.runtime.generation.fixed_batch import SamplingParams
-from nereus.runtime.generation.sampling import derive_seed
+from nereus.runtime.engines.fixed_batch import SamplingParams
+from nereus.runtime.engines.sampling import derive_seed
+from nereus.runtime.hosts.raylocal import SESSION, session_record
 from nereus.runtime.model.hf import save_checkpoint
 from nereus.runtime.transitions.live import KeySpec
 from nereus.spec.errors import SpecError

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, replace
 
 from nereus.control.backend import GenerationPolicy
-from nereus.runtime.generation.answers import DecodeStats
-from nereus.runtime.generation.sampling import SamplingParams
+from nereus.runtime.engines.answers import DecodeStats
+from nereus.runtime.engines.sampling import SamplingParams
 from nereus.spec import levers as plan_levers
 from nereus.spec.generation import (
     GenerationDecision,

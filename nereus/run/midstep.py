@@ -1,7 +1,7 @@
 """The runtime's engine loop with decision points (``run.rollout.midstep``): one step's generation on the
 continuous-batching engine, run in chunks, the policy asked between them.
 
-Each worker keeps its replica's engine across calls (``runtime.generation.session``): ``gen_open`` queues
+Each worker keeps its replica's engine across calls (``runtime.engines.session``): ``gen_open`` queues
 the replica's rows, ``gen_run`` runs a chunk of iterations and answers the replica's ``ReplicaStatus``,
 ``gen_migrate`` executes a ``MigrationPlan`` on every worker of the world (the commit vote is world-wide),
 ``gen_close`` runs the replica to the end and answers its sequences. ``EngineLoop`` drives them:
@@ -48,8 +48,8 @@ from nereus.run.levers import STAGE, engine_speculation, queued
 from nereus.run.overlap import Call, Calls, EarlyInference, InferenceStage
 from nereus.runtime.cluster.calls import GenClose, GenMigrate, GenOpen, GenRun, GenSpeculate, KeyCall
 from nereus.runtime.cluster.workers import Runtime
-from nereus.runtime.generation.sampling import SamplingParams
-from nereus.runtime.generation.session import ClosedReplica, MigrationOutcome
+from nereus.runtime.engines.sampling import SamplingParams
+from nereus.runtime.engines.session import ClosedReplica, MigrationOutcome
 from nereus.runtime.model.dtypes import torch_dtype
 from nereus.runtime.transitions.live import KeySpec
 from nereus.spec.generation import (

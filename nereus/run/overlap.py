@@ -26,8 +26,8 @@ import torch
 from ray import ObjectRef
 
 from nereus.runtime.cluster.calls import InferenceCall, KeyCall, ReplicaOutput, by_replica
-from nereus.runtime.cluster.waits import GRACE_S, WaitTimeout
 from nereus.runtime.cluster.workers import Runtime
+from nereus.runtime.hosts.waits import GRACE_S, WaitTimeout
 
 # what each kind of call is counted as (metric names: timing_s/worker_<i>/<kind>)
 KINDS = ("generate", "infer", "train", "sync")

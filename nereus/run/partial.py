@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nereus.rl.data import Prompt
-from nereus.runtime.generation.answers import Carried
+from nereus.runtime.engines.answers import Carried
 
 
 @dataclass(frozen=True)

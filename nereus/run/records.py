@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from nereus.runtime.cluster.raylocal import SESSION
+from nereus.runtime.hosts.raylocal import SESSION
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import Fields
 from nereus.spec.files import atomic_write_text, read_json_file

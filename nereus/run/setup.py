@@ -12,7 +12,7 @@ from nereus.rl.rewards import RewardRouter
 from nereus.rl.task import reverse_rows, split_rows
 from nereus.rl.tokenizer import HFTokenizer, Tokenizer
 from nereus.runtime.capability import CAPABILITY, capability_for
-from nereus.runtime.generation.sampling import derive_seed
+from nereus.runtime.engines.sampling import derive_seed
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.hf import read_config
 from nereus.runtime.parallel.tp import check_tp

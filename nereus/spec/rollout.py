@@ -1,7 +1,7 @@
 """``run.rollout.engine``: which inference engine generates the rollouts, and its settings.
 
-``native`` is the runtime's own engine (``runtime.generation``: any TP·PP·DP layout, the exact reference);
-``vllm`` runs one vLLM engine per generation replica (``runtime.generation.vllm_engine``). Names follow
+``native`` is the runtime's own engine (``runtime.engines``: any TP·PP·DP layout, the exact reference);
+``vllm`` runs one vLLM engine per generation replica (``runtime.engines.vllm_engine``). Names follow
 verl's ``actor_rollout_ref.rollout`` (``name``, ``gpu_memory_utilization``, ``enforce_eager``).
 
 The checks here need the job's models and layouts, so they run once the whole job is read

@@ -155,7 +155,7 @@ class RunSpec:
     adapt: AdaptSpec | None = None
     logger: tuple[str, ...] | None = None  # verl's trainer.logger; None: console, JSONL, TensorBoard if installed
     # run.rollout.slots (verl: actor_rollout_ref.rollout.max_num_seqs): > 0 generates with the continuous-
-    # batching engine, this many sequences at a time per replica (runtime.generation.decode_engine); 0: the fixed batch
+    # batching engine, this many sequences at a time per replica (runtime.engines.decode_engine); 0: the fixed batch
     rollout_slots: int = 0
     # run.rollout.pad_to_max: pack rollouts to the longest possible prompt + response (not the longest
     # present), so that with run.overlap inference starts on a generation replica's rows once it finishes
@@ -430,7 +430,7 @@ MIN_TEMPERATURE = 1e-5
 
 
 def _check_sampling(f: Fields, spec: RunSpec) -> None:
-    """Sampling parameters that would leave no token to draw (``runtime.generation.sampling.sample``):
+    """Sampling parameters that would leave no token to draw (``runtime.engines.sampling.sample``):
     ``top_p`` 0 keeps no token, a temperature just above 0 turns the logits into infinities."""
     if spec.top_p <= 0:
         raise SpecError(f.key_path("top_p"), f"{spec.top_p} keeps no token to sample from; give a value in (0, 1] "

@@ -122,7 +122,7 @@ def _val_kwargs(rollout: Fields) -> ValKwargs:
 
 def _refill_only(midstep: MidstepSpec, key: str) -> MidstepSpec:
     """vLLM's KV blocks stay in its engine: a move aborts the request and re-prefills it on the other
-    engine (``runtime.generation.vllm_session``), so ``auto`` means ``refill`` and ``kv`` is refused."""
+    engine (``runtime.engines.vllm_session``), so ``auto`` means ``refill`` and ``kv`` is refused."""
     if midstep.transfer == "kv":
         raise SpecError(key, "kv: the vLLM engine moves sequences by re-prefill (abort, then prefill their prompt "
                         "and tokens so far on the other engine): use refill or auto, or engine: native")

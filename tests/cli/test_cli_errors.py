@@ -447,7 +447,7 @@ def test_a_metric_line_torn_by_a_killed_driver_does_not_block_resume(tmp_path):
 
 
 def test_a_wait_past_its_deadline_is_one_line_and_exit_1(monkeypatch, capsys):
-    """A worker wait past its deadline (runtime.cluster.waits.WaitTimeout) is the cluster failing, not bad input
+    """A worker wait past its deadline (runtime.hosts.waits.WaitTimeout) is the cluster failing, not bad input
     and not a bug: one stderr line naming the wait, exit 1, no traceback file."""
     import nereus.cli as cli
     from nereus.spec.errors import RuntimeFailure
@@ -463,7 +463,7 @@ def test_a_wait_past_its_deadline_is_one_line_and_exit_1(monkeypatch, capsys):
 
 def test_wait_timeout_is_a_runtime_failure():
     pytest.importorskip("ray")
-    from nereus.runtime.cluster.waits import WaitTimeout
+    from nereus.runtime.hosts.waits import WaitTimeout
     from nereus.spec.errors import RuntimeFailure
 
     assert issubclass(WaitTimeout, RuntimeFailure)

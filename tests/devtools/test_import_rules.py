@@ -5,7 +5,16 @@ from pathlib import Path
 
 import pytest
 
-from nereus.devtools.imports import check, file_cycles, forbidden_imports, package_cycles, scan
+from nereus.devtools.imports import (
+    RUNTIME_ORDER,
+    check,
+    file_cycles,
+    forbidden_imports,
+    package_cycles,
+    private_imports,
+    runtime_layers,
+    scan,
+)
 from tests.devtools.synthetic import write_package
 
 PACKAGE = Path(__file__).resolve().parents[2] / "nereus"
@@ -108,3 +117,48 @@ def test_a_type_checking_import_is_no_file_cycle_but_still_counts_for_layering(t
     root = write_package(tmp_path / "b", {**CLEAN, "spec/layout.py": torch_typed})
     assert any(p.startswith("nereus/spec/layout.py (spec/ must not import torch)") and
                "nereus/spec/layout.py:4 `import torch`" in p for p in forbidden_imports(scan(root)))
+
+
+def test_runtime_rooms_import_only_rooms_below_them_and_no_private_names():
+    tree = scan(PACKAGE)
+    assert runtime_layers(tree) == [], "\n".join(runtime_layers(tree))
+    assert private_imports(tree) == [], "\n".join(private_imports(tree))
+    rooms = {p.name for p in (PACKAGE / "runtime").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert rooms == set(RUNTIME_ORDER), rooms ^ set(RUNTIME_ORDER)
+
+
+LAYERED = {
+    "runtime/__init__.py": "",
+    "runtime/comm/groups.py": "import torch\n",
+    "runtime/model/decoder.py": "import torch\n",
+    "runtime/engines/native.py": "from nereus.runtime.comm.groups import torch\n",
+    "runtime/cluster/worker.py": "from nereus.runtime.engines import native\n",
+}
+
+
+def test_checker_accepts_downward_runtime_imports(tmp_path):
+    assert check(write_package(tmp_path, LAYERED)) == []
+
+
+@pytest.mark.parametrize("typing_only", [False, True])
+def test_checker_reports_an_upward_import_between_runtime_rooms(tmp_path, typing_only):
+    up = "from nereus.runtime.cluster.worker import Worker\n"
+    if typing_only:
+        up = "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    " + up
+    root = write_package(tmp_path, {**LAYERED, "runtime/model/decoder.py": up})
+    problems = runtime_layers(scan(root))
+    assert len(problems) == 1 and "runtime/model/ must not import runtime/cluster/" in problems[0], problems
+    assert "nereus/runtime/model/decoder.py" in problems[0]
+
+
+def test_checker_reports_a_runtime_room_outside_the_order(tmp_path):
+    root = write_package(tmp_path, {**LAYERED, "runtime/widgets/w.py": ""})
+    assert any("runtime/widgets/ has no place in RUNTIME_ORDER" in p for p in runtime_layers(scan(root)))
+
+
+def test_checker_reports_a_private_cross_module_import(tmp_path):
+    private = "from nereus.runtime.engines.native import (\n    _install,\n    torch,\n)\n"
+    root = write_package(tmp_path, {**LAYERED, "runtime/cluster/worker.py": private})
+    problems = private_imports(scan(root))
+    assert len(problems) == 1 and "private name _install imported from nereus.runtime.engines.native" in problems[0]
+    assert check(root) == problems

@@ -18,8 +18,8 @@ from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.run.adaptive import policy_for
 from nereus.run.levers import LeverLog, ask_at_start, change_line
-from nereus.runtime.generation.answers import DecodeStats
-from nereus.runtime.generation.sampling import SamplingParams
+from nereus.runtime.engines.answers import DecodeStats
+from nereus.runtime.engines.sampling import SamplingParams
 from nereus.spec.errors import SpecError
 from nereus.spec.generation import Continue, GenerationEntry, SetSpeculation
 from nereus.spec.levers import GenerationLevers, Speculation, TailBatching

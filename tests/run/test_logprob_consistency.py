@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 
 from nereus.run.rollout import pack
-from nereus.runtime.cluster.groups import ParallelGroups
 from nereus.runtime.cluster.launch import run_world
-from nereus.runtime.generation.fixed_batch import SamplingParams, generate_with_logprobs
+from nereus.runtime.comm.groups import ParallelGroups
+from nereus.runtime.engines.fixed_batch import SamplingParams, generate_with_logprobs
 from nereus.runtime.model.decoder import build_model
 from nereus.runtime.model.hf import slice_boxes
-from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
+from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
 from tests.runtime.common import MQA, all_layouts
 
 EOS = 7  # MQA's eos_token_id

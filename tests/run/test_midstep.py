@@ -18,7 +18,7 @@ from nereus.control.backend import RunToEnd
 from nereus.control.held import HeldPlan
 from nereus.control.loop import run_policy
 from nereus.run.job import RLJob
-from nereus.runtime.recovery.faults import Fault, FaultPlan
+from nereus.runtime.comm.faults import Fault, FaultPlan
 from nereus.sim.backend import SimBackend
 from nereus.sim.generation import NOT_HERE
 from nereus.sim.report import write_report

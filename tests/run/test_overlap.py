@@ -103,7 +103,7 @@ def test_overlapped_run_recovers_from_a_worker_lost_mid_step(ray_runtime, tmp_pa
     """Worker 1 is SIGKILLed in the critic's first optimizer step while the actor's steps are already
     queued behind it (run.overlap issues them together): the run recovers on the three survivors from the
     step's snapshot, redoes the step and finishes."""
-    from nereus.runtime.recovery.faults import FaultPlan
+    from nereus.runtime.comm.faults import FaultPlan
 
     real = Stepper.submit_update
     armed = []

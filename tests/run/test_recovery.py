@@ -11,7 +11,7 @@ import pytest
 from nereus.run.driver import Stepper
 from nereus.run.job import RLJob
 from nereus.run.manifest import verify_manifest
-from nereus.runtime.recovery.faults import FaultPlan
+from nereus.runtime.comm.faults import FaultPlan
 from tests.run.jobs import tiny_job
 
 pytestmark = pytest.mark.distributed

@@ -284,10 +284,10 @@ class _EntropyLoss:
 
 
 def _entropy_gradient_body(rank: int, world: int) -> None:
-    from nereus.runtime.cluster.groups import ParallelGroups
+    from nereus.runtime.comm.groups import ParallelGroups
     from nereus.runtime.model.decoder import build_model
     from nereus.runtime.model.hf import slice_boxes
-    from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
+    from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
     from nereus.spec.layout import Layout
     from tests.runtime.common import MQA, batch
 

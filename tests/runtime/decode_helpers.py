@@ -8,12 +8,12 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.cluster.groups import ParallelGroups
-from nereus.runtime.generation.decode_engine import DecodeEngine
-from nereus.runtime.generation.fixed_batch import SamplingParams
+from nereus.runtime.comm.groups import ParallelGroups
+from nereus.runtime.engines.decode_engine import DecodeEngine
+from nereus.runtime.engines.fixed_batch import SamplingParams
 from nereus.runtime.model.decoder import build_model
 from nereus.runtime.model.hf import slice_boxes
-from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
+from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
 from nereus.spec.layout import Layout
 from tests.runtime.common import GQA
 

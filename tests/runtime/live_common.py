@@ -10,10 +10,10 @@ import torch.distributed as dist
 
 from nereus.elastic.graph import build_graph
 from nereus.elastic.plan import TransitionPlan
-from nereus.runtime.cluster.groups import ParallelGroups
+from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.model.decoder import ModelConfig, build_model
 from nereus.runtime.model.hf import slice_boxes
-from nereus.runtime.model.sharded import ShardedModel, shard_boxes
+from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes
 from nereus.runtime.transitions.holdings import holdings_of
 from nereus.runtime.transitions.live import KeySpec, plan_of
 from nereus.spec import Layout, job_from_dict
@@ -65,7 +65,7 @@ def initial_state(model: str) -> dict[str, torch.Tensor]:
 
 
 def groups_for(s: KeySpec) -> ParallelGroups:
-    from nereus.runtime.model.sharded import tied_head
+    from nereus.runtime.parallel.sharded import tied_head
 
     return ParallelGroups(s.layout, list(s.ranks), tied_embeddings=tied_head(s.cfg))
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, ClassVar, Generic, Protocol, TypeVar
 import torch
 
 from nereus.elastic.kvplan import MigrationPlan
-from nereus.runtime.generation.sampling import SamplingParams
-from nereus.runtime.model.sharded import Batch, LossFn
+from nereus.runtime.engines.sampling import SamplingParams
+from nereus.runtime.parallel.sharded import Batch, LossFn
 from nereus.spec.rollout import Speculation
 
 if TYPE_CHECKING:

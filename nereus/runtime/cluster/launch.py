@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nereus.runtime.cluster.groups import default_backend
+from nereus.runtime.comm.groups import default_backend
 
 
 def free_port() -> int:

@@ -20,26 +20,26 @@ from ray import ObjectRef
 
 from nereus.elastic.kvplan import MigrationPlan
 from nereus.runtime.cluster.calls import ReplicaOutput
-from nereus.runtime.generation.answers import ReplicaRollout
-from nereus.runtime.generation.decode_engine import DecodeEngine
-from nereus.runtime.generation.engine_pool import EngineOpened, IdleEngines
-from nereus.runtime.generation.sampling import SamplingParams
-from nereus.runtime.generation.session import ClosedReplica, MigrationOutcome
-from nereus.runtime.generation.vllm_engine import EngineConfig, ReplicaEngine
+from nereus.runtime.comm.faults import FaultHook
+from nereus.runtime.engines.answers import ReplicaRollout
+from nereus.runtime.engines.decode_engine import DecodeEngine
+from nereus.runtime.engines.engine_pool import EngineOpened, IdleEngines
+from nereus.runtime.engines.sampling import SamplingParams
+from nereus.runtime.engines.session import ClosedReplica, MigrationOutcome
+from nereus.runtime.engines.vllm_engine import EngineConfig, ReplicaEngine
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.memory import MemoryReport
-from nereus.runtime.model.sharded import Batch, LossFn, ReplicaStats, ShardedModel
-from nereus.runtime.recovery.faults import FaultHook
+from nereus.runtime.parallel.sharded import Batch, LossFn, ReplicaStats, ShardedModel
 from nereus.spec.generation import ReplicaStatus
 from nereus.spec.layout import Layout
 from nereus.spec.rollout import Speculation
 
 if TYPE_CHECKING:
     from nereus.elastic.plan import TransitionPlan
-    from nereus.runtime.cluster.groups import ParallelGroups
-    from nereus.runtime.model.shard_state import Shards
+    from nereus.runtime.comm.groups import ParallelGroups
+    from nereus.runtime.comm.transfer import TransferComm
+    from nereus.runtime.parallel.shard_state import Shards
     from nereus.runtime.recovery.snapshots import StateImage
-    from nereus.runtime.transitions.executor import TransferComm
     from nereus.runtime.transitions.live import KeySpec, TransitionAnswer
 
 T = TypeVar("T")
@@ -123,14 +123,14 @@ class Worker:
     def init_dist(self, master: str, port: int, timeout_s: float) -> str:
         import torch.distributed as dist
 
-        from nereus.runtime.cluster.groups import default_backend, local_device
+        from nereus.runtime.comm.groups import default_backend, local_device
 
         backend = default_backend()
         if backend == "nccl":
             torch.cuda.set_device(local_device())
         os.environ["LOCAL_RANK"] = "0"
         if master.startswith("store://"):  # several nodes: the head node's store (``nodes.RendezvousStore``)
-            from nereus.runtime.cluster.nodes import open_store
+            from nereus.runtime.hosts.nodes import open_store
 
             dist.init_process_group(backend, store=open_store(master, timeout_s), rank=self.rank,
                                     world_size=self.world, timeout=timedelta(seconds=timeout_s))
@@ -146,10 +146,10 @@ class Worker:
 
     def load(self, key: str, cfg: ModelConfig, layout: Layout, ranks: list[int], checkpoint: str | None,
              state: dict | None, dtype: str, schedule: str) -> bool:
-        from nereus.runtime.cluster.groups import ParallelGroups
+        from nereus.runtime.comm.groups import ParallelGroups
         from nereus.runtime.model.dtypes import torch_dtype
         from nereus.runtime.model.hf import load_boxes, slice_boxes
-        from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
+        from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
 
         groups = ParallelGroups(layout, ranks, tied_embeddings=tied_head(cfg))
         self.groups[key] = groups
@@ -208,8 +208,8 @@ class Worker:
     def regroup(self, specs: list[KeySpec]) -> bool:
         """Every key's groups in the new world (collective, same order everywhere), and its shard rebuilt
         around the same tensors: parameters adopted, Adam's segments and moments handed over."""
-        from nereus.runtime.cluster.groups import ParallelGroups
-        from nereus.runtime.model.sharded import tied_head
+        from nereus.runtime.comm.groups import ParallelGroups
+        from nereus.runtime.parallel.sharded import tied_head
         from nereus.runtime.transitions.live import rebuild
 
         for s in specs:
@@ -220,7 +220,7 @@ class Worker:
         return True
 
     def init_comm(self, timeout_s: float) -> bool:
-        from nereus.runtime.transitions.executor import TransferComm
+        from nereus.runtime.comm.transfer import TransferComm
 
         self.comm = TransferComm(timeout_s)
         return True
@@ -228,8 +228,8 @@ class Worker:
     def prepare_groups(self, specs: list[KeySpec]) -> bool:
         """The process groups of every key of a coming transition, created ahead (collective: every
         worker, same order); a key whose layout and workers do not change keeps its groups."""
-        from nereus.runtime.cluster.groups import ParallelGroups
-        from nereus.runtime.model.sharded import tied_head
+        from nereus.runtime.comm.groups import ParallelGroups
+        from nereus.runtime.parallel.sharded import tied_head
 
         self.pending = {}
         for s in specs:
@@ -318,7 +318,7 @@ class Worker:
 
     def generate(self, key: str, prompts: list[list[int]],
                  params: SamplingParams) -> ReplicaOutput[list[list[int]]] | None:
-        from nereus.runtime.generation.fixed_batch import generate
+        from nereus.runtime.engines.fixed_batch import generate
 
         return self._on(key, lambda sm: self._output(sm, generate(sm, prompts, params)))
 
@@ -326,14 +326,14 @@ class Worker:
                                ) -> ReplicaOutput[ReplicaRollout] | None:
         """New tokens and their log-probs per prompt of the replica's rows (kept, carried or deferred by the
         tail levers), by the key's vLLM engine where one is open."""
-        from nereus.runtime.generation.fixed_batch import generate_with_logprobs
+        from nereus.runtime.engines.fixed_batch import generate_with_logprobs
 
         if key in self.rollout:
             return self._on_engine(key, lambda engine, sm: ReplicaRollout(
                 engine.generate(prompts, sm.replica_rows(len(prompts)), params, self.faults)))
         return self._on(key, lambda sm: self._output(sm, generate_with_logprobs(sm, prompts, params)))
 
-    # ----- a vLLM engine per generation replica (run.rollout.engine: vllm; runtime.generation.vllm_engine) ----
+    # ----- a vLLM engine per generation replica (run.rollout.engine: vllm; runtime.engines.vllm_engine) ----
     def _on_engine(self, key: str, fn: Callable[[ReplicaEngine, ShardedModel], T]) -> ReplicaOutput[T] | None:
         """``fn(engine, shard)`` on the replica's TP rank 0, which owns its vLLM engine and is its output
         rank, as the replica's output; None on the replica's other TP ranks (they hold no engine)."""
@@ -344,7 +344,7 @@ class Worker:
         """This replica's engine for ``key`` loaded with the key's weights (replacing one open): on the
         replica's TP rank 0, an idle engine of ``config`` if this worker has one, else a new one; its other
         TP ranks hand it their shards (``replica_weights``) and hold none."""
-        from nereus.runtime.model.shard_state import replica_weights
+        from nereus.runtime.parallel.shard_state import replica_weights
 
         self.close_engines([key])
         sm = self.models.get(key)
@@ -361,7 +361,7 @@ class Worker:
     def engine_update(self, key: str) -> float | None:
         """The key's current weights into its engine, in place (the per-step sync); the engine's seconds
         (None on the TP ranks that only hand their shards over)."""
-        from nereus.runtime.model.shard_state import replica_weights
+        from nereus.runtime.parallel.shard_state import replica_weights
 
         sm = self.models.get(key)
         if key not in self.rollout or sm is None:
@@ -385,7 +385,7 @@ class Worker:
     def gen_open(self, key: str, prompts: list[list[int]], params: SamplingParams) -> ReplicaOutput[bool] | None:
         """A fresh continuous-batching engine on this replica's rows of ``prompts`` (``params.slots``), or a
         session of the key's vLLM engine (``vllm_session``) where one is open."""
-        from nereus.runtime.generation.decode_engine import replica_engine
+        from nereus.runtime.engines.decode_engine import replica_engine
 
         if key in self.rollout:
             return self._on_engine(key, lambda engine, sm: engine.session_open(
@@ -399,7 +399,7 @@ class Worker:
 
     def gen_run(self, key: str, iterations: int) -> ReplicaOutput[ReplicaStatus] | None:
         """Up to ``iterations`` iterations of ``key``'s engine; its status from output ranks."""
-        from nereus.runtime.generation.session import run_chunk
+        from nereus.runtime.engines.session import run_chunk
 
         if key in self.rollout:
             return self._on_engine(key, lambda engine, sm: engine.session_run(iterations))
@@ -421,11 +421,11 @@ class Worker:
         """This worker's part of moving unfinished sequences between ``key``'s replicas (every worker of
         the world calls it: the commit vote is world-wide); ``ok=False`` when it did not commit. ``vllm``:
         between the key's vLLM engines (abort and re-prefill, ``vllm_session.migrate_requests``)."""
-        from nereus.runtime.generation.session import migrate_sequences
+        from nereus.runtime.engines.session import migrate_sequences
 
         if vllm:
             from nereus.elastic.kvplan import GenPlacement
-            from nereus.runtime.generation.vllm_session import migrate_requests
+            from nereus.runtime.engines.vllm_session import migrate_requests
 
             groups = self.groups[key]  # every worker of the world holds the key's groups, member or not
             where = GenPlacement(groups.layout, tuple(groups.ranks))
@@ -435,7 +435,7 @@ class Worker:
 
     def gen_close(self, key: str) -> ReplicaOutput[ClosedReplica] | None:
         """Run ``key``'s engine to the end and drop it; every sequence it finished, from output ranks."""
-        from nereus.runtime.generation.session import close_engine
+        from nereus.runtime.engines.session import close_engine
 
         if key in self.rollout:
             return self._on_engine(key, lambda engine, sm: engine.session_close())
@@ -454,17 +454,17 @@ class Worker:
 
     def read_shards(self, key: str) -> Shards | None:
         """name → (global box, tensor) of DP replica 0's shard (``shard_state.read_shards``)."""
-        from nereus.runtime.model.shard_state import read_shards
+        from nereus.runtime.parallel.shard_state import read_shards
 
         return self._on(key, read_shards)
 
     def read_optimizer(self, key: str) -> dict[str, torch.Tensor] | None:
-        from nereus.runtime.model.shard_state import read_optimizer
+        from nereus.runtime.parallel.shard_state import read_optimizer
 
         return self._on(key, read_optimizer)
 
     def write_optimizer(self, key: str, state: dict[str, torch.Tensor], lr: float) -> bool:
-        from nereus.runtime.model.shard_state import write_optimizer
+        from nereus.runtime.parallel.shard_state import write_optimizer
 
         self._on(key, write_optimizer, state, lr)
         return key in self.models

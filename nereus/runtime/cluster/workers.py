@@ -27,7 +27,6 @@ from ray import ObjectRef
 from ray.actor import ActorHandle
 
 from nereus.runtime.capability import CAPABILITY
-from nereus.runtime.cluster.address import check_address
 from nereus.runtime.cluster.calls import (
     Generate,
     GenerateWithLogprobs,
@@ -39,7 +38,11 @@ from nereus.runtime.cluster.calls import (
     WorldCall,
     by_replica,
 )
-from nereus.runtime.cluster.nodes import (
+from nereus.runtime.cluster.worker import Worker, WorldAborted
+from nereus.runtime.comm.faults import FaultPlan
+from nereus.runtime.engines.sampling import SamplingParams
+from nereus.runtime.hosts.address import check_address
+from nereus.runtime.hosts.nodes import (
     NodeMap,
     PlacementError,
     pinned,
@@ -49,23 +52,20 @@ from nereus.runtime.cluster.nodes import (
     tp_split,
     world_address,
 )
-from nereus.runtime.cluster.raylocal import start_local_ray
-from nereus.runtime.cluster.waits import GRACE_S, await_started, check_room, get_within
-from nereus.runtime.cluster.worker import Worker, WorldAborted
-from nereus.runtime.generation.sampling import SamplingParams
+from nereus.runtime.hosts.raylocal import start_local_ray
+from nereus.runtime.hosts.waits import GRACE_S, await_started, check_room, get_within
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.memory import MemoryReport
-from nereus.runtime.model.sharded import Batch, LossFn, TrainStats
+from nereus.runtime.parallel.sharded import Batch, LossFn, TrainStats
 from nereus.runtime.recovery.failover import Failover, RecoveryResult, WorkerLostError
-from nereus.runtime.recovery.faults import FaultPlan
 from nereus.runtime.transitions.live import KeySpec, MoveResult, TransitionAnswer
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout
 
 if TYPE_CHECKING:
     from nereus.elastic.plan import TransitionPlan
-    from nereus.runtime.generation.engine_pool import EnginesOpened
-    from nereus.runtime.generation.vllm_engine import EngineConfig
+    from nereus.runtime.engines.engine_pool import EnginesOpened
+    from nereus.runtime.engines.vllm_engine import EngineConfig
     from nereus.runtime.transitions.holdings import Holdings
 
 __all__ = ["PlacementError", "Runtime", "Worker", "WorkerLostError", "WorldAborted"]
@@ -191,7 +191,7 @@ class Runtime:
               sources: list[KeySpec]) -> MoveResult:
         """Groups ahead, then every worker replaces the keys of ``old_specs`` by ``new_specs``, state read from
         the keys of ``sources``, as the (cached) graph between the two says."""
-        from nereus.runtime.transitions.holdings import TransitionExecutionError
+        from nereus.runtime.comm.transfer import TransitionExecutionError
 
         graph = self._graph(job, sources, new_specs)
         self._all([w.prepare_groups.remote(new_specs) for w in self.workers], "prepare_groups")
@@ -292,7 +292,7 @@ class Runtime:
         """New tokens and their sampling-time log-probs per prompt (``generate.generate_with_logprobs``)."""
         return [row for part in self._on(key, GenerateWithLogprobs(prompts, params)) for row in part.rows]
 
-    # ----- vLLM engines of a generation key (run.rollout.engine: vllm; runtime.generation.vllm_engine) -----
+    # ----- vLLM engines of a generation key (run.rollout.engine: vllm; runtime.engines.vllm_engine) -----
     def open_engine(self, key: str, config: EngineConfig) -> EnginesOpened:
         """One vLLM engine per data-parallel replica of ``key`` (pp=1; the engine's TP size is the layout's,
         ``config.tp``), loaded with the key's weights: a worker's idle engine of ``config`` where it has one
@@ -300,8 +300,8 @@ class Runtime:
         them. After a recovery or a transition the caller opens them again on the new layout (a re-formed
         world closes them). An engine's start has its own deadline (``ENGINE_START_S``): importing vLLM
         alone takes 10–30 s."""
-        from nereus.runtime.generation.engine_pool import EnginesOpened
-        from nereus.runtime.generation.vllm_engine import ENGINE_START_S
+        from nereus.runtime.engines.engine_pool import EnginesOpened
+        from nereus.runtime.engines.vllm_engine import ENGINE_START_S
 
         refs = [self.workers[r].engine_open.remote(key, config) for r in self.specs[key].ranks]
         return EnginesOpened.of(self.failover.get(self.workers, refs, max(self.timeout_s, ENGINE_START_S)))
@@ -330,7 +330,7 @@ class Runtime:
     # ----- state (checkpoints, tests) ----------------------------------------------------------------
     def read_weights(self, key: str) -> dict[str, torch.Tensor]:
         """``key``'s whole weights by checkpoint name, assembled from its shards."""
-        from nereus.runtime.model.shard_state import assemble
+        from nereus.runtime.parallel.shard_state import assemble
 
         return assemble(self._get([self.workers[r].read_shards.remote(key) for r in self.specs[key].ranks]))
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.cluster.groups import ParallelGroups
+from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.model.decoder import CausalLM, ModelConfig
 from nereus.spec.sharding import layer_range
 

@@ -127,7 +127,7 @@ class Failover:
         """``ray.get(refs)``, but a lost worker raises ``WorkerLostError`` as soon as it shows (a dead
         actor, or a survivor's collective failing) instead of waiting on survivors blocked on it; past
         ``timeout_s`` in all, ``waits.WaitTimeout`` (every wait reaches the driver)."""
-        from nereus.runtime.cluster.waits import WaitTimeout
+        from nereus.runtime.hosts.waits import WaitTimeout
 
         pending = list(refs)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
@@ -176,7 +176,7 @@ class Failover:
         once every copy is in (at the next snapshot, or at a recovery if they all made it). With ``homes``
         (each worker's node) and ``ring`` (node → node its images are copied to), every image is also
         copied to its node's successor."""
-        from nereus.runtime.cluster.nodes import replicate
+        from nereus.runtime.hosts.nodes import replicate
 
         t0 = time.perf_counter()
         specs = list(specs)

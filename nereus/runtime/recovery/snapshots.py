@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nereus.runtime.cluster.groups import ParallelGroups
+from nereus.runtime.comm.groups import ParallelGroups
+from nereus.runtime.comm.transfer import TransferComm
 from nereus.runtime.model.dtypes import dtype_name, torch_dtype
-from nereus.runtime.model.sharded import ShardedModel
 from nereus.runtime.parallel.dp import AdamFacts
-from nereus.runtime.transitions.executor import TransferComm
+from nereus.runtime.parallel.sharded import ShardedModel
 from nereus.runtime.transitions.holdings import (
     OPTIMIZER,
     WEIGHTS,
@@ -164,7 +164,7 @@ def restore_state(specs: list[KeySpec], groups: dict[str, ParallelGroups], image
                   comm: TransferComm, schedule: str = "1f1b") -> dict[str, ShardedModel]:
     """This rank's shards of ``specs`` (``KeySpec``) under ``groups``, filled from ``images`` (model → images
     in preference order). Collective over the world (tied heads move point to point)."""
-    from nereus.runtime.transitions.live import _install, new_needs
+    from nereus.runtime.transitions.live import installer, new_needs
 
     adam: dict[str, AdamFacts] = {}
     for model, packs in images.items():
@@ -178,4 +178,4 @@ def restore_state(specs: list[KeySpec], groups: dict[str, ParallelGroups], image
         if key[1] == OPTIMIZER and key[0] not in adam:
             continue  # the optimizer has not stepped yet: nothing to restore
         held.add(key, fill(key, dtypes, unpacked.get(key[0], []), device))
-    return _install(specs, groups, adam, schedule, comm)(held)
+    return installer(specs, groups, adam, schedule, comm)(held)

@@ -14,15 +14,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from nereus.runtime.model.sharded import ShardedModel
+from nereus.runtime.comm.transfer import TransitionExecutionError
+from nereus.runtime.parallel.sharded import ShardedModel
 from nereus.spec.sharding import Box, box_volume, rank_tensors, zero_shards
 
 WEIGHTS, OPTIMIZER = "weights", "optimizer"
 BufferKey = tuple[str, str, str, tuple[Box, ...]]  # (model, state, tensor name, box set)
-
-
-class TransitionExecutionError(RuntimeError):
-    """The graph and what a rank holds disagree, or a transfer failed; the old layout is intact."""
 
 
 def extent(box: Box) -> tuple[int, ...]:

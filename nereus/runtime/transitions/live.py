@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 
 from nereus.elastic.plan import TransitionPlan
-from nereus.runtime.cluster.groups import ParallelGroups
+from nereus.runtime.comm.faults import FaultHook
+from nereus.runtime.comm.groups import ParallelGroups
+from nereus.runtime.comm.transfer import TransferComm
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.dtypes import torch_dtype
-from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
 from nereus.runtime.parallel.dp import AdamFacts
-from nereus.runtime.recovery.faults import FaultHook
-from nereus.runtime.transitions.executor import Execution, Measured, NewBuffers, TransferComm, new_tensor
+from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
+from nereus.runtime.transitions.executor import Execution, Measured, NewBuffers, new_tensor
 from nereus.runtime.transitions.holdings import (
     OPTIMIZER,
     WEIGHTS,
@@ -132,7 +133,7 @@ def _fill_tied_heads(models: list[ShardedModel], comm: TransferComm) -> None:
         comm.wait(dist.batch_isend_irecv(ops))
 
 
-def _install(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict[str, AdamFacts], schedule: str,
+def installer(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict[str, AdamFacts], schedule: str,
              comm: TransferComm) -> Callable[[Holdings], dict[str, ShardedModel]]:
     def install(h: Holdings) -> dict[str, ShardedModel]:
         models = {}
@@ -176,7 +177,7 @@ def transition_keys(graph: TransitionPlan, old: dict[str, ShardedModel], old_spe
     resident = [sm.model.tied_head for sm in old.values() if sm.model.tied_head is not None]
     device = next((g.device for g in new_groups.values()), torch.device("cpu"))
     ex = Execution(graph, held, NewBuffers(new_needs(new_specs, new_groups), device), comm, dtypes, faults, resident)
-    models = ex.run(_install(new_specs, new_groups, adam, schedule, comm))
+    models = ex.run(installer(new_specs, new_groups, adam, schedule, comm))
     ex.resident = [sm.model.tied_head for sm in models.values() if sm.model.tied_head is not None]
     ex.finish()
     return models, ex.measured

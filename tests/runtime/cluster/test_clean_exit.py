@@ -20,7 +20,7 @@ import yaml
 
 pytest.importorskip("ray")
 
-from nereus.runtime.cluster.raylocal import OWNER_ENV, SESSION, leftovers, owner_tag  # noqa: E402
+from nereus.runtime.hosts.raylocal import OWNER_ENV, SESSION, leftovers, owner_tag  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[3]

@@ -31,8 +31,8 @@ def run_on_two_nodes(out: Path) -> dict:
 
     from nereus.run.driver import Stepper
     from nereus.run.job import RLJob
-    from nereus.runtime.cluster.nodes import PlacementError, start_local_cluster
     from nereus.runtime.cluster.workers import Runtime
+    from nereus.runtime.hosts.nodes import PlacementError, start_local_cluster
     from nereus.spec.layout import Layout
     from tests.run.jobs import tiny_job
 
@@ -72,7 +72,7 @@ def run_on_two_nodes(out: Path) -> dict:
 
 # ----- placement, rings and the choice of images, without a cluster -----------------------------------
 def test_ranks_fill_nodes_in_order_and_lost_nodes_are_never_chosen(monkeypatch) -> None:
-    from nereus.runtime.cluster import nodes
+    from nereus.runtime.hosts import nodes
 
     cluster = [nodes.NodeSlots("head", "10.0.0.1", 0, True), nodes.NodeSlots("a", "10.0.0.2", 2, False),
                nodes.NodeSlots("b", "10.0.0.3", 2, False)]
@@ -89,7 +89,7 @@ def test_ranks_fill_nodes_in_order_and_lost_nodes_are_never_chosen(monkeypatch) 
 
 
 def test_tp_groups_that_cross_nodes_are_named() -> None:
-    from nereus.runtime.cluster.nodes import tp_groups, tp_split
+    from nereus.runtime.hosts.nodes import tp_groups, tp_split
     from nereus.spec.layout import Layout
 
     homes = ["a", "a", "b", "b"]
@@ -103,7 +103,7 @@ def test_tp_groups_that_cross_nodes_are_named() -> None:
 
 
 def test_replica_ring_sends_each_node_to_another() -> None:
-    from nereus.runtime.cluster.nodes import replica_ring
+    from nereus.runtime.hosts.nodes import replica_ring
 
     assert replica_ring(["a", "a", "b", "b"], "head") == {"a": "b", "b": "head", "head": "a"}
     assert replica_ring(["a", "b"], "a") == {"a": "b", "b": "a"}

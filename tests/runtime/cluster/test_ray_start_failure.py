@@ -1,4 +1,4 @@
-"""A local Ray that does not start (nereus/runtime/cluster/raylocal.py) is the machine failing the run, not a bug:
+"""A local Ray that does not start (nereus/runtime/hosts/raylocal.py) is the machine failing the run, not a bug:
 `nereus run` ends with one line naming what to do and exit 1 (docs/reliability.md, "One-line errors").
 No Ray starts here: ``ray.init`` is replaced by one that raises what Ray 2.60 raises."""
 
@@ -45,7 +45,7 @@ def test_ray_start_failures_are_runtime_failures_and_others_are_not(monkeypatch,
     """A failure of Ray's own processes is the machine's (RuntimeFailure, retried only for the raylet's
     registration timeout); anything else ray.init raises is a bug and goes through unchanged."""
     pytest.importorskip("ray")
-    from nereus.runtime.cluster import raylocal
+    from nereus.runtime.hosts import raylocal
     from nereus.spec.errors import RuntimeFailure
 
     calls = []

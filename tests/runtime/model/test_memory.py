@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.cluster.groups import ParallelGroups
 from nereus.runtime.cluster.launch import run_world
-from nereus.runtime.generation.fixed_batch import SamplingParams, generate
+from nereus.runtime.comm.groups import ParallelGroups
+from nereus.runtime.engines.fixed_batch import SamplingParams, generate
 from nereus.runtime.model.decoder import build_model
 from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.model.memory import ActivationMeter, predict_generation, predict_training
-from nereus.runtime.model.sharded import ShardedModel, shard_boxes
+from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes
 from nereus.spec.layout import Layout
 from tests.runtime.common import MQA, policy_loss
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.cluster.groups import ParallelGroups
 from nereus.runtime.cluster.launch import run_world
+from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.model.hf import slice_boxes
-from nereus.runtime.model.sharded import ShardedModel, shard_boxes, tied_head
+from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
 from nereus.spec.sharding import rank_tensors
 from tests.runtime.common import ADAM_EPS, GQA, GQA_VALUE, LR, MQA, all_layouts, batch, policy_loss, reference
 

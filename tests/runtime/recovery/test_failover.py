@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nereus.runtime.comm.faults import FaultPlan
 from nereus.runtime.recovery.failover import WorkerLostError
-from nereus.runtime.recovery.faults import FaultPlan
 from tests.runtime.live_common import ACTOR, REFERENCE, initial_state, job, lay, make_batch, spec
 
 pytestmark = pytest.mark.distributed

@@ -17,9 +17,8 @@ import torch.distributed as dist
 from nereus.cost.hardware import Hardware
 from nereus.elastic.schedule import schedule_graph
 from nereus.runtime.cluster.launch import run_world
-from nereus.runtime.recovery.faults import FaultHook
-from nereus.runtime.transitions.executor import TransferComm
-from nereus.runtime.transitions.holdings import TransitionExecutionError
+from nereus.runtime.comm.faults import FaultHook
+from nereus.runtime.comm.transfer import TransferComm, TransitionExecutionError
 from nereus.runtime.transitions.live import transition_keys
 from tests.runtime.live_common import (
     WORLD,

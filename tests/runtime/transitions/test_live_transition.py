@@ -17,8 +17,8 @@ import pytest
 import torch.distributed as dist
 
 from nereus.runtime.cluster.launch import run_world
+from nereus.runtime.comm.transfer import TransferComm
 from nereus.runtime.transitions import executor
-from nereus.runtime.transitions.executor import TransferComm
 from nereus.runtime.transitions.live import KeySpec, transition_keys
 from tests.runtime.live_common import (
     WORLD,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nereus.runtime.recovery.faults import FaultPlan
-from nereus.runtime.transitions.holdings import TransitionExecutionError
+from nereus.runtime.comm.faults import FaultPlan
+from nereus.runtime.comm.transfer import TransitionExecutionError
 from tests.runtime.live_common import ACTOR, initial_state, job, lay, make_batch, spec
 
 pytestmark = pytest.mark.distributed

@@ -1,0 +1,328 @@
+"""One rank's shard of a model under a layout, and the operations every layout supports: logits,
+log-probs of given tokens, values, and a training step with a caller-supplied loss and Adam.
+
+Every rank of the layout receives the whole batch and takes its DP replica's rows (the batch splits
+evenly over DP, then into micro-batches of ``layout.micro_batch_size``). Results are complete on the last
+pipeline stage of each replica (``is_output_rank``: TP rank 0 there returns them).
+
+The objective of a training step is the mean over all micro-batches of all replicas of
+``loss_fn(out, micro_batch)``, where ``out`` is the log-probabilities [b, T−1] of each next token (LM
+models) or the values [b, T] (value-head models) and ``micro_batch`` holds the batch's tensors cut to the
+same rows (plus, for a ``loss_fn`` whose ``needs_entropy`` is true, ``entropy`` [b, T−1]: each next-token
+distribution's full-vocabulary entropy, differentiable). A single process running the same micro-batches
+computes the same objective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from nereus.runtime.comm.groups import ParallelGroups
+from nereus.runtime.model.decoder import CausalLM, ModelConfig, rope_inv_freq
+from nereus.runtime.model.memory import ActivationMeter, MemoryReport, tensor_bytes
+from nereus.runtime.parallel import ParallelDims, parallelize
+from nereus.runtime.parallel.dp import ShardedAdam, average_gradients, sum_gradients
+from nereus.runtime.parallel.pp import StageComm, forward_only, train_pipeline
+from nereus.runtime.parallel.tp import (
+    gather_vocab,
+    parallel_entropy,
+    parallel_logprobs,
+    reduce_replicated_kv_grads,
+    vocab_range,
+)
+from nereus.spec.sharding import Box, model_tensors, rank_order, rank_tensors, tp_box
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class Loss:
+    """What a loss function may return instead of a bare scalar: the scalar and statistics of its
+    micro-batch (e.g. clip fractions), handed back with the step's result (``ReplicaStats.metrics``)."""
+
+    value: torch.Tensor
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+LossFn = Callable[[torch.Tensor, Batch], "torch.Tensor | Loss"]
+
+
+@dataclass(frozen=True)
+class ReplicaStats:
+    """One data-parallel replica's part of a training step, from its output rank: micro-batch losses,
+    the statistics its loss function reported per micro-batch (in the order it ran them), and the global
+    gradient norm before clipping (None when not clipping)."""
+
+    losses: tuple[float, ...]
+    metrics: tuple[dict[str, float], ...]  # the loss function's statistics by verl's metric names
+    grad_norm: float | None
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """A training step's result over every replica, in data-parallel order."""
+
+    replicas: tuple[ReplicaStats, ...]
+
+    @property
+    def losses(self) -> list[float]:
+        return [x for r in self.replicas for x in r.losses]
+
+    @property
+    def metrics(self) -> list[dict[str, float]]:
+        return [m for r in self.replicas for m in r.metrics]
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The same on every replica (gradients are DP-averaged before the norm)."""
+        return self.replicas[0].grad_norm if self.replicas else None
+
+
+def tied_head(cfg: ModelConfig) -> bool:
+    """Whether the last pipeline stage keeps a copy of the embedding as its LM head (pass this as
+    ``ParallelGroups(tied_embeddings=...)``)."""
+    return cfg.arch.tied_embeddings and not cfg.value_head
+
+
+def shard_boxes(cfg: ModelConfig, groups: ParallelGroups) -> dict[str, Box]:
+    """Global boxes this rank loads: ``rank_tensors`` plus, on the last stage of a tied model under PP,
+    ``tied_head`` (its copy of the embedding's vocabulary rows)."""
+    lay, arch = groups.layout, cfg.arch
+    boxes = rank_tensors(arch, lay, groups.rank, cfg.value_head)
+    if lay.pp > 1 and groups.last_stage and tied_head(cfg):
+        boxes["tied_head"] = tp_box(model_tensors(arch)[0], arch, lay.tp, groups.coords.tp)
+    return boxes
+
+
+class ShardedModel:
+    """The shard of ``cfg``'s model that rank ``groups.rank`` holds, loaded from ``tensors`` (name → the
+    local box of ``shard_boxes``, e.g. from ``hf.load_boxes``; with ``assign`` they become the parameters
+    themselves)."""
+
+    def __init__(self, cfg: ModelConfig, groups: ParallelGroups, tensors: dict[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32, schedule: str = "1f1b", assign: bool = False) -> None:
+        if not groups.member:
+            raise ValueError("this rank is not part of the layout")
+        lay, c = groups.layout, groups.coords
+        self.cfg, self.groups, self.dtype, self.schedule = cfg, groups, dtype, schedule
+        with torch.device("meta"):  # shapes only: the shard's tensors are loaded (or adopted) below
+            whole = CausalLM(cfg)
+        model = parallelize(whole, ParallelDims(lay.pp, c.pp, lay.tp, c.tp, groups.tp_group))
+        if assign:  # adopt the given tensors as the parameters (a transition's new buffers): no copy
+            model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True, assign=True)
+        else:  # parameters in ``dtype`` as the adopted ones are (load_state_dict casts into the target's dtype)
+            model.to(dtype=dtype).to_empty(device=groups.device)
+            model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
+        model.inv_freq = rope_inv_freq(cfg).to(groups.device)
+        self.model: CausalLM = model
+        self.vocab_start = vocab_range(cfg.arch, lay.tp, c.tp)[0]
+        self.optimizer: ShardedAdam | None = None
+        self.comm = StageComm(groups)
+        self.meter = ActivationMeter()
+        self.last_report: MemoryReport | None = None
+
+    # ----- batch handling -------------------------------------------------------------------------
+    @property
+    def is_output_rank(self) -> bool:
+        return self.groups.last_stage and self.groups.coords.tp == 0
+
+    def replica_rows(self, batch_size: int) -> slice:
+        dp, d = self.groups.layout.dp, self.groups.coords.dp
+        if batch_size % dp:
+            raise ValueError(f"batch of {batch_size} does not split over dp={dp}")
+        per = batch_size // dp
+        return slice(d * per, (d + 1) * per)
+
+    def micro_batches(self, batch: Batch) -> list[Batch]:
+        rows = self.replica_rows(len(batch["tokens"]))
+        mine = {k: v[rows].to(self.groups.device) for k, v in batch.items()}
+        n, mbs = len(mine["tokens"]), self.groups.layout.micro_batch_size
+        if n % mbs:
+            raise ValueError(f"{n} sequences per replica do not split into micro-batches of {mbs}")
+        return [{k: v[i: i + mbs] for k, v in mine.items()} for i in range(0, n, mbs)]
+
+    def _stage_fn(self, mbs: list[Batch]):
+        def run(x: torch.Tensor, i: int) -> torch.Tensor:
+            return self.model(x)
+        shape = lambda i: (*mbs[i]["tokens"].shape, self.cfg.arch.hidden)  # noqa: E731
+        return run, shape
+
+    # ----- forward operations ---------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> list[torch.Tensor]:
+        """Raw last-stage outputs per micro-batch (vocabulary-shard logits, or values); [] elsewhere."""
+        mbs = self.micro_batches(batch)
+        run, shape = self._stage_fn(mbs)
+        with self.meter.track(exclude=self.model.parameters()):
+            outs = forward_only(run, self.comm, [mb["tokens"] for mb in mbs], shape, self.dtype)
+        self.record_memory("forward", activations=self.meter.peak)
+        return outs
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits [b, T, V] of this replica's rows (last stage), else None."""
+        outs = [gather_vocab(o, self.groups.tp_group) for o in self.forward({"tokens": tokens})]
+        return torch.cat(outs) if outs else None
+
+    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """log p(tokens[:, t+1] | tokens[:, :t+1]) [b, T−1] of this replica's rows (last stage), else None."""
+        outs = self.forward({"tokens": tokens})
+        mine = tokens[self.replica_rows(len(tokens))].to(self.groups.device)
+        if not outs:
+            return None
+        out = torch.cat(outs)
+        with torch.no_grad():
+            return parallel_logprobs(out[:, :-1], mine[:, 1:], self.vocab_start, self.groups.tp_group)
+
+    def logprobs_and_entropy(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``logprobs`` and the full-vocabulary entropy [b, T−1] of each next-token distribution, from one
+        forward pass (last stage), else None."""
+        outs = self.forward({"tokens": tokens})
+        mine = tokens[self.replica_rows(len(tokens))].to(self.groups.device)
+        if not outs:
+            return None
+        out = torch.cat(outs)[:, :-1]
+        with torch.no_grad():
+            return (parallel_logprobs(out, mine[:, 1:], self.vocab_start, self.groups.tp_group),
+                    parallel_entropy(out, self.groups.tp_group))
+
+    def values(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Value-head outputs [b, T] of this replica's rows (last stage), else None."""
+        if not self.cfg.value_head:
+            raise ValueError("values need a model with a value head (score.weight)")
+        outs = self.forward({"tokens": tokens})
+        return torch.cat(outs) if outs else None
+
+    # ----- training -------------------------------------------------------------------------------
+    def backward(self, batch: Batch, loss_fn: LossFn, metrics: list[dict[str, float]] | None = None) -> list[float]:
+        """Gradients of the step's objective in every local parameter (TP, PP, tied copies and DP
+        reduced); returns this replica's micro-batch losses on the last stage. Statistics a loss function
+        reports (``Loss.stats``) are appended to ``metrics`` in the order the micro-batches ran."""
+        self.model.zero_grad(set_to_none=True)
+        mbs = self.micro_batches(batch)
+        run, shape = self._stage_fn(mbs)
+
+        def loss(y: torch.Tensor, i: int) -> torch.Tensor:
+            mb = mbs[i]
+            if not self.cfg.value_head:
+                logits = y[:, :-1]
+                y = parallel_logprobs(logits, mb["tokens"][:, 1:], self.vocab_start, self.groups.tp_group)
+                if getattr(loss_fn, "needs_entropy", False):  # an entropy bonus (verl's entropy_coeff)
+                    mb = {**mb, "entropy": parallel_entropy(logits, self.groups.tp_group)}
+            out = loss_fn(y, mb)
+            if isinstance(out, Loss):
+                if metrics is not None:
+                    metrics.append(out.stats)
+                out = out.value
+            return out / len(mbs)
+
+        with self.meter.track(exclude=self.model.parameters()):
+            losses = train_pipeline(run, self.comm, [mb["tokens"] for mb in mbs], shape, self.dtype, loss,
+                                    self.schedule)
+        self._activations = self.meter.peak
+        lay, c = self.groups.layout, self.groups.coords
+        reduce_replicated_kv_grads(self.model, self.groups.tp_group, lay.tp, c.tp)
+        tied = [p for p in (self.model.tied_head, self._embedding_weight()) if p is not None]
+        if self.groups.embed_group is not None and tied_head(self.cfg):
+            sum_gradients(tied, self.groups.embed_group)
+        average_gradients(list(self.model.parameters()), self.groups.dp_group)
+        return [x * len(mbs) for x in losses]
+
+    def _embedding_weight(self) -> torch.nn.Parameter | None:
+        emb = self.model.model.embed_tokens
+        return emb.weight if emb is not None and self.groups.layout.pp > 1 else None
+
+    def optimizer_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters Adam updates, in the contract's flat order (``sharding.rank_order``). The last
+        stage's ``tied_head`` is not among them: it follows the embedding (``sync_tied_head``)."""
+        named = self.shards()
+        lay, c = self.groups.layout, self.groups.coords
+        order = [n for n, _ in rank_order(self.cfg.arch, lay, c.pp, c.tp, self.cfg.value_head)]
+        if sorted(order) != sorted(named):
+            raise RuntimeError(f"stage {c.pp} holds {sorted(named)}, the contract says {sorted(order)}")
+        return [(n, named[n]) for n in order]
+
+    def make_optimizer(self, lr: float = 1e-3, init_master: bool = True, **adam) -> ShardedAdam:
+        self.optimizer = ShardedAdam(self.optimizer_params(), self.groups.dp_group, self.groups.layout.zero1,
+                                     lr=lr, init_master=init_master, **adam)
+        return self.optimizer
+
+    @cached_property
+    def _tp_multiplicity(self) -> dict[str, int]:
+        """Per local tensor, how many ranks of this rank's TP group hold the same box (replicated norms and
+        KV heads count once in a global norm)."""
+        lay, c = self.groups.layout, self.groups.coords
+        boxes = [rank_tensors(self.cfg.arch, lay, lay.rank(c.pp, c.dp, t), self.cfg.value_head) for t in range(lay.tp)]
+        mine = boxes[c.tp]
+        return {name: sum(b.get(name) == box for b in boxes) for name, box in mine.items()}
+
+    @torch.no_grad()
+    def clip_gradients(self, max_norm: float) -> float:
+        """Scale the step's gradients so that their global L2 norm — over the whole model, every element
+        once: TP shards and PP stages summed, TP-replicated tensors and the tied head's copy counted once —
+        is at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule); returns the norm before.
+        After ``backward`` the gradients are DP-averaged, so every replica computes the same norm."""
+        params = self.optimizer_params()
+        sq = torch.zeros((), dtype=torch.float64)
+        for name, p in params:
+            if p.grad is not None:
+                sq += p.grad.double().pow(2).sum() / self._tp_multiplicity[name]
+        for group in (self.groups.tp_group, self.groups.pp_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(sq, group=group)
+        norm = float(sq.sqrt())
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1.0:
+            for _, p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def step(self, lr: float = 1e-3, max_grad_norm: float | None = None, weight_decay: float = 0.0,
+             **adam) -> float | None:
+        """One Adam step on the gradients of ``backward`` (state sharded over DP with ZeRO-1), after clipping
+        their global norm to ``max_grad_norm`` when given, with decoupled ``weight_decay`` (AdamW); returns
+        the norm before clipping (else None)."""
+        norm = self.clip_gradients(max_grad_norm) if max_grad_norm else None
+        if self.optimizer is None:
+            self.make_optimizer(lr, **adam)
+        self.optimizer.set_lr(lr, weight_decay)
+        self.optimizer.step()
+        self.sync_tied_head()
+        self.record_memory("train", activations=self._activations)
+        return norm
+
+    @torch.no_grad()
+    def sync_tied_head(self) -> None:
+        """Copy the first stage's updated embedding rows to the last stage's ``tied_head`` (both got the
+        same summed gradient; one optimizer state, the embedding's, keeps the contract's flat buffer)."""
+        group = self.groups.embed_group
+        if group is None or not tied_head(self.cfg):
+            return
+        src = self.groups.pp_peer(0)
+        target = self.model.tied_head if self.groups.last_stage else self._embedding_weight()
+        if target is not None:
+            dist.broadcast(target.data, src=src, group=group)
+
+    def train_step(self, batch: Batch, loss_fn: LossFn, lr: float = 1e-3,
+                   max_grad_norm: float | None = None, weight_decay: float = 0.0) -> list[float]:
+        losses = self.backward(batch, loss_fn)
+        self.step(lr, max_grad_norm, weight_decay)
+        return losses
+
+    # ----- shards and memory ----------------------------------------------------------------------
+    def shards(self) -> dict[str, torch.Tensor]:
+        """Local parameters by checkpoint name (the tied-embedding copy ``tied_head`` excluded)."""
+        return {k: v for k, v in self.model.named_parameters() if k != "tied_head"}
+
+    def record_memory(self, op: str, activations: int = 0, kv_cache: int = 0) -> MemoryReport:
+        params = list(self.model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        opt = self.optimizer.state_bytes() if self.optimizer is not None and op == "train" else 0
+        self.last_report = MemoryReport(op, tensor_bytes(params), tensor_bytes(grads) if op == "train" else 0,
+                                        opt, activations, kv_cache)
+        return self.last_report
