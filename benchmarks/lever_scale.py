@@ -2,7 +2,7 @@
 1,000-step simulated run, timed on this machine (no assertion: timings are noisy here).
 
 Part 1: the planner's search for the 8B PPO example at 1,024 GPUs, then the lever choice on its plan
-(``control.levers.NereusLevers.choose``: speculation's draft kind, length and live-batch threshold priced at
+(``control.tail_policy.NereusLevers.choose``: speculation's draft kind, length and live-batch threshold priced at
 sequence granularity; partial rollout at policy lag 1), median of ``--repeats``. Target: <= 0.5 s. Then the
 choice made at the start and on a GPU change: the rollout's TP priced with the levers and, at lag 1, the
 pool split (``control.pools.PoolRule``: one search and lever choice per option).
@@ -19,8 +19,8 @@ import statistics
 import time
 from pathlib import Path
 
-from nereus.control.levers import NereusLevers, generation_forecast
 from nereus.control.pools import PoolRule
+from nereus.control.tail_policy import NereusLevers, generation_forecast
 from nereus.cost.hardware import Hardware
 from nereus.planner.search import search
 from nereus.sim.run import simulate

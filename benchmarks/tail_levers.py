@@ -1,4 +1,4 @@
-"""Where the long-tail traces stand, and what each tail lever could give (``nereus.cost.levers``).
+"""Where the long-tail traces stand, and what each tail lever could give (``nereus.cost.tail``).
 
 Part 1 (``--sim``): the simulator on whole traces for ``nereus``, ``verl-like`` and ``fixed-oracle``: mean
 step, throughput (tokens/s) and its ratio to ``verl-like``, side by side in one run; a policy that stops
@@ -26,12 +26,12 @@ from pathlib import Path
 
 from nereus.cost.decode import Replica, StepModel
 from nereus.cost.hardware import Hardware
-from nereus.cost.levers import speculative as sp
-from nereus.cost.levers.async_split import async_step
-from nereus.cost.levers.lengths import GroupLengths, RolloutPool
-from nereus.cost.levers.partial_rollout import best_budget
-from nereus.cost.levers.tail_batching import best_over_launch
 from nereus.cost.stages import ENGINE_MAX_SEQUENCES, generation_replica
+from nereus.cost.tail import speculative as sp
+from nereus.cost.tail.async_split import async_step
+from nereus.cost.tail.lengths import GroupLengths, RolloutPool
+from nereus.cost.tail.partial_rollout import best_budget
+from nereus.cost.tail.tail_batching import best_over_launch
 from nereus.planner.search import search
 from nereus.sim.run import simulate
 from nereus.spec import load_job

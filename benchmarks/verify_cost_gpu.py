@@ -1,5 +1,5 @@
 """What a speculative verification costs on a GPU, by live batch, draft length and context, beside the
-cost model's ``verify_seconds`` (nereus.cost.levers.speculative).
+cost model's ``verify_seconds`` (nereus.cost.tail.speculative).
 
     python benchmarks/verify_cost_gpu.py --out verify.csv              # CUDA device 0, H200 preset
     python benchmarks/verify_cost_gpu.py --predict nereus/cost/verify_h200_measured.csv   # a saved run
@@ -198,7 +198,7 @@ def step_models(preset: str) -> dict[str, object]:
 def comparison(rows: list[Measured], preset: str) -> list[dict]:
     """Per configuration of a preset shape: measured and predicted seconds (``verify_seconds``), and the
     verification's cost in plain steps (T(b, rows) / T(b, 1)) measured and predicted."""
-    from nereus.cost.levers.speculative import verify_seconds
+    from nereus.cost.tail.speculative import verify_seconds
 
     models = step_models(preset)
     plain = {(m.config.shape, m.config.batch, m.config.context): m.seconds for m in rows if m.config.rows == 1}

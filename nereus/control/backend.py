@@ -40,7 +40,7 @@ class StepMetrics:
     policy_lag: tuple[float, ...] = (1.0,)
     # the plan's tail levers the step ran under (None: none, or the backend does not say)
     levers: GenerationLevers | None = None
-    # the measured correlation of sibling responses' log lengths (``cost.levers.lengths.sibling_correlation``;
+    # the measured correlation of sibling responses' log lengths (``cost.tail.lengths.sibling_correlation``;
     # None: not measured) and the spread of all responses' log lengths (a log-normal's sigma)
     sibling_correlation: float | None = None
     length_sigma: float | None = None

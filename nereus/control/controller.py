@@ -23,7 +23,7 @@ from nereus.control.backend import (
     StepMetrics,
     TransitionMetrics,
 )
-from nereus.control.forecast import LengthForecaster, Schedule
+from nereus.control.forecast import LengthForecaster, LengthSchedule
 from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.calibration import Calibrator, plain_equivalent
 from nereus.cost.hardware import Hardware
@@ -74,12 +74,12 @@ def observed_job(job: JobSpec, m: StepMetrics, sigma: float) -> JobSpec:
 class Controller:
     name = "nereus"
 
-    def __init__(self, job: JobSpec, config: ControllerConfig | None = None, schedule: Schedule | None = None,
+    def __init__(self, job: JobSpec, config: ControllerConfig | None = None, schedule: LengthSchedule | None = None,
                  total_steps: int | None = None, transition_cost: TransitionCost | None = None,
                  constraints: Constraints | None = None, generation: GenerationPolicy | None = None) -> None:
         self.job, self.config = job, config or ControllerConfig()
         self.generation = generation or RunToEnd()  # the rule inside the step (``control.midstep``)
-        self.schedule = schedule or Schedule(default_max=job.workload.response.max)
+        self.schedule = schedule or LengthSchedule(default_max=job.workload.response.max)
         self.total_steps = total_steps
         self.constraints = constraints
         self.hw = Hardware(job.cluster)

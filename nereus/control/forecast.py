@@ -48,7 +48,7 @@ class LengthForecaster:
 
 
 @dataclass(frozen=True)
-class Schedule:
+class LengthSchedule:
     """What the job announces in advance: context-length stages and GPU availability."""
 
     trace: Trace | None = None

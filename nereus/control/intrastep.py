@@ -28,7 +28,6 @@ from dataclasses import asdict, replace
 from nereus.control.backend import ClusterState, Decision, Policy, StepMetrics, TransitionMetrics
 from nereus.control.controller import usable_gpus
 from nereus.control.held import HeldPlan
-from nereus.control.levers import LeverRule, generation_forecast, padded_rest, powers_of_two, speculation_decision
 from nereus.control.pools import (
     MEASURE_STEPS,
     STALENESS,
@@ -39,6 +38,7 @@ from nereus.control.pools import (
     runs_apart,
     tokens_per_s,
 )
+from nereus.control.tail_policy import LeverRule, generation_forecast, padded_rest, powers_of_two, speculation_decision
 from nereus.cost.generation import Prediction, no_move, predict
 from nereus.spec.generation import (
     ChangeTailLayout,
@@ -167,7 +167,7 @@ class RlhfuseTail(TailRule):
 
 class PhasedPolicy:
     """A between-step policy whose generation stages switch to a tail layout inside the step, or use the
-    levers ``levers`` picks (``control.levers``): whichever predicts the larger gain, within
+    levers ``levers`` picks (``control.tail_policy``): whichever predicts the larger gain, within
     ``policy_lag``. With ``pools`` it also chooses at the start, every ``PoolRule.every`` steps on the
     calibrated model and whenever the GPU count changes the rollout's tensor parallelism priced with the
     levers and, at a policy lag of one step or more, whether the rollout runs one-step-off on GPUs of its

@@ -3,7 +3,7 @@ its tensor parallelism priced with the levers.
 
 With ``run.policy_lag`` >= 1 the controller may run one-step-off: the rollout alone on g GPUs generates
 step k + 1 while every other model trains step k on the n - g others (verl's one-step-off recipe;
-``cost.levers.async_split``: a step takes the slower pool plus the weight sync). ``PoolRule`` prices the
+``cost.tail.async_split``: a step takes the slower pool plus the weight sync). ``PoolRule`` prices the
 colocated plan against every split whose rollout pool is a power of two from one node up to half the GPUs
 (the planner lays out both pools under ``split_constraints``; the GPU counts the search splits by are
 powers of two, so other pool sizes leave GPUs idle), each with the generation levers the lever rule picks
@@ -32,11 +32,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from nereus.control.levers import LeverRule, generation_forecast, powers_of_two
+from nereus.control.tail_policy import LeverRule, generation_forecast, powers_of_two
 from nereus.cost.generation import ROLLOUT
 from nereus.cost.hardware import Hardware
-from nereus.cost.levers.async_split import async_step
 from nereus.cost.plan_cost import PlanEstimate, estimate_plan
+from nereus.cost.tail.async_split import async_step
 from nereus.planner.candidates import enumerate_layouts, tp_degrees
 from nereus.planner.search import Constraints, placement_units, search
 from nereus.spec.capability import RuntimeCapability

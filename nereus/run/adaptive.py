@@ -31,9 +31,9 @@ from nereus.control.backend import Decision, GenerationPolicy, Policy, RunToEnd,
 from nereus.control.controller import Controller, ControllerConfig
 from nereus.control.held import HeldPlan
 from nereus.control.intrastep import NoTail, PhasedPolicy
-from nereus.control.levers import NereusLevers
 from nereus.control.loop import StepOutcome
 from nereus.control.midstep import BalanceTail
+from nereus.control.tail_policy import NereusLevers
 from nereus.planner.search import Constraints
 from nereus.run.backend import plan_text
 from nereus.run.setup import Placed, place, placed_from_plan, runtime_layout_ok
@@ -42,7 +42,7 @@ from nereus.spec.layout import Layout, ModelStage, Placement, Plan
 
 
 class CurriculumSchedule:
-    """What the job announces in advance (``control.forecast.Schedule``'s interface): the curriculum's
+    """What the job announces in advance (``control.forecast.LengthSchedule``'s interface): the curriculum's
     maximum response length and the availability schedule."""
 
     def __init__(self, job: JobSpec) -> None:
@@ -109,7 +109,7 @@ def policy_for(job: JobSpec) -> tuple[Policy, Plan, list[Placed]]:
 
 def lever_policy(inner: Policy) -> PhasedPolicy:
     """``inner`` (the controller, or a held plan that calibrates its re-planner) with the simulator's lever
-    rule on top (``control.levers``): once the first calibration fit is in, and every 10 steps after, it
+    rule on top (``control.tail_policy``): once the first calibration fit is in, and every 10 steps after, it
     prices speculative decoding (draft length, live-batch threshold, the acceptance it has measured) and
     tail batching (over-launch, each round's inference and training at its longest response: the runtime
     pads rollouts) on the calibrated cost model and puts the fastest on the plan when its predicted gain

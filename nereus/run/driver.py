@@ -25,7 +25,6 @@ from nereus.rl.rewards import RewardRouter
 from nereus.rl.tokenizer import Tokenizer
 from nereus.run.asyncmode import AsyncRollouts
 from nereus.run.generated import DECODE_METRICS, Generated, decode_metrics
-from nereus.run.levers import ask_at_start
 from nereus.run.midstep import METRICS, EarlyRequest, EngineLoop
 from nereus.run.overlap import Call, Calls, EarlyInference, InferenceStage, cat_parts
 from nereus.run.partial import PartialRollouts
@@ -34,6 +33,7 @@ from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack, repeat_pr
 from nereus.run.rounds import partial_round, tail_round
 from nereus.run.setup import MINI_BATCH_ORDER, PROMPT_ORDER, SAMPLING, SPARE_PROMPTS, Placed
 from nereus.run.tail import TailRounds
+from nereus.run.tail_decisions import ask_at_start
 from nereus.runtime.cluster.calls import GenerateWithLogprobs, Logprobs, LogprobsAndEntropy, TrainStep, Values
 from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.engines.answers import DecodeStats, ReplicaRollout
@@ -175,7 +175,7 @@ class Stepper:
                  levers: GenerationLevers | None = None) -> Generated:
         """Step ``step``'s rollout of ``prompts`` (each repeated ``samples_per_prompt`` times); ``policy`` is
         asked at the decision points of a generation that has them (none: it runs to its end), ``levers``
-        are the plan's (``run.levers``): tail batching's rounds, and in the status the policy decides on."""
+        are the plan's (``run.tail_decisions``): tail batching's rounds, and in the status the policy decides on."""
         if self.partial is not None:
             return partial_round(self, self.partial, step, prompts, policy, levers)
         tail = self.tail_rounds(levers)
@@ -202,7 +202,7 @@ class Stepper:
                  levers: GenerationLevers | None, early: EarlyRequest | None = None,
                  ) -> tuple[list[ReplicaRollout], tuple[GenerationEntry, ...]]:
         """A generation in one call of every generation worker, timed as ``gen``: with the plan's levers the
-        policy decides at its start (``run.levers.ask_at_start``); with ``early`` inference starts on each
+        policy decides at its start (``run.tail_decisions.ask_at_start``); with ``early`` inference starts on each
         replica's rows as it finishes. The replicas' answers and the decision's run-record entries."""
         key = self.key["actor", "generation"]
         start = None

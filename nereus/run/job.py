@@ -42,7 +42,6 @@ from nereus.run.checkpoint import (
     written_training,
 )
 from nereus.run.driver import Stepper
-from nereus.run.levers import LeverLog
 from nereus.run.manifest import verify_manifest, write_manifest, write_text_atomic
 from nereus.run.metrics import MetricsLog, Progress, check_loggers, prepare_resume
 from nereus.run.midstep import move_line
@@ -59,6 +58,7 @@ from nereus.run.setup import (
     reward_router,
     tokenizer_for,
 )
+from nereus.run.tail_decisions import LeverLog
 from nereus.run.warmstart import (
     check_sources,
     initial_checkpoints,

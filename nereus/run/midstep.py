@@ -44,8 +44,8 @@ import torch
 from nereus.control.backend import GenerationPolicy
 from nereus.cost.engine import EngineCalibration, plain_finish_s, row_seconds
 from nereus.elastic.kvplan import GenPlacement, KVShape, MigrationPlan, SeqMove, plan_migration
-from nereus.run.levers import STAGE, engine_speculation, queued
 from nereus.run.overlap import Call, Calls, EarlyInference, InferenceStage
+from nereus.run.tail_decisions import STAGE, engine_speculation, queued
 from nereus.runtime.cluster.calls import GenClose, GenMigrate, GenOpen, GenRun, GenSpeculate, KeyCall
 from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.engines.sampling import SamplingParams

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nereus.cost.levers.lengths import sibling_correlation
+from nereus.cost.tail.lengths import sibling_correlation
 from nereus.rl.core import agg_loss, kl_estimate, masked_mean
 from nereus.run.rollout import Rollout
 

@@ -2,7 +2,7 @@
 (``run.tail``: over-launch, keep the first whole groups, defer the rest to long rounds) and partial
 rollout's (``run.partial``: carried groups resumed, the first whole groups kept, the others' responses
 carried to the next step). Each round is one generation call (``Stepper.one_call``), so the policy's
-decision at its start (speculation, ``run.levers``) applies to it as to a plain step's generation."""
+decision at its start (speculation, ``run.tail_decisions``) applies to it as to a plain step's generation."""
 
 from __future__ import annotations
 

@@ -30,12 +30,12 @@ from nereus.cost.generation import (
     with_tail,
 )
 from nereus.cost.hardware import Hardware
-from nereus.cost.levers.spec_run import MODEL_FREE, with_speculation
-from nereus.cost.levers.speculative import DraftKind, prior
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import TERMS
+from nereus.cost.tail.spec_run import MODEL_FREE, with_speculation
+from nereus.cost.tail.speculative import DraftKind, prior
 from nereus.cost.transition import estimate_transition
-from nereus.sim.carry import Carried, Round, plan_round
+from nereus.sim.carry import CarriedResponses, GenerationRound, plan_round
 from nereus.sim.generation import Look, entries_of, status_at, tail_outcome, walk
 from nereus.sim.groups import Deferred, ShortRound, draw_groups, stop_round
 from nereus.sim.workload import batch_at
@@ -82,7 +82,7 @@ class SimBackend:
         self.full_job = job.with_gpus(self._max_gpus)
         self.hw = Hardware(self.full_job.cluster)
         self.last_generation: dict = {}  # the latest step's sequence-level generation (sim.step_timeline)
-        self.carried = Carried.none()  # responses a partial-rollout step left to the next (sim.carry)
+        self.carried = CarriedResponses.none()  # responses a partial-rollout step left to the next (sim.carry)
         self.deferred = Deferred.none()  # prompts tail batching deferred to a long round (sim.groups)
         self._launched_z = np.zeros(0)  # the difficulty of the prompts launched this step
         self._short = ShortRound(0.0, np.zeros(0, bool))  # the latest short round's stop
@@ -193,7 +193,7 @@ class SimBackend:
                            job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus, detail,
                            entries, lag, plan.levers)
 
-    def _round(self, plan: Plan, lengths: np.ndarray, prompt: float) -> Round | None:
+    def _round(self, plan: Plan, lengths: np.ndarray, prompt: float) -> GenerationRound | None:
         """This step's partial-rollout round (``sim.carry``), None when nothing is budgeted or carried."""
         pr = plan.levers.partial_rollout if plan.levers is not None else None
         if pr is None and not len(self.carried):
@@ -246,14 +246,14 @@ class SimBackend:
 
     def alpha(self, draft: str, step: int) -> float:
         """The ground truth's per-token acceptance of ``draft`` drafts at ``step``: the trace's rate, else the
-        kind's published prior (``cost.levers.speculative.PRIORS``)."""
+        kind's published prior (``cost.tail.speculative.PRIORS``)."""
         rate = self.trace.acceptance_at(draft, step)
         return rate if rate is not None else prior(DraftKind(draft)).alpha
 
     def _speculate(self, step: int, model: GenModel, bulk: BulkRun, spec: Speculation, f: Factors,
                    base: GenOutcome, gen_noise: float) -> tuple[GenOutcome, Outcome, np.ndarray | None]:
         """Speculation as the engine runs it: each replica switched on below the live-batch threshold, each
-        sequence's iterations drawn from the trace's acceptance (``cost.levers.spec_run``), and each
+        sequence's iterations drawn from the trace's acceptance (``cost.tail.spec_run``), and each
         sequence's finish under it. Model-free drafts only; another kind is refused and the stage runs
         without."""
         if spec.draft not in MODEL_FREE:

@@ -31,7 +31,7 @@ from dataclasses import replace
 
 from nereus.control.backend import ClusterState, Decision, StepMetrics, TransitionMetrics
 from nereus.control.controller import Controller, ControllerConfig, TransitionCost, usable_gpus
-from nereus.control.forecast import Schedule
+from nereus.control.forecast import LengthSchedule
 from nereus.control.pools import PoolRule, split_constraints
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
@@ -55,7 +55,7 @@ class StaticPolicy:
     system's per-step weight-sync mechanism (``nereus.cost.weight_sync``), recorded on every plan."""
 
     def __init__(self, name: str, job: JobSpec, constraints: Constraints | None, pin_tp_pp: bool,
-                 schedule: Schedule | None = None, transition_cost: TransitionCost | None = None,
+                 schedule: LengthSchedule | None = None, transition_cost: TransitionCost | None = None,
                  rollout_tp: int | None = None, weight_sync: str = "direct") -> None:
         self.name, self.job, self.pin_tp_pp = name, job, pin_tp_pp
         self.rollout_tp, self.weight_sync = rollout_tp, weight_sync
@@ -187,7 +187,7 @@ def _params_b(job: JobSpec) -> float:
     return job.models["actor"].params() / 1e9
 
 
-def make_policy(name: str, job: JobSpec, schedule: Schedule | None = None, total_steps: int | None = None,
+def make_policy(name: str, job: JobSpec, schedule: LengthSchedule | None = None, total_steps: int | None = None,
                 transition_cost: TransitionCost | None = None,
                 config: ControllerConfig | None = None, policy_lag: int = 0):
     """``nereus`` (adaptive between and inside steps, calibrated; its levers within ``policy_lag``),
@@ -222,14 +222,14 @@ def make_policy(name: str, job: JobSpec, schedule: Schedule | None = None, total
 
 
 def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, config, policy_lag: int = 0):
-    """Policies that decide inside the step (``control.intrastep``, ``control.levers``): ``nereus`` (the
+    """Policies that decide inside the step (``control.intrastep``, ``control.tail_policy``): ``nereus`` (the
     controller between steps; inside, the cost model's choice of a tail layout or speculative decoding),
     ``pat-like`` (verl-like static layouts, PAT's TP switch when the batch has drained), ``rlhfuse-like``
     (fixed-oracle static layouts, the tail packed onto few instances and inference started on the GPUs
     freed), ``spec-like`` (verl-like static layouts, speculation of one fixed configuration below a fixed
     live batch: ``SPEC_LIKE``), ``april-like`` (verl-like static layouts, a fixed partial-rollout budget)."""
     from nereus.control.intrastep import NereusTail, NoTail, PatTail, PhasedPolicy, RlhfuseTail
-    from nereus.control.levers import (
+    from nereus.control.tail_policy import (
         FixedAsync,
         FixedPartialRollout,
         FixedSpeculation,
@@ -255,7 +255,7 @@ def _phased(name: str, job: JobSpec, schedule, total_steps, transition_cost, con
     return PhasedPolicy(name, inner, PatTail() if name == "pat-like" else RlhfuseTail())
 
 
-def _verl_async(job: JobSpec, schedule: Schedule | None, transition_cost: TransitionCost | None) -> StaticPolicy:
+def _verl_async(job: JobSpec, schedule: LengthSchedule | None, transition_cost: TransitionCost | None) -> StaticPolicy:
     """verl's one-step-off recipe as a static policy: the rollout alone on half the GPUs (a fixed split set
     once; verl's recipe takes both pools' sizes from its config, the half is ours), every other model on
     the rest with verl's FSDP and gradient checkpointing, verl's rollout TP, and the weights sent from

@@ -5,7 +5,7 @@ A step draws its responses per prompt group: with the trace's sibling correlatio
 
     log L = μ + σ (√ρ · Z_prompt + √(1 − ρ) · Z_response),   μ = log(mean) − σ²/2,
 
-so one response's marginal is the trace's log-normal for every ρ (``cost.levers.lengths`` prices the same
+so one response's marginal is the trace's log-normal for every ρ (``cost.tail.lengths`` prices the same
 law). With ρ = 0 or G = 1 the draw is the independent one of ``SimBackend.draw_lengths``.
 
 Tail batching (RollPacker, arXiv 2509.21009) with over-launch f: a short round launches f·P groups and

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from nereus.control.backend import Decision, StepMetrics
 from nereus.control.controller import ControllerConfig
-from nereus.control.forecast import Schedule
+from nereus.control.forecast import LengthSchedule
 from nereus.control.loop import Observer, Recovery, StepOutcome, run_policy
 from nereus.control.record import RunRecord
 from nereus.control.transition_cost import TransitionCoster
@@ -86,7 +86,7 @@ def simulate_with_backend(job: JobSpec, trace: Trace, policy_name: str, seed: in
     check_gpus_remain(trace, seed, initial_gpus or job.cluster.num_gpus, steps)
     coster = TransitionCoster()  # one cache for the policy's decisions and the backend's truth
     backend = SimBackend(job, trace, seed, truth, initial_gpus, coster)
-    schedule = Schedule(trace)
+    schedule = LengthSchedule(trace)
     policy = make_policy(policy_name, job, schedule, steps, coster, config, run_policy_lag(job, trace, policy_lag))
     recovery = recovery or Recovery()
     record = run_policy(policy, backend, steps, _Progress(progress) if progress else None, recovery,

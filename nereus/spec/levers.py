@@ -2,7 +2,7 @@
 
 Each lever is a frozen value with a JSON round-trip; ``GenerationLevers`` holds the ones a plan's generation
 stage uses (None: off) and the policy lag they imply. The policy chooses them between steps from their
-pricing (``cost.levers``) within ``run.policy_lag``, and turns them into the decisions inside the step
+pricing (``cost.tail``) within ``run.policy_lag``, and turns them into the decisions inside the step
 (``spec.generation``: ``set_speculation``, ``defer_sequences``, ``carry_over``):
 
 - ``Speculation``: draft-and-verify decoding on while a replica's live batch is small (lag 0);
@@ -26,7 +26,7 @@ LEVERS_FORMAT = "nereus.generation-levers/1"
 # tail batching's stop rule: end a round once the step's prompt groups have all finished (RollPacker)
 STOP_RULES = ("groups_done",)
 POLICY_LAGS = (0, 1)  # run.policy_lag: 0 strictly on-policy; 1 one step of lag allowed
-# Kinds of speculative drafts (the trace's ``acceptance`` keys; ``cost.levers.speculative``): n-gram lookup
+# Kinds of speculative drafts (the trace's ``acceptance`` keys; ``cost.tail.speculative``): n-gram lookup
 # in the prompt, suffix trees over earlier responses to the same prompt, a draft model, a draft head.
 DRAFT_KINDS = ("ngram", "suffix", "draft_model", "draft_head")
 

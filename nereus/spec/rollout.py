@@ -80,7 +80,7 @@ def read_speculation(rollout: Fields) -> Speculation | None:
 @dataclass(frozen=True)
 class TailBatching:
     """``run.rollout.tail_batching``: over-launch, keep the first groups that finish, defer the rest
-    (RollPacker, arXiv 2509.21009; priced by ``cost.levers.tail_batching``). A short round launches
+    (RollPacker, arXiv 2509.21009; priced by ``cost.tail.tail_batching``). A short round launches
     ``over_launch`` × the step's prompts and keeps the first step's worth of whole groups; once a step's
     worth of deferred prompts has accumulated, a long round regenerates them from scratch."""
 

@@ -169,7 +169,7 @@ class RunSpec:
     # run.rollout.partial_rollout: carry unfinished responses to the next step (run.partial); None: off
     rollout_partial: PartialRollout | None = None
     # run.rollout.levers: "auto" lets the controller choose the tail levers (speculative decoding, tail
-    # batching) by the cost model, step by step (control.levers, run.levers); "none": only the keys above
+    # batching) by the cost model, step by step (control.tail_policy, run.tail_decisions); "none": only the keys above
     rollout_levers: str = "none"
     # run.overlap: model-stages on disjoint workers run at once (run.overlap.Calls); results are identical
     overlap: bool = False

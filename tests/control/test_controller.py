@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from nereus.control.backend import ClusterState
 from nereus.control.controller import Controller, ControllerConfig
-from nereus.control.forecast import LengthForecaster, Schedule
+from nereus.control.forecast import LengthForecaster, LengthSchedule
 from nereus.control.loop import Observer, run_policy
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
@@ -47,7 +47,7 @@ def test_forecaster_extrapolates_a_linear_trend():
 def test_admission_never_takes_a_move_whose_gain_is_below_its_cost():
     job = small_job()
     ctl = Controller(job, ControllerConfig(margin=0.0, min_gain=0.0, cooldown=0, calibrate=False),
-                     Schedule(default_max=2048), transition_cost=lambda hw, j, a, b: 10.5)
+                     LengthSchedule(default_max=2048), transition_cost=lambda hw, j, a, b: 10.5)
     ctl.initial_plan(16)
     other = ctl.plan  # the numbers below decide, not the plan
     keep = ctl._admit(3, horizon=10, cur_s=10.0, cand_s=9.0, cand=_other_plan(ctl), job=job)
@@ -59,7 +59,7 @@ def test_admission_never_takes_a_move_whose_gain_is_below_its_cost():
 
 def test_no_optional_move_before_the_first_calibration_fit():
     job = small_job()
-    ctl = Controller(job, ControllerConfig(margin=0.0, min_gain=0.0, cooldown=0), Schedule(default_max=2048),
+    ctl = Controller(job, ControllerConfig(margin=0.0, min_gain=0.0, cooldown=0), LengthSchedule(default_max=2048),
                      transition_cost=lambda hw, j, a, b: 0.0)
     ctl.initial_plan(16)
     wait = ctl._admit(3, horizon=10, cur_s=10.0, cand_s=5.0, cand=_other_plan(ctl), job=job)
@@ -71,7 +71,7 @@ def test_no_optional_move_before_the_first_calibration_fit():
 def test_hysteresis_grows_with_the_calibration_residual():
     job = small_job()
     ctl = Controller(job, ControllerConfig(margin=0.0, min_gain=0.03, cooldown=0, calibrate=False),
-                     Schedule(default_max=2048), transition_cost=lambda hw, j, a, b: 0.0)
+                     LengthSchedule(default_max=2048), transition_cost=lambda hw, j, a, b: 0.0)
     ctl.initial_plan(16)
     assert ctl._admit(3, horizon=10, cur_s=10.0, cand_s=9.0, cand=_other_plan(ctl), job=job).action == "transition"
     ctl.residual = 0.15  # the model is off by 15% on average: a 10% gain is within its error
@@ -84,7 +84,7 @@ def test_a_factor_fitted_to_zero_replans_only_when_it_moves():
     """A factor NNLS fitted to 0 when the plan was chosen: it staying at 0 is no change (it used to be
     compared with the prior 1 and re-planned every step); moving off 0 by more than the drift is one."""
     job = small_job()
-    ctl = Controller(job, ControllerConfig(drift=0.15, replan_every=1000), Schedule(default_max=2048))
+    ctl = Controller(job, ControllerConfig(drift=0.15, replan_every=1000), LengthSchedule(default_max=2048))
     ctl.initial_plan(16)
     basis = ctl.job_for(0, 16)
     ctl._basis = (basis.workload.response.mean, basis.workload.response.max, 16,
@@ -116,7 +116,7 @@ def test_controller_decisions_pay_off_and_plans_stay_feasible(seed, grow, memory
     tr = trace(40, gpus=[{"step": 0, "gpus": 16}, {"step": 20, "gpus": 16 + grow}],
                failures=[{"step": fail_step, "gpus": 8}])
     backend = SimBackend(job, tr, seed, initial_gpus=16)
-    ctl = Controller(job, ControllerConfig(horizon=20, cooldown=2, replan_every=10), Schedule(tr), 40)
+    ctl = Controller(job, ControllerConfig(horizon=20, cooldown=2, replan_every=10), LengthSchedule(tr), 40)
     checked = []
 
     class Check(Observer):
@@ -140,7 +140,7 @@ def test_controller_decisions_pay_off_and_plans_stay_feasible(seed, grow, memory
 
 def test_lost_gpus_force_a_move_regardless_of_cost():
     job = small_job(16)
-    ctl = Controller(job, ControllerConfig(), Schedule(default_max=2048),
+    ctl = Controller(job, ControllerConfig(), LengthSchedule(default_max=2048),
                      transition_cost=lambda hw, j, a, b: 1e9)
     ctl.initial_plan(16)
     backend = SimBackend(job, trace(10), 0, initial_gpus=16)
@@ -166,7 +166,7 @@ def test_calibration_learns_the_hidden_efficiencies():
     job = small_job(16)
     tr = trace(40)
     backend = SimBackend(job, tr, seed=5, initial_gpus=16)
-    ctl = Controller(job, ControllerConfig(replan_every=1000, drift=10.0), Schedule(tr), 40)
+    ctl = Controller(job, ControllerConfig(replan_every=1000, drift=10.0), LengthSchedule(tr), 40)
     run_policy(ctl, backend, 40)
     m = backend.run_step(ctl.plan, 40, ctl)
     observed = ctl.job_for(40, ctl.plan.num_gpus)
@@ -190,7 +190,8 @@ def test_steps_run_with_a_lever_calibrate_the_plain_plan_not_the_lever():
     from nereus.spec.levers import GenerationLevers, Speculation
 
     job = small_job()
-    ctl = Controller(job, ControllerConfig(fit_every=5, replan_every=1000, drift=10.0), Schedule(default_max=2048))
+    ctl = Controller(job, ControllerConfig(fit_every=5, replan_every=1000, drift=10.0),
+                     LengthSchedule(default_max=2048))
     plan = ctl.initial_plan(16)
     est = estimate_plan(Hardware(job.cluster), job, plan)
     levers = GenerationLevers(speculation=Speculation("suffix", 4, 64), predicted={"base_s": 2.0, "generation_s": 1.0})

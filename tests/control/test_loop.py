@@ -8,7 +8,7 @@ import pytest
 
 from nereus.control.backend import ClusterState, RecoveryMetrics, WorkersLost
 from nereus.control.controller import Controller, ControllerConfig
-from nereus.control.forecast import Schedule
+from nereus.control.forecast import LengthSchedule
 from nereus.control.held import HeldPlan
 from nereus.control.loop import ControlLoop, Observer, Recovery, run_policy
 from nereus.sim.backend import SimBackend
@@ -52,7 +52,7 @@ class Steps(Observer):
 def test_a_mid_step_loss_recovers_onto_the_survivors_and_redoes_the_step():
     job = small_job(16)
     backend = DiesOnce(job, trace(12), 0, initial_gpus=16, at=5, survivors=8)
-    ctl = Controller(job, ControllerConfig(), Schedule(default_max=2048))
+    ctl = Controller(job, ControllerConfig(), LengthSchedule(default_max=2048))
     seen = Steps()
     record = run_policy(ctl, backend, 12, observer=seen)
     assert seen.steps == list(range(12)) and seen.recovered_at == [5]  # step 5 is redone, once
@@ -66,7 +66,7 @@ def test_a_mid_step_loss_recovers_onto_the_survivors_and_redoes_the_step():
 
 def test_a_held_plan_never_moves_but_replans_onto_survivors():
     job = small_job(16)
-    ctl = Controller(job, ControllerConfig(), Schedule(default_max=2048))
+    ctl = Controller(job, ControllerConfig(), LengthSchedule(default_max=2048))
     held = HeldPlan(ctl.initial_plan(16), ctl)
     backend = DiesOnce(job, trace(8), 0, initial_gpus=16, at=3, survivors=8)
     record = run_policy(held, backend, 8)
@@ -76,9 +76,9 @@ def test_a_held_plan_never_moves_but_replans_onto_survivors():
 
 def test_a_resumed_loop_starts_on_the_given_plan_and_step():
     job = small_job(16)
-    first = run_policy(Controller(job, ControllerConfig(), Schedule(default_max=2048)),
+    first = run_policy(Controller(job, ControllerConfig(), LengthSchedule(default_max=2048)),
                        SimBackend(job, trace(10), 0, initial_gpus=16), 4)
-    ctl = Controller(job, ControllerConfig(), Schedule(default_max=2048))
+    ctl = Controller(job, ControllerConfig(), LengthSchedule(default_max=2048))
     loop = ControlLoop(ctl, SimBackend(job, trace(10), 0, initial_gpus=16))
     from nereus.spec.layout import Plan
 
@@ -92,6 +92,6 @@ def test_a_resumed_loop_starts_on_the_given_plan_and_step():
 
 def test_restart_recovery_needs_a_restart_cost():
     job = small_job(16)
-    ctl = Controller(job, ControllerConfig(), Schedule(default_max=2048))
+    ctl = Controller(job, ControllerConfig(), LengthSchedule(default_max=2048))
     with pytest.raises(ValueError, match="restart_cost"):
         ControlLoop(ctl, SimBackend(job, trace(4), 0), recovery=Recovery("restart"))

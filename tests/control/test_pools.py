@@ -1,5 +1,5 @@
 """The pool split (``control.pools``): one-step-off asynchrony chosen by the cost model at ``run.policy_lag``
->= 1 — both pools laid out by the planner, the step priced as ``cost.levers.async_split`` prices it, and the
+>= 1 — both pools laid out by the planner, the step priced as ``cost.tail.async_split`` prices it, and the
 simulator running what was chosen."""
 
 from dataclasses import replace
@@ -7,7 +7,6 @@ from dataclasses import replace
 import pytest
 
 from nereus.control.backend import Decision, StepMetrics
-from nereus.control.levers import NereusLevers
 from nereus.control.pools import (
     MEASURE_STEPS,
     ROLLOUT,
@@ -19,8 +18,9 @@ from nereus.control.pools import (
     runs_apart,
     split_constraints,
 )
+from nereus.control.tail_policy import NereusLevers
 from nereus.cost.hardware import Hardware
-from nereus.cost.levers.async_split import async_step
+from nereus.cost.tail.async_split import async_step
 from nereus.planner.search import Constraints, search
 from nereus.sim.baselines import make_policy
 from nereus.sim.run import simulate, simulate_with_backend

@@ -1,4 +1,4 @@
-"""Speculative decoding's modelled speedup (nereus.cost.levers.speculative) against published speedups by
+"""Speculative decoding's modelled speedup (nereus.cost.tail.speculative) against published speedups by
 draft length and live batch (``nereus/cost/spec_decode_published.csv``, its header cites each source).
 
 Rows with a published mean acceptance length (AL) are predicted from it (α inverted through Leviathan's
@@ -18,7 +18,7 @@ import pytest
 
 from nereus.cost.decode import ENGINES, Replica, StepModel
 from nereus.cost.hardware import Hardware
-from nereus.cost.levers import speculative as sp
+from nereus.cost.tail import speculative as sp
 from nereus.spec.cluster import ClusterSpec, gpu_presets
 from nereus.spec.model import PRESETS, ModelArch
 

@@ -1,4 +1,4 @@
-"""Speculative decoding at sequence granularity (``cost.levers.spec_run``): the renewal count of tokens per
+"""Speculative decoding at sequence granularity (``cost.tail.spec_run``): the renewal count of tokens per
 verification, speculation's gain in the tail and its loss at large batch, drawn vs expected iterations."""
 
 import numpy as np
@@ -9,15 +9,15 @@ from hypothesis import strategies as st
 from nereus.cost.batching import Factors
 from nereus.cost.generation import BulkRun, GenModel, forecast_lengths, no_move, run_bulk
 from nereus.cost.hardware import Hardware
-from nereus.cost.levers.spec_run import (
+from nereus.cost.plan_cost import estimate_plan
+from nereus.cost.tail.spec_run import (
     SpecTable,
     switch_time,
     switch_times,
     tokens_per_iteration,
     with_speculation,
 )
-from nereus.cost.levers.speculative import expected_tokens
-from nereus.cost.plan_cost import estimate_plan
+from nereus.cost.tail.speculative import expected_tokens
 from nereus.planner.search import search
 from tests.control.test_controller import small_job
 

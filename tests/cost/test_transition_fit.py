@@ -5,7 +5,7 @@ import pytest
 
 from nereus.control.backend import TransitionMetrics
 from nereus.control.controller import Controller, ControllerConfig
-from nereus.control.forecast import Schedule
+from nereus.control.forecast import LengthSchedule
 from nereus.control.transition_cost import TransitionCoster
 from nereus.cost.hardware import Hardware
 from nereus.cost.transition import TransitionCalibrator, TransitionFit, engines_rebuilt, moved_stages
@@ -67,7 +67,7 @@ def test_controller_prices_the_fixed_part_it_measured():
     """Before any transition the cost is the bandwidth-bound time; after one measured move that took
     3 s more, the same move's predicted cost carries those seconds."""
     job = small_job()
-    ctl = Controller(job, ControllerConfig(calibrate=True), Schedule(default_max=2048))
+    ctl = Controller(job, ControllerConfig(calibrate=True), LengthSchedule(default_max=2048))
     ctl.initial_plan(8)
     cand = _moved_plan(ctl.plan)
     assert moved_stages(ctl.plan, cand) == 1
@@ -86,7 +86,7 @@ def test_controller_prices_the_fixed_part_it_measured():
 def test_without_calibration_transitions_stay_at_their_priors():
     """``calibrate: false`` decides on the priors alone: a measured transition changes no price."""
     job = small_job()
-    ctl = Controller(job, ControllerConfig(calibrate=False), Schedule(default_max=2048))
+    ctl = Controller(job, ControllerConfig(calibrate=False), LengthSchedule(default_max=2048))
     ctl.initial_plan(8)
     cand = _moved_plan(ctl.plan)
     before = ctl.transition_cost(ctl.hw, job, ctl.plan, cand)
@@ -116,7 +116,7 @@ def _generation_moved(plan):
 
 def test_a_move_of_a_vllm_generation_stage_rebuilds_one_engine_per_replica():
     job = small_job()
-    ctl = Controller(job, ControllerConfig(calibrate=False), Schedule(default_max=2048))
+    ctl = Controller(job, ControllerConfig(calibrate=False), LengthSchedule(default_max=2048))
     plan = ctl.initial_plan(8)
     moved = _generation_moved(plan)
     gen = next(p for p in moved.placements if p.model_stage.stage == "generation")
@@ -146,7 +146,7 @@ def test_a_device_that_keeps_an_engine_of_the_same_tp_starts_none():
     from nereus.spec.layout import Layout
 
     job = _vllm(small_job())
-    plan = Controller(job, ControllerConfig(calibrate=False), Schedule(default_max=2048)).initial_plan(8)
+    plan = Controller(job, ControllerConfig(calibrate=False), LengthSchedule(default_max=2048)).initial_plan(8)
     four = _with_generation(plan, Layout(tp=2, dp=4), range(8))  # engines on devices 0, 2, 4, 6
     assert engines_rebuilt(job, four, _with_generation(plan, Layout(tp=2, dp=2), [0, 1, 4, 5])) == 0
     assert engines_rebuilt(job, four, _with_generation(plan, Layout(tp=2, dp=2), [1, 0, 4, 5])) == 1  # 1 heads
@@ -166,7 +166,7 @@ def test_engine_start_is_priced_and_fitted_apart_from_the_other_fixed_parts():
     assert cal.fit.fixed_s == pytest.approx(0.5, rel=0.1)
     assert max(map(abs, cal.relative_errors())) < 2e-2
     job = _vllm(small_job())
-    ctl = Controller(job, ControllerConfig(calibrate=True), Schedule(default_max=2048))
+    ctl = Controller(job, ControllerConfig(calibrate=True), LengthSchedule(default_max=2048))
     ctl.initial_plan(8)
     moved = _generation_moved(ctl.plan)
     bandwidth = ctl.transition_cost.scheduled(ctl.hw, job, ctl.plan, moved)

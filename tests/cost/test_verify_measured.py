@@ -18,7 +18,7 @@ from importlib import resources
 
 from nereus.cost.decode import Replica, StepModel
 from nereus.cost.hardware import Hardware
-from nereus.cost.levers.speculative import expected_tokens, verify_seconds
+from nereus.cost.tail.speculative import expected_tokens, verify_seconds
 from nereus.spec.cluster import ClusterSpec, gpu_presets
 from nereus.spec.model import PRESETS
 

@@ -61,7 +61,7 @@ def test_planner_under_the_capability_proposes_only_runnable_layouts():
 def test_with_run_overlap_the_controller_prices_a_phase_at_its_slowest_disjoint_group(tmp_path):
     """``run.overlap`` runs the model-stages of a phase on disjoint workers at once: the controller's job
     then prices such a phase at its slowest group (``capability_for``), without it at their sum."""
-    from nereus.control.levers import padded_rest
+    from nereus.control.tail_policy import padded_rest
     from nereus.cost.plan_cost import estimate_plan
     from nereus.run.adaptive import controller_for, plan_of
     from nereus.run.setup import place

@@ -4,13 +4,13 @@ old, the policy lag recorded per step; the controller picks it only when run.pol
 import numpy as np
 import pytest
 
-from nereus.sim.carry import Carried, plan_round
+from nereus.sim.carry import CarriedResponses, plan_round
 from nereus.sim.run import run_policy_lag, simulate
 from tests.control.test_controller import small_job, trace
 
 
 def test_a_round_cuts_new_responses_at_the_budget_and_finishes_the_carried_ones():
-    carried = Carried(np.array([300.0, 50.0]), np.array([1000.0, 1000.0]))
+    carried = CarriedResponses(np.array([300.0, 50.0]), np.array([1000.0, 1000.0]))
     rnd = plan_round(np.array([200.0, 1500.0, 999.0]), carried, 100.0, 1000)
     assert rnd.lengths.tolist() == [300.0, 50.0, 200.0, 1000.0, 999.0]
     assert rnd.contexts.tolist() == [1100.0, 1100.0, 100.0, 100.0, 100.0] and rnd.carried_in == 2
@@ -18,7 +18,7 @@ def test_a_round_cuts_new_responses_at_the_budget_and_finishes_the_carried_ones(
     assert rnd.carried_out.remaining.tolist() == [500.0] and rnd.carried_out.generated.tolist() == [1000.0]
     share = 2000.0 / (200 + 999 + 1050 + 1300)
     assert rnd.policy_lag == pytest.approx((1 - share, share))
-    off = plan_round(np.array([200.0, 1500.0]), Carried.none(), 100.0, None)
+    off = plan_round(np.array([200.0, 1500.0]), CarriedResponses.none(), 100.0, None)
     assert off.policy_lag == (1.0,) and len(off.carried_out) == 0 and off.trained == 2
 
 

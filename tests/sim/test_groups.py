@@ -70,7 +70,7 @@ def test_a_short_round_with_speculation_stops_when_its_groups_end_under_speculat
     groups have ended at their speculated finishes (not at the over-launched batch's end)."""
     from dataclasses import replace
 
-    from nereus.control.levers import speculation_decision
+    from nereus.control.tail_policy import speculation_decision
     from nereus.cost.hardware import Hardware
     from nereus.planner.search import search
     from nereus.spec.generation import Continue

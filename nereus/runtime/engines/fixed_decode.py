@@ -58,7 +58,7 @@ def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
     return (causal & valid[:, None, None, :]) | torch.eye(p, dtype=torch.bool)
 
 
-class Stepper:
+class PipelineForward:
     """One forward of the whole pipeline over new tokens, writing the KV caches; the last stage's
     full-vocabulary logits at the last ``last`` positions, [B, last, V] (None on other stages)."""
 
@@ -83,7 +83,7 @@ class Stepper:
         return sum(c.nbytes() for c in self.caches.values())
 
 
-class Drafter(Protocol):
+class DraftSource(Protocol):
     def __call__(self, prompts: list[list[int]], rows: list[list[int]], finished: list[bool],
                  k: int) -> list[list[int]]:
         """Exactly ``k`` draft tokens per row to follow its prompt and generated ``rows``."""
@@ -134,7 +134,7 @@ class FixedDecode:
     from then on each writes at its own offset."""
 
     def __init__(self, sm: ShardedModel, prompts: list[list[int]], params: SamplingParams,
-                 drafter: Drafter | None = None) -> None:
+                 drafter: DraftSource | None = None) -> None:
         if sm.cfg.value_head:
             raise ValueError("generation needs a model with an LM head")
         self.sm, self.params = sm, params
@@ -144,7 +144,7 @@ class FixedDecode:
         b, p = tokens.shape
         self.limit = torch.tensor([row_limit(params, i) for i in self.ids])
         room = p + params.max_new_tokens + (params.speculation.num_speculative_tokens if params.speculation else 0)
-        self.step = Stepper(sm, b, room)
+        self.step = PipelineForward(sm, b, room)
         self.keys = torch.zeros(b, room, dtype=torch.bool)  # positions holding a row's prompt or its tokens
         self.keys[:, :p] = valid
         self.lengths = torch.full((b,), p)

@@ -67,7 +67,7 @@ class Entry:
 
 
 @dataclass
-class Measured:
+class TransferMeasures:
     """What one rank measured during a transition (bytes are payload; peak is live storage bytes)."""
 
     bytes_sent: int = 0
@@ -185,7 +185,7 @@ class Execution:
         self.me = dist.get_rank()
         self.rounds = plan_rounds(graph, model_dtypes)  # the same on every rank; prepare and transfer use it
         self.out = Holdings()
-        self.measured = Measured()
+        self.measured = TransferMeasures()
         self._staging: list[torch.Tensor] = []
 
     # ----- bookkeeping ----------------------------------------------------------------------------

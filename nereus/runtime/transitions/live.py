@@ -26,7 +26,7 @@ from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.dtypes import torch_dtype
 from nereus.runtime.parallel.dp import AdamFacts
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
-from nereus.runtime.transitions.executor import Execution, Measured, NewBuffers, new_tensor
+from nereus.runtime.transitions.executor import Execution, NewBuffers, TransferMeasures, new_tensor
 from nereus.runtime.transitions.holdings import (
     OPTIMIZER,
     WEIGHTS,
@@ -65,7 +65,7 @@ class TransitionAnswer:
     ok: bool
     error: str
     wall_s: float
-    measured: Measured | None = None
+    measured: TransferMeasures | None = None
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class MoveResult:
     was nothing to move)."""
 
     wall_s: float
-    workers: tuple[Measured, ...] = ()
+    workers: tuple[TransferMeasures, ...] = ()
     graph: TransitionPlan | None = None
 
 
@@ -162,7 +162,7 @@ def installer(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dic
 def transition_keys(graph: TransitionPlan, old: dict[str, ShardedModel], old_specs: list[KeySpec],
                     new_specs: list[KeySpec], new_groups: dict[str, ParallelGroups], comm: TransferComm,
                     faults: FaultHook | None = None,
-                    schedule: str = "1f1b") -> tuple[dict[str, ShardedModel], Measured]:
+                    schedule: str = "1f1b") -> tuple[dict[str, ShardedModel], TransferMeasures]:
     """This rank's new shards (key → ``ShardedModel``) once every rank committed; raises
     ``TransitionExecutionError`` on every rank otherwise, ``old`` untouched. ``old``: this rank's shards by
     key (keys of ``old_specs``); ``new_groups``: every new key's groups, created by all ranks beforehand."""

@@ -1,4 +1,4 @@
-"""The tail levers' pricing (nereus.cost.levers): formulas, limits, and the published figures they must meet.
+"""The tail levers' pricing (nereus.cost.tail): formulas, limits, and the published figures they must meet.
 
 Speculative decoding's published speedups are in test_spec_published.py; here: its formula and cost
 pieces, GRPO group lengths with alike siblings, tail batching (RollPacker), partial rollout (Kimi k1.5,
@@ -14,12 +14,12 @@ import pytest
 
 from nereus.cost.decode import Replica, StepModel, decode_phases
 from nereus.cost.hardware import Hardware
-from nereus.cost.levers import speculative as sp
-from nereus.cost.levers.async_split import async_step, best_split, speedup_over_colocated
-from nereus.cost.levers.lengths import GroupLengths, MeasuredLengths, RolloutPool, measured_groups
-from nereus.cost.levers.partial_rollout import best_budget, budget_for_lag, partial_rollout
-from nereus.cost.levers.tail_batching import best_over_launch, tail_batching
 from nereus.cost.stages import generation_replica
+from nereus.cost.tail import speculative as sp
+from nereus.cost.tail.async_split import async_step, best_split, speedup_over_colocated
+from nereus.cost.tail.lengths import GroupLengths, MeasuredLengths, RolloutPool, measured_groups
+from nereus.cost.tail.partial_rollout import best_budget, budget_for_lag, partial_rollout
+from nereus.cost.tail.tail_batching import best_over_launch, tail_batching
 from nereus.spec.cluster import ClusterSpec, gpu_presets
 from nereus.spec.model import PRESETS
 from nereus.spec.response import ResponseLength
@@ -223,7 +223,7 @@ def test_replica_is_hashable_for_the_draft_cache():
 
 
 def test_sibling_correlation_is_the_intraclass_correlation_of_log_lengths():
-    from nereus.cost.levers.lengths import sibling_correlation
+    from nereus.cost.tail.lengths import sibling_correlation
 
     e = math.e
     # log lengths (0, 1) and (2, 3): MSB = 2·(1 + 1)/1 = 4, MSW = 4·0.25/2 = 0.5, ICC(1) = 3.5/4.5

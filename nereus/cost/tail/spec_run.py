@@ -26,8 +26,8 @@ import numpy as np
 
 from nereus.cost.batching import Factors, StepTable, run_replicas
 from nereus.cost.generation import BulkRun, GenModel, GenOutcome, generated_at
-from nereus.cost.levers.speculative import MODEL_FREE_HOST_S
 from nereus.cost.stages import ENGINE_MAX_SEQUENCES
+from nereus.cost.tail.speculative import MODEL_FREE_HOST_S
 
 MODEL_FREE = ("ngram", "suffix")
 
@@ -44,7 +44,7 @@ def tokens_per_iteration(alpha: float, k: int) -> tuple[float, float]:
 
 class SpecTable:
     """A replica's draft-and-verify iteration cost over the live batch (duck-types ``StepTable`` for
-    ``run_replicas``): ``verify_seconds`` of ``cost.levers.speculative`` as arrays, under ``Factors``."""
+    ``run_replicas``): ``verify_seconds`` of ``cost.tail.speculative`` as arrays, under ``Factors``."""
 
     def __init__(self, plain: StepTable, k: int, host_s: float = MODEL_FREE_HOST_S) -> None:
         m, rows = plain.model, k + 1

@@ -1,4 +1,4 @@
-"""The plan's tail levers on the runtime (``run.levers``, ``run.rollout.levers: auto``): the start decision of
+"""The plan's tail levers on the runtime (``run.tail_decisions``, ``run.rollout.levers: auto``): the start decision of
 a one-call generation, the lever log, the controller's choice on a held plan once calibrated (steps run
 with levers left out of the calibration), and jobs whose plan carries speculation or tail batching.
 No timing is asserted: the runtime tests use fixed lever rules, the choice is made on given step times."""
@@ -13,11 +13,11 @@ import pytest
 from nereus.control.backend import StepMetrics
 from nereus.control.held import HeldPlan
 from nereus.control.intrastep import NoTail, PhasedPolicy
-from nereus.control.levers import FixedSpeculation, FixedTailBatching
+from nereus.control.tail_policy import FixedSpeculation, FixedTailBatching
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.run.adaptive import policy_for
-from nereus.run.levers import LeverLog, ask_at_start, change_line
+from nereus.run.tail_decisions import LeverLog, ask_at_start, change_line
 from nereus.runtime.engines.answers import DecodeStats
 from nereus.runtime.engines.sampling import SamplingParams
 from nereus.spec.errors import SpecError

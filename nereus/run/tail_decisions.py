@@ -1,11 +1,11 @@
 """The plan's tail levers in a step's generation on the runtime (``Plan.levers``, chosen by the policy:
-``control.levers``), as the simulator carries them out (``sim.backend``):
+``control.tail_policy``), as the simulator carries them out (``sim.backend``):
 
 - **speculative decoding** is a decision at the start of the generation: the backend asks the policy
   (``Policy.during_generation``) with the plan's levers in the status; a ``SetSpeculation`` answer sets
   the call's n-gram speculation (``SamplingParams.speculation``), and the decision goes into the run
   record with the drafts verified and accepted once the call has answered (the policy calibrates its
-  acceptance on them, ``control.levers.NereusLevers.observe``);
+  acceptance on them, ``control.tail_policy.NereusLevers.observe``);
 - **tail batching** is a property of the step's round (``run.tail``), over-launched as the plan says.
 
 One generation call has one decision point, its start; the engine with decision points

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nereus.cost.decode import prefill_time
-from nereus.cost.levers.lengths import LENGTH_POINTS, GroupLengths, RolloutPool
+from nereus.cost.tail.lengths import LENGTH_POINTS, GroupLengths, RolloutPool
 
 
 @dataclass(frozen=True)

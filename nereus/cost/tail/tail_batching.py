@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nereus.cost.levers.lengths import LENGTH_POINTS, GroupLengths, MeasuredLengths, RolloutPool
+from nereus.cost.tail.lengths import LENGTH_POINTS, GroupLengths, MeasuredLengths, RolloutPool
 
 # a length model: the log-normal of the trace or job, or the lengths a backend measured
 Lengths = GroupLengths | MeasuredLengths

@@ -1,20 +1,20 @@
-"""The controller's lever choice (``control.levers``): speculation priced on the forecast, its acceptance
+"""The controller's lever choice (``control.tail_policy``): speculation priced on the forecast, its acceptance
 calibrated on what the engine measured, and the simulator measuring what the controller predicted."""
 
 import inspect
 
 import pytest
 
-import nereus.control.levers as levers_module
+import nereus.control.tail_policy as levers_module
 from nereus.control.backend import StepMetrics
-from nereus.control.levers import FixedSpeculation, NereusLevers, PaddedRest, padded_rest, speculation_decision
+from nereus.control.tail_policy import FixedSpeculation, NereusLevers, PaddedRest, padded_rest, speculation_decision
 from nereus.cost.batching import Factors
 from nereus.cost.generation import GenModel, forecast_lengths, no_move, run_bulk
 from nereus.cost.hardware import Hardware
-from nereus.cost.levers.lengths import GroupLengths, MeasuredLengths, RolloutPool
-from nereus.cost.levers.speculative import Acceptance
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import generation_replica
+from nereus.cost.tail.lengths import GroupLengths, MeasuredLengths, RolloutPool
+from nereus.cost.tail.speculative import Acceptance
 from nereus.planner.search import search
 from nereus.run.adaptive import policy_for
 from nereus.sim.run import simulate

@@ -6,19 +6,19 @@ turns them into decisions (``set_speculation`` at the stage's start: the engine 
 by its live batch). ``run.policy_lag`` bounds what a rule may pick: lag 0 allows speculative decoding
 (lossless) and tail batching; lag 1 also partial rollout and asynchrony.
 
-- ``NereusLevers``: speculative decoding priced at sequence granularity (``cost.levers.spec_run``) on the
+- ``NereusLevers``: speculative decoding priced at sequence granularity (``cost.tail.spec_run``) on the
   forecast's lengths under the calibrated factors, for the model-free draft kind of highest acceptance
   (their drafting costs the same), draft length 1–8 and live-batch threshold (powers of two up to the
   engine's slots), at the acceptance it has measured (each kind's published prior until it has
-  verifications of its own: ``cost.levers.speculative.Acceptance``); admitted when the predicted gain
+  verifications of its own: ``cost.tail.speculative.Acceptance``); admitted when the predicted gain
   exceeds ``min_gain`` of the step. Speculation's loss at large batch is
   in the price (verification at (k + 1)·b rows turns compute-bound), so the threshold is the cost model's.
   The policy never reads the trace's acceptance: it sees the verifications and accepted tokens the
   engine reports (vLLM's ``num_drafts`` and ``num_accepted_tokens``).
-  It prices tail batching (``cost.levers.tail_batching``: the over-launch factor that pays most, at a
+  It prices tail batching (``cost.tail.tail_batching``: the over-launch factor that pays most, at a
   prior sibling correlation) as the alternative to speculation.
   With ``run.policy_lag`` 1 it also prices partial rollout on the forecast's steady-state round at
-  sequence granularity (``cost.levers.partial_rollout.steady_round``: budgets from the smallest whose
+  sequence granularity (``cost.tail.partial_rollout.steady_round``: budgets from the smallest whose
   tokens are at most one step old up to the longest response), alone and with the speculation, and keeps
   the fastest.
 - ``FixedSpeculation``: one fixed configuration, as an operator sets it once (the ``spec-like`` baseline);
@@ -39,20 +39,20 @@ from nereus.control.backend import StepMetrics
 from nereus.cost.batching import Factors
 from nereus.cost.generation import BulkRun, GenModel, forecast_lengths, no_move, run_bulk
 from nereus.cost.hardware import Hardware
-from nereus.cost.levers.lengths import GroupLengths, MeasuredLengths, RolloutPool, measured_groups
-from nereus.cost.levers.partial_rollout import budget_for_lag, steady_round
-from nereus.cost.levers.spec_run import MODEL_FREE, switch_times, with_speculation
-from nereus.cost.levers.speculative import Acceptance, DraftKind, prior
-from nereus.cost.levers.tail_batching import Lengths, TailBatchingEstimate, best_over_launch, tail_batching
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.stages import generation_replica
+from nereus.cost.tail.lengths import GroupLengths, MeasuredLengths, RolloutPool, measured_groups
+from nereus.cost.tail.partial_rollout import budget_for_lag, steady_round
+from nereus.cost.tail.spec_run import MODEL_FREE, switch_times, with_speculation
+from nereus.cost.tail.speculative import Acceptance, DraftKind, prior
+from nereus.cost.tail.tail_batching import Lengths, TailBatchingEstimate, best_over_launch, tail_batching
 from nereus.spec.generation import SetSpeculation
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
 from nereus.spec.levers import AsyncSplit, GenerationLevers, PartialRollout, Speculation, TailBatching
 
 DRAFT_LENGTHS = tuple(range(1, 9))
-OVER_LAUNCHES = (1.0, 1.25, 1.5, 2.0, 3.0)  # tail batching's candidates (cost.levers.tail_batching's)
+OVER_LAUNCHES = (1.0, 1.25, 1.5, 2.0, 3.0)  # tail batching's candidates (cost.tail.tail_batching's)
 # The sibling correlation of log lengths the controller prices tail batching at until a backend measures it
 # (the runtime does, on each step's groups: StepMetrics.sibling_correlation; the simulator's policy cannot
 # read its trace's): Seer (arXiv 2511.14617) reports responses to one prompt "strongly similar" in length
@@ -256,7 +256,7 @@ class NereusLevers(LeverRule):
 
     def _tail_batching(self, model: GenModel, lengths: Lengths, base: float,
                        rest: PaddedRest | None) -> tuple[TailBatching, float, TailBatchingEstimate] | None:
-        """The over-launch factor that pays most (``cost.levers.tail_batching``) at the prior sibling
+        """The over-launch factor that pays most (``cost.tail.tail_batching``) at the prior sibling
         correlation, the seconds it predicts per step (of generation alone: ``base`` scaled by its speedup;
         or with ``rest`` of the whole step, each round's other stages at its longest response) and its
         estimate. None when none pays ``min_gain``."""
@@ -278,7 +278,7 @@ class NereusLevers(LeverRule):
                  spec: Speculation | None) -> list[tuple[float, GenerationLevers]]:
         """Partial rollout at budgets from the smallest whose tokens are at most ``policy_lag`` steps old
         up to the longest response, priced on the forecast's steady-state round at sequence granularity
-        (``cost.levers.partial_rollout.steady_round``: the resumed responses re-prefilled), alone and with
+        (``cost.tail.partial_rollout.steady_round``: the resumed responses re-prefilled), alone and with
         ``spec``."""
         top = model.job.workload.response.max
         low = budget_for_lag(top, policy_lag)
