@@ -103,6 +103,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from nereus.sim.baselines import POLICIES
+    from nereus.sim.explain import RoundLabels
     from nereus.sim.run import check_gpus_remain, simulate
     from nereus.spec.levers import check_policy_lag
     from nereus.spec.trace import load_trace
@@ -122,7 +123,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     first = trace.gpus_at(0, job.cluster.num_gpus)
     job = job.with_gpus(max([first, *(n for _, n in trace.gpus)]))
 
+    rounds = RoundLabels(job.algorithm.samples_per_prompt, job.workload.prompt_length)
+
     def progress(step: int, m, decision) -> None:
+        rounds.observe(m)  # which steps were tail batching's short and long rounds, for the record
         if not args.json and (step % max(1, steps // 20) == 0 or decision.action != "keep"):
             note = f"  {decision.action}: {decision.reason}" if decision.action != "keep" else ""
             print(f"[{step + 1:>5}/{steps}] step {m.step_time_s:8.2f} s  gpus {m.gpus:>5}{note}",
@@ -132,16 +136,28 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     lag = None if args.policy_lag is None else check_policy_lag(args.policy_lag, "--policy-lag")
     record = simulate(job, trace, args.policy, args.seed, steps, initial_gpus=first, progress=progress,
                       policy_lag=lag)
+    data = record.to_dict()
+    rounds.annotate(data["steps"])
     if args.out is not None:
-        write_text_file(args.out, json.dumps(record.to_dict()), "--out")
-    summary = record.summary()
+        write_text_file(args.out, json.dumps(data), "--out")
     if args.json:
-        print(json.dumps({"summary": summary, "decisions": [d for d in record.decisions if d["action"] != "keep"]},
-                         indent=1))
+        print(json.dumps({"summary": data["summary"],
+                          "decisions": [d for d in record.decisions if d["action"] != "keep"]}, indent=1))
     else:
-        for key, value in summary.items():
-            print(f"{key:<34} {value:.6g}" if isinstance(value, float) else f"{key:<34} {value}")
+        print("\n".join(simulate_text(data)))
     return 0
+
+
+def simulate_text(run: dict) -> list[str]:
+    """What ``nereus simulate`` prints: the summary under plain labels, tail batching and speculation in
+    words, and the decisions inside the step with identical consecutive ones grouped."""
+    from nereus.sim.explain import decision_lines, notes, summary_lines
+
+    lines = [*summary_lines(run["summary"], simulated=True), "", *notes(run, markdown=False)]
+    inside = decision_lines(run)
+    if inside:
+        lines += ["decisions inside the step (identical consecutive ones grouped):", *(f"  {x}" for x in inside)]
+    return [line for i, line in enumerate(lines) if line or (i and lines[i - 1])]  # no doubled blank lines
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -293,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_estimate)
     _add_simulate_parser(sub)
     r = sub.add_parser("report", help="Markdown table, PNG plots and a Perfetto timeline of runs")
-    r.add_argument("runs", nargs="+", help="run files written by `nereus simulate --out`")
+    r.add_argument("runs", nargs="+", help="run records: written by `nereus simulate --out`, or a run's "
+                                           "run_record.json (its metrics.jsonl beside it adds learning curves)")
     r.add_argument("--out", default="report", help="output folder")
     r.set_defaults(func=cmd_report)
     t = sub.add_parser("transition", help="plan the move from one plan to another: graph, schedule, cost, baselines")

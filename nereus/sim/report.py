@@ -1,17 +1,22 @@
-"""Render runs (simulated or real): a Markdown table, PNG plots and a Perfetto/Chrome trace timeline."""
+"""Render runs (simulated or real): a Markdown table, PNG plots and a Perfetto/Chrome trace timeline, with
+the summary's figures under plain labels and the tail levers (tail batching's rounds, speculative decoding)
+explained in words. A real run's record (``nereus run``) is read with the ``metrics.jsonl`` beside it, for
+its learning curves and held-out accuracy."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from nereus.sim.explain import ROUND_KEYS, duration, generation_table, markdown_table, notes, rounds_of
 from nereus.spec.errors import SpecError
-from nereus.spec.fields import MAX_GPUS, MAX_STEPS, MAX_TOKENS, Fields, read_json_file
-from nereus.spec.files import MAX_RECORD_BYTES
-from nereus.spec.generation import DECISION_KINDS, ChangeTailLayout, GenerationEntry, MoveSequences
+from nereus.spec.fields import MAX_GPUS, MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS, Fields, read_json_file
+from nereus.spec.files import MAX_RECORD_BYTES, read_text_file
+from nereus.spec.generation import DECISION_KINDS, GenerationEntry
 
 PHASES = ("generation", "inference", "training", "weight_sync")
 # What the report reads of a run record (``control.record.RunRecord.to_dict``), checked up front so that a
@@ -59,6 +64,9 @@ def _check_record(data: dict) -> None:
         phases = s.sub("phases", required=True)
         for name in phases.data:
             phases.get(name, float, minimum=0, maximum=MAX_SECONDS)
+        tail = s.sub("tail")  # a simulated step's tail-batching round (``sim.explain.RoundLabels``), when it was one
+        for key in ROUND_KEYS if s.has("tail") else ():
+            tail.get(key, float, minimum=0, maximum=MAX_SEQUENCES)
     for i, item in enumerate(root.get("generation_decisions", list, [])):
         _check_generation_entry(Fields(item, f"generation_decisions[{i}]"))
     for i, item in enumerate(root.get("decisions", list, [])):
@@ -103,93 +111,104 @@ def _check_generation_entry(e: Fields) -> None:
         raise SpecError(e.path, f"not a decision inside a step ({type(err).__name__}: {err})"[:300]) from None
 
 
-def markdown_table(runs: list[dict]) -> str:
-    head = ("| policy | steps | mean step (s) | run time (h) | transitions | transition share | tokens/s "
-            "| controller overhead |")
-    rows = [head, "|" + "---|" * 8]
-    for r in runs:
-        s = r["summary"]
-        rows.append(f"| {r['policy']} | {s['steps']} | {s['mean_step_s']:.2f} | {s['run_s'] / 3600:.2f} | "
-                    f"{s['transitions']} | {100 * s['transition_share']:.3f}% | {s['tokens_per_s']:,.0f} | "
-                    f"{100 * s['controller_overhead_share']:.3f}% |")
-    return "\n".join(rows)
+# ----- a real run: what its folder holds beside the record --------------------------------------------------
+
+def load_metrics(record_path: str | Path) -> list[dict[str, float]]:
+    """The per-step metrics a real run wrote beside its record (``metrics.jsonl``, one line a step, its
+    ``step`` counted from 1), the last line of a step kept; numbers only. [] when there is no such file;
+    a line that is not a metrics record is skipped (the record itself was checked)."""
+    path = Path(record_path).parent / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    try:
+        text = read_text_file(path, "metrics", MAX_RECORD_BYTES)
+    except SpecError:
+        return []
+    rows: dict[int, dict[str, float]] = {}
+    for line in text.splitlines():
+        try:
+            d = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        step = d.get("step") if isinstance(d, dict) else None
+        if type(step) is int and 0 <= step <= MAX_STEPS:
+            rows[step] = {k: float(v) for k, v in d.items() if type(v) in (int, float)
+                          and math.isfinite(v) and abs(v) <= MAX_FIGURE}
+    return [rows[k] for k in sorted(rows)]
 
 
-def _cell(value: float | int | None, fmt: str) -> str:
-    return "—" if value is None else format(value, fmt)
+def start_accuracy(record_path: str | Path) -> tuple[float, bool] | None:
+    """(held-out accuracy before the first step, whether a warm-start trained the actor first) from the
+    latest checkpoint's ``state.json`` beside a real run's record; None when there is none to read."""
+    folder = Path(record_path).parent
+    try:
+        step = int(read_text_file(folder / "latest", "checkpoint pointer", 64).strip())
+        state = read_json_file(folder / f"step_{step}" / "state.json", "checkpoint state", 2**24)
+    except (SpecError, ValueError, OSError):
+        return None
+    acc, steps = (state.get("warmstart_accuracy"), state.get("warmstart/actor_steps", 0)) \
+        if isinstance(state, dict) else (None, 0)
+    if type(acc) not in (int, float) or not 0 <= acc <= 1:
+        return None
+    return float(acc), type(steps) in (int, float) and steps > 0
 
 
-MAX_TABLED = 100  # rows of the generation table per run; the rest are counted
-
-
-def _generation_row(policy: str, e: GenerationEntry) -> str:
-    """One acting decision inside a step: where, what it moved how, predicted and measured numbers."""
-    d, o = e.decision, e.outcome
-    outcome = "applied" if o.applied else ("aborted" if o.reason.startswith("aborted") else "not applied")
-    if isinstance(d, MoveSequences):
-        what = (f"{d.donor} → {d.receiver} | {len(d.moves)} | {d.kv} | {d.refills} | {d.queued} | "
-                f"{_cell(d.bytes, ',')}")
-    elif isinstance(d, ChangeTailLayout):
-        f = o.figures
-        what = (f"TP{d.phase.tail_tp} × {d.phase.tail_replicas} | {_cell(f.get('unfinished'), '.0f')} | "
-                f"{_cell(f.get('kv_sent'), '.0f')} | {_cell(f.get('recomputed'), '.0f')} | — | "
-                f"{_cell(f.get('bytes_sent'), ',.0f')}")
+def accuracy_line(run: dict) -> str | None:
+    """A real run's held-out accuracy, from after the warm-start (where one ran) or the start, else its
+    first evaluation, to its last; None without evaluations."""
+    learning = run.get("learning", {})
+    evals = [(int(m["step"]), m["val/accuracy"]) for m in learning.get("metrics", []) if "val/accuracy" in m]
+    if not evals:
+        return None
+    last_step, last = evals[-1]
+    start = learning.get("start")
+    if start is not None:
+        first, where = start[0], ("after the warm-start" if start[1] else "at the start")
+    elif len(evals) > 1:
+        first, where = evals[0][1], f"at step {evals[0][0]}"
     else:
-        what = "— | — | — | — | — | —"
-    return (f"| {policy} | {e.step} | {e.iteration} | {d.kind} | {outcome} | {what} | {_cell(d.gain_s, '.3f')} | "
-            f"{_cell(d.cost_s, '.3f')} | {_cell(o.cost_s, '.3f')} | {_cell(o.gain_s, '+.3f')} |")
+        return f"held-out accuracy ({run['policy']}): {100 * last:.1f}% at step {last_step}"
+    return (f"held-out accuracy ({run['policy']}): {100 * first:.1f}% {where} -> {100 * last:.1f}% at step "
+            f"{last_step} ({100 * (last - first):+.1f} points)")
 
 
-def generation_table(runs: list[dict]) -> str:
-    """Decisions inside the step (``generation_decisions`` of a run record, either backend): a row per
-    acting decision (where, what it moved how, predicted gain and cost, measured cost and gain), then how
-    many were declined; "" when no run has any."""
-    rows, declined, left = [], 0, 0
-    for r in runs:
-        tabled = 0
-        for raw in r.get("generation_decisions", []):
-            e = GenerationEntry.from_json(raw)
-            if not e.decision.acts:
-                declined += 1
-            elif tabled < MAX_TABLED:
-                rows.append(_generation_row(r["policy"], e))
-                tabled += 1
-            else:
-                left += 1
-    if not rows and not declined:
-        return ""
-    head = ("| policy | step | iteration | decision | outcome | replicas / tail | sequences | KV | re-prefill "
-            "| not started | bytes | predicted gain (s) | predicted cost (s) | measured cost (s) | measured gain (s) |")
-    more = f" ({left} more not tabled)" if left else ""
-    return "\n".join(["## Decisions inside the step", "", head, "|" + "---|" * 15, *rows, "",
-                      f"{len(rows) + left} acting{more}, {declined} declined (predicted gain under margin × cost); "
-                      "every decision, with its reason, is in the run record's generation_decisions."])
+# ----- plots --------------------------------------------------------------------------------------------------
 
-
-def plot_runs(runs: list[dict], out_dir: Path) -> list[Path]:
-    """step_latency.png (transitions marked) and workload.png (GPUs and response length)."""
+def _pyplot():  # noqa: ANN202 - matplotlib.pyplot, imported on first use (it is slow to import)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, path: Path) -> Path:  # noqa: ANN001 - a matplotlib Figure
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_runs(runs: list[dict], out_dir: Path) -> list[Path]:
+    """step_latency.png (transitions and tail batching's long rounds marked) and workload.png (GPUs and
+    response length)."""
+    plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for r in runs:
-        steps = [s["step"] for s in r["steps"]]
-        line, = ax.plot(steps, [s["step_time_s"] for s in r["steps"]], lw=1, label=r["policy"])
-        moves = [s for s in r["steps"] if s["transition_s"] > 0]
-        ax.scatter([s["step"] for s in moves], [s["step_time_s"] for s in moves], marker="v", s=40,
-                   color=line.get_color(), zorder=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("step latency (s)")
-    ax.set_title("Step latency over the run (▼ = transition)")
+        line, = ax.plot([s["step"] for s in r["steps"]], [s["step_time_s"] for s in r["steps"]], lw=1,
+                        label=r["policy"])
+        long = {s for s, x in rounds_of(r).items() if x["long_round"]}
+        for marks, marker in (([s for s in r["steps"] if s["transition_s"] > 0], "v"),
+                              ([s for s in r["steps"] if s["step"] in long], "D")):
+            ax.scatter([s["step"] for s in marks], [s["step_time_s"] for s in marks], marker=marker, s=30,
+                       color=line.get_color(), zorder=3)
+    ax.set(xlabel="step", ylabel="step latency (s)",
+           title="Step latency over the run (▼ transition, ◆ tail batching's long round)")
     ax.legend()
     ax.grid(alpha=0.3)
-    latency = out_dir / "step_latency.png"
-    fig.tight_layout()
-    fig.savefig(latency, dpi=110)
-    plt.close(fig)
+    latency = _save(fig, out_dir / "step_latency.png")
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     first = runs[0]["steps"]
@@ -203,11 +222,48 @@ def plot_runs(runs: list[dict], out_dir: Path) -> list[Path]:
     ax2.set_ylabel("response length (tokens)", color="tab:orange")
     ax2.legend(loc="upper left")
     ax.set_title(f"Workload and GPUs ({runs[0]['policy']})")
-    workload = out_dir / "workload.png"
-    fig.tight_layout()
-    fig.savefig(workload, dpi=110)
-    plt.close(fig)
-    return [latency, workload]
+    return [latency, _save(fig, out_dir / "workload.png")]
+
+
+# A real run's learning curves from its metrics.jsonl: (file stem, title, y label, ((metric, legend), ...)).
+LEARNING_PLOTS = (
+    ("reward", "Reward per step", "reward", (("critic/score/mean", "mean score (all rewards)"),
+                                             ("reward/rule/mean", "rule reward"),
+                                             ("reward_model/score/mean", "reward model"))),
+    ("accuracy", "Accuracy", "accuracy", (("val/accuracy", "held-out"),
+                                          ("reward/rule/mean", "training batch (rule reward)"))),
+    ("kl", "KL divergence", "nats per token", (("actor/ppo_kl", "to the policy that sampled (PPO updates)"),
+                                               ("actor/reward_kl_penalty", "to the reference (in the reward)"),
+                                               ("actor/kl_loss", "to the reference (as a loss)"))),
+    ("response_length", "Response length", "tokens", (("response_length/mean", "mean"),
+                                                      ("response_length/max", "longest"))),
+)
+
+
+def plot_learning(runs: list[dict], out_dir: Path) -> list[Path]:
+    """reward.png, accuracy.png, kl.png and response_length.png per step, for the runs whose folder has
+    metrics (real runs); a plot with no series is not written."""
+    written = []
+    for stem, title, ylabel, series in LEARNING_PLOTS:
+        lines = [(r, key, label) for r in runs for key, label in series
+                 if any(key in m for m in r.get("learning", {}).get("metrics", []))]
+        if not lines:
+            continue
+        fig, ax = _pyplot().subplots(figsize=(10, 4.5))
+        for r, key, label in lines:
+            rows = [m for m in r["learning"]["metrics"] if key in m]
+            name = label if len(runs) == 1 else f"{r['policy']}: {label}"
+            ax.plot([m["step"] for m in rows], [m[key] for m in rows], lw=1,
+                    marker="o" if len(rows) <= 40 else None, ms=3, label=name)
+            start = r["learning"].get("start")
+            if key == "val/accuracy" and start is not None:
+                ax.scatter([0], [start[0]], marker="s", zorder=3,
+                           label="after the warm-start" if start[1] else "at the start")
+        ax.set(xlabel="step", ylabel=ylabel, title=title)
+        ax.legend()
+        ax.grid(alpha=0.3)
+        written.append(_save(fig, out_dir / f"{stem}.png"))
+    return written
 
 
 def timeline(runs: list[dict]) -> dict:
@@ -237,7 +293,11 @@ def write_report(paths: list[str], out_dir: str | Path) -> dict[str, Path]:
     """Write the report of the runs ``paths`` into ``out_dir``: everything is written into a temporary
     folder beside it first, then moved in, so a failure leaves no half-written report (and an existing
     folder keeps its other files). Returns each output's final path."""
-    runs = [load_run(p) for p in paths]
+    runs = []
+    for p in paths:
+        run = load_run(p)
+        run["learning"] = {"metrics": load_metrics(p), "start": start_accuracy(p)}
+        runs.append(run)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
@@ -254,14 +314,24 @@ def write_report(paths: list[str], out_dir: str | Path) -> dict[str, Path]:
     return {name: out / path.name for name, path in written.items()}
 
 
+def report_text(runs: list[dict], pngs: list[Path]) -> str:
+    """report.md: the runs' table, held-out accuracy, the plots, the tail levers in words and the decisions."""
+    lines = ["# Runs", "", markdown_table(runs), ""]
+    accuracy = [line for r in runs if (line := accuracy_line(r))]
+    wall = [f"{r['policy']}: {duration(r['summary']['wall_s'])} wall-clock for the steps" for r in runs
+            if r.get("trace") == "runtime" and isinstance(r["summary"].get("wall_s"), (int, float))]
+    lines += [*(f"- {x}" for x in accuracy + wall), *([""] if accuracy or wall else [])]
+    lines += [f"![{p.stem}]({p.name})" for p in pngs] + [""]
+    for r in runs:
+        lines += notes(r)
+    inside = generation_table(runs)
+    return "\n".join(lines + ([inside] if inside else [])).rstrip() + "\n"
+
+
 def _write_outputs(runs: list[dict], out: Path) -> dict[str, Path]:
     table = out / "report.md"
-    pngs = plot_runs(runs, out)
-    lines = ["# Runs", "", markdown_table(runs), ""] + [f"![{p.stem}]({p.name})" for p in pngs]
-    inside = generation_table(runs)
-    if inside:
-        lines += ["", inside]
-    table.write_text("\n".join(lines) + "\n")
+    pngs = plot_runs(runs, out) + plot_learning(runs, out)
+    table.write_text(report_text(runs, pngs))
     trace = out / "timeline.json"
     trace.write_text(json.dumps(timeline(runs)))
     return {"markdown": table, "timeline": trace, **{p.stem: p for p in pngs}}
