@@ -1,6 +1,8 @@
 """README.md, docs/ and the code are the product's reference, not its history (that is CHANGELOG.md):
-no issue numbers and no commit hashes of this repository in them, and every relative link in README.md
-and docs/*.md points at a file, and a heading, that exists.
+no issue numbers and no commit hashes of this repository in them, no dates in README.md and docs/*.md,
+and every relative link in README.md and docs/*.md points at a file, and a heading, that exists. README.md
+is the front door: at most 250 lines, and its results table gives every figure with the command that
+measures it, a script that exists.
 
 The scanners are plain functions, so each check is also shown to fire on a planted violation."""
 
@@ -23,6 +25,9 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.MULTILINE | re.DOTALL)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
+ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+MAX_README_LINES = 250
+SCRIPT = re.compile(r"\bpython\s+((?:benchmarks|tests|examples)/[\w/.-]+\.py)")
 
 
 def scanned_files() -> list[Path]:
@@ -100,6 +105,67 @@ def broken_links(path: Path) -> list[str]:
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
             bad.append(f"{target}: no heading #{anchor} in {dest.name}")
     return bad
+
+
+def dates(text: str) -> list[str]:
+    """ISO dates in ``text``, as ``line: date`` (a page's dates are its history: CHANGELOG.md keeps them)."""
+    return [f"{n}: {m.group(0)}" for n, line in enumerate(text.splitlines(), 1) for m in ISO_DATE.finditer(line)]
+
+
+def results_rows(readme: str) -> list[list[str]]:
+    """The cells of the rows of README's "Results" table (header and rule left out)."""
+    section = readme.partition("\n## Results\n")[2].partition("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def readme_problems(readme: str, root: Path = ROOT) -> list[str]:
+    """What keeps ``readme`` from being a front door: over ``MAX_README_LINES`` lines, dates, a results table
+    missing or with a row without a command and a figure, a `python <script>` that does not exist."""
+    problems = []
+    if len(readme.splitlines()) > MAX_README_LINES:
+        problems.append(f"{len(readme.splitlines())} lines (at most {MAX_README_LINES}): move detail to docs/")
+    problems += [f"date {d}: history belongs in CHANGELOG.md" for d in dates(readme)]
+    rows = results_rows(readme)
+    if not rows:
+        problems.append("no results table under '## Results'")
+    for cells in rows:
+        if len(cells) < 3 or "`" not in cells[1] or not re.search(r"\d", cells[2]):
+            problems.append(f"results row without a command and a figure: {cells[0][:60]}")
+    problems += [f"no such script: {m.group(1)}" for m in SCRIPT.finditer(readme) if not (root / m.group(1)).is_file()]
+    return problems
+
+
+def test_readme_is_a_front_door() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert not readme_problems(readme), readme_problems(readme)
+    assert len(results_rows(readme)) >= 10
+    for command in ("make demo", "make test", "nereus report"):
+        assert command in readme
+
+
+def test_no_dates_in_readme_and_docs() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    found = {str(p.relative_to(ROOT)): d for p in pages if (d := dates(p.read_text()))}
+    assert not found, f"dates belong in CHANGELOG.md: {found}"
+
+
+def test_the_readme_rules_fire_on_planted_violations(tmp_path: Path) -> None:
+    good = ("# X\n\n## Results\n\n| what | command | figures |\n|---|---|---|\n"
+            "| search | `python benchmarks/a.py` | 0.3 s |\n\n## Next\n")
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "a.py").write_text("")
+    assert readme_problems(good, tmp_path) == []
+    long = good + "line\n" * MAX_README_LINES
+    assert readme_problems(long, tmp_path) == [f"{len(long.splitlines())} lines (at most {MAX_README_LINES}): "
+                                               "move detail to docs/"]
+    assert readme_problems(good.replace("0.3 s", "0.3 s (measured 2026-12-04)"), tmp_path) == \
+        ["date 7: 2026-12-04: history belongs in CHANGELOG.md"]
+    assert readme_problems(good.replace("`python benchmarks/a.py`", "the script"), tmp_path) == \
+        ["results row without a command and a figure: search"]
+    assert readme_problems(good.replace("a.py", "gone.py"), tmp_path) == ["no such script: benchmarks/gone.py"]
+    assert readme_problems("# X\n", tmp_path) == ["no results table under '## Results'"]
+    assert dates("runs of 1,024 GPUs; 2024 and 12-04") == []
 
 
 def test_no_issue_numbers_or_commit_hashes_in_readme_docs_and_code() -> None:
