@@ -231,6 +231,9 @@ class SimBackend:
             if keep is not None and finish is not None:  # the short round stops as its groups end under speculation
                 self._short = stop_round(finish, keep[1], keep[0])
                 out = stopped(out, self._short.stop_s)
+                # the gain of a short round is against the plain round stopped where its own groups end
+                plain = stopped(base, stop_round(bulk.finish_s, keep[1], keep[0]).stop_s)
+                spec_outcome = replace(spec_outcome, gain_s=(plain.generation_s - out.generation_s) * gen_noise)
         stage_times["actor/generation"] = out.generation_s * gen_noise
         inference = phases["inference"]
         after, early = overlapped_inference(inference, out, len(lengths))
