@@ -1,0 +1,24 @@
+"""The ``Worker``'s inference role: forward passes over a key's shard, answered by each data-parallel
+replica's output rank."""
+
+from __future__ import annotations
+
+import torch
+
+from nereus.runtime.cluster.calls import ReplicaOutput
+from nereus.runtime.cluster.worker_roles.core import WorkerCore
+
+
+class InferenceRole(WorkerCore):
+    """Log-probs, entropies and values of a key's model (requests ``calls.Logprobs``,
+    ``LogprobsAndEntropy``, ``Values``); reads only ``models`` and changes nothing."""
+
+    def logprobs(self, key: str, tokens: torch.Tensor) -> ReplicaOutput[torch.Tensor] | None:
+        return self._on(key, lambda sm: self._output(sm, sm.logprobs(tokens)))
+
+    def logprobs_and_entropy(self, key: str,
+                             tokens: torch.Tensor) -> ReplicaOutput[tuple[torch.Tensor, torch.Tensor]] | None:
+        return self._on(key, lambda sm: self._output(sm, sm.logprobs_and_entropy(tokens)))
+
+    def values(self, key: str, tokens: torch.Tensor) -> ReplicaOutput[torch.Tensor] | None:
+        return self._on(key, lambda sm: self._output(sm, sm.values(tokens)))
