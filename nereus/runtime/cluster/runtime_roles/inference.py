@@ -1,0 +1,26 @@
+"""The driver's inference operations: a key's log-probs, entropies and values, combined from its
+data-parallel replicas in order."""
+
+from __future__ import annotations
+
+import torch
+
+from nereus.runtime.cluster.calls import Logprobs, LogprobsAndEntropy, Values
+from nereus.runtime.cluster.runtime_roles.core import RuntimeCore
+
+
+class InferenceOps(RuntimeCore):
+    """Issues the inference requests (``calls.Logprobs``, ``LogprobsAndEntropy``, ``Values``) on a key's
+    workers through ``_on`` and concatenates the replicas' rows; changes no state."""
+
+    def logprobs(self, key: str, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._on(key, Logprobs(tokens)))
+
+    def logprobs_and_entropy(self, key: str, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and full-vocabulary entropies [B, T−1] from one forward pass (verl's old_log_prob
+        stage computes both)."""
+        parts = self._on(key, LogprobsAndEntropy(tokens))
+        return torch.cat([lp for lp, _ in parts]), torch.cat([h for _, h in parts])
+
+    def values(self, key: str, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._on(key, Values(tokens)))
