@@ -56,6 +56,7 @@ from nereus.run.warmstart import greedy_accuracy, initial_checkpoints  # noqa: E
 from nereus.runtime.engines.sampling import derive_seed  # noqa: E402
 from nereus.runtime.model.decoder import CausalLM  # noqa: E402
 from nereus.runtime.model.hf import load_boxes  # noqa: E402
+from nereus.runtime.parallel.batch import TrainBatch  # noqa: E402
 from nereus.spec.job import JobSpec, load_job  # noqa: E402
 from nereus.spec.layout import Layout  # noqa: E402
 from nereus.spec.sharding import rank_tensors  # noqa: E402
@@ -128,8 +129,8 @@ def mini_batch_rows(job: JobSpec, n: int, step: int) -> list[list[int]]:
     """The rows of each of the step's mini-batches, split by the runtime's ``mini_batches`` with the
     runtime's seed."""
     g = torch.Generator().manual_seed(derive_seed(job.run.seed, MINI_BATCH_ORDER, step))
-    index = {"tokens": torch.arange(n)[:, None], "mask": torch.ones(n, 1)}
-    return [mb["tokens"][:, 0].tolist() for mb in mini_batches(index, job.algorithm.mini_batches, g)]
+    index = TrainBatch(torch.arange(n)[:, None], mask=torch.ones(n, 1))
+    return [mb.tokens[:, 0].tolist() for mb in mini_batches(index, job.algorithm.mini_batches, g)]
 
 
 @torch.no_grad()

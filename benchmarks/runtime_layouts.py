@@ -23,12 +23,13 @@ from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.engines.fixed_batch import SamplingParams, generate
 from nereus.runtime.model.decoder import ModelConfig, build_model
 from nereus.runtime.model.hf import slice_boxes
+from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes
 from nereus.spec.layout import Layout
 from nereus.spec.model import ModelArch
 
 
-def _loss(out: torch.Tensor, mb: dict) -> torch.Tensor:
+def _loss(out: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
     return -out.mean()
 
 
@@ -52,7 +53,7 @@ def _measure(cfg: ModelConfig, lay: Layout, state: dict, a: argparse.Namespace) 
     prompts = torch.randint(0, cfg.arch.vocab, (a.batch, a.prompt), generator=g).tolist()
     params = SamplingParams(max_new_tokens=a.new_tokens)
     noop = lambda: None  # noqa: E731  (ranks outside the layout still join the barriers)
-    train = _timed((lambda: sm.train_step({"tokens": tokens}, _loss)) if sm else noop, a.steps)
+    train = _timed((lambda: sm.train_step(TrainBatch(tokens), _loss)) if sm else noop, a.steps)
     infer = _timed((lambda: sm.logprobs(tokens)) if sm else noop, a.steps)
     gen = _timed((lambda: generate(sm, prompts, params)) if sm else noop, a.steps)
     dist.barrier()

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +48,7 @@ from nereus.rl.offpolicy import correction_metrics, raw_weights, rollout_is_weig
 from nereus.run.overlap import Call
 from nereus.run.rollout import Rollout, pack, repeat_prompts
 from nereus.runtime.cluster.calls import GenerateWithLogprobs
+from nereus.runtime.parallel.batch import TrainBatch
 
 if TYPE_CHECKING:
     from nereus.run.driver import Stepper
@@ -157,19 +158,17 @@ class AsyncRollouts:
         self.events.append(("generation_answered", step))
         return gen.rollout, gen.rows, step
 
-    def correct(self, roll: Rollout, inf: dict, batch: dict) -> dict[str, float]:
-        """Put the importance weights π_old/π_rollout in the actor's batch (``remote.actor_loss``); with
-        ``rollout_is_mode: mask`` the dropped tokens leave its mask. Returns verl's ``rollout_corr/*``."""
+    def correct(self, roll: Rollout, inf: dict, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
+        """The actor's batch with the importance weights π_old/π_rollout (``rl.losses.actor_loss``); with
+        ``rollout_is_mode: mask`` the dropped tokens leave its mask. With it verl's ``rollout_corr/*``."""
         s = self.spec
         prox, behav, mask = inf["old_logp"], roll.gen_logp, roll.mask
         if s.rollout_is == "none":  # metrics only, as verl's rollout_is: null
             w = raw_weights(prox, behav, mask) * mask
-            return correction_metrics(prox, behav, mask, w, mask, s.rollout_is_threshold)
+            return batch, correction_metrics(prox, behav, mask, w, mask, s.rollout_is_threshold)
         w, keep = rollout_is_weights(prox, behav, mask, s.rollout_is, s.rollout_is_threshold, s.rollout_is_mode)
-        batch["is_weight"] = w
-        if s.rollout_is_mode == "mask":
-            batch["mask"] = mask * keep
-        return correction_metrics(prox, behav, mask, w, keep, s.rollout_is_threshold, s.rollout_is)
+        batch = replace(batch, is_weight=w, mask=mask * keep if s.rollout_is_mode == "mask" else batch.mask)
+        return batch, correction_metrics(prox, behav, mask, w, keep, s.rollout_is_threshold, s.rollout_is)
 
     def step(self, step: int) -> dict[str, float]:
         """One asynchronous step (the module's steps 1-4); the metric line adds ``async/*`` and
@@ -185,7 +184,9 @@ class AsyncRollouts:
             inf = st.infer(roll, rows)
             adv = st.advantages(roll, rows, inf)
             jobs = st.training_jobs(roll, inf, adv)
-            corr = self.correct(roll, inf, jobs["actor"][0])
+            batch, loss, lr = jobs["actor"]
+            batch, corr = self.correct(roll, inf, batch)
+            jobs["actor"] = (batch, loss, lr)
             stats = st.train_models(step, jobs)
             self.events.append(("training_answered", step))
             if self.pending is not None:

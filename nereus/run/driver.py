@@ -40,14 +40,24 @@ from nereus.runtime.engines.answers import DecodeStats, ReplicaRollout
 from nereus.runtime.engines.engine_pool import EnginesOpened
 from nereus.runtime.engines.fixed_batch import SamplingParams
 from nereus.runtime.engines.sampling import derive_seed
-from nereus.runtime.parallel.sharded import Batch, LossFn, TrainStats
+from nereus.runtime.parallel.batch import TrainBatch
+from nereus.runtime.parallel.sharded import LossFn, TrainStats
 from nereus.spec.generation import GenerationEntry
 from nereus.spec.job import JobSpec
 from nereus.spec.levers import GenerationLevers
 from nereus.spec.rollout import TailBatching
 
 # model -> (batch, loss function, learning rate) of its update (``Stepper.training_jobs``)
-TrainingJobs = dict[str, tuple[Batch, LossFn, float]]
+TrainingJobs = dict[str, tuple[TrainBatch, LossFn, float]]
+
+
+@dataclass(frozen=True)
+class MicroStats:
+    """One micro-batch's statistics of a model's update: the index of its optimizer step within the step,
+    and what the loss function reported (``rl.losses.ActorLossStats``, ``CriticLossStats``)."""
+
+    update: int
+    loss: losses.ActorLossStats | losses.CriticLossStats
 
 
 @dataclass(frozen=True)
@@ -322,11 +332,11 @@ class Stepper:
                 kl_coef=r.kl_coef, gamma=r.gamma, lam=r.lam, norm_adv_by_std=r.norm_adv_by_std_in_grpo)
             return advantage_estimator(self.alg.adv_estimator)(x)
 
-    def update(self, model: str, batch: Batch, loss_fn: LossFn, lr: float, step: int) -> list[dict[str, float]]:
+    def update(self, model: str, batch: TrainBatch, loss_fn: LossFn, lr: float, step: int) -> list[MicroStats]:
         """``epochs`` × ``mini_batches`` optimizer steps on ``model``'s training layout."""
         return self.update_stats(model, self.submit_update(model, batch, loss_fn, lr, step))
 
-    def submit_update(self, model: str, batch: Batch, loss_fn: LossFn, lr: float, step: int) -> list[Call]:
+    def submit_update(self, model: str, batch: TrainBatch, loss_fn: LossFn, lr: float, step: int) -> list[Call]:
         """Issue ``model``'s optimizer steps; sequentially each is answered before the next is issued,
         with ``run.overlap`` all are issued at once (the worker runs them in order either way). ``lr`` is
         the base rate, scaled by the warm-up (``RunSpec.lr_at``)."""
@@ -344,8 +354,8 @@ class Stepper:
                 self.calls.wait(calls[-1:])
         return calls
 
-    def update_stats(self, model: str, calls: list[Call]) -> list[dict[str, float]]:
-        """The statistics of ``model``'s optimizer steps ``calls``, as ``update`` returns them: one dict per
+    def update_stats(self, model: str, calls: list[Call]) -> list[MicroStats]:
+        """The statistics of ``model``'s optimizer steps ``calls``, as ``update`` returns them: one record per
         micro-batch, each with ``update``, the index of its optimizer step in the step (the last mini-batch's
         are the last ones, ``report.step_metrics``)."""
         steps = [TrainStats(tuple(parts)) for parts in self.calls.wait(calls)]
@@ -353,8 +363,7 @@ class Stepper:
         if self.run.grad_clip:  # norms are measured while clipping: verl's actor/grad_norm, critic/grad_norm
             norms = [st.replicas[d].grad_norm for d in replicas for st in steps]
             self.grad_norms[model] = sum(norms) / len(norms)
-        return [{**m, "update": float(i)} for d in replicas for i, st in enumerate(steps)
-                for m in st.replicas[d].metrics]
+        return [MicroStats(i, m) for d in replicas for i, st in enumerate(steps) for m in st.replicas[d].metrics]
 
     def sync(self) -> None:
         """Each trained model's new weights from its training layout to its other layouts, by the live
@@ -373,14 +382,11 @@ class Stepper:
         r, mask = self.run, roll.mask
         out = {}
         if self.has("critic"):
-            batch = {"tokens": roll.tokens, "index": roll.index, "mask": mask, "old_values": inf["values"],
-                     "returns": adv["returns"]}
+            batch = TrainBatch(roll.tokens, roll.index, mask, old_values=inf["values"], returns=adv["returns"])
             out["critic"] = (batch, partial(losses.critic_loss, clip=r.value_clip), r.critic_lr)
-        batch = {"tokens": roll.tokens, "index": roll.index, "mask": mask, "old_logp": inf["old_logp"],
-                 "adv": adv["adv"]}
         kl_coef = r.kl_loss_coef if r.use_kl_loss and "ref_logp" in inf else 0.0
-        if kl_coef:
-            batch["ref_logp"] = inf["ref_logp"]
+        batch = TrainBatch(roll.tokens, roll.index, mask, old_logp=inf["old_logp"], advantages=adv["adv"],
+                           ref_logp=inf["ref_logp"] if kl_coef else None)
         # verl: clip_ratio_low and clip_ratio_high each default to clip_ratio
         low = r.clip_ratio if r.clip_ratio_low is None else r.clip_ratio_low
         high = r.clip_ratio if r.clip_ratio_high is None else r.clip_ratio_high

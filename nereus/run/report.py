@@ -12,6 +12,7 @@ from nereus.rl.core import agg_loss, kl_estimate, masked_mean
 from nereus.run.rollout import Rollout
 
 if TYPE_CHECKING:
+    from nereus.rl.losses import ActorLossStats, CriticLossStats
     from nereus.run.driver import Stepper
 
 
@@ -27,9 +28,10 @@ def critic_metrics(st: Stepper, step: int, mask: torch.Tensor, inf: dict, adv: d
     if "values" in inf:
         m.update(masked_stats("critic/values", inf["values"], mask))
         m["critic/vf_explained_var"] = explained_variance(adv["returns"], inf["values"], mask)
-        c, r = stats["critic"], st.run
-        m.update({"critic/vf_loss": mean(c, "vf_loss"), "critic/vf_clipfrac": weighted(c, "vf_clipfrac"),
-                  "critic/vpred_mean": weighted(c, "vpred_mean"), "critic/lr": r.lr_at(r.critic_lr, step)})
+        c, r = [s.loss for s in stats["critic"]], st.run
+        m.update({"critic/vf_loss": mean([s.vf_loss for s in c]),
+                  "critic/vf_clipfrac": weighted(c, [s.vf_clipfrac for s in c]),
+                  "critic/vpred_mean": weighted(c, [s.vpred_mean for s in c]), "critic/lr": r.lr_at(r.critic_lr, step)})
     return m
 
 
@@ -59,16 +61,18 @@ def step_metrics(st: Stepper, step: int, roll: Rollout, inf: dict, adv: dict, st
     if "rm" in inf:
         m["reward_model/score/mean"] = float(inf["rm"].mean())
     m.update(critic_metrics(st, step, mask, inf, adv, stats))
-    a = stats["actor"]
-    m.update({"actor/pg_loss": mean(a, "pg_loss"), "actor/pg_clipfrac": weighted(a, "pg_clipfrac"),
-              "actor/pg_clipfrac_lower": weighted(a, "pg_clipfrac_lower"),
-              "actor/ppo_kl": weighted(a, "ppo_kl"), "actor/kl_loss": mean(a, "kl_loss"),
+    a = [s.loss for s in stats["actor"]]
+    m.update({"actor/pg_loss": mean([s.pg_loss for s in a]),
+              "actor/pg_clipfrac": weighted(a, [s.pg_clipfrac for s in a]),
+              "actor/pg_clipfrac_lower": weighted(a, [s.pg_clipfrac_lower for s in a]),
+              "actor/ppo_kl": weighted(a, [s.ppo_kl for s in a]), "actor/kl_loss": mean([s.kl_loss for s in a]),
               "actor/lr": r.lr_at(r.actor_lr, step)})
     # what warns of a collapse: the first mini-batch of a step is on-policy (ratio 1, ppo_kl 0), so the mean
     # above halves the last update's drift; these show it undiluted
-    last = max(s["update"] for s in a)
-    m["actor/ppo_kl_last"] = weighted([s for s in a if s["update"] == last], "ppo_kl")
-    m["actor/ppo_ratio_max_deviation"] = max(s["ratio_max_dev"] for s in a)
+    last = max(s.update for s in stats["actor"])
+    final = [s.loss for s in stats["actor"] if s.update == last]
+    m["actor/ppo_kl_last"] = weighted(final, [s.ppo_kl for s in final])
+    m["actor/ppo_ratio_max_deviation"] = max(s.ratio_max_dev for s in a)
     if "entropy" in inf:  # verl: the rollout policy's full-vocabulary entropy, aggregated as the loss
         m["actor/entropy"] = float(agg_loss(inf["entropy"], mask, r.loss_agg_mode, limit))
     if "ref_logp" in inf and r.kl_coef and not r.use_kl_loss:
@@ -123,16 +127,16 @@ def solve_shares(scores: torch.Tensor, group_size: int) -> dict[str, float]:
     return {"batch/solve_none": none, "batch/solve_all": every, "batch/solve_partial": 1.0 - none - every}
 
 
-def mean(stats: list[dict[str, float]], name: str) -> float:
+def mean(values: list[float]) -> float:
     """Mean of one statistic over micro-batches: for a loss, each micro-batch's share of its mini-batch's
-    aggregate (``remote._aggregate``), so this is the mean aggregate over the step's mini-batches."""
-    return sum(s[name] for s in stats) / max(len(stats), 1)
+    aggregate (``rl.losses._aggregate``), so this is the mean aggregate over the step's mini-batches."""
+    return sum(values) / max(len(values), 1)
 
 
-def weighted(stats: list[dict[str, float]], name: str) -> float:
-    """Token-weighted mean of one statistic over micro-batches."""
-    tokens = sum(s["tokens"] for s in stats)
-    return sum(s[name] * s["tokens"] for s in stats) / max(tokens, 1.0)
+def weighted(stats: list[ActorLossStats] | list[CriticLossStats], values: list[float]) -> float:
+    """Token-weighted mean over micro-batches of one statistic, ``values``, of the records ``stats``."""
+    tokens = sum(s.tokens for s in stats)
+    return sum(v * s.tokens for v, s in zip(values, stats, strict=True)) / max(tokens, 1.0)
 
 
 def explained_variance(returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:

@@ -9,12 +9,13 @@ the response's real tokens (EOS included, padding not).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from nereus.rl.core import agg_weights
 from nereus.rl.data import PAD
+from nereus.runtime.parallel.batch import TrainBatch
 
 
 @dataclass
@@ -80,18 +81,16 @@ def draw_uids(rows: int, n: int) -> torch.Tensor:
     return torch.arange(rows) // n
 
 
-def mini_batches(batch: dict[str, torch.Tensor], count: int, gen: torch.Generator, loss_agg_mode: str = "token-mean",
-                 horizon: int | None = None) -> list[dict[str, torch.Tensor]]:
+def mini_batches(batch: TrainBatch, count: int, gen: torch.Generator, loss_agg_mode: str = "token-mean",
+                 horizon: int | None = None) -> list[TrainBatch]:
     """``count`` shuffled mini-batches of equal size, each with the ``weight`` per token that makes the
     losses the ``loss_agg_mode`` aggregate over the mini-batch (``rl.core.agg_weights``; ``horizon``: the
-    maximum response length of seq-mean-token-sum-norm), see ``remote.actor_loss``."""
-    n = len(batch["tokens"])
+    maximum response length of seq-mean-token-sum-norm), see ``rl.losses.actor_loss``."""
+    n = len(batch)
     order = torch.randperm(n, generator=gen)
     size = n // count
     out = []
     for k in range(count):
-        rows = order[k * size: (k + 1) * size]
-        mb = {key: v[rows] for key, v in batch.items()}
-        mb["weight"] = agg_weights(mb["mask"], loss_agg_mode, horizon)
-        out.append(mb)
+        mb = batch.select(order[k * size: (k + 1) * size])
+        out.append(replace(mb, weight=agg_weights(mb.mask, loss_agg_mode, horizon)))
     return out

@@ -15,6 +15,7 @@ from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.engines.fixed_batch import SamplingParams, generate_with_logprobs
 from nereus.runtime.model.decoder import build_model
 from nereus.runtime.model.hf import slice_boxes
+from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
 from tests.runtime.common import MQA, all_layouts
 
@@ -52,7 +53,7 @@ def _check(layout, state: dict) -> None:
             seen.append(y.detach().clone())
             return y.sum() * 0.0
 
-        sm.backward({"tokens": full}, loss)
+        sm.backward(TrainBatch(full), loss)
         if sm.is_output_rank:
             msg = layout.short()
             torch.testing.assert_close(roll.response_frame(inference), roll.gen_logp, atol=2e-5, rtol=0, msg=msg)

@@ -31,6 +31,7 @@ from nereus.rl.core import (
     masked_mean,
 )
 from nereus.run.rollout import draw_uids, mini_batches, repeat_prompts
+from nereus.runtime.parallel.batch import TrainBatch
 from nereus.spec.errors import SpecError
 from nereus.spec.job import job_from_dict
 from nereus.spec.run import RunSpec
@@ -96,8 +97,8 @@ def test_unknown_aggregation_mode():
 def _actor_batch(mode: str) -> dict:
     # two responses of 2 and 3 tokens; the model's log-probs are the batch's own frame (index = arange)
     logp = T([[math.log(0.5), math.log(0.5), 0.0], [math.log(0.25), 0.0, math.log(0.5)]])
-    batch = {"tokens": torch.zeros(2, 4, dtype=torch.long), "index": torch.arange(3).repeat(2, 1), "mask": MASK,
-             "old_logp": torch.full((2, 3), math.log(0.5)), "adv": T([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])}
+    batch = TrainBatch(torch.zeros(2, 4, dtype=torch.long), torch.arange(3).repeat(2, 1), MASK,
+                       old_logp=torch.full((2, 3), math.log(0.5)), advantages=T([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]))
     (mb,) = mini_batches(batch, 1, torch.Generator().manual_seed(0), mode)
     return {"logp": logp, "mb": mb}
 
@@ -108,19 +109,19 @@ def test_actor_loss_aggregates_as_verl(mode):
     b = _actor_batch(mode)
     mb = b["mb"]
     out = losses.actor_loss(b["logp"], mb, 0.2, 0.2, 0.0, "k3", 3.0)
-    pg, _, _ = clipped_policy_loss(b["logp"].gather(1, mb["index"]), mb["old_logp"], mb["adv"], 0.2, 0.2, 3.0)
-    assert float(out.value) == pytest.approx(float(agg_loss(pg, mb["mask"], mode)), abs=1e-6)
-    assert out.stats["pg_loss"] == pytest.approx(float(agg_loss(pg, mb["mask"], mode)), abs=1e-6)
+    pg, _, _ = clipped_policy_loss(b["logp"].gather(1, mb.index), mb.old_logp, mb.advantages, 0.2, 0.2, 3.0)
+    assert float(out.value) == pytest.approx(float(agg_loss(pg, mb.mask, mode)), abs=1e-6)
+    assert out.stats.pg_loss == pytest.approx(float(agg_loss(pg, mb.mask, mode)), abs=1e-6)
     # verl's ppo_kl: masked mean of old − new log-probs
-    expected = float(((mb["old_logp"] - b["logp"].gather(1, mb["index"])) * mb["mask"]).sum() / mb["mask"].sum())
-    assert out.stats["ppo_kl"] == pytest.approx(expected, abs=1e-6)
+    expected = float(((mb.old_logp - b["logp"].gather(1, mb.index)) * mb.mask).sum() / mb.mask.sum())
+    assert out.stats.ppo_kl == pytest.approx(expected, abs=1e-6)
 
 
 def test_critic_loss_is_half_the_aggregated_clipped_error():
     # V_old 1, V 2, R 3, c .5 on every token: max((2−3)², (1.5−3)²) = 2.25 per token; seq-mean-token-sum:
     # sums 2·2.25 and 3·2.25, mean 5.625, times 0.5 = 2.8125
-    batch = {"tokens": torch.zeros(2, 4, dtype=torch.long), "index": torch.arange(3).repeat(2, 1), "mask": MASK,
-             "old_values": torch.ones(2, 3), "returns": torch.full((2, 3), 3.0)}
+    batch = TrainBatch(torch.zeros(2, 4, dtype=torch.long), torch.arange(3).repeat(2, 1), MASK,
+                       old_values=torch.ones(2, 3), returns=torch.full((2, 3), 3.0))
     (mb,) = mini_batches(batch, 1, torch.Generator().manual_seed(0), "seq-mean-token-sum")
     out = losses.critic_loss(torch.full((2, 3), 2.0), mb, 0.5)
     assert float(out.value) == pytest.approx(2.8125, abs=1e-6)
@@ -235,7 +236,7 @@ def test_runtime_entropy_is_the_full_vocabulary_entropy_under_tensor_parallelism
     ray_runtime.load("ent", MQA, Layout(tp=2, pp=2, dp=1, recompute="none", sequence_parallel=False),
                      checkpoint=tmp_path)
     try:
-        tokens = batch(MQA)["tokens"]
+        tokens = batch(MQA).tokens
         logp, h = ray_runtime.logprobs_and_entropy("ent", tokens)
         ref = reference(MQA)["fwd"]
         torch.testing.assert_close(h, entropy_from_logits(ref["logits"][:, :-1]), rtol=1e-4, atol=2e-5)
@@ -267,7 +268,7 @@ def test_entropy_bonus_in_the_actor_loss():
     # verl: policy_loss = pg_loss − entropy_coeff · agg(entropy); with entropy 2 on every token and
     # coefficient 0.1 the loss is 0.2 below the plain one, and the loss asks the engine for the entropy
     b = _actor_batch("token-mean")
-    mb = {**b["mb"], "entropy": torch.full((2, 3), 2.0)}
+    mb = replace(b["mb"], entropy=torch.full((2, 3), 2.0))
     plain = losses.policy_loss(clip_low=0.2, clip_high=0.2, kl_loss_coef=0.0, kl_loss_type="k3")
     bonus = losses.policy_loss(clip_low=0.2, clip_high=0.2, kl_loss_coef=0.0, kl_loss_type="k3", entropy_coeff=0.1)
     assert not plain.needs_entropy and bonus.needs_entropy
@@ -279,8 +280,8 @@ class _EntropyLoss:
 
     needs_entropy = True
 
-    def __call__(self, out: torch.Tensor, mb: dict) -> torch.Tensor:
-        return -0.1 * out.mean() - masked_mean(mb["entropy"], torch.ones_like(mb["entropy"]))
+    def __call__(self, out: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+        return -0.1 * out.mean() - masked_mean(mb.entropy, torch.ones_like(mb.entropy))
 
 
 def _entropy_gradient_body(rank: int, world: int) -> None:
@@ -293,7 +294,7 @@ def _entropy_gradient_body(rank: int, world: int) -> None:
 
     model = build_model(MQA, seed=1)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    tokens = batch(MQA)["tokens"]
+    tokens = batch(MQA).tokens
     logits = model(tokens)[:, :-1]
     logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
     (-0.1 * logp.mean() - entropy_from_logits(logits).mean()).backward()
@@ -301,7 +302,7 @@ def _entropy_gradient_body(rank: int, world: int) -> None:
     groups = ParallelGroups(layout, tied_embeddings=tied_head(MQA))
     boxes = shard_boxes(MQA, groups)
     sm = ShardedModel(MQA, groups, slice_boxes(state, boxes))
-    sm.backward({"tokens": tokens}, _EntropyLoss())
+    sm.backward(TrainBatch(tokens), _EntropyLoss())
     grads = dict(model.named_parameters())
     for name, p in sm.model.named_parameters():
         src = "model.embed_tokens.weight" if name == "tied_head" else name

@@ -8,6 +8,7 @@ from functools import lru_cache
 import torch
 
 from nereus.runtime.model.decoder import ModelConfig, build_model
+from nereus.runtime.parallel.batch import TrainBatch
 from nereus.spec.layout import Layout
 from nereus.spec.model import ModelArch
 
@@ -32,17 +33,19 @@ def all_layouts(max_world: int = 4) -> list[Layout]:
             for t, p, d in itertools.product(range(1, max_world + 1), repeat=3) if t * p * d <= max_world]
 
 
-def batch(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+def batch(cfg: ModelConfig, seed: int = 0) -> TrainBatch:
+    """Random tokens with advantages and returns per position [B, T] (``policy_loss`` reads them)."""
     g = torch.Generator().manual_seed(seed)
-    return {"tokens": torch.randint(0, cfg.arch.vocab, (BATCH, SEQ), generator=g),
-            "adv": torch.randn(BATCH, SEQ, generator=g), "ret": torch.randn(BATCH, SEQ, generator=g)}
+    tokens = torch.randint(0, cfg.arch.vocab, (BATCH, SEQ), generator=g)
+    adv = torch.randn(BATCH, SEQ, generator=g)
+    return TrainBatch(tokens, advantages=adv, returns=torch.randn(BATCH, SEQ, generator=g))
 
 
-def policy_loss(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+def policy_loss(out: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
     """A policy-gradient-shaped loss on next-token log-probs (or a value regression for value heads)."""
-    if out.shape[-1] == mb["tokens"].shape[-1]:
-        return ((out - mb["ret"]) ** 2).mean()
-    return -(out * mb["adv"][:, 1:]).mean() + 0.1 * (out**2).mean()
+    if out.shape[-1] == mb.tokens.shape[-1]:
+        return ((out - mb.returns) ** 2).mean()
+    return -(out * mb.advantages[:, 1:]).mean() + 0.1 * (out**2).mean()
 
 
 @lru_cache(maxsize=8)
@@ -54,18 +57,18 @@ def reference(cfg: ModelConfig, mbs: int = 1) -> dict[str, dict[str, torch.Tenso
     b = batch(cfg)
     out: dict[str, dict[str, torch.Tensor]] = {"state": state}
     with torch.no_grad():
-        y = model(b["tokens"])
+        y = model(b.tokens)
     if cfg.value_head:
         out["fwd"] = {"values": y}
     else:
-        logp = torch.log_softmax(y, -1)[:, :-1].gather(-1, b["tokens"][:, 1:, None]).squeeze(-1)
+        logp = torch.log_softmax(y, -1)[:, :-1].gather(-1, b.tokens[:, 1:, None]).squeeze(-1)
         out["fwd"] = {"logits": y, "logprobs": logp}
     n = BATCH // mbs
     for i in range(0, BATCH, mbs):
-        mb = {k: v[i: i + mbs] for k, v in b.items()}
-        y = model(mb["tokens"])
+        mb = b.select(slice(i, i + mbs))
+        y = model(mb.tokens)
         if not cfg.value_head:
-            y = torch.log_softmax(y, -1)[:, :-1].gather(-1, mb["tokens"][:, 1:, None]).squeeze(-1)
+            y = torch.log_softmax(y, -1)[:, :-1].gather(-1, mb.tokens[:, 1:, None]).squeeze(-1)
         (policy_loss(y, mb) / n).backward()
     out["grad"] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     # what torch.nn.utils.clip_grad_norm_ measures (a tied embedding is one parameter, counted once)

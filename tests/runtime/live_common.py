@@ -13,6 +13,7 @@ from nereus.elastic.plan import TransitionPlan
 from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.model.decoder import ModelConfig, build_model
 from nereus.runtime.model.hf import slice_boxes
+from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes
 from nereus.runtime.transitions.holdings import holdings_of
 from nereus.runtime.transitions.live import KeySpec, plan_of
@@ -76,16 +77,17 @@ def load(s: KeySpec, groups: ParallelGroups, state: dict[str, torch.Tensor]) -> 
     return ShardedModel(s.cfg, groups, slice_boxes(state, shard_boxes(s.cfg, groups)))
 
 
-def make_batch(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+def make_batch(cfg: ModelConfig, seed: int) -> TrainBatch:
     g = torch.Generator().manual_seed(seed)
-    return {"tokens": torch.randint(0, cfg.arch.vocab, (BATCH, SEQ), generator=g),
-            "adv": torch.randn(BATCH, SEQ, generator=g), "ret": torch.randn(BATCH, SEQ, generator=g)}
+    tokens = torch.randint(0, cfg.arch.vocab, (BATCH, SEQ), generator=g)
+    adv = torch.randn(BATCH, SEQ, generator=g)
+    return TrainBatch(tokens, advantages=adv, returns=torch.randn(BATCH, SEQ, generator=g))
 
 
-def loss_fn(out: torch.Tensor, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    if out.shape[-1] == mb["tokens"].shape[-1]:  # values
-        return ((out - mb["ret"]) ** 2).mean()
-    return -(out * mb["adv"][:, 1:]).mean() + 0.1 * (out**2).mean()
+def loss_fn(out: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
+    if out.shape[-1] == mb.tokens.shape[-1]:  # values
+        return ((out - mb.returns) ** 2).mean()
+    return -(out * mb.advantages[:, 1:]).mean() + 0.1 * (out**2).mean()
 
 
 def train_step(sm: ShardedModel | None, cfg: ModelConfig, seed: int, lr: float = 1e-2) -> list[float]:

@@ -21,7 +21,8 @@ import torch
 
 from nereus.elastic.kvplan import MigrationPlan
 from nereus.runtime.engines.sampling import SamplingParams
-from nereus.runtime.parallel.sharded import Batch, LossFn
+from nereus.runtime.parallel.batch import TrainBatch
+from nereus.runtime.parallel.sharded import LossFn
 from nereus.spec.rollout import Speculation
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ InferenceCall = type[Logprobs] | type[LogprobsAndEntropy] | type[Values]
 class TrainStep:
     """One optimizer step on ``batch`` with ``loss_fn`` (``Worker.train_step``): changes the weights."""
 
-    batch: Batch
+    batch: TrainBatch
     loss_fn: LossFn
     lr: float
     max_grad_norm: float | None = None

@@ -7,16 +7,16 @@ pipeline stage of each replica (``is_output_rank``: TP rank 0 there returns them
 
 The objective of a training step is the mean over all micro-batches of all replicas of
 ``loss_fn(out, micro_batch)``, where ``out`` is the log-probabilities [b, T−1] of each next token (LM
-models) or the values [b, T] (value-head models) and ``micro_batch`` holds the batch's tensors cut to the
-same rows (plus, for a ``loss_fn`` whose ``needs_entropy`` is true, ``entropy`` [b, T−1]: each next-token
-distribution's full-vocabulary entropy, differentiable). A single process running the same micro-batches
-computes the same objective.
+models) or the values [b, T] (value-head models) and ``micro_batch`` is the ``TrainBatch`` cut to the
+same rows (``TrainBatch.select``; for a ``loss_fn`` whose ``needs_entropy`` is true with ``entropy``
+[b, T−1] set: each next-token distribution's full-vocabulary entropy, differentiable). A single process
+running the same micro-batches computes the same objective.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -26,6 +26,7 @@ from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.model.decoder import CausalLM, ModelConfig, rope_inv_freq
 from nereus.runtime.model.memory import ActivationMeter, MemoryReport, tensor_bytes
 from nereus.runtime.parallel import ParallelDims, parallelize
+from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.dp import ShardedAdam, average_gradients, sum_gradients
 from nereus.runtime.parallel.pp import StageComm, forward_only, train_pipeline
 from nereus.runtime.parallel.tp import (
@@ -37,19 +38,18 @@ from nereus.runtime.parallel.tp import (
 )
 from nereus.spec.sharding import Box, model_tensors, rank_order, rank_tensors, tp_box
 
-Batch = dict[str, torch.Tensor]
-
 
 @dataclass
 class Loss:
-    """What a loss function may return instead of a bare scalar: the scalar and statistics of its
-    micro-batch (e.g. clip fractions), handed back with the step's result (``ReplicaStats.metrics``)."""
+    """What a loss function may return instead of a bare scalar: the scalar and a record of its
+    micro-batch's statistics (e.g. ``rl.losses.ActorLossStats``: clip fractions), handed back with the
+    step's result (``ReplicaStats.metrics``)."""
 
     value: torch.Tensor
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: object = None
 
 
-LossFn = Callable[[torch.Tensor, Batch], "torch.Tensor | Loss"]
+LossFn = Callable[[torch.Tensor, TrainBatch], "torch.Tensor | Loss"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class ReplicaStats:
     gradient norm before clipping (None when not clipping)."""
 
     losses: tuple[float, ...]
-    metrics: tuple[dict[str, float], ...]  # the loss function's statistics by verl's metric names
+    metrics: tuple[object, ...]  # the loss function's statistics records (``Loss.stats``)
     grad_norm: float | None
 
 
@@ -74,7 +74,7 @@ class TrainStats:
         return [x for r in self.replicas for x in r.losses]
 
     @property
-    def metrics(self) -> list[dict[str, float]]:
+    def metrics(self) -> list[object]:
         return [m for r in self.replicas for m in r.metrics]
 
     @property
@@ -138,39 +138,39 @@ class ShardedModel:
         per = batch_size // dp
         return slice(d * per, (d + 1) * per)
 
-    def micro_batches(self, batch: Batch) -> list[Batch]:
-        rows = self.replica_rows(len(batch["tokens"]))
-        mine = {k: v[rows].to(self.groups.device) for k, v in batch.items()}
-        n, mbs = len(mine["tokens"]), self.groups.layout.micro_batch_size
+    def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        mine = batch.select(self.replica_rows(len(batch))).to(self.groups.device)
+        n, mbs = len(mine), self.groups.layout.micro_batch_size
         if n % mbs:
             raise ValueError(f"{n} sequences per replica do not split into micro-batches of {mbs}")
-        return [{k: v[i: i + mbs] for k, v in mine.items()} for i in range(0, n, mbs)]
+        return [mine.select(slice(i, i + mbs)) for i in range(0, n, mbs)]
 
-    def _stage_fn(self, mbs: list[Batch]):
+    def _stage_fn(self, mbs: list[TrainBatch]):
         def run(x: torch.Tensor, i: int) -> torch.Tensor:
             return self.model(x)
-        shape = lambda i: (*mbs[i]["tokens"].shape, self.cfg.arch.hidden)  # noqa: E731
+        shape = lambda i: (*mbs[i].tokens.shape, self.cfg.arch.hidden)  # noqa: E731
         return run, shape
 
     # ----- forward operations ---------------------------------------------------------------------
     @torch.no_grad()
-    def forward(self, batch: Batch) -> list[torch.Tensor]:
-        """Raw last-stage outputs per micro-batch (vocabulary-shard logits, or values); [] elsewhere."""
-        mbs = self.micro_batches(batch)
+    def forward(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Raw last-stage outputs per micro-batch of ``tokens`` (vocabulary-shard logits, or values); []
+        elsewhere."""
+        mbs = self.micro_batches(TrainBatch(tokens))
         run, shape = self._stage_fn(mbs)
         with self.meter.track(exclude=self.model.parameters()):
-            outs = forward_only(run, self.comm, [mb["tokens"] for mb in mbs], shape, self.dtype)
+            outs = forward_only(run, self.comm, [mb.tokens for mb in mbs], shape, self.dtype)
         self.record_memory("forward", activations=self.meter.peak)
         return outs
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary logits [b, T, V] of this replica's rows (last stage), else None."""
-        outs = [gather_vocab(o, self.groups.tp_group) for o in self.forward({"tokens": tokens})]
+        outs = [gather_vocab(o, self.groups.tp_group) for o in self.forward(tokens)]
         return torch.cat(outs) if outs else None
 
     def logprobs(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """log p(tokens[:, t+1] | tokens[:, :t+1]) [b, T−1] of this replica's rows (last stage), else None."""
-        outs = self.forward({"tokens": tokens})
+        outs = self.forward(tokens)
         mine = tokens[self.replica_rows(len(tokens))].to(self.groups.device)
         if not outs:
             return None
@@ -181,7 +181,7 @@ class ShardedModel:
     def logprobs_and_entropy(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``logprobs`` and the full-vocabulary entropy [b, T−1] of each next-token distribution, from one
         forward pass (last stage), else None."""
-        outs = self.forward({"tokens": tokens})
+        outs = self.forward(tokens)
         mine = tokens[self.replica_rows(len(tokens))].to(self.groups.device)
         if not outs:
             return None
@@ -194,11 +194,11 @@ class ShardedModel:
         """Value-head outputs [b, T] of this replica's rows (last stage), else None."""
         if not self.cfg.value_head:
             raise ValueError("values need a model with a value head (score.weight)")
-        outs = self.forward({"tokens": tokens})
+        outs = self.forward(tokens)
         return torch.cat(outs) if outs else None
 
     # ----- training -------------------------------------------------------------------------------
-    def backward(self, batch: Batch, loss_fn: LossFn, metrics: list[dict[str, float]] | None = None) -> list[float]:
+    def backward(self, batch: TrainBatch, loss_fn: LossFn, metrics: list[object] | None = None) -> list[float]:
         """Gradients of the step's objective in every local parameter (TP, PP, tied copies and DP
         reduced); returns this replica's micro-batch losses on the last stage. Statistics a loss function
         reports (``Loss.stats``) are appended to ``metrics`` in the order the micro-batches ran."""
@@ -210,9 +210,9 @@ class ShardedModel:
             mb = mbs[i]
             if not self.cfg.value_head:
                 logits = y[:, :-1]
-                y = parallel_logprobs(logits, mb["tokens"][:, 1:], self.vocab_start, self.groups.tp_group)
+                y = parallel_logprobs(logits, mb.tokens[:, 1:], self.vocab_start, self.groups.tp_group)
                 if getattr(loss_fn, "needs_entropy", False):  # an entropy bonus (verl's entropy_coeff)
-                    mb = {**mb, "entropy": parallel_entropy(logits, self.groups.tp_group)}
+                    mb = replace(mb, entropy=parallel_entropy(logits, self.groups.tp_group))
             out = loss_fn(y, mb)
             if isinstance(out, Loss):
                 if metrics is not None:
@@ -221,7 +221,7 @@ class ShardedModel:
             return out / len(mbs)
 
         with self.meter.track(exclude=self.model.parameters()):
-            losses = train_pipeline(run, self.comm, [mb["tokens"] for mb in mbs], shape, self.dtype, loss,
+            losses = train_pipeline(run, self.comm, [mb.tokens for mb in mbs], shape, self.dtype, loss,
                                     self.schedule)
         self._activations = self.meter.peak
         lay, c = self.groups.layout, self.groups.coords
@@ -308,7 +308,7 @@ class ShardedModel:
         if target is not None:
             dist.broadcast(target.data, src=src, group=group)
 
-    def train_step(self, batch: Batch, loss_fn: LossFn, lr: float = 1e-3,
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, lr: float = 1e-3,
                    max_grad_norm: float | None = None, weight_decay: float = 0.0) -> list[float]:
         losses = self.backward(batch, loss_fn)
         self.step(lr, max_grad_norm, weight_decay)

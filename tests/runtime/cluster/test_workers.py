@@ -27,16 +27,16 @@ def test_two_layouts_on_ray_workers(ray_runtime, tmp_path):
     ref = reference(MQA)
     data = batch(MQA)
     for key in ("a", "b"):
-        torch.testing.assert_close(rt.logprobs(key, data["tokens"]), ref["fwd"]["logprobs"], rtol=1e-4, atol=2e-5)
+        torch.testing.assert_close(rt.logprobs(key, data.tokens), ref["fwd"]["logprobs"], rtol=1e-4, atol=2e-5)
     for rank, shapes in enumerate(rt.shard_shapes("a")):
         boxes = rank_tensors(MQA.arch, a, rank)
         assert shapes == {n: tuple(hi - lo for lo, hi in box) for n, box in boxes.items()}
 
     def loss(out, mb):  # defined here so Ray ships it by value
-        return -(out * mb["adv"][:, 1:]).mean() + 0.1 * (out**2).mean()
+        return -(out * mb.advantages[:, 1:]).mean() + 0.1 * (out**2).mean()
 
     stats = rt.train_step("a", data, loss, lr=1e-2)
-    assert len(stats.losses) == len(data["tokens"])  # one per micro-batch of one sequence
+    assert len(stats.losses) == len(data.tokens)  # one per micro-batch of one sequence
     assert len(stats.replicas) == a.dp and stats.grad_norm is None and stats.metrics == []
     reports = rt.memory("a")
     assert all(r.op == "train" and r.optimizer > 0 and r.activations > 0 for r in reports)

@@ -13,6 +13,7 @@ from nereus.runtime.engines.fixed_batch import SamplingParams, generate
 from nereus.runtime.model.decoder import build_model
 from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.model.memory import ActivationMeter, predict_generation, predict_training
+from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes
 from nereus.spec.layout import Layout
 from tests.runtime.common import MQA, policy_loss
@@ -40,8 +41,9 @@ def _check(ratios: dict[str, float], where: str) -> None:
 def _body(rank: int, world: int) -> None:
     state = build_model(MQA, seed=1).state_dict()
     g = torch.Generator().manual_seed(0)
-    batch = {"tokens": torch.randint(0, MQA.arch.vocab, (B, SEQ), generator=g), "adv": torch.randn(B, SEQ, generator=g),
-             "ret": torch.randn(B, SEQ, generator=g)}
+    tokens = torch.randint(0, MQA.arch.vocab, (B, SEQ), generator=g)
+    adv = torch.randn(B, SEQ, generator=g)
+    batch = TrainBatch(tokens, advantages=adv, returns=torch.randn(B, SEQ, generator=g))
     prompts = torch.randint(0, MQA.arch.vocab, (B, PROMPT), generator=g).tolist()
     for lay in LAYOUTS:
         groups = ParallelGroups(lay)

@@ -48,14 +48,14 @@ def _check_member(cfg, groups: ParallelGroups, schedule: str) -> None:
     for name, p in shards.items():
         assert tuple(p.shape) == tuple(hi - lo for lo, hi in contract[name]), (lay.short(), name)
     b = batch(cfg)
-    rows = sm.replica_rows(len(b["tokens"]))
+    rows = sm.replica_rows(len(b))
     where = f"{lay.short()} rank {groups.rank} {schedule}"
     if cfg.value_head:
-        got = sm.values(b["tokens"])
+        got = sm.values(b.tokens)
         if got is not None:
             torch.testing.assert_close(got.cpu(), ref["fwd"]["values"][rows], **TOL, msg=_msg(where))
     else:
-        logits, logp = sm.logits(b["tokens"]), sm.logprobs(b["tokens"])
+        logits, logp = sm.logits(b.tokens), sm.logprobs(b.tokens)
         assert (logits is None) == (not groups.last_stage)
         if logits is not None:
             torch.testing.assert_close(logits.cpu(), ref["fwd"]["logits"][rows], **TOL, msg=_msg(where))

@@ -17,7 +17,7 @@ ADAM_LR = 1e-2
 
 
 def loss(out, mb):  # module level: Ray ships it by reference
-    return -(out * mb["adv"][:, 1:]).mean() + 0.1 * (out**2).mean()
+    return -(out * mb.advantages[:, 1:]).mean() + 0.1 * (out**2).mean()
 
 
 def global_state(rt, key: str, model: str) -> dict:

@@ -16,7 +16,7 @@ TOL = {"rtol": 1e-4, "atol": 2e-5}
 
 
 def loss(out, mb):  # module level: Ray ships it by reference
-    return -(out * mb["adv"][:, 1:]).mean() + 0.1 * (out**2).mean()
+    return -(out * mb.advantages[:, 1:]).mean() + 0.1 * (out**2).mean()
 
 
 def test_sync_transition_and_rollback_on_ray_workers(ray_runtime):
@@ -26,7 +26,7 @@ def test_sync_transition_and_rollback_on_ray_workers(ray_runtime):
     rt.load(train.key, ACTOR, train.layout, list(train.ranks), state=state)
     rt.load(gen.key, ACTOR, gen.layout, list(gen.ranks), state=state)
     try:
-        tokens = make_batch(ACTOR, 0)["tokens"]
+        tokens = make_batch(ACTOR, 0).tokens
         rt.train_step(train.key, make_batch(ACTOR, 1), loss, lr=1e-2)
         stale = rt.logprobs(gen.key, tokens)
         fresh = rt.logprobs(train.key, tokens)
@@ -63,7 +63,7 @@ def test_workers_leave_and_join_without_losing_state(ray_runtime):
     train = spec("actor", lay(tp=2, dp=2), [0, 1, 2, 3])
     rt.load(train.key, ACTOR, train.layout, list(train.ranks), state=initial_state("actor"))
     try:
-        tokens = make_batch(ACTOR, 0)["tokens"]
+        tokens = make_batch(ACTOR, 0).tokens
         rt.train_step(train.key, make_batch(ACTOR, 1), loss, lr=1e-2)
         want = rt.logprobs(train.key, tokens)
         with pytest.raises(ValueError, match="transition off them"):
@@ -96,7 +96,7 @@ def test_a_sync_onto_coinciding_shards_moves_nothing_once_they_share_memory(ray_
     for s in (train, gen, inf):
         rt.load(s.key, ACTOR, s.layout, list(s.ranks), state=state)
     try:
-        tokens = make_batch(ACTOR, 0)["tokens"]
+        tokens = make_batch(ACTOR, 0).tokens
         assert rt.sync_weights("actor", j).graph is not None  # loaded apart: the first sync aliases them
         for seed in (1, 2):
             rt.train_step(train.key, make_batch(ACTOR, seed), loss, lr=1e-2)

@@ -11,7 +11,8 @@ from nereus.runtime.cluster.calls import TrainStep
 from nereus.runtime.cluster.runtime_roles.core import RuntimeCore
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.memory import MemoryReport
-from nereus.runtime.parallel.sharded import Batch, LossFn, TrainStats
+from nereus.runtime.parallel.batch import TrainBatch
+from nereus.runtime.parallel.sharded import LossFn, TrainStats
 from nereus.runtime.transitions.live import KeySpec
 from nereus.spec.layout import Layout
 
@@ -39,7 +40,7 @@ class TrainingOps(RuntimeCore):
         self._all([w.release.remote(key) for w in self.workers], f"release {key}")
         self.specs.pop(key, None)
 
-    def train_step(self, key: str, batch: Batch, loss_fn: LossFn, lr: float = 1e-3,
+    def train_step(self, key: str, batch: TrainBatch, loss_fn: LossFn, lr: float = 1e-3,
                    max_grad_norm: float | None = None, weight_decay: float = 0.0) -> TrainStats:
         """One optimizer step; ``max_grad_norm`` clips the global gradient norm first, ``weight_decay`` is
         AdamW's decoupled decay (``ShardedModel.step``). Returns each replica's losses, loss statistics and

@@ -10,7 +10,8 @@ import torch
 from nereus.runtime.cluster.calls import ReplicaOutput
 from nereus.runtime.cluster.worker_roles.core import WorkerCore
 from nereus.runtime.model.decoder import ModelConfig
-from nereus.runtime.parallel.sharded import Batch, LossFn, ReplicaStats, ShardedModel
+from nereus.runtime.parallel.batch import TrainBatch
+from nereus.runtime.parallel.sharded import LossFn, ReplicaStats, ShardedModel
 from nereus.spec.layout import Layout
 
 if TYPE_CHECKING:
@@ -48,12 +49,12 @@ class TrainingRole(WorkerCore):
         if groups is not None:
             groups.destroy()
 
-    def train_step(self, key: str, batch: Batch, loss_fn: LossFn, lr: float, max_grad_norm: float | None,
+    def train_step(self, key: str, batch: TrainBatch, loss_fn: LossFn, lr: float, max_grad_norm: float | None,
                    weight_decay: float = 0.0) -> ReplicaOutput[ReplicaStats] | None:
         """One optimizer step; the fault point ``train_step`` lies between the backward pass and Adam."""
 
         def run(sm: ShardedModel) -> ReplicaOutput[ReplicaStats] | None:
-            metrics: list[dict[str, float]] = []
+            metrics: list[object] = []
             losses = sm.backward(batch, loss_fn, metrics)
             self.faults.at("train_step")
             norm = sm.step(lr, max_grad_norm, weight_decay)
