@@ -58,7 +58,7 @@ from nereus.runtime.model.decoder import CausalLM  # noqa: E402
 from nereus.runtime.model.hf import load_boxes  # noqa: E402
 from nereus.runtime.parallel.batch import TrainBatch  # noqa: E402
 from nereus.spec.job import JobSpec, load_job  # noqa: E402
-from nereus.spec.layout import Layout  # noqa: E402
+from nereus.spec.parallel_dims import ParallelDims  # noqa: E402
 from nereus.spec.sharding import rank_tensors  # noqa: E402
 
 Groups = dict[int, dict[str, torch.Tensor | list[int]]]  # per prompt length: the rows' tensors
@@ -72,7 +72,7 @@ def warm_models(job: JobSpec, tok: Tokenizer, train: list[Prompt], root: Path) -
     models = {}
     for name, cfg in cfgs.items():
         model = CausalLM(cfg)
-        model.load_state_dict(load_boxes(root / name, rank_tensors(cfg.arch, Layout(), 0, cfg.value_head)))
+        model.load_state_dict(load_boxes(root / name, rank_tensors(cfg.arch, ParallelDims(), 0, cfg.value_head)))
         models[name] = model
     return models
 

@@ -51,6 +51,7 @@ from nereus.spec.generation import (
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
 from nereus.spec.levers import GenerationLevers
+from nereus.spec.parallel_dims import tp_splits
 
 
 class TailRule(ABC):
@@ -67,10 +68,10 @@ class TailRule(ABC):
 
 
 def _tail_tps(job: JobSpec, bulk_tp: int) -> list[int]:
-    heads, gpn = job.models["actor"].heads, job.cluster.gpus_per_node
+    arch, gpn = job.models["actor"], job.cluster.gpus_per_node
     tps, t = [], bulk_tp
     while t <= gpn:
-        if heads % t == 0:
+        if tp_splits(arch, t):
             tps.append(t)
         t *= 2
     return tps

@@ -32,6 +32,7 @@ from nereus.spec.generation import TailPhase
 from nereus.spec.job import JobSpec, ResponseLength
 from nereus.spec.layout import ModelStage, Placement, Plan
 from nereus.spec.model import ModelArch
+from nereus.spec.parallel_dims import tp_splits
 
 ROLLOUT = ModelStage("actor", "generation")
 COLUMNS = 512  # decode-step columns per replica at most: bucket = ceil(longest / COLUMNS) tokens
@@ -67,8 +68,8 @@ class GenModel:
         return step_table(self.hw, self.arch, tp, self.job.options.weight_bytes)
 
     def replica_gpus(self, replica: int) -> list[int]:
-        lay = self.placement.layout
-        return [self.placement.gpus[lay.rank(pp, replica, t)] for pp in range(lay.pp) for t in range(lay.tp)]
+        dims = self.placement.layout.dims
+        return [self.placement.gpus[dims.rank(pp, replica, t)] for pp in range(dims.pp) for t in range(dims.tp)]
 
     def tail_slots(self, tp: int) -> int:
         """Sequences a tail replica of TP ``tp`` holds at full length (the same KV budget rule)."""
@@ -285,7 +286,7 @@ def _move_sizes(model: GenModel, bulk: BulkRun, phase: TailPhase, ids: np.ndarra
         sends.append(hw.p2p_time(incoming, cross) * f.transfer if incoming else 0.0)
         final_kv = float((ctx[mine] + remaining[mine]).sum()) * per_rank
         for g in tail_gpus[j * phase.tail_tp:(j + 1) * phase.tail_tp]:
-            r = lay.coords(position[g])[1]  # the bulk replica this device served
+            r = lay.dims.coords(position[g]).dp_rank  # the bulk replica this device served
             held = model.resident[g] + live_ctx[r] * bulk_kv_rank  # freed only after the commit
             during = held + (new_weights if reshard else 0.0) + incoming
             after = model.resident[g] + final_kv + (new_weights - model.placement_weights() if reshard else 0.0)
@@ -306,7 +307,7 @@ def _run_tail(model: GenModel, bulk: BulkRun, phase: TailPhase, dest: np.ndarray
 def _tail_refusal(model: GenModel, bulk: BulkRun, phase: TailPhase, t_star: float) -> GenOutcome | None:
     """The stage without a move when ``phase`` cannot apply: a tail layout the placement cannot hold, no
     sequence left at ``t_star``, or a tail replica too small for one full-length sequence."""
-    too_wide = phase.tail_tp > model.hw.cluster.gpus_per_node or model.arch.heads % phase.tail_tp
+    too_wide = phase.tail_tp > model.hw.cluster.gpus_per_node or not tp_splits(model.arch, phase.tail_tp)
     if phase.tail_gpus > len(model.placement.gpus) or too_wide:
         why = f"tail layout TP {phase.tail_tp} x {phase.tail_replicas} does not fit the placement"
         return _refused(model, bulk, why)

@@ -13,7 +13,8 @@ from nereus.cost.stages import StageCost, stage_cost
 from nereus.cost.weight_sync import SYNC_TIMES, engine_reload_time
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
-from nereus.spec.layout import STAGES, Layout, ModelStage, Placement, Plan, check_runnable
+from nereus.spec.layout import STAGES, Layout, ModelStage, Placement, Plan
+from nereus.spec.parallel_dims import ParallelDims
 
 
 @dataclass
@@ -165,7 +166,7 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
 
 
 def _cost_or_error(hw: Hardware, job: JobSpec, p: Placement, others: float = 0.0) -> StageCost:
-    check_runnable(job.models[p.model_stage.model], p.layout, f"plan.{p.model_stage}.layout")
+    ParallelDims.of(p.layout, job.models[p.model_stage.model], f"plan.{p.model_stage}.layout")
     cost = stage_cost(hw, job, p.model_stage, p.layout, others)
     if cost is None:
         raise SpecError(f"plan.{p.model_stage}.layout",

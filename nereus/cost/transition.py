@@ -59,7 +59,7 @@ def _position(p: Placement, gpu: int) -> tuple[int, int] | None:
         rank = p.gpus.index(gpu)
     except ValueError:
         return None
-    pp_rank, _, tp_rank = p.layout.coords(rank)
+    pp_rank, _, tp_rank = p.layout.dims.coords(rank)
     return pp_rank, tp_rank
 
 
@@ -138,7 +138,8 @@ def engines_rebuilt(job: JobSpec, old: Plan, new: Plan) -> int:
 
 def engine_devices(p: Placement) -> list[int]:
     """The devices of a generation placement's engines: each data-parallel replica's TP rank 0 (pp = 1)."""
-    return [p.gpus[p.layout.rank(0, d, 0)] for d in range(p.layout.dp)]
+    dims = p.layout.dims
+    return [p.gpus[dims.rank(0, d, 0)] for d in range(dims.dp)]
 
 
 @dataclass

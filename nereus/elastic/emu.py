@@ -20,6 +20,7 @@ from nereus.elastic.boxes import BoxSet, set_volume
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
+from nereus.spec.parallel_dims import layer_problem, split_problem
 from nereus.spec.sharding import box_volume, model_tensors, tensor_stage, tp_box, zero_shards
 
 
@@ -108,8 +109,8 @@ def _nonempty(box: tuple) -> tuple:
 
 
 def replica_devices(p: Placement, replica: int) -> tuple[int, ...]:
-    lay = p.layout
-    return tuple(p.gpus[lay.rank(s, replica, t)] for s in range(lay.pp) for t in range(lay.tp))
+    dims = p.layout.dims
+    return tuple(p.gpus[dims.rank(s, replica, t)] for s in range(dims.pp) for t in range(dims.tp))
 
 
 def placement_emus(job: JobSpec, p: Placement) -> list[EMU]:
@@ -117,16 +118,17 @@ def placement_emus(job: JobSpec, p: Placement) -> list[EMU]:
     model = p.model_stage.model
     arch, value_head = job.models[model], job.has_value_head(model)
     lay = p.layout
+    dims = lay.dims
     specs = model_tensors(arch, value_head)
-    stages = [tensor_stage(t, arch, lay.pp) for t in specs]
+    stages = [tensor_stage(t, arch, dims.pp) for t in specs]
     emus = []
-    for r in range(lay.dp):
-        parts = {(s, t): zero_shards(arch, lay, s, t, r, value_head) for s in range(lay.pp) for t in range(lay.tp)}
+    for r in range(dims.dp):
+        parts = {(s, t): zero_shards(arch, dims, s, t, r, value_head) for s in range(dims.pp) for t in range(dims.tp)}
         tensors = []
         for kind, sharded in placement_states(job, p):
             for spec, s in zip(specs, stages, strict=True):
-                shards = tuple(Shard(p.gpus[lay.rank(s, r, t)], parts[(s, t)].get(spec.name, ()) if sharded
-                                     else _nonempty(tp_box(spec, arch, lay.tp, t))) for t in range(lay.tp))
+                shards = tuple(Shard(p.gpus[dims.rank(s, r, t)], parts[(s, t)].get(spec.name, ()) if sharded
+                                     else _nonempty(tp_box(spec, arch, dims.tp, t))) for t in range(dims.tp))
                 tensors.append(TensorState(spec.name, kind.name, spec.shape, kind.dtype, kind.bytes_per_element,
                                            tuple(sh for sh in shards if sh.boxes)))
         emus.append(EMU(p.model_stage, r, lay, replica_devices(p, r), tuple(tensors)))
@@ -152,20 +154,16 @@ def device_buffers(job: JobSpec, plan: Plan) -> dict[int, dict[tuple[str, str, s
 
 
 def check_plan(job: JobSpec, plan: Plan, where: str = "plan") -> None:
-    """Refuse a plan whose layouts the sharding contract cannot place, naming the field."""
+    """Refuse a plan whose layouts the sharding contract cannot place, naming the field: TP over whole heads
+    (``spec.parallel_dims.split_problem``), a layer for every virtual pipeline stage (uneven stages place)."""
     for i, p in enumerate(plan.placements):
         path = f"{where}.placements[{i}]"
         model = p.model_stage.model
         if model not in job.models:
             raise SpecError(f"{path}.model_stage", f"model {model!r} is not in the job ({sorted(job.models)})")
         arch, lay = job.models[model], p.layout
-        if arch.heads % lay.tp:
-            raise SpecError(f"{path}.layout.tp", f"{lay.tp} does not divide the {arch.heads} attention heads")
-        if lay.tp > arch.kv_heads and lay.tp % arch.kv_heads:
-            raise SpecError(f"{path}.layout.tp", f"{lay.tp} exceeds the {arch.kv_heads} KV heads and is not a "
-                                                 "multiple of them")
-        if lay.pp * lay.interleave > arch.layers:
-            raise SpecError(f"{path}.layout.pp", f"pp·interleave = {lay.pp * lay.interleave} exceeds the "
-                                                 f"{arch.layers} layers")
+        problem = split_problem(arch, lay.tp) or layer_problem(arch.layers, lay.pp, lay.interleave, runnable=False)
+        if problem is not None:
+            raise problem.at(f"{path}.layout")
         if max(p.gpus) >= job.cluster.num_gpus:
             raise SpecError(f"{path}.gpus", f"GPU {max(p.gpus)} is beyond the cluster's {job.cluster.num_gpus} GPUs")

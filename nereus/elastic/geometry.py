@@ -38,15 +38,15 @@ class Holder:
         return self.placement.layout.pp
 
     def device(self, stage: int, dp_rank: int, tp_rank: int) -> int:
-        return self.placement.gpus[self.placement.layout.rank(stage, dp_rank, tp_rank)]
+        return self.placement.gpus[self.placement.layout.dims.rank(stage, dp_rank, tp_rank)]
 
 
 def device_slots(holders: list[Holder]) -> dict[int, tuple[Slot, ...]]:
     slots: dict[int, list[Slot]] = {}
     for hi, h in enumerate(holders):
-        lay = h.placement.layout
+        dims = h.placement.layout.dims
         for rank, g in enumerate(h.placement.gpus):
-            s, r, t = lay.coords(rank)
+            s, r, t = dims.coords(rank)
             slots.setdefault(g, []).append((hi, s, t, r if h.zero else None))
     return {g: tuple(v) for g, v in slots.items()}
 

@@ -1,7 +1,7 @@
 """Groups of identically sharded tensors: the unit the transition graph works on.
 
 Two tensors of a model belong to one group (per model state) when every layout holding that state in
-either plan gives them the same boxes (same shape, split dimension, head rule) on the same pipeline
+either plan gives them the same boxes (same shape, split dimension and unit) on the same pipeline
 stage. An 8B Llama's 291 weights fall into
 a few dozen groups (q/k·v/o/gate·up/down/norms per run of layers that share stages), so the graph is
 built per group and per device situation instead of per tensor and device, and stays exact: a piece of
@@ -22,9 +22,9 @@ Pipeline = int  # the PP degree: all a tensor's stage depends on (interleaving d
 
 
 def box_class(spec: TensorSpec) -> tuple:
-    """What a tensor's boxes depend on besides the layout (see ``sharding.tp_box``)."""
-    heads = spec.name.endswith(("q_proj.weight", "q_proj.bias", "o_proj.weight"))
-    return (spec.shape, spec.tp_dim, spec.kv, heads)
+    """What a tensor's boxes depend on besides the layout (see ``sharding.tp_box``): its shape, the
+    dimension TP splits and the unit it splits it into."""
+    return (spec.shape, spec.tp_dim, spec.unit)
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: one object per group
@@ -77,10 +77,9 @@ class ModelGroups:
         return self._at.get((pipeline, stage), ())
 
 def _canonical(cls: tuple) -> TensorSpec:
-    """A tensor of class ``cls``: ``tp_box`` reads only the shape, split dimension, KV flag and the
-    head rule (which it takes from the name)."""
-    shape, tp_dim, kv, heads = cls
-    return TensorSpec("q_proj.weight" if heads else "tensor", shape, tp_dim, None, kv=kv)
+    """A tensor of class ``cls``: ``tp_box`` reads only the shape, the split dimension and its unit."""
+    shape, tp_dim, unit = cls
+    return TensorSpec("tensor", shape, tp_dim, None, unit=unit)
 
 
 @lru_cache(maxsize=1 << 16)

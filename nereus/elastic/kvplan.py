@@ -84,15 +84,16 @@ class GenPlacement:
 
     def shard(self, dp: int, shape: KVShape) -> Iterator[tuple[int, int, tuple[int, int], tuple[int, int]]]:
         """(global rank, tp rank, layers, KV heads) of every rank of replica ``dp``."""
-        lay = self.layout
-        for p in range(lay.pp):
-            layers = layer_range(shape.layers, lay.pp, p)
-            for t in range(lay.tp):
-                yield (self.ranks[lay.rank(p, dp, t)], t, (layers.start, layers.stop),
-                       kv_head_range(shape.kv_heads, lay.tp, t))
+        dims = self.layout.dims
+        for p in range(dims.pp):
+            layers = layer_range(shape.layers, dims.pp, p)
+            for t in range(dims.tp):
+                yield (self.ranks[dims.rank(p, dp, t)], t, (layers.start, layers.stop),
+                       kv_head_range(shape.kv_heads, dims.tp, t))
 
     def output_rank(self, dp: int) -> int:
-        return self.ranks[self.layout.rank(self.layout.pp - 1, dp, 0)]
+        dims = self.layout.dims
+        return self.ranks[dims.rank(dims.pp - 1, dp, 0)]
 
 
 @dataclass(frozen=True)

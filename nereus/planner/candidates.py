@@ -8,8 +8,10 @@ from functools import lru_cache
 
 from nereus.cost.hardware import Hardware
 from nereus.cost.stages import StageCost, stage_cost
+from nereus.planner.defaults import generation_layout
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import RECOMPUTE, Layout, ModelStage
+from nereus.spec.parallel_dims import tp_splits
 
 # Up to 32: on CPU workers, where each pass costs a fixed few ms (priors.micro_batch_overhead_s), one pass of
 # a replica's 32 rows costs about half of four passes of 8 (measured here: 33 vs 60 ms for the long-tail job's
@@ -24,12 +26,12 @@ def divisors(n: int) -> list[int]:
 
 def tp_degrees(job: JobSpec, model: str, gpus: int) -> list[int]:
     """Powers of two inside one node that split the attention heads and the KV heads evenly (KV heads
-    are replicated when TP exceeds them)."""
+    are replicated when TP exceeds them): ``spec.parallel_dims.tp_splits``."""
     arch = job.models[model]
     limit = min(job.cluster.gpus_per_node, gpus)
     out, tp = [], 1
     while tp <= limit:
-        if arch.heads % tp == 0 and (arch.kv_heads % tp == 0 or tp % arch.kv_heads == 0):
+        if tp_splits(arch, tp):
             out.append(tp)
         tp *= 2
     return out
@@ -58,7 +60,7 @@ def enumerate_layouts(job: JobSpec, ms: ModelStage, gpus: int) -> list[Layout]:
             if dp < 1:
                 continue
             if ms.stage == "generation":
-                layouts.append(Layout(tp=tp, pp=pp, dp=dp, recompute="none", zero1=False))
+                layouts.append(generation_layout(tp, pp, dp))
                 continue
             per_replica = -(-seqs // dp)
             mbs_options = [opts.micro_batch_size] if isinstance(opts.micro_batch_size, int) else [

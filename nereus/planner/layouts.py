@@ -7,10 +7,12 @@ from pathlib import Path
 from nereus.cost.hardware import Hardware
 from nereus.cost.stages import stage_cost
 from nereus.planner.candidates import enumerate_layouts
+from nereus.planner.defaults import written_options
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import read_json_file
 from nereus.spec.job import JobSpec
-from nereus.spec.layout import Layout, Placement, Plan, check_runnable
+from nereus.spec.layout import Layout, Placement, Plan
+from nereus.spec.parallel_dims import ParallelDims
 
 
 def read_plan_file(path: str | Path) -> Plan:
@@ -29,22 +31,20 @@ def plan_from_layout(hw: Hardware, job: JobSpec, text: str) -> Plan:
         raise SpecError("--layout", f"only for training-only jobs (this one has {len(stages)} model-stages); "
                                     "give --plan FILE instead")
     ms = stages[0]
-    given = Layout.parse_fields(text)
+    degrees, options = written_options(text)
     for key in ("tp", "pp"):
-        if key not in given:
+        if key not in degrees:
             raise SpecError(f"--layout.{key}", "required; for example --layout tp=8,pp=2")
-    tp, pp = int(given["tp"]), int(given["pp"])
+    tp, pp = int(degrees["tp"]), int(degrees["pp"])
     n = job.cluster.num_gpus
-    dp = int(given.get("dp", n // (tp * pp)))
+    dp = int(degrees.get("dp", n // (tp * pp)))
     if tp * pp * dp > n or dp < 1:
         raise SpecError("--layout", f"tp·pp·dp = {tp * pp * dp} does not fit the {n} GPUs of the cluster")
-    check_runnable(job.models[ms.model], Layout(tp=tp, pp=pp, dp=dp, interleave=int(given.get("interleave", 1))),
-                   "--layout")
-    options = {k: v for k, v in given.items() if k not in ("tp", "pp", "dp")}  # the other fields written
+    ParallelDims(tp, pp, dp).check(job.models[ms.model], int(options.get("interleave", 1)), "--layout")
     matches = [lay for lay in enumerate_layouts(job, ms, tp * pp * dp)
                if (lay.tp, lay.pp, lay.dp) == (tp, pp, dp) and options.items() <= lay.to_dict().items()]
     if not matches:  # everything given explicitly, or outside what the search enumerates
-        matches = [Layout.from_dict({**given, "dp": dp}, "--layout")]
+        matches = [Layout.from_dict({**degrees, **options, "dp": dp}, "--layout")]
     best, best_key = None, None
     for lay in matches:
         cost = stage_cost(hw, job, ms, lay)

@@ -76,7 +76,8 @@ from nereus.spec.errors import SpecError
 from nereus.spec.files import read_json_file
 from nereus.spec.generation import SetSpeculation
 from nereus.spec.job import JobSpec
-from nereus.spec.layout import Plan, check_runnable
+from nereus.spec.layout import Plan
+from nereus.spec.parallel_dims import ParallelDims
 from nereus.spec.run import resolve_steps
 
 
@@ -240,7 +241,7 @@ class RLJob(Observer):
             where = f"{path / 'state.json'}.plan"
             self.plan = Plan.from_dict(self.state["plan"], where)
             for p in self.plan.placements:  # the same check a job file's layouts pass
-                check_runnable(self.job.models[p.model_stage.model], p.layout, f"{where}.{p.model_stage}")
+                ParallelDims.of(p.layout, self.job.models[p.model_stage.model], f"{where}.{p.model_stage}")
             self._placed = placed_from_plan(self.plan)
         return step, path, prepare_resume(self.dir / "metrics.jsonl", step)
 

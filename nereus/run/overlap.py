@@ -168,7 +168,8 @@ class EarlyInference:
         lay = spec.layout
         self.calls, self.gen, self.stages = calls, gen, stages
         self.per = rows // lay.dp
-        self.replicas = {d: {spec.ranks[i] for i in range(lay.world) if lay.coords(i)[1] == d} for d in range(lay.dp)}
+        self.replicas = {d: {spec.ranks[i] for i in range(lay.world) if lay.dims.coords(i).dp_rank == d}
+                         for d in range(lay.dp)}
         self.early: dict[str, dict[int, Call]] = {s.timer: {} for s in stages}  # timer -> block start -> call
 
     def eligible(self, key: str) -> bool:

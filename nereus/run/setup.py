@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from nereus.planner.defaults import runtime_options
 from nereus.rl.data import CharTokenizer, Prompt, load_prompts, write_rows
 from nereus.rl.rewards import RewardRouter
 from nereus.rl.task import reverse_rows, split_rows
@@ -15,12 +16,12 @@ from nereus.runtime.capability import CAPABILITY, capability_for
 from nereus.runtime.engines.sampling import derive_seed
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.hf import read_config
-from nereus.runtime.parallel.tp import check_tp
 from nereus.spec.capability import UnsupportedLayout
 from nereus.spec.errors import SpecError
 from nereus.spec.hf_files import check_model_dir
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout
+from nereus.spec.parallel_dims import check_split, tp_splits
 
 TRAINED = ("actor", "critic")
 # What a seed drawn by ``derive_seed(run.seed, purpose, ...)`` is for: each purpose has its own streams, so
@@ -128,15 +129,16 @@ def place(job: JobSpec) -> list[Placed]:
     for ms in sorted(stages, key=lambda m: order[m.stage]):
         name = str(ms)
         if name in run.layouts:
-            layout, ranks = _written(run.layouts[name]), run.ranks.get(name, tuple(range(run.layouts[name].world)))
+            written = run.layouts[name]
+            layout, ranks = runtime_options(written, CAPABILITY), run.ranks.get(name, tuple(range(written.world)))
         else:
             layout, ranks = planned[name]
         try:
             layout = CAPABILITY.as_run(layout, ms.stage)
-            check_tp(job.models[ms.model], layout.tp)
-        except (UnsupportedLayout, ValueError) as err:
+        except UnsupportedLayout as err:
             raise SpecError(f"run.layouts.{name}", str(err)) from None
         ranks = tuple(ranks)
+        check_split(job.models[ms.model], layout.tp, f"run.layouts.{name}")
         if not engine_runs(job, ms.stage, layout):  # the planner's choice; a written one is refused in spec
             raise SpecError(f"run.layouts.{name}", f"{layout.short()}: the vLLM engine runs one engine per "
                             "data-parallel replica at the layout's TP, with pp=1: give a layout tp=T,dp=N")
@@ -146,19 +148,6 @@ def place(job: JobSpec) -> list[Placed]:
         key = _shared_key(out, ms.model, ms.stage, layout, ranks) or name
         out.append(Placed(ms.model, ms.stage, layout, ranks, key))
     return out
-
-
-def _written(layout: Layout) -> Layout:
-    """A layout from ``run.layouts``: ``Layout.parse`` fills the options the text leaves out with the
-    planner's defaults (recompute, sequence parallelism), which the text did not ask for; those become the
-    runtime's own. An option written with another value stays, and ``place`` refuses it if unsupported."""
-    planner = Layout()
-    own = {}
-    if layout.recompute == planner.recompute:
-        own["recompute"] = CAPABILITY.recompute[0]
-    if layout.sequence_parallel == planner.sequence_parallel:
-        own["sequence_parallel"] = CAPABILITY.sequence_parallel
-    return replace(layout, **own)
 
 
 def placed_from_plan(plan) -> list[Placed]:
@@ -184,9 +173,7 @@ def runtime_layout_ok(job: JobSpec, stage: str, layout: Layout, model: str) -> b
     micro-batches (``check_batches``)."""
     if CAPABILITY.supports(layout, stage) or not engine_runs(job, stage, layout):
         return False
-    try:
-        check_tp(job.models[model], layout.tp)
-    except ValueError:
+    if not tp_splits(job.models[model], layout.tp):
         return False
     size, per = _batch_split(job, stage, layout)
     return size % per == 0

@@ -28,7 +28,7 @@ from nereus.rl.data import EOS, PAD, CharTokenizer, Prompt
 from nereus.runtime.model.decoder import CausalLM, ModelConfig, build_model
 from nereus.runtime.model.hf import TOKENIZER_FILES, load_boxes, read_config, save_checkpoint
 from nereus.spec.errors import SpecError
-from nereus.spec.layout import Layout
+from nereus.spec.parallel_dims import ParallelDims
 from nereus.spec.run import WarmStart
 from nereus.spec.sharding import rank_tensors
 
@@ -180,7 +180,7 @@ def pretrained_checkpoints(root: Path, cfgs: dict[str, ModelConfig], paths: dict
     if "critic" not in cfgs or read_config(paths["critic"]).value_head:
         return
     cfg = cfgs["critic"]
-    boxes = rank_tensors(cfg.arch, Layout(), 0, value_head=True)
+    boxes = rank_tensors(cfg.arch, ParallelDims(), 0, value_head=True)
     state = load_boxes(paths["critic"], {k: box for k, box in boxes.items() if k != "score.weight"})
     state["score.weight"] = torch.zeros(1, cfg.arch.hidden)
     save_checkpoint(root / "critic", cfg, state, source=paths["critic"])

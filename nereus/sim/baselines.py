@@ -42,6 +42,7 @@ from nereus.spec.generation import GenerationDecision, GenerationStatus
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage, Plan
 from nereus.spec.levers import Speculation, TailBatching
+from nereus.spec.parallel_dims import tp_splits
 
 ROLLOUT = ModelStage("actor", "generation")
 
@@ -82,7 +83,7 @@ class StaticPolicy:
         """The best plan whose rollout runs at the recipe's TP (PP 1); if none fits, at the nearest TP
         that does (ties: the larger)."""
         arch = self.job.models["actor"]
-        tps = [t for t in range(1, self.job.cluster.gpus_per_node + 1) if arch.heads % t == 0]
+        tps = [t for t in range(1, self.job.cluster.gpus_per_node + 1) if tp_splits(arch, t)]
         base, err = self.base_constraints, None
         for tp in sorted(tps, key=lambda t: (abs(t - self.rollout_tp), -t)):
             def at_tp(ms: ModelStage, layout: Layout, tp: int = tp) -> bool:

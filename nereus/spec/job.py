@@ -10,9 +10,10 @@ from nereus.spec.cluster import ClusterSpec, read_cluster
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS, Fields
 from nereus.spec.files import read_yaml_file
-from nereus.spec.layout import RECOMPUTE, ModelStage, check_runnable
+from nereus.spec.layout import RECOMPUTE, ModelStage
 from nereus.spec.model import ModelArch, arch_from_hf_config, read_arch
 from nereus.spec.overrides import apply_overrides
+from nereus.spec.parallel_dims import ParallelDims
 from nereus.spec.response import ResponseLength
 from nereus.spec.rollout import check_rollout_engine, vllm_distribution
 from nereus.spec.run import RunSpec, read_run
@@ -270,7 +271,7 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         job = replace(job, run=_reward_function(job.run, base_dir))
         run = job.run
         for name, layout in run.layouts.items():
-            check_runnable(job.models[name.split("/")[0]], layout, f"run.layouts.{name}")
+            ParallelDims.of(layout, job.models[name.split("/")[0]], f"run.layouts.{name}")
         check_rollout_engine(run.rollout_engine, {m: a.head_dim for m, a in job.models.items()}, run.layouts,
                              vllm_distribution())
         check_old_log_prob(job.algorithm, run)

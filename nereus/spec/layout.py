@@ -1,18 +1,20 @@
 """Layouts and plans: plain typed values that the planner writes and the executor and simulator read.
 
-Rank order inside a model-stage's GPU list follows Megatron: tensor-parallel fastest, then data-parallel,
-then pipeline (``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``), so TP groups sit on neighbouring GPUs.
+A ``Layout`` is what the user or the planner chose for one model-stage; its degrees as a validated value,
+the rank order inside a model-stage's GPU list and the process groups' members are
+``spec.parallel_dims.ParallelDims`` (``layout.dims``; checked against the model by ``ParallelDims.of``).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_GPUS, MAX_LAYERS, MAX_SEQUENCES, Fields
 from nereus.spec.generation import TailPhase
 from nereus.spec.levers import GenerationLevers
-from nereus.spec.model import ModelArch
+from nereus.spec.parallel_dims import ParallelDims
 
 STAGES = ("generation", "inference", "training")
 RECOMPUTE = ("none", "selective", "full")
@@ -36,37 +38,11 @@ class ModelStage:
         return ModelStage(model, stage)
 
 
-def check_runnable(arch: ModelArch, layout: Layout, where: str) -> None:
-    """The one check that a layout can run the model at all, for ``estimate``, ``plan`` and ``run`` alike
-    (job files' ``run.layouts``, plan files, ``--layout``, a resumed run's plan):
-
-    - every pipeline stage gets the same number of layers (at least one): Megatron-LM requires the
-      layers to divide evenly over the stages, the planner proposes only such depths
-      (``planner.candidates.pp_degrees``), and the cost model prices each stage as the fullest one;
-    - interleaved stages split each device's layers evenly again (``layers % (pp * interleave) == 0``);
-    - TP splits whole attention heads and gives every rank the KV heads its query heads read (whole GQA
-      groups: ``tp`` divides ``kv_heads``, or is a multiple of it)."""
-    layers = arch.layers
-    if layout.pp > layers:
-        raise SpecError(where, f"pp={layout.pp} asks for {layout.pp} pipeline stages but the model has {layers} "
-                               f"layers: every stage needs at least one; give pp <= {layers}")
-    if layers % layout.pp:
-        fits = [d for d in range(1, min(layers, 64) + 1) if layers % d == 0]
-        raise SpecError(where, f"pp={layout.pp} does not split the {layers} layers evenly; give a pp that divides "
-                               f"them ({', '.join(map(str, fits))}{', ...' if layers > 64 else ''})")
-    if layout.interleave > 1 and (layout.pp == 1 or layers % (layout.pp * layout.interleave)):
-        raise SpecError(where, f"interleave={layout.interleave} needs pp > 1 and pp x interleave dividing the "
-                               f"{layers} layers (pp={layout.pp})")
-    if arch.heads % layout.tp:
-        raise SpecError(where, f"tp={layout.tp} does not divide the {arch.heads} attention heads")
-    if arch.kv_heads % layout.tp and layout.tp % arch.kv_heads:
-        raise SpecError(where, f"tp={layout.tp} splits the {arch.kv_heads} KV heads unevenly: give a tp that "
-                               f"divides {arch.kv_heads} or is a multiple of it (and divides {arch.heads})")
-
-
 @dataclass(frozen=True)
 class Layout:
-    """Parallel layout of one model-stage."""
+    """What the user or the planner chose for one model-stage: the degrees, micro-batching, interleaving,
+    recomputation, sequence parallelism and ZeRO/FSDP. A field a layout string or plan file leaves out takes
+    the value written here (the format's; ``planner.defaults`` says which of them the planner fills in)."""
 
     tp: int = 1
     pp: int = 1
@@ -78,16 +54,15 @@ class Layout:
     zero1: bool = True
     fsdp: bool = False  # ZeRO-3 / FSDP: weights, gradients and optimizer state all sharded over DP
 
+    @cached_property
+    def dims(self) -> ParallelDims:
+        """The degrees as the one parallel-dims value (ranks, coordinates, groups; not checked against a
+        model: ``ParallelDims.of(layout, arch)`` is)."""
+        return ParallelDims(self.tp, self.pp, self.dp)
+
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    def rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of a rank; inverse of ``rank``."""
-        return rank // (self.tp * self.dp), (rank // self.tp) % self.dp, rank % self.tp
+        return self.dims.world
 
     def short(self) -> str:
         text = f"TP{self.tp}·PP{self.pp}·DP{self.dp}"
@@ -118,26 +93,28 @@ class Layout:
         return layout
 
     @staticmethod
-    def parse_fields(text: str, where: str = "--layout") -> dict[str, object]:
-        """``tp=8,pp=2,dp=4[,micro_batch_size=1,...]`` as a dict, values typed."""
-        values: dict[str, object] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, sep, value = part.partition("=")
-            value = value.strip()
-            if not sep:
-                raise SpecError(where, f"{part!r} is not KEY=VALUE (for example tp=8,pp=2,dp=4)")
-            if value in ("true", "false"):
-                values[key.strip()] = value == "true"
-            elif value.isascii() and value.isdigit() and len(value) <= 18:  # '²' is a digit to isdigit()
-                values[key.strip()] = int(value)
-            else:
-                values[key.strip()] = value
-        Layout.from_dict(values, where)  # validates keys and types
-        return values
-
-    @staticmethod
     def parse(text: str, where: str = "--layout") -> Layout:
-        return Layout.from_dict(Layout.parse_fields(text, where), where)
+        """``tp=8,pp=2,dp=4[,micro_batch_size=1,...]`` (``layout_fields``) as a layout."""
+        return Layout.from_dict(layout_fields(text, where), where)
+
+
+def layout_fields(text: str, where: str = "--layout") -> dict[str, object]:
+    """The fields a layout string writes, values typed (``tp=8,pp=2`` -> ``{"tp": 8, "pp": 2}``); keys and
+    types validated as ``Layout.from_dict`` does."""
+    values: dict[str, object] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        value = value.strip()
+        if not sep:
+            raise SpecError(where, f"{part!r} is not KEY=VALUE (for example tp=8,pp=2,dp=4)")
+        if value in ("true", "false"):
+            values[key.strip()] = value == "true"
+        elif value.isascii() and value.isdigit() and len(value) <= 18:  # '²' is a digit to isdigit()
+            values[key.strip()] = int(value)
+        else:
+            values[key.strip()] = value
+    Layout.from_dict(values, where)  # validates keys and types
+    return values
 
 
 @dataclass(frozen=True)

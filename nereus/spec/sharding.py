@@ -5,6 +5,9 @@ Tensor names follow HuggingFace Llama/Qwen2 checkpoints. Tensor parallelism foll
 (Shoeybi et al. 2019): column-parallel q/k/v/gate/up split their output rows, row-parallel o/down split
 their input columns, the embedding and LM head split the vocabulary; norms and the value head are
 replicated. When TP exceeds the KV heads, each KV head is replicated on tp/kv_heads consecutive ranks.
+Each ``TensorSpec`` says, as data written where the tensor list is built, which dimension TP splits
+(``tp_dim``) and in units of what (``unit``): whole query heads (q, o), whole KV heads (k, v), or rows
+and columns (everything else). The degrees and rank coordinates come from ``spec.parallel_dims``.
 Pipeline stages take contiguous layer ranges, the remainder going to the first stages; the embedding
 sits on the first stage, the final norm and the head on the last. ``Layout.interleave`` changes the
 pipeline schedule only: placement stays contiguous layer ranges, as the runtime builds its stages.
@@ -23,10 +26,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nereus.spec.layout import Layout
 from nereus.spec.model import ModelArch
+from nereus.spec.parallel_dims import ParallelDims
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension, in global coordinates
+
+# what TP splits ``tp_dim`` into: near-equal ranges of its elements, whole query heads, whole KV heads
+# (replicated on tp/kv_heads consecutive ranks when TP exceeds them)
+ELEMENTS, HEADS, KV_HEADS = "elements", "heads", "kv_heads"
+UNITS = (ELEMENTS, HEADS, KV_HEADS)
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,11 @@ class TensorSpec:
     tp_dim: int | None  # dimension split by tensor parallelism; None = replicated over TP
     layer: int | None  # decoder layer index; None for embedding, final norm and heads
     position: str = "layer"  # "first" (embedding), "layer", "last" (final norm, heads)
-    kv: bool = False  # a K/V projection: split by KV heads, replicated when tp > kv_heads
+    unit: str = ELEMENTS  # what ``tp_dim`` is split into (``UNITS``)
+
+    def __post_init__(self) -> None:
+        if self.unit not in UNITS:
+            raise ValueError(f"TensorSpec.unit: {self.unit!r}; one of {', '.join(UNITS)}")
 
 
 def split_range(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -57,14 +69,14 @@ def model_tensors(arch: ModelArch, value_head: bool = False) -> list[TensorSpec]
     for i in range(arch.layers):
         p = f"model.layers.{i}."
         out.append(TensorSpec(p + "input_layernorm.weight", (h,), None, i))
-        out.append(TensorSpec(p + "self_attn.q_proj.weight", (arch.heads * hd, h), 0, i))
-        out.append(TensorSpec(p + "self_attn.k_proj.weight", (arch.kv_heads * hd, h), 0, i, kv=True))
-        out.append(TensorSpec(p + "self_attn.v_proj.weight", (arch.kv_heads * hd, h), 0, i, kv=True))
+        out.append(TensorSpec(p + "self_attn.q_proj.weight", (arch.heads * hd, h), 0, i, unit=HEADS))
+        out.append(TensorSpec(p + "self_attn.k_proj.weight", (arch.kv_heads * hd, h), 0, i, unit=KV_HEADS))
+        out.append(TensorSpec(p + "self_attn.v_proj.weight", (arch.kv_heads * hd, h), 0, i, unit=KV_HEADS))
         if arch.qkv_bias:
-            out.append(TensorSpec(p + "self_attn.q_proj.bias", (arch.heads * hd,), 0, i))
-            out.append(TensorSpec(p + "self_attn.k_proj.bias", (arch.kv_heads * hd,), 0, i, kv=True))
-            out.append(TensorSpec(p + "self_attn.v_proj.bias", (arch.kv_heads * hd,), 0, i, kv=True))
-        out.append(TensorSpec(p + "self_attn.o_proj.weight", (h, arch.heads * hd), 1, i))
+            out.append(TensorSpec(p + "self_attn.q_proj.bias", (arch.heads * hd,), 0, i, unit=HEADS))
+            out.append(TensorSpec(p + "self_attn.k_proj.bias", (arch.kv_heads * hd,), 0, i, unit=KV_HEADS))
+            out.append(TensorSpec(p + "self_attn.v_proj.bias", (arch.kv_heads * hd,), 0, i, unit=KV_HEADS))
+        out.append(TensorSpec(p + "self_attn.o_proj.weight", (h, arch.heads * hd), 1, i, unit=HEADS))
         out.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), None, i))
         if arch.mlp == "swiglu":
             out.append(TensorSpec(p + "mlp.gate_proj.weight", (arch.ffn_hidden, h), 0, i))
@@ -96,8 +108,7 @@ def tp_box(t: TensorSpec, arch: ModelArch, tp: int, tp_rank: int) -> Box:
     full = [(0, n) for n in t.shape]
     if t.tp_dim is None or tp == 1:
         return tuple(full)
-    size = t.shape[t.tp_dim]
-    if t.kv:
+    if t.unit == KV_HEADS:
         hd = arch.head_dim
         if tp <= arch.kv_heads:
             lo, hi = split_range(arch.kv_heads, tp, tp_rank)
@@ -105,21 +116,21 @@ def tp_box(t: TensorSpec, arch: ModelArch, tp: int, tp_rank: int) -> Box:
             lo = tp_rank * arch.kv_heads // tp
             hi = lo + 1
         full[t.tp_dim] = (lo * hd, hi * hd)
-    elif t.name.endswith(("q_proj.weight", "q_proj.bias", "o_proj.weight")):
+    elif t.unit == HEADS:
         lo, hi = split_range(arch.heads, tp, tp_rank)  # whole heads per rank
         full[t.tp_dim] = (lo * arch.head_dim, hi * arch.head_dim)
     else:
-        full[t.tp_dim] = split_range(size, tp, tp_rank)
+        full[t.tp_dim] = split_range(t.shape[t.tp_dim], tp, tp_rank)
     return tuple(full)
 
 
-def rank_tensors(arch: ModelArch, layout: Layout, rank: int, value_head: bool = False) -> dict[str, Box]:
-    """Every tensor box held by ``rank`` of ``layout`` (rank order: tp fastest, then dp, then pp)."""
-    pp_rank, _, tp_rank = layout.coords(rank)
+def rank_tensors(arch: ModelArch, dims: ParallelDims, rank: int, value_head: bool = False) -> dict[str, Box]:
+    """Every tensor box held by ``rank`` of a layout's ``dims`` (its coordinates: ``ParallelDims.coords``)."""
+    pp_rank, _, tp_rank = dims.coords(rank)
     return {
-        t.name: tp_box(t, arch, layout.tp, tp_rank)
+        t.name: tp_box(t, arch, dims.tp, tp_rank)
         for t in model_tensors(arch, value_head)
-        if tensor_stage(t, arch, layout.pp) == pp_rank
+        if tensor_stage(t, arch, dims.pp) == pp_rank
     }
 
 
@@ -174,20 +185,20 @@ def flat_range_boxes(box: Box, lo: int, hi: int) -> tuple[Box, ...]:
                  for local in _flat_local(shape, lo, hi))
 
 
-def rank_order(arch: ModelArch, layout: Layout, stage: int, tp_rank: int,
+def rank_order(arch: ModelArch, dims: ParallelDims, stage: int, tp_rank: int,
                value_head: bool = False) -> list[tuple[str, Box]]:
     """The tensors pipeline stage ``stage``, TP rank ``tp_rank`` holds, in checkpoint order, with boxes."""
-    return [(t.name, tp_box(t, arch, layout.tp, tp_rank)) for t in model_tensors(arch, value_head)
-            if tensor_stage(t, arch, layout.pp) == stage]
+    return [(t.name, tp_box(t, arch, dims.tp, tp_rank)) for t in model_tensors(arch, value_head)
+            if tensor_stage(t, arch, dims.pp) == stage]
 
 
-def zero_shards(arch: ModelArch, layout: Layout, stage: int, tp_rank: int, dp_rank: int,
+def zero_shards(arch: ModelArch, dims: ParallelDims, stage: int, tp_rank: int, dp_rank: int,
                 value_head: bool = False) -> dict[str, tuple[Box, ...]]:
     """ZeRO part of DP rank ``dp_rank``: its range of the flat buffer of the rank's tensors (checkpoint
     order, each flattened row-major), as boxes per tensor it touches (tensors outside left out)."""
-    order = rank_order(arch, layout, stage, tp_rank, value_head)
+    order = rank_order(arch, dims, stage, tp_rank, value_head)
     total = sum(box_volume(b) for _, b in order)
-    lo, hi = split_range(total, layout.dp, dp_rank)
+    lo, hi = split_range(total, dims.dp, dp_rank)
     out, offset = {}, 0
     for name, box in order:
         n = box_volume(box)

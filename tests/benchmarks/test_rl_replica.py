@@ -20,7 +20,7 @@ from nereus.run.driver import Stepper  # noqa: E402
 from nereus.run.setup import datasets, tokenizer_for  # noqa: E402
 from nereus.runtime.model.hf import load_boxes  # noqa: E402
 from nereus.spec.job import load_job  # noqa: E402
-from nereus.spec.layout import Layout  # noqa: E402
+from nereus.spec.parallel_dims import ParallelDims  # noqa: E402
 from nereus.spec.sharding import rank_tensors  # noqa: E402
 
 pytestmark = pytest.mark.rayless  # processes but no Ray: may run beside the Ray tests
@@ -60,7 +60,7 @@ def test_warm_models_are_the_checkpoints_the_workers_load(tmp_path: Path) -> Non
     assert sorted(models) == ["actor", "critic", "reference", "reward"]
     for name, model in models.items():
         cfg = model.cfg
-        files = load_boxes(tmp_path / "init" / name, rank_tensors(cfg.arch, Layout(), 0, cfg.value_head))
+        files = load_boxes(tmp_path / "init" / name, rank_tensors(cfg.arch, ParallelDims(), 0, cfg.value_head))
         assert all(torch.equal(files[k], v) for k, v in model.state_dict().items()), name
     actor, ref = models["actor"].state_dict(), models["reference"].state_dict()
     assert all(torch.equal(actor[k], v) for k, v in ref.items())  # the reference starts as the actor

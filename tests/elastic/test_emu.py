@@ -37,9 +37,9 @@ def test_interleaving_keeps_contiguous_layer_ranges():
                 for s in t.shards:
                     held.setdefault(s.device, set()).add(t.name)
         for rank in range(4):
-            assert held[rank] == set(rank_tensors(arch, lay, rank))
+            assert held[rank] == set(rank_tensors(arch, lay.dims, rank))
             layers = {int(n.split(".")[2]) for n in held[rank] if n.startswith("model.layers.")}
-            assert layers == set(layer_range(8, 2, lay.coords(rank)[0]))
+            assert layers == set(layer_range(8, 2, lay.dims.coords(rank).pp_rank))
 
 
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=3), st.data())
@@ -64,14 +64,15 @@ def test_zero_shards_split_a_rank_flat_buffer_in_checkpoint_order(tp, dp):
     lay = Layout(tp=tp, dp=dp)
     shapes = {t.name: t.shape for t in model_tensors(arch)}
     for t in range(tp):
-        order = rank_order(arch, lay, 0, t)
-        assert [n for n, _ in order] == list(rank_tensors(arch, lay, t))  # same tensors, checkpoint order
-        sizes = [sum(box_volume(b) for bs in zero_shards(arch, lay, 0, t, r).values() for b in bs) for r in range(dp)]
+        order = rank_order(arch, lay.dims, 0, t)
+        assert [n for n, _ in order] == list(rank_tensors(arch, lay.dims, t))  # same tensors, checkpoint order
+        sizes = [sum(box_volume(b) for bs in zero_shards(arch, lay.dims, 0, t, r).values() for b in bs)
+                 for r in range(dp)]
         assert max(sizes) - min(sizes) <= 1  # near-equal ranges
         for name, box in order:
-            parts = [zero_shards(arch, lay, 0, t, r).get(name, ()) for r in range(dp)]
+            parts = [zero_shards(arch, lay.dims, 0, t, r).get(name, ()) for r in range(dp)]
             assert np.array_equal(mask(shapes[name], parts), mask(shapes[name], [(box,)]))  # each element once
-        owners = [r for name, _ in order for r in range(dp) if name in zero_shards(arch, lay, 0, t, r)]
+        owners = [r for name, _ in order for r in range(dp) if name in zero_shards(arch, lay.dims, 0, t, r)]
         assert owners == sorted(owners)  # contiguous ranges follow checkpoint order
 
 
@@ -141,6 +142,6 @@ def test_plans_the_contract_cannot_place_are_refused_by_field(layout, field):
 def test_real_gqa_model_shards_are_whole_kv_heads():
     arch = PRESETS["llama3-8b"]
     for t in range(8):
-        boxes = rank_tensors(arch, Layout(tp=8), t)
+        boxes = rank_tensors(arch, Layout(tp=8).dims, t)
         k = boxes["model.layers.0.self_attn.k_proj.weight"]
         assert k[0] == (t * 128, (t + 1) * 128)  # one KV head (head_dim 128) per rank

@@ -37,9 +37,9 @@ def _check(layout, state: dict) -> None:
         out = out.rows if out is not None else None
     # every rank of a replica needs its responses to build the batch: share them from the output ranks
     shared: list = [None] * dist.get_world_size()
-    dist.all_gather_object(shared, (groups.coords.dp, out) if sm is not None and sm.is_output_rank else None)
+    dist.all_gather_object(shared, (groups.coords.dp_rank, out) if sm is not None and sm.is_output_rank else None)
     if sm is not None:
-        out = next(o for s in shared if s is not None and s[0] == groups.coords.dp for o in [s[1]])
+        out = next(o for s in shared if s is not None and s[0] == groups.coords.dp_rank for o in [s[1]])
         prompts = _prompts()
         rows = sm.replica_rows(len(prompts))
         roll = pack(prompts[rows], [r for r, _ in out], [lp for _, lp in out], EOS)

@@ -95,7 +95,7 @@ def train_step(sm: ShardedModel | None, cfg: ModelConfig, seed: int, lr: float =
     mine = sm.train_step(make_batch(cfg, seed), loss_fn, lr) if sm is not None else []
     mine = mine if sm is not None and sm.is_output_rank else []
     parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (sm.groups.coords.dp if sm is not None else -1, mine))
+    dist.all_gather_object(parts, (sm.groups.coords.dp_rank if sm is not None else -1, mine))
     return [x for _, losses in sorted(p for p in parts if p[1]) for x in losses]
 
 

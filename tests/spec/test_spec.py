@@ -212,7 +212,7 @@ def test_plan_round_trip_and_validation():
     plan = Plan((Placement(ModelStage("actor", "training"), layout, tuple(range(8))),), 8)
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan
-    assert layout.coords(layout.rank(1, 1, 0)) == (1, 1, 0)
+    assert layout.dims.coords(layout.dims.rank(1, 1, 0)) == (1, 1, 0)
     bad = plan.to_dict()
     bad["placements"][0]["gpus"] = [0, 1, 2]
     with pytest.raises(SpecError, match=r"plan\.placements\[0\]\.gpus: has 3 GPUs but the layout needs"):

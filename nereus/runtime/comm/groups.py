@@ -3,14 +3,15 @@
 Every rank of the default (world) group must construct ``ParallelGroups`` with the same arguments, in the
 same order as every other rank, even ranks outside ``ranks``: torch.distributed creates each group
 collectively, and a rank that skips a creation makes the others hang (until ``timeout``).
-Rank order inside ``ranks`` is ``Layout.rank``: tensor-parallel fastest, then data-parallel, then pipeline.
+The degrees, the rank order inside ``ranks`` (tensor-parallel fastest, then data-parallel, then pipeline),
+each rank's coordinates and every group's members come from the layout's ``spec.parallel_dims.ParallelDims``;
+``ParallelGroups`` only turns those member lists into process groups and holds them.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from functools import cache
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.spec.layout import Layout
+from nereus.spec.parallel_dims import Coord
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -54,53 +56,40 @@ def new_group_in_order(members: list[int], timeout: timedelta) -> dist.ProcessGr
     return dist.new_group(members, timeout=timeout)
 
 
-@dataclass
-class Coords:
-    pp: int
-    dp: int
-    tp: int
+OUTSIDE = Coord(-1, -1, -1)  # the coordinates of a rank outside the layout
 
 
 class ParallelGroups:
-    """TP, DP and PP groups (and, for tied embeddings under PP, first/last-stage groups) of one layout.
+    """TP, DP and PP groups (and, for tied embeddings under PP, first/last-stage groups) of one layout,
+    built from its ``dims`` (``ParallelDims.group_members``); ``coords`` is this rank's ``Coord``.
 
-    ``member`` is False on ranks outside ``ranks``; their group attributes are None.
+    ``member`` is False on ranks outside ``ranks``; their group attributes are None and ``coords`` is
+    ``OUTSIDE``.
     """
 
     def __init__(self, layout: Layout, ranks: list[int] | None = None, tied_embeddings: bool = False,
                  timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         world = dist.get_world_size()
-        self.layout = layout
-        self.ranks = list(range(layout.world)) if ranks is None else list(ranks)
-        if len(self.ranks) != layout.world or len(set(self.ranks)) != len(self.ranks):
-            raise ValueError(f"layout {layout.short()} needs {layout.world} distinct ranks, got {self.ranks}")
+        self.layout, self.dims = layout, layout.dims
+        self.ranks = list(range(self.dims.world)) if ranks is None else list(ranks)
+        if len(self.ranks) != self.dims.world or len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"layout {layout.short()} needs {self.dims.world} distinct ranks, got {self.ranks}")
         if max(self.ranks) >= world:
             raise ValueError(f"ranks {self.ranks} exceed the world of {world}")
         me = dist.get_rank()
         self.member = me in self.ranks
         self.rank = self.ranks.index(me) if self.member else -1  # rank inside the layout
-        pp, dp, tp = layout.coords(self.rank) if self.member else (-1, -1, -1)
-        self.coords = Coords(pp, dp, tp)
+        self.coords: Coord = self.dims.coords(self.rank) if self.member else OUTSIDE
         self.device = local_device()
         self.tp_group = self._make("tp", timeout)
         self.dp_group = self._make("dp", timeout)
         self.pp_group = self._make("pp", timeout)
-        self.embed_group = self._make("embed", timeout) if tied_embeddings and layout.pp > 1 else None
-
-    def _members(self, kind: str) -> list[list[int]]:
-        lay, r = self.layout, self.ranks
-        if kind == "tp":
-            return [[r[lay.rank(p, d, t)] for t in range(lay.tp)] for p in range(lay.pp) for d in range(lay.dp)]
-        if kind == "dp":
-            return [[r[lay.rank(p, d, t)] for d in range(lay.dp)] for p in range(lay.pp) for t in range(lay.tp)]
-        if kind == "pp":
-            return [[r[lay.rank(p, d, t)] for p in range(lay.pp)] for d in range(lay.dp) for t in range(lay.tp)]
-        return [[r[lay.rank(0, d, t)], r[lay.rank(lay.pp - 1, d, t)]] for d in range(lay.dp) for t in range(lay.tp)]
+        self.embed_group = self._make("embed", timeout) if tied_embeddings and self.dims.pp > 1 else None
 
     def _make(self, kind: str, timeout: timedelta) -> dist.ProcessGroup | None:
         mine = None
         me = dist.get_rank()
-        for members in self._members(kind):
+        for members in self.dims.group_members(kind, self.ranks):
             # collective over the whole world; unsorted, so a rank's place in the group is its coordinate
             # (TP shards gather in TP order, ZeRO ranges follow the DP coordinate as the contract says)
             group = new_group_in_order(members, timeout)
@@ -110,15 +99,15 @@ class ParallelGroups:
 
     def pp_peer(self, stage: int) -> int:
         """Global rank of pipeline stage ``stage`` with this rank's DP and TP coordinates."""
-        return self.ranks[self.layout.rank(stage, self.coords.dp, self.coords.tp)]
+        return self.ranks[self.dims.rank(stage, self.coords.dp_rank, self.coords.tp_rank)]
 
     @property
     def first_stage(self) -> bool:
-        return self.coords.pp == 0
+        return self.coords.pp_rank == 0
 
     @property
     def last_stage(self) -> bool:
-        return self.coords.pp == self.layout.pp - 1
+        return self.coords.pp_rank == self.dims.pp - 1
 
     def destroy(self) -> None:
         """Release this layout's groups on this rank."""

@@ -126,8 +126,9 @@ def pinned(node_id: str) -> dict:
 
 
 def tp_groups(layout: Layout, ranks: list[int]) -> list[list[int]]:
-    """The worker ranks of each TP group of ``layout`` on ``ranks`` (as ``groups.ParallelGroups`` forms them)."""
-    return [[ranks[layout.rank(p, d, t)] for t in range(layout.tp)] for p in range(layout.pp) for d in range(layout.dp)]
+    """The worker ranks of each TP group of ``layout`` on ``ranks`` (``ParallelDims.group_members``, as
+    ``groups.ParallelGroups`` forms them)."""
+    return layout.dims.group_members("tp", ranks)
 
 
 def tp_split(layout: Layout, ranks: list[int], homes: list[str]) -> str | None:

@@ -13,28 +13,16 @@ sharded over DP (``dp.average_gradients``, ``dp.ShardedAdam``), both driven by `
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch.distributed as dist
-
+from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.model.decoder import CausalLM
 from nereus.runtime.parallel.pp import split_stage
 from nereus.runtime.parallel.tp import apply_tp
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    """Where one rank sits: its pipeline stage of ``pp`` and TP rank of ``tp`` (with the TP group)."""
-
-    pp: int = 1
-    pp_rank: int = 0
-    tp: int = 1
-    tp_rank: int = 0
-    tp_group: dist.ProcessGroup | None = None
-
-
-def parallelize(model: CausalLM, dims: ParallelDims) -> CausalLM:
+def parallelize(model: CausalLM, groups: ParallelGroups) -> CausalLM:
     """``model`` (whole, plain; on the meta device its weights can be loaded after) cut in place into the
-    shard of the rank at ``dims``: PP split, then TP."""
-    split_stage(model, dims.pp, dims.pp_rank)
-    return apply_tp(model, dims.tp_group, dims.tp, dims.tp_rank)
+    shard of this rank of ``groups``: PP split at its stage of ``groups.dims.pp``, then TP at its TP rank
+    (over ``groups.tp_group``)."""
+    dims, at = groups.dims, groups.coords
+    split_stage(model, dims.pp, at.pp_rank)
+    return apply_tp(model, groups.tp_group, dims.tp, at.tp_rank)

@@ -62,13 +62,13 @@ class StageComm:
 
     def send(self, tensor: torch.Tensor, downstream: bool, tag: int) -> None:
         c = self.groups.coords
-        peer = self.groups.pp_peer(c.pp + 1 if downstream else c.pp - 1)
+        peer = self.groups.pp_peer(c.pp_rank + 1 if downstream else c.pp_rank - 1)
         tensor = tensor.detach().contiguous()
         self.pending.append((dist.isend(tensor, dst=peer, group=self.groups.pp_group, tag=tag), tensor))
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, upstream: bool, tag: int) -> torch.Tensor:
         c = self.groups.coords
-        peer = self.groups.pp_peer(c.pp - 1 if upstream else c.pp + 1)
+        peer = self.groups.pp_peer(c.pp_rank - 1 if upstream else c.pp_rank + 1)
         out = torch.empty(shape, dtype=dtype, device=self.groups.device)
         dist.recv(out, src=peer, group=self.groups.pp_group, tag=tag)
         return out
@@ -106,7 +106,7 @@ def train_pipeline(stage: StageFn, comm: StageComm, inputs: list[torch.Tensor], 
     is micro-batch i's contribution to the objective (already divided by the number of micro-batches).
     Gradients accumulate in the stage's parameters; returns the losses on the last stage."""
     g = comm.groups
-    m, p, s = len(inputs), g.layout.pp, g.coords.pp
+    m, p, s = len(inputs), g.dims.pp, g.coords.pp_rank
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     losses: list[float] = []
 

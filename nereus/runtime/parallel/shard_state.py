@@ -14,7 +14,7 @@ Shards = dict[str, tuple[tuple, torch.Tensor]]  # name → (global box, local te
 
 def read_shards(sm: ShardedModel) -> Shards | None:
     """name → (global box, local tensor) on DP replica 0 (other replicas hold copies), else None."""
-    if sm.groups.coords.dp != 0:
+    if sm.groups.coords.dp_rank != 0:
         return None
     boxes = shard_boxes(sm.cfg, sm.groups)
     return {k: (tuple(boxes[k]), v.detach().clone()) for k, v in sm.shards().items()}
@@ -47,7 +47,7 @@ def replica_weights(sm: ShardedModel) -> dict[str, torch.Tensor] | None:
 
     boxes = shard_boxes(sm.cfg, sm.groups)
     mine = {k: (tuple(boxes[k]), v.detach()) for k, v in sm.shards().items()}
-    group, first = sm.groups.tp_group, sm.groups.coords.tp == 0
+    group, first = sm.groups.tp_group, sm.groups.coords.tp_rank == 0
     parts: list[Shards | None] | None = [None] * sm.groups.layout.tp if first else None
     dist.gather_object(mine, parts, dst=dist.get_global_rank(group, 0), group=group)
     return {k: v.to(sm.dtype) for k, v in assemble(parts).items()} if first else None

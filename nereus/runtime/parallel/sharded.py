@@ -25,7 +25,7 @@ import torch.distributed as dist
 from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.model.decoder import CausalLM, ModelConfig, rope_inv_freq
 from nereus.runtime.model.memory import ActivationMeter, MemoryReport, tensor_bytes
-from nereus.runtime.parallel import ParallelDims, parallelize
+from nereus.runtime.parallel import parallelize
 from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.dp import ShardedAdam, average_gradients, sum_gradients
 from nereus.runtime.parallel.pp import StageComm, forward_only, train_pipeline
@@ -92,10 +92,10 @@ def tied_head(cfg: ModelConfig) -> bool:
 def shard_boxes(cfg: ModelConfig, groups: ParallelGroups) -> dict[str, Box]:
     """Global boxes this rank loads: ``rank_tensors`` plus, on the last stage of a tied model under PP,
     ``tied_head`` (its copy of the embedding's vocabulary rows)."""
-    lay, arch = groups.layout, cfg.arch
-    boxes = rank_tensors(arch, lay, groups.rank, cfg.value_head)
-    if lay.pp > 1 and groups.last_stage and tied_head(cfg):
-        boxes["tied_head"] = tp_box(model_tensors(arch)[0], arch, lay.tp, groups.coords.tp)
+    dims, arch = groups.dims, cfg.arch
+    boxes = rank_tensors(arch, dims, groups.rank, cfg.value_head)
+    if dims.pp > 1 and groups.last_stage and tied_head(cfg):
+        boxes["tied_head"] = tp_box(model_tensors(arch)[0], arch, dims.tp, groups.coords.tp_rank)
     return boxes
 
 
@@ -108,11 +108,10 @@ class ShardedModel:
                  dtype: torch.dtype = torch.float32, schedule: str = "1f1b", assign: bool = False) -> None:
         if not groups.member:
             raise ValueError("this rank is not part of the layout")
-        lay, c = groups.layout, groups.coords
         self.cfg, self.groups, self.dtype, self.schedule = cfg, groups, dtype, schedule
         with torch.device("meta"):  # shapes only: the shard's tensors are loaded (or adopted) below
             whole = CausalLM(cfg)
-        model = parallelize(whole, ParallelDims(lay.pp, c.pp, lay.tp, c.tp, groups.tp_group))
+        model = parallelize(whole, groups)
         if assign:  # adopt the given tensors as the parameters (a transition's new buffers): no copy
             model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True, assign=True)
         else:  # parameters in ``dtype`` as the adopted ones are (load_state_dict casts into the target's dtype)
@@ -120,7 +119,7 @@ class ShardedModel:
             model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True)
         model.inv_freq = rope_inv_freq(cfg).to(groups.device)
         self.model: CausalLM = model
-        self.vocab_start = vocab_range(cfg.arch, lay.tp, c.tp)[0]
+        self.vocab_start = vocab_range(cfg.arch, groups.dims.tp, groups.coords.tp_rank)[0]
         self.optimizer: ShardedAdam | None = None
         self.comm = StageComm(groups)
         self.meter = ActivationMeter()
@@ -129,10 +128,10 @@ class ShardedModel:
     # ----- batch handling -------------------------------------------------------------------------
     @property
     def is_output_rank(self) -> bool:
-        return self.groups.last_stage and self.groups.coords.tp == 0
+        return self.groups.last_stage and self.groups.coords.tp_rank == 0
 
     def replica_rows(self, batch_size: int) -> slice:
-        dp, d = self.groups.layout.dp, self.groups.coords.dp
+        dp, d = self.groups.dims.dp, self.groups.coords.dp_rank
         if batch_size % dp:
             raise ValueError(f"batch of {batch_size} does not split over dp={dp}")
         per = batch_size // dp
@@ -224,8 +223,7 @@ class ShardedModel:
             losses = train_pipeline(run, self.comm, [mb.tokens for mb in mbs], shape, self.dtype, loss,
                                     self.schedule)
         self._activations = self.meter.peak
-        lay, c = self.groups.layout, self.groups.coords
-        reduce_replicated_kv_grads(self.model, self.groups.tp_group, lay.tp, c.tp)
+        reduce_replicated_kv_grads(self.model, self.groups.tp_group, self.groups.dims.tp, self.groups.coords.tp_rank)
         tied = [p for p in (self.model.tied_head, self._embedding_weight()) if p is not None]
         if self.groups.embed_group is not None and tied_head(self.cfg):
             sum_gradients(tied, self.groups.embed_group)
@@ -234,16 +232,16 @@ class ShardedModel:
 
     def _embedding_weight(self) -> torch.nn.Parameter | None:
         emb = self.model.model.embed_tokens
-        return emb.weight if emb is not None and self.groups.layout.pp > 1 else None
+        return emb.weight if emb is not None and self.groups.dims.pp > 1 else None
 
     def optimizer_params(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The parameters Adam updates, in the contract's flat order (``sharding.rank_order``). The last
         stage's ``tied_head`` is not among them: it follows the embedding (``sync_tied_head``)."""
         named = self.shards()
-        lay, c = self.groups.layout, self.groups.coords
-        order = [n for n, _ in rank_order(self.cfg.arch, lay, c.pp, c.tp, self.cfg.value_head)]
+        dims, c = self.groups.dims, self.groups.coords
+        order = [n for n, _ in rank_order(self.cfg.arch, dims, c.pp_rank, c.tp_rank, self.cfg.value_head)]
         if sorted(order) != sorted(named):
-            raise RuntimeError(f"stage {c.pp} holds {sorted(named)}, the contract says {sorted(order)}")
+            raise RuntimeError(f"stage {c.pp_rank} holds {sorted(named)}, the contract says {sorted(order)}")
         return [(n, named[n]) for n in order]
 
     def make_optimizer(self, lr: float = 1e-3, init_master: bool = True, **adam) -> ShardedAdam:
@@ -255,9 +253,10 @@ class ShardedModel:
     def _tp_multiplicity(self) -> dict[str, int]:
         """Per local tensor, how many ranks of this rank's TP group hold the same box (replicated norms and
         KV heads count once in a global norm)."""
-        lay, c = self.groups.layout, self.groups.coords
-        boxes = [rank_tensors(self.cfg.arch, lay, lay.rank(c.pp, c.dp, t), self.cfg.value_head) for t in range(lay.tp)]
-        mine = boxes[c.tp]
+        dims, c = self.groups.dims, self.groups.coords
+        boxes = [rank_tensors(self.cfg.arch, dims, dims.rank(c.pp_rank, c.dp_rank, t), self.cfg.value_head)
+                 for t in range(dims.tp)]
+        mine = boxes[c.tp_rank]
         return {name: sum(b.get(name) == box for b in boxes) for name, box in mine.items()}
 
     @torch.no_grad()

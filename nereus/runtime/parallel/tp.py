@@ -21,7 +21,8 @@ from torch import nn
 
 from nereus.runtime.model.decoder import CausalLM
 from nereus.spec.model import ModelArch
-from nereus.spec.sharding import TensorSpec, model_tensors, tp_box
+from nereus.spec.parallel_dims import check_split
+from nereus.spec.sharding import KV_HEADS, model_tensors, tp_box
 
 
 def _active(group: dist.ProcessGroup | None) -> bool:
@@ -104,28 +105,6 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(out, self.group)
 
 
-def check_tp(arch: ModelArch, tp: int) -> None:
-    """TP must give each rank the KV heads its query heads read (whole GQA groups per rank)."""
-    if arch.heads < tp:
-        raise ValueError(f"tp={tp} exceeds the {arch.heads} attention heads")
-    group = arch.heads // arch.kv_heads
-    for r in range(tp):
-        q = _spec(arch, "q_proj.weight")
-        k = _spec(arch, "k_proj.weight")
-        (qlo, qhi), = tp_box(q, arch, tp, r)[:1]
-        (klo, khi), = tp_box(k, arch, tp, r)[:1]
-        hd = arch.head_dim
-        need = {h // group for h in range(qlo // hd, qhi // hd)}
-        if need != set(range(klo // hd, khi // hd)):
-            raise ValueError(f"tp={tp} splits {arch.heads} query heads and {arch.kv_heads} KV heads so that "
-                             f"rank {r} lacks the KV heads of its query heads; use tp dividing both, "
-                             f"or a multiple of kv_heads dividing heads")
-
-
-def _spec(arch: ModelArch, suffix: str) -> TensorSpec:
-    return next(t for t in model_tensors(arch) if t.name.endswith(suffix))
-
-
 def _slice(t: torch.Tensor, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
     return t.detach()[tuple(slice(lo, hi) for lo, hi in box)].clone()
 
@@ -135,7 +114,7 @@ def apply_tp(model: CausalLM, group: dist.ProcessGroup | None, tp: int, tp_rank:
     arch = model.cfg.arch
     if tp == 1:
         return model
-    check_tp(arch, tp)
+    check_split(arch, tp, "apply_tp")  # whole heads and the KV heads they read on every rank
     specs = {t.name: t for t in model_tensors(arch, model.cfg.value_head)}
     params = dict(model.named_parameters())
     for name, spec in specs.items():
@@ -216,7 +195,7 @@ def reduce_replicated_kv_grads(model: CausalLM, group: dist.ProcessGroup | None,
     arch = model.cfg.arch
     if not _active(group) or tp <= arch.kv_heads:
         return
-    specs = {t.name: t for t in model_tensors(arch, model.cfg.value_head) if t.kv}
+    specs = {t.name: t for t in model_tensors(arch, model.cfg.value_head) if t.unit == KV_HEADS}
     for name, p in model.named_parameters():
         if name not in specs or p.grad is None:
             continue

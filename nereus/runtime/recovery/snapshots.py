@@ -91,7 +91,7 @@ def state_image(models: dict[str, ShardedModel], key_model: dict[str, str], opti
             continue
         part = holdings_of(model, sm)
         for bkey, buf in part.buffers.items():
-            if bkey[1] == WEIGHTS and weights_dp0_only and sm.groups.coords.dp != 0:
+            if bkey[1] == WEIGHTS and weights_dp0_only and sm.groups.coords.dp_rank != 0:
                 continue
             if bkey[1] == OPTIMIZER and model not in optimizer_for:
                 continue

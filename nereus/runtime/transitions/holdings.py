@@ -104,19 +104,19 @@ def storage_bytes(tensors) -> int:
 def weight_boxes(cfg, groups) -> dict[str, Box]:
     """The contract's boxes of a rank (``rank_tensors``): the last stage's ``tied_head`` is left out,
     as it follows the embedding (``ShardedModel.sync_tied_head``)."""
-    return rank_tensors(cfg.arch, groups.layout, groups.rank, cfg.value_head)
+    return rank_tensors(cfg.arch, groups.dims, groups.rank, cfg.value_head)
 
 
 def optimizer_boxes(cfg, groups) -> list[tuple[str, tuple[Box, ...]]]:
     """(tensor, box set) of each optimizer segment a rank holds under a layout, in checkpoint order: its
     ZeRO range of the contract's flat buffer (``sharding.zero_shards``; the whole buffer without ZeRO-1),
     which is what ``ShardedAdam`` keeps."""
-    lay, c = groups.layout, groups.coords
-    if not lay.zero1:
-        lay, dp_rank = replace(lay, dp=1), 0
+    dims, c = groups.dims, groups.coords
+    if not groups.layout.zero1:
+        dims, dp_rank = replace(dims, dp=1), 0
     else:
-        dp_rank = c.dp
-    return list(zero_shards(cfg.arch, lay, c.pp, c.tp, dp_rank, cfg.value_head).items())
+        dp_rank = c.dp_rank
+    return list(zero_shards(cfg.arch, dims, c.pp_rank, c.tp_rank, dp_rank, cfg.value_head).items())
 
 
 def holdings_of(model: str, sm: ShardedModel, into: Holdings | None = None) -> Holdings:

@@ -29,7 +29,7 @@ def test_two_layouts_on_ray_workers(ray_runtime, tmp_path):
     for key in ("a", "b"):
         torch.testing.assert_close(rt.logprobs(key, data.tokens), ref["fwd"]["logprobs"], rtol=1e-4, atol=2e-5)
     for rank, shapes in enumerate(rt.shard_shapes("a")):
-        boxes = rank_tensors(MQA.arch, a, rank)
+        boxes = rank_tensors(MQA.arch, a.dims, rank)
         assert shapes == {n: tuple(hi - lo for lo, hi in box) for n, box in boxes.items()}
 
     def loss(out, mb):  # defined here so Ray ships it by value

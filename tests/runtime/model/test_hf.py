@@ -12,8 +12,8 @@ transformers = pytest.importorskip("transformers")
 from nereus.runtime.model.decoder import CausalLM  # noqa: E402
 from nereus.runtime.model.hf import config_from_hf, load_boxes, read_config, save_checkpoint  # noqa: E402
 from nereus.spec.errors import SpecError  # noqa: E402
-from nereus.spec.layout import Layout  # noqa: E402
 from nereus.spec.model import arch_from_hf  # noqa: E402
+from nereus.spec.parallel_dims import ParallelDims  # noqa: E402
 from nereus.spec.sharding import rank_tensors  # noqa: E402
 
 COMMON = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=8,
@@ -38,7 +38,7 @@ def _hf_model(kind: str, tied: bool, **extra):
 def _load_ours(path) -> CausalLM:
     cfg = read_config(path)
     ours = CausalLM(cfg)
-    ours.load_state_dict(load_boxes(path, rank_tensors(cfg.arch, Layout(), 0)), strict=True)
+    ours.load_state_dict(load_boxes(path, rank_tensors(cfg.arch, ParallelDims(), 0)), strict=True)
     return ours.eval()
 
 
@@ -83,7 +83,7 @@ def test_partial_boxes_read_only_the_slice(tmp_path):
     hf = _hf_model("llama", False)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     cfg = read_config(tmp_path)
-    boxes = rank_tensors(cfg.arch, Layout(tp=2, pp=3), Layout(tp=2, pp=3).rank(2, 0, 1))
+    boxes = rank_tensors(cfg.arch, ParallelDims(tp=2, pp=3), ParallelDims(tp=2, pp=3).rank(2, 0, 1))
     got = load_boxes(tmp_path, boxes)
     full = dict(hf.state_dict())
     assert set(got) == {"model.norm.weight", "lm_head.weight"} | {

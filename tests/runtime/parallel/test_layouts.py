@@ -42,7 +42,7 @@ def _check_member(cfg, groups: ParallelGroups, schedule: str) -> None:
     ref = reference(cfg, lay.micro_batch_size)
     boxes = shard_boxes(cfg, groups)
     sm = ShardedModel(cfg, groups, slice_boxes(ref["state"], boxes), schedule=schedule)
-    contract = rank_tensors(cfg.arch, lay, groups.rank, cfg.value_head)
+    contract = rank_tensors(cfg.arch, groups.dims, groups.rank, cfg.value_head)
     shards = sm.shards()
     assert set(shards) == set(contract), (lay.short(), set(shards) ^ set(contract))
     for name, p in shards.items():

@@ -28,5 +28,5 @@ def test_runtime_parameter_order_is_the_contract_flat_order(tp, pp, value_head):
         for t in range(tp):
             model = apply_tp(build_stage(cfg, pp, stage), None, tp, t)
             params = [(n, p.numel()) for n, p in model.named_parameters()]
-            contract = [(n, box_volume(b)) for n, b in rank_order(LLAMA_LIKE, lay, stage, t, value_head)]
+            contract = [(n, box_volume(b)) for n, b in rank_order(LLAMA_LIKE, lay.dims, stage, t, value_head)]
             assert params == contract

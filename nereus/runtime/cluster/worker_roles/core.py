@@ -147,4 +147,4 @@ class WorkerCore:
     @staticmethod
     def _output(sm: ShardedModel, out: T) -> ReplicaOutput[T] | None:
         """The result from each replica's output rank, whose result is complete; else None."""
-        return ReplicaOutput(sm.groups.coords.dp, out) if sm.is_output_rank else None
+        return ReplicaOutput(sm.groups.coords.dp_rank, out) if sm.is_output_rank else None

@@ -152,7 +152,8 @@ class FixedDecode:
         self.last_pos = positions[:, -1]
         # one stream per DP replica, hashed from (step seed, replica): seed + replica would make replica 1 of
         # one step reuse replica 0's stream of the step whose seed is one higher
-        self.gen = torch.Generator(device=sm.groups.device).manual_seed(stream_seed(params.seed, sm.groups.coords.dp))
+        seed = stream_seed(params.seed, sm.groups.coords.dp_rank)
+        self.gen = torch.Generator(device=sm.groups.device).manual_seed(seed)
         self.stops = torch.tensor(sorted(params.stops), dtype=torch.long)
         self.finished = self.limit <= 0
         self.rows: list[list[int]] = [[] for _ in self.ids]

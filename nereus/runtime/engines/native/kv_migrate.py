@@ -89,7 +89,7 @@ def unpack_records(engine: DecodeEngine, records: list[SeqPiece], flat: torch.Te
 
 def _head_offset(engine: DecodeEngine) -> int:
     g = engine.sm.groups
-    return kv_head_range(engine.sm.cfg.arch.kv_heads, g.layout.tp, g.coords.tp)[0]
+    return kv_head_range(engine.sm.cfg.arch.kv_heads, g.dims.tp, g.coords.tp_rank)[0]
 
 
 def _kv_views(seq: Sequence, piece: KVPiece, head0: int) -> list[torch.Tensor]:
