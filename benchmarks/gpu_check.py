@@ -7,7 +7,7 @@ measured beside the cost model's predictions (measured / predicted).
 
 Per shape (random weights, no checkpoint on disk): a training step (forward, backward, Adam) of the
 plain decoder; decode time per token and prefill by batch with the runtime's native engine and, where
-vLLM is installed, with the vLLM engine (``runtime.engines.vllm_engine``, in a child process: vLLM takes
+vLLM is installed, with the vLLM engine (``runtime.engines.vllm.server``, in a child process: vLLM takes
 over torch.distributed of its process); and the weight sync into the engine (vLLM's in-place reload).
 Predictions: ``cost.stages.training_cost``, ``cost.decode.step_time`` / ``prefill_time`` of the
 planner's generation replica, ``cost.weight_sync.engine_reload_time``; on CPU the hardware is this
@@ -116,7 +116,7 @@ def native_decode(cfg: ModelConfig, sizes: Sizes, device: str, dtype: torch.dtyp
     import torch.distributed as dist
 
     from nereus.runtime.comm.groups import ParallelGroups
-    from nereus.runtime.engines.fixed_batch import SamplingParams, generate
+    from nereus.runtime.engines.native.fixed_batch import SamplingParams, generate
     from nereus.runtime.model.hf import slice_boxes
     from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes
 
@@ -142,14 +142,15 @@ def native_decode(cfg: ModelConfig, sizes: Sizes, device: str, dtype: torch.dtyp
 
 def vllm_part(shape: str, small: bool) -> dict:
     """In the child process: the vLLM engine's reload and decode figures (JSON on stdout)."""
-    from nereus.runtime.engines.fixed_batch import SamplingParams
-    from nereus.runtime.engines.vllm_engine import EngineConfig, VllmEngine
+    from nereus.runtime.engines.protocol import EngineConfig
+    from nereus.runtime.engines.sampling import SamplingParams
+    from nereus.runtime.engines.vllm.server import LocalVllm
     from nereus.spec.rollout import RolloutEngine
 
     sizes = CPU_SIZES if small else GPU_SIZES
     cfg = ModelConfig(ModelArch(**SHAPES[shape]))
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    engine = VllmEngine(EngineConfig(cfg, sizes.prompt + sizes.new_tokens + 8, max_num_seqs=max(sizes.batches),
+    engine = LocalVllm(EngineConfig(cfg, sizes.prompt + sizes.new_tokens + 8, max_num_seqs=max(sizes.batches),
                                      dtype=dtype, settings=RolloutEngine(engine="vllm", gpu_memory_utilization=0.5,
                                                                   cpu_kv_cache_gib=0.25)))
     state = build_model(cfg, seed=1, dtype=getattr(torch, dtype)).state_dict()

@@ -13,7 +13,7 @@ same seed, data and warm-started actor, on two local Ray workers, in each mode, 
 - ``async``: ``run.async`` — generation of step k+1 overlaps training of step k on disjoint workers;
 - ``vllm``: static with ``run.rollout.engine: vllm`` (one vLLM engine per generation replica; skipped
   where vLLM is not installed);
-- each tail lever alone on the fixed batch (``runtime.engines.fixed_decode``): ``speculative`` (n-gram
+- each tail lever alone on the fixed batch (``runtime.engines.native.fixed_decode``): ``speculative`` (n-gram
   drafts, 4 per row), ``tail`` (tail batching, over-launch 1.5, policy lag 0) and ``partial`` (partial
   rollout, over-launch 1.5, ``run.policy_lag: 1``);
 - ``levers`` (speculation + partial rollout) and ``tail+spec`` (speculation + tail batching), hand-picked;
@@ -131,7 +131,7 @@ def vllm(spec: dict) -> dict:
 
 
 def fixed(spec: dict, **rollout: object) -> dict:
-    """The default fixed batch with ``rollout``'s levers (``runtime.engines.fixed_decode``)."""
+    """The default fixed batch with ``rollout``'s levers (``runtime.engines.native.fixed_decode``)."""
     spec["run"]["rollout"] = copy.deepcopy(rollout)
     return spec
 

@@ -390,7 +390,7 @@ def padded_rest(job: JobSpec, plan: Plan, factors: dict[str, float]) -> PaddedRe
     fixed = sum(replace(c, terms={k: v for k, v in c.terms.items() if k in WIDTH_FREE_TERMS}).time(factors)
                 for c in costs)
     share = fixed / total if total > 0 else 0.0
-    fixed_batch = job.run is not None and job.run.rollout_slots == 0 and not job.run.rollout_engine.vllm
+    fixed_batch = job.run is not None and job.run.rollout_engine.traits.slots(job.run.rollout_slots) == 0
     return PaddedRest(seconds, float(job.workload.prompt_length), seconds * share, fixed_batch)
 
 

@@ -22,6 +22,7 @@ from functools import lru_cache
 from importlib import resources
 
 from nereus.cost.hardware import Hardware
+from nereus.spec.engines import PRICING_ENGINE, EngineCosts, engine_traits
 from nereus.spec.model import ModelArch
 
 
@@ -36,34 +37,6 @@ def _gpu_extras() -> dict[str, tuple[float, int]]:
         extras[row["gpu"]] = value
         extras[row["gpu"].split("-")[0]] = value
     return extras
-
-
-@dataclass(frozen=True)
-class EngineCosts:
-    """Host-side costs of an inference engine that no GPU roofline sees."""
-
-    # Fixed cost of one decode iteration: scheduling, sampling, launch of the step's CUDA graph.
-    step_s: float
-    # Cost per active sequence per iteration: batch bookkeeping, input preparation, detokenisation.
-    sequence_s: float
-
-
-# vLLM's Python scheduler and input preparation dominated Llama-3-8B decode on one H100 before v0.6.0
-# ("vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency Reduction", vLLM blog, 2024-09-05: HTTP
-# server 33%, scheduling 29% of execution time); after it, a millisecond-scale fixed cost per step
-# remains (the same blog's TPOT figures), with per-sequence work on the order of tens of µs. TensorRT-LLM
-# schedules in C++ (in-flight batching in its batch manager) and replays CUDA graphs, so both costs are
-# several times smaller. Orders of magnitude from those sources, not fitted to the validation rows.
-# Engines that hide their host work behind the GPU (a step costs its GPU time): SGLang >= 0.4 prepares
-# step n + 1 while the GPU runs step n ("SGLang v0.4: Zero-Overhead Batch Scheduler", LMSYS blog,
-# 2024-12-04); "graph": a loop replaying a CUDA graph per token that never reads the sampled token back
-# (gpt-fast's generate.py), so the CPU runs ahead.
-ENGINES: dict[str, EngineCosts] = {
-    "vllm": EngineCosts(step_s=1.0e-3, sequence_s=20e-6),
-    "trtllm": EngineCosts(step_s=0.3e-3, sequence_s=5e-6),
-    "sglang": EngineCosts(step_s=0.0, sequence_s=0.0),
-    "graph": EngineCosts(step_s=0.0, sequence_s=0.0),
-}
 
 
 MIN_TILE_ROWS = 8  # see DecodePriors.tile_rows
@@ -137,15 +110,21 @@ class Replica:
     arch: ModelArch
     tp: int
     precision: Precision = field(default_factory=lambda: Precision.of("bf16"))
-    engine: str = "vllm"
+    engine: str = PRICING_ENGINE  # a name or alias of ``spec.engines.ENGINE_TRAITS``
     priors: DecodePriors = field(default_factory=DecodePriors)
-    # The engine's host costs; None: ``ENGINES[engine]``. The cost model passes the cluster's
-    # ``decode_step_overhead_s`` prior here, so a measured profile overrides the engine's fixed step cost.
+    # The engine's host costs; None: its declared ones (``EngineTraits.host``, with their sources). The cost
+    # model passes the cluster's ``decode_step_overhead_s`` prior here, so a measured profile overrides the
+    # engine's fixed step cost.
     engine_costs: EngineCosts | None = None
 
     @property
     def costs(self) -> EngineCosts:
-        return self.engine_costs or ENGINES[self.engine]
+        if self.engine_costs is not None:
+            return self.engine_costs
+        host = engine_traits(self.engine).host
+        if host is None:
+            raise ValueError(f"engine {self.engine!r} declares no host costs: give engine_costs")
+        return host
 
     @property
     def peak_flops(self) -> float:

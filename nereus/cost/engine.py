@@ -1,9 +1,9 @@
 """The price list of the runtime's continuous-batching engine inside a step, calibrated on the run.
 
-The engine (``runtime.engines.decode_engine``) runs each live sequence as its own one-row micro-batch,
+The engine (``runtime.engines.native.decode_engine``) runs each live sequence as its own one-row micro-batch,
 so an iteration of a replica costs about (live sequences) × (seconds per row), and a replica's remaining
 work is its engine schedule replayed to the end: slots refilled from the queue, each iteration costing its
-live rows (``drain``). A move of unfinished sequences between replicas (``runtime.engines.kv_migrate``)
+live rows (``drain``). A move of unfinished sequences between replicas (``runtime.engines.native.kv_migrate``)
 costs a fixed part — a call to every worker and the commit vote — plus its KV bytes over the link.
 
 Every number here is either a prior (``ROW_PRIOR_S``, ``MOVE_FIXED_PRIOR_S``, ``S_PER_BYTE_PRIOR``) or

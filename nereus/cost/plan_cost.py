@@ -153,7 +153,7 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
         # a plan run by another system's mechanism says so (nereus.cost.weight_sync; simulator baselines)
         mechanism = SYNC_TIMES.get(plan.weight_sync, weight_sync_time)
         sync = mechanism(hw, job, train, gen)
-        if job.run is not None and job.run.rollout_engine.vllm:  # then into the engines (run.rollout.engine)
+        if job.run is not None and job.run.rollout_engine.traits.own_weights:  # then into the engine's own copy
             sync += engine_reload_time(hw, job, gen.layout)
         sync *= (factors or {}).get("sync", 1.0)
     phase_times["weight_sync"] = sync

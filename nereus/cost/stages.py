@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from nereus.cost.decode import ENGINES, DecodePhases, EngineCosts, Precision, Replica, decode_phases
+from nereus.cost.decode import DecodePhases, EngineCosts, Precision, Replica, decode_phases
 from nereus.cost.hardware import Hardware
 from nereus.cost.memory import (
     BF16,
@@ -23,6 +23,7 @@ from nereus.cost.memory import (
     stage_params,
     training_state_bytes,
 )
+from nereus.spec.engines import PRICING_ENGINE, engine_traits
 from nereus.spec.job import JobSpec, ResponseLength
 from nereus.spec.layout import Layout, ModelStage
 from nereus.spec.model import ModelArch
@@ -317,8 +318,8 @@ def _decode_phases(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, pr
 def generation_replica(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int) -> Replica:
     """The rollout engine's replica as the planner prices it (also the intra-step model's, cost.generation)."""
     precision = Precision.of("bf16") if weight_bytes <= 2 else Precision("fp32", weight_bytes, weight_bytes)
-    engine = EngineCosts(hw.priors.decode_step_overhead_s, ENGINES["vllm"].sequence_s)
-    return Replica(hw, arch, tp, precision, "vllm", engine_costs=engine)
+    engine = EngineCosts(hw.priors.decode_step_overhead_s, engine_traits(PRICING_ENGINE).host.sequence_s)
+    return Replica(hw, arch, tp, precision, PRICING_ENGINE, engine_costs=engine)
 
 
 def stage_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout,

@@ -10,8 +10,8 @@ new GPU sets share nodes, InfiniBand otherwise), plus a latency per model-stage 
 
 That is the bandwidth part. A transition also has a fixed part that moves no bytes: the driver's round
 trips to every worker, regrouping process groups of the new layouts, rebuilding inference engines and
-freeing the old state. A rollout engine that is a program of its own (vLLM: ``run.rollout.engine``) is
-started anew on a moved generation stage, one per data-parallel replica, in parallel; that start (tens of
+freeing the old state. A rollout engine that is a program of its own (vLLM; ``EngineTraits.restarts_on_move``)
+is started anew on a moved generation stage, one per data-parallel replica, in parallel; that start (tens of
 seconds on a GPU: loading, compiling, capturing graphs) dwarfs the rest. ``TransitionFit`` prices it as
 
     t = bytes_factor · t_bandwidth + fixed_s + per_stage_s · (model-stages moved)
@@ -119,11 +119,12 @@ def moved_stages(old: Plan, new: Plan) -> int:
 
 
 def engines_rebuilt(job: JobSpec, old: Plan, new: Plan) -> int:
-    """Rollout engines a move starts anew: with ``run.rollout.engine: vllm``, one per data-parallel replica
+    """Rollout engines a move starts anew: with an engine that restarts on a move
+    (``EngineTraits.restarts_on_move``: vLLM), one per data-parallel replica
     of a generation stage whose layout or devices change, except a replica whose engine device (its TP rank
     0) held an engine of the same TP size before: that worker keeps its engine running and reloads it
-    (``runtime.engines.engine_pool``)."""
-    if job.run is None or not job.run.rollout_engine.vllm:
+    (``runtime.engines.pool``)."""
+    if job.run is None or not job.run.rollout_engine.traits.restarts_on_move:
         return 0
     before = {p.model_stage: p for p in old.placements}
     started = 0

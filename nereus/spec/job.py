@@ -7,6 +7,7 @@ from pathlib import Path
 
 from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, DEFAULT_ESTIMATOR, NEEDS_CRITIC, NEEDS_GROUPS
 from nereus.spec.cluster import ClusterSpec, read_cluster
+from nereus.spec.engines import installed_distribution
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS, Fields
 from nereus.spec.files import read_yaml_file
@@ -15,7 +16,7 @@ from nereus.spec.model import ModelArch, arch_from_hf_config, read_arch
 from nereus.spec.overrides import apply_overrides
 from nereus.spec.parallel_dims import ParallelDims
 from nereus.spec.response import ResponseLength
-from nereus.spec.rollout import check_rollout_engine, vllm_distribution
+from nereus.spec.rollout import check_rollout_engine
 from nereus.spec.run import RunSpec, read_run
 from nereus.spec.trace import load_trace
 from nereus.spec.user_code import check_target, resolve_target
@@ -273,7 +274,7 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         for name, layout in run.layouts.items():
             ParallelDims.of(layout, job.models[name.split("/")[0]], f"run.layouts.{name}")
         check_rollout_engine(run.rollout_engine, {m: a.head_dim for m, a in job.models.items()}, run.layouts,
-                             vllm_distribution())
+                             installed_distribution(run.rollout_engine.traits))
         check_old_log_prob(job.algorithm, run)
     root.finish()
     return job
@@ -282,13 +283,13 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
 def check_old_log_prob(alg: Algorithm, run: RunSpec) -> None:
     """``algorithm.recompute_old_log_prob: false`` only where the engine's sampled log-probs are the trainer's
     old log-probs: every trained token sampled by the weights being trained (no lag, no run-ahead step), by
-    the native engine, which records each token's log-prob from the same fp32 forward and the same
-    untempered, uncut logits as the trainer's inference (within 1e-6 on the long-tail task; vLLM's are its
-    kernels' numbers, up to 0.2 apart from an fp32 trainer's in bf16)."""
+    an engine that records each token's log-prob from the same fp32 forward and the same untempered, uncut
+    logits as the trainer's inference (``EngineTraits.exact_logprobs``: the native engine, within 1e-6 on the
+    long-tail task; vLLM's are its kernels' numbers, up to 0.2 apart from an fp32 trainer's in bf16)."""
     if alg.recompute_old_log_prob:
         return
     key = "algorithm.recompute_old_log_prob"
-    why = {"run.rollout.engine": run.rollout_engine.vllm, "run.policy_lag": run.policy_lag > 0,
+    why = {"run.rollout.engine": not run.rollout_engine.traits.exact_logprobs, "run.policy_lag": run.policy_lag > 0,
            "run.async.enabled": run.async_mode.on, "run.rollout.partial_rollout": run.rollout_partial is not None}
     for name, refuses in why.items():
         if refuses:

@@ -31,6 +31,10 @@ POLICY_LAGS = (0, 1)  # run.policy_lag: 0 strictly on-policy; 1 one step of lag 
 DRAFT_KINDS = ("ngram", "suffix", "draft_model", "draft_head")
 
 
+# the n-gram lookup's fields of ``Speculation``: in its JSON only where they differ from their defaults
+LOOKUP_FIELDS = ("prompt_lookup_max", "prompt_lookup_min")
+
+
 def _from_fields(cls: type, d: Any, where: str) -> Any:
     """``cls(**d)`` with unknown keys and bad values as one-line ``SpecError``\\ s naming the key."""
     if not isinstance(d, dict):
@@ -49,20 +53,32 @@ def _from_fields(cls: type, d: Any, where: str) -> Any:
 class Speculation:
     """Draft-and-verify decoding: ``draft_tokens`` (k) drafts of kind ``draft`` per live sequence, verified
     in one forward of k + 1 tokens; on for each replica while its live batch is at most ``live_at_most``
-    (speculation loses at large batch: verification turns compute-bound). Lossless: policy lag 0."""
+    (speculation loses at large batch: verification turns compute-bound). Lossless: policy lag 0.
+
+    The same value is the policy's decision and what the engine carries out: a model-free draft (``ngram``,
+    ``suffix``) looks up the sequence's last ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens in
+    the text at hand (vLLM's n-gram keys; ``run.rollout.speculative`` reads into this type)."""
 
     draft: str
     draft_tokens: int
     live_at_most: int
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:
         if self.draft not in DRAFT_KINDS:
             raise ValueError(f"Speculation.draft: {self.draft!r}; one of {', '.join(DRAFT_KINDS)}")
         if self.draft_tokens < 1 or self.live_at_most < 1:
             raise ValueError(f"Speculation: draft_tokens and live_at_most must be >= 1 ({self})")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("Speculation: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """The lever's fields; the n-gram lookup's only where they differ from their defaults, so plans
+        and records written before those fields existed read the same."""
+        defaults = {f.name: f.default for f in fields(self) if f.name in LOOKUP_FIELDS}
+        return {k: v for k, v in asdict(self).items() if k not in defaults or v != defaults[k]}
 
     @staticmethod
     def from_json(d: dict, where: str = "speculation") -> Speculation:

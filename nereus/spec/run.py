@@ -10,7 +10,8 @@ from nereus.spec.algorithms import KL_KINDS, KL_UNSUPPORTED, LOGGERS, LOSS_AGG_M
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
-from nereus.spec.rollout import PartialRollout, RolloutEngine, TailBatching
+from nereus.spec.levers import TailBatching
+from nereus.spec.rollout import PartialRolloutConfig, RolloutEngine
 from nereus.spec.run_rollout import MidstepSpec, ValKwargs, read_rollout_section
 
 # auto: the row's data_source picks the rule (nereus.rl.rewards, as verl's default reward manager does)
@@ -155,7 +156,8 @@ class RunSpec:
     adapt: AdaptSpec | None = None
     logger: tuple[str, ...] | None = None  # verl's trainer.logger; None: console, JSONL, TensorBoard if installed
     # run.rollout.slots (verl: actor_rollout_ref.rollout.max_num_seqs): > 0 generates with the continuous-
-    # batching engine, this many sequences at a time per replica (runtime.engines.decode_engine); 0: the fixed batch
+    # batching engine, this many sequences at a time per replica (runtime.engines.native.decode_engine); 0: the
+    # fixed batch (an engine's own default where it has one: EngineTraits.default_slots)
     rollout_slots: int = 0
     # run.rollout.pad_to_max: pack rollouts to the longest possible prompt + response (not the longest
     # present), so that with run.overlap inference starts on a generation replica's rows once it finishes
@@ -167,7 +169,7 @@ class RunSpec:
     # run.rollout.tail_batching: over-launch and defer unfinished groups (run.tail); None: off
     rollout_tail: TailBatching | None = None
     # run.rollout.partial_rollout: carry unfinished responses to the next step (run.partial); None: off
-    rollout_partial: PartialRollout | None = None
+    rollout_partial: PartialRolloutConfig | None = None
     # run.rollout.levers: "auto" lets the controller choose the tail levers (speculative decoding, tail
     # batching) by the cost model, step by step (control.tail_policy, run.tail_decisions); "none": only the keys above
     rollout_levers: str = "none"

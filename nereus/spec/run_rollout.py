@@ -9,11 +9,10 @@ from dataclasses import dataclass, replace
 
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_STEPS, Fields
-from nereus.spec.levers import check_policy_lag
+from nereus.spec.levers import TailBatching, check_policy_lag
 from nereus.spec.rollout import (
-    PartialRollout,
+    PartialRolloutConfig,
     RolloutEngine,
-    TailBatching,
     read_engine,
     read_partial_rollout,
     read_tail_batching,
@@ -75,7 +74,7 @@ class RolloutSection:
     midstep: MidstepSpec | None
     engine: RolloutEngine
     tail: TailBatching | None
-    partial: PartialRollout | None
+    partial: PartialRolloutConfig | None
     policy_lag: int
     levers: str = "none"
     val_kwargs: ValKwargs = ValKwargs()
@@ -120,13 +119,29 @@ def _val_kwargs(rollout: Fields) -> ValKwargs:
     return spec
 
 
-def _refill_only(midstep: MidstepSpec, key: str) -> MidstepSpec:
-    """vLLM's KV blocks stay in its engine: a move aborts the request and re-prefills it on the other
-    engine (``runtime.engines.vllm_session``), so ``auto`` means ``refill`` and ``kv`` is refused."""
+def _refill_only(midstep: MidstepSpec, engine: RolloutEngine, key: str) -> MidstepSpec:
+    """An engine whose moves re-prefill (``migration: refill``: its KV blocks stay inside it, so a move
+    aborts the request and re-prefills it on the other engine) reads ``auto`` as ``refill`` and refuses
+    ``kv``."""
     if midstep.transfer == "kv":
-        raise SpecError(key, "kv: the vLLM engine moves sequences by re-prefill (abort, then prefill their prompt "
-                        "and tokens so far on the other engine): use refill or auto, or engine: native")
+        raise SpecError(key, f"kv: the {engine.traits.label} engine moves sequences by re-prefill (abort, then "
+                        "prefill their prompt and tokens so far on the other engine): use refill or auto, or "
+                        "engine: native")
     return replace(midstep, transfer="refill")
+
+
+def _check_engine_runs(engine: RolloutEngine, midstep: MidstepSpec | None, tail: TailBatching | None,
+                       partial: PartialRolloutConfig | None) -> None:
+    """Each lever refused, naming its key, where the engine declares it cannot carry it out."""
+    t = engine.traits
+    refused = [("run.rollout.midstep", midstep is not None and t.migration == "none", "moves no sequences"),
+               ("run.rollout.speculative", engine.speculative is not None and t.speculation == "none",
+                "does not speculate"),
+               ("run.rollout.tail_batching", tail is not None and not t.rounds, "runs no rounds"),
+               ("run.rollout.partial_rollout", partial is not None and not t.rounds, "runs no rounds")]
+    for key, no, why in refused:
+        if no:
+            raise SpecError(key, f"the {t.label} engine {why}: remove it, or use engine: native")
 
 
 def read_rollout_section(f: Fields) -> RolloutSection:
@@ -137,8 +152,8 @@ def read_rollout_section(f: Fields) -> RolloutSection:
     pad_to_max = rollout.get("pad_to_max", bool, False)
     midstep = _midstep(rollout, slots)
     engine = read_engine(rollout)
-    if midstep is not None and engine.vllm:
-        midstep = _refill_only(midstep, rollout.key_path("midstep.transfer"))
+    if midstep is not None and engine.traits.migration == "refill":
+        midstep = _refill_only(midstep, engine, rollout.key_path("midstep.transfer"))
     tail = read_tail_batching(rollout)
     if tail is not None and midstep is not None:
         raise SpecError("run.rollout.tail_batching", "and mid-step moves are two rules for the same tail: "
@@ -151,6 +166,7 @@ def read_rollout_section(f: Fields) -> RolloutSection:
     if partial is not None and lag < 1:
         raise SpecError("run.policy_lag", "partial rollout trains tokens one policy version old: set "
                         "run.policy_lag: 1, or remove run.rollout.partial_rollout")
+    _check_engine_runs(engine, midstep, tail, partial)
     levers = rollout.get("levers", str, "none", choices=LEVER_CHOICES)
     _check_auto_levers(levers, engine, midstep, tail, partial)
     val_kwargs = _val_kwargs(rollout)
@@ -159,9 +175,10 @@ def read_rollout_section(f: Fields) -> RolloutSection:
 
 
 def _check_auto_levers(levers: str, engine: RolloutEngine, midstep: MidstepSpec | None, tail: TailBatching | None,
-                       partial: PartialRollout | None) -> None:
-    """``levers: auto`` leaves speculation and tail batching to the controller: each fixed lever key, the
-    vLLM engine (speculation fixed at its start) and mid-step moves (a rule of their own) are refused."""
+                       partial: PartialRolloutConfig | None) -> None:
+    """``levers: auto`` leaves speculation and tail batching to the controller: each fixed lever key, an
+    engine that cannot switch speculation inside a step (vLLM's is fixed at its start) and mid-step moves
+    (a rule of their own) are refused."""
     if levers != "auto":
         return
     fixed = [k for k, v in (("speculative", engine.speculative), ("tail_batching", tail),
@@ -169,6 +186,8 @@ def _check_auto_levers(levers: str, engine: RolloutEngine, midstep: MidstepSpec 
     if fixed:
         raise SpecError("run.rollout.levers", f"auto: the controller chooses the levers; remove run.rollout."
                         f"{fixed[0]}, or set levers: none to keep it fixed")
-    if engine.vllm:
-        raise SpecError("run.rollout.levers", "auto needs the native engine (vLLM's speculation is fixed when "
-                        "its engine starts): set engine: native, or levers: none")
+    t = engine.traits
+    if t.speculation != "live":
+        why = "speculation is fixed when its engine starts" if t.speculation == "fixed" else "engine does not speculate"
+        raise SpecError("run.rollout.levers", f"auto needs the native engine ({t.label}'s {why}): set engine: native, "
+                        "or levers: none")

@@ -31,9 +31,10 @@ def test_every_modes_job_is_accepted_by_the_spec(tmp_path: Path) -> None:
         sys.path.remove(str(ROOT / "benchmarks"))
     args = bench.parse(["--quick"])
     jobs, skipped = bench.mode_jobs(bench.base_spec(tmp_path, args), list(bench.MODES))
-    from nereus.spec.rollout import vllm_distribution
+    from nereus.spec.engines import ENGINE_TRAITS, installed_distribution
 
-    refused = [] if vllm_distribution() is not None else ["vllm"]  # the one mode that needs an optional package
+    # the one mode that needs an optional package
+    refused = [] if installed_distribution(ENGINE_TRAITS["vllm"]) is not None else ["vllm"]
     assert list(skipped) == refused and list(jobs) == [m for m in bench.MODES if m not in refused]
     assert set(SMOKE_MODES) <= set(bench.MODES)
     # the steadier accuracy: the evaluations after the run's middle (the warm-start's, at step 0, never)

@@ -51,7 +51,7 @@ def _replica(row: dict[str, str]) -> Replica:
     tp = int(row["tp"])
     hw = Hardware(ClusterSpec(gpu, nodes=1, gpus_per_node=8))
     precision = Precision.of("fp8" if row["precision"].startswith("fp8") else "bf16")
-    return Replica(hw, arch, tp, precision, "vllm" if row["engine"] == "vLLM" else "trtllm")
+    return Replica(hw, arch, tp, precision, row["engine"])  # its host costs: spec.engines, by the row's name
 
 
 def _fixed(row: dict[str, str]) -> float:

@@ -2,9 +2,10 @@
 
 ``nereus/cost/decode_small_batch.csv`` (its header cites every source) holds batch/concurrency 1-16 rows at
 TP 1-8 from gpt-fast, SGLang, vLLM V1, NVIDIA NIM (TensorRT-LLM) and vLLM V0. One set of priors predicts
-every row; each row's engine supplies only its host costs (``nereus.cost.decode.ENGINES``). vLLM V0's rows
-are reported, not validated: its host work per step and per sequence grows with the TP group, a term the
-model does not carry. Run ``python tests/cost/test_decode_small_batch.py`` for the table.
+every row; each row's engine supplies only its host costs (``spec.engines.ENGINE_TRAITS``, looked up by the
+row's engine name). vLLM V0's rows are reported, not validated: its host work per step and per sequence
+grows with the TP group, a term the model does not carry. Run ``python tests/cost/test_decode_small_batch.py``
+for the table.
 """
 
 from __future__ import annotations
@@ -15,16 +16,15 @@ from importlib import resources
 
 import pytest
 
-from nereus.cost.decode import ENGINES, Precision, Replica, step_time
+from nereus.cost.decode import Precision, Replica, step_time
 from nereus.cost.decode_events import generation_time
 from nereus.cost.hardware import Hardware
 from nereus.spec.cluster import ClusterSpec, gpu_presets
+from nereus.spec.engines import engine_traits
 from nereus.spec.model import PRESETS, ModelArch
 
 # Llama-2-7B (meta-llama/Llama-2-7b-hf config.json): MHA, 11008 FFN, 32k vocabulary.
 ARCHS = {"llama2-7b": ModelArch(32, 4096, 11008, 32, 32, 32000), **PRESETS}
-# The engine whose host costs a row's engine has; vLLM V0 is priced as vLLM (and misses by its host work).
-ENGINE_OF = {"graph": "graph", "sglang": "sglang", "vllm": "vllm", "vllm-v0": "vllm", "trtllm": "trtllm"}
 VALIDATED = ("GPTFAST", "SGLANG-DOCS", "EAGLE-PR173", "VLLM-PR16937", "NIM-BENCH")
 REPORTED = ("VLLM-ISSUE16300",)
 
@@ -37,9 +37,9 @@ def rows() -> list[dict[str, str]]:
 def replica(row: dict[str, str]) -> Replica:
     gpu = gpu_presets()[re.match(r"[AH]\d00", row["gpu"]).group(0)]
     hw = Hardware(ClusterSpec(gpu, nodes=1, gpus_per_node=8))
-    engine = ENGINE_OF[row["engine"]]
-    return Replica(hw, ARCHS[row["arch"]], int(row["tp"]), Precision.of(row["precision"]), engine,
-                   engine_costs=ENGINES[engine])
+    engine = engine_traits(row["engine"])  # vLLM V0 is priced as vLLM (and misses by its host work)
+    return Replica(hw, ARCHS[row["arch"]], int(row["tp"]), Precision.of(row["precision"]), engine.name,
+                   engine_costs=engine.host)
 
 
 def predict(row: dict[str, str]) -> float:

@@ -16,10 +16,11 @@ from importlib import resources
 
 import pytest
 
-from nereus.cost.decode import ENGINES, Replica, StepModel
+from nereus.cost.decode import Replica, StepModel
 from nereus.cost.hardware import Hardware
 from nereus.cost.tail import speculative as sp
 from nereus.spec.cluster import ClusterSpec, gpu_presets
+from nereus.spec.engines import engine_traits
 from nereus.spec.model import PRESETS, ModelArch
 
 # XiaomiMiMo/MiMo-7B config.json: 36 layers, hidden 4096, FFN 11008, 32 heads, 8 KV heads, 151,680 tokens.
@@ -34,7 +35,8 @@ def rows() -> list[dict[str, str]]:
 
 def target(row: dict[str, str]) -> StepModel:
     hw = Hardware(ClusterSpec(gpu_presets()[GPUS[row["gpu"]]], nodes=1, gpus_per_node=8))
-    return StepModel(Replica(hw, ARCHS[row["arch"]], 1, engine=row["engine"], engine_costs=ENGINES[row["engine"]]))
+    return StepModel(Replica(hw, ARCHS[row["arch"]], 1, engine=row["engine"],
+                             engine_costs=engine_traits(row["engine"]).host))
 
 
 def drafter(row: dict[str, str]) -> sp.Drafter:
@@ -46,7 +48,7 @@ def drafter(row: dict[str, str]) -> sp.Drafter:
         return head
     # SGLang replays the drafter from a CUDA graph but, speculating, schedules without overlapping the
     # GPU: its host work per iteration is exposed, priced at the order of a Python scheduler's (vLLM's).
-    return replace(head, forward_host_s=0.0, exposed_host=ENGINES["vllm"])
+    return replace(head, forward_host_s=0.0, exposed_host=engine_traits("vllm").host)
 
 
 def calibrated_alpha(row: dict[str, str]) -> float:

@@ -142,7 +142,7 @@ def _with_generation(plan, layout, gpus):
 
 def test_a_device_that_keeps_an_engine_of_the_same_tp_starts_none():
     """Engines are kept where a replica's engine device (its TP rank 0) held one of the same TP size
-    (``runtime.engines.engine_pool``): only the other replicas start one."""
+    (``runtime.engines.pool``): only the other replicas start one."""
     from nereus.spec.layout import Layout
 
     job = _vllm(small_job())

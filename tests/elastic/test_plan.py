@@ -68,7 +68,7 @@ def every_kind():
 
 def test_a_plan_with_every_step_kind_round_trips_through_json(every_kind):
     job, old, new, hw, graph = every_kind
-    # every kind but a live migration's (tests/runtime/engines/test_kv_migration.py round-trips those)
+    # every kind but a live migration's (tests/runtime/engines/native/test_kv_migration.py round-trips those)
     assert set(graph.count()) == set(STEP_KINDS) - set(KV_STEP_KINDS)
     assert {p.kind for s in graph.steps for p in s.all_pieces()} == set(PIECE_KINDS) - set(KV_PIECE_KINDS)
     text = json.dumps(graph.to_json())

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from nereus.run.rollout import pack
 from nereus.runtime.cluster.launch import run_world
 from nereus.runtime.comm.groups import ParallelGroups
-from nereus.runtime.engines.fixed_batch import SamplingParams, generate_with_logprobs
+from nereus.runtime.engines.native.fixed_batch import SamplingParams, generate_with_logprobs
 from nereus.runtime.model.decoder import build_model
 from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.parallel.batch import TrainBatch

@@ -10,9 +10,9 @@ import pytest
 from nereus.rl.data import Prompt
 from nereus.run.tail import TailRounds
 from nereus.runtime.cluster.launch import run_world
-from nereus.runtime.engines.decode_engine import DecodeEngine, first_groups
+from nereus.runtime.engines.native.decode_engine import DecodeEngine, first_groups
 from nereus.runtime.engines.sampling import SamplingParams
-from nereus.spec.rollout import TailBatching
+from nereus.spec.levers import TailBatching
 from tests.run.jobs import tiny_job
 from tests.runtime.decode_helpers import alone, layout, prompts, shard
 
@@ -101,7 +101,7 @@ def test_grpo_job_alternates_short_and_long_rounds(ray_runtime, tmp_path, slots,
 
 def test_partial_rounds_carry_groups_per_replica_and_stitch_versions():
     from nereus.run.partial import PartialRollouts, resumed_inputs, stitch
-    from nereus.runtime.engines.decode_engine import Carried
+    from nereus.runtime.engines.native.decode_engine import Carried
 
     part = PartialRollouts(2.0)
     fresh = [_prompt(i) for i in range(2)]

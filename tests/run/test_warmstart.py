@@ -12,7 +12,7 @@ import pytest
 from nereus.rl.data import EOS, CharTokenizer, load_prompts, write_rows
 from nereus.rl.task import reverse_rows
 from nereus.run import warmstart
-from nereus.runtime.engines.fixed_batch import SamplingParams, reference_generate
+from nereus.runtime.engines.native.fixed_batch import SamplingParams, reference_generate
 from nereus.runtime.model.decoder import ModelConfig, build_model
 from nereus.spec.errors import SpecError
 from nereus.spec.model import ModelArch

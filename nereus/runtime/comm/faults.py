@@ -8,7 +8,7 @@ Points (where a fault hurts most):
 - ``"transition.prepare"``, ``"transition.transfer"``, ``"transition.install"``: the phases of a live
   transition before its commit point (``runtime.transitions.executor``);
 - ``"migration.transfer"``, ``"migration.install"``: a live migration of unfinished sequences before its
-  commit point (``runtime.engines.kv_migrate``): before this worker posts its messages, after they all landed;
+  commit point (``runtime.engines.native.kv_migrate``): before this worker posts its messages, after they all landed;
 - ``"generate"``: a vLLM engine's replica while its engine generates (``Worker.generate_with_logprobs``).
 
 Actions: ``kill`` SIGKILLs the worker's process (a lost worker: ``Runtime.recover``); ``fail`` raises

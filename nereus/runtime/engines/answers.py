@@ -11,7 +11,7 @@ lowest-numbered first, so the answer does not depend on timing.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import astuple, dataclass
 
 
@@ -84,3 +84,29 @@ class GroupOrder:
         """The rows of the groups kept: the required ones, then the others in their finish order."""
         chosen = [g for g in self.order if g in self.required] + [g for g in self.order if g not in self.required]
         return {i for g in chosen[: self.keep] for i in self.groups[g]}
+
+
+@dataclass(frozen=True)
+class ClosedReplica:
+    """A replica's answer to ``gen_close``: every sequence it finished (its own and those moved in), by id:
+    (tokens, log-probs); with the last call's iterations, rows and busy seconds (``ReplicaStatus``'s)."""
+
+    replica: int
+    done: Mapping[int, tuple[list[int], list[float]]]
+    iterations: int
+    rows: int
+    busy_s: float
+
+
+@dataclass(frozen=True)
+class MigrationOutcome:
+    """One worker's part of a migration: whether it committed (``error`` says why not), its wall time,
+    the sequences it adopted and released, and the KV bytes it sent and received."""
+
+    ok: bool
+    error: str = ""
+    wall_s: float = 0.0
+    installed: tuple[int, ...] = ()
+    released: tuple[int, ...] = ()
+    bytes_sent: int = 0
+    bytes_received: int = 0

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nereus.spec.rollout import Speculation
+from nereus.spec.levers import Speculation
 
 _MASK64 = (1 << 64) - 1
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nereus.runtime.engines.fixed_batch import SamplingParams, reference_generate
+from nereus.runtime.engines.native.fixed_batch import SamplingParams, reference_generate
 from nereus.runtime.model.decoder import build_model
 from nereus.runtime.model.hf import save_checkpoint
 from nereus.spec.layout import Layout

@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 class RecoveryRole(WorkerCore):
     """Reads ``models`` into state images (``recovery.snapshots``); ``reinit`` leaves the world for a new
     one (``rank``, ``world``, ``groups``, ``pending``, ``comm``, the abort flag and the abandoned calls
-    reset, ``models`` kept, the generation part's ``engines`` dropped); ``restore`` replaces ``models`` and
-    ``groups`` from images, with the groups ``prepare_groups`` left in ``pending``, and closes the
-    generation part's engines (``close_engines``): the driver opens them anew on the new layout."""
+    reset, ``models`` kept, the generation part's engines that ran in the world dropped:
+    ``drop_world_engines``); ``restore`` replaces ``models`` and ``groups`` from images, with the groups
+    ``prepare_groups`` left in ``pending``, and closes the generation part's engines (``close_engines``):
+    the driver opens them anew on the new layout."""
 
     def reinit(self, master: str, port: int, world: int, timeout_s: float, rank: int | None = None) -> bool:
         """Leave the current world (every group with it) and join one of ``world`` workers as ``rank``
@@ -35,7 +36,7 @@ class RecoveryRole(WorkerCore):
         self._stuck = [t for t in self._stuck if t.is_alive()]
         self._abort.clear()
         self.world, self.groups, self.pending = world, {}, {}
-        self.engines = {}
+        self.drop_world_engines()
         self.rank = self.rank if rank is None else rank
         self.init_dist(master, port, timeout_s)
         return self.init_comm(min(timeout_s, 120.0))

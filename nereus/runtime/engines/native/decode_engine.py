@@ -25,8 +25,8 @@ forward, then its generated tokens one per iteration (``refill="replay"``: the s
 first time, hence bit-identical caches); ``refill="prefill"`` does prompt and generated tokens in one
 forward (faster, equal up to rounding).
 
-With ``speculation`` set (``spec.rollout.Speculation``: ``SamplingParams.speculation`` at the start,
-switched by the engine loop between iterations) and at most its ``max_live`` sequences live,
+With ``speculation`` set (``spec.levers.Speculation``: ``SamplingParams.speculation`` at the start,
+switched by the engine loop between iterations) and at most its ``live_at_most`` sequences live,
 a decoding sequence feeds its last token and up to ``k`` n-gram drafts as one chunk and emits the tokens
 the rejection rule keeps (``speculative``): greedy tokens equal plain decoding's, sampled ones have the
 same distribution. ``draft_tokens``/``accepted_tokens`` count what it proposed and kept.
@@ -42,13 +42,13 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.engines.answers import Answer, Carried, DecodeStats, GroupOrder, ReplicaRollout
+from nereus.runtime.engines.native.speculative import propose, verify
 from nereus.runtime.engines.sampling import SamplingParams, sample, stream_seed
-from nereus.runtime.engines.speculative import propose, verify
 from nereus.runtime.model.decoder import KVCache, logprobs_from_logits
 from nereus.runtime.parallel.pp import forward_only
 from nereus.runtime.parallel.sharded import ShardedModel
 from nereus.runtime.parallel.tp import gather_vocab
-from nereus.spec.rollout import Speculation
+from nereus.spec.levers import Speculation
 
 REFILLS = ("replay", "prefill")
 # responses to the same prompt searched for drafts: a GRPO group's size (verl's rollout.n is 5-16 in its
@@ -235,9 +235,9 @@ class DecodeEngine:
 
     def _drafts(self, chunks: list[tuple[int, int]]) -> list[list[int]]:
         """Each busy slot's n-gram drafts: none unless speculating, the slot is decoding (one token to
-        feed) and at most ``max_live`` sequences are live; at most what its length limit leaves room for."""
+        feed) and at most ``live_at_most`` sequences are live; at most what its length limit leaves room for."""
         spec = self.speculation
-        if spec is None or len(self.active) + len(self.queue) > spec.max_live:
+        if spec is None or len(self.active) + len(self.queue) > spec.live_at_most:
             return [[] for _ in self.active]
         by_prompt: dict[tuple[int, ...], list[Sequence]] = {}
         for s in self.sequences().values():

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from nereus.runtime.engines.answers import ReplicaRollout
-from nereus.runtime.engines.decode_engine import generate_continuous
-from nereus.runtime.engines.fixed_decode import FixedDecode, left_pad
+from nereus.runtime.engines.native.decode_engine import generate_continuous
+from nereus.runtime.engines.native.fixed_decode import FixedDecode, left_pad
 from nereus.runtime.engines.sampling import SamplingParams, sample
 from nereus.runtime.parallel.sharded import ShardedModel
 

@@ -7,7 +7,7 @@ the whole left-padded batch, with the tail levers that change the work rather th
   whole groups have finished (``answers.GroupOrder``); the others are deferred (None) or carried
   (``Carried``, with ``params.carry_partial``);
 - **speculative decoding with n-gram drafts** (``params.speculation``, switched by the live batch: only
-  while at most ``max_live`` rows are live). Each row feeds its pending token and ``k`` drafts as one
+  while at most ``live_at_most`` rows are live). Each row feeds its pending token and ``k`` drafts as one
   chunk of one batched forward; the rejection rule (Leviathan et al. 2023,
   https://arxiv.org/abs/2211.17192; ``speculative.verify_rows``) keeps each row's accepted drafts and
   one more token, so rows advance by different numbers of tokens: each row then writes its keys and
@@ -26,13 +26,13 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.engines.answers import Answer, Carried, DecodeStats, GroupOrder
+from nereus.runtime.engines.native.speculative import as_text, propose_text, verify_rows
 from nereus.runtime.engines.sampling import SamplingParams, row_limit, sample, stream_seed
-from nereus.runtime.engines.speculative import as_text, propose_text, verify_rows
 from nereus.runtime.model.decoder import KVCache, logprobs_from_logits
 from nereus.runtime.parallel.pp import forward_only
 from nereus.runtime.parallel.sharded import ShardedModel
 from nereus.runtime.parallel.tp import gather_vocab
-from nereus.spec.rollout import Speculation
+from nereus.spec.levers import Speculation
 
 # responses to the same prompt searched for drafts (as the continuous-batching engine's SIBLING_SOURCES)
 SIBLING_SOURCES = 16
@@ -143,7 +143,7 @@ class FixedDecode:
         tokens, valid = left_pad(self.prompts, params.pad_token_id)
         b, p = tokens.shape
         self.limit = torch.tensor([row_limit(params, i) for i in self.ids])
-        room = p + params.max_new_tokens + (params.speculation.num_speculative_tokens if params.speculation else 0)
+        room = p + params.max_new_tokens + (params.speculation.draft_tokens if params.speculation else 0)
         self.step = PipelineForward(sm, b, room)
         self.keys = torch.zeros(b, room, dtype=torch.bool)  # positions holding a row's prompt or its tokens
         self.keys[:, :p] = valid
@@ -247,12 +247,12 @@ class FixedDecode:
 
     # ----- speculation ----------------------------------------------------------------------------------
     def _draft_width(self) -> int:
-        """Drafts per row this iteration: ``num_speculative_tokens`` while speculating with at most
-        ``max_live`` rows live, else 0."""
+        """Drafts per row this iteration: ``draft_tokens`` while speculating with at most
+        ``live_at_most`` rows live, else 0."""
         spec = self.params.speculation
-        if spec is None or int((~self.finished).sum()) > spec.max_live:
+        if spec is None or int((~self.finished).sum()) > spec.live_at_most:
             return 0
-        return spec.num_speculative_tokens
+        return spec.draft_tokens
 
     def _speculate(self, pending: torch.Tensor, k: int) -> torch.Tensor:
         """One verification chunk: each row's pending token and ``k`` drafts in one forward; each live

@@ -1,5 +1,5 @@
 """Execute a live migration of unfinished sequences (``elastic.kvplan.MigrationPlan``) between decode
-engines (``runtime.engines.decode_engine``) on the ranks of one torch.distributed world.
+engines (``runtime.engines.native.decode_engine``) on the ranks of one torch.distributed world.
 
 Every rank of the world calls ``migrate`` with the same plan, between two engine iterations, passing the
 engine its source placement runs on this rank (or None) and the one its destination placement runs (or
@@ -30,7 +30,7 @@ from nereus.elastic.kvplan import MigrationPlan, kv_head_range
 from nereus.elastic.plan import KVFree, KVPiece, KVSend, Refill, SeqPiece
 from nereus.runtime.comm.faults import FaultHook
 from nereus.runtime.comm.transfer import TransferComm
-from nereus.runtime.engines.decode_engine import DecodeEngine, Sequence
+from nereus.runtime.engines.native.decode_engine import DecodeEngine, Sequence
 
 I64, F64 = 8, 8  # bytes of a token id and of a log-prob on the wire
 

@@ -4,7 +4,7 @@ iterations and move unfinished sequences between its DP replicas mid-step (``run
 ``Worker.gen_open`` builds one ``DecodeEngine`` per DP replica on that replica's rows of the step's
 prompts (``decode_engine.replica_engine``: sequence id = global row index, so each sequence samples from
 the stream ``generate_continuous`` gives it); ``gen_run`` runs a chunk of iterations and answers the
-replica's status; ``gen_migrate`` executes a ``MigrationPlan`` (``runtime.engines.kv_migrate.migrate``: every
+replica's status; ``gen_migrate`` executes a ``MigrationPlan`` (``runtime.engines.native.kv_migrate.migrate``: every
 worker of the world takes part, because the commit vote is a collective over the whole world);
 ``gen_close`` runs the replica to the end and answers every sequence it finished (one call instead of a
 last chunk and a close). Every rank of a replica makes the same calls, so its engines stay in lockstep.
@@ -13,41 +13,14 @@ last chunk and a close). Every rank of a replica makes the same calls, so its en
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 
 from nereus.elastic.kvplan import MigrationPlan
 from nereus.runtime.comm.faults import FaultHook
 from nereus.runtime.comm.transfer import TransferComm
-from nereus.runtime.engines.decode_engine import DecodeEngine, Sequence
-from nereus.runtime.engines.kv_migrate import MigrationAborted, migrate
+from nereus.runtime.engines.answers import ClosedReplica, MigrationOutcome
+from nereus.runtime.engines.native.decode_engine import DecodeEngine, Sequence
+from nereus.runtime.engines.native.kv_migrate import MigrationAborted, migrate
 from nereus.spec.generation import ReplicaStatus, SequenceRecord
-
-
-@dataclass(frozen=True)
-class ClosedReplica:
-    """A replica's answer to ``gen_close``: every sequence it finished (its own and those moved in), by id:
-    (tokens, log-probs); with the last call's iterations, rows and busy seconds (``ReplicaStatus``'s)."""
-
-    replica: int
-    done: Mapping[int, tuple[list[int], list[float]]]
-    iterations: int
-    rows: int
-    busy_s: float
-
-
-@dataclass(frozen=True)
-class MigrationOutcome:
-    """One worker's part of a migration: whether it committed (``error`` says why not), its wall time,
-    the sequences it adopted and released, and the KV bytes it sent and received."""
-
-    ok: bool
-    error: str = ""
-    wall_s: float = 0.0
-    installed: tuple[int, ...] = ()
-    released: tuple[int, ...] = ()
-    bytes_sent: int = 0
-    bytes_received: int = 0
 
 
 def _record(s: Sequence, replica: int, rng_bytes: int) -> SequenceRecord:

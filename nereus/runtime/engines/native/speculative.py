@@ -28,11 +28,11 @@ import torch
 
 from nereus.runtime.engines.sampling import SamplingParams, target_probs
 from nereus.runtime.model.decoder import logprobs_from_logits
-from nereus.spec.rollout import Speculation
+from nereus.spec.levers import Speculation
 
 
 def propose(context: Seq[int], sources: Seq[Seq[int]], spec: Speculation, limit: int) -> list[int]:
-    """Up to ``min(limit, num_speculative_tokens)`` draft tokens to follow ``context``: for the longest
+    """Up to ``min(limit, draft_tokens)`` draft tokens to follow ``context``: for the longest
     n-gram suffix of ``context`` (``prompt_lookup_max`` .. ``prompt_lookup_min``) found in the context
     itself (before its end) or in one of ``sources``, the tokens after its latest occurrence."""
     return propose_text(as_text(context), [as_text(s) for s in sources], spec, limit)
@@ -46,7 +46,7 @@ def as_text(tokens: Seq[int]) -> str:
 def propose_text(context: str, sources: Seq[str], spec: Speculation, limit: int) -> list[int]:
     """``propose`` on token strings (``as_text``): the latest occurrence that ends before a text's last
     token, so at least one token follows it."""
-    k = min(limit, spec.num_speculative_tokens)
+    k = min(limit, spec.draft_tokens)
     if k < 1:
         return []
     for n in range(min(spec.prompt_lookup_max, len(context) - 1), spec.prompt_lookup_min - 1, -1):

@@ -8,7 +8,7 @@ group), and a runtime worker's process is a member of the runtime's gloo world; 
 process of its own: a Ray actor (``EngineServer``) started by the worker that owns the replica, on the
 same node, with vLLM in-process inside it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one OpenMP thread, no
 core binding). An engine of TP size T > 1 adds T worker processes of its own (vLLM's multiprocess
-executor; ``runtime.engines.vllm_weights``). The actor shares its owner's fate: a worker that dies
+executor; ``runtime.engines.vllm.weights``). The actor shares its owner's fate: a worker that dies
 takes its engine with it, and a re-formed world builds new engines on the new layout.
 
 What it loads. The engine starts from a directory holding only ``config.json`` (``load_format="dummy"``:
@@ -39,15 +39,15 @@ from pathlib import Path
 import torch
 
 from nereus.runtime.comm.faults import FaultHook
-from nereus.runtime.engines.answers import Answer, Carried, GroupOrder
+from nereus.runtime.engines.answers import Answer, Carried, ClosedReplica, GroupOrder
+from nereus.runtime.engines.protocol import EngineConfig
 from nereus.runtime.engines.sampling import SamplingParams
-from nereus.runtime.engines.session import ClosedReplica
-from nereus.runtime.engines.vllm_session import MovedRow, VllmSession, answer_of, row_sampling
-from nereus.runtime.engines.vllm_weights import RECEIVER, pack, unpack
+from nereus.runtime.engines.vllm.session import MovedRow, VllmSession, answer_of, row_sampling
+from nereus.runtime.engines.vllm.weights import RECEIVER, pack, unpack
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.hf import config_to_hf
 from nereus.spec.generation import ReplicaStatus
-from nereus.spec.rollout import RolloutEngine
+from nereus.spec.levers import Speculation
 
 # The engine process's environment: vLLM in-process (no engine-core subprocess), one OpenMP thread per
 # engine without pinning it to a core (the runtime's workers share the same cores), and vLLM's usage
@@ -58,20 +58,6 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "VL
 # Deadline of an engine's start: vLLM's import (10-30 s) and engine start (4-50 s) measured on this
 # 2-core host while other jobs ran, with room for a busier one.
 ENGINE_START_S = 900.0
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """What one replica's engine is built with: the model, the longest sequence it must hold, the
-    sequences it schedules at a time, its dtype and the job's engine settings."""
-
-    cfg: ModelConfig
-    max_model_len: int
-    max_num_seqs: int = 256  # vLLM's default; ``run.rollout.slots`` when given
-    dtype: str = "float32"
-    seed: int = 0
-    settings: RolloutEngine = RolloutEngine(engine="vllm")
-    tp: int = 1  # vLLM's tensor_parallel_size: the generation layout's TP
 
 
 @dataclass(frozen=True)
@@ -121,7 +107,16 @@ def kv_space_gib(config: EngineConfig) -> str:
     return str(max(1, math.ceil(config.settings.cpu_kv_cache_gib)))
 
 
-class VllmEngine:
+def speculative_config(spec: Speculation) -> dict[str, object]:
+    """vLLM's ``speculative_config`` for the speculation lever (``run.rollout.speculative``): its n-gram
+    proposer, fixed for the engine's life."""
+    if spec.draft != "ngram":
+        raise ValueError(f"vLLM's engines draft n-grams here, not {spec.draft}")
+    return {"method": "ngram", "num_speculative_tokens": spec.draft_tokens, "prompt_lookup_max": spec.prompt_lookup_max,
+            "prompt_lookup_min": spec.prompt_lookup_min}
+
+
+class LocalVllm:
     """One vLLM engine in this process (which must not be a member of a torch.distributed world)."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -136,7 +131,7 @@ class VllmEngine:
         # on CPU a fixed KV-cache size: vLLM otherwise reserves gpu_memory_utilization x the host's memory
         # n-gram drafts (vLLM's own proposer and rejection sampler; the CPU build runs them too)
         spec = config.settings.speculative
-        speculative = {"speculative_config": spec.vllm_config()} if spec is not None else {}
+        speculative = {"speculative_config": speculative_config(spec)} if spec is not None else {}
         memory = ({"gpu_memory_utilization": config.settings.gpu_memory_utilization} if torch.cuda.is_available()
                   else {"kv_cache_memory_bytes": int(config.settings.cpu_kv_cache_gib * 2**30)})
         # TP > 1: worker processes of the engine's own, which take weights through ``WeightReceiver``
@@ -151,7 +146,7 @@ class VllmEngine:
         """Replace every weight in place from checkpoint-named tensors; seconds taken. The prefix cache is
         reset: blocks cached under the old weights would otherwise be reused for a longer prompt."""
         t0 = time.perf_counter()
-        if self.config.tp > 1:  # to the engine's worker processes, packed (runtime.engines.vllm_weights)
+        if self.config.tp > 1:  # to the engine's worker processes, packed (runtime.engines.vllm.weights)
             self.llm.collective_rpc("nereus_load_weights", args=(pack(weights),))
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(weights.items()))})
@@ -203,11 +198,11 @@ class VllmEngine:
 
 
 class EngineServer:
-    """A ``VllmEngine`` in its own Ray actor process (``server_actor``; see the module docstring for why),
-    with the step's generation session when the driver looks inside it (``vllm_session``)."""
+    """A ``LocalVllm`` in its own Ray actor process (``server_actor``; see the module docstring for why),
+    with the step's generation session when the driver looks inside it (``vllm.session``)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.engine = VllmEngine(config)
+        self.engine = LocalVllm(config)
         self.session: VllmSession | None = None
 
     def session_open(self, prompts: list[list[int]], first_row: int, params: SamplingParams, replica: int) -> bool:
@@ -241,7 +236,7 @@ class EngineServer:
         return self.engine.load_weights(weights)
 
     def reuse(self, weights: dict[str, torch.Tensor]) -> float:
-        """Ready for its next owner (``engine_pool``): a session its last owner left open dropped, then
+        """Ready for its next owner (``engines.pool``): a session its last owner left open dropped, then
         ``weights`` loaded."""
         self._drop_session()
         return self.engine.load_weights(weights)
@@ -289,7 +284,7 @@ class ReplicaEngine:
         return self.last_load_s
 
     def reuse(self, weights: dict[str, torch.Tensor]) -> float:
-        """The running engine taken by a new owner (``engine_pool.IdleEngines``), loaded with ``weights``."""
+        """The running engine taken by a new owner (``engines.pool.IdleEngines``), loaded with ``weights``."""
         self.last_load_s = waited(self.server.reuse.remote(weights))
         return self.last_load_s
 
@@ -305,7 +300,7 @@ class ReplicaEngine:
     def tensors(self) -> dict[str, torch.Tensor]:
         return waited(self.server.tensors.remote())
 
-    # the step's session (``vllm_session``): the engine's calls, waited for
+    # the step's session (``vllm.session``): the engine's calls, waited for
     def session_open(self, prompts: list[list[int]], rows: slice, params: SamplingParams, replica: int) -> bool:
         return waited(self.server.session_open.remote(prompts[rows], rows.start, params, replica))
 

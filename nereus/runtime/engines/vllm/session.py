@@ -1,7 +1,7 @@
 """A step's generation on vLLM engines that live across calls, so the driver can look between chunks of
 engine steps and move unfinished requests between the replicas' engines (``run.rollout.midstep`` with
 ``run.rollout.engine: vllm``): the same ``gen_open`` / ``gen_run`` / ``gen_migrate`` / ``gen_close`` calls
-as the native engine's session (``runtime.engines.session``), answered with the same typed values.
+as the native engine's session (``runtime.engines.native.session``), answered with the same typed values.
 
 ``VllmSession`` runs in the engine's process: every row of the replica is a request (named by its global
 row and an incarnation, so a row that moves away and back is a new request), stepped one engine step at a
@@ -27,8 +27,8 @@ from nereus.elastic.kvplan import GenPlacement, MigrationPlan
 from nereus.elastic.plan import KVSend
 from nereus.runtime.comm.faults import FaultHook
 from nereus.runtime.comm.transfer import TransferComm
+from nereus.runtime.engines.answers import ClosedReplica, MigrationOutcome
 from nereus.runtime.engines.sampling import SamplingParams, row_limit, stream_seed
-from nereus.runtime.engines.session import ClosedReplica, MigrationOutcome
 from nereus.spec.generation import ReplicaStatus, SequenceRecord
 
 Response = tuple[list[int], list[float]]

@@ -15,7 +15,7 @@ import io
 import torch
 
 # vLLM imports the extension by this path inside each engine worker process
-RECEIVER = "nereus.runtime.engines.vllm_weights.WeightReceiver"
+RECEIVER = "nereus.runtime.engines.vllm.weights.WeightReceiver"
 
 
 def pack(weights: dict[str, torch.Tensor]) -> bytes:

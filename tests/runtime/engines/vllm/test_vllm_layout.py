@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nereus.runtime.engines.vllm_engine import engine_layout
+from nereus.runtime.engines.vllm.server import engine_layout
 from nereus.runtime.model.decoder import ModelConfig, build_model
 from nereus.spec.model import ModelArch
 

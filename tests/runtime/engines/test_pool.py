@@ -1,4 +1,4 @@
-"""``engine_pool.IdleEngines``' bookkeeping: which idle engine a worker's next open takes, how many stay
+"""``engines.pool.IdleEngines``' bookkeeping: which idle engine a worker's next open takes, how many stay
 idle, and what happens to one whose process died. Its engines here are stand-ins that record what they
 were asked (a real vLLM engine is reused in tests/run/test_vllm_job.py, whose jobs assert the counts)."""
 
@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 from ray.exceptions import RayActorError
 
-from nereus.runtime.engines.engine_pool import EngineOpened, EnginesOpened, IdleEngines
-from nereus.runtime.engines.vllm_engine import EngineConfig
+from nereus.runtime.engines.pool import IdleEngines
+from nereus.runtime.engines.protocol import EngineConfig, EngineOpened, EnginesOpened
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.spec.model import ModelArch
 

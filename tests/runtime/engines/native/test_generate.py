@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from nereus.runtime.cluster.launch import run_world
 from nereus.runtime.comm.groups import ParallelGroups
-from nereus.runtime.engines.fixed_batch import SamplingParams, generate, reference_generate, sample
+from nereus.runtime.engines.native.fixed_batch import SamplingParams, generate, reference_generate, sample
 from nereus.runtime.engines.sampling import derive_seed, stream_seed
 from nereus.runtime.model.decoder import build_model
 from nereus.runtime.model.hf import slice_boxes

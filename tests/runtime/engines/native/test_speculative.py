@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from nereus.runtime.cluster.launch import run_world
-from nereus.runtime.engines.decode_engine import DecodeEngine
+from nereus.runtime.engines.native.decode_engine import DecodeEngine
+from nereus.runtime.engines.native.speculative import propose, verify, verify_rows
 from nereus.runtime.engines.sampling import SamplingParams, target_probs
-from nereus.runtime.engines.speculative import propose, verify, verify_rows
 from nereus.runtime.model.decoder import build_model
-from nereus.spec.rollout import Speculation
+from nereus.spec.levers import Speculation
+from nereus.spec.rollout import UNBOUNDED_LIVE
 from tests.runtime.decode_helpers import CFG, alone, answers, assert_same, layout, prompts, shard
 
 pytestmark = pytest.mark.rayless  # processes but no Ray: may run beside the Ray tests
@@ -39,14 +40,15 @@ def chi2(counts: dict, probs: dict, n: int) -> tuple[float, int]:
 
 
 def test_propose_takes_the_longest_suffix_match_latest_first():
-    spec = Speculation(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+    spec = Speculation("ngram", 3, UNBOUNDED_LIVE, prompt_lookup_max=3, prompt_lookup_min=1)
     assert propose([1, 2, 3, 9, 1, 2, 3, 4, 1, 2, 3], [], spec, 8) == [4, 1, 2]  # latest match of [1, 2, 3]
     assert propose([5, 6, 7], [[0, 6, 7, 8, 9]], spec, 8) == [8, 9]  # found in a sibling's response
     assert propose([5, 6, 7], [[0, 6, 7, 8, 9]], spec, 1) == [8]  # the length limit
     assert propose([5, 6, 7], [[1, 2]], spec, 8) == []  # nothing matches
-    assert propose([4, 4], [], Speculation(prompt_lookup_min=2), 8) == []  # a 2-gram needs 3 tokens
+    two = Speculation("ngram", 4, UNBOUNDED_LIVE, prompt_lookup_min=2)
+    assert propose([4, 4], [], two, 8) == []  # a 2-gram needs 3 tokens
     with pytest.raises(ValueError, match="prompt_lookup_min"):
-        Speculation(prompt_lookup_min=4, prompt_lookup_max=3)
+        Speculation("ngram", 4, UNBOUNDED_LIVE, prompt_lookup_min=4, prompt_lookup_max=3)
 
 
 def test_greedy_verification_accepts_while_the_draft_is_the_argmax():
@@ -127,7 +129,7 @@ def _greedy(rank: int, world: int) -> None:
     sp = SamplingParams(max_new_tokens=12, eos_token_id=None)
     want = alone(sm, ps, sp)
     engine = DecodeEngine(sm, sp, slots=4)
-    engine.speculation = Speculation(num_speculative_tokens=3, prompt_lookup_max=3)
+    engine.speculation = Speculation("ngram", 3, UNBOUNDED_LIVE, prompt_lookup_max=3)
     for i, p in enumerate(ps):
         engine.submit(i, p)
     engine.run()
@@ -138,9 +140,9 @@ def _greedy(rank: int, world: int) -> None:
         plain.submit(i, p)
     plain.run()
     assert engine.iterations < plain.iterations  # accepted drafts save iterations
-    # switched by live batch: above max_live nothing is drafted
+    # switched by live batch: above live_at_most nothing is drafted
     off = DecodeEngine(sm, sp, slots=4)
-    off.speculation = Speculation(max_live=len(ps) - 1)
+    off.speculation = Speculation("ngram", 4, len(ps) - 1)
     for i, p in enumerate(ps):
         off.submit(i, p)
     for _ in range(2):
@@ -176,7 +178,7 @@ def _sampled(rank: int, world: int) -> None:
     sp = SamplingParams(max_new_tokens=3, temperature=0.15, top_p=0.95, seed=21)
     exact = _exact_pairs(sp, prompt)
     engine = DecodeEngine(sm, sp, slots=16)  # a group of siblings at a time: their answers are the drafts
-    engine.speculation = Speculation(num_speculative_tokens=2, prompt_lookup_max=2)
+    engine.speculation = Speculation("ngram", 2, UNBOUNDED_LIVE, prompt_lookup_max=2)
     for i in range(N_SAMPLED):
         engine.submit(i, prompt)
     engine.run()

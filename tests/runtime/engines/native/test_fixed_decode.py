@@ -1,4 +1,4 @@
-"""The fixed batch's tail levers (``runtime.engines.fixed_decode``): speculative decoding in one batched
+"""The fixed batch's tail levers (``runtime.engines.native.fixed_decode``): speculative decoding in one batched
 forward whose rows accept different numbers of drafts — greedy tokens equal plain decoding's under every
 kind of layout, sampled tokens keep the model's distribution (chi-square against exact probabilities,
 fixed seeds) — and the stop rule of
@@ -15,14 +15,15 @@ import torch.distributed as dist
 
 from nereus.runtime.cluster.launch import run_world
 from nereus.runtime.engines.answers import Carried
-from nereus.runtime.engines.fixed_decode import FixedDecode
+from nereus.runtime.engines.native.fixed_decode import FixedDecode
 from nereus.runtime.engines.sampling import SamplingParams
-from nereus.spec.rollout import Speculation
+from nereus.spec.levers import Speculation
+from nereus.spec.rollout import UNBOUNDED_LIVE
 from tests.runtime.decode_helpers import layout, prompts, shard
-from tests.runtime.engines.test_speculative import N_SAMPLED, _exact_pairs, chi2, chi2_limit
+from tests.runtime.engines.native.test_speculative import N_SAMPLED, _exact_pairs, chi2, chi2_limit
 
 pytestmark = [pytest.mark.slow, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
-SPEC = Speculation(num_speculative_tokens=3, prompt_lookup_max=3)
+SPEC = Speculation("ngram", 3, UNBOUNDED_LIVE, prompt_lookup_max=3)
 
 
 def repetitive() -> list[list[int]]:
@@ -72,7 +73,7 @@ def _greedy(rank: int, world: int) -> None:
             oracle = FlawedOracle(plain.rows)
             cut = decode(sm, repetitive(), replace(sp, speculation=SPEC), oracle)
             assert cut.rows == plain.rows and 0 < cut.accepted_tokens < cut.draft_tokens, lay.short()
-            off = decode(sm, repetitive(), replace(sp, speculation=replace(SPEC, max_live=1)))
+            off = decode(sm, repetitive(), replace(sp, speculation=replace(SPEC, live_at_most=1)))
             assert off.speculative_iterations == 0 and off.rows == plain.rows  # switched by the live batch
         dist.barrier()
         groups.destroy()
@@ -86,7 +87,7 @@ def _sampled(rank: int, world: int) -> None:
     _, sm = shard(layout())
     prompt = prompts()[1] * 2
     sp = SamplingParams(max_new_tokens=3, temperature=0.15, top_p=0.95,
-                        speculation=replace(SPEC, num_speculative_tokens=2))
+                        speculation=replace(SPEC, draft_tokens=2))
     exact = _exact_pairs(sp, prompt)
     counts: dict = {}
     accepted = 0

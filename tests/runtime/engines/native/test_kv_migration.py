@@ -1,4 +1,4 @@
-"""Live migration of unfinished sequences mid-generation (``runtime.engines.kv_migrate``) on a gloo world of two
+"""Live migration of unfinished sequences mid-generation (``runtime.engines.native.kv_migrate``) on a gloo world of two
 ranks: after TP1→TP2 (KV heads split), TP2→TP1 (merged), DP2→DP1 (gathered to one replica) and
 worker→worker moves, and after dropping and re-prefilling, every sequence's tokens and log-probs equal an
 uninterrupted generation, greedy and sampled (and after PP2→TP2 and TP2→PP2); a failure before the commit
@@ -17,8 +17,8 @@ from nereus.elastic.plan import KV_PIECE_KINDS, KV_STEP_KINDS
 from nereus.runtime.cluster.launch import run_world
 from nereus.runtime.comm.faults import FaultHook
 from nereus.runtime.comm.transfer import TransferComm
-from nereus.runtime.engines.decode_engine import DecodeEngine
-from nereus.runtime.engines.kv_migrate import MigrationAborted, migrate
+from nereus.runtime.engines.native.decode_engine import DecodeEngine
+from nereus.runtime.engines.native.kv_migrate import MigrationAborted, migrate
 from tests.runtime.decode_helpers import CFG, alone, answers, assert_same, layout, params, prompts, shard, share
 
 pytestmark = pytest.mark.rayless  # processes but no Ray: may run beside the Ray tests
@@ -45,7 +45,7 @@ def _plan(engine, sm, src: GenPlacement, dst: GenPlacement, where, refill=lambda
     replica)``: the destination replica of unfinished sequence i (None: it stays)."""
     mine = []
     if sm is not None and sm.is_output_rank:
-        d = sm.groups.coords.dp
+        d = sm.groups.coords.dp_rank
         for info in engine.info(s.seq_id for s in engine.unfinished()):
             to = where(info.seq_id, d)
             if to is not None:

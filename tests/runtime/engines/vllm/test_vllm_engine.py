@@ -1,4 +1,4 @@
-"""The vLLM engine wrapper (``runtime.engines.vllm_engine``, the CPU build) against the runtime's own
+"""The vLLM engine wrapper (``runtime.engines.vllm.server``, the CPU build) against the runtime's own
 model, at TP 1 and TP 2: greedy tokens equal, sampled log-probs within a stated bound, a weight update in
 place equal to a fresh engine loaded with the same weights (prompts longer than one KV block, so a stale
 prefix cache would show), the engine's fused parameter layout holding exactly the checkpoint tensors, a
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nereus.runtime.engines.fixed_batch import SamplingParams, reference_generate
-from nereus.runtime.engines.vllm_engine import EngineConfig, engine_layout, server_actor
+from nereus.runtime.engines.native.fixed_batch import SamplingParams, reference_generate
+from nereus.runtime.engines.vllm.server import EngineConfig, engine_layout, server_actor
 from nereus.runtime.hosts.waits import WaitTimeout, get_within
 from nereus.runtime.model.decoder import ModelConfig, build_model
 from nereus.spec.model import ModelArch
@@ -140,9 +140,9 @@ def test_ngram_speculation_runs_in_the_cpu_build_and_keeps_greedy_tokens(ray_run
     prompts: greedy tokens equal the model's, as without speculation."""
     import ray
 
-    from nereus.spec.rollout import Speculation
+    from nereus.spec.levers import Speculation
 
-    spec = Speculation(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+    spec = Speculation("ngram", 3, 2**31, prompt_lookup_max=3, prompt_lookup_min=1)
     config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625,
                                                                speculative=spec))
     server = server_actor(config)

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.cluster.launch import run_world
-from nereus.runtime.engines.decode_engine import DecodeEngine, stream_seed
-from nereus.runtime.engines.fixed_batch import reference_generate
+from nereus.runtime.engines.native.decode_engine import DecodeEngine, stream_seed
+from nereus.runtime.engines.native.fixed_batch import reference_generate
 from nereus.runtime.model.decoder import build_model
 from tests.runtime.decode_helpers import (
     CFG,
