@@ -73,7 +73,7 @@ def run(fit_steps: int, steps: int) -> dict:
         print(f"fitting on {len(rl.plan.placements)} model-stages of the initial plan, {fit_steps} steps",
               file=sys.stderr)
         for _ in range(fit_steps):
-            m = step_metrics(step, rl.backend.stepper.step(step), WORKERS)
+            m = step_metrics(step, rl.backend.rl_step.step(step), WORKERS)
             ctrl._observe(m)
             step += 1
         factors = ctrl.calibrator.fit()
@@ -81,7 +81,7 @@ def run(fit_steps: int, steps: int) -> dict:
             rl.backend.apply_transition(rl.backend.plan, plan, step)
             print(f"plan {name}: {steps} steps", file=sys.stderr)
             for _ in range(steps):
-                m = step_metrics(step, rl.backend.stepper.step(step), WORKERS)
+                m = step_metrics(step, rl.backend.rl_step.step(step), WORKERS)
                 cal, raw = _observed(ctrl, m, plan, factors), _observed(ctrl, m, plan, None)
                 for ms, t in m.stage_times_s.items():
                     rows.append({"plan": name, "stage": ms, "measured_s": t, "calibrated_s": cal[ms].time(factors),

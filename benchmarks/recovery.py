@@ -47,8 +47,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nereus.run.driver import Stepper  # noqa: E402
+from nereus.run.driver import RLStep  # noqa: E402
 from nereus.run.job import RLJob  # noqa: E402
+from nereus.run.training import StepTraining  # noqa: E402
 from nereus.runtime.comm.faults import FaultPlan  # noqa: E402
 from nereus.runtime.recovery.failover import WorkerLostError  # noqa: E402
 from nereus.spec.errors import SpecError  # noqa: E402
@@ -77,23 +78,23 @@ class LoseWorker:
 
     def __init__(self, step: int) -> None:
         self.step, self.fired = step, False
-        self.real = Stepper.update
+        self.real = StepTraining.update
 
     def __enter__(self) -> LoseWorker:
         bench = self
 
-        def update(stepper, model, batch, loss_fn, lr, step):
+        def update(training, model, batch, loss_fn, lr, step):
             if step == bench.step and not bench.fired:
                 bench.fired = True
                 bench.t_kill_armed = time.perf_counter()
-                stepper.rt.inject(FaultPlan.kill(LOST_WORKER, "train_step"))
-            return bench.real(stepper, model, batch, loss_fn, lr, step)
+                training.calls.rt.inject(FaultPlan.kill(LOST_WORKER, "train_step"))
+            return bench.real(training, model, batch, loss_fn, lr, step)
 
-        Stepper.update = update
+        StepTraining.update = update
         return self
 
     def __exit__(self, *exc) -> None:
-        Stepper.update = self.real
+        StepTraining.update = self.real
 
 
 def run_nereus(args, out: Path) -> dict:
@@ -134,18 +135,18 @@ def run_lost_node(args, out: Path) -> dict:
     try:
         rt = Runtime(4, address=cluster.address)
         second = next(n for n in cluster.worker_nodes if n.node_id == rt.homes[2])
-        real, fired = Stepper.update, []
+        real, fired = StepTraining.update, []
 
-        def update(stepper, model, batch, loss_fn, lr, step):
+        def update(training, model, batch, loss_fn, lr, step):
             if step == args.lose_at and not fired:
                 fired.append(model)
                 cluster.remove_node(second, allow_graceful=False)  # raylet, object store, workers 2 and 3
-            return real(stepper, model, batch, loss_fn, lr, step)
+            return real(training, model, batch, loss_fn, lr, step)
 
-        Stepper.update = update
+        StepTraining.update = update
         rl = RLJob(make_job(out, args.steps, 1, 0, args.small, two_nodes=True), runtime=rt, quiet=True)
         summary = rl.execute()
-        Stepper.update = real
+        StepTraining.update = real
         rt.shutdown()
         return summarize(args, out, summary)
     finally:
@@ -173,14 +174,14 @@ def run_restart(args, out: Path) -> dict:
     rl = RLJob(job, quiet=True)
     t_step = None
     times: list[float] = []
-    real_step = Stepper.run_step  # what the runtime backend calls for each step
+    real_step = RLStep.run_step  # what the runtime backend calls for each step
 
-    def timed_step(stepper, step, policy=None, levers=None):
-        out = real_step(stepper, step, policy, levers)
+    def timed_step(rl_step, step, policy=None, levers=None):
+        out = real_step(rl_step, step, policy, levers)
         times.append(out.metrics["timing_s/step"])
         return out
 
-    Stepper.run_step = timed_step
+    RLStep.run_step = timed_step
     with LoseWorker(args.lose_at) as lose:
         try:
             rl.execute()
@@ -192,7 +193,7 @@ def run_restart(args, out: Path) -> dict:
             if cause is None:
                 raise
         t_step = lose.t_kill_armed
-    Stepper.run_step = real_step
+    RLStep.run_step = real_step
     lost_work = time.perf_counter() - t_step  # the failed step until the job gave up
     t0 = time.perf_counter()
     for w in rl.rt.workers:  # the whole job goes down
@@ -204,7 +205,7 @@ def run_restart(args, out: Path) -> dict:
     resumed_at = rl2._restore()
     t_loaded = time.perf_counter()
     for step in range(resumed_at, args.lose_at + 1):
-        rl2.backend.stepper.step(step)  # the stepper lives in the run's runtime backend
+        rl2.backend.rl_step.step(step)  # the RL step lives in the run's runtime backend
     t1 = time.perf_counter()
     rt.shutdown()
     return {"lost_work_s": lost_work, "relaunch_s": t_world - t0, "load_s": t_loaded - t_world,

@@ -116,7 +116,7 @@ def sample(model: CausalLM, rows: list[Prompt], max_new: int, gen: torch.Generat
 
 
 def step_prompts(job: JobSpec, train: list[Prompt], step: int) -> list[Prompt]:
-    """The step's prompts, as ``Stepper.prompts`` draws them."""
+    """The step's prompts, as ``PromptDraws.prompts`` draws them."""
     per, out = job.workload.prompts_per_step, []
     for i in range(step * per, (step + 1) * per):
         epoch, pos = divmod(i, len(train))

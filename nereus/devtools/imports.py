@@ -5,8 +5,8 @@ Every ``import`` statement counts, including those inside functions: an import d
 still couples the two files, and hiding a cycle that way only moves the failure from import time to call
 time. An import under ``if TYPE_CHECKING`` counts for the layering rules (a torch-free layer names no
 torch type either) but not for file cycles: it never runs, and a type-only reference from a helper back
-to its owner (``run.asyncmode`` typing the ``Stepper`` that drives it) is how the two are annotated. The
-rules (see ``docs`` and the design's dependency rules):
+to its owner (``run.rounds`` typing the ``StepGeneration`` that runs its rounds) is how the two are
+annotated. The rules (see ``docs`` and the design's dependency rules):
 
 * the torch-free layers (spec, cost, planner, elastic, control, sim) never reach torch or ray, directly
   or through other nereus modules (importing ``nereus.a.b`` also runs ``nereus/a/__init__.py``);

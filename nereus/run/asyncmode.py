@@ -1,6 +1,7 @@
 """``run.async``: generation of step k+1 overlaps inference and training of step k (one-step off-policy).
 
-The step (``AsyncRollouts.step``, used by ``Stepper.run_step`` while the mode is on):
+The step (``RLStep.async_step``, which ``RLStep.run_step`` runs while the mode is on, with this module's
+``AsyncRollouts`` keeping the generation issued ahead):
 
 1. take step k's rollout: the one generated during step k−1 if there is one, else generate it now;
 2. issue the generation of step k+1 (``Calls.submit``, a Ray future) with the weights the generation
@@ -38,20 +39,23 @@ overlap). The decision and both predictions are in that step's metric line.
 from __future__ import annotations
 
 import sys
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from nereus.rl.offpolicy import correction_metrics, raw_weights, rollout_is_weights
-from nereus.run.overlap import Call
-from nereus.run.rollout import Rollout, pack, repeat_prompts
-from nereus.runtime.cluster.calls import GenerateWithLogprobs
+from nereus.run.generated import Generated
+from nereus.run.overlap import Calls
+from nereus.run.rollout import Rollout
+from nereus.run.stage_keys import StageKeys
+from nereus.run.step_clock import StepClock
 from nereus.runtime.parallel.batch import TrainBatch
+from nereus.spec.run import RunSpec
 
-if TYPE_CHECKING:
-    from nereus.run.driver import Stepper
+if TYPE_CHECKING:  # the step's generation issues the generation ahead; it does not import this module
+    from nereus.run.generation import Issued, StepGeneration
 
 AUTO_WARMUP = 4  # synchronous steps before `auto` decides; the first one (warm caches, first calls) is not used
 AUTO_MARGIN = 0.05  # the predicted async step must be at least 5% shorter than the measured sequential one
@@ -62,11 +66,8 @@ class Pending:
     """A generation issued ahead: step ``step``'s rollout from the weights of version ``version``."""
 
     step: int
-    call: Call
-    rows: list
-    prompts: list[list[int]]
+    issued: Issued
     version: int
-    fixed: tuple[int, int] | None
     answer: list | None = None
 
 
@@ -88,17 +89,20 @@ def predict(steps: list[dict[str, float]], shared: bool) -> tuple[float, float]:
 
 
 class AsyncRollouts:
-    """The asynchronous mode of a ``Stepper`` (``st``); ``events`` records, in order, when each step's
-    generation was issued and answered and when each step's training answered."""
+    """The asynchronous mode of run ``run``'s steps, whose models ``keys`` places: the generation issued
+    ahead by ``generation`` through ``calls``, its time on ``clock``. ``events`` records, in order, when
+    each step's generation was issued and answered and when each step's training answered."""
 
-    def __init__(self, st: Stepper) -> None:
-        self.st, self.spec = st, st.run.async_mode
+    def __init__(self, run: RunSpec, keys: StageKeys, generation: StepGeneration, calls: Calls,
+                 clock: StepClock) -> None:
+        self.run, self.spec, self.keys = run, run.async_mode, keys
+        self.generation, self.calls, self.clock = generation, calls, clock
         self.enabled = self.spec.enabled == "true"
         self.pending: Pending | None = None
         self.events: list[tuple[str, int]] = []
         self.warmup: list[dict[str, float]] = []  # auto: the synchronous steps' metrics
         self.decided = self.spec.enabled != "auto"
-        shared = shared_workers(st.placed)
+        shared = shared_workers(keys.placed)
         if self.enabled and shared:
             print(f"nereus: warning: run.async: actor/generation shares workers {sorted(shared)} with other "
                   "model-stages; generation cannot overlap them there, so the step gains nothing (give generation "
@@ -113,7 +117,7 @@ class AsyncRollouts:
         self.warmup.append({k: v for k, v in m.items() if k.startswith("timing_s/")})
         if len(self.warmup) < AUTO_WARMUP:
             return
-        shared = bool(shared_workers(self.st.placed))
+        shared = bool(shared_workers(self.keys.placed))
         seq_s, async_s = predict(self.warmup[1:], shared)
         self.enabled, self.decided = async_s < (1 - AUTO_MARGIN) * seq_s, True
         m.update({"async/decision/sequential_s": seq_s, "async/decision/predicted_async_s": async_s,
@@ -126,82 +130,46 @@ class AsyncRollouts:
     def ahead(self, step: int) -> bool:
         """Whether step ``step`` issues the next step's generation: not after the last step, and not when
         a checkpoint follows (it is written with nothing in flight)."""
-        every = self.st.run.checkpoint_every
-        return step + 1 < self.st.run.steps and not (every and (step + 1) % every == 0)
+        every = self.run.checkpoint_every
+        return step + 1 < self.run.steps and not (every and (step + 1) % every == 0)
 
     def issue(self, step: int, version: int) -> None:
-        """Submit step ``step``'s generation, with the same sampling parameters ``Stepper.generate`` uses."""
-        st = self.st
-        rows = repeat_prompts(st.prompts(step), st.alg.samples_per_prompt)
-        prompts, params, fixed = st.generation_inputs(step, rows)
-        call = st.calls.submit("gen", "generate", st.key["actor", "generation"], GenerateWithLogprobs(prompts, params))
-        self.pending = Pending(step, call, rows, prompts, version, fixed)
+        """Submit step ``step``'s generation, with the same sampling parameters ``StepGeneration.generate``
+        uses."""
+        self.pending = Pending(step, self.generation.issue(step), version)
         self.events.append(("generation_issued", step))
 
     def collect(self) -> None:
         """Wait for the generation issued ahead (its time counts as this step's ``timing_s/gen``)."""
         p = self.pending
-        p.answer = self.st.calls.wait([p.call])[0]
-        self.st.timing["timing_s/gen"] = self.st.timing.get("timing_s/gen", 0.0) + self.st.calls.seconds(p.call)
+        p.answer = self.calls.wait([p.issued.call])[0]
+        self.clock.add("gen", self.calls.seconds(p.issued.call))
         self.events.append(("generation_answered", p.step))
 
-    def rollout(self, step: int) -> tuple[Rollout, list, int]:
-        """Step ``step``'s rollout, its rows and the policy version that generated it."""
-        st, p, self.pending = self.st, self.pending, None
+    def rollout(self, step: int, generate: Callable[[int], Generated]) -> tuple[Generated, int]:
+        """Step ``step``'s generation and the policy version that generated it: the one issued ahead, or
+        (the first step, after a checkpoint, a redone step) ``generate(step)`` now."""
+        p, self.pending = self.pending, None
         if p is not None and p.step == step and p.answer is not None:
-            out = [row for part in p.answer for row in part.rows]
-            st.early = None
-            return pack(p.prompts, [r for r, _ in out], [lp for _, lp in out], st.tok.stop_token_ids, p.fixed), \
-                p.rows, p.version
+            roll = self.generation.packed(p.issued.prompts, p.answer, p.issued.fixed)
+            return Generated(roll, p.issued.rows), p.version
         self.events.append(("generation_issued", step))
-        gen = st.generate(step, st.prompts(step))  # first step, after a checkpoint, or a redone step
+        gen = generate(step)
         self.events.append(("generation_answered", step))
-        return gen.rollout, gen.rows, step
+        return gen, step
 
-    def correct(self, roll: Rollout, inf: dict, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
-        """The actor's batch with the importance weights π_old/π_rollout (``rl.losses.actor_loss``); with
-        ``rollout_is_mode: mask`` the dropped tokens leave its mask. With it verl's ``rollout_corr/*``."""
+    def correct(self, roll: Rollout, old_logp: torch.Tensor, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
+        """The actor's batch with the importance weights π_old/π_rollout (π_old: ``old_logp``, the inference
+        stage's; ``rl.losses.actor_loss``); with ``rollout_is_mode: mask`` the dropped tokens leave its mask.
+        With it verl's ``rollout_corr/*``."""
         s = self.spec
-        prox, behav, mask = inf["old_logp"], roll.gen_logp, roll.mask
+        prox, behav, mask = old_logp, roll.gen_logp, roll.mask
         if s.rollout_is == "none":  # metrics only, as verl's rollout_is: null
             w = raw_weights(prox, behav, mask) * mask
             return batch, correction_metrics(prox, behav, mask, w, mask, s.rollout_is_threshold)
         w, keep = rollout_is_weights(prox, behav, mask, s.rollout_is, s.rollout_is_threshold, s.rollout_is_mode)
         batch = replace(batch, is_weight=w, mask=mask * keep if s.rollout_is_mode == "mask" else batch.mask)
         return batch, correction_metrics(prox, behav, mask, w, keep, s.rollout_is_threshold, s.rollout_is)
-
-    def step(self, step: int) -> dict[str, float]:
-        """One asynchronous step (the module's steps 1-4); the metric line adds ``async/*`` and
-        ``rollout_corr/*``."""
-        st = self.st
-        st.timing, st.grad_norms = {}, {}
-        st.calls.reset()
-        t0 = time.perf_counter()
-        try:
-            roll, rows, version = self.rollout(step)
-            if self.ahead(step):
-                self.issue(step + 1, version=step)
-            inf = st.infer(roll, rows)
-            adv = st.advantages(roll, rows, inf)
-            jobs = st.training_jobs(roll, inf, adv)
-            batch, loss, lr = jobs["actor"]
-            batch, corr = self.correct(roll, inf, batch)
-            jobs["actor"] = (batch, loss, lr)
-            stats = st.train_models(step, jobs)
-            self.events.append(("training_answered", step))
-            if self.pending is not None:
-                self.collect()
-            st.sync()
-        except BaseException:
-            self.pending = None  # a failed step (a lost worker): its queued rollout is not used
-            raise
-        st.timing["timing_s/step"] = time.perf_counter() - t0
-        m = st.metrics(step, roll, inf, adv, stats)
-        m.update(st.calls.worker_metrics(len(st.rt.workers), st.timing["timing_s/step"],
-                                         st.timing.get("timing_s/update_weights", 0.0)))
-        m.update(corr)
-        m.update(self.staleness(step, torch.full((len(rows),), version)))
-        return m
 
     def staleness(self, step: int, versions: torch.Tensor) -> dict[str, float]:
         """``async/staleness/{max,mean}`` over the step's samples (policy versions behind the trained one)."""

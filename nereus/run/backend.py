@@ -25,7 +25,7 @@ from nereus.control.backend import (
 from nereus.cost.generation import ROLLOUT
 from nereus.cost.hardware import Hardware
 from nereus.elastic.schedule import schedule_graph
-from nereus.run.driver import Stepper
+from nereus.run.driver import RLStep
 from nereus.run.records import read_scale_request
 from nereus.run.setup import Placed, placed_from_plan
 from nereus.runtime.cluster.workers import Runtime
@@ -72,9 +72,9 @@ def plan_text(plan: Plan) -> str:
 class RuntimeBackend:
     """Steps, transitions, joins and recoveries of one RL job on the Ray runtime ``rt``."""
 
-    def __init__(self, job: JobSpec, rt: Runtime, cfgs: dict[str, ModelConfig], stepper: Stepper,
+    def __init__(self, job: JobSpec, rt: Runtime, cfgs: dict[str, ModelConfig], rl_step: RLStep,
                  placed: list[Placed], plan: Plan, say: Callable[[str], None]) -> None:
-        self.job, self.rt, self.cfgs, self.stepper, self.say = job, rt, cfgs, stepper, say
+        self.job, self.rt, self.cfgs, self.rl_step, self.say = job, rt, cfgs, rl_step, say
         self.adaptive = job.run.adapt is not None
         self.placed, self.plan = placed, plan
         self.scale_file = None  # set by the job: where `nereus scale N --dir RUN` asks for N workers
@@ -119,7 +119,7 @@ class RuntimeBackend:
             self.carry["nereus/snapshot_s"] = self.rt.snapshot(step)
         t0 = time.perf_counter()
         try:
-            ran = self.stepper.run_step(step, policy, plan.levers)
+            ran = self.rl_step.run_step(step, policy, plan.levers)
         except WorkerLostError as err:
             raise WorkersLost(step, err.lost, time.perf_counter() - t0, str(err)) from err
         metrics, generation = ran.metrics, ran.generation
@@ -134,8 +134,7 @@ class RuntimeBackend:
 
     def _use(self, plan: Plan, placed: list[Placed]) -> None:
         self.plan, self.placed = plan, placed
-        self.stepper.placed = placed
-        self.stepper.key = {(p.model, p.stage): p.key for p in placed}
+        self.rl_step.use(placed)
 
     def specs(self, placed: list[Placed]) -> list[KeySpec]:
         return [KeySpec(p.key, p.model, p.stage, self.cfgs[p.model], p.layout, p.ranks) for p in placed]
@@ -166,8 +165,8 @@ class RuntimeBackend:
         if not self.job.run.rollout_engine.traits.restarts_on_move or old.placement(gen) == new.placement(gen):
             return {}
         t0 = time.perf_counter()
-        self.rt.close_engine(self.stepper.key["actor", "generation"])
-        opened = self.stepper.open_engine()
+        self.rt.close_engine(self.rl_step.keys["actor", "generation"])
+        opened = self.rl_step.open_engine()
         return {"engine_start_s": time.perf_counter() - t0, "engines_started": float(opened.started),
                 "engines_reused": float(opened.reused)}
 
@@ -192,7 +191,7 @@ class RuntimeBackend:
         out = self.rt.recover(place, lost.lost)
         self._use(chosen["plan"], chosen["placed"])
         # the re-formed world closed the rollout engines: opened on the new layout, a survivor's idle one reused
-        opened = self.stepper.open_engine()
+        opened = self.rl_step.open_engine()
         if opened is not None:
             self.carry.update({"nereus/engines_started": float(opened.started),
                                "nereus/engines_reused": float(opened.reused)})

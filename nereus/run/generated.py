@@ -1,11 +1,13 @@
-"""A step's generation as the RL step reads it: the packed rollout, its rows, the decisions taken inside it
-and the generation's own metrics (``midstep/*``, ``tail/*``, ``partial/*`` and the decode counters)."""
+"""A step's generation as the RL step reads it: the packed rollout, its rows, the decisions taken inside it,
+the generation's own metrics (``midstep/*``, ``tail/*``, ``partial/*`` and the decode counters) and the
+inference it started on finished replicas' rows."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from nereus.rl.data import Prompt
+from nereus.run.overlap import EarlyInference
 from nereus.run.rollout import Rollout
 from nereus.runtime.engines.answers import DecodeStats, ReplicaRollout
 from nereus.spec.generation import GenerationEntry
@@ -14,12 +16,14 @@ from nereus.spec.generation import GenerationEntry
 @dataclass(frozen=True)
 class Generated:
     """A step's generation: the packed rollout and its rows, the decisions taken inside it with their
-    outcomes, and the ``midstep/*`` metrics of a generation with decision points."""
+    outcomes, the generation's metrics, and the inference stages' calls already issued on its finished
+    replicas' rows (``run.overlap`` with ``pad_to_max``; None without: ``StepInference.infer``)."""
 
     rollout: Rollout
     rows: list[Prompt]
     entries: tuple[GenerationEntry, ...] = ()
     metrics: dict[str, float] = field(default_factory=dict)
+    early: EarlyInference | None = None
 
 
 DECODE_METRICS = ("rollout/decode_iterations", "rollout/spec_decode/num_drafts",

@@ -41,7 +41,7 @@ from nereus.run.checkpoint import (
     resumable,
     written_training,
 )
-from nereus.run.driver import Stepper
+from nereus.run.driver import RLStep
 from nereus.run.manifest import verify_manifest, write_manifest, write_text_atomic
 from nereus.run.metrics import MetricsLog, Progress, check_loggers, prepare_resume
 from nereus.run.midstep import move_line
@@ -158,9 +158,9 @@ class RLJob(Observer):
             self._install_optimizers(optim, written)
         if self.reward is None:  # workers run: the job was accepted (``execute`` imports it before this)
             self.reward = reward_router(self.job)
-        stepper = Stepper(self.job, self.rt, self.placed, self.tok, self.train, self.reward)
-        stepper.open_engine()
-        self.backend = RuntimeBackend(self.job, self.rt, self.cfgs, stepper, self._placed, self.plan, self.say)
+        rl_step = RLStep(self.job, self.rt, self.placed, self.tok, self.train, self.reward)
+        rl_step.open_engine()
+        self.backend = RuntimeBackend(self.job, self.rt, self.cfgs, rl_step, self._placed, self.plan, self.say)
         self.backend.scale_file = self.dir / "scale.json"
         self.rt.forget_snapshots()  # a runtime handed in may hold another job's
 

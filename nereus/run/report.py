@@ -10,34 +10,20 @@ import torch
 from nereus.cost.tail.lengths import sibling_correlation
 from nereus.rl.core import agg_loss, kl_estimate, masked_mean
 from nereus.run.rollout import Rollout
+from nereus.spec.job import JobSpec
 
 if TYPE_CHECKING:
     from nereus.rl.losses import ActorLossStats, CriticLossStats
-    from nereus.run.driver import Stepper
+    from nereus.run.inference import Inferred
+    from nereus.run.training import ModelUpdate
 
 
-def critic_metrics(st: Stepper, step: int, mask: torch.Tensor, inf: dict, adv: dict, stats: dict) -> dict[str, float]:
-    """verl's ``critic/*`` figures: advantages, rewards, returns (GRPO: the advantages, as verl's) and, with a
-    critic, its values and update."""
-    m = masked_stats("critic/advantages", adv["adv"], mask)
-    if "rewards" in adv:
-        seq = (adv["rewards"] * mask).sum(1)
-        m.update({"critic/rewards/mean": float(seq.mean()), "critic/rewards/max": float(seq.max()),
-                  "critic/rewards/min": float(seq.min())})
-    m.update(masked_stats("critic/returns", adv["returns"], mask))
-    if "values" in inf:
-        m.update(masked_stats("critic/values", inf["values"], mask))
-        m["critic/vf_explained_var"] = explained_variance(adv["returns"], inf["values"], mask)
-        c, r = [s.loss for s in stats["critic"]], st.run
-        m.update({"critic/vf_loss": mean([s.vf_loss for s in c]),
-                  "critic/vf_clipfrac": weighted(c, [s.vf_clipfrac for s in c]),
-                  "critic/vpred_mean": weighted(c, [s.vpred_mean for s in c]), "critic/lr": r.lr_at(r.critic_lr, step)})
-    return m
-
-
-def step_metrics(st: Stepper, step: int, roll: Rollout, inf: dict, adv: dict, stats: dict) -> dict[str, float]:
-    mask, r = roll.mask, st.run
-    limit = r.max_response_length(step, st.job.workload.response.max)
+def step_metrics(job: JobSpec, step: int, roll: Rollout, inf: Inferred, adv: dict[str, torch.Tensor],
+                 trained: dict[str, ModelUpdate], timing: dict[str, float]) -> dict[str, float]:
+    """Step ``step``'s metric line: its rollout ``roll``, inference ``inf``, advantages ``adv`` (the
+    estimator's), each trained model's update and the step's ``timing_s/*``."""
+    r, n = job.run, job.algorithm.samples_per_prompt
+    limit = r.max_response_length(step, job.workload.response.max)
     rlen = roll.response_len.float()
     m: dict[str, float] = {
         "training/global_step": float(step + 1),
@@ -46,52 +32,81 @@ def step_metrics(st: Stepper, step: int, roll: Rollout, inf: dict, adv: dict, st
         "response_length/min": float(rlen.min()),
         "response_length/clip_ratio": float(((roll.response_len >= limit) & ~roll.finished).float().mean()),
         # the correlation of sibling responses' log lengths (ICC(1) over the step's groups; 0 when undefined)
-        "response_length/sibling_correlation": sibling_correlation(rlen.tolist(), st.alg.samples_per_prompt) or 0.0,
+        "response_length/sibling_correlation": sibling_correlation(rlen.tolist(), n) or 0.0,
         # the spread of log lengths (a log-normal's sigma: the length model the cost model prices)
         "response_length/log_std": float(rlen.clamp(min=1).log().std(unbiased=False)),
         "prompt_length/mean": float(roll.prompt_len.float().mean()),
         "prompt_length/max": float(roll.prompt_len.max()), "prompt_length/min": float(roll.prompt_len.min()),
-        "critic/score/mean": float(inf["score"].mean()), "critic/score/max": float(inf["score"].max()),
-        "critic/score/min": float(inf["score"].min()),
+        "critic/score/mean": float(inf.score.mean()), "critic/score/max": float(inf.score.max()),
+        "critic/score/min": float(inf.score.min()),
     }
-    if "rule" in inf:
-        m["reward/rule/mean"] = float(inf["rule"].mean())
-    if st.alg.samples_per_prompt > 1:  # GRPO's groups: how many carry a learning signal
-        m.update(solve_shares(inf["score"], st.alg.samples_per_prompt))
-    if "rm" in inf:
-        m["reward_model/score/mean"] = float(inf["rm"].mean())
-    m.update(critic_metrics(st, step, mask, inf, adv, stats))
-    a = [s.loss for s in stats["actor"]]
-    m.update({"actor/pg_loss": mean([s.pg_loss for s in a]),
-              "actor/pg_clipfrac": weighted(a, [s.pg_clipfrac for s in a]),
-              "actor/pg_clipfrac_lower": weighted(a, [s.pg_clipfrac_lower for s in a]),
-              "actor/ppo_kl": weighted(a, [s.ppo_kl for s in a]), "actor/kl_loss": mean([s.kl_loss for s in a]),
-              "actor/lr": r.lr_at(r.actor_lr, step)})
-    # what warns of a collapse: the first mini-batch of a step is on-policy (ratio 1, ppo_kl 0), so the mean
-    # above halves the last update's drift; these show it undiluted
-    last = max(s.update for s in stats["actor"])
-    final = [s.loss for s in stats["actor"] if s.update == last]
-    m["actor/ppo_kl_last"] = weighted(final, [s.ppo_kl for s in final])
-    m["actor/ppo_ratio_max_deviation"] = max(s.ratio_max_dev for s in a)
-    if "entropy" in inf:  # verl: the rollout policy's full-vocabulary entropy, aggregated as the loss
-        m["actor/entropy"] = float(agg_loss(inf["entropy"], mask, r.loss_agg_mode, limit))
-    if "ref_logp" in inf and r.kl_coef and not r.use_kl_loss:
-        # verl's apply_kl_penalty: the KL in the reward, token mean per sequence, then mean over the batch
-        kl = kl_estimate(inf["old_logp"], inf["ref_logp"], r.kl_penalty)
-        m["actor/reward_kl_penalty"] = float(masked_mean(kl, mask, dim=-1).mean())
-        m["actor/reward_kl_penalty_coeff"] = r.kl_coef
-    if st.alg.recompute_old_log_prob:  # else the old log-probs are the engine's: nothing to compare
-        diff = ((roll.gen_logp - inf["old_logp"]).abs() * mask)
-        m["rollout/logprob_diff_max"] = float(diff.max())
-        m.update(rollout_probs_diff(roll.gen_logp, inf["old_logp"], mask))
-    m.update({f"{model}/grad_norm": norm for model, norm in st.grad_norms.items()})
-    m.update(st.timing)
+    if inf.rule is not None:
+        m["reward/rule/mean"] = float(inf.rule.mean())
+    if n > 1:  # GRPO's groups: how many carry a learning signal
+        m.update(solve_shares(inf.score, n))
+    if inf.rm is not None:
+        m["reward_model/score/mean"] = float(inf.rm.mean())
+    m.update(critic_metrics(job, step, roll.mask, inf, adv, trained.get("critic")))
+    m.update(actor_metrics(job, step, roll, inf, trained["actor"], limit))
+    m.update({f"{model}/grad_norm": u.grad_norm for model, u in trained.items() if u.grad_norm is not None})
+    m.update(timing)
     tokens = int(roll.prompt_len.sum() + roll.response_len.sum())
     m["perf/total_num_tokens"] = float(tokens)
     # verl reports tokens per second per device; the workers are the devices here
-    m["perf/throughput"] = tokens / max(st.timing["timing_s/step"], 1e-9) / max(1, r.workers)
-    m["perf/time_per_step"] = st.timing["timing_s/step"]
+    m["perf/throughput"] = tokens / max(timing["timing_s/step"], 1e-9) / max(1, r.workers)
+    m["perf/time_per_step"] = timing["timing_s/step"]
     return {k: float(v) for k, v in m.items() if not torch.is_tensor(v)}
+
+
+def critic_metrics(job: JobSpec, step: int, mask: torch.Tensor, inf: Inferred, adv: dict[str, torch.Tensor],
+                   critic: ModelUpdate | None) -> dict[str, float]:
+    """verl's ``critic/*`` figures: advantages, rewards, returns (GRPO: the advantages, as verl's) and, with a
+    critic, its values and update."""
+    m = masked_stats("critic/advantages", adv["adv"], mask)
+    if "rewards" in adv:
+        seq = (adv["rewards"] * mask).sum(1)
+        m.update({"critic/rewards/mean": float(seq.mean()), "critic/rewards/max": float(seq.max()),
+                  "critic/rewards/min": float(seq.min())})
+    m.update(masked_stats("critic/returns", adv["returns"], mask))
+    if inf.values is not None:
+        m.update(masked_stats("critic/values", inf.values, mask))
+        m["critic/vf_explained_var"] = explained_variance(adv["returns"], inf.values, mask)
+        c, r = [s.loss for s in critic.stats], job.run
+        m.update({"critic/vf_loss": mean([s.vf_loss for s in c]),
+                  "critic/vf_clipfrac": weighted(c, [s.vf_clipfrac for s in c]),
+                  "critic/vpred_mean": weighted(c, [s.vpred_mean for s in c]), "critic/lr": r.lr_at(r.critic_lr, step)})
+    return m
+
+
+def actor_metrics(job: JobSpec, step: int, roll: Rollout, inf: Inferred, actor: ModelUpdate,
+                  limit: int) -> dict[str, float]:
+    """verl's ``actor/*`` figures of the update, the rollout policy's entropy, the KL penalty in the reward,
+    and how far the engine's log-probs are from the trainer's (``limit``: the step's maximum response
+    length)."""
+    r, mask = job.run, roll.mask
+    a = [s.loss for s in actor.stats]
+    m = {"actor/pg_loss": mean([s.pg_loss for s in a]), "actor/pg_clipfrac": weighted(a, [s.pg_clipfrac for s in a]),
+         "actor/pg_clipfrac_lower": weighted(a, [s.pg_clipfrac_lower for s in a]),
+         "actor/ppo_kl": weighted(a, [s.ppo_kl for s in a]), "actor/kl_loss": mean([s.kl_loss for s in a]),
+         "actor/lr": r.lr_at(r.actor_lr, step)}
+    # what warns of a collapse: the first mini-batch of a step is on-policy (ratio 1, ppo_kl 0), so the mean
+    # above halves the last update's drift; these show it undiluted
+    last = max(s.update for s in actor.stats)
+    final = [s.loss for s in actor.stats if s.update == last]
+    m["actor/ppo_kl_last"] = weighted(final, [s.ppo_kl for s in final])
+    m["actor/ppo_ratio_max_deviation"] = max(s.ratio_max_dev for s in a)
+    if inf.entropy is not None:  # verl: the rollout policy's full-vocabulary entropy, aggregated as the loss
+        m["actor/entropy"] = float(agg_loss(inf.entropy, mask, r.loss_agg_mode, limit))
+    if inf.ref_logp is not None and r.kl_coef and not r.use_kl_loss:
+        # verl's apply_kl_penalty: the KL in the reward, token mean per sequence, then mean over the batch
+        kl = kl_estimate(inf.old_logp, inf.ref_logp, r.kl_penalty)
+        m["actor/reward_kl_penalty"] = float(masked_mean(kl, mask, dim=-1).mean())
+        m["actor/reward_kl_penalty_coeff"] = r.kl_coef
+    if job.algorithm.recompute_old_log_prob:  # else the old log-probs are the engine's: nothing to compare
+        diff = ((roll.gen_logp - inf.old_logp).abs() * mask)
+        m["rollout/logprob_diff_max"] = float(diff.max())
+        m.update(rollout_probs_diff(roll.gen_logp, inf.old_logp, mask))
+    return m
 
 
 def rollout_probs_diff(rollout_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

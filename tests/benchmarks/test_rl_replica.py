@@ -1,5 +1,5 @@
 """benchmarks/rl_replica.py against the runtime's pieces it claims to share: the step's prompts (the
-driver's ``Stepper.prompts``), the mini-batch split, the warm-started weights (the files the workers load),
+driver's ``PromptDraws.prompts``), the mini-batch split, the warm-started weights (the files the workers load),
 sampling log-probs equal to a recomputed forward pass (the first mini-batch's ratio is 1), and a run whose
 learning rates are 0 ends where its warm-start did (no update path besides the optimiser's)."""
 
@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import rl_replica  # noqa: E402
 
-from nereus.run.driver import Stepper  # noqa: E402
+from nereus.run.draws import PromptDraws  # noqa: E402
 from nereus.run.setup import datasets, tokenizer_for  # noqa: E402
 from nereus.runtime.model.hf import load_boxes  # noqa: E402
 from nereus.spec.job import load_job  # noqa: E402
@@ -37,9 +37,9 @@ def test_step_prompts_are_the_drivers_across_an_epoch_boundary(tmp_path: Path) -
     job = small_job("grpo")  # 16 prompts a step from 40: step 2 takes the first epoch's last 8 and 8 of the next
     tok = tokenizer_for(job)
     train, _ = datasets(job, tok, tmp_path)
-    stepper = Stepper(job, None, [], tok, train)
+    draws = PromptDraws(train, job.workload.prompts_per_step, job.run.seed)
     for step in (0, 2, 5):
-        assert [p.ids for p in rl_replica.step_prompts(job, train, step)] == [p.ids for p in stepper.prompts(step)]
+        assert [p.ids for p in rl_replica.step_prompts(job, train, step)] == [p.ids for p in draws.prompts(step)]
 
 
 def test_mini_batch_rows_split_every_row_once_and_differ_by_step() -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
 
-from nereus.run.driver import Stepper
+from nereus.run.inference import StepInference
 from nereus.run.job import RLJob
 from nereus.spec.job import JobSpec, job_from_dict
 
@@ -67,19 +68,19 @@ def vllm_job(algorithm: str, out_dir: str, steps: int = 3, rollout: dict | None 
 
 def run_recording_infer(job: JobSpec, runtime: object, out: Path, monkeypatch: pytest.MonkeyPatch,
                         rollout: tuple[str, ...] = ("tokens",)) -> tuple[list[dict], list[dict[str, torch.Tensor]]]:
-    """Run ``job`` on ``runtime``: its metric lines and, at each step, what ``Stepper.infer`` returned, the
-    rollout's fields named in ``rollout`` and ``early`` (the row blocks of each inference stage issued while
-    generation was still running)."""
+    """Run ``job`` on ``runtime``: its metric lines and, at each step, what ``StepInference.infer`` returned
+    (its fields that are there, by name), the rollout's fields named in ``rollout`` and ``early`` (the row
+    blocks of each inference stage issued while generation was still running)."""
     seen: list[dict[str, torch.Tensor]] = []
-    real = Stepper.infer
+    real = StepInference.infer
 
-    def infer(self, roll, rows):
-        got = real(self, roll, rows)
-        seen.append({k: v.clone() for k, v in got.items()} | {k: getattr(roll, k).clone() for k in rollout})
-        seen[-1]["early"] = {t: sorted(calls) for t, calls in self.early.early.items()} if self.early else {}
+    def infer(self, roll, rows, early=None):
+        got = real(self, roll, rows, early)
+        seen.append(inferred(got) | {k: getattr(roll, k).clone() for k in rollout})
+        seen[-1]["early"] = {t: sorted(calls) for t, calls in early.early.items()} if early else {}
         return got
 
-    monkeypatch.setattr(Stepper, "infer", infer)
+    monkeypatch.setattr(StepInference, "infer", infer)
     rl = RLJob(job, runtime=runtime, out_dir=out, quiet=True)
     try:
         rl.execute()
@@ -87,3 +88,8 @@ def run_recording_infer(job: JobSpec, runtime: object, out: Path, monkeypatch: p
         rl.release()
         monkeypatch.undo()
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], seen
+
+
+def inferred(inf: object) -> dict[str, torch.Tensor]:
+    """The fields of an ``Inferred`` that the step has (not None), by name, cloned."""
+    return {f.name: getattr(inf, f.name).clone() for f in fields(inf) if getattr(inf, f.name) is not None}

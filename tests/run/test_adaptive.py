@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from nereus.cli import main
-from nereus.run.driver import Stepper
+from nereus.run.driver import RLStep
 from nereus.spec.job import load_job
 from tests.conftest import EXAMPLES
 
@@ -40,7 +40,7 @@ def test_scale_moves_a_running_job_live(ray_runtime, tmp_path, monkeypatch, caps
     from nereus.run.job import RLJob
 
     out = tmp_path / "run"
-    real_step = Stepper.run_step  # what the runtime backend calls for each step
+    real_step = RLStep.run_step  # what the runtime backend calls for each step
 
     def step_then_request(self, step, policy=None, levers=None):
         answer = real_step(self, step, policy, levers)
@@ -48,7 +48,7 @@ def test_scale_moves_a_running_job_live(ray_runtime, tmp_path, monkeypatch, caps
             assert main(["scale", str(REQUESTS[step]), "--dir", str(out)]) == 0
         return answer
 
-    monkeypatch.setattr(Stepper, "run_step", step_then_request)
+    monkeypatch.setattr(RLStep, "run_step", step_then_request)
     rl = RLJob(load_job(_job(tmp_path)), runtime=ray_runtime, quiet=True)
     try:
         summary = rl.execute()
@@ -77,7 +77,7 @@ def test_scale_moves_a_running_job_live(ray_runtime, tmp_path, monkeypatch, caps
     assert "plan" in state  # a resumed run starts on the plan in force, whose ranks hold the optimizer files
 
     # resume for two more steps: the plan in force at the checkpoint, its Adam state restored per rank
-    monkeypatch.setattr(Stepper, "run_step", real_step)
+    monkeypatch.setattr(RLStep, "run_step", real_step)
     job = load_job(_job(tmp_path))
     job = job.__class__(**{**job.__dict__, "run": job.run.__class__(**{**job.run.__dict__, "steps": STEPS + 2})})
     rl = RLJob(job, runtime=ray_runtime, quiet=True)

@@ -119,10 +119,10 @@ def test_async_defaults_off_and_refuses_adapt(tmp_path):
         tiny_job("grpo", str(tmp_path), layouts={}, adapt={}, **{"async": {"enabled": True}})
 
 
-def _stepper(placed: list[tuple[str, str, list[int]]], enabled: str = "auto") -> AsyncRollouts:
-    st = SimpleNamespace(run=SimpleNamespace(async_mode=SimpleNamespace(enabled=enabled, staleness=1)),
-                         placed=[SimpleNamespace(model=m, stage=s, ranks=r) for m, s, r in placed])
-    return AsyncRollouts(st)
+def _mode(placed: list[tuple[str, str, list[int]]], enabled: str = "auto") -> AsyncRollouts:
+    run = SimpleNamespace(async_mode=SimpleNamespace(enabled=enabled, staleness=1))
+    keys = SimpleNamespace(placed=[SimpleNamespace(model=m, stage=s, ranks=r) for m, s, r in placed])
+    return AsyncRollouts(run, keys, generation=None, calls=None, clock=None)
 
 
 def test_auto_switches_on_only_when_the_prediction_gains():
@@ -132,7 +132,7 @@ def test_auto_switches_on_only_when_the_prediction_gains():
     disjoint = [("actor", "generation", [0, 1]), ("actor", "training", [2, 3]), ("actor", "inference", [2, 3])]
     shared = [("actor", "generation", [0, 1]), ("actor", "training", [1, 2])]
     for placed, on in ((disjoint, True), (shared, False)):
-        a = _stepper(placed)
+        a = _mode(placed)
         lines = [dict(step) for _ in range(AUTO_WARMUP)]
         for k, m in enumerate(lines):
             assert not a.enabled
@@ -140,7 +140,7 @@ def test_auto_switches_on_only_when_the_prediction_gains():
         assert a.enabled is on and lines[-1]["async/decision/enabled"] == float(on)
         assert all(m["async/enabled"] == 0.0 for m in lines)
     tiny_gen = [dict(step, **{"timing_s/gen": 0.02}) for _ in range(AUTO_WARMUP)]  # nothing worth overlapping
-    a = _stepper(disjoint)
+    a = _mode(disjoint)
     for k, m in enumerate(tiny_gen):
         a.observe(k, m)
     assert not a.enabled
@@ -153,7 +153,7 @@ def _run(job, runtime, out, resume: bool = False) -> tuple[list[dict], list]:
     rl = RLJob(job, runtime=runtime, out_dir=out, quiet=True)
     try:
         rl.execute(resume=resume)
-        mode = rl.backend.stepper.asynchronous
+        mode = rl.backend.rl_step.asynchronous
     finally:
         rl.release()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

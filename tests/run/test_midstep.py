@@ -35,7 +35,7 @@ from nereus.spec.generation import (
 )
 from nereus.spec.run import MidstepSpec
 from nereus.spec.trace import LengthPoint, Trace
-from tests.run.jobs import tiny_job
+from tests.run.jobs import inferred, tiny_job
 
 MIDSTEP = {"slots": 2, "midstep": {"enabled": True, "calibrate": False}}
 
@@ -84,12 +84,12 @@ def test_midstep_moves_keep_rollouts_identical(ray_runtime, tmp_path):
     rl.policy.generation = MoveRunning()  # the job's own policy: it moves running sequences every step
     try:
         rl.execute()
-        st = rl.backend.stepper
-        prompts = st.prompts(1)  # 32 rows, 16 a replica
-        run = st.run
-        st.run = replace(run, rollout_midstep=None)  # the same step without moves: the engine in one call
+        st = rl.backend.rl_step
+        prompts = st.generation.prompts(1)  # 32 rows, 16 a replica
+        run = st.generation.run
+        st.generation.run = replace(run, rollout_midstep=None)  # the same step without moves: the engine in one call
         base = st.generate(2, prompts).rollout
-        st.run = run
+        st.generation.run = run
         for refill in (False, True):
             gen = st.generate(2, prompts, MoveRunning(refill))
             done = [e for e in _moves(gen) if e.outcome.applied]
@@ -130,20 +130,27 @@ def _early_inference_kept_without_moves(st, prompts) -> None:
     """With run.overlap + pad_to_max, a generation with decision points but no committed move keeps early
     inference on the final call (here the whole generation: the policy never looks) and gives the
     sequential step's very numbers; a step whose move committed starts none."""
-    run = st.run
-    st.run = replace(run, rollout_pad_to_max=True, rollout_midstep=None)
+    pieces = (st.generation, st.inference)  # the pieces of the step that read these keys
+    runs = [p.run for p in pieces]
+
+    def use(**keys: object) -> None:
+        for p, run in zip(pieces, runs, strict=True):
+            p.run = replace(run, **keys)
+
+    use(rollout_pad_to_max=True, rollout_midstep=None)
     roll, rows = (g := st.generate(2, prompts)).rollout, g.rows
-    sequential = st.infer(roll, rows)
-    st.run = replace(run, overlap=True, rollout_pad_to_max=True)
-    early_roll = st.generate(2, prompts, RunToEnd()).rollout
-    assert st.early is not None and any(st.early.early.values())
-    _same(roll, early_roll)
-    early = st.infer(early_roll, rows)
+    sequential = inferred(st.inference.infer(roll, rows, g.early))
+    use(overlap=True, rollout_pad_to_max=True)
+    early_gen = st.generate(2, prompts, RunToEnd())
+    assert early_gen.early is not None and any(early_gen.early.early.values())
+    _same(roll, early_gen.rollout)
+    early = inferred(st.inference.infer(early_gen.rollout, rows, early_gen.early))
     assert early.keys() == sequential.keys() and all(torch.equal(early[k], sequential[k]) for k in early)
     gen = st.generate(2, prompts, MoveRunning())
     _same(roll, gen.rollout)
-    assert any(e.outcome.applied for e in _moves(gen)) and st.early is None
-    st.run = run
+    assert any(e.outcome.applied for e in _moves(gen)) and gen.early is None
+    for p, run in zip(pieces, runs, strict=True):
+        p.run = run
 
 
 @pytest.mark.distributed

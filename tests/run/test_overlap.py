@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from nereus.run.driver import Stepper
 from nereus.run.job import RLJob
+from nereus.run.training import StepTraining
 from nereus.spec.errors import SpecError
 from nereus.spec.overrides import parse_override
 from tests.run.jobs import run_recording_infer, tiny_job
@@ -105,16 +105,16 @@ def test_overlapped_run_recovers_from_a_worker_lost_mid_step(ray_runtime, tmp_pa
     step's snapshot, redoes the step and finishes."""
     from nereus.runtime.comm.faults import FaultPlan
 
-    real = Stepper.submit_update
+    real = StepTraining.submit_update
     armed = []
 
     def submit_losing_a_worker(self, model, batch, loss_fn, lr, step):
         if step == 1 and not armed:
             armed.append(model)
-            self.rt.inject(FaultPlan.kill(1, "train_step"))  # SIGKILL after its backward pass
+            self.calls.rt.inject(FaultPlan.kill(1, "train_step"))  # SIGKILL after its backward pass
         return real(self, model, batch, loss_fn, lr, step)
 
-    monkeypatch.setattr(Stepper, "submit_update", submit_losing_a_worker)
+    monkeypatch.setattr(StepTraining, "submit_update", submit_losing_a_worker)
     rl = RLJob(tiny_job("ppo", str(tmp_path / "run"), steps=3, overlap=True), runtime=ray_runtime, quiet=True)
     try:
         summary = rl.execute()

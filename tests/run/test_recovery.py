@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from nereus.run.driver import Stepper
 from nereus.run.job import RLJob
 from nereus.run.manifest import verify_manifest
+from nereus.run.training import StepTraining
 from nereus.runtime.comm.faults import FaultPlan
 from tests.run.jobs import tiny_job
 
@@ -19,16 +19,16 @@ LOSE_AT = 1  # 0-based step whose first optimizer update loses worker 1
 
 
 def test_run_continues_after_losing_a_worker_mid_step(ray_runtime, tmp_path, monkeypatch):
-    real_update = Stepper.update
+    real_update = StepTraining.update
     armed = []
 
     def update_losing_a_worker(self, model, batch, loss_fn, lr, step):
         if step == LOSE_AT and not armed:
             armed.append(model)
-            self.rt.inject(FaultPlan.kill(1, "train_step"))  # SIGKILL after its backward pass
+            self.calls.rt.inject(FaultPlan.kill(1, "train_step"))  # SIGKILL after its backward pass
         return real_update(self, model, batch, loss_fn, lr, step)
 
-    monkeypatch.setattr(Stepper, "update", update_losing_a_worker)
+    monkeypatch.setattr(StepTraining, "update", update_losing_a_worker)
     rl = RLJob(tiny_job("ppo", str(tmp_path / "run"), steps=3), runtime=ray_runtime, quiet=True)
     try:
         summary = rl.execute()
@@ -71,16 +71,16 @@ def test_adaptive_run_replans_after_losing_a_worker(ray_runtime, tmp_path, monke
     spec["cluster"]["profile"] = str(EXAMPLES / spec["cluster"]["profile"])
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
 
-    real_update = Stepper.update
+    real_update = StepTraining.update
     killed = []
 
     def update_then_kill(self, model, batch, loss_fn, lr, step):
         if step == 2 and not killed:
-            killed.append(ray.get(self.rt.workers[1].pid.remote()))
+            killed.append(ray.get(self.calls.rt.workers[1].pid.remote()))
             os.kill(killed[0], signal.SIGKILL)
         return real_update(self, model, batch, loss_fn, lr, step)
 
-    monkeypatch.setattr(Stepper, "update", update_then_kill)
+    monkeypatch.setattr(StepTraining, "update", update_then_kill)
     rl = RLJob(load_job(str(tmp_path / "job.yaml")), runtime=ray_runtime, quiet=True)
     try:
         summary = rl.execute()

@@ -245,12 +245,13 @@ def test_runtime_entropy_is_the_full_vocabulary_entropy_under_tensor_parallelism
         ray_runtime.release("ent")
 
 
-def test_stepper_gives_a_prompt_drawn_twice_two_groups(tmp_path):
+def test_the_step_gives_a_prompt_drawn_twice_two_groups(tmp_path):
     """The driver's advantages on a GRPO step whose prompts are A, B, A (two responses each): A's two
     draws are normalised separately, as verl's per-draw uids do."""
     from nereus.rl.data import Prompt
-    from nereus.run.driver import Stepper
+    from nereus.run.inference import Inferred
     from nereus.run.rollout import pack
+    from nereus.run.training import advantages
     from tests.run.jobs import tiny_job
 
     job = tiny_job("grpo", str(tmp_path))
@@ -258,8 +259,8 @@ def test_stepper_gives_a_prompt_drawn_twice_two_groups(tmp_path):
     a, b = Prompt((1, 2), "x", "s", 0), Prompt((3, 4), "y", "s", 1)
     rows = repeat_prompts([a, b, a], 2)
     roll = pack([list(p.ids) for p in rows], [[5, 6]] * 6, None, eos=7)
-    inf = {"score": T([1.0, 0.0, 1.0, 1.0, 0.0, 0.0]), "old_logp": torch.zeros(6, 2)}
-    adv = Stepper(job, None, [], None, []).advantages(roll, rows, inf)["adv"][:, 0]
+    inf = Inferred(score=T([1.0, 0.0, 1.0, 1.0, 0.0, 0.0]), old_logp=torch.zeros(6, 2))
+    adv = advantages(job, roll, rows, inf)["adv"][:, 0]
     # draw 0 of A: (1, 0) -> ±0.7071; B and the second draw of A: equal scores -> 0
     torch.testing.assert_close(adv, T([0.707106, -0.707106, 0.0, 0.0, 0.0, 0.0]), atol=1e-5, rtol=0)
 

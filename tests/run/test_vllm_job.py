@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from nereus.run.driver import Stepper
+from nereus.run.driver import RLStep
 from nereus.run.job import RLJob
 from nereus.runtime.comm.faults import Fault, FaultPlan
 from nereus.runtime.engines.vllm.server import engine_layout
@@ -40,8 +40,8 @@ def check_engines_hold_trained_weights(rl: RLJob) -> None:
     them (those the CPU build keeps as tensors: it repacks linear weights into its GEMM format); a
     tensor-parallel engine's TP rank 0 holds whole norms and its rows of the embedding."""
     rt = rl.rt
-    trained = rt.read_weights(rl.backend.stepper.key["actor", "training"])
-    gen = rl.backend.stepper.key["actor", "generation"]
+    trained = rt.read_weights(rl.backend.rl_step.keys["actor", "training"])
+    gen = rl.backend.rl_step.keys["actor", "generation"]
     layout, cfg = rt.specs[gen].layout, rt.specs[gen].cfg
     engines = [t for t in rt.engine_tensors(gen) if t is not None]
     assert len(engines) == layout.dp
@@ -62,7 +62,7 @@ def check_engines_hold_trained_weights(rl: RLJob) -> None:
 
 
 def test_ppo_with_vllm_recovers_a_worker_killed_mid_generation(ray_runtime, tmp_path, monkeypatch):
-    real_generate = Stepper.generate
+    real_generate = RLStep.generate
     armed = []
 
     def generate_losing_a_worker(self, step, prompts, policy=None, levers=None):
@@ -74,7 +74,7 @@ def test_ppo_with_vllm_recovers_a_worker_killed_mid_generation(ray_runtime, tmp_
             self.rt.inject(FaultPlan.kill(1, "generate"))  # SIGKILL while its engine generates
         return real_generate(self, step, prompts, policy, levers)
 
-    monkeypatch.setattr(Stepper, "generate", generate_losing_a_worker)
+    monkeypatch.setattr(RLStep, "generate", generate_losing_a_worker)
     # two steps: the second is killed, recovered and redone on engines rebuilt with the first's weights
     rl = RLJob(vllm_job("ppo", str(tmp_path / "run"), steps=2), runtime=ray_runtime, quiet=True)
     try:
@@ -132,7 +132,7 @@ def test_grpo_with_vllm_tail_batching_and_a_tp_change_mid_run(ray_runtime, tmp_p
     rl.policy = GenerationToTP2(rl.policy)
     try:
         rl.execute()
-        gen = rl.backend.stepper.key["actor", "generation"]
+        gen = rl.backend.rl_step.keys["actor", "generation"]
         assert (rl.rt.specs[gen].layout.tp, rl.rt.specs[gen].layout.dp) == (2, 1)
         check_engines_hold_trained_weights(rl)
     finally:
@@ -163,11 +163,11 @@ def test_ppo_with_vllm_moves_running_requests_between_engines(ray_runtime, tmp_p
     rl.policy.generation = MoveRunning(refill=True)
     try:
         rl.execute()
-        st = rl.backend.stepper
-        prompts, run = st.prompts(1), st.run
-        st.run = replace(run, rollout_midstep=None)  # the same step without moves: the engines in one call
+        st = rl.backend.rl_step
+        prompts, run = st.generation.prompts(1), st.generation.run
+        st.generation.run = replace(run, rollout_midstep=None)  # the same step without moves: the engines in one call
         base = st.generate(1, prompts).rollout
-        st.run = run
+        st.generation.run = run
         gen = st.generate(1, prompts, MoveRunning(refill=True))
         [move] = [e for e in gen.entries if isinstance(e.decision, MoveSequences)]
         assert move.outcome.applied and move.decision.refills == len(move.decision.moves) >= 1

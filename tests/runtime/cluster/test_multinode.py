@@ -29,8 +29,8 @@ def run_on_two_nodes(out: Path) -> dict:
     """The job on a fresh two-node cluster, losing the second node; what happened, as plain data."""
     import ray
 
-    from nereus.run.driver import Stepper
     from nereus.run.job import RLJob
+    from nereus.run.training import StepTraining
     from nereus.runtime.cluster.workers import Runtime
     from nereus.runtime.hosts.nodes import PlacementError, start_local_cluster
     from nereus.spec.layout import Layout
@@ -46,7 +46,7 @@ def run_on_two_nodes(out: Path) -> dict:
         except PlacementError as err:
             refused = str(err)
         second = next(n for n in nodes if n.node_id == homes[2])
-        real_update, killed = Stepper.update, []
+        real_update, killed = StepTraining.update, []
 
         def update_losing_a_node(self, model, batch, loss_fn, lr, step):
             if step == LOSE_AT and not killed:
@@ -54,7 +54,7 @@ def run_on_two_nodes(out: Path) -> dict:
                 cluster.remove_node(second, allow_graceful=False)
             return real_update(self, model, batch, loss_fn, lr, step)
 
-        Stepper.update = update_losing_a_node
+        StepTraining.update = update_losing_a_node
         job = tiny_job("grpo", str(out / "run"), steps=3)
         job = replace(job, cluster=replace(job.cluster, nodes=2, gpus_per_node=2))
         rl = RLJob(job, runtime=rt, quiet=True)
