@@ -61,7 +61,7 @@ def vllm_job(algorithm: str, out_dir: str, steps: int = 3, rollout: dict | None 
     """``tiny_job`` generating with vLLM (two engines: actor/generation is dp=2 on workers 0 and 1), with
     ``rollout``'s further keys. Every such job builds the same engines (64 MiB of KV cache each: the tiny
     model's sequences need a few hundred KiB; 4 sequences at a time, as mid-step moves need slots), so a
-    job on the tests' session runtime reuses the engines the previous one left idle (``engine_pool``)."""
+    job on the tests' session runtime reuses the engines the previous one left idle (``engines.pool``)."""
     return tiny_job(algorithm, out_dir, steps, arch=VLLM_ARCH,
                     rollout={"engine": "vllm", "cpu_kv_cache_gib": 0.0625, "slots": 4, **(rollout or {})}, **run)
 

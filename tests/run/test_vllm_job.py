@@ -88,7 +88,7 @@ def test_ppo_with_vllm_recovers_a_worker_killed_mid_generation(ray_runtime, tmp_
     metrics = rows(tmp_path / "run")
     assert [r["step"] for r in metrics] == [1, 2]
     assert metrics[LOSE_AT]["nereus/recovery_s"] > 0
-    # the survivor that held an engine kept it running (engine_pool): reloaded, not started again
+    # the survivor that held an engine kept it running (engines.pool): reloaded, not started again
     assert metrics[LOSE_AT]["nereus/engines_reused"] >= 1
     assert metrics[LOSE_AT]["nereus/engines_reused"] + metrics[LOSE_AT]["nereus/engines_started"] == 2
     check_on_policy(metrics)
@@ -123,7 +123,7 @@ class GenerationToTP2:
 
 
 def test_grpo_with_vllm_tail_batching_and_a_tp_change_mid_run(ray_runtime, tmp_path):
-    """GRPO with tail batching on the engines (``VllmEngine.round``): a short round aborts the groups that
+    """GRPO with tail batching on the engines (``LocalVllm.round``): a short round aborts the groups that
     did not finish, the next step is their long round; between the two the generation stage moves from two
     TP-1 engines to one TP-2 engine (closed, reopened on the moved weights). On-policy and synced every
     step, on either layout."""
@@ -147,7 +147,7 @@ def test_grpo_with_vllm_tail_batching_and_a_tp_change_mid_run(ray_runtime, tmp_p
 
 
 def test_ppo_with_vllm_moves_running_requests_between_engines(ray_runtime, tmp_path):
-    """Mid-step moves on the engines (``run.rollout.midstep``, ``vllm_session``): the policy moves every
+    """Mid-step moves on the engines (``run.rollout.midstep``, ``vllm.session``): the policy moves every
     running request of a replica to the other engine (abort, re-prefill of its prompt and tokens so far);
     unmoved rows keep the tokens of the step without moves, moved ones keep theirs up to the move and stay
     on-policy after it. A move that fails before its commit point moves nothing: the step's output is

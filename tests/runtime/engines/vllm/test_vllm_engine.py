@@ -2,7 +2,7 @@
 model, at TP 1 and TP 2: greedy tokens equal, sampled log-probs within a stated bound, a weight update in
 place equal to a fresh engine loaded with the same weights (prompts longer than one KV block, so a stale
 prefix cache would show), the engine's fused parameter layout holding exactly the checkpoint tensors, a
-round of tail batching, and a row moved between engines by re-prefill (``vllm_session``)."""
+round of tail batching, and a row moved between engines by re-prefill (``vllm.session``)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def model_logprobs(state: dict[str, torch.Tensor], prompt: list[int], tokens: li
 def engines(ray_runtime):
     """Two engines in their own processes (as the workers run them): ``a`` (TP 1) loaded with weights 1,
     then updated to weights 2 by the tests; ``fresh`` loaded once with weights 2, of TP size 2 (its own
-    two worker processes, weights packed through ``vllm_weights.WeightReceiver``)."""
+    two worker processes, weights packed through ``vllm.weights.WeightReceiver``)."""
     import ray
 
     config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625))
@@ -161,7 +161,7 @@ def test_ngram_speculation_runs_in_the_cpu_build_and_keeps_greedy_tokens(ray_run
 
 
 def test_a_round_keeps_the_first_whole_groups_and_aborts_the_rest(engines):
-    """Tail batching's and partial rollout's round on the engine (``VllmEngine.round``): the kept groups'
+    """Tail batching's and partial rollout's round on the engine (``LocalVllm.round``): the kept groups'
     rows are those of a plain call (each request has its own seed), an aborted row carries a prefix of
     them, and a resumed row continues where it stopped (greedy)."""
     from nereus.runtime.engines.answers import Carried
@@ -187,7 +187,7 @@ def test_a_round_keeps_the_first_whole_groups_and_aborts_the_rest(engines):
 
 
 def test_a_row_moved_between_engines_by_re_prefill_ends_as_unmoved(engines):
-    """The step's session on two engines (``vllm_session``): after two engine steps a running row is read
+    """The step's session on two engines (``vllm.session``): after two engine steps a running row is read
     on one engine, re-prefilled on the other (its prompt and tokens so far) and released from the first;
     under greedy sampling its response, log-probs included, is the unmoved one's."""
     a, fresh = engines

@@ -1,4 +1,4 @@
-"""``vllm_engine.engine_layout``: where each checkpoint tensor lands in vLLM's fused parameters (no vLLM
+"""``vllm.server.engine_layout``: where each checkpoint tensor lands in vLLM's fused parameters (no vLLM
 needed; the engine tests check it against a real engine's parameters)."""
 
 from __future__ import annotations
