@@ -1,11 +1,12 @@
 """A worker's generation engine that lives across calls, so the driver can look at it between chunks of
 iterations and move unfinished sequences between its DP replicas mid-step (``run.midstep``).
 
-``Worker.gen_open`` builds one ``DecodeEngine`` per DP replica on that replica's rows of the step's
-prompts (``decode_engine.replica_engine``: sequence id = global row index, so each sequence samples from
-the stream ``generate_continuous`` gives it); ``gen_run`` runs a chunk of iterations and answers the
-replica's status; ``gen_migrate`` executes a ``MigrationPlan`` (``runtime.engines.native.kv_migrate.migrate``: every
-worker of the world takes part, because the commit vote is a collective over the whole world);
+``Worker.gen_open`` (``NativeEngine.session_open``) builds one ``DecodeEngine`` per DP replica on that
+replica's rows of the step's prompts (``decode_engine.replica_engine``: sequence id = global row index, so
+each sequence samples from the stream ``generate_continuous`` gives it); ``gen_run`` runs a chunk of
+iterations and answers the replica's status; ``gen_migrate`` executes a ``MigrationPlan``
+(``kv_migrate.migrate``: every worker of the world takes part, because the commit vote is a collective over
+the whole world);
 ``gen_close`` runs the replica to the end and answers every sequence it finished (one call instead of a
 last chunk and a close). Every rank of a replica makes the same calls, so its engines stay in lockstep.
 """
