@@ -134,7 +134,7 @@ class AdaptationLog:
         extra["nereus/controller_s"] = d.overhead_s
         extra["nereus/transition_s"] = o.transition.seconds if o.transition else 0.0
         extra["nereus/transition_predicted_s"] = d.cost_s if o.transition else 0.0
-        # of which the start of the rollout engines it rebuilt (run.rollout.engine: vllm)
+        # of which the start of the rollout engines it rebuilt (EngineTraits.restarts_on_move: vLLM's)
         extra["nereus/transition_engine_s"] = o.transition.detail.get("engine_start_s", 0.0) if o.transition else 0.0
         self.write({"step": m.step + 1, **decision_entry(d, extra["nereus/transition_s"])})
         return extra
@@ -147,10 +147,11 @@ class AdaptationLog:
         self.file.close()
 
 
-def engine_text(tm: TransitionMetrics) -> str:
-    """The transition line's note of the rollout engines it rebuilt, if any."""
+def engine_text(tm: TransitionMetrics, label: str) -> str:
+    """The transition line's note of the rollout engines (``label``: the engine's name in prose) it
+    rebuilt, if any."""
     start = tm.detail.get("engine_start_s")
-    return "" if start is None else f", vLLM engines rebuilt in {start:.2f} s"
+    return "" if start is None else f", {label} engines rebuilt in {start:.2f} s"
 
 
 def decision_entry(d: Decision, transition_s: float) -> dict:

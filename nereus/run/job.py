@@ -299,7 +299,8 @@ class RLJob(Observer):
                 tm, d = o.transition, o.decision
                 self.say(f"\n  transition after step {step + 1} ({d.action}: {d.reason}): {tm.seconds:.2f} s measured, "
                          f"{d.cost_s:.2f} s predicted ({tm.predicted_s:.2f} s of it moving bytes), "
-                         f"{tm.bytes_moved / 2**20:.1f} MiB moved{engine_text(tm)}; predicted step "
+                         f"{tm.bytes_moved / 2**20:.1f} MiB moved"
+                         f"{engine_text(tm, self.job.run.rollout_engine.traits.label)}; predicted step "
                          f"{d.current_s:.2f} s -> {d.candidate_s:.2f} s")
                 self.say(f"    new plan: {plan_text(o.plan)}")
         if self.levers is not None:
