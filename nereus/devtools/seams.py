@@ -1,7 +1,7 @@
 """The package's shape rules, checked with ``ast`` and ``tokenize`` (nothing is imported or run):
 
 * **one seam per rollout engine**: outside ``runtime/engines/`` only the modules in ``ENGINE_NAMING``
-  (the job config that reads ``run.rollout.engine`` and the engines' declared traits) name an engine:
+  (the engines' declared traits, which the job config reads by ``run.rollout.engine``) name an engine:
   an identifier containing an engine's name, or a string literal that is exactly one. Everything else
   asks an engine's declared capabilities, so a new engine is one module and one registry line;
 * **one owner of parallel degrees**: only the classes in ``DEGREE_HOLDERS`` (the chosen ``Layout`` and
@@ -30,7 +30,6 @@ ENGINE_NAMES = ("vllm", "sglang")
 ENGINE_PACKAGE = "runtime/engines/"
 # modules (relative to the package) that may name an engine outside the engine packages, with why
 ENGINE_NAMING: Mapping[str, str] = MappingProxyType({
-    "spec/rollout.py": "the job config: reads run.rollout.engine and the engine's own keys",
     "spec/engines.py": "the engines' declared traits and capabilities, one entry per engine",
     "devtools/seams.py": "this rule, which has to say what it looks for",
 })

@@ -1,10 +1,27 @@
 """The shape rules (nereus/devtools/seams.py): each checker reports a planted violation with its file and
 line, and accepts what the rule allows."""
 
+from pathlib import Path
+
 import pytest
 
 from nereus.devtools import seams
 from tests.devtools.synthetic import write_package
+
+PACKAGE = Path(__file__).resolve().parents[2] / "nereus"
+
+
+@pytest.mark.parametrize("rule", [seams.engine_naming, seams.degree_holders, seams.duplicate_classes,
+                                  seams.oversized])
+def test_the_package_keeps_its_shape(rule):
+    problems = rule(PACKAGE)
+    assert not problems, "\n".join(problems)
+
+
+def test_every_engine_naming_allowance_still_names_an_engine():
+    stale = [rel for rel in seams.ENGINE_NAMING if not (PACKAGE / rel).is_file()
+             or not seams.engine_mentions((PACKAGE / rel).read_text())]
+    assert not stale, stale
 
 
 @pytest.mark.parametrize("source", [
@@ -22,7 +39,7 @@ def test_a_module_outside_the_engines_naming_an_engine_is_reported(tmp_path, sou
 def test_engine_packages_the_job_config_and_prose_may_name_engines(tmp_path):
     root = write_package(tmp_path, {
         "runtime/engines/vllm/engine.py": "import vllm\n",
-        "spec/rollout.py": "ENGINES = ('native', 'vllm')\n",
+        "spec/engines.py": "ENGINE_TRAITS = {'native': 1, 'vllm': 2}\n",
         "run/driver.py": "# vLLM restarts its engines on a move\nX = 'a vllm engine'\n\"\"\"vLLM.\"\"\"\n",
     })
     assert seams.engine_naming(root) == []
