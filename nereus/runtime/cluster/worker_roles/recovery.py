@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 class RecoveryRole(WorkerCore):
     """Reads ``models`` into state images (``recovery.snapshots``); ``reinit`` leaves the world for a new
     one (``rank``, ``world``, ``groups``, ``pending``, ``comm``, the abort flag and the abandoned calls
-    reset, ``models`` kept, the generation part's engines that ran in the world dropped:
+    reset, ``models`` kept, the generation role's engines that ran in the world dropped:
     ``drop_world_engines``); ``restore`` replaces ``models`` and ``groups`` from images, with the groups
-    ``prepare_groups`` left in ``pending``, and closes the generation part's engines (``close_engines``):
+    ``prepare_groups`` left in ``pending``, and closes the generation role's engines (``close_engines``):
     the driver opens them anew on the new layout."""
 
     def reinit(self, master: str, port: int, world: int, timeout_s: float, rank: int | None = None) -> bool:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class TrainingRole(WorkerCore):
     """Places a key's shard (``load``: its groups into ``groups``, its shard into ``models``; every key,
     trained or not, is loaded here) and drops it (``release``, which also closes the key's rollout engine:
-    the generation part's ``close_engines``); the optimizer step, with the fault
+    the generation role's ``close_engines``); the optimizer step, with the fault
     point ``train_step`` from ``faults``; the shard's weights and Adam state read and written."""
 
     def load(self, key: str, cfg: ModelConfig, layout: Layout, ranks: list[int], checkpoint: str | None,
