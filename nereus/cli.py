@@ -103,7 +103,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from nereus.sim.baselines import POLICIES
-    from nereus.sim.explain import RoundLabels
     from nereus.sim.run import check_gpus_remain, simulate
     from nereus.spec.levers import check_policy_lag
     from nereus.spec.trace import load_trace
@@ -123,10 +122,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     first = trace.gpus_at(0, job.cluster.num_gpus)
     job = job.with_gpus(max([first, *(n for _, n in trace.gpus)]))
 
-    rounds = RoundLabels(job.algorithm.samples_per_prompt, job.workload.prompt_length)
-
     def progress(step: int, m, decision) -> None:
-        rounds.observe(m)  # which steps were tail batching's short and long rounds, for the record
         if not args.json and (step % max(1, steps // 20) == 0 or decision.action != "keep"):
             note = f"  {decision.action}: {decision.reason}" if decision.action != "keep" else ""
             print(f"[{step + 1:>5}/{steps}] step {m.step_time_s:8.2f} s  gpus {m.gpus:>5}{note}",
@@ -137,7 +133,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     record = simulate(job, trace, args.policy, args.seed, steps, initial_gpus=first, progress=progress,
                       policy_lag=lag)
     data = record.to_dict()
-    rounds.annotate(data["steps"])
     if args.out is not None:
         write_text_file(args.out, json.dumps(data), "--out")
     if args.json:

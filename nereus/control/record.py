@@ -41,6 +41,8 @@ class RunRecord:
         if "busy_gpu_s" in m.detail:  # the simulator: GPU-seconds the step's work held (sim.backend)
             self.steps[-1]["busy_gpu_s"] = m.detail["busy_gpu_s"]
             self.steps[-1]["busy_generation_gpu_s"] = m.detail["busy_generation_gpu_s"]
+        if "tail" in m.detail:  # the simulator: the step was a tail-batching round (sim.backend)
+            self.steps[-1]["tail"] = m.detail["tail"]
 
     def add_generation(self, entry: GenerationEntry) -> None:
         """A decision taken inside a step's generation (acting or declined) with its outcome."""

@@ -86,6 +86,7 @@ class SimBackend:
         self.deferred = Deferred.none()  # prompts tail batching deferred to a long round (sim.groups)
         self._launched_z = np.zeros(0)  # the difficulty of the prompts launched this step
         self._short = ShortRound(0.0, np.zeros(0, bool))  # the latest short round's stop
+        self._tail_round: dict[str, float] | None = None  # this step's tail-batching round, if it was one
 
     def cluster(self, step: int) -> ClusterState:
         now = self.trace.gpus_at(step, self.initial_gpus)
@@ -131,6 +132,7 @@ class SimBackend:
         r, rho = self.trace.response_at(step), self.trace.sibling_correlation
         if len(self.deferred) >= p:
             self._launched_z, self.deferred = self.deferred.z[:p], Deferred(self.deferred.z[p:])
+            self._tail_round = _tail_round(True, p, p, len(self.deferred))
             return draw_groups(self._rng(step, 5), r, self._launched_z, g, rho), False
         extra = math.ceil((tb.over_launch - 1) * p)
         if extra < 1:
@@ -141,6 +143,7 @@ class SimBackend:
 
     def run_step(self, plan: Plan, step: int, policy: GenerationPolicy) -> StepMetrics:
         lengths, z = self.draw_step(step)
+        self._tail_round = None
         lengths, short = self._tail_batching(plan, step, lengths, z)
         mean, longest = float(lengths.mean()), float(lengths.max())
         r = self.trace.response_at(step)
@@ -177,6 +180,7 @@ class SimBackend:
         if short:  # the step trains the groups the short round kept; the others wait for a long round
             kept = self._short.kept_sequences(keep[1])
             self.deferred = Deferred(np.concatenate([self.deferred.z, self._launched_z[~self._short.kept]]))
+            self._tail_round = _tail_round(False, len(self._launched_z), keep[0], len(self.deferred))
             trained = float(kept.sum() * prompt + lengths[kept].sum())
             _scale_later_stages(stage_times, phases, trained / tokens)
             tokens = trained
@@ -189,6 +193,8 @@ class SimBackend:
         idle = detail["generation"]["idle_gpu_s"] if "generation" in detail else 0.0
         busy_generation, busy_rest = busy_gpu_seconds(plan.num_gpus, rollout_gpus, phases, idle)
         detail = {**detail, "busy_gpu_s": busy_generation + busy_rest, "busy_generation_gpu_s": busy_generation}
+        if self._tail_round is not None:  # this step was one of tail batching's rounds (the record's ``tail``)
+            detail["tail"] = self._tail_round
         return StepMetrics(step, stage_times, phases, step_s, mean, longest,
                            job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus, detail,
                            entries, lag, plan.levers)
@@ -280,6 +286,13 @@ class SimBackend:
         noise = float(math.exp(self._rng(step, 2).normal(0, self.truth.noise)))
         actual = predicted * self.factors["transition"] * noise
         return TransitionMetrics(actual, predicted, est.bytes_moved, {"moved": list(est.moved_model_stages)})
+
+
+def _tail_round(long: bool, launched: int, kept: int, deferred: int) -> dict[str, float]:
+    """A tail-batching round in groups, under the runtime's ``tail/*`` metric names: long (regenerating
+    deferred prompts) or short, the groups launched and kept, and those waiting after it."""
+    return {"long_round": float(long), "launched_groups": float(launched), "kept_groups": float(kept),
+            "deferred_groups": float(deferred)}
 
 
 def busy_gpu_seconds(num_gpus: int, rollout_gpus: int | None, phases: dict[str, float],

@@ -21,7 +21,7 @@ from nereus.spec.generation import (
 )
 
 if TYPE_CHECKING:
-    from nereus.control.backend import StepMetrics
+    pass
 
 # A tail-batching round, under the runtime's metric names (``run.rounds``: ``tail/<key>``).
 ROUND_KEYS = ("long_round", "launched_groups", "kept_groups", "deferred_groups")
@@ -123,43 +123,6 @@ def _mean(values: list[float]) -> float | None:
 
 
 # ----- tail batching's rounds and speculative decoding, in words --------------------------------------------
-
-class RoundLabels:
-    """Which simulated steps were tail batching's short and long rounds, told from each step's metrics
-    (``observe``: ``nereus simulate``'s progress callback) and written into the record's steps
-    (``annotate``: a step's ``tail``, under the runtime's ``tail/*`` metric names). A short round trains
-    fewer tokens than the responses it drew (it stops the groups that end late, which then wait); a step
-    under the lever that is not short regenerates the waiting prompts once a step's worth waits, as
-    ``SimBackend._tail_batching`` decides. Steps that resume partial rollout's carried responses are left out."""
-
-    def __init__(self, samples_per_prompt: int, prompt_length: float) -> None:
-        self.group, self.prompt = max(1, samples_per_prompt), prompt_length
-        self.deferred = 0
-        self.rounds: dict[int, dict[str, float]] = {}
-
-    def observe(self, m: StepMetrics) -> None:
-        levers = getattr(m, "levers", None)
-        tb = None if levers is None else levers.tail_batching
-        if tb is None or levers.partial_rollout is not None or any(m.policy_lag[1:]):
-            return
-        p = m.sequences // self.group
-        if m.tokens < m.sequences * (self.prompt + m.response_mean) * (1 - 1e-9):  # stopped early: short
-            extra = math.ceil((tb.over_launch - 1) * p)
-            self.deferred += extra
-            launched, long = p + extra, 0.0
-        elif self.deferred >= p:
-            self.deferred -= p
-            launched, long = p, 1.0
-        else:
-            return
-        self.rounds[m.step] = {"long_round": long, "launched_groups": float(launched), "kept_groups": float(p),
-                               "deferred_groups": float(self.deferred)}
-
-    def annotate(self, steps: list[dict]) -> None:
-        for s in steps:
-            if s["step"] in self.rounds:
-                s["tail"] = self.rounds[s["step"]]
-
 
 def rounds_of(run: dict) -> dict[int, dict[str, float]]:
     """Tail batching's rounds by step: a simulated step's ``tail``, a real run's ``tail/*`` metrics."""

@@ -64,7 +64,7 @@ def _check_record(data: dict) -> None:
         phases = s.sub("phases", required=True)
         for name in phases.data:
             phases.get(name, float, minimum=0, maximum=MAX_SECONDS)
-        tail = s.sub("tail")  # a simulated step's tail-batching round (``sim.explain.RoundLabels``), when it was one
+        tail = s.sub("tail")  # a simulated step's tail-batching round (``sim.backend``), when it was one
         for key in ROUND_KEYS if s.has("tail") else ():
             tail.get(key, float, minimum=0, maximum=MAX_SEQUENCES)
     for i, item in enumerate(root.get("generation_decisions", list, [])):

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 from nereus.cli import main
 from nereus.sim.explain import (
-    RoundLabels,
     decision_lines,
     duration,
     generation_table,
@@ -20,7 +18,6 @@ from nereus.sim.explain import (
     summary_lines,
 )
 from nereus.sim.report import write_report
-from nereus.spec.levers import GenerationLevers, TailBatching
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,23 +96,6 @@ def test_long_rounds_are_named_by_step_and_speculation_is_explained():
     assert "on in 25 of 25 steps" in text and "over the 5 steps not stopped early" in text
 
 
-def test_rounds_are_told_from_the_steps_metrics():
-    levers = GenerationLevers(tail_batching=TailBatching(over_launch=1.25))
-    rounds = RoundLabels(samples_per_prompt=4, prompt_length=10)
-
-    def metrics(i: int, tokens: float) -> SimpleNamespace:  # 128 sequences of 32 prompts, mean response 90
-        return SimpleNamespace(step=i, levers=levers, policy_lag=(1.0,), sequences=128, response_mean=90.0,
-                               tokens=tokens)
-    for i in range(4):
-        rounds.observe(metrics(i, 128 * 100 * 0.8))  # a short round: the late groups were stopped
-    rounds.observe(metrics(4, 128 * 100))  # every response drawn was trained: the deferred prompts' round
-    rounds.observe(metrics(5, 128 * 100))  # nothing deferred is left: an ordinary step
-    steps = [step(i) for i in range(6)]
-    rounds.annotate(steps)
-    assert [s.get("tail", {}).get("long_round") for s in steps] == [0.0, 0.0, 0.0, 0.0, 1.0, None]
-    assert steps[0]["tail"]["launched_groups"] == 40 and steps[4]["tail"]["launched_groups"] == 32
-
-
 def test_simulated_tail_batching_labels_the_slow_steps(tmp_path, capsys):
     out = tmp_path / "rp.json"
     assert main(["simulate", str(ROOT / "traces" / "long_tail_dapo.yaml"), "--job",
@@ -127,6 +107,8 @@ def test_simulated_tail_batching_labels_the_slow_steps(tmp_path, capsys):
     long = [s["step_time_s"] for s in steps if s.get("tail", {}).get("long_round")]
     short = [s["step_time_s"] for s in steps if "tail" in s and not s["tail"]["long_round"]]
     assert long and short and min(long) > 1.5 * max(short)  # the labelled steps are the slow ones
+    rounds = [s["tail"] for s in steps if "tail" in s]  # 128 prompts a step, over-launched 1.5-fold
+    assert {(r["launched_groups"], r["kept_groups"]) for r in rounds} == {(192.0, 128.0), (128.0, 128.0)}
     text = write_report([str(out)], tmp_path / "rep")["markdown"].read_text()
     assert "## Tail batching" in text and "long round (regenerates 128 deferred prompts)" in text
 
