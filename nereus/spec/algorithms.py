@@ -26,9 +26,11 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 # Metric sinks (verl's trainer.logger). "file" is verl's name for a JSONL file; "jsonl" is Nereus's.
 LOGGERS = ("console", "jsonl", "file", "tensorboard", "wandb", "mlflow")
 
-# Advantage estimators (algorithm.adv_estimator, verl's key): GAE over the critic's values, or
-# GRPO's group-normalised outcome scores (no critic).
-ADVANTAGE_ESTIMATORS = ("gae", "grpo")
+# Advantage estimators (algorithm.adv_estimator, verl's key and verl's names; each formula and paper is in
+# nereus.rl.advantages / nereus.rl.token_baseline): GAE over the critic's values, or a critic-free baseline.
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "rloo", "opo",
+                        "grpo_passk", "gpg", "rloo_vectorized", "grpo_vectorized", "optimal_token_baseline",
+                        "tir_optimal_token_baseline", "gdpo")
 
 # The estimator each algorithm uses unless the spec names another.
 DEFAULT_ESTIMATOR = {"ppo": "gae", "grpo": "grpo"}
@@ -39,4 +41,11 @@ NEEDS_CRITIC = ("gae",)
 # Estimators that compare responses to the same prompt: they need samples_per_prompt >= 2 (one sample per
 # prompt leaves every group alone; the verl-derived EasyR1 refuses rollout.n == 1 for GRPO too,
 # https://github.com/hiyouga/EasyR1 verl/trainer/ray_trainer.py).
-NEEDS_GROUPS = ("grpo",)
+NEEDS_GROUPS = ("grpo", "reinforce_plus_plus_baseline", "rloo", "opo", "grpo_passk", "gpg", "rloo_vectorized",
+                "grpo_vectorized", "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo")
+
+# Estimators that read an input beyond the step's scores, log-probs and values: ReMax's baseline is the score
+# of a greedy response per prompt (an extra generation pass, AdvantageInputs.baseline_scores); the optimal
+# token baseline reads Σ_v π(v)² at every response token from the inference pass (sum_pi_squared).
+NEEDS_GREEDY_BASELINE = ("remax",)
+NEEDS_SUM_PI_SQUARED = ("optimal_token_baseline", "tir_optimal_token_baseline")

@@ -155,8 +155,8 @@ def _inputs(**kw) -> AdvantageInputs:
     return AdvantageInputs(**{**base, **kw})
 
 
-@pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS)
-def test_each_estimator_is_accepted_by_the_spec_and_computes(name):
+@pytest.mark.parametrize("name", ["gae", "grpo"])  # every other estimator: tests/rl/test_advantages.py
+def test_gae_and_grpo_are_accepted_by_the_spec_and_compute(name):
     spec_name = "grpo" if name == "grpo" else "ppo"
     assert job_from_dict(_rl_spec(spec_name, {"adv_estimator": name})).algorithm.adv_estimator == name
     x = _inputs()
@@ -181,7 +181,7 @@ def test_gae_estimator_applies_the_kl_penalty_only_with_reference_logprobs():
 
 
 def test_unknown_names_are_rejected_with_the_choices():
-    with pytest.raises(ValueError, match=r"'vtrace'.*\['gae', 'grpo'\]"):
+    with pytest.raises(ValueError, match=r"'vtrace'.*\['gae', 'grpo', 'reinforce_plus_plus', "):
         advantage_estimator("vtrace")
     with pytest.raises(SpecError, match=r"algorithm\.adv_estimator"):
         job_from_dict(_rl_spec("ppo", {"adv_estimator": "vtrace"}))
