@@ -30,6 +30,7 @@ from nereus.run.rollout import Rollout
 from nereus.run.setup import Placed
 from nereus.run.stage_keys import StageKeys
 from nereus.run.step_clock import StepClock
+from nereus.run.step_knobs import RewardKL, warmup_jobs
 from nereus.run.training import ModelUpdate, StepTraining, advantages, training_jobs
 from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.engines.protocol import EngineConfig, EnginesOpened
@@ -69,6 +70,7 @@ class RLStep:
         self.training = StepTraining(job, self.keys, self.calls, self.clock)
         self.asynchronous = AsyncRollouts(job.run, self.keys, self.generation, self.calls, self.clock
                                           ) if job.run.async_mode.on else None  # run.async (run.asyncmode)
+        self.reward_kl = RewardKL(job)  # run.kl_ctrl: the in-reward KL coefficient, step to step (checkpointed)
 
     def use(self, placed: list[Placed]) -> None:
         """The models are now loaded under ``placed`` (after a transition or a recovery)."""
@@ -110,15 +112,16 @@ class RLStep:
         that may start on its finished replicas' rows."""
         return self.generation.generate(step, prompts, policy, levers, tuple(self.inference.stages()))
 
-    def sync(self) -> None:
-        """Each trained model's new weights from its training layout to its other layouts, by the live
-        transition executor (``Runtime.sync_weights``): shards that coincide on a worker are shared, the
-        rest move point to point between workers."""
+    def sync(self, trained: dict[str, ModelUpdate] | None = None) -> None:
+        """Each trained model's new weights (of those in ``trained``, else every one) from its training layout
+        to its other layouts, by the live transition executor (``Runtime.sync_weights``): shards that coincide
+        on a worker are shared, the rest move point to point between workers."""
         with self.clock.timer("update_weights"):  # verl's name for the trainer -> rollout weight update
             for model in ("actor", "critic"):
-                if self.has(model):
+                if self.has(model) and (trained is None or model in trained):
                     self.rt.sync_weights(model, self.job)
-            if self.run.rollout_engine.traits.own_weights:  # then into the engines' own copy, in place
+            # then into the engines' own copy, in place
+            if self.run.rollout_engine.traits.own_weights and (trained is None or "actor" in trained):
                 self.timing["timing_s/update_weights_engine"] = self.rt.update_engine(self.key["actor", "generation"])
 
     def step(self, step: int, policy: GenerationPolicy | None = None) -> dict[str, float]:
@@ -138,11 +141,13 @@ class RLStep:
         roll, rows = gen.rollout, gen.rows
         inf = self.inference.infer(roll, rows, gen.early)
         with self.clock.timer("adv"):
-            adv = advantages(self.job, roll, rows, inf)
-        trained = self.training.train(step, training_jobs(self.job, roll, inf, adv))
-        self.sync()
+            beta = self.reward_kl.begin(step)
+            adv = advantages(self.job, roll, rows, inf, beta)
+            kl = self.reward_kl.end(roll, inf, beta)
+        trained = self.training.train(step, warmup_jobs(self.job, step, training_jobs(self.job, roll, inf, adv)))
+        self.sync(trained)
         self.clock.set("step", time.perf_counter() - t0)
-        m = self.metrics(step, roll, inf, adv, trained)
+        m = self.metrics(step, roll, inf, adv, trained) | kl
         zeros = dict.fromkeys(DECODE_METRICS + (METRICS if self.run.rollout_midstep is not None else ()), 0.0)
         m.update(zeros | gen.metrics)  # zeros for what a step generated otherwise does not measure
         m.update(self.worker_metrics())
@@ -165,20 +170,22 @@ class RLStep:
                 mode.issue(step + 1, version=step)
             inf = self.inference.infer(roll, rows, gen.early)
             with self.clock.timer("adv"):
-                adv = advantages(self.job, roll, rows, inf)
+                beta = self.reward_kl.begin(step)
+                adv = advantages(self.job, roll, rows, inf, beta)
+                kl = self.reward_kl.end(roll, inf, beta)
             jobs = training_jobs(self.job, roll, inf, adv)
             batch, corr = mode.correct(roll, inf.old_logp, jobs["actor"].batch)
             jobs["actor"] = replace(jobs["actor"], batch=batch)
-            trained = self.training.train(step, jobs)
+            trained = self.training.train(step, warmup_jobs(self.job, step, jobs))
             mode.events.append(("training_answered", step))
             if mode.pending is not None:
                 mode.collect()
-            self.sync()
+            self.sync(trained)
         except BaseException:
             mode.pending = None  # a failed step (a lost worker): its queued rollout is not used
             raise
         self.clock.set("step", time.perf_counter() - t0)
-        m = self.metrics(step, roll, inf, adv, trained)
+        m = self.metrics(step, roll, inf, adv, trained) | kl
         m.update(self.worker_metrics())
         m.update(corr)
         m.update(mode.staleness(step, torch.full((len(rows),), version)))

@@ -100,6 +100,7 @@ class StepGeneration:
         (prompt, response) width of the packed rollout with ``run.rollout.pad_to_max`` (else None)."""
         limit = self.run.max_response_length(step, self.job.workload.response.max)
         params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
+                                top_k=self.run.top_k,
                                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
                                 seed=derive_seed(self.run.seed, SAMPLING, step), slots=self.run.rollout_slots,
                                 stop_token_ids=self.tok.stop_token_ids,

@@ -159,6 +159,8 @@ class RLJob(Observer):
         if self.reward is None:  # workers run: the job was accepted (``execute`` imports it before this)
             self.reward = reward_router(self.job)
         rl_step = RLStep(self.job, self.rt, self.placed, self.tok, self.train, self.reward)
+        if "kl_ctrl" in self.state:  # a resume: the in-reward KL coefficient the next step starts with
+            rl_step.reward_kl.load_state_dict(self.state["kl_ctrl"])
         rl_step.open_engine()
         self.backend = RuntimeBackend(self.job, self.rt, self.cfgs, rl_step, self._placed, self.plan, self.say)
         self.backend.scale_file = self.dir / "scale.json"
@@ -216,6 +218,7 @@ class RLJob(Observer):
             if self.run.adapt is not None:  # the plan in force: a resumed run starts on it (optimizer files per rank)
                 self.state["plan"] = self.backend.plan.to_dict()
             self.state["placements"] = placement_record(self.placed)  # which shard each optimizer file holds
+            self.state["kl_ctrl"] = self.backend.rl_step.reward_kl.state_dict()  # run.kl_ctrl's coefficient
             (out.folder / STATE).write_text(json.dumps({**self.state, "step": step}, indent=1))
             out.wrote(STATE)
             return out.commit()

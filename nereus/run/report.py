@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nereus.cost.tail.lengths import sibling_correlation
-from nereus.rl.core import agg_loss, kl_estimate, masked_mean
+from nereus.rl.core import agg_loss, masked_mean
 from nereus.run.rollout import Rollout
 from nereus.spec.job import JobSpec
 
@@ -47,7 +47,7 @@ def step_metrics(job: JobSpec, step: int, roll: Rollout, inf: Inferred, adv: dic
     if inf.rm is not None:
         m["reward_model/score/mean"] = float(inf.rm.mean())
     m.update(critic_metrics(job, step, roll.mask, inf, adv, trained.get("critic")))
-    m.update(actor_metrics(job, step, roll, inf, trained["actor"], limit))
+    m.update(actor_metrics(job, step, roll, inf, trained.get("actor"), limit))
     m.update({f"{model}/grad_norm": u.grad_norm for model, u in trained.items() if u.grad_norm is not None})
     m.update(timing)
     tokens = int(roll.prompt_len.sum() + roll.response_len.sum())
@@ -78,34 +78,36 @@ def critic_metrics(job: JobSpec, step: int, mask: torch.Tensor, inf: Inferred, a
     return m
 
 
-def actor_metrics(job: JobSpec, step: int, roll: Rollout, inf: Inferred, actor: ModelUpdate,
+def actor_metrics(job: JobSpec, step: int, roll: Rollout, inf: Inferred, actor: ModelUpdate | None,
                   limit: int) -> dict[str, float]:
-    """verl's ``actor/*`` figures of the update, the rollout policy's entropy, the KL penalty in the reward,
-    and how far the engine's log-probs are from the trainer's (``limit``: the step's maximum response
-    length)."""
+    """verl's ``actor/*`` figures of the update (none in a ``run.critic_warmup`` step, ``actor`` None), the
+    rollout policy's entropy, and how far the engine's log-probs are from the trainer's (``limit``: the
+    step's maximum response length). The KL penalty in the reward is the driver's (``run.step_knobs``)."""
     r, mask = job.run, roll.mask
+    m = {} if actor is None else actor_update_metrics(job, step, actor)
+    if inf.entropy is not None:  # verl: the rollout policy's full-vocabulary entropy, aggregated as the loss
+        m["actor/entropy"] = float(agg_loss(inf.entropy, mask, r.loss_agg_mode, limit))
+    if job.algorithm.recompute_old_log_prob:  # else the old log-probs are the engine's: nothing to compare
+        diff = ((roll.gen_logp - inf.old_logp).abs() * mask)
+        m["rollout/logprob_diff_max"] = float(diff.max())
+        m.update(rollout_probs_diff(roll.gen_logp, inf.old_logp, mask))
+    return m
+
+
+def actor_update_metrics(job: JobSpec, step: int, actor: ModelUpdate) -> dict[str, float]:
+    """verl's ``actor/*`` figures of the actor's optimizer steps in step ``step``."""
+    r = job.run
     a = [s.loss for s in actor.stats]
     m = {"actor/pg_loss": mean([s.pg_loss for s in a]), "actor/pg_clipfrac": weighted(a, [s.pg_clipfrac for s in a]),
          "actor/pg_clipfrac_lower": weighted(a, [s.pg_clipfrac_lower for s in a]),
          "actor/ppo_kl": weighted(a, [s.ppo_kl for s in a]), "actor/kl_loss": mean([s.kl_loss for s in a]),
-         "actor/lr": r.lr_at(r.actor_lr, step)}
+         "actor/lr": r.lr_at(r.actor_lr, step, "actor")}
     # what warns of a collapse: the first mini-batch of a step is on-policy (ratio 1, ppo_kl 0), so the mean
     # above halves the last update's drift; these show it undiluted
     last = max(s.update for s in actor.stats)
     final = [s.loss for s in actor.stats if s.update == last]
     m["actor/ppo_kl_last"] = weighted(final, [s.ppo_kl for s in final])
     m["actor/ppo_ratio_max_deviation"] = max(s.ratio_max_dev for s in a)
-    if inf.entropy is not None:  # verl: the rollout policy's full-vocabulary entropy, aggregated as the loss
-        m["actor/entropy"] = float(agg_loss(inf.entropy, mask, r.loss_agg_mode, limit))
-    if inf.ref_logp is not None and r.kl_coef and not r.use_kl_loss:
-        # verl's apply_kl_penalty: the KL in the reward, token mean per sequence, then mean over the batch
-        kl = kl_estimate(inf.old_logp, inf.ref_logp, r.kl_penalty)
-        m["actor/reward_kl_penalty"] = float(masked_mean(kl, mask, dim=-1).mean())
-        m["actor/reward_kl_penalty_coeff"] = r.kl_coef
-    if job.algorithm.recompute_old_log_prob:  # else the old log-probs are the engine's: nothing to compare
-        diff = ((roll.gen_logp - inf.old_logp).abs() * mask)
-        m["rollout/logprob_diff_max"] = float(diff.max())
-        m.update(rollout_probs_diff(roll.gen_logp, inf.old_logp, mask))
     return m
 
 

@@ -57,16 +57,19 @@ class ModelUpdate:
     grad_norm: float | None = None
 
 
-def advantages(job: JobSpec, roll: Rollout, rows: list[Prompt], inf: Inferred) -> dict[str, torch.Tensor]:
+def advantages(job: JobSpec, roll: Rollout, rows: list[Prompt], inf: Inferred,
+               kl_coef: float | None = None) -> dict[str, torch.Tensor]:
     """The estimator's output (``rl.core.advantage_estimator``: ``adv``, ``returns``, ...) for the step's
-    rollout ``roll`` of ``rows`` (a GRPO group per draw, ``draw_uids``)."""
+    rollout ``roll`` of ``rows`` (a GRPO group per draw, ``draw_uids``); ``kl_coef``: the in-reward KL
+    coefficient of the step (``run.kl_ctrl``'s, ``run.step_knobs``), else ``run.kl_coef``."""
     r = job.run
     x = AdvantageInputs(
         scores=inf.score, mask=roll.mask, groups=draw_uids(len(rows), job.algorithm.samples_per_prompt),
         old_logp=inf.old_logp, values=inf.values,
         # the KL is a reward penalty only when it is not a loss term
         ref_logp=None if r.use_kl_loss else inf.ref_logp, kl_penalty=r.kl_penalty,
-        kl_coef=r.kl_coef, gamma=r.gamma, lam=r.lam, norm_adv_by_std=r.norm_adv_by_std_in_grpo)
+        kl_coef=r.kl_coef if kl_coef is None else kl_coef, gamma=r.gamma, lam=r.lam,
+        norm_adv_by_std=r.norm_adv_by_std_in_grpo)
     return advantage_estimator(job.algorithm.adv_estimator)(x)
 
 
@@ -119,9 +122,9 @@ class StepTraining:
     def submit_update(self, model: str, batch: TrainBatch, loss_fn: LossFn, lr: float, step: int) -> list[Call]:
         """Issue ``model``'s optimizer steps; sequentially each is answered before the next is issued,
         with ``run.overlap`` all are issued at once (the worker runs them in order either way). ``lr`` is
-        the base rate, scaled by the warm-up (``RunSpec.lr_at``)."""
+        the base rate, scaled by the schedule (``RunSpec.lr_at``)."""
         key = self.keys[model, "training"]
-        lr = self.run.lr_at(lr, step)
+        lr = self.run.lr_at(lr, step, model)
         gen = torch.Generator().manual_seed(derive_seed(self.run.seed, MINI_BATCH_ORDER, step))
         horizon = self.run.max_response_length(step, self.job.workload.response.max)
         parts = [mb for _ in range(self.alg.epochs)

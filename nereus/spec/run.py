@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from nereus.spec import run_train_knobs as knobs
 from nereus.spec.algorithms import KL_KINDS, KL_UNSUPPORTED, LOGGERS, LOSS_AGG_MODES
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
@@ -122,6 +123,7 @@ class RunSpec:
     curriculum: tuple[tuple[int, int], ...] = ()  # (from step, max response length)
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1  # verl's rollout.top_k: the k most likely tokens, before top_p; -1 or 0: off
     actor_lr: float = 3e-4  # 1e-3 collapses the tiny examples on some seeds (docs/rl.md, "Learning settings")
     critic_lr: float = 1e-3
     clip_ratio: float = 0.2
@@ -129,6 +131,9 @@ class RunSpec:
     # verl's optim.lr_warmup_steps / lr_warmup_steps_ratio (constant schedule with linear warm-up), both models
     lr_warmup_steps: int = 0  # <= 0 (verl's default -1): the ratio decides
     lr_warmup_steps_ratio: float = 0.0  # used when lr_warmup_steps is 0: int(ratio × steps)
+    # run.lr_scheduler_type, run.min_lr_ratio, run.num_cycles (verl's optim.*): constant or cosine after warm-up
+    lr_schedule: knobs.LrScheduleSpec = field(default_factory=knobs.LrScheduleSpec)
+    critic_warmup: int = 0  # verl's trainer.critic_warmup: the actor trains from (1-based) step critic_warmup on
     weight_decay: float = 0.0  # AdamW's decoupled weight decay of actor and critic (verl's optim.weight_decay)
     clip_ratio_high: float | None = None
     clip_ratio_low: float | None = None  # verl's names; each defaults to clip_ratio
@@ -143,6 +148,7 @@ class RunSpec:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "k3"
     kl_coef: float = 0.0  # in-reward KL penalty (PPO)
+    kl_ctrl: knobs.KlCtrlSpec = field(default_factory=knobs.KlCtrlSpec)  # run.kl_ctrl: kl_coef fixed or adaptive
     kl_penalty: str = "k1"
     rule_reward: str = "auto"
     reward_function: str | None = None  # "package.module:function" with verl's signature (rl.rewards)
@@ -194,12 +200,13 @@ class RunSpec:
         ``steps`` (verl's rule: a non-positive step count defers to the ratio)."""
         return self.lr_warmup_steps if self.lr_warmup_steps > 0 else int(self.lr_warmup_steps_ratio * self.steps)
 
-    def lr_at(self, lr: float, step: int) -> float:
-        """The learning rate of step ``step`` (0-based) for base rate ``lr``: verl's constant schedule with
-        warm-up (``get_constant_schedule_with_warmup``), lr × step / warm-up steps until the warm-up ends —
-        so the first step's updates run at 0, as verl's do — then lr."""
-        w = self.warmup_steps
-        return lr * step / w if step < w else lr
+    def lr_at(self, lr: float, step: int, model: str = "") -> float:
+        """The learning rate of step ``step`` (0-based) for base rate ``lr``: verl's schedules with warm-up
+        (``LrScheduleSpec.ratio``: lr × step / warm-up steps until the warm-up ends — so the first step's
+        updates run at 0, as verl's do — then constant or cosine). The actor's schedule counts only the
+        steps it trained (``run.critic_warmup``): ``model`` is the model updated."""
+        done = knobs.actor_updates_before(self.critic_warmup, step) if model == "actor" else step
+        return lr * self.lr_schedule.ratio(done, self.warmup_steps, self.steps)
 
     def max_response_length(self, step: int, final: int) -> int:
         """The curriculum's limit at ``step`` (the workload's ``response_length.max`` without one)."""
@@ -394,6 +401,8 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         workers=f.get("workers", int, 4, minimum=1, maximum=MAX_WORKERS), data=data, warmstart=warm,
         curriculum=_curriculum(f, final_response),
         temperature=f.get("temperature", float, 1.0, minimum=0), top_p=f.get("top_p", float, 1.0, minimum=0, maximum=1),
+        top_k=knobs.read_top_k(f), lr_schedule=knobs.read_lr_schedule(f),
+        critic_warmup=knobs.read_critic_warmup(f, stages),
         actor_lr=f.get("actor_lr", float, 3e-4, minimum=0), critic_lr=f.get("critic_lr", float, 1e-3, minimum=0),
         clip_ratio=f.get("clip_ratio", float, 0.2, minimum=0),
         grad_clip=f.get("grad_clip", float, 1.0, minimum=0),
@@ -411,6 +420,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         use_kl_loss=f.get("use_kl_loss", bool, False), kl_loss_coef=f.get("kl_loss_coef", float, 0.001, minimum=0),
         kl_loss_type=_kl_kind(f, "kl_loss_type", "k3"),
         kl_coef=f.get("kl_coef", float, 0.0, minimum=0), kl_penalty=_kl_kind(f, "kl_penalty", "k1"),
+        kl_ctrl=knobs.read_kl_ctrl(f),
         rule_reward=f.get("rule_reward", str, "auto", choices=RULES),
         reward_function=f.get("reward_function", str, None),
         reward_model_coef=f.get("reward_model_coef", float, 0.0, minimum=0),

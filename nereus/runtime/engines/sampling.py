@@ -36,6 +36,7 @@ class SamplingParams:
     max_new_tokens: int = 16
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
+    top_k: int = -1  # > 0: only the k most likely tokens, before top_p (vLLM's order); -1 or 0: off
     eos_token_id: int | None = None
     pad_token_id: int = 0
     seed: int = 0
@@ -72,8 +73,9 @@ def row_limit(params: SamplingParams, row: int) -> int:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
-    """Next tokens [B] from full-vocabulary logits [B, V]: argmax, or nucleus sampling (Holtzman et al.
-    2020) at ``temperature`` keeping the smallest set of tokens whose probability reaches ``top_p``."""
+    """Next tokens [B] from full-vocabulary logits [B, V]: argmax, or sampling at ``temperature`` among the
+    ``top_k`` most likely tokens (Fan et al. 2018, arXiv:1805.04833), then nucleus sampling (Holtzman et
+    al. 2020, arXiv:1904.09751) keeping the smallest set of those whose probability reaches ``top_p``."""
     if params.temperature <= 0:
         return logits.argmax(dim=-1)
     return torch.multinomial(target_probs(logits, params), 1, generator=gen).squeeze(-1)
@@ -81,8 +83,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution ``sample`` draws from at ``temperature`` > 0 (unnormalised after top-p: multinomial
-    and the speculative rejection rule normalise): [B, V] from [B, V] logits."""
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    and the speculative rejection rule normalise): [B, V] from [B, V] logits. Top-k keeps every token whose
+    logit reaches the k-th largest (ties kept, as vLLM's), and top-p then applies to their renormalised
+    distribution, as vLLM's sampler orders them."""
+    scaled = logits.float() / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the tokens ranked above

@@ -36,7 +36,7 @@ Response = tuple[list[int], list[float]]
 
 def row_sampling(params: SamplingParams, row: int, before: int = 0):
     """``vllm.SamplingParams`` of global row ``row`` that generated ``before`` tokens elsewhere already:
-    temperature, top-p, what is left of its length limit (``row_limit``: a resumed row's is shortened),
+    temperature, top-k, top-p, what is left of its length limit (``row_limit``: a resumed row's is shortened),
     EOS and ``stop_token_ids`` as stop tokens, its own seed (a moved row's derived from it and ``before``),
     and the sampled token's log-prob (``logprobs=0``). None when nothing is left to generate."""
     from vllm import SamplingParams as VllmSampling
@@ -45,8 +45,10 @@ def row_sampling(params: SamplingParams, row: int, before: int = 0):
     if left <= 0:
         return None
     seed = stream_seed(params.seed, row) if before == 0 else stream_seed(stream_seed(params.seed, row), before)
-    return VllmSampling(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=left,
-                        stop_token_ids=sorted(params.stops) or None, seed=seed, logprobs=0, detokenize=False)
+    # top_k: vLLM's "off" is 0 (it accepts -1 too), Nereus's -1 or 0
+    return VllmSampling(n=1, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+                        max_tokens=left, stop_token_ids=sorted(params.stops) or None, seed=seed, logprobs=0,
+                        detokenize=False)
 
 
 def answer_of(completion) -> Response:

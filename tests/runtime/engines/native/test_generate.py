@@ -54,6 +54,8 @@ def _check(cfg, layout) -> None:
         assert len(got[0]) < NEW or rows.start > 0  # EOS cut prompt 0 short
         nucleus = generate(sm, prompts, replace(params, temperature=1.0, top_p=1e-6, seed=3))
         assert nucleus == want[rows], layout.short()  # top-p this small keeps only the top token
+        top1 = generate(sm, prompts, replace(params, temperature=1.0, top_k=1, seed=3, slots=5))
+        assert top1 == want[rows], layout.short()  # so does top-k 1 (the engines share runtime.engines.sampling)
         engine = generate(sm, prompts, replace(params, slots=5))  # the continuous-batching engine
         assert engine == want[rows], (layout.short(), engine)
         for slots in (0, 5):  # every id of stop_token_ids ends a sequence, in both generation paths

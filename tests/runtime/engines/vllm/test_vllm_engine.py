@@ -209,3 +209,12 @@ def test_a_row_moved_between_engines_by_re_prefill_ends_as_unmoved(engines):
     for row, (tokens, logps) in done.items():
         assert tokens == plain[row][0]
         assert (torch.tensor(logps) - torch.tensor(plain[row][1])).abs().max() < LOGPROB_BOUND
+
+
+def test_row_sampling_passes_top_k_with_off_as_zero():
+    from nereus.runtime.engines.vllm.session import row_sampling
+
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    assert row_sampling(params, 0).top_k == 0  # Nereus's -1 (verl's default): off, vLLM's 0
+    assert row_sampling(replace(params, top_k=0), 0).top_k == 0
+    assert row_sampling(replace(params, top_k=7), 0).top_k == 7
