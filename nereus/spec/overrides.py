@@ -16,13 +16,16 @@ engines, refused with the reason otherwise. Two verl keys that set one Nereus ke
 from __future__ import annotations
 
 import copy
+import difflib
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from nereus.spec.errors import SpecError
 from nereus.spec.files import load_yaml
-from nereus.spec.verl_keys import DERIVED, IGNORED, MAPPED, REFUSED, TABLE, VERL_SECTIONS
+from nereus.spec.verl_keys import DERIVED, IGNORED, MAPPED, REFUSED, TABLE, VERL_SECTIONS, lookup
+from nereus.spec.verl_layouts import DEGREES, LayoutDegrees
 
 # verl key path -> Nereus key path, where the meaning is the same (the mapped rows of ``verl_keys.TABLE``)
 VERL_KEYS = {k: v.target for k, v in TABLE.items() if v.kind == MAPPED}
@@ -42,10 +45,17 @@ def _split(text: str) -> tuple[str, Any, bool]:
         value = None if delete else load_yaml(raw, key)
     except SpecError as err:
         raise SpecError(key, f"override value {raw[:60]!r} is {err.message}") from None
-    if key.split(".")[0] in VERL_SECTIONS and key not in TABLE:
+    if key.split(".")[0] in VERL_SECTIONS and lookup(key) is None:
         raise SpecError(key, "a verl key Nereus does not know; docs/rl.md lists verl's keys and what Nereus does "
-                             "with each")
+                             "with each" + did_you_mean(key))
     return key, value, delete
+
+
+def did_you_mean(key: str) -> str:
+    """``; did you mean 'KEY'?`` naming the closest verl key of ``verl_keys.TABLE`` (empty if none is close:
+    keys share long prefixes, so only a near-identical one is offered)."""
+    close = difflib.get_close_matches(key, TABLE, n=1, cutoff=0.85)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def parse_override(text: str) -> tuple[str, Any, bool]:
@@ -113,20 +123,43 @@ def _int(key: str, value: Any) -> int:
     return value
 
 
+def fate(key: str, value: Any) -> str:
+    """What Nereus does with the verl key ``key`` set to ``value``, in words (``nereus run ... --cfg job``)."""
+    entry = lookup(key)
+    if entry is None:
+        return "unknown"
+    if entry.kind == MAPPED:
+        return f"-> {entry.target}"
+    if entry.kind == DERIVED:
+        return f"-> {entry.target} (derived: {entry.reason})"
+    if entry.kind == REFUSED and _accepted(value, entry.accept):
+        return f"passes: {value!r} is what Nereus does"
+    return f"{entry.kind}: {entry.reason}"
+
+
 class VerlOverrides:
     """The verl keys of one command line (``verl_keys.TABLE``) applied to a raw spec tree: each mapped key set
     (two that set one Nereus key must agree), ignored keys noted, refused ones raised, and the derived ones
-    resolved once every override is in (``finish``), since they read each other."""
+    resolved once every override is in (``finish``), since they read each other. ``touched``: verl key ->
+    the Nereus key paths it set (so a validation error can be traced to the override behind it)."""
 
     def __init__(self, out: dict) -> None:
         self.out = out
         self.set_by: dict[str, tuple[str, Any]] = {}  # Nereus key -> (verl key, value) that set it
         self.mini: dict[str, int] = {}  # verl's ppo_mini_batch_size per model
         self.reward: dict[str, str] = {}  # custom_reward_function path and name
+        self.degrees = LayoutDegrees()
         self.notes: list[str] = []
+        self.touched: dict[str, set[str]] = {}
+
+    def _put(self, key: str, path: str, value: Any, delete: bool = False) -> None:
+        self.touched.setdefault(key, set()).add(path)
+        set_key(self.out, path, value, delete)
 
     def apply(self, key: str, value: Any, delete: bool) -> None:
-        entry = TABLE[key]
+        entry = lookup(key)
+        if entry is None:
+            raise SpecError(key, "a verl key Nereus does not know" + did_you_mean(key))
         if entry.kind == MAPPED:
             self._set(key, entry.target, value, delete)
         elif delete:
@@ -147,22 +180,28 @@ class VerlOverrides:
             raise SpecError(key, f"{value!r} differs from {other[0]}={other[1]!r}, and both set {target}: Nereus has "
                                  "one value for actor and critic; give them the same value")
         self.set_by[target] = (key, value)
-        set_key(self.out, target, value, delete)
+        self._put(key, target, value, delete)
 
     def _derived(self, key: str, value: Any) -> None:
-        if key == "algorithm.use_kl_in_reward":
+        if key in DEGREES:
+            self.degrees.add(key, value)
+        elif key == "algorithm.use_kl_in_reward":
             if not isinstance(value, bool):
                 raise SpecError(key, f"expected true or false, got {value!r}")
             run = self.out.get("run")
             current = run.get("kl_coef") if isinstance(run, dict) else None
             if not value:
-                set_key(self.out, "run.kl_coef", 0.0)
+                self._put(key, "run.kl_coef", 0.0)
             elif not current:  # on, and no coefficient yet: verl's default
-                set_key(self.out, "run.kl_coef", VERL_DEFAULT_KL_COEF)
+                self._put(key, "run.kl_coef", VERL_DEFAULT_KL_COEF)
+        elif key == "algorithm.rollout_correction.bypass_mode":  # bypass: the rollout's log-probs are pi_old
+            if not isinstance(value, bool):
+                raise SpecError(key, f"expected true or false, got {value!r}")
+            self._put(key, "algorithm.recompute_old_log_prob", not value)
         elif key == "actor_rollout_ref.model.path":
             self._set(key, "models.actor.path", value)
             if isinstance(self.out.get("models"), dict) and "reference" in self.out["models"]:
-                set_key(self.out, "models.reference.path", value)  # verl's reference is the actor's start
+                self._put(key, "models.reference.path", value)  # verl's reference is the actor's start
         elif key.endswith(".ppo_mini_batch_size"):
             self.mini[key] = _positive_int(key, value)
         elif key.startswith("custom_reward_function."):
@@ -172,7 +211,7 @@ class VerlOverrides:
         elif key == "reward_model.enable":
             self._reward_model(key, value)
         elif key in ("trainer.save_freq", "trainer.test_freq"):  # verl's -1: never; Nereus's 0: only at the end
-            set_key(self.out, TABLE[key].target, max(0, _int(key, value)))
+            self._put(key, TABLE[key].target, max(0, _int(key, value)))
         else:
             raise SpecError(key, "a derived verl key without a rule (a bug: see nereus.spec.overrides)")
 
@@ -188,47 +227,93 @@ class VerlOverrides:
             raise SpecError(key, "the job has a reward model (models.reward): remove it from the job to run "
                                  "without one")
 
-    def finish(self) -> None:
-        """Resolve the keys that read others: verl's mini-batch size and the reward function's path and name."""
-        if self.mini:
-            sizes = set(self.mini.values())
-            if len(sizes) > 1:
-                raise SpecError(sorted(self.mini)[-1], f"{self.mini}: actor and critic must use one mini-batch size "
-                                                       "(Nereus trains both on the same mini-batches)")
-            key, size = next(iter(self.mini.items()))
-            prompts = (self.out.get("workload") or {}).get("prompts_per_step")
-            if not isinstance(prompts, int) or isinstance(prompts, bool) or prompts % size:
-                raise SpecError(key, f"{size} prompts must divide data.train_batch_size (workload.prompts_per_step "
-                                     f"= {prompts!r}): Nereus splits a step into train_batch_size / "
-                                     "ppo_mini_batch_size mini-batches")
-            set_key(self.out, "algorithm.mini_batches", prompts // size)
-        if self.reward:
-            run = self.out.get("run") if isinstance(self.out.get("run"), dict) else {}
-            current = run.get("reward_function") if isinstance(run.get("reward_function"), str) else ""
-            path, _, name = current.rpartition(":")
-            path, name = self.reward.get("path", path), self.reward.get("name", name or VERL_REWARD_FUNCTION)
-            if not path:
-                raise SpecError("custom_reward_function.name", "needs custom_reward_function.path (the file or "
-                                                               "module defining it) or run.reward_function")
-            set_key(self.out, "run.reward_function", f"{path}:{name}")
+    def finish(self, problems: list[SpecError]) -> None:
+        """Resolve the keys that read others: verl's mini-batch size, the reward function's path and name,
+        and the parallel degrees (``verl_layouts``); each problem is added to ``problems``."""
+        for part in (self._mini_batches, self._reward_function, self._layouts):
+            try:
+                part()
+            except SpecError as err:
+                problems.append(err)
+
+    def _mini_batches(self) -> None:
+        if not self.mini:
+            return
+        sizes = set(self.mini.values())
+        if len(sizes) > 1:
+            raise SpecError(sorted(self.mini)[-1], f"{self.mini}: actor and critic must use one mini-batch size "
+                                                   "(Nereus trains both on the same mini-batches)")
+        key, size = next(iter(self.mini.items()))
+        prompts = (self.out.get("workload") or {}).get("prompts_per_step")
+        if not isinstance(prompts, int) or isinstance(prompts, bool) or prompts % size:
+            raise SpecError(key, f"{size} prompts must divide data.train_batch_size (workload.prompts_per_step "
+                                 f"= {prompts!r}): Nereus splits a step into train_batch_size / "
+                                 "ppo_mini_batch_size mini-batches")
+        self._put(key, "algorithm.mini_batches", prompts // size)
+
+    def _reward_function(self) -> None:
+        if not self.reward:
+            return
+        run = self.out.get("run") if isinstance(self.out.get("run"), dict) else {}
+        current = run.get("reward_function") if isinstance(run.get("reward_function"), str) else ""
+        path, _, name = current.rpartition(":")
+        path, name = self.reward.get("path", path), self.reward.get("name", name or VERL_REWARD_FUNCTION)
+        if not path:
+            raise SpecError("custom_reward_function.name", "needs custom_reward_function.path (the file or "
+                                                           "module defining it) or run.reward_function")
+        self._put(f"custom_reward_function.{sorted(self.reward)[0]}", "run.reward_function", f"{path}:{name}")
+
+    def _layouts(self) -> None:
+        for stage in self.degrees.finish(self.out, self.notes):
+            for other, (stages, _) in DEGREES.items():  # every degree key of the stage set its layout
+                if stage in stages:
+                    self.touched.setdefault(other, set()).add(f"run.layouts.{stage}")
 
 
-def apply_overrides(data: Any, overrides: Sequence[str]) -> Any:
-    """A copy of the raw spec tree ``data`` with ``overrides`` applied in order (later ones win); each
-    ignored verl key is noted on stderr."""
+@dataclass
+class Resolution:
+    """Overrides applied to a raw spec tree, every problem collected instead of raised (``--cfg job``):
+    ``fates`` holds (override as written, what Nereus does with it) for each verl key; ``touched`` the Nereus
+    key paths each override's key set."""
+
+    tree: Any
+    fates: list[tuple[str, str]] = field(default_factory=list)
+    problems: list[SpecError] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    touched: dict[str, set[str]] = field(default_factory=dict)
+
+
+def resolve_overrides(data: Any, overrides: Sequence[str]) -> Resolution:
+    """A copy of the raw spec tree ``data`` with ``overrides`` applied in order (later ones win); an override
+    with a problem is left out and its problem kept, in command-line order, the later resolution steps' after."""
     if not overrides:
-        return data
+        return Resolution(data)
     out = copy.deepcopy(data) if data is not None else {}
     if not isinstance(out, dict):
         raise SpecError("<root>", f"the job file holds {type(out).__name__}, not a mapping; overrides need one")
-    verl = VerlOverrides(out)
+    verl, result = VerlOverrides(out), Resolution(out)
     for text in overrides:
-        key, value, delete = _split(text)
-        if key in TABLE:
-            verl.apply(key, value, delete)
-        else:
-            set_key(out, key, value, delete)
-    verl.finish()
-    for note in dict.fromkeys(verl.notes):
+        try:
+            key, value, delete = _split(text)
+            if lookup(key) is not None:
+                result.fates.append((text, fate(key, value)))
+                verl.apply(key, value, delete)
+            else:
+                verl.touched.setdefault(key, set()).add(key)
+                set_key(out, key, value, delete)
+        except SpecError as err:
+            result.problems.append(err)
+    verl.finish(result.problems)
+    result.notes, result.touched = list(dict.fromkeys(verl.notes)), verl.touched
+    return result
+
+
+def apply_overrides(data: Any, overrides: Sequence[str]) -> Any:
+    """A copy of the raw spec tree ``data`` with ``overrides`` applied in order (later ones win); the first
+    problem is raised, each ignored verl key is noted on stderr."""
+    result = resolve_overrides(data, overrides)
+    if result.problems:
+        raise result.problems[0]
+    for note in result.notes:
         print(note, file=sys.stderr)
-    return out
+    return result.tree

@@ -4,7 +4,8 @@ tail levers a job fixes in ``run.rollout`` (speculative decoding, tail batching,
 ``native`` is the runtime's own engine (``runtime.engines.native``: any TP·PP·DP layout, the exact
 reference); ``vllm`` runs one vLLM engine per generation replica (``runtime.engines.vllm``). What each can
 do is declared in ``spec.engines`` (``RolloutEngine.traits``). Names follow verl's
-``actor_rollout_ref.rollout`` (``name``, ``gpu_memory_utilization``, ``enforce_eager``).
+``actor_rollout_ref.rollout`` (``name``, ``gpu_memory_utilization``, ``enforce_eager``, ``enable_chunked_prefill``,
+``max_num_batched_tokens``).
 
 Speculation and tail batching read straight into the plan's lever types (``spec.levers``): the value the
 engine carries out is the one the policy would decide. The checks here need the job's models and layouts,
@@ -90,6 +91,14 @@ class RolloutEngine:
     cpu_kv_cache_gib: float = 1.0
     enforce_eager: bool = True
     speculative: Speculation | None = None  # run.rollout.speculative
+    # vLLM's scheduler (verl's rollout keys of the same names); None: vLLM's own default
+    enable_chunked_prefill: bool | None = None
+    max_num_batched_tokens: int | None = None
+
+    def scheduler_args(self) -> dict[str, object]:
+        """The vLLM scheduler arguments the job sets (``LLM(**...)``); the native engine has no prefill budget."""
+        return {k: v for k, v in (("enable_chunked_prefill", self.enable_chunked_prefill),
+                                  ("max_num_batched_tokens", self.max_num_batched_tokens)) if v is not None}
 
     @property
     def traits(self) -> EngineTraits:
@@ -110,6 +119,8 @@ def read_engine(rollout: Fields) -> RolloutEngine:
                          cpu_kv_cache_gib=rollout.get("cpu_kv_cache_gib", float, 1.0, minimum=0.001,
                                                       maximum=1024),
                          enforce_eager=rollout.get("enforce_eager", bool, True),
+                         enable_chunked_prefill=rollout.get("enable_chunked_prefill", bool, None),
+                         max_num_batched_tokens=rollout.get("max_num_batched_tokens", int, None, minimum=1),
                          speculative=read_speculation(rollout))
 
 

@@ -16,29 +16,14 @@ mini-batches, ``custom_reward_function.path``/``name`` one ``run.reward_function
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from nereus.spec.verl_key_kinds import DERIVED, IGNORED, MAPPED, REFUSED, VerlKey
+from nereus.spec.verl_key_kinds import ignored as _ignored
+from nereus.spec.verl_key_kinds import mapped as _mapped
+from nereus.spec.verl_key_kinds import refused as _refused
+from nereus.spec.verl_keys_engines import ENGINE_KEYS, PREFIXES
+from nereus.spec.verl_keys_engines import SECTIONS as ENGINE_SECTIONS
 
-MAPPED, IGNORED, REFUSED, DERIVED = "mapped", "ignored", "refused", "derived"
-
-
-@dataclass(frozen=True)
-class VerlKey:
-    kind: str  # MAPPED, IGNORED, REFUSED or DERIVED
-    target: str = ""  # the Nereus key path (mapped)
-    reason: str = ""  # why ignored or refused; for a mapped key, a note for the docs
-    accept: tuple = ()  # refused keys: values meaning what Nereus does anyway
-
-
-def _mapped(target: str, note: str = "") -> VerlKey:
-    return VerlKey(MAPPED, target, note)
-
-
-def _ignored(reason: str) -> VerlKey:
-    return VerlKey(IGNORED, reason=reason)
-
-
-def _refused(reason: str, *accept: object) -> VerlKey:
-    return VerlKey(REFUSED, reason=reason, accept=accept)
+__all__ = ["DERIVED", "IGNORED", "MAPPED", "REFUSED", "PREFIXES", "TABLE", "VERL_SECTIONS", "VerlKey", "lookup"]
 
 
 _A, _R, _REF, _C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref", "critic"
@@ -49,6 +34,10 @@ _FSDP = _ignored("Nereus has no FSDP: each model-stage runs under its own TP/PP/
 _PADDING = _ignored("Nereus packs [prompt, response, pad] with a loss mask; removing padding only saves time")
 _RECOMPUTE = _ignored("activation recomputation changes memory, not results; the runtime does not recompute")
 _ONE_VALUE = "one value for actor and critic (a different critic value is refused)"
+_DYNAMIC_BSZ = _ignored("token-budget micro-batches are not implemented yet: micro-batches hold a fixed number of "
+                        "sequences (the layout's); results are identical, only time differs")
+# verl's actor_rollout_ref.actor.policy_loss.* options the registered losses read (run.policy_loss.*)
+_POLICY_LOSS_OPTIONS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
 
 TABLE: dict[str, VerlKey] = {
     # ----- algorithm ------------------------------------------------------------------------------------
@@ -60,8 +49,14 @@ TABLE: dict[str, VerlKey] = {
     "algorithm.kl_ctrl.kl_coef": _mapped("run.kl_coef", "0 (Nereus's default) is off"),
     "algorithm.use_kl_in_reward": VerlKey(DERIVED, "run.kl_coef", "false sets run.kl_coef=0; true sets verl's "
                                                                   "default 0.001 unless a coefficient is set"),
-    "algorithm.kl_ctrl.type": _refused("only a fixed KL coefficient is implemented (verl's adaptive controller "
-                                       "is not)", "fixed"),
+    "algorithm.kl_ctrl.type": _mapped("run.kl_ctrl.type", "fixed, or adaptive (Ziegler et al. 2019, "
+                                                          "arXiv:1909.08593)"),
+    "algorithm.kl_ctrl.target_kl": _mapped("run.kl_ctrl.target_kl", "adaptive only"),
+    "algorithm.kl_ctrl.horizon": _mapped("run.kl_ctrl.horizon", "adaptive only"),
+    "algorithm.filter_groups.enable": _mapped("run.filter_groups.enable", "DAPO's dynamic sampling"),
+    "algorithm.filter_groups.metric": _mapped("run.filter_groups.metric"),
+    "algorithm.filter_groups.max_num_gen_batches": _mapped("run.filter_groups.max_num_gen_batches",
+                                                           "0 or less: no limit"),
     # ----- data -----------------------------------------------------------------------------------------
     "data.train_files": _mapped("run.data.train", "one file or a list"),
     "data.val_files": _mapped("run.data.val", "one file or a list"),
@@ -90,24 +85,29 @@ TABLE: dict[str, VerlKey] = {
     f"{_A}.optim.lr_warmup_steps_ratio": _mapped("run.lr_warmup_steps_ratio", _ONE_VALUE),
     f"{_A}.optim.weight_decay": _mapped("run.weight_decay", _ONE_VALUE + "; AdamW's decoupled decay"),
     f"{_A}.optim.clip_grad": _mapped("run.grad_clip", _ONE_VALUE),
-    f"{_A}.optim.lr_scheduler_type": _refused("only verl's constant schedule (with warm-up) is implemented",
-                                              "constant"),
-    f"{_A}.optim.warmup_style": _refused("only verl's constant schedule (with warm-up) is implemented", "constant"),
+    f"{_A}.optim.lr_scheduler_type": _mapped("run.lr_scheduler_type", _ONE_VALUE + "; constant or cosine"),
+    f"{_A}.optim.warmup_style": _mapped("run.lr_scheduler_type", "verl's older name of lr_scheduler_type"),
+    f"{_A}.optim.lr_decay_style": _mapped("run.lr_scheduler_type", "Megatron's name of lr_scheduler_type"),
+    f"{_A}.optim.min_lr_ratio": _mapped("run.min_lr_ratio", _ONE_VALUE + "; cosine only"),
+    f"{_A}.optim.num_cycles": _mapped("run.num_cycles", _ONE_VALUE + "; cosine only"),
     f"{_A}.grad_clip": _mapped("run.grad_clip", _ONE_VALUE + "; verl's default 1.0"),
     f"{_A}.ppo_mini_batch_size": VerlKey(DERIVED, "algorithm.mini_batches",
                                          "in prompts, as verl's: algorithm.mini_batches = train_batch_size / "
                                          "ppo_mini_batch_size (which must divide it)"),
     f"{_A}.ppo_micro_batch_size_per_gpu": _MICRO,
     f"{_A}.ppo_micro_batch_size": _MICRO,
-    f"{_A}.use_dynamic_bsz": _ignored("micro-batches are fixed by the layout; balancing them by tokens only "
-                                      "saves time"),
-    f"{_A}.ppo_max_token_len_per_gpu": _ignored("micro-batches are fixed by the layout (no token budget)"),
+    f"{_A}.use_dynamic_bsz": _DYNAMIC_BSZ,
+    f"{_A}.ppo_max_token_len_per_gpu": _DYNAMIC_BSZ,
     f"{_A}.ppo_epochs": _mapped("algorithm.epochs"),
     f"{_A}.clip_ratio": _mapped("run.clip_ratio", "0.2"),
     f"{_A}.clip_ratio_low": _mapped("run.clip_ratio_low", "defaults to clip_ratio"),
     f"{_A}.clip_ratio_high": _mapped("run.clip_ratio_high", "defaults to clip_ratio"),
     f"{_A}.clip_ratio_c": _mapped("run.clip_ratio_c", "3.0"),
     f"{_A}.loss_agg_mode": _mapped("run.loss_agg_mode", "token-mean; the critic uses the same"),
+    f"{_A}.policy_loss.loss_mode": _mapped("run.policy_loss.loss_mode", "vanilla (the clipped loss) by default"),
+    **{f"{_A}.policy_loss.{o}": _mapped(f"run.policy_loss.{o}") for o in _POLICY_LOSS_OPTIONS},
+    f"{_A}.tau_pos": _mapped("run.policy_loss.tau_pos", "SAPO's"),
+    f"{_A}.tau_neg": _mapped("run.policy_loss.tau_neg", "SAPO's"),
     f"{_A}.entropy_coeff": _mapped("run.entropy_coeff", "0"),
     f"{_A}.use_kl_loss": _mapped("run.use_kl_loss", "false"),
     f"{_A}.kl_loss_coef": _mapped("run.kl_loss_coef", "0.001"),
@@ -125,12 +125,10 @@ TABLE: dict[str, VerlKey] = {
     f"{_R}.val_kwargs.temperature": _mapped("run.rollout.val_kwargs.temperature"),
     f"{_R}.val_kwargs.top_p": _mapped("run.rollout.val_kwargs.top_p"),
     f"{_R}.val_kwargs.do_sample": _mapped("run.rollout.val_kwargs.do_sample", "false: greedy (the default)"),
-    f"{_R}.top_k": _refused("top-k sampling is not implemented (top-p is)", -1, 0),
+    f"{_R}.top_k": _mapped("run.top_k", "-1 or 0: off"),
     f"{_R}.do_sample": _refused("rollouts always sample (greedy decoding is for evaluation)", True),
     f"{_R}.max_num_seqs": _mapped("run.rollout.slots", "sequences per replica in continuous batching; Nereus's "
                                                        "default 0 keeps the fixed batch"),
-    f"{_R}.tensor_model_parallel_size": _ignored("generation's TP is part of the actor/generation layout "
-                                                 "(run.layouts or the planner's)"),
     f"{_R}.gpu_memory_utilization": _mapped("run.rollout.gpu_memory_utilization", "the vLLM engine's share; the "
                                                                                  "native engine sizes each "
                                                                                  "sequence's cache to it"),
@@ -148,6 +146,10 @@ TABLE: dict[str, VerlKey] = {
     "critic.optim.lr_warmup_steps_ratio": _mapped("run.lr_warmup_steps_ratio", _ONE_VALUE),
     "critic.optim.weight_decay": _mapped("run.weight_decay", _ONE_VALUE),
     "critic.optim.clip_grad": _mapped("run.grad_clip", _ONE_VALUE),
+    "critic.optim.lr_scheduler_type": _mapped("run.lr_scheduler_type", _ONE_VALUE),
+    "critic.optim.warmup_style": _mapped("run.lr_scheduler_type", _ONE_VALUE),
+    "critic.optim.min_lr_ratio": _mapped("run.min_lr_ratio", _ONE_VALUE),
+    "critic.optim.num_cycles": _mapped("run.num_cycles", _ONE_VALUE),
     "critic.grad_clip": _mapped("run.grad_clip", _ONE_VALUE),
     "critic.cliprange_value": _mapped("run.value_clip", "0.5"),
     "critic.ppo_micro_batch_size_per_gpu": _MICRO,
@@ -157,6 +159,20 @@ TABLE: dict[str, VerlKey] = {
     "reward_model.enable": VerlKey(DERIVED, "models.reward", "must agree with the job: true needs models.reward, "
                                                              "false a job without one"),
     "reward_model.model.path": _mapped("models.reward.path", "a *ForSequenceClassification checkpoint"),
+    "reward_model.overlong_buffer.enable": _mapped("run.overlong_buffer.enable", "DAPO's overlong reward shaping"),
+    "reward_model.overlong_buffer.len": _mapped("run.overlong_buffer.len"),
+    "reward_model.overlong_buffer.penalty_factor": _mapped("run.overlong_buffer.penalty_factor"),
+    # verl's DAPO reward manager reads the same settings from its reward_kwargs
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": _mapped("run.overlong_buffer.enable"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": _mapped("run.overlong_buffer.len"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": _mapped("run.overlong_buffer.penalty_factor"),
+    "reward_model.reward_kwargs.overlong_buffer_cfg.log": _ignored("the overlong penalty's step metrics are always "
+                                                                   "written"),
+    "reward_model.reward_kwargs.max_resp_len": _ignored("the overlong buffer ends at data.max_response_length "
+                                                        "(workload.response_length.max), what verl's scripts set"),
+    "reward_model.reward_manager": _refused("Nereus scores with verl's default rule per data_source (naive) plus "
+                                            "the overlong penalty where run.overlong_buffer is on (dapo)",
+                                            "naive", "dapo"),
     "reward_model.use_reward_loop": _ignored("the reward model runs as a model-stage (reward/inference) under its "
                                              "own layout"),
     "reward_model.num_workers": _ignored("the reward model's workers are its reward/inference layout's"),
@@ -179,7 +195,7 @@ TABLE: dict[str, VerlKey] = {
                                                             "-1 (never in verl): 0, only at the end"),
     "trainer.val_before_train": _ignored("the starting accuracy is always measured (the summary's warm-start "
                                          "accuracy)"),
-    "trainer.critic_warmup": _refused("critic-only warm-up steps are not implemented", 0),
+    "trainer.critic_warmup": _mapped("run.critic_warmup", "steps that train only the critic"),
     "trainer.logger": _mapped("run.logger", "file = Nereus's jsonl"),
     "trainer.project_name": _ignored("wandb and mlflow runs go to the project 'nereus', named by "
                                      "trainer.experiment_name"),
@@ -194,6 +210,18 @@ TABLE: dict[str, VerlKey] = {
                                   "nereus run --address)"),
 }
 
+# engines, parallel degrees, profilers and the trainers Nereus does not have: a second module, one table
+TABLE.update({k: v for k, v in ENGINE_KEYS.items() if k not in TABLE})
+
 # Top-level sections of verl's config: a key under one of them that is not in TABLE is refused by name.
 VERL_SECTIONS = ("actor_rollout_ref", "data", "critic", "reward_model", "trainer", "custom_reward_function",
-                 "ray_init")
+                 "ray_init", *ENGINE_SECTIONS)
+
+
+def lookup(key: str) -> VerlKey | None:
+    """What Nereus does with the verl key ``key``: its row of ``TABLE``, else that of the longest
+    ``PREFIXES`` path it lies under (every key under ``actor_rollout_ref.actor.profiler.``); None if neither."""
+    if key in TABLE:
+        return TABLE[key]
+    under = [p for p in PREFIXES if key.startswith(p)]
+    return PREFIXES[max(under, key=len)] if under else None

@@ -140,7 +140,8 @@ class LocalVllm:
         self.llm = LLM(model=str(path), skip_tokenizer_init=True, load_format="dummy", dtype=config.dtype,
                        enforce_eager=config.settings.enforce_eager, max_model_len=config.max_model_len,
                        max_num_seqs=config.max_num_seqs, seed=config.seed, enable_prefix_caching=True,
-                       tensor_parallel_size=config.tp, **memory, **speculative, **workers)
+                       tensor_parallel_size=config.tp, **memory, **speculative, **workers,
+                       **config.settings.scheduler_args())
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> float:
         """Replace every weight in place from checkpoint-named tensors; seconds taken. The prefix cache is
