@@ -13,6 +13,7 @@ References: PPO — Schulman et al. 2017, "Proximal Policy Optimization Algorith
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,10 @@ from nereus.rl.masked import masked_mean, masked_sum, masked_var, masked_whiten 
 from nereus.rl.registry import name_table
 from nereus.rl.token_baseline import optimal_token_baseline_estimator, tir_optimal_token_baseline_estimator
 from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, LOSS_AGG_MODES
+
+if TYPE_CHECKING:
+    from nereus.rl.policy_losses import PolicyLoss as PolicyLossFn
+
 
 ADVANTAGE_ESTIMATOR_FNS = name_table(ADVANTAGE_ESTIMATORS, {
     "gae": gae_estimator, "grpo": grpo_estimator, "reinforce_plus_plus": reinforce_plus_plus_estimator,
@@ -100,24 +105,53 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 def agg_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
              horizon: int | None = None) -> torch.Tensor:
     """One number from a [B, R] per-token loss, as verl's ``agg_loss`` (verl/trainer/ppo/core_algos.py,
-    ``loss_agg_mode``) over a whole mini-batch: ``token-mean`` Σ mask·ℓ / Σ mask; ``seq-mean-token-sum``
-    mean over sequences of Σ_t mask·ℓ; ``seq-mean-token-mean`` mean over sequences of their token means;
-    ``seq-mean-token-sum-norm`` mean over sequences of Σ_t mask·ℓ / ``horizon`` (the maximum response
-    length, R when not given; Dr. GRPO's constant normaliser, Liu et al. 2025)."""
+    ``loss_agg_mode``) over a whole mini-batch: ``token-mean`` Σ mask·ℓ / Σ mask; ``token-sum`` Σ mask·ℓ
+    (no normaliser: verl scales each data-parallel rank's sum so the reduced gradient is the global sum);
+    ``seq-mean-token-sum`` mean over sequences of Σ_t mask·ℓ; ``seq-mean-token-mean`` mean over sequences
+    of their token means; ``seq-mean-token-sum-norm`` mean over sequences of Σ_t mask·ℓ / ``horizon`` (the
+    maximum response length, R when not given; Dr. GRPO's constant normaliser, Liu et al. 2025,
+    arXiv:2503.20783). The ``seq-mean-*`` means leave fully masked rows out, as verl's (padded, packed or
+    filtered batches have them); a mini-batch without a response token aggregates to 0."""
     return (loss * agg_weights(mask, mode, horizon)).sum() / max(len(mask), 1)
 
 
 def agg_weights(mask: torch.Tensor, mode: str = "token-mean", horizon: int | None = None) -> torch.Tensor:
-    """Per-token weights w [B, R] with Σ w·ℓ / B = ``agg_loss(ℓ, mask, mode)``. A per-row form lets
-    every micro-batch of every replica compute its part as Σ w·ℓ / rows: the engine's mean over equal
-    micro-batches then equals the aggregate over the whole mini-batch under any layout."""
+    """Per-token weights w [B, R] with Σ w·ℓ / B = ``agg_loss(ℓ, mask, mode)``. Every count in w (tokens,
+    non-empty rows) is the whole mini-batch's, so every micro-batch of every replica computes its part as
+    Σ w·ℓ / rows and the engine's mean over equal micro-batches equals the aggregate over the mini-batch
+    under any layout (the rows of a part sum to its share; verl passes the same global counts to each
+    micro-batch's ``agg_loss``: ``batch_num_tokens``, ``global_batch_size``)."""
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {list(LOSS_AGG_MODES)}")
     rows = mask.shape[0]
     if mode == "token-mean":
         return mask * rows / mask.sum().clamp(min=1)
+    if mode == "token-sum":
+        return mask * rows
+    # seq-mean-*: the mean over the rows with at least one response token
+    per_row = rows / (mask.sum(-1) > 0).sum().clamp(min=1)
     if mode == "seq-mean-token-sum":
-        return mask.clone()
+        return mask * per_row
     if mode == "seq-mean-token-mean":
-        return mask / mask.sum(-1, keepdim=True).clamp(min=1)
-    return mask / (horizon or mask.shape[-1])
+        return mask / mask.sum(-1, keepdim=True).clamp(min=1) * per_row
+    return mask / (horizon or mask.shape[-1]) * per_row
+
+
+def policy_loss_fn(name: str) -> PolicyLossFn:
+    """The policy loss registered as ``name`` (verl's ``get_policy_loss_fn``; ``run.policy_loss.loss_mode``):
+    ``fn(logp, old_logp, adv, mask, *, loss_agg_mode, rollout_is_weights=None, **options) -> (loss, metrics)``
+    with verl's actor options and metric names. The losses live in ``nereus.rl.policy_losses`` (which reads
+    this module), hence the import here."""
+    from nereus.rl.policy_losses import policy_loss_fn as lookup
+
+    return lookup(name)
+
+
+def __getattr__(name: str) -> object:
+    """``POLICY_LOSS_FNS``, the policy-loss registry, re-exported from ``nereus.rl.policy_losses`` on first
+    use (that module imports this one)."""
+    if name in ("POLICY_LOSS_FNS", "PolicyLoss", "LossMatrix", "PolicyLossOptions"):
+        from nereus.rl import policy_losses
+
+        return getattr(policy_losses, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

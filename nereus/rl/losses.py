@@ -7,13 +7,15 @@ read and write shards and Adam state through ``Runtime.read_weights`` / ``read_o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
-from nereus.rl.core import clipped_policy_loss, clipped_value_loss, kl_estimate, masked_mean
-from nereus.rl.offpolicy import decoupled_policy_loss
+from nereus.rl.core import clipped_value_loss, kl_estimate, masked_mean
+from nereus.rl.policy_loss_types import CLIPFRAC, CLIPFRAC_LOWER, PPO_KL, LossMatrix, PolicyLossOptions
+from nereus.rl.policy_losses import policy_loss_fn, token_metrics
 from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.sharded import Loss
 
@@ -31,6 +33,9 @@ class ActorLossStats:
     kl_loss: float
     ratio_max_dev: float  # the largest |π/π_old − 1| over the micro-batch's tokens
     entropy: float | None = None  # the aggregated entropy, with an entropy bonus
+    # the policy loss's other metrics under verl's names (rl.policy_losses: e.g. bypass_mode's rollout_corr/*),
+    # token means over the micro-batch like the clip fractions
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -49,55 +54,70 @@ def _response(out: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
     return out.gather(1, mb.index)
 
 
-def _aggregate(x: torch.Tensor, mb: TrainBatch) -> torch.Tensor:
-    """This micro-batch's share of the mini-batch aggregate of ``x``: ``mb.weight`` holds the
+def _aggregate(x: torch.Tensor, mb: TrainBatch, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """This micro-batch's share of the mini-batch aggregate of ``x``: ``mb.weight`` (or ``weight``) holds the
     ``loss_agg_mode`` weights of the whole mini-batch (``rl.core.agg_weights``), so Σ weight·x / rows,
     after the engine's mean over equal micro-batches and replicas, is verl's ``agg_loss`` over the
     mini-batch under any layout."""
-    return (x * mb.weight).sum() / len(x)
+    return (x * (mb.weight if weight is None else weight)).sum() / len(x)
 
 
 def actor_loss(out: torch.Tensor, mb: TrainBatch, clip_low: float, clip_high: float | None,
                kl_loss_coef: float, kl_loss_type: str, clip_ratio_c: float | None = 3.0,
-               entropy_coeff: float = 0.0) -> Loss:
-    """PPO clipped surrogate with dual-clip (Schulman et al. 2017; Ye et al. 2020), minus
-    ``entropy_coeff`` × the full-vocabulary entropy (``mb.entropy``, present when the loss is built by
-    ``policy_loss`` with a non-zero coefficient), plus, with a KL loss, β·KL(π‖π_ref) (Shao et al. 2024,
-    eq. 3); every term aggregated by the job's ``loss_agg_mode`` as verl's ``update_policy`` does
-    (pg_loss − entropy_coeff · entropy + kl_loss_coef · kl_loss)."""
+               entropy_coeff: float = 0.0, loss_mode: str = "vanilla",
+               loss_options: Mapping[str, object] | None = None) -> Loss:
+    """The policy loss registered as ``loss_mode`` (``rl.policy_losses``; PPO's clipped surrogate with
+    dual-clip by default, Schulman et al. 2017, Ye et al. 2020) with verl's options ``loss_options`` and
+    the clip bounds, minus ``entropy_coeff`` × the full-vocabulary entropy (``mb.entropy``, present when
+    the loss is built by ``policy_loss`` with a non-zero coefficient), plus, with a KL loss,
+    β·KL(π‖π_ref) (Shao et al. 2024, eq. 3); every term aggregated by the job's ``loss_agg_mode`` as
+    verl's ``update_policy`` does (pg_loss − entropy_coeff · entropy + kl_loss_coef · kl_loss), the policy
+    term by its own where the loss fixes one (``mb.pg_weight``). With ``run.async`` each token's policy
+    loss is weighted by π_old/π_rollout (``mb.is_weight``: verl's ``rollout_is_weights``; decoupled PPO,
+    ``rl.offpolicy``)."""
     logp, mask = _response(out, mb), mb.mask
-    if mb.is_weight is not None:  # run.async: each token weighted by pi_old / pi_rollout (decoupled PPO, rl.offpolicy)
-        pg, clipped, lower = decoupled_policy_loss(logp, mb.old_logp, mb.advantages, mb.is_weight, clip_low,
-                                                   clip_high, clip_ratio_c)
-    else:
-        pg, clipped, lower = clipped_policy_loss(logp, mb.old_logp, mb.advantages, clip_low, clip_high, clip_ratio_c)
+    options = PolicyLossOptions.of({**(loss_options or {}), "clip_ratio_low": clip_low,
+                                    "clip_ratio_high": clip_low if clip_high is None else clip_high,
+                                    "clip_ratio_c": clip_ratio_c})
+    matrix = policy_loss_fn(loss_mode).matrix(logp, mb.old_logp, mb.advantages, mask, mb.is_weight, options)
+    pg = _aggregate(matrix.loss, mb, mb.pg_weight)
     loss = pg
-    kl = torch.zeros_like(pg)
+    kl = torch.zeros_like(matrix.loss)
     if kl_loss_coef and mb.ref_logp is not None:
         kl = kl_estimate(logp, mb.ref_logp, kl_loss_type)
-        loss = loss + kl_loss_coef * kl
-    with torch.no_grad():  # the largest |r - 1| over the micro-batch's tokens: a collapse shows here first
-        ratio = torch.exp((logp - mb.old_logp).clamp(-20, 20))
-        ratio_max_dev = float(((ratio - 1).abs() * mask).max()) if mask.numel() else 0.0
+        loss = loss + kl_loss_coef * _aggregate(kl, mb)
     entropy_stat = None
     if entropy_coeff:
-        entropy = _response(mb.entropy, mb)
+        entropy = _aggregate(_response(mb.entropy, mb), mb)
         loss = loss - entropy_coeff * entropy
-        entropy_stat = float(_aggregate(entropy.detach(), mb))
+        entropy_stat = float(entropy.detach())
+    return Loss(loss, _actor_stats(logp, mb, matrix, pg, kl, entropy_stat))
+
+
+def _actor_stats(logp: torch.Tensor, mb: TrainBatch, matrix: LossMatrix, pg: torch.Tensor, kl: torch.Tensor,
+                 entropy: float | None) -> ActorLossStats:
+    """The micro-batch's record: verl's clip fractions and ``ppo_kl`` where the loss reports them (0, resp.
+    the mean old − new log-prob, where it does not: GPG), its other metrics, and the largest |r − 1|."""
+    mask = mb.mask
     with torch.no_grad():
-        stats = ActorLossStats(tokens=float(mask.sum()), pg_loss=float(_aggregate(pg, mb)),
-                               pg_clipfrac=float(masked_mean(clipped, mask)),
-                               pg_clipfrac_lower=float(masked_mean(lower, mask)),
-                               ppo_kl=float(masked_mean(mb.old_logp - logp, mask)),
-                               kl_loss=float(_aggregate(kl, mb)), ratio_max_dev=ratio_max_dev, entropy=entropy_stat)
-    return Loss(_aggregate(loss, mb), stats)
+        metrics = token_metrics(matrix, mask)
+        ratio = torch.exp((logp - mb.old_logp).clamp(-20, 20))  # a collapse shows here first
+        ratio_max_dev = float(((ratio - 1).abs() * mask).max()) if mask.numel() else 0.0
+        ppo_kl = metrics.pop(PPO_KL, None)
+        return ActorLossStats(tokens=float(mask.sum()), pg_loss=float(pg), pg_clipfrac=metrics.pop(CLIPFRAC, 0.0),
+                              pg_clipfrac_lower=metrics.pop(CLIPFRAC_LOWER, 0.0),
+                              ppo_kl=float(masked_mean(mb.old_logp - logp, mask)) if ppo_kl is None else ppo_kl,
+                              kl_loss=float(_aggregate(kl, mb)), ratio_max_dev=ratio_max_dev, entropy=entropy,
+                              metrics=metrics)
 
 
 def policy_loss(**options: object) -> partial:
     """``actor_loss`` with the job's options, marked ``needs_entropy`` when it trains on the entropy, so
-    the engine hands it each token's full-vocabulary entropy (``ShardedModel.backward``)."""
+    the engine hands it each token's full-vocabulary entropy (``ShardedModel.backward``), and with
+    ``pg_agg_mode``, the aggregation its policy loss fixes (None: the job's), for ``run.rollout.mini_batches``."""
     fn = partial(actor_loss, **options)
     fn.needs_entropy = bool(options.get("entropy_coeff"))
+    fn.pg_agg_mode = policy_loss_fn(str(options.get("loss_mode", "vanilla"))).agg_mode
     return fn
 
 

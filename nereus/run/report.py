@@ -108,6 +108,9 @@ def actor_update_metrics(job: JobSpec, step: int, actor: ModelUpdate) -> dict[st
     final = [s.loss for s in actor.stats if s.update == last]
     m["actor/ppo_kl_last"] = weighted(final, [s.ppo_kl for s in final])
     m["actor/ppo_ratio_max_deviation"] = max(s.ratio_max_dev for s in a)
+    for name in dict.fromkeys(k for s in a for k in s.metrics):  # the loss's own (rl.policy_losses), token-weighted
+        has = [s for s in a if name in s.metrics]
+        m[name] = weighted(has, [s.metrics[name] for s in has])
     return m
 
 

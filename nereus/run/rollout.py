@@ -82,15 +82,17 @@ def draw_uids(rows: int, n: int) -> torch.Tensor:
 
 
 def mini_batches(batch: TrainBatch, count: int, gen: torch.Generator, loss_agg_mode: str = "token-mean",
-                 horizon: int | None = None) -> list[TrainBatch]:
+                 horizon: int | None = None, pg_agg_mode: str | None = None) -> list[TrainBatch]:
     """``count`` shuffled mini-batches of equal size, each with the ``weight`` per token that makes the
     losses the ``loss_agg_mode`` aggregate over the mini-batch (``rl.core.agg_weights``; ``horizon``: the
-    maximum response length of seq-mean-token-sum-norm), see ``rl.losses.actor_loss``."""
+    maximum response length of seq-mean-token-sum-norm), see ``rl.losses.actor_loss``; with ``pg_agg_mode``
+    (a policy loss that fixes its own aggregation, ``PolicyLoss.aggregation``) also ``pg_weight``."""
     n = len(batch)
     order = torch.randperm(n, generator=gen)
     size = n // count
     out = []
     for k in range(count):
         mb = batch.select(order[k * size: (k + 1) * size])
-        out.append(replace(mb, weight=agg_weights(mb.mask, loss_agg_mode, horizon)))
+        pg = None if pg_agg_mode in (None, loss_agg_mode) else agg_weights(mb.mask, pg_agg_mode, horizon)
+        out.append(replace(mb, weight=agg_weights(mb.mask, loss_agg_mode, horizon), pg_weight=pg))
     return out

@@ -87,7 +87,8 @@ def training_jobs(job: JobSpec, roll: Rollout, inf: Inferred, adv: dict[str, tor
     low = r.clip_ratio if r.clip_ratio_low is None else r.clip_ratio_low
     high = r.clip_ratio if r.clip_ratio_high is None else r.clip_ratio_high
     loss = losses.policy_loss(clip_low=low, clip_high=high, kl_loss_coef=kl_coef, kl_loss_type=r.kl_loss_type,
-                              clip_ratio_c=r.clip_ratio_c, entropy_coeff=r.entropy_coeff)
+                              clip_ratio_c=r.clip_ratio_c, entropy_coeff=r.entropy_coeff,
+                              loss_mode=r.policy_loss.loss_mode, loss_options=r.policy_loss.options())
     out["actor"] = TrainingJob(batch, loss, r.actor_lr)
     return out
 
@@ -128,7 +129,8 @@ class StepTraining:
         gen = torch.Generator().manual_seed(derive_seed(self.run.seed, MINI_BATCH_ORDER, step))
         horizon = self.run.max_response_length(step, self.job.workload.response.max)
         parts = [mb for _ in range(self.alg.epochs)
-                 for mb in mini_batches(batch, self.alg.mini_batches, gen, self.run.loss_agg_mode, horizon)]
+                 for mb in mini_batches(batch, self.alg.mini_batches, gen, self.run.loss_agg_mode, horizon,
+                                        getattr(loss_fn, "pg_agg_mode", None))]
         calls = []
         for mb in parts:
             calls.append(self.calls.submit(f"update_{model}", "train", key, TrainStep(

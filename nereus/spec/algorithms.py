@@ -21,7 +21,12 @@ KL_UNSUPPORTED = {"full": "the full-vocabulary KL is not implemented (verl raise
 
 # How a [B, R] per-token loss becomes one number (verl's actor.loss_agg_mode / critic.loss_agg_mode; see
 # nereus.rl.core.agg_loss for each formula).
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# Policy losses (verl's actor.policy_loss.loss_mode; run.policy_loss.loss_mode), each registered under its
+# name in nereus.rl.policy_losses with its paper's formula.
+POLICY_LOSSES = ("vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "dppo_tv", "dppo_kl",
+                 "dro", "bypass_mode")
 
 # Metric sinks (verl's trainer.logger). "file" is verl's name for a JSONL file; "jsonl" is Nereus's.
 LOGGERS = ("console", "jsonl", "file", "tensorboard", "wandb", "mlflow")

@@ -13,6 +13,7 @@ from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
 from nereus.spec.levers import TailBatching
 from nereus.spec.rollout import PartialRolloutConfig, RolloutEngine
+from nereus.spec.run_algorithm import PolicyLossSpec, read_policy_loss
 from nereus.spec.run_rollout import MidstepSpec, ValKwargs, read_rollout_section
 
 # auto: the row's data_source picks the rule (nereus.rl.rewards, as verl's default reward manager does)
@@ -139,6 +140,7 @@ class RunSpec:
     clip_ratio_low: float | None = None  # verl's names; each defaults to clip_ratio
     clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (verl's default; Ye et al. 2020)
     loss_agg_mode: str = "token-mean"  # actor and critic loss aggregation (nereus.rl.core.agg_loss)
+    policy_loss: PolicyLossSpec = field(default_factory=PolicyLossSpec)  # run.policy_loss (rl.policy_losses)
     norm_adv_by_std_in_grpo: bool = True
     entropy_coeff: float = 0.0  # entropy bonus: the loss subtracts coeff × the full-vocabulary entropy
     value_clip: float = 0.5
@@ -413,6 +415,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         clip_ratio_low=f.get("clip_ratio_low", float, None, minimum=0, maximum=1),
         clip_ratio_c=_clip_ratio_c(f),
         loss_agg_mode=f.get("loss_agg_mode", str, "token-mean", choices=LOSS_AGG_MODES),
+        policy_loss=read_policy_loss(f),
         norm_adv_by_std_in_grpo=f.get("norm_adv_by_std_in_grpo", bool, True),
         entropy_coeff=f.get("entropy_coeff", float, 0.0, minimum=0),
         value_clip=f.get("value_clip", float, 0.5, minimum=0),

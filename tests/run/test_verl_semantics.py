@@ -80,6 +80,7 @@ MASK = T([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     ("seq-mean-token-mean", None, (1.5 + 4.0) / 2),  # sequence means 1.5 and 4
     ("seq-mean-token-sum-norm", None, (3 / 3 + 12 / 3) / 2),  # sums over the response width R = 3
     ("seq-mean-token-sum-norm", 6, (3 / 6 + 12 / 6) / 2),  # over a given maximum response length
+    ("token-sum", None, 1 + 2 + 3 + 4 + 5),  # Σ mask·ℓ, no normaliser
 ])
 def test_each_aggregation_mode(mode, horizon, expected):
     assert float(agg_loss(LOSS, MASK, mode, horizon)) == pytest.approx(expected, abs=1e-6)
@@ -91,7 +92,7 @@ def test_each_aggregation_mode(mode, horizon, expected):
 
 def test_unknown_aggregation_mode():
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        agg_loss(LOSS, MASK, "token-sum")
+        agg_loss(LOSS, MASK, "token-max")
 
 
 def _actor_batch(mode: str) -> dict:
@@ -205,7 +206,7 @@ def test_defaults_are_verls():
 @pytest.mark.parametrize(("algorithm", "run", "match"), [
     ({"samples_per_prompt": 1}, {}, r"algorithm\.samples_per_prompt.*at least 2"),
     ({}, {"clip_ratio_c": 1.0}, r"run\.clip_ratio_c.*must exceed 1"),
-    ({}, {"loss_agg_mode": "token-sum"}, r"run\.loss_agg_mode.*choose one of"),
+    ({}, {"loss_agg_mode": "token-max"}, r"run\.loss_agg_mode.*choose one of"),
     ({}, {"entropy_coeff": -0.001}, r"run\.entropy_coeff.*out of range"),
     ({}, {"logger": ["console", "neptune"]}, r"run\.logger\[1\].*not a logger"),
 ])

@@ -22,6 +22,9 @@ class TrainBatch:
     index: torch.Tensor | None = None  # [B, R] long: the log-prob position whose next token is response token j
     mask: torch.Tensor | None = None  # [B, R]: 1 on the response's real tokens
     weight: torch.Tensor | None = None  # [B, R]: the mini-batch's loss_agg_mode weights (rl.core.agg_weights)
+    # [B, R]: the policy term's weights where its loss fixes its own aggregation (GSPO's seq-mean-token-mean,
+    # rl.policy_losses); None: ``weight``
+    pg_weight: torch.Tensor | None = None
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R]: the critic's targets
     old_values: torch.Tensor | None = None  # [B, R]: the critic's values before the update (value clipping)
