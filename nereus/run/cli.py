@@ -9,11 +9,28 @@ import sys
 import tempfile
 from pathlib import Path
 
+# nereus.cli's exit code for bad input (its EXIT_BAD_INPUT), returned by --cfg job when it found a problem
+EXIT_BAD_INPUT = 2
+
+
+def cmd_cfg_job(args: argparse.Namespace) -> int:
+    """``--cfg job``: print the job the overrides make (YAML, each verl key's fate as comments) and every
+    problem, one line each on stderr; start nothing (``spec.cfg_job``)."""
+    from nereus.spec.cfg_job import resolve_job
+
+    report = resolve_job(args.job, args.overrides)
+    print(report.text(), end="")
+    for problem in report.problems:
+        print(f"nereus: error: {problem}", file=sys.stderr)
+    return EXIT_BAD_INPUT if report.problems else 0
+
 
 def cmd_run(args: argparse.Namespace) -> int:
     from nereus.spec.errors import SpecError
     from nereus.spec.job import load_job
 
+    if args.cfg == "job":
+        return cmd_cfg_job(args)
     job = load_job(args.job, args.overrides)  # key.path=value overrides, validated like the file
     if job.run is None:
         raise SpecError("run", f"{args.job} has no `run:` section; see docs/rl.md and examples/ppo_tiny.yaml")
@@ -162,6 +179,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "instead of starting a local Ray; see docs/reliability.md#several-nodes")
     r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the output folder")
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
+    r.add_argument("--cfg", choices=["job"], help="job: print the job as the overrides make it, with what Nereus "
+                                                  "does with each verl key, and every problem; start nothing")
     r.set_defaults(func=cmd_run)
     c = sub.add_parser("scale", help="grow or shrink a running adaptive job (run.adapt) to N workers")
     c.add_argument("workers", type=int, help="the number of workers the job should run on")

@@ -154,6 +154,11 @@ class VerlOverrides:
 
     def _put(self, key: str, path: str, value: Any, delete: bool = False) -> None:
         self.touched.setdefault(key, set()).add(path)
+        parts = path.split(".")
+        models = self.out.get("models")
+        if len(parts) == 3 and parts[0] == "models" and parts[2] == "path" and isinstance(models, dict) and not delete:
+            models[parts[1]] = {"path": value}  # a checkpoint replaces the job's architecture (it has its own)
+            return
         set_key(self.out, path, value, delete)
 
     def apply(self, key: str, value: Any, delete: bool) -> None:
