@@ -10,7 +10,9 @@ verl's own key paths are read by ``nereus.spec.verl_keys.TABLE`` (listed in docs
 Nereus has the same knob with the same meaning (``actor_rollout_ref.actor.clip_ratio=0.3`` sets
 ``run.clip_ratio``), derived where it takes a computation, ignored with a note where they only tune verl's
 engines, refused with the reason otherwise. Two verl keys that set one Nereus key (actor's and critic's
-``grad_clip``) must agree.
+``grad_clip``) must agree. ``resolve_overrides`` collects every problem instead of raising the first
+(``nereus run ... --cfg job``, ``spec.cfg_job``); verl's parallel degrees become ``run.layouts``
+(``spec.verl_layouts``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,19 @@
 """verl's command-line keys and what Nereus does with each (docs/rl.md, "Command-line overrides"): every key
-of verl's main GRPO and PPO example scripts (``examples/grpo_trainer/run_qwen2-7b.sh``,
-``examples/ppo_trainer/run_deepseek7b_llm.sh``, ``run_qwen2-7b_rm.sh``) and the common keys of
-``verl/trainer/config/ppo_trainer.yaml`` is
+that verl's own example scripts set (``tests/data/verl_examples.json``, all 139 scripts under verl's
+``examples/``) and the common keys of ``verl/trainer/config/ppo_trainer.yaml`` is, in this table or in
+``verl_keys_engines`` (engines, parallel degrees, profilers; ``PREFIXES`` for whole sections; ``lookup``
+reads both),
 
 - **mapped**: set to the Nereus key of the same meaning (``target``), the value checked there;
 - **ignored**: it only tunes how verl's engines use memory or time (FSDP offload, micro-batch sizes, vLLM's
   memory share, padding removal), which Nereus decides per model-stage layout with the same results; a
   one-line note says so;
 - **refused**: it asks for something Nereus does not do, with the reason; values in ``accept`` mean what
-  Nereus already does and pass (``data.truncation=error``, ``trainer.critic_warmup=0``).
+  Nereus already does and pass (``data.truncation=error``, ``actor_rollout_ref.model.lora_rank=0``).
 
 A few keys need more than a renaming (``nereus.spec.overrides``: ``ppo_mini_batch_size`` becomes a number of
-mini-batches, ``custom_reward_function.path``/``name`` one ``run.reward_function``); they are ``derived``.
+mini-batches, ``custom_reward_function.path``/``name`` one ``run.reward_function``, the parallel degrees
+the model-stages' layouts); they are ``derived``.
 """
 
 from __future__ import annotations
