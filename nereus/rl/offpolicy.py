@@ -71,7 +71,9 @@ def decoupled_policy_loss(logp: torch.Tensor, prox_logp: torch.Tensor, adv: torc
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The decoupled PPO loss per token: ``is_weight`` × PPO's clipped surrogate of π_θ/π_prox
     (``clipped_policy_loss``; returns its clip fractions unchanged). ``is_weight`` from
-    ``rollout_is_weights``; all ones gives PPO's loss exactly."""
+    ``rollout_is_weights``; all ones gives PPO's loss exactly. Training applies the same weights as the
+    policy loss's ``rollout_is_weights`` (verl's semantics, any ``run.policy_loss.loss_mode``:
+    ``rl.policy_losses``); this is that product for the vanilla loss."""
     loss, clipped, lower = clipped_policy_loss(logp, prox_logp, adv, clip_low, clip_high, clip_ratio_c)
     return loss * is_weight.detach(), clipped, lower
 
