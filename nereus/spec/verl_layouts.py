@@ -33,6 +33,8 @@ _A, _R, _REF, _C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "acto
 _ACTOR, _REFERENCE, _CRITIC = ("actor/training", "actor/inference"), ("reference/inference",), (
     "critic/training", "critic/inference")
 
+_ORDER = ("tp", "pp", "dp")  # a written layout names its degrees first, in this order
+
 # verl key -> (the model-stages it sets, the layout field)
 DEGREES: dict[str, tuple[tuple[str, ...], str]] = {
     **{f"{prefix}.megatron.{name}_model_parallel_size": (stages, field)
@@ -107,6 +109,7 @@ def _layout(current: Any, given: dict[str, tuple[str, int | None]], workers: Any
             raise SpecError(key, f"tp x pp = {tp} x {pp} does not divide run.workers ({workers!r}): the stage spans "
                                  "every worker; give degrees whose product divides it, or more workers")
         fields["dp"] = workers // (tp * pp)
+    fields = {k: fields[k] for k in sorted(fields, key=lambda k: (_ORDER.index(k) if k in _ORDER else len(_ORDER)))}
     layout = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items())
     ranks = current.get("ranks") if isinstance(current, dict) else None
     world = fields.get("tp", 1) * fields.get("pp", 1) * fields.get("dp", 1)

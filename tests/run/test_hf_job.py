@@ -276,7 +276,7 @@ def test_a_verl_grpo_command_line_runs(ray_runtime, tiny_hf, tmp_path, capsys):
     job = load_job(tmp_path / "job.yaml", [*_verl_grpo_command(tiny_hf, model), native])
     notes = capsys.readouterr().err
     for ignored in ("ppo_micro_batch_size_per_gpu=40", "fsdp_config.param_offload=True",
-                    "use_remove_padding=True", "tensor_model_parallel_size=2", "project_name="):
+                    "use_remove_padding=True", "project_name="):
         assert any(line.startswith("nereus: ignoring ") and f".{ignored}" in line
                    for line in notes.splitlines()), ignored
     r, a = job.run, job.algorithm
@@ -285,6 +285,8 @@ def test_a_verl_grpo_command_line_runs(ray_runtime, tiny_hf, tmp_path, capsys):
     assert job.paths == {"actor": model, "reference": model} and job.name == "qwen2_7b_function_rm"
     assert (r.use_kl_loss, r.kl_loss_coef, r.kl_loss_type) == (True, 0.001, "low_var_kl")
     assert r.data.filter_overlong_prompts and r.rollout_engine.engine == "native"
+    gen = r.layouts["actor/generation"]  # verl's rollout TP: tp=2, dp filling the 4 workers
+    assert (gen.tp, gen.pp, gen.dp) == (2, 1, 2)
     rl = RLJob(job, runtime=ray_runtime, out_dir=tmp_path / "out", quiet=True)
     try:
         summary = rl.execute()

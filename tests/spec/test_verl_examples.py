@@ -140,7 +140,7 @@ def test_parallel_degrees_become_the_stages_layouts():
     # a degree not given keeps the job's (pp=2, micro_batch_size); dp fills the 8 workers; ranks kept at 8
     assert layouts["actor/training"] == {"layout": "tp=2,pp=2,dp=2,micro_batch_size=4,interleave=2",
                                          "ranks": list(range(8))}
-    assert layouts["actor/inference"] == "tp=2,interleave=2,dp=4"  # verl's actor computes the old log-probs
+    assert layouts["actor/inference"] == "tp=2,dp=4,interleave=2"  # verl's actor computes the old log-probs
     assert layouts["reference/inference"] == "tp=4,pp=1,dp=2"  # Ulysses' degree as TP; 8 ranks now, not [6, 7]
     assert layouts["actor/generation"] == "tp=2,dp=4"
     assert "critic/training" not in layouts
