@@ -279,3 +279,29 @@ def test_actor_loss_on_micro_batches_is_the_registry_loss(name):
     tokens = sum(p.stats.tokens for p in parts)
     clipfrac = sum(p.stats.pg_clipfrac * p.stats.tokens for p in parts) / tokens
     assert clipfrac == pytest.approx(metrics["actor/pg_clipfrac"], abs=1e-6)
+
+
+def test_a_loss_s_own_metrics_reach_the_step_metrics():
+    """``bypass_mode``'s ``rollout_corr/*`` ride in ``ActorLossStats.metrics`` and come out of the step's
+    ``actor/*`` figures as token-weighted means over micro-batches (``run.report``)."""
+    from nereus.run.report import actor_update_metrics
+    from nereus.run.training import MicroStats, ModelUpdate
+    from nereus.spec.job import job_from_dict
+
+    x = _inputs(seed=4)
+    batch = TrainBatch(torch.arange(B)[:, None].expand(B, R + 1), torch.arange(R).repeat(B, 1), x["mask"],
+                       old_logp=x["old"], advantages=x["adv"])
+    fn = losses.policy_loss(clip_low=0.2, clip_high=0.2, kl_loss_coef=0.0, kl_loss_type="k3", loss_mode="bypass_mode",
+                            loss_options={"rollout_rs": "token_k2", "rollout_rs_threshold": 0.01})
+    (mb,) = mini_batches(batch, 1, torch.Generator().manual_seed(0), "token-mean")
+    out = x["logp"].detach()[mb.tokens[:, 0]]
+    parts = [fn(out[i:i + 4], mb.select(slice(i, i + 4))).stats for i in range(0, B, 4)]
+    spec = {"models": {"actor": {"preset": "qwen2.5-0.5b"}, "reference": {"preset": "qwen2.5-0.5b"}},
+            "algorithm": {"name": "grpo"}, "cluster": {"gpu": "H100", "nodes": 1, "gpus_per_node": 4},
+            "workload": {"prompts_per_step": 4, "prompt_length": 8, "response_length": {"mean": 3, "max": 4}},
+            "run": {}}
+    m = actor_update_metrics(job_from_dict(spec), 0, ModelUpdate([MicroStats(0, s) for s in parts]))
+    _, whole = policy_loss_fn("bypass_mode")(out, mb.old_logp, mb.advantages, mb.mask, loss_agg_mode="token-mean",
+                                             rollout_rs="token_k2", rollout_rs_threshold=0.01)
+    name = "rollout_corr/rollout_rs_masked_fraction"
+    assert 0 < m[name] < 1 and m[name] == pytest.approx(whole[name], abs=1e-6)
