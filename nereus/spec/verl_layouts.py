@@ -87,7 +87,10 @@ class LayoutDegrees:
                 raise SpecError(key, "the job adapts its layouts (run.adapt), so no stage has a fixed one: remove "
                                      "run.adapt (~run.adapt) to start from verl's degrees, or drop the key")
             run = out.setdefault("run", run)
-            layouts = run.setdefault("layouts", {})
+            layouts = run.setdefault("layouts", {}) if isinstance(run, dict) else None
+            if not isinstance(layouts, dict):
+                raise SpecError("run.layouts" if isinstance(run, dict) else "run", "is not a section; cannot set "
+                                f"the layout {key} asks for under it")
             layouts[stage] = _layout(layouts.get(stage), fields, workers, key)
             written.append(stage)
         return written
