@@ -2,14 +2,16 @@
 
 Mapped and derived keys get a row each (verl key, Nereus key, note); ignored and refused keys that share one
 reason share a row, so the table stays readable at a few hundred keys. ``tests/spec/test_overrides.py``
-checks that docs/rl.md holds exactly this text; after changing the table, paste the output of
+checks that docs/rl.md holds exactly this text; after changing the table, rewrite it between docs/rl.md's
+``verl-keys`` markers with
 
-    python -m nereus.devtools.verl_keys_table
-
-between docs/rl.md's ``verl-keys`` markers.
+    python -m nereus.devtools.verl_keys_table docs/rl.md
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 from nereus.spec.verl_keys import DERIVED, MAPPED, PREFIXES, REFUSED, TABLE, VerlKey
 
@@ -50,5 +52,15 @@ def markdown() -> str:
     return "\n".join([BEGIN, *rows, END])
 
 
+def write(path: Path) -> None:
+    """Replace the table between its markers in the Markdown file ``path``."""
+    text = path.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    path.write_text(text[:start] + markdown() + text[end:])
+
+
 if __name__ == "__main__":
-    print(markdown())
+    if len(sys.argv) > 1:
+        write(Path(sys.argv[1]))
+    else:
+        print(markdown())

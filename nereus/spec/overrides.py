@@ -151,6 +151,8 @@ class VerlOverrides:
         self.mini: dict[str, int] = {}  # verl's ppo_mini_batch_size per model
         self.reward: dict[str, str] = {}  # custom_reward_function path and name
         self.degrees = LayoutDegrees()
+        self.bypass = False  # verl's algorithm.rollout_correction.bypass_mode
+        self.correction: dict[str, Any] = {}  # its rollout_is, rollout_is_threshold
         self.notes: list[str] = []
         self.touched: dict[str, set[str]] = {}
 
@@ -204,7 +206,12 @@ class VerlOverrides:
         elif key == "algorithm.rollout_correction.bypass_mode":  # bypass: the rollout's log-probs are pi_old
             if not isinstance(value, bool):
                 raise SpecError(key, f"expected true or false, got {value!r}")
-            self._put(key, "algorithm.recompute_old_log_prob", not value)
+            self.bypass = value
+            if value:
+                self._set(key, "run.policy_loss.loss_mode", "bypass_mode")
+                self._put(key, "algorithm.recompute_old_log_prob", False)
+        elif key.startswith("algorithm.rollout_correction.rollout_is"):
+            self.correction[key] = "none" if value is None else value  # verl's null: no correction
         elif key == "actor_rollout_ref.model.path":
             self._set(key, "models.actor.path", value)
             if isinstance(self.out.get("models"), dict) and "reference" in self.out["models"]:
@@ -237,7 +244,7 @@ class VerlOverrides:
     def finish(self, problems: list[SpecError]) -> None:
         """Resolve the keys that read others: verl's mini-batch size, the reward function's path and name,
         and the parallel degrees (``verl_layouts``); each problem is added to ``problems``."""
-        for part in (self._mini_batches, self._reward_function, self._layouts):
+        for part in (self._mini_batches, self._reward_function, self._layouts, self._rollout_correction):
             try:
                 part()
             except SpecError as err:
@@ -269,6 +276,13 @@ class VerlOverrides:
             raise SpecError("custom_reward_function.name", "needs custom_reward_function.path (the file or "
                                                            "module defining it) or run.reward_function")
         self._put(f"custom_reward_function.{sorted(self.reward)[0]}", "run.reward_function", f"{path}:{name}")
+
+    def _rollout_correction(self) -> None:
+        """verl's importance-sampling settings: the bypass_mode loss's when bypass is on, else the asynchronous
+        mode's (``run.async``), the two places Nereus corrects for an off-policy rollout."""
+        section = "run.policy_loss.rollout_correction" if self.bypass else "run.async"
+        for key, value in self.correction.items():
+            self._put(key, f"{section}.{key.rsplit('.', 1)[1]}", value)
 
     def _layouts(self) -> None:
         for stage in self.degrees.finish(self.out, self.notes):

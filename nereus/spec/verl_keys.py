@@ -43,7 +43,7 @@ _POLICY_LOSS_OPTIONS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_
 
 TABLE: dict[str, VerlKey] = {
     # ----- algorithm ------------------------------------------------------------------------------------
-    "algorithm.adv_estimator": _mapped("algorithm.adv_estimator", "gae, grpo"),
+    "algorithm.adv_estimator": _mapped("algorithm.adv_estimator", "verl's registered names (docs/rl.md)"),
     "algorithm.gamma": _mapped("run.gamma"),
     "algorithm.lam": _mapped("run.lam"),
     "algorithm.norm_adv_by_std_in_grpo": _mapped("run.norm_adv_by_std_in_grpo"),

@@ -124,20 +124,20 @@ ENGINE_KEYS: dict[str, VerlKey] = {
     f"{_A}.freeze_vision_tower": _VISION,
     "data.image_key": _VISION,
     "algorithm.use_pf_ppo": refused("policy-filtered PPO's sample reweighting is not implemented", False),
-    "algorithm.rollout_correction.rollout_is": mapped("run.async.rollout_is", "applied in the asynchronous mode "
-                                                                              "(run.async); null is none"),
-    "algorithm.rollout_correction.rollout_is_threshold": mapped("run.async.rollout_is_threshold"),
-    "algorithm.rollout_correction.bypass_mode": derived("algorithm.recompute_old_log_prob",
-                                                        "true: the rollout's log-probs are the old ones "
-                                                        "(recompute_old_log_prob false)"),
-    "algorithm.rollout_correction.loss_type": refused("the bypass mode trains with the job's policy loss "
-                                                      "(run.policy_loss.loss_mode)", "ppo_clip"),
+    # verl's rollout correction: bypass mode is the bypass_mode policy loss; the IS settings go to it, or to the
+    # asynchronous mode's correction (run.async) without it
+    "algorithm.rollout_correction.bypass_mode": derived("run.policy_loss.loss_mode",
+                                                        "true: the bypass_mode loss, the rollout's log-probs as the "
+                                                        "old ones (algorithm.recompute_old_log_prob false)"),
+    **{f"algorithm.rollout_correction.{k}": derived("run.policy_loss.rollout_correction." + k,
+                                                    "with bypass_mode; else run.async." + k + " (the asynchronous "
+                                                    "mode's correction); null is none")
+       for k in ("rollout_is", "rollout_is_threshold")},
+    **{f"algorithm.rollout_correction.{k}": mapped("run.policy_loss.rollout_correction." + k, "bypass_mode's")
+       for k in ("loss_type", "rollout_rs", "rollout_rs_threshold")},
     "algorithm.rollout_correction.rollout_is_batch_normalize": refused("importance weights are not normalised "
-                                                                       "per batch", False),
-    "algorithm.rollout_correction.rollout_rs": refused("rejection sampling by importance weight is not "
-                                                       "implemented", None),
-    "algorithm.rollout_correction.rollout_rs_threshold": refused("rejection sampling by importance weight is not "
-                                                                 "implemented", None),
+                                                                       "per batch (its mean would differ "
+                                                                       "between micro-batches)", False),
     # ----- data, trainer ------------------------------------------------------------------------------------
     "data.dataloader_num_workers": ignored("the driver reads the data once, before the first step"),
     "data.filter_overlong_prompts_workers": ignored("the driver reads the data once, before the first step"),

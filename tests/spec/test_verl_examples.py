@@ -179,15 +179,26 @@ def test_engine_keys_reach_the_vllm_engine_and_algorithm_keys_their_nereus_names
                                  "algorithm.filter_groups.enable=true", "reward_model.overlong_buffer.len=4",
                                  "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
                                  "actor_rollout_ref.actor.optim.warmup_style=cosine", "trainer.critic_warmup=2",
-                                 "actor_rollout_ref.rollout.top_k=20",
-                                 "algorithm.rollout_correction.bypass_mode=true"]).tree
+                                 "actor_rollout_ref.rollout.top_k=20"]).tree
     assert out["run"]["rollout"] == {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
     assert out["run"]["policy_loss"] == {"loss_mode": "gspo", "clip_cov_ratio": 0.0002}
     assert (out["run"]["filter_groups"], out["run"]["overlong_buffer"]) == ({"enable": True},
                                                                            {"len": 4, "penalty_factor": 1.0})
     assert (out["run"]["lr_scheduler_type"], out["run"]["critic_warmup"], out["run"]["top_k"]) == ("cosine", 2, 20)
-    assert out["algorithm"]["recompute_old_log_prob"] is False
     assert all(lookup(k) is TABLE[k] for k in TABLE)
+
+
+def test_verl_rollout_correction_is_the_bypass_loss_or_the_asynchronous_modes():
+    keys = ["algorithm.rollout_correction.rollout_is=null", "algorithm.rollout_correction.rollout_is_threshold=2.5"]
+    bypass = apply_overrides({}, ["algorithm.rollout_correction.bypass_mode=true", *keys,
+                                  "algorithm.rollout_correction.loss_type=reinforce"])
+    assert bypass["algorithm"] == {"recompute_old_log_prob": False}
+    assert bypass["run"]["policy_loss"] == {"loss_mode": "bypass_mode", "rollout_correction": {
+        "rollout_is": "none", "rollout_is_threshold": 2.5, "loss_type": "reinforce"}}
+    assert apply_overrides({}, keys)["run"] == {"async": {"rollout_is": "none", "rollout_is_threshold": 2.5}}
+    with pytest.raises(SpecError, match=r"bypass_mode: 'bypass_mode' differs from .*loss_mode='gspo'"):
+        apply_overrides({}, ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                             "algorithm.rollout_correction.bypass_mode=true"])
 
 
 def test_the_extractor_reads_continuations_quotes_variables_and_arrays():
