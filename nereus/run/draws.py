@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from nereus.rl.data import Prompt
-from nereus.run.setup import PROMPT_ORDER, SPARE_PROMPTS
+from nereus.run.setup import DYNAMIC_SAMPLING_PROMPTS, PROMPT_ORDER, SPARE_PROMPTS
 from nereus.runtime.engines.sampling import derive_seed
 
 
@@ -32,3 +32,11 @@ class PromptDraws:
         order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(
             derive_seed(self.seed, SPARE_PROMPTS, step)))
         return [self.train[int(order[i % len(self.train)])] for i in range(n)]
+
+    def further(self, step: int, batch: int) -> list[Prompt]:
+        """Generation batch ``batch`` >= 1 of step ``step`` under dynamic sampling (``run.filter_groups``):
+        ``per_step`` more prompts from a permutation of their own (verl takes the dataloader's next batch;
+        seeded by step and batch here, so a resumed run draws what an uninterrupted one did)."""
+        order = torch.randperm(len(self.train), generator=torch.Generator().manual_seed(
+            derive_seed(self.seed, DYNAMIC_SAMPLING_PROMPTS, step, batch)))
+        return [self.train[int(order[i % len(self.train)])] for i in range(self.per_step)]

@@ -20,6 +20,7 @@ from nereus.rl.rewards import RewardRouter
 from nereus.rl.tokenizer import Tokenizer
 from nereus.run.asyncmode import AsyncRollouts
 from nereus.run.draws import PromptDraws
+from nereus.run.dynamic_sampling import DynamicSampling
 from nereus.run.generated import DECODE_METRICS, Generated
 from nereus.run.generation import StepGeneration
 from nereus.run.inference import Inferred, StepInference
@@ -70,6 +71,7 @@ class RLStep:
         self.training = StepTraining(job, self.keys, self.calls, self.clock)
         self.asynchronous = AsyncRollouts(job.run, self.keys, self.generation, self.calls, self.clock
                                           ) if job.run.async_mode.on else None  # run.async (run.asyncmode)
+        self.sampling = DynamicSampling(self.generation, self.inference) if job.run.filter_groups.enable else None
         self.reward_kl = RewardKL(job)  # run.kl_ctrl: the in-reward KL coefficient, step to step (checkpointed)
 
     def use(self, placed: list[Placed]) -> None:
@@ -137,7 +139,8 @@ class RLStep:
         self.clock.reset()
         self.calls.reset()
         t0 = time.perf_counter()
-        gen = self.generate(step, self.generation.prompts(step), policy, levers)
+        gen = self.sampling.generate(step, policy, levers) if self.sampling is not None else self.generate(
+            step, self.generation.prompts(step), policy, levers)  # run.filter_groups: DAPO's dynamic sampling
         roll, rows = gen.rollout, gen.rows
         inf = self.inference.infer(roll, rows, gen.early)
         with self.clock.timer("adv"):

@@ -94,15 +94,17 @@ class StepGeneration:
         """The step's prompts (``PromptDraws.prompts``)."""
         return self.draws.prompts(step)
 
-    def generation_inputs(self, step: int, rows: list[Prompt]) -> tuple[list[list[int]], SamplingParams,
-                                                                      tuple[int, int] | None]:
+    def generation_inputs(self, step: int, rows: list[Prompt], gen_batch: int = 0,
+                          ) -> tuple[list[list[int]], SamplingParams, tuple[int, int] | None]:
         """Step ``step``'s generation: the rows' prompt ids, the sampling parameters, and the fixed
-        (prompt, response) width of the packed rollout with ``run.rollout.pad_to_max`` (else None)."""
+        (prompt, response) width of the packed rollout with ``run.rollout.pad_to_max`` (else None).
+        ``gen_batch``: the step's generation batch under dynamic sampling (its own sampling seed past 0)."""
         limit = self.run.max_response_length(step, self.job.workload.response.max)
+        seed = derive_seed(self.run.seed, SAMPLING, step, *((gen_batch,) if gen_batch else ()))
         params = SamplingParams(max_new_tokens=limit, temperature=self.run.temperature, top_p=self.run.top_p,
                                 top_k=self.run.top_k,
                                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
-                                seed=derive_seed(self.run.seed, SAMPLING, step), slots=self.run.rollout_slots,
+                                seed=seed, slots=self.run.rollout_slots,
                                 stop_token_ids=self.tok.stop_token_ids,
                                 speculation=self.run.rollout_engine.live_speculation)
         prompts = [list(p.ids) for p in rows]
@@ -131,18 +133,20 @@ class StepGeneration:
         return EarlyRequest(stages, lambda a, b, out: pack(prompts[a:b], [r for r, _ in out], None, eos, fixed).tokens)
 
     def generate(self, step: int, prompts: list[Prompt], policy: GenerationPolicy | None = None,
-                 levers: GenerationLevers | None = None, stages: tuple[InferenceStage, ...] = ()) -> Generated:
+                 levers: GenerationLevers | None = None, stages: tuple[InferenceStage, ...] = (),
+                 gen_batch: int = 0) -> Generated:
         """Step ``step``'s rollout of ``prompts`` (each repeated ``samples_per_prompt`` times); ``policy`` is
         asked at the decision points of a generation that has them (none: it runs to its end), ``levers``
         are the plan's (``run.tail_decisions``): tail batching's rounds, and in the status the policy decides on.
-        ``stages``: the inference stages that may start on finished replicas' rows (``early_request``)."""
+        ``stages``: the inference stages that may start on finished replicas' rows (``early_request``);
+        ``gen_batch``: the step's generation batch under dynamic sampling (``run.dynamic_sampling``)."""
         if self.partial is not None:
             return partial_round(self, self.partial, step, prompts, policy, levers)
         tail = self.tail_rounds(levers)
         if tail is not None:
             return tail_round(self, tail, step, prompts, policy, levers)
         rows = repeat_prompts(prompts, self.alg.samples_per_prompt)
-        prompts, params, fixed = self.generation_inputs(step, rows)
+        prompts, params, fixed = self.generation_inputs(step, rows, gen_batch)
         eos, key = self.eos, self.keys["actor", "generation"]
         mode, early = self.generation_mode(step, params), self.early_request(prompts, fixed, stages)
         if isinstance(mode, WithDecisionPoints):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nereus.rl.dapo import overlong_penalty
 from nereus.rl.data import Prompt
 from nereus.rl.rewards import RewardRouter
 from nereus.rl.tokenizer import Tokenizer
@@ -50,6 +51,7 @@ class StepInference:
                  reward: RewardRouter) -> None:
         self.run, self.alg = job.run, job.algorithm
         self.keys, self.calls, self.clock, self.tok, self.reward = keys, calls, clock, tok, reward
+        self.max_response = job.workload.response.max
 
     def has(self, model: str) -> bool:
         return model in self.alg.models
@@ -114,12 +116,22 @@ class StepInference:
 
     def score(self, roll: Rollout, rule: torch.Tensor | None, rm: torch.Tensor | None) -> torch.Tensor:
         """The rule-based reward (``rule_scores``) plus ``reward_model_coef`` × the reward model's score ``rm``
-        at the last token (verl's reward manager adds them the same way)."""
+        at the last token (verl's reward manager adds them the same way), plus the overlong penalty
+        (``run.overlong_buffer``: ``rl.dapo.overlong_penalty``, DAPO eq. 13, as verl's DAPO reward manager)."""
         total = torch.zeros(len(roll.tokens)) if rule is None else rule.clone()
         if rm is not None:
             total = total + self.run.reward_model_coef * rm
+        ob = self.run.overlong_buffer
+        if ob.enable:  # L_max: the job's maximum response length (verl's data.max_response_length)
+            total = total + overlong_penalty(roll.response_len, self.max_response, ob.len, ob.penalty_factor)
         return total
 
+
+    def filter_scores(self, roll: Rollout, rows: list[Prompt]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The scores dynamic sampling filters on, before inference (``run.dynamic_sampling``): the score
+        without a reward model (``run.filter_groups`` refuses score metrics with one) and the rule reward."""
+        rule = self.rule_scores(roll, rows)
+        return self.score(roll, rule, None), rule
     def rule_scores(self, roll: Rollout, rows: list[Prompt]) -> torch.Tensor | None:
         """Rule-based reward on the decoded response (``rl.rewards.RewardRouter``: by ``data_source``, a
         named rule, or the user's function); None when ``rule_reward`` is none."""

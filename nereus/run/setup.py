@@ -28,6 +28,7 @@ TRAINED = ("actor", "critic")
 # What a seed drawn by ``derive_seed(run.seed, purpose, ...)`` is for: each purpose has its own streams, so
 # no two uses of one run's seed (or of two runs' seeds) share one
 PROMPT_ORDER, SAMPLING, MINI_BATCH_ORDER, HELD_OUT_SPLIT, SPARE_PROMPTS, EVALUATION = 1, 2, 3, 4, 5, 6
+DYNAMIC_SAMPLING_PROMPTS = 7  # the further generation batches of run.filter_groups (run.draws)
 
 
 @dataclass(frozen=True)

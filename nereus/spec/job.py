@@ -18,6 +18,7 @@ from nereus.spec.parallel_dims import ParallelDims
 from nereus.spec.response import ResponseLength
 from nereus.spec.rollout import check_rollout_engine
 from nereus.spec.run import RunSpec, read_run
+from nereus.spec.run_dapo import check_dapo, check_keep_rate
 from nereus.spec.trace import load_trace
 from nereus.spec.user_code import check_target, resolve_target
 
@@ -36,6 +37,9 @@ class Workload:
     response: ResponseLength | None = None
     global_batch: int = 0  # training-only jobs: sequences per step
     sequence_length: int = 0  # training-only jobs
+    # the expected share of generated groups dynamic sampling keeps (run.filter_groups): generation is priced
+    # for 1 / filter_keep_rate batches a step (1.0: no dynamic sampling)
+    filter_keep_rate: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -175,7 +179,8 @@ def _read_workload(f: Fields, alg: Algorithm, base_dir: Path) -> Workload:
     else:
         wl = Workload(prompts_per_step=f.get("prompts_per_step", int, minimum=1, maximum=MAX_SEQUENCES),
                       prompt_length=f.get("prompt_length", int, minimum=1, maximum=MAX_TOKENS),
-                      response=_read_response(f.sub("response_length", required=True), base_dir))
+                      response=_read_response(f.sub("response_length", required=True), base_dir),
+                      filter_keep_rate=f.get("filter_keep_rate", float, 1.0))
     f.finish()
     sequences = wl.global_batch or wl.prompts_per_step * alg.samples_per_prompt
     if sequences > MAX_SEQUENCES:
@@ -276,6 +281,8 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         check_rollout_engine(run.rollout_engine, {m: a.head_dim for m, a in job.models.items()}, run.layouts,
                              installed_distribution(run.rollout_engine.traits))
         check_old_log_prob(job.algorithm, run)
+        check_dapo(run, job.algorithm.samples_per_prompt, job.algorithm.models)
+    check_keep_rate(job.workload.filter_keep_rate, job.run)
     root.finish()
     return job
 

@@ -14,6 +14,7 @@ from nereus.spec.layout import Layout, ModelStage
 from nereus.spec.levers import TailBatching
 from nereus.spec.rollout import PartialRolloutConfig, RolloutEngine
 from nereus.spec.run_algorithm import PolicyLossSpec, read_policy_loss
+from nereus.spec.run_dapo import FilterGroupsSpec, OverlongBufferSpec, read_filter_groups, read_overlong_buffer
 from nereus.spec.run_rollout import MidstepSpec, ValKwargs, read_rollout_section
 
 # auto: the row's data_source picks the rule (nereus.rl.rewards, as verl's default reward manager does)
@@ -191,6 +192,9 @@ class RunSpec:
     # 0 strictly on-policy (layouts, speculative decoding, tail batching); 1 also partial rollout and
     # one-step asynchrony
     policy_lag: int = 0
+    # run.filter_groups / run.overlong_buffer: DAPO's dynamic sampling and overlong reward shaping (run_dapo)
+    filter_groups: FilterGroupsSpec = field(default_factory=FilterGroupsSpec)
+    overlong_buffer: OverlongBufferSpec = field(default_factory=OverlongBufferSpec)
 
     @property
     def max_workers(self) -> int:
@@ -433,7 +437,9 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         layouts=layouts, ranks=ranks, adapt=_adapt(f), logger=_logger(f), rollout_slots=ro.slots,
         rollout_pad_to_max=ro.pad_to_max, rollout_midstep=ro.midstep, rollout_engine=ro.engine,
         rollout_tail=ro.tail, rollout_partial=ro.partial, rollout_levers=ro.levers, policy_lag=ro.policy_lag,
-        overlap=f.get("overlap", bool, False), async_mode=_async(f), val_kwargs=ro.val_kwargs)
+        overlap=f.get("overlap", bool, False), async_mode=_async(f), val_kwargs=ro.val_kwargs,
+        filter_groups=read_filter_groups(f.sub("filter_groups")),
+        overlong_buffer=read_overlong_buffer(f.sub("overlong_buffer"), final_response))
     ckpt.finish()
     f.finish()
     _check_run(f, spec)
