@@ -132,6 +132,7 @@ class StepInference:
         without a reward model (``run.filter_groups`` refuses score metrics with one) and the rule reward."""
         rule = self.rule_scores(roll, rows)
         return self.score(roll, rule, None), rule
+
     def rule_scores(self, roll: Rollout, rows: list[Prompt]) -> torch.Tensor | None:
         """Rule-based reward on the decoded response (``rl.rewards.RewardRouter``: by ``data_source``, a
         named rule, or the user's function); None when ``rule_reward`` is none."""
