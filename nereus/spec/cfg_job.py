@@ -51,7 +51,8 @@ def resolve_job(path: str | Path, overrides: Sequence[str]) -> JobReport:
     """The job file ``path`` with ``overrides`` applied and validated, every problem collected."""
     path = Path(path)
     raw = read_yaml_file(path, "job")
-    first = resolve_overrides(raw, overrides)
+    parsed: dict = {}  # each override's value is parsed once, however often validation goes round
+    first = resolve_overrides(raw, overrides, parsed)
     report = JobReport(first.tree, first.fates, [str(p) for p in first.problems])
     active, result = list(overrides), first
     for _ in range(len(overrides) + 1):
@@ -63,7 +64,7 @@ def resolve_job(path: str | Path, overrides: Sequence[str]) -> JobReport:
             if not culprits:
                 break
             active = [o for o in active if _key(o) not in culprits]
-            result = resolve_overrides(raw, active)
+            result = resolve_overrides(raw, active, parsed)
             continue
         if job.run is None:
             report.problems.append(f"run: {path} has no `run:` section; see docs/rl.md and examples/ppo_tiny.yaml")

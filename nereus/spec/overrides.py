@@ -304,9 +304,10 @@ class Resolution:
     touched: dict[str, set[str]] = field(default_factory=dict)
 
 
-def resolve_overrides(data: Any, overrides: Sequence[str]) -> Resolution:
+def resolve_overrides(data: Any, overrides: Sequence[str], parsed: dict | None = None) -> Resolution:
     """A copy of the raw spec tree ``data`` with ``overrides`` applied in order (later ones win); an override
-    with a problem is left out and its problem kept, in command-line order, the later resolution steps' after."""
+    with a problem is left out and its problem kept, in command-line order, the later resolution steps' after.
+    ``parsed``: a cache of split overrides for a caller that resolves the same ones again."""
     if not overrides:
         return Resolution(data)
     out = copy.deepcopy(data) if data is not None else {}
@@ -315,7 +316,12 @@ def resolve_overrides(data: Any, overrides: Sequence[str]) -> Resolution:
     verl, result = VerlOverrides(out), Resolution(out)
     for text in overrides:
         try:
-            key, value, delete = _split(text)
+            if parsed is None or text not in parsed:
+                split = _split(text)
+                parsed = {} if parsed is None else parsed
+                parsed[text] = split
+            key, value, delete = parsed[text]
+            value = copy.deepcopy(value)  # the tree may be changed later; the cache stays as parsed
             if lookup(key) is not None:
                 result.fates.append((text, fate(key, value)))
                 verl.apply(key, value, delete)
