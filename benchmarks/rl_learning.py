@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = {"ppo": ROOT / "examples" / "ppo_tiny.yaml", "ppo-fixed": ROOT / "examples" / "ppo_tiny_fixed.yaml",
-            "grpo": ROOT / "examples" / "grpo_tiny.yaml"}
+            "grpo": ROOT / "examples" / "grpo_tiny.yaml", "dapo": ROOT / "examples" / "dapo_tiny.yaml"}
 HAND_OVER_S = 5.0  # the pause between chunks of a locked sweep, so a job waiting on the lock takes it
 FLOOR = 0.75  # every run's final held-out accuracy (the task is learnable to 86-97%: docs/rl.md)
 

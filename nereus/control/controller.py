@@ -66,9 +66,26 @@ def usable_gpus(available: int, gpus_per_node: int) -> int:
     return available if available < gpus_per_node else available // gpus_per_node * gpus_per_node
 
 
+# Under dynamic sampling (DAPO, arXiv:2503.14476) a step draws generation batches until it keeps its groups:
+# verl's metric of how many, and the steps whose mean the forecast keeps (the keep-rate falls as the policy
+# learns, so recent steps only)
+GEN_BATCHES = "train/num_gen_batches"
+KEEP_RATE_WINDOW = 10
+
+
+def with_generation_batches(job: JobSpec, batches: float | None) -> JobSpec:
+    """``job`` priced for ``batches`` generation batches a step (``workload.filter_keep_rate`` = 1 / batches,
+    ``cost.stages.generation_batches``); unchanged without a measurement."""
+    if not batches:
+        return job
+    return replace(job, workload=replace(job.workload, filter_keep_rate=min(1.0, 1.0 / batches)))
+
+
 def observed_job(job: JobSpec, m: StepMetrics, sigma: float) -> JobSpec:
+    """``job`` as step ``m`` ran it: its response lengths and, under dynamic sampling, its generation batches."""
     longest = max(1, math.ceil(m.response_max))
-    return job.with_response(ResponseLength(min(m.response_mean, longest), longest, "lognormal", sigma))
+    job = job.with_response(ResponseLength(min(m.response_mean, longest), longest, "lognormal", sigma))
+    return with_generation_batches(job, m.detail.get(GEN_BATCHES))
 
 
 class Controller:
@@ -87,6 +104,7 @@ class Controller:
         self.calibrator = Calibrator(self.hw, known=dict(self.config.known_factors))
         sigma = job.workload.response.sigma if job.workload.response else 0.6
         self.forecaster = LengthForecaster(sigma=sigma)
+        self.gen_batches: list[float] = []  # the latest steps' generation batches (dynamic sampling)
         self.plan: Plan | None = None
         self.factors: dict[str, float] = {}
         self.residual = 0.0  # mean absolute relative error of the calibrated model on the measured rows
@@ -102,7 +120,9 @@ class Controller:
         response = self.forecaster.response_at(step, limit) or replace(self.job.workload.response, max=limit)
         if response.mean > limit:
             response = replace(response, mean=float(limit))
-        return self.job.with_response(response).with_gpus(usable_gpus(gpus, self.job.cluster.gpus_per_node))
+        batches = sum(self.gen_batches) / len(self.gen_batches) if self.gen_batches else None
+        job = with_generation_batches(self.job.with_response(response), batches)
+        return job.with_gpus(usable_gpus(gpus, self.job.cluster.gpus_per_node))
 
     def initial_plan(self, num_gpus: int) -> Plan:
         job = self.job_for(0, num_gpus)
@@ -165,6 +185,8 @@ class Controller:
 
     def _observe(self, m: StepMetrics) -> None:
         self.forecaster.observe(m.step, m.response_mean)
+        if m.detail.get(GEN_BATCHES):
+            self.gen_batches = [*self.gen_batches, float(m.detail[GEN_BATCHES])][-KEEP_RATE_WINDOW:]
         if not self.config.calibrate or (m.levers is not None and not self.config.calibrate_with_levers):
             return
         measured = plain_equivalent({k: v for k, v in m.stage_times_s.items() if v > 0}, m.levers)

@@ -259,6 +259,16 @@ def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -
                      {"weights": weights, "activations": acts, "logits": logits}, {"micro_batches": m})
 
 
+def generation_batches(job: JobSpec) -> float:
+    """Generation batches a step draws in expectation under dynamic sampling (DAPO, Yu et al. 2025,
+    arXiv:2503.14476, Sec. 3.2; ``run.filter_groups``): a batch of P prompts keeps keep-rate × P groups on
+    average, so a step that trains P groups generates 1 / keep-rate batches' responses (the renewal-reward
+    rate; the last batch's surplus, at most one batch, is left out). ``workload.filter_keep_rate`` is the
+    prior, the controller's measured steps update it (``control.controller.with_generation_batches``). Every
+    term of the stage scales, a ReMax greedy pass too: verl's DAPO trainer generates it per batch."""
+    return 1.0 / job.workload.filter_keep_rate
+
+
 def generation_cost(
     hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout, others_resident: float = 0.0
 ) -> StageCost | None:
@@ -298,6 +308,7 @@ def generation_cost(
         terms["pp_comm"] = p * (phases.bulk_steps * bulk_p2p
                                 + phases.tail_steps * hw.p2p_time(arch.hidden * BF16 / tp, cross_node=False))
     kv_used = min(budget, phases.batch * kv_token * (wl.prompt_length + resp.mean))
+    terms = {k: v * generation_batches(job) for k, v in terms.items()}  # dynamic sampling's further batches
     terms = _shared_host(hw, layout, terms)
     detail = {"batch_per_replica": b, "concurrent": phases.batch, "longest": resp.longest(total),
               "prefill_s": phases.prefill_s, "bulk_s": phases.bulk_s, "tail_s": phases.tail_s,

@@ -36,6 +36,7 @@ from nereus.cost.tail.spec_run import MODEL_FREE, with_speculation
 from nereus.cost.tail.speculative import DraftKind, prior
 from nereus.cost.transition import estimate_transition
 from nereus.sim.carry import CarriedResponses, GenerationRound, plan_round
+from nereus.sim.dynamic_sampling import draw_batches, one_batch, scale_generation
 from nereus.sim.generation import Look, entries_of, status_at, tail_outcome, walk
 from nereus.sim.groups import Deferred, ShortRound, draw_groups, stop_round
 from nereus.sim.workload import batch_at
@@ -150,6 +151,7 @@ class SimBackend:
         # The drawn batch: its mean sets tokens, its longest response sets the rollout's iterations.
         drawn = ResponseLength(mean, max(1, math.ceil(longest)), "lognormal", r.sigma)
         job = self.job_at(step)
+        keep_rate, job = job.workload.filter_keep_rate, one_batch(job)  # dynamic sampling: batches drawn below
         est = estimate_plan(self.hw, job.with_response(drawn), plan, self.factors)
         rng = self._rng(step, 1)
         noise = {name: float(math.exp(rng.normal(0, self.truth.noise))) for name in sorted(est.stage_times)}
@@ -184,6 +186,10 @@ class SimBackend:
             trained = float(kept.sum() * prompt + lengths[kept].sum())
             _scale_later_stages(stage_times, phases, trained / tokens)
             tokens = trained
+        if keep_rate < 1:  # dynamic sampling: the step generates until it keeps its groups (sim.dynamic_sampling)
+            drawn_batches = draw_batches(self._rng(step, 8), keep_rate, job.workload.prompts_per_step)
+            scale_generation(stage_times, phases, drawn_batches.batches)
+            detail = {**detail, **drawn_batches.metrics()}
         lag = (1.0,) if rnd is None else rnd.policy_lag
         step_s = sum(phases.values())
         rollout_gpus = len(plan.placement(ROLLOUT).gpus) if runs_one_step_off(plan) else None

@@ -172,6 +172,19 @@ def accuracy_line(run: dict) -> str | None:
             f"{last_step} ({100 * (last - first):+.1f} points)")
 
 
+def keep_rate_line(run: dict) -> str | None:
+    """A real run's dynamic sampling (``run.filter_groups``): its keep-rate (kept / generated groups) from the
+    first step to the last and its mean, and the generation batches a step drew; None without it."""
+    rows = [m for m in run.get("learning", {}).get("metrics", []) if "train/filter_groups_keep_rate" in m]
+    if not rows:
+        return None
+    rates = [m["train/filter_groups_keep_rate"] for m in rows]
+    batches = [m.get("train/num_gen_batches", 1.0) for m in rows]
+    return (f"dynamic sampling ({run['policy']}): keep-rate {100 * rates[0]:.0f}% at step {int(rows[0]['step'])} -> "
+            f"{100 * rates[-1]:.0f}% at step {int(rows[-1]['step'])} (mean {100 * sum(rates) / len(rates):.0f}%), "
+            f"{sum(batches) / len(batches):.1f} generation batches a step (at most {max(batches):.0f})")
+
+
 # ----- plots --------------------------------------------------------------------------------------------------
 
 def _pyplot():  # noqa: ANN202 - matplotlib.pyplot, imported on first use (it is slow to import)
@@ -237,12 +250,15 @@ LEARNING_PLOTS = (
                                                ("actor/kl_loss", "to the reference (as a loss)"))),
     ("response_length", "Response length", "tokens", (("response_length/mean", "mean"),
                                                       ("response_length/max", "longest"))),
+    # run.filter_groups (DAPO's dynamic sampling): the share of generated groups kept, per step
+    ("keep_rate", "Dynamic sampling: groups kept per group generated", "keep-rate",
+     (("train/filter_groups_keep_rate", "keep-rate"),)),
 )
 
 
 def plot_learning(runs: list[dict], out_dir: Path) -> list[Path]:
-    """reward.png, accuracy.png, kl.png and response_length.png per step, for the runs whose folder has
-    metrics (real runs); a plot with no series is not written."""
+    """reward.png, accuracy.png, kl.png, response_length.png and keep_rate.png (dynamic sampling) per step,
+    for the runs whose folder has metrics (real runs); a plot with no series is not written."""
     written = []
     for stem, title, ylabel, series in LEARNING_PLOTS:
         lines = [(r, key, label) for r in runs for key, label in series
@@ -318,6 +334,7 @@ def report_text(runs: list[dict], pngs: list[Path]) -> str:
     """report.md: the runs' table, held-out accuracy, the plots, the tail levers in words and the decisions."""
     lines = ["# Runs", "", markdown_table(runs), ""]
     accuracy = [line for r in runs if (line := accuracy_line(r))]
+    accuracy += [line for r in runs if (line := keep_rate_line(r))]
     wall = [f"{r['policy']}: {duration(r['summary']['wall_s'])} wall-clock for the steps" for r in runs
             if r.get("trace") == "runtime" and isinstance(r["summary"].get("wall_s"), (int, float))]
     lines += [*(f"- {x}" for x in accuracy + wall), *([""] if accuracy or wall else [])]

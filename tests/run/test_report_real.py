@@ -70,3 +70,21 @@ def test_without_a_checkpoint_the_first_evaluation_is_the_start(tmp_path):
     text = outputs["markdown"].read_text()
     assert "warm-start" not in text and "65.0% at step 10 -> 80.0% at step 40 (+15.0 points)" in text
     assert {"reward", "accuracy", "kl", "response_length"} <= set(outputs)
+
+
+def test_dynamic_sampling_shows_its_keep_rate_per_step(tmp_path):
+    """run.filter_groups: keep_rate.png and a line with the keep-rate from the first step to the last."""
+    folder = run_folder(tmp_path, None)
+    path = folder / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:STEPS]]
+    for m in rows:  # the keep-rate falls as the policy learns: 50% -> 11%, 2 -> 9 batches
+        m["train/num_gen_batches"] = 2.0 if m["step"] < STEPS else 9.0
+        m["train/filter_groups_keep_rate"] = 0.5 if m["step"] < STEPS else 1 / 9
+    path.write_text("\n".join(json.dumps(m) for m in rows) + "\n")
+    outputs = write_report([str(folder / "run_record.json")], tmp_path / "c")
+    text = outputs["markdown"].read_text()
+    assert "keep_rate" in outputs and "![keep_rate](keep_rate.png)" in text
+    assert "keep-rate 50% at step 1 -> 11% at step 40 (mean 49%), 2.2 generation batches a step (at most 9)" in text
+    (tmp_path / "plain").mkdir()
+    plain = write_report([str(run_folder(tmp_path / "plain", None) / "run_record.json")], tmp_path / "d")
+    assert "keep_rate" not in plain and "keep-rate" not in plain["markdown"].read_text()
