@@ -25,7 +25,7 @@ NAMED_OPERATORS = ("methodcaller", "attrgetter")
 
 # (file relative to the package's parent, the call as written) -> why it may stay
 ALLOWED: Mapping[tuple[str, str], str] = MappingProxyType({
-    ("nereus/rl/rewards.py", "getattr(_import_target(module, where), name, None)"):
+    ("nereus/rl/rewards.py", "getattr(import_user_module(module, where), name, None)"):
         "loads the user's reward function named in the job file (verl's custom_reward_function.path/name): "
         "an import of user code by its configured name, the one way user code comes in, not a choice among "
         "the package's own operations",

@@ -55,6 +55,7 @@ class Import:
     text: str  # the statement as written, for messages
     path: str  # the importing file, relative to the package's parent
     typing_only: bool = False  # under ``if TYPE_CHECKING``: never runs
+    names: tuple[str, ...] = ()  # ``from x import a, b``: the names imported
 
     def where(self) -> str:
         return f"{self.path}:{self.line} `{self.text}`"
@@ -162,8 +163,9 @@ def scan(package_dir: str | Path) -> Tree:
             text = " ".join(line.strip() for line in lines[node.lineno - 1:node.end_lineno])
             for target in _targets(node, module, path.name == "__init__.py", modules, root):
                 if target != module:
+                    names = tuple(a.name for a in node.names) if isinstance(node, ast.ImportFrom) else ()
                     found.append(Import(module, target, node.lineno, text, str(path.relative_to(base)),
-                                        typing_only))
+                                        typing_only, names))
         imports[module] = sorted(found, key=lambda i: i.line)
     return Tree(root, modules, imports)
 
@@ -326,11 +328,9 @@ def private_imports(tree: Tree) -> list[str]:
     problems = []
     for module, imps in sorted(tree.imports.items()):
         for imp in imps:
-            node = ast.parse(imp.text.rstrip("\\")) if imp.text.startswith("from ") else None
-            if node is None or not tree.internal(imp):
+            if not imp.names or not tree.internal(imp):
                 continue
-            names = [a.name for a in node.body[0].names] if isinstance(node.body[0], ast.ImportFrom) else []
-            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            private = [n for n in imp.names if n.startswith("_") and not n.startswith("__")]
             if private and imp.target != module:
                 problems.append(f"private name {', '.join(private)} imported from {imp.target}: {imp.where()}")
     return problems

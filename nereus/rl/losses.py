@@ -7,15 +7,16 @@ read and write shards and Adam state through ``Runtime.read_weights`` / ``read_o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 
 import torch
 
 from nereus.rl.core import clipped_value_loss, kl_estimate, masked_mean
 from nereus.rl.policy_loss_types import CLIPFRAC, CLIPFRAC_LOWER, PPO_KL, LossMatrix, PolicyLossOptions
-from nereus.rl.policy_losses import policy_loss_fn, token_metrics
+from nereus.rl.policy_losses import POLICY_LOSS_FNS, policy_loss_fn, token_metrics
+from nereus.rl.user_registry import USER_POLICY_LOSSES
 from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.sharded import Loss
 
@@ -65,7 +66,8 @@ def _aggregate(x: torch.Tensor, mb: TrainBatch, weight: torch.Tensor | None = No
 def actor_loss(out: torch.Tensor, mb: TrainBatch, clip_low: float, clip_high: float | None,
                kl_loss_coef: float, kl_loss_type: str, clip_ratio_c: float | None = 3.0,
                entropy_coeff: float = 0.0, loss_mode: str = "vanilla",
-               loss_options: Mapping[str, object] | None = None) -> Loss:
+               loss_options: Mapping[str, object] | None = None, user_loss: Callable | None = None,
+               loss_agg_mode: str = "token-mean") -> Loss:
     """The policy loss registered as ``loss_mode`` (``rl.policy_losses``; PPO's clipped surrogate with
     dual-clip by default, Schulman et al. 2017, Ye et al. 2020) with verl's options ``loss_options`` and
     the clip bounds, minus ``entropy_coeff`` × the full-vocabulary entropy (``mb.entropy``, present when
@@ -79,8 +81,13 @@ def actor_loss(out: torch.Tensor, mb: TrainBatch, clip_low: float, clip_high: fl
     options = PolicyLossOptions.of({**(loss_options or {}), "clip_ratio_low": clip_low,
                                     "clip_ratio_high": clip_low if clip_high is None else clip_high,
                                     "clip_ratio_c": clip_ratio_c})
-    matrix = policy_loss_fn(loss_mode).matrix(logp, mb.old_logp, mb.advantages, mask, mb.is_weight, options)
-    pg = _aggregate(matrix.loss, mb, mb.pg_weight)
+    if user_loss is not None:  # a job's own loss (run.algorithm_modules): it aggregates its micro-batch itself
+        pg, user_metrics = user_loss(logp, mb.old_logp, mb.advantages, mask, loss_agg_mode=loss_agg_mode,
+                                     rollout_is_weights=mb.is_weight, **asdict(options))
+        matrix = LossMatrix(torch.zeros_like(mask), {}, extra={})
+    else:
+        matrix = policy_loss_fn(loss_mode).matrix(logp, mb.old_logp, mb.advantages, mask, mb.is_weight, options)
+        pg, user_metrics = _aggregate(matrix.loss, mb, mb.pg_weight), None
     loss = pg
     kl = torch.zeros_like(matrix.loss)
     if kl_loss_coef and mb.ref_logp is not None:
@@ -91,7 +98,18 @@ def actor_loss(out: torch.Tensor, mb: TrainBatch, clip_low: float, clip_high: fl
         entropy = _aggregate(_response(mb.entropy, mb), mb)
         loss = loss - entropy_coeff * entropy
         entropy_stat = float(entropy.detach())
-    return Loss(loss, _actor_stats(logp, mb, matrix, pg, kl, entropy_stat))
+    stats = _actor_stats(logp, mb, matrix, pg, kl, entropy_stat)
+    if user_metrics is not None:
+        stats = _with_user_metrics(stats, user_metrics)
+    return Loss(loss, stats)
+
+
+def _with_user_metrics(stats: ActorLossStats, metrics: Mapping[str, object]) -> ActorLossStats:
+    """``stats`` with a user loss's metrics: verl's clip fractions and ``ppo_kl`` where it reports them
+    (under verl's names), the rest as its own figures."""
+    values = {str(k): float(v) for k, v in metrics.items()}  # tensors and numbers alike
+    return replace(stats, pg_clipfrac=values.pop(CLIPFRAC, 0.0), pg_clipfrac_lower=values.pop(CLIPFRAC_LOWER, 0.0),
+                   ppo_kl=values.pop(PPO_KL, stats.ppo_kl), metrics=values)
 
 
 def _actor_stats(logp: torch.Tensor, mb: TrainBatch, matrix: LossMatrix, pg: torch.Tensor, kl: torch.Tensor,
@@ -115,9 +133,11 @@ def policy_loss(**options: object) -> partial:
     """``actor_loss`` with the job's options, marked ``needs_entropy`` when it trains on the entropy, so
     the engine hands it each token's full-vocabulary entropy (``ShardedModel.backward``), and with
     ``pg_agg_mode``, the aggregation its policy loss fixes (None: the job's), for ``run.rollout.mini_batches``."""
-    fn = partial(actor_loss, **options)
+    mode = str(options.get("loss_mode", "vanilla"))
+    user = USER_POLICY_LOSSES.get(mode) if mode not in POLICY_LOSS_FNS else None
+    fn = partial(actor_loss, **options, **({"user_loss": user} if user is not None else {}))
     fn.needs_entropy = bool(options.get("entropy_coeff"))
-    fn.pg_agg_mode = policy_loss_fn(str(options.get("loss_mode", "vanilla"))).agg_mode
+    fn.pg_agg_mode = None if user is not None else policy_loss_fn(mode).agg_mode
     return fn
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from nereus.rl.core import clipped_policy_loss
+from nereus.rl.objectives import clipped_policy_loss
 
 # log-ratio bound before the exponential, as verl's safety bound [exp(-20), exp(20)] on IS weights
 LOG_BOUND = 20.0

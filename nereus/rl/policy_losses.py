@@ -23,7 +23,8 @@ from types import MappingProxyType
 
 import torch
 
-from nereus.rl.core import agg_loss, clipped_policy_loss, masked_mean
+from nereus.rl.masked import masked_mean
+from nereus.rl.objectives import agg_loss, clipped_policy_loss
 from nereus.rl.policy_loss_fns import (
     cispo_matrix,
     dppo_kl_matrix,

@@ -190,16 +190,17 @@ def _import_deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _import_target(module: str, where: str) -> ModuleType:
-    """Import (run) the user's module or file; anything it raises, ``sys.exit`` included, is one SpecError
-    naming it (``spec.user_code.check_target`` has checked what can be checked without running it)."""
+def import_user_module(module: str, where: str, prefix: str = "nereus_user_reward") -> ModuleType:
+    """Import (run) the user's module or file (a file as the module ``<prefix>_<stem>``); anything it
+    raises, ``sys.exit`` included, is one SpecError naming it (``spec.user_code`` has checked what can be
+    checked without running it)."""
     what = module if module.endswith(".py") else f"module {module!r}"
     try:
         with _import_deadline(IMPORT_TIMEOUT_S):
             if not module.endswith(".py"):
                 return importlib.import_module(module)
             path = Path(module)
-            spec = importlib.util.spec_from_file_location(f"nereus_user_reward_{path.stem}", path)
+            spec = importlib.util.spec_from_file_location(f"{prefix}_{path.stem}", path)
             if spec is None or spec.loader is None:
                 raise SpecError(where, f"{module} cannot be imported as a Python file")
             mod = importlib.util.module_from_spec(spec)
@@ -239,7 +240,7 @@ def load_user_function(target: str, where: str = "run.reward_function") -> Calla
     solution_str, ground_truth, extra_info=None)``, by position and by keyword as verl calls it."""
     check_target(target, where)  # what can be known without running it: file, syntax, the name defined
     module, name = split_target(target, where)
-    fn = getattr(_import_target(module, where), name, None)
+    fn = getattr(import_user_module(module, where), name, None)
     if not callable(fn):
         raise SpecError(where, f"{module!r} has no function {name!r}" + (f" (it is {brief(fn, 40)})" if fn is not
                                                                            None else ""))

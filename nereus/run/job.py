@@ -28,6 +28,7 @@ from nereus.control.loop import ControlLoop, Observer, StepOutcome
 from nereus.control.record import RunRecord
 from nereus.rl.data import Prompt
 from nereus.rl.rewards import RewardRouter, correct
+from nereus.rl.user_registry import load_algorithm_modules
 from nereus.run.adaptive import AdaptationLog, engine_text, policy_for
 from nereus.run.backend import RuntimeBackend, plan_text
 from nereus.run.checkpoint import (
@@ -370,7 +371,8 @@ class RLJob(Observer):
         for note in self.notes:
             self.say(f"nereus: {note}")
         point = self._resume_point() if resume else None
-        self.reward = reward_router(self.job)  # user code runs only now: the job is accepted
+        load_algorithm_modules(self.job.run.algorithm_modules)  # user code runs only now: the job is accepted
+        self.reward = reward_router(self.job)
         start = self._restore(point) if point is not None else 0
         if point is None:
             self._fresh()

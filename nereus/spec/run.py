@@ -155,6 +155,8 @@ class RunSpec:
     kl_penalty: str = "k1"
     rule_reward: str = "auto"
     reward_function: str | None = None  # "package.module:function" with verl's signature (rl.rewards)
+    # user modules registering estimators and losses (spec.user_algorithms; resolved by the job reader)
+    algorithm_modules: tuple[str, ...] = ()
     reward_model_coef: float = 0.0
     eval_every: int = 5  # 0: only at the end
     checkpoint_dir: str = "runs/job"
@@ -396,7 +398,8 @@ def _warmstart(w: Fields) -> WarmStart:
     return warm
 
 
-def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpec:
+def read_run(f: Fields, stages: list[ModelStage], final_response: int, extra_losses: tuple[str, ...] = ()) -> RunSpec:
+    """``run:``; ``extra_losses``: the policy losses ``run.algorithm_modules`` declare."""
     data, warm = _data(f.sub("data")), _warmstart(f.sub("warmstart"))
     layouts, ranks = _layouts(f.sub("layouts"), stages)
     ckpt, ro = f.sub("checkpoint"), read_rollout_section(f)
@@ -419,7 +422,8 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int) -> RunSpe
         clip_ratio_low=f.get("clip_ratio_low", float, None, minimum=0, maximum=1),
         clip_ratio_c=_clip_ratio_c(f),
         loss_agg_mode=f.get("loss_agg_mode", str, "token-mean", choices=LOSS_AGG_MODES),
-        policy_loss=read_policy_loss(f),
+        policy_loss=read_policy_loss(f, extra_losses),
+        algorithm_modules=tuple(f.get_list("algorithm_modules", str, [])),
         norm_adv_by_std_in_grpo=f.get("norm_adv_by_std_in_grpo", bool, True),
         entropy_coeff=f.get("entropy_coeff", float, 0.0, minimum=0),
         value_clip=f.get("value_clip", float, 0.5, minimum=0),

@@ -91,8 +91,9 @@ def _check(p: Fields, rc: Fields, spec: PolicyLossSpec) -> None:
     if mode == "dro" and (spec.dro_beta is None or spec.dro_beta <= 0):
         raise SpecError(p.key_path("dro_beta"), "dro needs a quadratic-penalty coefficient above 0; set "
                                                 "run.policy_loss.dro_beta (e.g. 0.1)")
-    for key, loss in (("clip_cov_ratio", "clip_cov"), ("kl_cov_ratio", "kl_cov")):
-        if mode == loss and not getattr(spec, key) > 0:
+    for key, loss, ratio in (("clip_cov_ratio", "clip_cov", spec.clip_cov_ratio),
+                             ("kl_cov_ratio", "kl_cov", spec.kl_cov_ratio)):
+        if mode == loss and not ratio > 0:
             raise SpecError(p.key_path(key), f"{loss} selects this share of the tokens; give a value above 0")
     if mode == "sapo" and not (spec.tau_pos > 0 and spec.tau_neg > 0):
         raise SpecError(p.key_path("tau_pos" if spec.tau_pos <= 0 else "tau_neg"),
