@@ -23,6 +23,7 @@ from nereus.cost.memory import (
     stage_params,
     training_state_bytes,
 )
+from nereus.spec.algorithms import NEEDS_GREEDY_BASELINE
 from nereus.spec.engines import PRICING_ENGINE, engine_traits
 from nereus.spec.job import JobSpec, ResponseLength
 from nereus.spec.layout import Layout, ModelStage
@@ -303,6 +304,11 @@ def generation_cost(
     phases = _decode_phases(hw, arch, tp, job.options.weight_bytes, wl.prompt_length, b, max(1, min(slots, b)), resp,
                             resp.longest(total))
     terms = {**dict.fromkeys(("compute", "memory", "tp_comm", "pp_comm", "overhead"), 0.0), **phases.terms}
+    greedy = math.ceil(greedy_responses(job) / layout.dp)
+    if greedy:  # ReMax's greedy response per prompt: a generation pass of its own after the step's, with its own tail
+        extra = _decode_phases(hw, arch, tp, job.options.weight_bytes, wl.prompt_length, greedy,
+                               max(1, min(slots, greedy)), resp, resp.longest(greedy * layout.dp))
+        terms = {k: v + extra.terms.get(k, 0.0) for k, v in terms.items()}
     if p > 1:  # each decode step hands the live batch's activations through the p stages
         bulk_p2p = hw.p2p_time(phases.batch * arch.hidden * BF16 / tp, cross_node=False)
         terms["pp_comm"] = p * (phases.bulk_steps * bulk_p2p
@@ -313,9 +319,17 @@ def generation_cost(
     detail = {"batch_per_replica": b, "concurrent": phases.batch, "longest": resp.longest(total),
               "prefill_s": phases.prefill_s, "bulk_s": phases.bulk_s, "tail_s": phases.tail_s,
               "bulk_step_s": phases.bulk_step_s, "tail_step_s": phases.tail_step_s,
-              "memory_bound": 1.0 if phases.regime == "memory" else 0.0}
+              "memory_bound": 1.0 if phases.regime == "memory" else 0.0,
+              **({"greedy_s": extra.total_s} if greedy else {})}
     return StageCost(ms, layout, terms, weights, kv_used, {"weights": weights, "kv_cache": kv_used}, detail,
                      phases)
+
+
+def greedy_responses(job: JobSpec) -> int:
+    """Responses a step generates beyond those it trains: one greedy response per drawn prompt when the
+    advantage estimator's baseline is its score (ReMax, Li et al. 2023, arXiv:2310.10505; verl's
+    ``gen_max`` pass), else none."""
+    return job.workload.prompts_per_step if job.algorithm.adv_estimator in NEEDS_GREEDY_BASELINE else 0
 
 
 @lru_cache(maxsize=32768)  # a 40-step run on a 64-GPU trace asks for about 8,000 distinct ones

@@ -158,8 +158,8 @@ def grpo_vectorized_estimator(x: AdvantageInputs) -> dict[str, torch.Tensor]:
     std 1."""
     rewards = step_rewards(x)
     s = rewards.sum(-1).float()
-    _, inv = torch.unique(x.groups, return_inverse=True)
-    count = torch.bincount(inv).float()
+    _, inv, count = torch.unique(x.groups, return_inverse=True, return_counts=True)
+    count = count.float()
     total = torch.zeros_like(count).index_add_(0, inv, s)
     squares = torch.zeros_like(count).index_add_(0, inv, s * s)
     mean = total / count
@@ -191,9 +191,9 @@ def rloo_vectorized_estimator(x: AdvantageInputs) -> dict[str, torch.Tensor]:
     plain ``rloo`` keeps its score); otherwise equal to ``rloo``."""
     rewards = step_rewards(x)
     s = rewards.sum(-1).float()
-    _, inv = torch.unique(x.groups, return_inverse=True)
-    k = torch.bincount(inv)[inv].float()
-    total = torch.zeros(int(inv.max()) + 1 if len(inv) else 0).index_add_(0, inv, s)[inv]
+    _, inv, count = torch.unique(x.groups, return_inverse=True, return_counts=True)
+    k = count.float()[inv]
+    total = s.new_zeros(len(count)).index_add_(0, inv, s)[inv]
     adv = (k * s - total) / (k - 1).clamp(min=1) * (k > 1)
     return _outcome(x, adv, rewards)
 

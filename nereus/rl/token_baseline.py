@@ -84,7 +84,8 @@ def tir_optimal_token_baseline_estimator(x: AdvantageInputs, zero_tail: bool = T
     mask = x.mask.to(rewards.dtype)
     returns = reward_to_go(rewards, mask)
     lengths = mask.sum(-1).long()
-    aligned_mask = (torch.arange(int(lengths.max()) if len(lengths) else 0)[None, :] < lengths[:, None]).float()
+    width = int(lengths.max()) if len(lengths) else 0
+    aligned_mask = (torch.arange(width, device=mask.device)[None, :] < lengths[:, None]).to(mask.dtype)
     aligned_returns = _compact(returns, mask, lengths)
     baselines = group_token_baselines(aligned_returns, _compact(realized_energy(x), mask, lengths), aligned_mask,
                                       x.groups, lengths > 0, zero_tail)

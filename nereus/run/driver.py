@@ -23,6 +23,7 @@ from nereus.run.draws import PromptDraws
 from nereus.run.dynamic_sampling import DynamicSampling
 from nereus.run.generated import DECODE_METRICS, Generated
 from nereus.run.generation import StepGeneration
+from nereus.run.greedy_baseline import with_greedy_baseline
 from nereus.run.inference import Inferred, StepInference
 from nereus.run.midstep import METRICS
 from nereus.run.overlap import Calls
@@ -142,7 +143,8 @@ class RLStep:
         gen = self.sampling.generate(step, policy, levers) if self.sampling is not None else self.generate(
             step, self.generation.prompts(step), policy, levers)  # run.filter_groups: DAPO's dynamic sampling
         roll, rows = gen.rollout, gen.rows
-        inf = self.inference.infer(roll, rows, gen.early)
+        inf = with_greedy_baseline(self.job, step, rows, self.inference.infer(roll, rows, gen.early), self.generation,
+                                   self.inference)  # ReMax
         with self.clock.timer("adv"):
             beta = self.reward_kl.begin(step)
             adv = advantages(self.job, roll, rows, inf, beta)
@@ -171,7 +173,8 @@ class RLStep:
             roll, rows = gen.rollout, gen.rows
             if mode.ahead(step):
                 mode.issue(step + 1, version=step)
-            inf = self.inference.infer(roll, rows, gen.early)
+            inf = with_greedy_baseline(self.job, step, rows, self.inference.infer(roll, rows, gen.early),
+                                       self.generation, self.inference)  # ReMax
             with self.clock.timer("adv"):
                 beta = self.reward_kl.begin(step)
                 adv = advantages(self.job, roll, rows, inf, beta)

@@ -207,3 +207,14 @@ class StepGeneration:
         call = self.calls.submit("gen", "generate", self.keys["actor", "generation"],
                                  GenerateWithLogprobs(prompts, params))
         return Issued(call, rows, prompts, fixed)
+
+    def greedy(self, step: int, prompts: list[Prompt]) -> Rollout:
+        """ReMax's baseline responses (Li et al. 2023, arXiv:2310.10505): one greedy response to each of
+        ``prompts`` at the step's length limit, a generation pass of its own on the actor's generation layout,
+        timed as ``gen_max`` (verl's ``timing_s/gen_max``); ``prompts`` split evenly over the replicas."""
+        ids, params, _ = self.generation_inputs(step, prompts)
+        with self.clock.timer("gen_max"):
+            call = self.calls.submit("gen_max", "generate", self.keys["actor", "generation"],
+                                     GenerateWithLogprobs(ids, replace(params, temperature=0.0)))
+            out = [row for part in self.calls.wait([call])[0] for row in part.rows]
+        return pack(ids, [r for r, _ in out], [lp for _, lp in out], self.eos)

@@ -22,7 +22,8 @@ from nereus.run.overlap import Calls, EarlyInference, InferenceStage, cat_parts
 from nereus.run.rollout import Rollout
 from nereus.run.stage_keys import StageKeys
 from nereus.run.step_clock import StepClock
-from nereus.runtime.cluster.calls import Logprobs, LogprobsAndEntropy, Values
+from nereus.runtime.cluster.calls import Logprobs, LogprobsAndEntropy, LogprobsEntropyAndSumPiSquared, Values
+from nereus.spec.algorithms import NEEDS_SUM_PI_SQUARED
 from nereus.spec.job import JobSpec
 
 # a stage's answer, by its timer name: log-probs, values or scores [B, T(−1)]; the actor's (log-probs, entropy)
@@ -41,6 +42,10 @@ class Inferred:
     values: torch.Tensor | None = None  # the critic's values
     rule: torch.Tensor | None = None  # [B]: the rule-based reward (None with run.rule_reward: none)
     rm: torch.Tensor | None = None  # [B]: the reward model's score at the last token
+    # [B]: the score of the greedy response to each row's prompt (ReMax's baseline: run.greedy_baseline)
+    baseline_score: torch.Tensor | None = None
+    # Σ_v π_old(v)² at each response token, from the actor's inference pass (the optimal token baseline)
+    sum_pi_squared: torch.Tensor | None = None
 
 
 class StepInference:
@@ -59,8 +64,10 @@ class StepInference:
     def stages(self) -> list[InferenceStage]:
         """Each inference stage (timer, inference key, request), in the order they are issued. One pass
         of the actor gives the old log-probs and the rollout policy's full-vocabulary entropy; none with
-        ``algorithm.recompute_old_log_prob: false`` (the engine's log-probs are used, ``infer``)."""
-        out = [InferenceStage("old_log_prob", self.keys["actor", "inference"], LogprobsAndEntropy)
+        ``algorithm.recompute_old_log_prob: false`` (the engine's log-probs are used, ``infer``). An
+        estimator that reads Σ_v π(v)² (the optimal token baseline) has the same pass give it too."""
+        actor = LogprobsEntropyAndSumPiSquared if self.alg.adv_estimator in NEEDS_SUM_PI_SQUARED else LogprobsAndEntropy
+        out = [InferenceStage("old_log_prob", self.keys["actor", "inference"], actor)
                ] if self.alg.recompute_old_log_prob else []
         out += [InferenceStage("ref", self.keys["reference", "inference"], Logprobs)] if self.has("reference") else []
         out += [InferenceStage("values", self.keys["critic", "inference"], Values)] if self.has("critic") else []
@@ -71,16 +78,19 @@ class StepInference:
         """Every stage on ``roll`` (whose rows answer ``rows``); ``early``: the stages' calls already issued
         on finished generation replicas' rows (``run.overlap``)."""
         got, rule = self.overlapped(roll, rows, early) if self.run.overlap else self.sequential(roll, rows)
+        sum_pi_squared = None
         if "old_log_prob" in got:
-            logp, entropy = got["old_log_prob"]
+            logp, entropy, *more = got["old_log_prob"]
             old, entropy = roll.response_frame(logp), roll.response_frame(entropy)
+            sum_pi_squared = roll.response_frame(more[0]) if more else None
         else:  # the log-probs the engine recorded while sampling: the same weights, forward and logits
             old, entropy = roll.gen_logp * roll.mask, None
         rm = got.get("reward")
         rm = None if rm is None else rm[torch.arange(len(roll.tokens)), roll.last]
         return Inferred(old, self.score(roll, rule, rm), entropy,
                         ref_logp=roll.response_frame(got["ref"]) if "ref" in got else None,
-                        values=roll.response_frame(got["values"]) if "values" in got else None, rule=rule, rm=rm)
+                        values=roll.response_frame(got["values"]) if "values" in got else None, rule=rule, rm=rm,
+                        sum_pi_squared=sum_pi_squared)
 
     def sequential(self, roll: Rollout, rows: list[Prompt]) -> tuple[Answers, torch.Tensor | None]:
         """Each stage issued once the one before answered; the stages' answers and the rule reward."""
@@ -126,6 +136,16 @@ class StepInference:
             total = total + overlong_penalty(roll.response_len, self.max_response, ob.len, ob.penalty_factor)
         return total
 
+    def scores(self, roll: Rollout, rows: list[Prompt]) -> torch.Tensor:
+        """The scores of responses outside the step's rollout (ReMax's greedy responses) as ``score`` gives
+        the step's own: the rule reward and, with a reward model, its score from a pass of its own (timed
+        with the rule reward as ``reward``)."""
+        with self.clock.timer("reward"):
+            rule, rm = self.rule_scores(roll, rows), None
+            if self.has("reward"):
+                call = self.calls.submit("reward", "infer", self.keys["reward", "inference"], Values(roll.tokens))
+                rm = cat_parts(self.calls.wait([call])[0])[torch.arange(len(roll.tokens)), roll.last]
+        return self.score(roll, rule, rm)
 
     def filter_scores(self, roll: Rollout, rows: list[Prompt]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The scores dynamic sampling filters on, before inference (``run.dynamic_sampling``): the score

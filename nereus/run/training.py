@@ -69,7 +69,8 @@ def advantages(job: JobSpec, roll: Rollout, rows: list[Prompt], inf: Inferred,
         # the KL is a reward penalty only when it is not a loss term
         ref_logp=None if r.use_kl_loss else inf.ref_logp, kl_penalty=r.kl_penalty,
         kl_coef=r.kl_coef if kl_coef is None else kl_coef, gamma=r.gamma, lam=r.lam,
-        norm_adv_by_std=r.norm_adv_by_std_in_grpo)
+        norm_adv_by_std=r.norm_adv_by_std_in_grpo, baseline_scores=inf.baseline_score,
+        sum_pi_squared=inf.sum_pi_squared)
     return advantage_estimator(job.algorithm.adv_estimator)(x)
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, DEFAULT_ESTIMATOR, NEEDS_CRITIC, NEEDS_GROUPS
+from nereus.spec.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    DEFAULT_ESTIMATOR,
+    NEEDS_CRITIC,
+    NEEDS_GROUPS,
+    NEEDS_SUM_PI_SQUARED,
+)
 from nereus.spec.cluster import ClusterSpec, read_cluster
 from nereus.spec.engines import installed_distribution
 from nereus.spec.errors import SpecError
@@ -156,8 +162,11 @@ def _read_algorithm(f: Fields, models: dict[str, ModelArch]) -> Algorithm:
     )
     f.finish()
     if alg.adv_estimator in NEEDS_GROUPS and alg.samples_per_prompt < 2:
-        raise SpecError(f.key_path("samples_per_prompt"), f"{alg.adv_estimator} normalises each response's score "
-                        "within its prompt's group: give at least 2 responses per prompt (verl's rollout.n > 1)")
+        raise SpecError(f.key_path("samples_per_prompt"), f"{alg.adv_estimator} compares each response with the "
+                        "others to its prompt: give at least 2 responses per prompt (verl's rollout.n > 1)")
+    if alg.adv_estimator in NEEDS_SUM_PI_SQUARED and not alg.recompute_old_log_prob:
+        raise SpecError(f.key_path("recompute_old_log_prob"), f"{alg.adv_estimator} reads Σπ² from the actor's "
+                        "old-log-prob pass (verl's actor.calculate_sum_pi_squared): keep it true")
     return alg
 
 

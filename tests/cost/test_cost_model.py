@@ -138,3 +138,22 @@ def test_every_weight_sync_a_plan_names_is_priced():
     from nereus.spec.layout import WEIGHT_SYNCS
 
     assert set(WEIGHT_SYNCS) == {"direct", *SYNC_TIMES}  # "direct": plan_cost.sync_time, Nereus's own
+
+
+def test_remax_pays_for_a_greedy_response_per_prompt():
+    """ReMax's baseline is a second generation pass of one greedy response per drawn prompt: the stage
+    costs that pass's own decode on top of the step's (here n = 4, so about a quarter more tokens, plus
+    a second drain to the longest response)."""
+    from dataclasses import replace
+
+    from nereus.cost.stages import greedy_responses
+
+    job = ppo_job(8)
+    job = replace(job, algorithm=replace(job.algorithm, samples_per_prompt=4))
+    remax = replace(job, algorithm=replace(job.algorithm, adv_estimator="remax"))
+    hw = Hardware(job.cluster)
+    layout = Layout(tp=2, dp=4, recompute="none", zero1=False)
+    plain, extra = generation_cost(hw, job, ACTOR_GEN, layout), generation_cost(hw, remax, ACTOR_GEN, layout)
+    assert greedy_responses(job) == 0 and greedy_responses(remax) == job.workload.prompts_per_step
+    assert extra.time() == pytest.approx(plain.time() + extra.detail["greedy_s"], rel=1e-6)
+    assert 0.25 * plain.time() < extra.detail["greedy_s"] < plain.time()

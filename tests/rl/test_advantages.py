@@ -12,6 +12,7 @@ import torch
 
 from nereus.rl.core import ADVANTAGE_ESTIMATOR_FNS, AdvantageInputs, advantage_estimator
 from nereus.rl.token_baseline import optimal_token_baseline_estimator
+from nereus.spec import SpecError, job_from_dict
 from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, NEEDS_GROUPS
 
 WIDTH = 7
@@ -312,3 +313,31 @@ def test_estimators_do_not_depend_on_the_order_of_rows():
 
 def test_group_estimators_need_two_samples_per_prompt():
     assert {"grpo", "rloo", "opo", "gpg", "grpo_passk", "gdpo", "optimal_token_baseline"} <= set(NEEDS_GROUPS)
+
+
+# ----- the spec ----------------------------------------------------------------------------------------------
+
+def _spec(estimator: str, samples: int = 2, **algorithm) -> dict:
+    models = ("actor", "critic", "reference") if estimator == "gae" else ("actor", "reference")
+    return {"models": {m: {"preset": "qwen2.5-0.5b"} for m in models},
+            "algorithm": {"name": "ppo" if estimator == "gae" else "grpo", "adv_estimator": estimator,
+                          "samples_per_prompt": samples, **algorithm},
+            "workload": {"prompts_per_step": 4, "prompt_length": 8, "response_length": {"mean": 3, "max": 4}},
+            "cluster": {"gpu": "H100", "nodes": 1, "gpus_per_node": 4}}
+
+
+@pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS)
+def test_the_spec_accepts_every_estimator_under_its_verl_name(name):
+    assert job_from_dict(_spec(name)).algorithm.adv_estimator == name
+
+
+def test_the_spec_refuses_what_an_estimator_cannot_compute():
+    with pytest.raises(SpecError, match=r"^algorithm\.adv_estimator: 'vtrace' is not allowed; choose one of \['gae', "
+                                        r"'grpo', 'reinforce_plus_plus', .*'gdpo'\]$"):
+        job_from_dict(_spec("vtrace"))
+    with pytest.raises(SpecError, match=r"algorithm\.samples_per_prompt: rloo compares each response with the others"):
+        job_from_dict(_spec("rloo", samples=1))
+    assert job_from_dict(_spec("reinforce_plus_plus", samples=1)).algorithm.samples_per_prompt == 1
+    assert job_from_dict(_spec("remax", samples=1)).algorithm.samples_per_prompt == 1
+    with pytest.raises(SpecError, match=r"algorithm\.recompute_old_log_prob: optimal_token_baseline reads Σπ²"):
+        job_from_dict(_spec("optimal_token_baseline", recompute_old_log_prob=False))

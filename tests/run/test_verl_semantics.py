@@ -227,7 +227,8 @@ def test_spec_reads_verl_knobs():
 @pytest.mark.distributed
 def test_runtime_entropy_is_the_full_vocabulary_entropy_under_tensor_parallelism(ray_runtime, tmp_path):
     """The inference pass's entropy (vocabulary shards, three all-reduces) equals entropy_from_logits of
-    the single-process model's full logits, and its log-probs equal the plain ``logprobs`` op."""
+    the single-process model's full logits, its log-probs equal the plain ``logprobs`` op, and its Σ_v π(v)²
+    (the optimal token baseline's) equals the full softmax's."""
     from nereus.runtime.model.decoder import build_model
     from nereus.runtime.model.hf import save_checkpoint
     from nereus.spec.layout import Layout
@@ -242,6 +243,11 @@ def test_runtime_entropy_is_the_full_vocabulary_entropy_under_tensor_parallelism
         ref = reference(MQA)["fwd"]
         torch.testing.assert_close(h, entropy_from_logits(ref["logits"][:, :-1]), rtol=1e-4, atol=2e-5)
         torch.testing.assert_close(logp, ref["logprobs"], rtol=1e-4, atol=2e-5)
+        # the optimal token baseline's Σ_v π(v)², from the same pass's vocabulary shards
+        logp2, h2, sum_pi_squared = ray_runtime.logprobs_entropy_and_sum_pi_squared("ent", tokens)
+        pi = torch.softmax(ref["logits"][:, :-1].float(), -1)
+        torch.testing.assert_close(sum_pi_squared, (pi * pi).sum(-1), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close((logp2, h2), (logp, h))
     finally:
         ray_runtime.release("ent")
 

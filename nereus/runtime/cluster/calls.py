@@ -82,6 +82,18 @@ class LogprobsAndEntropy:
 
 
 @dataclass(frozen=True)
+class LogprobsEntropyAndSumPiSquared:
+    """Log-probs, entropies and Σ_v π(v)² [B, T−1] from one pass (``Worker.logprobs_entropy_and_sum_pi_squared``;
+    the optimal token baseline reads Σπ²)."""
+
+    tokens: torch.Tensor
+    changes_state: ClassVar[bool] = False
+
+    def issue(self, worker: ActorHandle, key: str) -> ObjectRef:
+        return worker.logprobs_entropy_and_sum_pi_squared.remote(key, self.tokens)
+
+
+@dataclass(frozen=True)
 class Values:
     """A value-head model's values [B, T] of ``tokens`` (``Worker.values``)."""
 
@@ -93,7 +105,7 @@ class Values:
 
 
 # the inference requests, each built from the tokens alone (``run.overlap`` re-issues one on row blocks)
-InferenceCall = type[Logprobs] | type[LogprobsAndEntropy] | type[Values]
+InferenceCall = type[Logprobs] | type[LogprobsAndEntropy] | type[LogprobsEntropyAndSumPiSquared] | type[Values]
 
 
 @dataclass(frozen=True)

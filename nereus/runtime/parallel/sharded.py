@@ -32,6 +32,7 @@ from nereus.runtime.parallel.pp import StageComm, forward_only, train_pipeline
 from nereus.runtime.parallel.tp import (
     gather_vocab,
     parallel_entropy,
+    parallel_entropy_and_sum_pi_squared,
     parallel_logprobs,
     reduce_replicated_kv_grads,
     vocab_range,
@@ -188,6 +189,21 @@ class ShardedModel:
         with torch.no_grad():
             return (parallel_logprobs(out, mine[:, 1:], self.vocab_start, self.groups.tp_group),
                     parallel_entropy(out, self.groups.tp_group))
+
+    def logprobs_entropy_and_sum_pi_squared(self, tokens: torch.Tensor,
+                                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``logprobs_and_entropy`` and Σ_v π(v)² [b, T−1] of each next-token distribution (the optimal
+        token baseline's input), from the same forward pass and the same vocabulary shards (last stage),
+        else None."""
+        outs = self.forward(tokens)
+        mine = tokens[self.replica_rows(len(tokens))].to(self.groups.device)
+        if not outs:
+            return None
+        out = torch.cat(outs)[:, :-1]
+        with torch.no_grad():
+            entropy, sum_pi_squared = parallel_entropy_and_sum_pi_squared(out, self.groups.tp_group)
+            return (parallel_logprobs(out, mine[:, 1:], self.vocab_start, self.groups.tp_group), entropy,
+                    sum_pi_squared)
 
     def values(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """Value-head outputs [b, T] of this replica's rows (last stage), else None."""

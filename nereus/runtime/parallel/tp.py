@@ -174,6 +174,24 @@ def parallel_entropy(logits: torch.Tensor, group: dist.ProcessGroup | None) -> t
     return total[0].log() - total[1] / total[0]
 
 
+def parallel_entropy_and_sum_pi_squared(logits: torch.Tensor,
+                                        group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``parallel_entropy`` and Σ_v π(v)² of each full-vocabulary distribution (the optimal token baseline's
+    input; verl's ``calculate_sum_pi_squared``, exp(logsumexp(2z) − 2·logsumexp(z))) from one pass over the
+    vocabulary shards ``logits`` [..., V_local]: with s = z − max, S = Σ e^s, W = Σ e^s·s and Q = Σ e^{2s},
+    each summed over the TP ranks, H = log S − W / S and Σπ² = Q / S². For inference (no gradient)."""
+    z = logits.float()
+    peak = z.max(dim=-1).values
+    if _active(group):
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    shifted = z - peak[..., None]
+    e = shifted.exp()
+    total = torch.stack([e.sum(-1), (e * shifted).sum(-1), (e * e).sum(-1)])
+    if _active(group):
+        dist.all_reduce(total, group=group)
+    return total[0].log() - total[1] / total[0], total[2] / total[0] ** 2
+
+
 def gather_vocab(logits: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Full-vocabulary logits from the shards of every TP rank (uneven shards padded for all_gather)."""
     if not _active(group):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from nereus.runtime.cluster.calls import Logprobs, LogprobsAndEntropy, Values
+from nereus.runtime.cluster.calls import Logprobs, LogprobsAndEntropy, LogprobsEntropyAndSumPiSquared, Values
 from nereus.runtime.cluster.runtime_roles.core import RuntimeCore
 
 
@@ -21,6 +21,13 @@ class InferenceOps(RuntimeCore):
         stage computes both)."""
         parts = self._on(key, LogprobsAndEntropy(tokens))
         return torch.cat([lp for lp, _ in parts]), torch.cat([h for _, h in parts])
+
+    def logprobs_entropy_and_sum_pi_squared(self, key: str,
+                                            tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``logprobs_and_entropy`` and Σ_v π(v)² [B, T−1] from the same pass (verl computes Σπ² in the
+        old-log-prob pass with ``actor.calculate_sum_pi_squared``)."""
+        parts = self._on(key, LogprobsEntropyAndSumPiSquared(tokens))
+        return tuple(torch.cat([p[i] for p in parts]) for i in range(3))
 
     def values(self, key: str, tokens: torch.Tensor) -> torch.Tensor:
         return torch.cat(self._on(key, Values(tokens)))

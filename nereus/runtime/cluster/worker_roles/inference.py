@@ -11,7 +11,8 @@ from nereus.runtime.cluster.worker_roles.core import WorkerCore
 
 class InferenceRole(WorkerCore):
     """Log-probs, entropies and values of a key's model (requests ``calls.Logprobs``,
-    ``LogprobsAndEntropy``, ``Values``); reads only ``models`` and changes nothing."""
+    ``LogprobsAndEntropy``, ``LogprobsEntropyAndSumPiSquared``, ``Values``); reads only ``models`` and changes
+    nothing."""
 
     def logprobs(self, key: str, tokens: torch.Tensor) -> ReplicaOutput[torch.Tensor] | None:
         return self._on(key, lambda sm: self._output(sm, sm.logprobs(tokens)))
@@ -19,6 +20,10 @@ class InferenceRole(WorkerCore):
     def logprobs_and_entropy(self, key: str,
                              tokens: torch.Tensor) -> ReplicaOutput[tuple[torch.Tensor, torch.Tensor]] | None:
         return self._on(key, lambda sm: self._output(sm, sm.logprobs_and_entropy(tokens)))
+
+    def logprobs_entropy_and_sum_pi_squared(self, key: str, tokens: torch.Tensor,
+                                            ) -> ReplicaOutput[tuple[torch.Tensor, ...]] | None:
+        return self._on(key, lambda sm: self._output(sm, sm.logprobs_entropy_and_sum_pi_squared(tokens)))
 
     def values(self, key: str, tokens: torch.Tensor) -> ReplicaOutput[torch.Tensor] | None:
         return self._on(key, lambda sm: self._output(sm, sm.values(tokens)))
