@@ -89,7 +89,8 @@ def training_jobs(job: JobSpec, roll: Rollout, inf: Inferred, adv: dict[str, tor
     high = r.clip_ratio if r.clip_ratio_high is None else r.clip_ratio_high
     loss = losses.policy_loss(clip_low=low, clip_high=high, kl_loss_coef=kl_coef, kl_loss_type=r.kl_loss_type,
                               clip_ratio_c=r.clip_ratio_c, entropy_coeff=r.entropy_coeff,
-                              loss_mode=r.policy_loss.loss_mode, loss_options=r.policy_loss.options())
+                              loss_mode=r.policy_loss.loss_mode, loss_options=r.policy_loss.options(),
+                              loss_agg_mode=r.loss_agg_mode)
     out["actor"] = TrainingJob(batch, loss, r.actor_lr)
     return out
 

@@ -26,6 +26,7 @@ from nereus.spec.rollout import check_rollout_engine
 from nereus.spec.run import RunSpec, read_run
 from nereus.spec.run_dapo import check_dapo, check_keep_rate
 from nereus.spec.trace import load_trace
+from nereus.spec.user_algorithms import DeclaredAlgorithms, read_algorithm_modules
 from nereus.spec.user_code import check_target, resolve_target
 
 # PPO's epochs over one step's batch: published runs use 1-4; a count past 1,000 is a typo, and each epoch
@@ -131,7 +132,7 @@ def _read_response(f: Fields, base_dir: Path) -> ResponseLength:
     return ResponseLength(mean, longest, dist, sigma)
 
 
-def _read_algorithm(f: Fields, models: dict[str, ModelArch]) -> Algorithm:
+def _read_algorithm(f: Fields, models: dict[str, ModelArch], extra_estimators: tuple[str, ...] = ()) -> Algorithm:
     name = f.get("name", str, choices=ALGORITHMS)
     # By default every defined role takes part (GRPO has no critic); a training-only job trains its model.
     default = list(models)[:1] if name == "train" else [
@@ -157,7 +158,7 @@ def _read_algorithm(f: Fields, models: dict[str, ModelArch]) -> Algorithm:
                                  maximum=MAX_SEQUENCES),
         mini_batches=f.get("mini_batches", int, 1, minimum=1, maximum=MAX_SEQUENCES),
         epochs=f.get("epochs", int, 1, minimum=1, maximum=MAX_EPOCHS),
-        adv_estimator=_read_estimator(f, name, used),
+        adv_estimator=_read_estimator(f, name, used, extra_estimators),
         recompute_old_log_prob=f.get("recompute_old_log_prob", bool, True),
     )
     f.finish()
@@ -170,12 +171,13 @@ def _read_algorithm(f: Fields, models: dict[str, ModelArch]) -> Algorithm:
     return alg
 
 
-def _read_estimator(f: Fields, name: str, used: list[str]) -> str:
+def _read_estimator(f: Fields, name: str, used: list[str], extra: tuple[str, ...] = ()) -> str:
+    """``algorithm.adv_estimator``: a built-in name or one ``run.algorithm_modules`` declares (``extra``)."""
     if name == "train":
         if f.has("adv_estimator"):
             raise SpecError(f.key_path("adv_estimator"), "a training-only job has no advantages; remove the key")
         return ""
-    estimator = f.get("adv_estimator", str, DEFAULT_ESTIMATOR[name], choices=ADVANTAGE_ESTIMATORS)
+    estimator = f.get("adv_estimator", str, DEFAULT_ESTIMATOR[name], choices=(*ADVANTAGE_ESTIMATORS, *extra))
     if estimator in NEEDS_CRITIC and "critic" not in used:
         raise SpecError(f.key_path("adv_estimator"), f"{estimator} needs a 'critic' under algorithm.models")
     return estimator
@@ -268,7 +270,8 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
             paths[str(name)] = path
     if not models:
         raise SpecError("models", "define at least one model")
-    algorithm = _read_algorithm(root.sub("algorithm", required=True), models)
+    modules, declared = _algorithm_modules(root, base_dir)
+    algorithm = _read_algorithm(root.sub("algorithm", required=True), models, declared.adv_estimators)
     _check_paths({m: p for m, p in paths.items() if m in algorithm.models}, algorithm.models)
     job = JobSpec(
         name=root.get("name", str, "job"),
@@ -282,7 +285,9 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
     if root.has("run"):
         if algorithm.name == "train":
             raise SpecError("run", "`nereus run` runs RL jobs (ppo, grpo); this is a training-only job")
-        job = replace(job, run=read_run(root.sub("run"), job.model_stages(), job.workload.response.max))
+        job = replace(job, run=read_run(root.sub("run"), job.model_stages(), job.workload.response.max,
+                                        declared.policy_losses))
+        job = replace(job, run=replace(job.run, algorithm_modules=modules))
         job = replace(job, run=_reward_function(job.run, base_dir))
         run = job.run
         for name, layout in run.layouts.items():
@@ -312,6 +317,15 @@ def check_old_log_prob(alg: Algorithm, run: RunSpec) -> None:
             raise SpecError(key, f"false needs the native engine's on-policy samples (its log-probs are then "
                                  f"the trainer's), which {name} rules out: "
                                  "set it to true or change that key")
+
+
+def _algorithm_modules(root: Fields, base_dir: Path) -> tuple[tuple[str, ...], DeclaredAlgorithms]:
+    """``run.algorithm_modules`` resolved, and the estimators and losses their decorators declare, read
+    before the sections that name them (``spec.user_algorithms``: no user code runs)."""
+    run = root.data.get("run") if isinstance(root.data, dict) else None
+    if not isinstance(run, dict) or run.get("algorithm_modules") is None:
+        return (), DeclaredAlgorithms()
+    return read_algorithm_modules(run["algorithm_modules"], base_dir)
 
 
 def _reward_function(run: RunSpec, base_dir: Path) -> RunSpec:
