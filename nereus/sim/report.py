@@ -180,8 +180,8 @@ def keep_rate_line(run: dict) -> str | None:
         return None
     rates = [m["train/filter_groups_keep_rate"] for m in rows]
     batches = [m.get("train/num_gen_batches", 1.0) for m in rows]
-    return (f"dynamic sampling ({run['policy']}): keep-rate {100 * rates[0]:.0f}% at step {int(rows[0]['step'])} -> "
-            f"{100 * rates[-1]:.0f}% at step {int(rows[-1]['step'])} (mean {100 * sum(rates) / len(rates):.0f}%), "
+    return (f"dynamic sampling ({run['policy']}): keep-rate {100 * rates[0]:.1f}% at step {int(rows[0]['step'])} -> "
+            f"{100 * rates[-1]:.1f}% at step {int(rows[-1]['step'])} (mean {100 * sum(rates) / len(rates):.1f}%), "
             f"{sum(batches) / len(batches):.1f} generation batches a step (at most {max(batches):.0f})")
 
 

@@ -84,7 +84,8 @@ def test_dynamic_sampling_shows_its_keep_rate_per_step(tmp_path):
     outputs = write_report([str(folder / "run_record.json")], tmp_path / "c")
     text = outputs["markdown"].read_text()
     assert "keep_rate" in outputs and "![keep_rate](keep_rate.png)" in text
-    assert "keep-rate 50% at step 1 -> 11% at step 40 (mean 49%), 2.2 generation batches a step (at most 9)" in text
+    assert ("keep-rate 50.0% at step 1 -> 11.1% at step 40 (mean 49.0%), 2.2 generation batches a step "
+            "(at most 9)") in text
     (tmp_path / "plain").mkdir()
     plain = write_report([str(run_folder(tmp_path / "plain", None) / "run_record.json")], tmp_path / "d")
     assert "keep_rate" not in plain and "keep-rate" not in plain["markdown"].read_text()
