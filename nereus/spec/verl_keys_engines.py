@@ -99,8 +99,8 @@ ENGINE_KEYS: dict[str, VerlKey] = {
     **_each("entropy_checkpointing", _ENGINE, (_A, _REF)),
     **_each("entropy_from_logits_with_chunking", _ENGINE, (_A, _REF)),
     f"{_A}.use_prefix_grouper": ignored("computes a group's shared prompt once: time only"),
-    f"{_A}.calculate_sum_pi_squared": ignored("computed in the training forward when algorithm.adv_estimator "
-                                              "needs it (optimal_token_baseline)"),
+    f"{_A}.calculate_sum_pi_squared": ignored("computed in the actor's old-log-prob pass when "
+                                              "algorithm.adv_estimator needs it (optimal_token_baseline)"),
     f"{_REF}.strategy": ignored("Nereus's own engine (TP/PP/DP layouts) replaces verl's fsdp/megatron workers"),
     f"{_M}.use_fused_kernels": _ENGINE,
     f"{_M}.use_shm": _ENGINE,
