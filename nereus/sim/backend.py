@@ -186,10 +186,8 @@ class SimBackend:
             trained = float(kept.sum() * prompt + lengths[kept].sum())
             _scale_later_stages(stage_times, phases, trained / tokens)
             tokens = trained
-        if keep_rate < 1:  # dynamic sampling: the step generates until it keeps its groups (sim.dynamic_sampling)
-            drawn_batches = draw_batches(self._rng(step, 8), keep_rate, job.workload.prompts_per_step)
-            scale_generation(stage_times, phases, drawn_batches.batches)
-            detail = {**detail, **drawn_batches.metrics()}
+        if keep_rate < 1:
+            detail = {**detail, **self._dynamic_sampling(step, keep_rate, job, stage_times, phases)}
         lag = (1.0,) if rnd is None else rnd.policy_lag
         step_s = sum(phases.values())
         rollout_gpus = len(plan.placement(ROLLOUT).gpus) if runs_one_step_off(plan) else None
@@ -205,6 +203,14 @@ class SimBackend:
                            job.sequences_per_step(), tokens, max(est.device_peak_bytes), plan.num_gpus, detail,
                            entries, lag, plan.levers)
 
+
+    def _dynamic_sampling(self, step: int, keep_rate: float, job: JobSpec, stage_times: dict[str, float],
+                          phases: dict[str, float]) -> dict[str, float]:
+        """Dynamic sampling: the step generates batches until it keeps its groups (``sim.dynamic_sampling``);
+        generation scaled by the batches drawn, whose figures it returns for the step's detail."""
+        drawn = draw_batches(self._rng(step, 8), keep_rate, job.workload.prompts_per_step)
+        scale_generation(stage_times, phases, drawn.batches)
+        return drawn.metrics()
     def _round(self, plan: Plan, lengths: np.ndarray, prompt: float) -> GenerationRound | None:
         """This step's partial-rollout round (``sim.carry``), None when nothing is budgeted or carried."""
         pr = plan.levers.partial_rollout if plan.levers is not None else None
