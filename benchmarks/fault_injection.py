@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=20, help="restart baseline: steps between checkpoints")
     p.add_argument("--relaunch-s", type=float, default=300.0, help="restart baseline: relaunch seconds")
+    p.add_argument("--fault-draws", type=int, default=1,
+                   help="also summarise this many failure draws (seeds SEED, SEED+1, ...) on the same run")
     p.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = p.parse_args(argv)
     if args.gpus < 16 or args.gpus % 8:
@@ -52,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--steps {args.steps}: give 1 to 1000 (the trace's length)")
     if not 0 <= args.failure_fraction <= 10:
         p.error(f"--failure-fraction {args.failure_fraction}: give a share of machines in [0, 10]")
+    if not 1 <= args.fault_draws <= 1000:
+        p.error(f"--fault-draws {args.fault_draws}: give 1 to 1000")
     if args.checkpoint_every < 1:
         p.error(f"--checkpoint-every {args.checkpoint_every}: give at least 1")
     return args
@@ -73,6 +77,22 @@ def young_interval(checkpoint_s: float, mtbf_s: float, step_s: float) -> int:
     """Steps between checkpoints that minimise the time lost, sqrt(2 · checkpoint cost · MTBF) (Young
     1974, "A first order approximation to the optimum checkpoint interval", CACM 17(9))."""
     return max(1, round((2 * checkpoint_s * mtbf_s) ** 0.5 / step_s))
+
+
+def draws_summary(timeline, model: FaultModel, live_cost, restart_cost, nodes: int, run_s: float, seed: int,
+                  draws: int) -> str:
+    """ETTR over ``draws`` failure draws of the same failure-free run: mean, lowest and highest."""
+    kw = {"straggler_slowdown": model.straggler_slowdown, "straggler_spot_s": model.straggler_spot_s}
+    live, restart = [], []
+    for s in range(seed, seed + draws):
+        faults = draw_faults(model, nodes, run_s, 50 * run_s, s)
+        live.append(replay_live(timeline, faults, live_cost, **kw).ettr)
+        restart.append(replay_restart(timeline, faults, restart_cost, **kw).ettr)
+    wins = sum(a > b for a, b in zip(live, restart, strict=True))
+    return (f"over {draws} failure draws (seeds {seed}-{seed + draws - 1}): Nereus ETTR mean "
+            f"{100 * sum(live) / draws:.1f}% ({100 * min(live):.1f}-{100 * max(live):.1f}%, at least 95% in "
+            f"{sum(x >= 0.95 for x in live)}), checkpoint-restart {100 * sum(restart) / draws:.1f}% "
+            f"({100 * min(restart):.1f}-{100 * max(restart):.1f}%); Nereus ahead in {wins}")
 
 
 def table(live: ReplayResult, restart: ReplayResult) -> list[str]:
@@ -129,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(table(live, restart)))
     print(f"checkpoint-restart at Young's interval (every {young} steps): ETTR {100 * restart_young.ettr:.1f}%, "
           f"{restart_young.steps_lost} steps lost")
+    if args.fault_draws > 1:
+        print(draws_summary(timeline, model, live_cost, restart_cost, nodes, run_s, args.seed, args.fault_draws))
     if args.json:
         print(json.dumps({"nereus_ettr": round(live.ettr, 4), "restart_ettr": round(restart.ettr, 4),
                           "failures": live.failure_count, "steps_lost": live.steps_lost,
