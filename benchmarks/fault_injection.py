@@ -24,22 +24,32 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nereus.control.forecast import LengthSchedule  # noqa: E402
+from nereus.control.record import RunRecord  # noqa: E402
 from nereus.control.transition_cost import TransitionCoster  # noqa: E402
 from nereus.sim.baselines import make_policy  # noqa: E402
 from nereus.sim.fault_costs import live_recovery, restart_recovery, timeline_from_record  # noqa: E402
-from nereus.sim.fault_replay import ReplayResult, replay_live, replay_restart  # noqa: E402
+from nereus.sim.fault_replay import (  # noqa: E402
+    LiveRecovery,
+    ReplayResult,
+    RestartRecovery,
+    StepTimeline,
+    replay_live,
+    replay_restart,
+)
 from nereus.sim.faults import KINDS, WHILE_RECOVERING, FaultModel, draw_faults, llama3_gpu_hours_per_failure  # noqa: E402
 from nereus.sim.run import simulate  # noqa: E402
 from nereus.spec import load_job  # noqa: E402
+from nereus.spec.job import JobSpec  # noqa: E402
 from nereus.spec.layout import Plan  # noqa: E402
-from nereus.spec.trace import load_trace  # noqa: E402
+from nereus.spec.trace import Trace, load_trace  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=1024, help="GPUs of the job (whole nodes of 8)")
     p.add_argument("--failure-fraction", type=float, default=0.1,
-                   help="share of the job's machines failing over the failure-free run")
+                   help="share of the job's machines failing over the failure-free run (a shorter "
+                        "--steps packs as many failures into less time)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=20, help="restart baseline: steps between checkpoints")
@@ -61,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def worst_live_recovery(job, trace, record, steps: int, coster: TransitionCoster):
+def worst_live_recovery(job: JobSpec, trace: Trace, record: RunRecord, steps: int,
+                        coster: TransitionCoster) -> tuple[LiveRecovery, Plan]:
     """Nereus's costs for the plan in force whose loss of a node costs most to re-shard."""
     gpn = job.cluster.gpus_per_node
     policy = make_policy("nereus", job, LengthSchedule(trace), steps, coster)
@@ -79,8 +90,8 @@ def young_interval(checkpoint_s: float, mtbf_s: float, step_s: float) -> int:
     return max(1, round((2 * checkpoint_s * mtbf_s) ** 0.5 / step_s))
 
 
-def draws_summary(timeline, model: FaultModel, live_cost, restart_cost, nodes: int, run_s: float, seed: int,
-                  draws: int) -> str:
+def draws_summary(timeline: StepTimeline, model: FaultModel, live_cost: LiveRecovery, restart_cost: RestartRecovery,
+                  nodes: int, run_s: float, seed: int, draws: int) -> str:
     """ETTR over ``draws`` failure draws of the same failure-free run: mean, lowest and highest."""
     kw = {"straggler_slowdown": model.straggler_slowdown, "straggler_spot_s": model.straggler_spot_s}
     live, restart = [], []
