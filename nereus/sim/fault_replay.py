@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from nereus.sim.faults import KINDS, STRAGGLER, WHILE_RECOVERING, Fault, kind_of
+from nereus.sim.faults import KINDS, STRAGGLER, WHILE_RECOVERING, FaultEvent, kind_of
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def phase_at(parts: list[Part], elapsed: float) -> tuple[int, str]:
 class _Replay:
     """What both mechanisms track: the clock, the next failure, and what the failures cost."""
 
-    def __init__(self, timeline: StepTimeline, faults: tuple[Fault, ...], straggler_slowdown: float,
+    def __init__(self, timeline: StepTimeline, faults: tuple[FaultEvent, ...], straggler_slowdown: float,
                  straggler_spot_s: float) -> None:
         self.timeline, self.faults = timeline, faults
         self.slowdown, self.spot_after = straggler_slowdown, straggler_spot_s
@@ -138,7 +138,7 @@ class _Replay:
         self.spot_at: float | None = None  # a slow node is spotted then
         self.slowed = False  # the current step runs with a straggler
 
-    def take(self, end: float) -> Fault | None:
+    def take(self, end: float) -> FaultEvent | None:
         """The next fail-stop before ``end``, consumed; one that fell while recovering lands now. A
         straggler on the way slows the steps that start after it, until it is spotted."""
         while self.next < len(self.faults) and self.faults[self.next].t_s < end:
@@ -171,7 +171,7 @@ class _Replay:
                             self.steps_lost, self.samples_lost, self.overhead)
 
 
-def replay_live(timeline: StepTimeline, faults: tuple[Fault, ...], cost: LiveRecovery,
+def replay_live(timeline: StepTimeline, faults: tuple[FaultEvent, ...], cost: LiveRecovery,
                 straggler_slowdown: float = 1.5, straggler_spot_s: float = 600.0) -> ReplayResult:
     """Nereus: lose at most the step in flight; run on the survivors until a replacement joins."""
     r = _Replay(timeline, faults, straggler_slowdown, straggler_spot_s)
@@ -233,7 +233,7 @@ def _book_live_step(r: _Replay, parts: list[Part], elapsed: float, factor: float
     r.overhead += elapsed - worked - replan
 
 
-def replay_restart(timeline: StepTimeline, faults: tuple[Fault, ...], cost: RestartRecovery,
+def replay_restart(timeline: StepTimeline, faults: tuple[FaultEvent, ...], cost: RestartRecovery,
                    straggler_slowdown: float = 1.5, straggler_spot_s: float = 600.0) -> ReplayResult:
     """Checkpoint-restart: every failure sends the job back to its last complete disk checkpoint."""
     r = _Replay(timeline, faults, straggler_slowdown, straggler_spot_s)

@@ -110,12 +110,15 @@ class FaultModel:
 
 
 @dataclass(frozen=True)
-class Fault:
+class FaultEvent:
+    """One injected failure: when it strikes and what it takes down (the runtime's own fault hooks are
+    ``runtime.comm.faults.Fault``)."""
+
     t_s: float  # wall-clock seconds from the job's start
     effect: str  # "process", "node", "partition" or "straggler"
 
 
-def draw_faults(model: FaultModel, nodes: int, run_s: float, horizon_s: float, seed: int) -> tuple[Fault, ...]:
+def draw_faults(model: FaultModel, nodes: int, run_s: float, horizon_s: float, seed: int) -> tuple[FaultEvent, ...]:
     """Failures up to ``horizon_s`` (the longest a compared run may take): a Poisson process at
     ``model.rate_per_s``. The unit-rate arrival times and the causes are drawn from ``seed`` alone, so
     every system meets the same failures at the same wall-clock times."""
@@ -125,7 +128,7 @@ def draw_faults(model: FaultModel, nodes: int, run_s: float, horizon_s: float, s
     rng = np.random.default_rng([seed, 52])
     effects = list(model.shares().items())
     cumulative = np.cumsum([p for _, p in effects])
-    faults: list[Fault] = []
+    faults: list[FaultEvent] = []
     unit_t = 0.0
     while True:  # the arrival draw and the cause draw alternate, so each event's cause is its own
         unit_t += rng.exponential(1.0)
@@ -133,7 +136,7 @@ def draw_faults(model: FaultModel, nodes: int, run_s: float, horizon_s: float, s
         if unit_t / rate > horizon_s:
             return tuple(faults)
         index = min(int(np.searchsorted(cumulative, u, side="right")), len(effects) - 1)
-        faults.append(Fault(unit_t / rate, effects[index][0]))
+        faults.append(FaultEvent(unit_t / rate, effects[index][0]))
 
 
 def kind_of(effect: str, phase: str) -> str:

@@ -17,7 +17,7 @@ from nereus.sim.faults import (
     STRAGGLER,
     TRANSITION_CRASH,
     WEIGHT_SYNC_CRASH,
-    Fault,
+    FaultEvent,
     FaultModel,
     draw_faults,
     llama3_gpu_hours_per_failure,
@@ -62,7 +62,7 @@ def test_the_rate_is_quoted_against_llama_3():
 
 def test_restart_loses_the_steps_since_the_last_checkpoint():
     tl = timeline()
-    r = replay_restart(tl, (Fault(72.0, "process"),), RESTART)  # step 7 in flight, checkpoint after step 5
+    r = replay_restart(tl, (FaultEvent(72.0, "process"),), RESTART)  # step 7 in flight, checkpoint after step 5
     assert r.failures == {ROLLOUT_CRASH: 1}
     assert r.steps_lost == 3 and r.samples_lost == 3 * 64  # steps 5 and 6, and 7 in flight
     assert r.wall_s == pytest.approx(tl.productive_s + 20.0 + 2.0 + 300.0 + 20.0)
@@ -71,7 +71,7 @@ def test_restart_loses_the_steps_since_the_last_checkpoint():
 
 def test_nereus_loses_at_most_the_step_in_flight():
     tl = timeline()
-    r = replay_live(tl, (Fault(72.0, "process"),), LIVE)
+    r = replay_live(tl, (FaultEvent(72.0, "process"),), LIVE)
     assert r.failures == {ROLLOUT_CRASH: 1} and r.steps_lost == 1 and r.samples_lost == 64
     on_survivors = 13 * 10.0 * (16 / 15 - 1)  # steps 7..19 on 15 of 16 nodes (no replacement comes)
     assert r.wall_s == pytest.approx(tl.productive_s + 2.0 + LIVE.recover_s() + on_survivors)
@@ -96,24 +96,24 @@ def test_ettr_is_a_fraction_and_live_recovery_beats_restart(seed: int):
 
 def test_a_kinds_recovery_cost_is_applied():
     tl = timeline()
-    process = replay_live(tl, (Fault(72.0, "process"),), LIVE)
-    node = replay_live(tl, (Fault(72.0, "node"),), LIVE)
+    process = replay_live(tl, (FaultEvent(72.0, "process"),), LIVE)
+    node = replay_live(tl, (FaultEvent(72.0, "node"),), LIVE)
     assert node.failures == {NODE_LOSS: 1}
     assert node.wall_s - process.wall_s == pytest.approx(LIVE.detect_node_s - LIVE.detect_process_s, rel=1e-3)
-    sync = replay_live(tl, (Fault(79.5, "process"),), LIVE)  # the last second of step 7 sends weights
+    sync = replay_live(tl, (FaultEvent(79.5, "process"),), LIVE)  # the last second of step 7 sends weights
     assert sync.failures == {WEIGHT_SYNC_CRASH: 1}
 
 
 def test_a_crash_during_a_transition_keeps_the_finished_step():
     tl = timeline(transition_after=7)
-    r = replay_live(tl, (Fault(81.0, "process"),), LIVE)  # step 7 ended at 80 s; its transition runs
+    r = replay_live(tl, (FaultEvent(81.0, "process"),), LIVE)  # step 7 ended at 80 s; its transition runs
     assert r.failures == {TRANSITION_CRASH: 1} and r.steps_lost == 0
     assert r.wall_s == pytest.approx(accounted(r))
 
 
 def test_a_straggler_slows_steps_until_it_is_spotted():
     tl = timeline(100)
-    fault = (Fault(50.0, "straggler"),)
+    fault = (FaultEvent(50.0, "straggler"),)
     live = replay_live(tl, fault, LIVE, straggler_slowdown=2.0, straggler_spot_s=100.0)
     restart = replay_restart(tl, fault, RESTART, straggler_slowdown=2.0, straggler_spot_s=100.0)
     assert live.failures == restart.failures == {STRAGGLER: 1}
