@@ -49,6 +49,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         rl = RLJob(job, out_dir=args.out, workers=args.workers, address=args.address)
     except DataError as err:
         raise SpecError("run.data", str(err)) from None
+    from nereus.run.user_check import check_user_code
+
+    check_user_code(job.run)  # imported and checked in a child process, before the header (run.user_check)
     workers = f"{rl.run.workers} local workers"
     if rl.run.adapt is not None:
         workers = (f"{rl.run.adapt.workers_at(0, rl.run.workers)} local workers (up to {rl.run.max_workers}), "

@@ -109,6 +109,7 @@ class RLJob(Observer):
         check_loggers(self.run.logger)  # a missing wandb/mlflow fails now, not after the warm-start
         check_rule_reward(job, self.train + self.val)
         # the user's reward function (run.reward_function) is imported by ``execute`` once every check passed
+        # (and before the header, in a child process: run.user_check)
         self.reward: RewardRouter | None = None
         self._own_runtime = runtime is None
         self.rt = runtime
@@ -228,7 +229,7 @@ class RLJob(Observer):
             raise
 
     def _resume_point(self) -> tuple[int, Path, list[str]]:
-        """Everything a resume checks before any process starts or user code runs: the checkpoint
+        """Everything a resume checks before any worker starts or the run imports user code: the checkpoint
         ``checkpoint.resumable`` picks (warning about each broken one it skips), ``init/``, ``state.json``,
         and ``metrics.jsonl`` (a damaged one is refused, never cut). Returns (step, folder, metric lines kept)."""
         step, path, warnings = resumable(self.dir)

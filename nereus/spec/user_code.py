@@ -5,8 +5,9 @@ without running it.
 relative path resolves against the job file's folder, as ``models.<name>.path`` does. Validating a job
 never executes user code: a file must be a readable regular ``.py`` file that compiles, and must bind
 ``function`` at its top level (``def``, an assignment or an import); a module's top-level package must be
-findable. The code runs once the whole job is accepted (``rl.rewards.load_user_function``), so a refused
-job never ran it.
+findable. The code runs once the job and the run's set-up are accepted, first in a child process before
+the run's header (``run.user_check``), then in the run (``rl.rewards.load_user_function``): a job refused
+when it loads never ran it.
 """
 
 from __future__ import annotations

@@ -203,7 +203,36 @@ MARKER = ("import pathlib\npathlib.Path(__file__).with_name('imported').write_te
           "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
 
 
-def test_a_reward_file_is_not_executed_when_its_job_is_refused(tmp_path, no_runtime):
+@pytest.fixture
+def child_in_process(monkeypatch):
+    """The user-code check's child (``run.user_check``) runs its same function in this process: one real
+    child per test below at most, the suite stays fast."""
+    from nereus.run import user_check
+
+    monkeypatch.setattr(user_check, "_ask_child", lambda request, where, timeout: user_check._check_in_child(request))
+
+
+@pytest.mark.parametrize("source", [
+    "x = 1\n",  # the attribute is missing
+    "compute_score = 3\n",  # not callable
+    "def compute_score(a, b):\n    return 0\n",  # the wrong signature
+    "compute_score = max\n",  # a builtin
+    "import sys\nsys.exit(3)\n" + MARKER,  # exits at import
+])
+def test_bad_reward_code_is_refused_in_a_child_before_the_header(tmp_path, no_runtime, source):
+    """A real child process imports the file: one error line naming the key, no header, the driver alive."""
+    _refused_run(_reward_job(tmp_path, source), "run.reward_function")  # no preamble: the header never printed
+
+
+def test_a_bad_algorithm_module_is_refused_in_the_same_child_before_the_header(tmp_path, no_runtime):
+    (tmp_path / "algos.py").write_text("from nereus.rl.core import register_policy_loss\n"
+                                       "@register_policy_loss('two_args')\ndef f(logp, adv):\n    return 0, {}\n")
+    job = _reward_job(tmp_path, MARKER, algorithm_modules=["algos.py"])
+    _refused_run(job, "run.algorithm_modules[0]", "two_args", "must accept")
+    assert not (tmp_path / "imported").exists()  # the modules are checked first; the reward was not reached
+
+
+def test_a_reward_file_is_not_executed_when_its_job_is_refused(tmp_path, no_runtime, child_in_process):
     """The file writes a marker when imported; each refusal below comes before the job is accepted."""
     job = _reward_job(tmp_path, MARKER)
     doc = yaml.safe_load(job.read_text())
@@ -212,9 +241,9 @@ def test_a_reward_file_is_not_executed_when_its_job_is_refused(tmp_path, no_runt
     doc["run"]["top_p"] = 1.0
     doc["run"]["data"] = {"train": str(tmp_path / "missing.jsonl")}  # refused in set-up
     assert_refused(run_cli("run", write_yaml(tmp_path / "bad.yaml", doc)), "missing.jsonl")
-    (tmp_path / "out").mkdir(exist_ok=True)  # a resume with no checkpoint: refused after set-up, before user code
-    assert_refused(run_cli("run", job, "--resume"), "no complete checkpoint", preamble=True)
     assert not (tmp_path / "imported").exists()
+    (tmp_path / "out").mkdir(exist_ok=True)  # a resume with no checkpoint: refused after the user-code check
+    assert_refused(run_cli("run", job, "--resume"), "no complete checkpoint", preamble=True)
     r = run_cli("run", job)  # accepted: imported once, then the tripwire where workers would start
     assert (tmp_path / "imported").read_text() == "ran" and r.code == 70 and "ReachedTheRuntime" in r.err
 
@@ -233,9 +262,10 @@ def test_a_reward_file_is_not_executed_when_its_job_is_refused(tmp_path, no_runt
     ("class compute_score:\n    pass\n", "not a Python function"),
     ("compute_score = 3\n", "has no function 'compute_score' (it is 3)"),
 ])
-def test_a_reward_module_that_misbehaves_at_import_is_one_line_naming_it(tmp_path, no_runtime, source, needle):
+def test_a_reward_module_that_misbehaves_at_import_is_one_line_naming_it(tmp_path, no_runtime, child_in_process,
+                                                                         source, needle):
     job = _reward_job(tmp_path, source)
-    _refused_run(job, "run.reward_function", needle, preamble=True)
+    _refused_run(job, "run.reward_function", needle)  # before the header
 
 
 def test_a_syntax_error_is_refused_when_the_job_loads_without_running_the_file(tmp_path, no_runtime):
@@ -245,20 +275,20 @@ def test_a_syntax_error_is_refused_when_the_job_loads_without_running_the_file(t
     assert not (tmp_path / "imported").exists()
 
 
-def test_a_builtin_is_refused_as_a_reward(tmp_path, no_runtime):
-    _refused_run(_reward_job(tmp_path, None, "builtins:max"), "builtins:max", "not a Python function", preamble=True)
+def test_a_builtin_is_refused_as_a_reward(tmp_path, no_runtime, child_in_process):
+    _refused_run(_reward_job(tmp_path, None, "builtins:max"), "builtins:max", "not a Python function")
 
 
-def test_a_reward_import_that_never_ends_is_refused(tmp_path, no_runtime, monkeypatch):
+def test_a_reward_import_that_never_ends_is_refused(tmp_path, no_runtime, child_in_process, monkeypatch):
     import nereus.rl.rewards as rewards
 
     monkeypatch.setattr(rewards, "IMPORT_TIMEOUT_S", 0.5)
     t0 = time.monotonic()
-    _refused_run(_reward_job(tmp_path, "while True:\n    pass\n" + MARKER), "took more than", preamble=True)
+    _refused_run(_reward_job(tmp_path, "while True:\n    pass\n" + MARKER), "took more than")
     assert time.monotonic() - t0 < 60
 
 
-def test_a_relative_reward_file_resolves_against_the_job_file(tmp_path, no_runtime, monkeypatch):
+def test_a_relative_reward_file_resolves_against_the_job_file(tmp_path, no_runtime, child_in_process, monkeypatch):
     sub = tmp_path / "jobs"
     sub.mkdir()
     (sub / "reward.py").write_text(MARKER)

@@ -574,11 +574,14 @@ def _tripwire(*args: object, **kwargs: object) -> None:
 def no_runtime(monkeypatch):
     import ray
 
+    from nereus.run import user_check
     from nereus.run.job import RLJob
 
     monkeypatch.setattr(RLJob, "_fresh", _tripwire)
     monkeypatch.setattr(RLJob, "_start", _tripwire)
     monkeypatch.setattr(ray, "init", _tripwire)
+    # the user-code check's child runs its same function here (real children: test_bad_input_in_a_real_process)
+    monkeypatch.setattr(user_check, "_ask_child", lambda request, where, timeout: user_check._check_in_child(request))
 
 
 @pytest.fixture(scope="module")
