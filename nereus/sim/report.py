@@ -9,11 +9,12 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 from nereus.sim.explain import ROUND_KEYS, duration, generation_table, markdown_table, notes, rounds_of
-from nereus.spec.errors import SpecError
+from nereus.spec.errors import SpecError, brief, cut
 from nereus.spec.fields import MAX_GPUS, MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS, Fields, read_json_file
 from nereus.spec.files import MAX_RECORD_BYTES, read_text_file
 from nereus.spec.generation import DECISION_KINDS, GenerationEntry
@@ -26,6 +27,7 @@ STEP_KEYS = ("step_time_s", "transition_s", "response_mean", "response_max")
 # A step or phase over 10^12 s (30,000 years) is not a run; bounding it keeps the plots' axis arithmetic finite.
 MAX_SECONDS = 1e12
 MAX_FIGURE = 1e18  # a backend's figure (tokens, bytes, seconds): past an exabyte it is not a measurement
+MAX_SKIP_NOTES = 5  # warnings about skipped metrics lines or fields, then a count
 
 
 def load_run(path: str | Path) -> dict:
@@ -81,22 +83,7 @@ def _check_generation_entry(e: Fields) -> None:
         e.get(key, int, minimum=0, maximum=MAX_STEPS if key == "step" else MAX_TOKENS)
     e.get("model_stage", str)
     e.get("overhead_s", float, 0.0, minimum=0, maximum=MAX_SECONDS)
-    d = e.sub("decision", required=True)
-    d.get("kind", str, choices=DECISION_KINDS)
-    for key in ("gain_s", "cost_s"):
-        d.get(key, float, 0.0, minimum=-MAX_SECONDS, maximum=MAX_SECONDS)
-    d.get("bytes", int, 0, minimum=0)
-    look = d.sub("look")
-    for key in ("iterations", "live_at_most"):
-        look.get(key, int, 0, minimum=0, maximum=MAX_TOKENS)
-    for j, move in enumerate(d.get("moves", list, [])):
-        m = Fields(move, f"{d.path}.moves[{j}]")
-        record = m.get_list("seq", (int, float))
-        if not 5 <= len(record) <= 7 or any(v < 0 for v in record):
-            raise SpecError(m.key_path("seq"), "expected a sequence record [id, replica, prompt, generated, "
-                            "cached, rng_bytes, forecast] of non-negative numbers")
-        m.get("dst", int, minimum=0, maximum=MAX_GPUS)
-        m.get("refill", bool)
+    _check_decision(e.sub("decision", required=True))
     o = e.sub("outcome", required=True)
     o.get("applied", bool)
     o.get("reason", str, "")
@@ -111,30 +98,85 @@ def _check_generation_entry(e: Fields) -> None:
         raise SpecError(e.path, f"not a decision inside a step ({type(err).__name__}: {err})"[:300]) from None
 
 
+# the fields of the decision kinds (``spec.generation``) besides look, moves and declined: type and range
+DECISION_FIELDS: dict[str, tuple[type, float, float]] = {
+    "reason": (str, 0, 0), "gain_s": (float, -MAX_SECONDS, MAX_SECONDS), "cost_s": (float, -MAX_SECONDS, MAX_SECONDS),
+    "bytes": (int, 0, MAX_FIGURE), "groups": (int, 0, MAX_SEQUENCES), "sequences": (int, 0, MAX_SEQUENCES)}
+
+
+def _check_decision(d: Fields, kinds: tuple[str, ...] = tuple(DECISION_KINDS)) -> None:
+    """A decision (``GenerationDecision.to_json``): every field of every kind its type and in range, null
+    refused where a value belongs; a declined move (``continue``) checked as a move itself."""
+    d.get("kind", str, choices=kinds)
+    for key, (kind, low, high) in DECISION_FIELDS.items():
+        if d.has(key) and d.data[key] is None:
+            raise SpecError(d.key_path(key), f"is null; expected {'text' if kind is str else 'a number'}")
+        d.get(key, kind, None, **({} if kind is str else {"minimum": low, "maximum": high}))
+    look = d.sub("look")
+    for key in ("iterations", "live_at_most"):
+        look.get(key, int, 0, minimum=0, maximum=MAX_TOKENS)
+    for j, move in enumerate(d.get("moves", list, [])):
+        m = Fields(move, f"{d.path}.moves[{j}]")
+        record = m.get_list("seq", (int, float))
+        if not 5 <= len(record) <= 7 or any(v < 0 for v in record):
+            raise SpecError(m.key_path("seq"), "expected a sequence record [id, replica, prompt, generated, "
+                            "cached, rng_bytes, forecast] of non-negative numbers")
+        m.get("dst", int, minimum=0, maximum=MAX_GPUS)
+        m.get("refill", bool)
+    if d.data.get("declined") is not None:
+        _check_decision(d.sub("declined"), ("move_sequences",))
+
+
 # ----- a real run: what its folder holds beside the record --------------------------------------------------
 
 def load_metrics(record_path: str | Path) -> list[dict[str, float]]:
     """The per-step metrics a real run wrote beside its record (``metrics.jsonl``, one line a step, its
     ``step`` counted from 1), the last line of a step kept; numbers only. [] when there is no such file;
-    a line that is not a metrics record is skipped (the record itself was checked)."""
+    a line that is not a metrics record, or a field that is neither a number nor text, is skipped with a
+    warning naming the file, line and field (the record itself was checked and refuses)."""
     path = Path(record_path).parent / "metrics.jsonl"
     if not path.is_file():
         return []
     try:
         text = read_text_file(path, "metrics", MAX_RECORD_BYTES)
-    except SpecError:
+    except SpecError as err:
+        print(f"nereus: warning: {err}; the learning curves are left out", file=sys.stderr)
         return []
     rows: dict[int, dict[str, float]] = {}
-    for line in text.splitlines():
-        try:
-            d = json.loads(line)
-        except (ValueError, RecursionError):
-            continue
-        step = d.get("step") if isinstance(d, dict) else None
-        if type(step) is int and 0 <= step <= MAX_STEPS:
-            rows[step] = {k: float(v) for k, v in d.items() if type(v) in (int, float)
-                          and math.isfinite(v) and abs(v) <= MAX_FIGURE}
+    skipped: list[str] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        row = _metrics_row(line, f"{path}:{n}", skipped)
+        if row is not None:
+            rows[int(row["step"])] = row
+    for note in skipped[:MAX_SKIP_NOTES]:
+        print(f"nereus: warning: {note}", file=sys.stderr)
+    if len(skipped) > MAX_SKIP_NOTES:
+        print(f"nereus: warning: {path}: {len(skipped) - MAX_SKIP_NOTES} more skipped", file=sys.stderr)
     return [rows[k] for k in sorted(rows)]
+
+
+def _metrics_row(line: str, where: str, skipped: list[str]) -> dict[str, float] | None:
+    """The numbers of one ``metrics.jsonl`` line, or None; what is skipped is noted in ``skipped`` by file,
+    line and field (text values, such as ``nereus/plan``, are kept out silently: they are no curve)."""
+    try:
+        d = json.loads(line)
+    except (ValueError, RecursionError):
+        skipped.append(f"{where}: not JSON; line skipped")
+        return None
+    step = d.get("step") if isinstance(d, dict) else None
+    if not isinstance(d, dict) or not (type(step) is int and 0 <= step <= MAX_STEPS):
+        what = "step: " + (f"expected a step number 0..{MAX_STEPS}, got {brief(step)}" if isinstance(d, dict)
+                           else f"expected a JSON object, got {type(d).__name__}")
+        skipped.append(f"{where}: {what}; line skipped")
+        return None
+    row = {}
+    for key, value in d.items():
+        if type(value) in (int, float) and math.isfinite(value) and abs(value) <= MAX_FIGURE:
+            row[key] = float(value)
+        elif not isinstance(value, str):
+            skipped.append(f"{where}: {cut(key, 100)}: expected a finite number, got {brief(value)}; "
+                           "field skipped")
+    return row
 
 
 def start_accuracy(record_path: str | Path) -> tuple[float, bool] | None:
