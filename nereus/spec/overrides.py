@@ -153,6 +153,7 @@ class VerlOverrides:
         self.degrees = LayoutDegrees()
         self.bypass = False  # verl's algorithm.rollout_correction.bypass_mode
         self.correction: dict[str, Any] = {}  # its rollout_is, rollout_is_threshold
+        self.kl: dict[str, Any] = {}  # algorithm.use_kl_in_reward and algorithm.kl_ctrl.kl_coef, as given
         self.notes: list[str] = []
         self.touched: dict[str, set[str]] = {}
 
@@ -197,12 +198,11 @@ class VerlOverrides:
         elif key == "algorithm.use_kl_in_reward":
             if not isinstance(value, bool):
                 raise SpecError(key, f"expected true or false, got {value!r}")
-            run = self.out.get("run")
-            current = run.get("kl_coef") if isinstance(run, dict) else None
-            if not value:
-                self._put(key, "run.kl_coef", 0.0)
-            elif not current:  # on, and no coefficient yet: verl's default
-                self._put(key, "run.kl_coef", VERL_DEFAULT_KL_COEF)
+            self.kl[key] = value  # resolved with kl_ctrl.kl_coef in ``finish``: the order of the two is no matter
+        elif key == "algorithm.kl_ctrl.kl_coef":
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise SpecError(key, f"expected a number, got {value!r}")
+            self.kl[key] = value
         elif key == "algorithm.rollout_correction.bypass_mode":  # bypass: the rollout's log-probs are pi_old
             if not isinstance(value, bool):
                 raise SpecError(key, f"expected true or false, got {value!r}")
@@ -244,11 +244,32 @@ class VerlOverrides:
     def finish(self, problems: list[SpecError]) -> None:
         """Resolve the keys that read others: verl's mini-batch size, the reward function's path and name,
         and the parallel degrees (``verl_layouts``); each problem is added to ``problems``."""
-        for part in (self._mini_batches, self._reward_function, self._layouts, self._rollout_correction):
+        for part in (self._mini_batches, self._reward_function, self._layouts, self._rollout_correction,
+                     self._kl_in_reward):
             try:
                 part()
             except SpecError as err:
                 problems.append(err)
+
+    def _kl_in_reward(self) -> None:
+        """verl's reward KL: ``use_kl_in_reward`` gates ``kl_ctrl.kl_coef`` (``run.kl_coef``; 0 is off), whatever
+        the order given. Off (verl's default when absent, unless the job's own ``run.kl_coef`` turns the
+        penalty on): the coefficient is not used, as in verl; on without one: the job's, else verl's 0.001."""
+        use, coef = self.kl.get("algorithm.use_kl_in_reward"), self.kl.get("algorithm.kl_ctrl.kl_coef")
+        run = self.out.get("run")
+        current = run.get("kl_coef") if isinstance(run, dict) else None
+        job_on = isinstance(current, (int, float)) and not isinstance(current, bool) and current > 0
+        if use is False or (use is None and coef is not None and not job_on):
+            if coef is not None:
+                why = "is false" if use is False else "is not given (verl's default: false)"
+                self.notes.append(f"nereus: ignoring algorithm.kl_ctrl.kl_coef={coef!r}: algorithm.use_kl_in_reward "
+                                  f"{why}, so verl does not use it; add algorithm.use_kl_in_reward=true to use it")
+            if use is False:
+                self._put("algorithm.use_kl_in_reward", "run.kl_coef", 0.0)
+        elif coef is not None:
+            self._put("algorithm.kl_ctrl.kl_coef", "run.kl_coef", coef)
+        elif use and not job_on:  # on, and no coefficient: verl's default
+            self._put("algorithm.use_kl_in_reward", "run.kl_coef", VERL_DEFAULT_KL_COEF)
 
     def _mini_batches(self) -> None:
         if not self.mini:

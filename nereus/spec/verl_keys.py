@@ -48,9 +48,10 @@ TABLE: dict[str, VerlKey] = {
     "algorithm.lam": _mapped("run.lam"),
     "algorithm.norm_adv_by_std_in_grpo": _mapped("run.norm_adv_by_std_in_grpo"),
     "algorithm.kl_penalty": _mapped("run.kl_penalty", "verl's default kl = Nereus's k1"),
-    "algorithm.kl_ctrl.kl_coef": _mapped("run.kl_coef", "0 (Nereus's default) is off"),
-    "algorithm.use_kl_in_reward": VerlKey(DERIVED, "run.kl_coef", "false sets run.kl_coef=0; true sets verl's "
-                                                                  "default 0.001 unless a coefficient is set"),
+    "algorithm.kl_ctrl.kl_coef": VerlKey(DERIVED, "run.kl_coef", "used only under use_kl_in_reward=true (or a job "
+                                                                 "whose run.kl_coef is on), in any order"),
+    "algorithm.use_kl_in_reward": VerlKey(DERIVED, "run.kl_coef", "false sets run.kl_coef=0; true sets "
+                                                                  "kl_ctrl.kl_coef, else the job's, else verl's 0.001"),
     "algorithm.kl_ctrl.type": _mapped("run.kl_ctrl.type", "fixed, or adaptive (Ziegler et al. 2019, "
                                                           "arXiv:1909.08593)"),
     "algorithm.kl_ctrl.target_kl": _mapped("run.kl_ctrl.target_kl", "adaptive only"),

@@ -97,6 +97,27 @@ def test_verl_in_reward_kl_switch():
         apply_overrides(base, ["algorithm.use_kl_in_reward=maybe"])
 
 
+# verl's reward KL: use_kl_in_reward (true / false / absent) gates kl_ctrl.kl_coef (given / absent), in either
+# order. (job's run.kl_coef, use_kl_in_reward, kl_ctrl.kl_coef) -> run.kl_coef; absent use: verl's false, unless
+# the job itself has the penalty on. None: the key is not given; the job's kl_coef 0 is off, 0.05 on.
+KL_CASES = [
+    (0.0, True, 0.02, 0.02), (0.0, True, None, 0.001), (0.05, True, None, 0.05), (0.05, True, 0.02, 0.02),
+    (0.0, False, 0.02, 0.0), (0.05, False, 0.02, 0.0), (0.05, False, None, 0.0), (0.0, False, None, 0.0),
+    (0.0, None, 0.02, 0.0), (0.05, None, 0.02, 0.02), (0.05, None, None, 0.05), (0.0, None, None, 0.0),
+]
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["use-first", "coef-first"])
+@pytest.mark.parametrize(("job", "use", "coef", "want"), KL_CASES)
+def test_use_kl_in_reward_gates_the_kl_coefficient_in_either_order(job, use, coef, want, reverse, capsys):
+    given = ([] if use is None else [f"algorithm.use_kl_in_reward={use}"]) + \
+            ([] if coef is None else [f"algorithm.kl_ctrl.kl_coef={coef}"])
+    out = apply_overrides({"run": {"steps": 1, "kl_coef": job}}, given[::-1] if reverse else given)
+    assert out["run"]["kl_coef"] == want
+    ignored = "ignoring algorithm.kl_ctrl.kl_coef" in capsys.readouterr().err
+    assert ignored == (coef is not None and want != coef)  # a coefficient verl would not use is said so
+
+
 def test_every_verl_key_is_in_the_docs_table():
     docs = (Path(__file__).resolve().parents[2] / "docs" / "rl.md").read_text()
     assert markdown() in docs  # docs/rl.md holds the table as nereus.devtools.verl_keys_table writes it
