@@ -1,6 +1,6 @@
 """Make a tiny HF model directory and a verl-format GSM8K-style dataset for examples/grpo_gsm8k_hf.yaml.
 
-    python examples/make_tiny_hf.py runs/tiny_hf
+    python examples/make_tiny_hf.py runs/tiny_hf     (--help: the options)
 
 writes ``runs/tiny_hf/model/`` (a randomly initialised Qwen2ForCausalLM saved with ``save_pretrained``,
 plus a byte-level BPE tokenizer trained with the ``tokenizers`` package on the task's text, saved as a
@@ -12,6 +12,7 @@ downloaded model (e.g. Qwen2.5-0.5B-Instruct) and ``run.data`` at verl's preproc
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 from pathlib import Path
@@ -86,7 +87,23 @@ def make(out: str | Path, rows: int = 48, val: int = 8, seed: int = 0) -> Path:
     return out
 
 
-if __name__ == "__main__":
-    target = make(sys.argv[1] if len(sys.argv) > 1 else "runs/tiny_hf")
+def main(argv: list[str] | None = None) -> int:
+    """The command line: parsed first, so ``--help`` or a bad flag prints and creates nothing."""
+    parser = argparse.ArgumentParser(
+        prog="make_tiny_hf.py", description="Make a tiny HF model directory (random Qwen2 + BPE tokenizer with a "
+                                            "chat template) and verl-format GSM8K-style train/val Parquet files.")
+    parser.add_argument("out", nargs="?", default="runs/tiny_hf", help="output folder (default: runs/tiny_hf)")
+    parser.add_argument("--rows", type=int, default=48, help="training rows (default: 48)")
+    parser.add_argument("--val", type=int, default=8, help="held-out rows (default: 8)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights (default: 0)")
+    args = parser.parse_args(argv)
+    if args.rows < 1 or args.val < 1 or args.rows + args.val > 361:  # 19 x 19 distinct sums of 1..19
+        parser.error("--rows and --val must be at least 1 and together at most 361")
+    target = make(args.out, args.rows, args.val, args.seed)
     print(f"wrote {target}/model (Qwen2 + BPE tokenizer with a chat template), {target}/train.parquet, "
           f"{target}/val.parquet")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

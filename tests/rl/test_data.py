@@ -187,6 +187,22 @@ def hf_tokenizer_dir(tmp_path_factory):
     return folder
 
 
+def test_make_tiny_hf_help_prints_and_creates_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import EXAMPLES
+
+    script = EXAMPLES / "make_tiny_hf.py"
+    done = subprocess.run([sys.executable, str(script), "--help"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0 and "usage: make_tiny_hf.py" in done.stdout and "--rows" in done.stdout
+    bad = subprocess.run([sys.executable, str(script), str(tmp_path / "x"), "--rows", "0"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "--rows and --val" in bad.stderr
+    assert list(tmp_path.iterdir()) == []  # neither runs/tiny_hf nor the named folder
+
+
 def test_verl_rows_render_through_the_chat_template(tmp_path, hf_tokenizer_dir):
     from nereus.rl.tokenizer import HFTokenizer, Tokenizer
 
