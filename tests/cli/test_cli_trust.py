@@ -224,6 +224,12 @@ def test_bad_reward_code_is_refused_in_a_child_before_the_header(tmp_path, no_ru
     _refused_run(_reward_job(tmp_path, source), "run.reward_function")  # no preamble: the header never printed
 
 
+def test_good_reward_code_passes_the_child_and_the_run_goes_on(tmp_path, no_runtime):
+    r = run_cli("run", _reward_job(tmp_path, MARKER))
+    assert r.code == 70 and "ReachedTheRuntime" in r.err and r.err.startswith("nereus run: ")  # the header, then on
+    assert (tmp_path / "imported").read_text() == "ran"
+
+
 def test_a_bad_algorithm_module_is_refused_in_the_same_child_before_the_header(tmp_path, no_runtime):
     (tmp_path / "algos.py").write_text("from nereus.rl.core import register_policy_loss\n"
                                        "@register_policy_loss('two_args')\ndef f(logp, adv):\n    return 0, {}\n")
