@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nereus.spec.errors import SpecError, brief
-from nereus.spec.files import read_text_file
-from nereus.spec.user_code import MAX_SOURCE_BYTES
+from nereus.spec.user_code import parse_user_file
 
 ADV_DECORATOR, LOSS_DECORATOR = "register_adv_est", "register_policy_loss"
 
@@ -89,18 +88,7 @@ def _decorated_names(tree: ast.AST, path: Path, where: str) -> DeclaredAlgorithm
 def declared_algorithms(target: str, where: str) -> DeclaredAlgorithms:
     """The names one module or file registers, read from its source (see the module docstring)."""
     path = Path(target) if target.endswith(".py") else _module_file(target, where)
-    if not path.exists():
-        raise SpecError(where, f"file {str(path)!r} not found (a relative path starts at the job file's folder)")
-    try:
-        text = read_text_file(path, "Python", MAX_SOURCE_BYTES)
-    except SpecError as err:
-        raise SpecError(where, str(err)) from None
-    try:
-        tree = ast.parse(text, filename=str(path))
-    except SyntaxError as err:
-        raise SpecError(where, f"{path}:{err.lineno}: syntax error ({err.msg}); fix the file") from None
-    except (ValueError, RecursionError, MemoryError) as err:
-        raise SpecError(where, f"{path}: not a Python file ({brief(str(err))})") from None
+    tree = parse_user_file(path, where)
     names = _decorated_names(tree, path, where)
     if not names.adv_estimators and not names.policy_losses:
         raise SpecError(where, f"{path} registers nothing: decorate a function with @{ADV_DECORATOR}(\"name\") or "

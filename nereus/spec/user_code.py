@@ -57,7 +57,9 @@ def check_target(target: str, where: str) -> None:
                                "(a file is written 'path/file.py:function')")
 
 
-def _check_file(path: Path, name: str, where: str) -> None:
+def parse_user_file(path: Path, where: str) -> ast.Module:
+    """The syntax tree of the user's Python file ``path``, read without running it; a missing, unreadable
+    or unparsable file is one SpecError naming ``where``."""
     if not path.exists():
         raise SpecError(where, f"file {str(path)!r} not found (a relative path starts at the job file's folder)")
     try:  # a directory, FIFO or binary file is refused here
@@ -65,11 +67,15 @@ def _check_file(path: Path, name: str, where: str) -> None:
     except SpecError as err:
         raise SpecError(where, str(err)) from None
     try:
-        tree = ast.parse(text, filename=str(path))
+        return ast.parse(text, filename=str(path))
     except SyntaxError as err:
         raise SpecError(where, f"{path}:{err.lineno}: syntax error ({err.msg}); fix the file") from None
     except (ValueError, RecursionError, MemoryError) as err:  # a NUL byte; nesting past the parser's limit
         raise SpecError(where, f"{path}: not a Python file ({brief(str(err))})") from None
+
+
+def _check_file(path: Path, name: str, where: str) -> None:
+    tree = parse_user_file(path, where)
     bound = _top_level_bindings(tree.body)
     if name not in bound:
         defined = sorted(n for n, kind in bound.items() if kind == "def")

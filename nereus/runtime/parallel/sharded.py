@@ -170,22 +170,28 @@ class ShardedModel:
 
     def logprobs(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """log p(tokens[:, t+1] | tokens[:, :t+1]) [b, T−1] of this replica's rows (last stage), else None."""
+        found = self._next_token_logits(tokens)
+        if found is None:
+            return None
+        out, mine = found
+        with torch.no_grad():
+            return parallel_logprobs(out, mine[:, 1:], self.vocab_start, self.groups.tp_group)
+
+    def _next_token_logits(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(this replica's logit shards of each next-token distribution [b, T−1, V_local], its rows of
+        ``tokens``) from one forward pass (last stage), else None."""
         outs = self.forward(tokens)
-        mine = tokens[self.replica_rows(len(tokens))].to(self.groups.device)
         if not outs:
             return None
-        out = torch.cat(outs)
-        with torch.no_grad():
-            return parallel_logprobs(out[:, :-1], mine[:, 1:], self.vocab_start, self.groups.tp_group)
+        return torch.cat(outs)[:, :-1], tokens[self.replica_rows(len(tokens))].to(self.groups.device)
 
     def logprobs_and_entropy(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``logprobs`` and the full-vocabulary entropy [b, T−1] of each next-token distribution, from one
         forward pass (last stage), else None."""
-        outs = self.forward(tokens)
-        mine = tokens[self.replica_rows(len(tokens))].to(self.groups.device)
-        if not outs:
+        found = self._next_token_logits(tokens)
+        if found is None:
             return None
-        out = torch.cat(outs)[:, :-1]
+        out, mine = found
         with torch.no_grad():
             return (parallel_logprobs(out, mine[:, 1:], self.vocab_start, self.groups.tp_group),
                     parallel_entropy(out, self.groups.tp_group))
@@ -195,11 +201,10 @@ class ShardedModel:
         """``logprobs_and_entropy`` and Σ_v π(v)² [b, T−1] of each next-token distribution (the optimal
         token baseline's input), from the same forward pass and the same vocabulary shards (last stage),
         else None."""
-        outs = self.forward(tokens)
-        mine = tokens[self.replica_rows(len(tokens))].to(self.groups.device)
-        if not outs:
+        found = self._next_token_logits(tokens)
+        if found is None:
             return None
-        out = torch.cat(outs)[:, :-1]
+        out, mine = found
         with torch.no_grad():
             entropy, sum_pi_squared = parallel_entropy_and_sum_pi_squared(out, self.groups.tp_group)
             return (parallel_logprobs(out, mine[:, 1:], self.vocab_start, self.groups.tp_group), entropy,

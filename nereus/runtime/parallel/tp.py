@@ -159,16 +159,22 @@ def parallel_logprobs(logits: torch.Tensor, tokens: torch.Tensor, start: int,
     return picked - sum_exp.log()
 
 
+def _shifted_by_global_max(logits: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """z − max over the whole vocabulary (every TP rank's shard) of ``logits`` [..., V_local] in fp32, so the
+    exponentials cannot overflow; the max only shifts, so it is detached."""
+    z = logits.float()
+    peak = z.detach().max(dim=-1).values
+    if _active(group):
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    return z - peak[..., None]
+
+
 def parallel_entropy(logits: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Entropy H = log Σ e^z − Σ softmax(z)·z of the full-vocabulary distribution (verl's
     ``entropy_from_logits``) from vocabulary shards ``logits`` [..., V_local], without gathering them:
     with s = z − max, H = log S − W / S for S = Σ e^s and W = Σ e^s·s, each summed over the TP ranks
     (differentiable: the sums go through ``reduce_from_tp``; the max only shifts, so it is detached)."""
-    z = logits.float()
-    peak = z.detach().max(dim=-1).values
-    if _active(group):
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    shifted = z - peak[..., None]
+    shifted = _shifted_by_global_max(logits, group)
     e = shifted.exp()
     total = reduce_from_tp(torch.stack([e.sum(-1), (e * shifted).sum(-1)]), group)
     return total[0].log() - total[1] / total[0]
@@ -180,11 +186,7 @@ def parallel_entropy_and_sum_pi_squared(logits: torch.Tensor,
     input; verl's ``calculate_sum_pi_squared``, exp(logsumexp(2z) − 2·logsumexp(z))) from one pass over the
     vocabulary shards ``logits`` [..., V_local]: with s = z − max, S = Σ e^s, W = Σ e^s·s and Q = Σ e^{2s},
     each summed over the TP ranks, H = log S − W / S and Σπ² = Q / S². For inference (no gradient)."""
-    z = logits.float()
-    peak = z.max(dim=-1).values
-    if _active(group):
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    shifted = z - peak[..., None]
+    shifted = _shifted_by_global_max(logits, group)
     e = shifted.exp()
     total = torch.stack([e.sum(-1), (e * shifted).sum(-1), (e * e).sum(-1)])
     if _active(group):
