@@ -28,6 +28,7 @@ import inspect
 from collections.abc import Callable
 from pathlib import Path
 
+from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from nereus.spec.errors import SpecError, brief
 from nereus.spec.user_algorithms import ADV_DECORATOR, LOSS_DECORATOR, declared_algorithms
 
@@ -36,20 +37,15 @@ USER_ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 USER_POLICY_LOSSES: dict[str, Callable] = {}
 
 
-def _builtin(kind: str) -> tuple[str, ...]:
-    from nereus.spec import algorithms
-
-    return algorithms.ADVANTAGE_ESTIMATORS if kind == ADV_DECORATOR else getattr(algorithms, "POLICY_LOSSES", ())
-
-
 def _register(table: dict[str, Callable], kind: str, name: str) -> Callable[[Callable], Callable]:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{kind} takes the name to register, a non-empty string; got {brief(name, 40)}")
-    if name in _builtin(kind):
+    if name in (ADVANTAGE_ESTIMATORS if kind == ADV_DECORATOR else POLICY_LOSSES):
         raise ValueError(f"{kind}({name!r}): {name} is a built-in name; choose another")
 
     def decorate(fn: Callable) -> Callable:
-        if table.get(name, fn) is not fn and _qualname(table[name]) != _qualname(fn):
+        # the same function imported again (a module loaded twice) may re-register its name
+        if name in table and _qualname(table[name]) != _qualname(fn):
             raise ValueError(f"{kind}({name!r}) is already registered by {_qualname(table[name])}")
         table[name] = fn
         return fn
