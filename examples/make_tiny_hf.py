@@ -6,7 +6,9 @@ writes ``runs/tiny_hf/model/`` (a randomly initialised Qwen2ForCausalLM saved wi
 plus a byte-level BPE tokenizer trained with the ``tokenizers`` package on the task's text, saved as a
 ``PreTrainedTokenizerFast`` with a ChatML chat template) and ``runs/tiny_hf/{train,val}.parquet`` (rows
 in verl's format: ``data_source``, ``prompt`` as chat messages, ``ability``, ``reward_model.ground_truth``,
-``extra_info``). Everything is synthetic and offline; a real run points ``models.<name>.path`` at a
+``extra_info``). The model's head size is 32, the smallest vLLM's CPU build runs, so
+``run.rollout.engine: vllm`` (verl's ``actor_rollout_ref.rollout.name=vllm``) takes it. Everything is
+synthetic and offline; a real run points ``models.<name>.path`` at a
 downloaded model (e.g. Qwen2.5-0.5B-Instruct) and ``run.data`` at verl's preprocessed GSM8K Parquet files.
 """
 
@@ -58,14 +60,21 @@ def make_tokenizer(texts: list[str], folder: Path, vocab: int = 320):
     return tok
 
 
+# The smallest Qwen2 shape that vLLM's CPU build runs: its attention takes head sizes of 32 and up
+# (spec.engines' cpu_head_sizes), so hidden 64 over 2 query heads; 1 KV head keeps grouped-query
+# attention, and TP 2 (the example's layouts) replicates it.
+ARCH = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1}
+
+
 def make_model(folder: Path, vocab: int, eos: int, pad: int, seed: int = 0) -> None:
-    """A 2-layer Qwen2ForCausalLM with random weights (hidden 32, 4 query and 2 KV heads)."""
+    """A 2-layer Qwen2ForCausalLM with random weights (``ARCH``: hidden 64, 2 query heads of size 32, 1 KV
+    head)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    cfg = Qwen2Config(vocab_size=vocab, **ARCH, max_position_embeddings=256,
                       tie_word_embeddings=False, eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
     Qwen2ForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
 

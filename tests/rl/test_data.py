@@ -250,3 +250,24 @@ def test_model_path_errors_name_the_key(tmp_path):
                                                       "vocab_size": 100}))
     with pytest.raises(SpecError, match=r"models\.actor\.path<.*>\.num_attention_heads: hidden \(64\) must be divis"):
         job_from_dict(spec)
+
+
+def test_make_tiny_hf_model_has_a_head_size_vllms_cpu_build_runs(tmp_path):
+    """The tiny model's head size is one vLLM's CPU attention takes, so a job generating with vLLM accepts
+    it on the CPU build (checked against the engine's declared head sizes, not a number copied here)."""
+    pytest.importorskip("transformers")
+    import importlib.util
+
+    from nereus.runtime.model.hf import read_config
+    from nereus.spec.engines import engine_traits
+    from nereus.spec.rollout import RolloutEngine, check_rollout_engine
+    from tests.conftest import EXAMPLES
+
+    spec = importlib.util.spec_from_file_location("make_tiny_hf", EXAMPLES / "make_tiny_hf.py")
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    maker.make_model(tmp_path, vocab=64, eos=2, pad=0)
+    arch = read_config(tmp_path).arch
+    traits = engine_traits("vllm")
+    assert arch.head_dim in traits.cpu_head_sizes and arch.layers == 2 and arch.hidden <= 64
+    check_rollout_engine(RolloutEngine(engine="vllm"), {"actor": arch.head_dim}, {}, traits.cpu_distribution)
