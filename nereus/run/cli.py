@@ -8,6 +8,11 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nereus.run.job import RLJob
+    from nereus.spec.job import JobSpec
 
 # nereus.cli's exit code for bad input (its EXIT_BAD_INPUT), returned by --cfg job when it found a problem
 EXIT_BAD_INPUT = 2
@@ -27,31 +32,18 @@ def cmd_cfg_job(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from nereus.spec.errors import SpecError
-    from nereus.spec.job import load_job
+    from nereus.spec.job import load_effective
 
     if args.cfg == "job":
         return cmd_cfg_job(args)
-    job = load_job(args.job, args.overrides)  # key.path=value overrides, validated like the file
+    job, config = load_effective(args.job, args.overrides)  # key.path=value overrides, validated like the file
     if job.run is None:
         raise SpecError("run", f"{args.job} has no `run:` section; see docs/rl.md and examples/ppo_tiny.yaml")
     _check_run_args(args, Path(args.out or job.run.checkpoint_dir))
-    try:
-        from nereus.rl.data import DataError
-        from nereus.run.job import RLJob
-    except ImportError as err:
-        raise SpecError("run", f"needs the runtime's dependencies ({err.name} is missing); "
-                               "install them with: pip install -e '.[runtime]'") from None
-    if args.address:  # before any work: a bounded probe, not minutes of Ray's retries (runtime.hosts.address)
-        from nereus.runtime.hosts.address import check_address
-
-        args.address = check_address(args.address)
-    try:
-        rl = RLJob(job, out_dir=args.out, workers=args.workers, address=args.address)
-    except DataError as err:
-        raise SpecError("run.data", str(err)) from None
-    from nereus.run.user_check import check_user_code
-
-    check_user_code(job.run)  # imported and checked in a child process, before the header (run.user_check)
+    try:  # every refusal until the job is accepted names the key as the user typed it (spec.typed_keys)
+        rl = _accept(args, job)
+    except SpecError as err:
+        raise config.typed.rename(err) from None
     workers = f"{rl.run.workers} local workers"
     if rl.run.adapt is not None:
         workers = (f"{rl.run.adapt.workers_at(0, rl.run.workers)} local workers (up to {rl.run.max_workers}), "
@@ -77,6 +69,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
     return 0
+
+
+def _accept(args: argparse.Namespace, job: JobSpec) -> RLJob:
+    """The job's runtime side set up and checked (models, data, layouts, the user's code), before the
+    header: nothing has run yet."""
+    from nereus.spec.errors import SpecError
+
+    try:
+        from nereus.rl.data import DataError
+        from nereus.run.job import RLJob
+    except ImportError as err:
+        raise SpecError("run", f"needs the runtime's dependencies ({err.name} is missing); "
+                               "install them with: pip install -e '.[runtime]'") from None
+    if args.address:  # before any work: a bounded probe, not minutes of Ray's retries (runtime.hosts.address)
+        from nereus.runtime.hosts.address import check_address
+
+        args.address = check_address(args.address)
+    try:
+        rl = RLJob(job, out_dir=args.out, workers=args.workers, address=args.address)
+    except DataError as err:
+        raise SpecError("run.data", str(err)) from None
+    from nereus.run.user_check import check_user_code
+
+    check_user_code(job.run)  # imported and checked in a child process, before the header (run.user_check)
+    return rl
 
 
 def _check_run_args(args: argparse.Namespace, out: Path) -> None:

@@ -22,6 +22,7 @@ from nereus.spec.errors import SpecError
 from nereus.spec.files import read_yaml_file
 from nereus.spec.job import job_from_dict
 from nereus.spec.overrides import resolve_overrides
+from nereus.spec.typed_keys import TypedKeys, override_key
 
 
 @dataclass
@@ -53,17 +54,18 @@ def resolve_job(path: str | Path, overrides: Sequence[str]) -> JobReport:
     raw = read_yaml_file(path, "job")
     parsed: dict = {}  # each override's value is parsed once, however often validation goes round
     first = resolve_overrides(raw, overrides, parsed)
-    report = JobReport(first.tree, first.fates, [str(p) for p in first.problems])
+    typed = TypedKeys.of(first.touched, overrides)  # each problem under the key the user typed
+    report = JobReport(first.tree, first.fates, [str(typed.rename(p)) for p in first.problems])
     active, result = list(overrides), first
     for _ in range(len(overrides) + 1):
         try:
             job = job_from_dict(result.tree, path.parent)
         except SpecError as err:
-            report.problems.append(str(err))
+            report.problems.append(str(typed.rename(err)))
             culprits = {key for key, paths in result.touched.items() if _names(err, paths)}
             if not culprits:
                 break
-            active = [o for o in active if _key(o) not in culprits]
+            active = [o for o in active if override_key(o) not in culprits]
             result = resolve_overrides(raw, active, parsed)
             continue
         if job.run is None:
@@ -71,8 +73,3 @@ def resolve_job(path: str | Path, overrides: Sequence[str]) -> JobReport:
         break
     report.problems = list(dict.fromkeys(report.problems))
     return report
-
-
-def _key(override: str) -> str:
-    """The key path an override names (``+a.b=1`` -> ``a.b``)."""
-    return override.lstrip("+~").partition("=")[0].strip()

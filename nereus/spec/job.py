@@ -13,13 +13,13 @@ from nereus.spec.algorithms import (
     NEEDS_SUM_PI_SQUARED,
 )
 from nereus.spec.cluster import ClusterSpec, read_cluster
+from nereus.spec.effective import EffectiveConfig, effective_config
 from nereus.spec.engines import installed_distribution
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS, Fields
 from nereus.spec.files import read_yaml_file
 from nereus.spec.layout import RECOMPUTE, ModelStage
 from nereus.spec.model import ModelArch, arch_from_hf_config, read_arch
-from nereus.spec.overrides import apply_overrides
 from nereus.spec.parallel_dims import ParallelDims
 from nereus.spec.response import ResponseLength
 from nereus.spec.rollout import check_rollout_engine
@@ -341,5 +341,15 @@ def _reward_function(run: RunSpec, base_dir: Path) -> RunSpec:
 def load_job(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> JobSpec:
     """Read and validate a job spec; every error is a ``SpecError`` naming the key path. ``overrides``
     (``key.path=value``, nereus.spec.overrides) change the raw tree first, so they are validated alike."""
+    return load_effective(path, overrides)[0]
+
+
+def load_effective(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[JobSpec, EffectiveConfig]:
+    """``load_job`` and the effective config it validated (``spec.effective``); an error names the key as the
+    user typed it (a verl override's key, not the Nereus key it set)."""
     path = Path(path)
-    return job_from_dict(apply_overrides(read_yaml_file(path, "job"), overrides), path.parent)
+    config = effective_config(read_yaml_file(path, "job"), overrides)
+    try:
+        return job_from_dict(config.tree, path.parent), config
+    except SpecError as err:
+        raise config.typed.rename(err) from None

@@ -306,10 +306,11 @@ class VerlOverrides:
             self._put(key, f"{section}.{key.rsplit('.', 1)[1]}", value)
 
     def _layouts(self) -> None:
-        for stage in self.degrees.finish(self.out, self.notes):
+        for stage in self.degrees.given:  # before writing: a stage written before a refused one is traced too
             for other, (stages, _) in DEGREES.items():  # every degree key of the stage set its layout
                 if stage in stages:
                     self.touched.setdefault(other, set()).add(f"run.layouts.{stage}")
+        self.degrees.finish(self.out, self.notes)
 
 
 @dataclass

@@ -123,8 +123,11 @@ def test_a_validation_error_drops_its_override_and_validation_goes_on():
     report = resolve_job(job, ["actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct", "run.clip_ratio_c=0.5",
                                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=8",  # 4 heads
                                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1", "run.workers=8"])
-    assert [p.split(":")[0] for p in report.problems] == ["models.actor.path", "run.clip_ratio_c",
-                                                          "run.layouts.actor/inference"]
+    # each under the key as typed (spec.typed_keys): both degrees set run.layouts.actor/inference
+    assert [p.split(":")[0] for p in report.problems] == [
+        "actor_rollout_ref.model.path", "run.clip_ratio_c",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size / "
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"]
 
 
 def test_did_you_mean_offers_only_a_near_identical_verl_key():
