@@ -31,6 +31,7 @@ def cmd_cfg_job(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from nereus.spec.effective import header_line
     from nereus.spec.errors import SpecError
     from nereus.spec.job import load_effective
 
@@ -50,6 +51,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                    "layouts chosen and changed by the controller")
     print(f"nereus run: {job.name} ({job.algorithm.name}, {job.run.steps} steps) on {workers}; output in {rl.dir}",
           file=sys.stderr)
+    # the job as it runs, overrides applied: one line here, the whole tree beside metrics.jsonl (spec.effective)
+    print(f"  {header_line(job)}; config {config.save(rl.dir, rl.job)}", file=sys.stderr)
     for p in rl.placed:
         print(f"  {p.model + '/' + p.stage:<22} {p.layout.short():<22} workers {list(p.ranks)}", file=sys.stderr)
     from nereus.runtime.hosts.raylocal import exit_on_signals

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from nereus.spec.effective import config_text
 from nereus.spec.errors import SpecError
 from nereus.spec.files import read_yaml_file
 from nereus.spec.job import job_from_dict
@@ -36,11 +35,7 @@ class JobReport:
 
     def text(self) -> str:
         """The job as YAML, then each verl key's fate as YAML comments (the output stays valid YAML)."""
-        out = yaml.safe_dump(self.tree, sort_keys=False, width=120, allow_unicode=True, default_flow_style=None)
-        if self.fates:
-            out += f"# verl keys ({len(self.fates)}):\n"
-            out += "".join(f"#   {text}  {fate}\n" for text, fate in self.fates)
-        return out
+        return config_text(self.tree, self.fates)
 
 
 def _names(err: SpecError, touched: set[str]) -> bool:

@@ -163,8 +163,9 @@ def _read_algorithm(f: Fields, models: dict[str, ModelArch], extra_estimators: t
     )
     f.finish()
     if alg.adv_estimator in NEEDS_GROUPS and alg.samples_per_prompt < 2:
-        raise SpecError(f.key_path("samples_per_prompt"), f"{alg.adv_estimator} compares each response with the "
-                        "others to its prompt: give at least 2 responses per prompt (verl's rollout.n > 1)")
+        raise SpecError(f.key_path("samples_per_prompt"), f"{alg.adv_estimator} (algorithm.adv_estimator) compares "
+                        "each response with the others to its prompt: give at least 2 responses per prompt, not "
+                        f"{alg.samples_per_prompt} (verl's rollout.n > 1)")
     if alg.adv_estimator in NEEDS_SUM_PI_SQUARED and not alg.recompute_old_log_prob:
         raise SpecError(f.key_path("recompute_old_log_prob"), f"{alg.adv_estimator} reads Σπ² from the actor's "
                         "old-log-prob pass (verl's actor.calculate_sum_pi_squared): keep it true")
@@ -179,7 +180,9 @@ def _read_estimator(f: Fields, name: str, used: list[str], extra: tuple[str, ...
         return ""
     estimator = f.get("adv_estimator", str, DEFAULT_ESTIMATOR[name], choices=(*ADVANTAGE_ESTIMATORS, *extra))
     if estimator in NEEDS_CRITIC and "critic" not in used:
-        raise SpecError(f.key_path("adv_estimator"), f"{estimator} needs a 'critic' under algorithm.models")
+        raise SpecError(f.key_path("adv_estimator"), f"{estimator} needs a 'critic' under algorithm.models, which "
+                        f"algorithm.name {name} leaves out: give algorithm.name: ppo with a models.critic (verl's "
+                        "critic.model.path), or a critic-free estimator such as grpo")
     return estimator
 
 

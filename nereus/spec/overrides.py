@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nereus.spec.algorithms import ADVANTAGE_ESTIMATORS, NEEDS_CRITIC
 from nereus.spec.errors import SpecError
 from nereus.spec.files import load_yaml
 from nereus.spec.verl_keys import DERIVED, IGNORED, MAPPED, REFUSED, TABLE, VERL_SECTIONS, lookup
@@ -244,12 +245,56 @@ class VerlOverrides:
     def finish(self, problems: list[SpecError]) -> None:
         """Resolve the keys that read others: verl's mini-batch size, the reward function's path and name,
         and the parallel degrees (``verl_layouts``); each problem is added to ``problems``."""
-        for part in (self._mini_batches, self._reward_function, self._layouts, self._rollout_correction,
-                     self._kl_in_reward):
+        for part in (self._algorithm, self._mini_batches, self._reward_function, self._layouts,
+                     self._rollout_correction, self._kl_in_reward):
             try:
                 part()
             except SpecError as err:
                 problems.append(err)
+
+    def _algorithm(self) -> None:
+        """The job file's algorithm made to agree with the estimator a command line gives: verl has no
+        algorithm name, GAE trains a critic and every other estimator none (verl's ``need_critic``), so
+        ``algorithm.name`` follows (ppo with GAE, grpo otherwise), noted; a name the command line gives too
+        must agree. A critic dropped that way (or by ``algorithm.name=grpo``) takes its layouts and its entry
+        of ``algorithm.models`` along; one added puts itself on that list."""
+        alg, models = self.out.get("algorithm"), self.out.get("models")
+        if not isinstance(alg, dict) or alg.get("name") not in ("ppo", "grpo"):
+            return
+        has_critic = isinstance(models, dict) and "critic" in models
+        given = self.set_by.get("algorithm.adv_estimator")
+        if given is not None and given[1] in ADVANTAGE_ESTIMATORS:
+            key, estimator = given
+            want, name = ("ppo" if estimator in NEEDS_CRITIC else "grpo"), alg["name"]
+            if want != name and "algorithm.name" in self.touched:
+                raise SpecError(key, f"{estimator} {'needs a critic' if want == 'ppo' else 'trains no critic'}, "
+                                     f"but algorithm.name={name} {'has none' if want == 'ppo' else 'trains one'}: "
+                                     f"give algorithm.name={want}, or drop one of the two")
+            if want != name and (want == "grpo" or has_critic):  # gae without a critic: validation refuses it
+                self._put(key, "algorithm.name", want)
+                self.notes.append(f"nereus: {key}={estimator}: algorithm.name {name} -> {want} (the job file's): "
+                                  f"as in verl, only gae trains a critic")
+        if "algorithm.name" in self.touched or given is not None:
+            self._critic_follows(alg["name"], has_critic, "algorithm.name" if given is None else given[0])
+
+    def _critic_follows(self, name: str, has_critic: bool, cause: str) -> None:
+        """The job file's ``algorithm.models`` and critic layouts made to agree with ``name``, which the
+        override ``cause`` set."""
+        alg, run = self.out["algorithm"], self.out.get("run")
+        listed = alg.get("models")
+        if isinstance(listed, list) and name == "grpo" and "critic" in listed:
+            self._put(cause, "algorithm.models", [m for m in listed if m != "critic"])
+        if isinstance(listed, list) and name == "ppo" and has_critic and "critic" not in listed:
+            self._put(cause, "algorithm.models", [*listed, "critic"])
+        layouts = run.get("layouts") if isinstance(run, dict) else None
+        typed = {p for paths in self.touched.values() for p in paths}
+        dropped = [s for s in (layouts or {}) if name == "grpo" and str(s).startswith("critic/")
+                   and f"run.layouts.{s}" not in typed] if isinstance(layouts, dict) else []
+        for stage in dropped:
+            self._put(cause, f"run.layouts.{stage}", None, delete=True)
+        if dropped:
+            self.notes.append(f"nereus: {cause}: no critic is trained, so the job file's run.layouts of "
+                              f"{', '.join(dropped)} are not used")
 
     def _kl_in_reward(self) -> None:
         """verl's reward KL: ``use_kl_in_reward`` gates ``kl_ctrl.kl_coef`` (``run.kl_coef``; 0 is off), whatever

@@ -335,7 +335,8 @@ def test_the_spec_refuses_what_an_estimator_cannot_compute():
     with pytest.raises(SpecError, match=r"^algorithm\.adv_estimator: 'vtrace' is not allowed; choose one of \['gae', "
                                         r"'grpo', 'reinforce_plus_plus', .*'gdpo'\]$"):
         job_from_dict(_spec("vtrace"))
-    with pytest.raises(SpecError, match=r"algorithm\.samples_per_prompt: rloo compares each response with the others"):
+    with pytest.raises(SpecError, match=r"algorithm\.samples_per_prompt: rloo \(algorithm\.adv_estimator\) compares "
+                                        r"each response with the others"):
         job_from_dict(_spec("rloo", samples=1))
     assert job_from_dict(_spec("reinforce_plus_plus", samples=1)).algorithm.samples_per_prompt == 1
     assert job_from_dict(_spec("remax", samples=1)).algorithm.samples_per_prompt == 1

@@ -66,4 +66,4 @@ def test_nereus_run_and_cfg_job_name_the_typed_key(capsys):
     for extra in ([], ["--cfg", "job"]):
         assert main(["run", str(GRPO), "actor_rollout_ref.rollout.n=1", *extra]) == 2
         line = capsys.readouterr().err.strip().splitlines()[-1]
-        assert line.startswith("nereus: error: actor_rollout_ref.rollout.n: grpo compares each response")
+        assert line.startswith("nereus: error: actor_rollout_ref.rollout.n: grpo (algorithm.adv_estimator) compares")
