@@ -61,6 +61,12 @@ class CharTokenizer:
         """The chat template of this tokenizer: BOS, then the messages' contents in order."""
         return [BOS] + [t for m in messages for t in self.encode(m["content"])]
 
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """This tokenizer as HF tokenizer files (``rl.char_tokenizer_files``), written into checkpoints."""
+        from nereus.rl.char_tokenizer_files import char_tokenizer_files
+
+        return char_tokenizer_files(self.alphabet, (PAD, BOS, EOS))
+
 
 @dataclass(frozen=True)
 class Prompt:

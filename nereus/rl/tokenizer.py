@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from nereus.spec.errors import SpecError, cut
-from nereus.spec.hf_files import check_tokenizer_files
+from nereus.spec.hf_files import TOKENIZER_FILE_BYTES, check_tokenizer_files
 
 
 @runtime_checkable
@@ -31,6 +31,11 @@ class Tokenizer(Protocol):
     def decode(self, ids: list[int]) -> str: ...
 
     def prompt_ids(self, messages: list[dict]) -> list[int]: ...
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The files (name → contents) ``AutoTokenizer.from_pretrained`` loads this tokenizer from: every
+        checkpoint carries them."""
+        ...
 
 
 class HFTokenizer:
@@ -89,6 +94,11 @@ class HFTokenizer:
         if not isinstance(text, str):
             raise ValueError(f"the chat template of {self.path} renders {type(text).__name__}, not text")
         return self.encode(text)
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer and generation files of the model directory it was loaded from, as they are."""
+        return {name: (self.path / name).read_bytes() for name in TOKENIZER_FILE_BYTES
+                if (self.path / name).is_file()}
 
 
 def _first_line(err: BaseException) -> str:

@@ -204,13 +204,14 @@ class RLJob(Observer):
         """Write ``step_<step>`` (after ``step`` steps) and point ``latest`` at it (``checkpoint.StepWriter``:
         a temporary folder renamed when complete, ``latest`` replaced atomically)."""
         out = StepWriter(self.dir, step, self.write_hook)
+        tokenizer = self.tok.tokenizer_files()  # in each model's folder: AutoTokenizer loads the checkpoint
         try:
             for model in TRAINED:
                 if model not in self.job.algorithm.models:
                     continue
                 p = next(p for p in self.placed if p.model == model and p.stage == "training")
                 save_checkpoint(out.folder / model, self.cfgs[model], self.rt.read_weights(p.key),
-                                source=self.job.paths.get(model))
+                                source=self.job.paths.get(model), tokenizer=tokenizer)
                 out.wrote(f"{model}/")
                 (out.folder / "optim" / model).mkdir(parents=True, exist_ok=True)
                 for rank, st in self.rt.read_optimizer(p.key).items():

@@ -157,18 +157,20 @@ def initial_checkpoints(root: Path, cfgs: dict[str, ModelConfig], data: list[Pro
     loss, steps = sft(actor, data, tok, warm.actor_steps, warm.batch, warm.lr, seed, warm.label_smoothing,
                       warm.target_accuracy, max_new)
     out = {"warmstart/actor_loss": loss, "warmstart/actor_steps": float(steps)}
-    save_checkpoint(root / "actor", cfgs["actor"], actor.state_dict())
+    files = tok.tokenizer_files()  # every initial checkpoint loads with AutoTokenizer, as step_<N>'s do
+    save_checkpoint(root / "actor", cfgs["actor"], actor.state_dict(), tokenizer=files)
     if "reference" in cfgs:
-        save_checkpoint(root / "reference", cfgs["reference"], actor.state_dict())
+        save_checkpoint(root / "reference", cfgs["reference"], actor.state_dict(), tokenizer=files)
     if "critic" in cfgs:
-        save_checkpoint(root / "critic", cfgs["critic"], value_model_from(actor, cfgs["actor"]).state_dict())
+        save_checkpoint(root / "critic", cfgs["critic"], value_model_from(actor, cfgs["actor"]).state_dict(),
+                        tokenizer=files)
     if "reward" in cfgs:
         rm = value_model_from(actor, cfgs["actor"])
         with torch.no_grad():
             rm.score.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(seed + 1))
         out["warmstart/reward_loss"] = train_verifier(rm, data, tok, warm.reward_steps, warm.batch, warm.lr,
                                                       seed + 1)
-        save_checkpoint(root / "reward", cfgs["reward"], rm.state_dict())
+        save_checkpoint(root / "reward", cfgs["reward"], rm.state_dict(), tokenizer=files)
     return out
 
 

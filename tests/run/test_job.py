@@ -3,6 +3,7 @@ weight sync between layouts, checkpoints, and resume reproducing an uninterrupte
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nereus.rl.data import CharTokenizer
 from nereus.run.job import RLJob
 from tests.run.jobs import tiny_job
 
@@ -79,6 +81,13 @@ def test_smoke(ray_runtime, tmp_path, algorithm):
     assert optim == [f"rank{r}.safetensors" for r in range(4)]
     assert set(load_file(str(ckpt / "optim" / "actor" / "rank0.safetensors"))) == {
         "master", "exp_avg", "exp_avg_sq", "step"}
+    # the run's tokenizer in every checkpoint, initial ones included (tests/rl/test_char_tokenizer_files.py)
+    for folder in (ckpt / "actor", tmp_path / "init" / "actor", tmp_path / "step_3" / "actor"):
+        assert (folder / "tokenizer.json").is_file() and (folder / "tokenizer_config.json").is_file(), folder
+    if importlib.util.find_spec("transformers") is not None:
+        from nereus.rl.tokenizer import HFTokenizer
+
+        assert HFTokenizer(ckpt / "actor").encode("12+34=46") == CharTokenizer().encode("12+34=46")
 
 
 def test_resume_continues_like_an_uninterrupted_run(ray_runtime, tmp_path):

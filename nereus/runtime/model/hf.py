@@ -128,10 +128,12 @@ def slice_boxes(full: dict[str, torch.Tensor], boxes: dict[str, Box]) -> dict[st
 
 
 def save_checkpoint(path: str | Path, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-                    source: str | Path | None = None) -> None:
+                    source: str | Path | None = None, tokenizer: Mapping[str, bytes] | None = None) -> None:
     """Write a full checkpoint (``config.json`` + ``model.safetensors``) from whole tensors. With
     ``source`` (the HF model directory the model started from) the config keeps the source's other keys
-    (``max_position_embeddings``, ``pad_token_id``...) and its tokenizer files are copied alongside."""
+    (``max_position_embeddings``, ``pad_token_id``...) and its tokenizer files are copied alongside.
+    ``tokenizer`` (name → contents: the job's tokenizer files, ``rl.tokenizer.Tokenizer.tokenizer_files``)
+    is written where the source gave no file of that name, so every checkpoint loads with ``AutoTokenizer``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = config_to_hf(cfg)
@@ -141,6 +143,9 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, tensors: dict[str, torch
         for name in TOKENIZER_FILES:
             if (Path(source) / name).is_file():
                 shutil.copyfile(Path(source) / name, path / name)
+    for name, data in (tokenizer or {}).items():
+        if not (path / name).exists():
+            (path / name).write_bytes(data)
     if cfg.value_head:
         config["id2label"] = {"0": "LABEL_0"}
         config["label2id"] = {"LABEL_0": 0}
