@@ -41,6 +41,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if job.run is None:
         raise SpecError("run", f"{args.job} has no `run:` section; see docs/rl.md and examples/ppo_tiny.yaml")
     _check_run_args(args, Path(args.out or job.run.checkpoint_dir))
+    _check_verl_gpus(args, job.run.workers, config.typed.typed)
     try:  # every refusal until the job is accepted names the key as the user typed it (spec.typed_keys)
         rl = _accept(args, job)
     except SpecError as err:
@@ -97,6 +98,17 @@ def _accept(args: argparse.Namespace, job: JobSpec) -> RLJob:
 
     check_user_code(job.run)  # imported and checked in a child process, before the header (run.user_check)
     return rl
+
+
+def _check_verl_gpus(args: argparse.Namespace, workers: int, typed: tuple[str, ...]) -> None:
+    """``--workers`` and verl's ``trainer.nnodes`` x ``trainer.n_gpus_per_node`` (``run.workers``) must agree:
+    neither silently wins over the other."""
+    from nereus.spec.errors import SpecError
+
+    given = [k for k in ("trainer.nnodes", "trainer.n_gpus_per_node") if k in typed]
+    if given and args.workers is not None and args.workers != workers:
+        raise SpecError("--workers", f"{args.workers} differs from the {workers} GPUs of {' x '.join(given)}: give "
+                                     "one of the two")
 
 
 def _check_run_args(args: argparse.Namespace, out: Path) -> None:

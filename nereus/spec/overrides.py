@@ -155,6 +155,7 @@ class VerlOverrides:
         self.bypass = False  # verl's algorithm.rollout_correction.bypass_mode
         self.correction: dict[str, Any] = {}  # its rollout_is, rollout_is_threshold
         self.kl: dict[str, Any] = {}  # algorithm.use_kl_in_reward and algorithm.kl_ctrl.kl_coef, as given
+        self.world: dict[str, int] = {}  # trainer.nnodes and trainer.n_gpus_per_node, as given
         self.notes: list[str] = []
         self.touched: dict[str, set[str]] = {}
 
@@ -225,6 +226,9 @@ class VerlOverrides:
             self.reward[key.rsplit(".", 1)[1]] = value
         elif key == "reward_model.enable":
             self._reward_model(key, value)
+        elif key in ("trainer.nnodes", "trainer.n_gpus_per_node"):
+            self.world[key] = _positive_int(key, value)
+            self._put(key, TABLE[key].target, value)
         elif key in ("trainer.save_freq", "trainer.test_freq"):  # verl's -1: never; Nereus's 0: only at the end
             self._put(key, TABLE[key].target, max(0, _int(key, value)))
         else:
@@ -245,7 +249,7 @@ class VerlOverrides:
     def finish(self, problems: list[SpecError]) -> None:
         """Resolve the keys that read others: verl's mini-batch size, the reward function's path and name,
         and the parallel degrees (``verl_layouts``); each problem is added to ``problems``."""
-        for part in (self._algorithm, self._mini_batches, self._reward_function, self._layouts,
+        for part in (self._algorithm, self._mini_batches, self._reward_function, self._workers, self._layouts,
                      self._rollout_correction, self._kl_in_reward):
             try:
                 part()
@@ -276,6 +280,26 @@ class VerlOverrides:
                                   f"as in verl, only gae trains a critic")
         if "algorithm.name" in self.touched or given is not None:
             self._critic_follows(alg["name"], has_critic, "algorithm.name" if given is None else given[0])
+
+    def _workers(self) -> None:
+        """verl's GPUs, ``trainer.nnodes`` x ``trainer.n_gpus_per_node``, are the devices the job runs on:
+        ``run.workers`` (before the parallel degrees fill them), the planner's cluster beside it; the one not
+        given is the job file's ``cluster`` value (verl's default, 1 node, without one). A job whose workers
+        follow ``run.adapt.availability`` cannot also take verl's count: refused."""
+        if not self.world:
+            return
+        key = sorted(self.world)[-1]  # trainer.nnodes, else trainer.n_gpus_per_node
+        cluster, run = self.out.get("cluster"), self.out.get("run")
+        def given(verl: str, field: str, default: int) -> int:
+            value = self.world.get(verl, cluster.get(field) if isinstance(cluster, dict) else None)
+            return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+        workers = given("trainer.nnodes", "nodes", 1) * given("trainer.n_gpus_per_node", "gpus_per_node", 1)
+        adapt = run.get("adapt") if isinstance(run, dict) else None
+        if isinstance(adapt, dict) and adapt.get("availability"):
+            raise SpecError(key, f"the job's workers follow run.adapt.availability, not verl's {workers} GPUs: remove "
+                                 "run.adapt.availability (~run.adapt.availability) to run on them, or drop the key")
+        for verl in self.world:
+            self._put(verl, "run.workers", workers)
 
     def _critic_follows(self, name: str, has_critic: bool, cause: str) -> None:
         """The job file's ``algorithm.models`` and critic layouts made to agree with ``name``, which the

@@ -480,10 +480,10 @@ def _check_run(f: Fields, spec: RunSpec) -> None:
                                                      "remove one")
     for key, rk in spec.ranks.items():
         if max(rk) >= spec.workers:
-            raise SpecError(f"{f.key_path('layouts')}.{key}.ranks", f"ranks must be below workers ({spec.workers})")
+            raise SpecError(f"{f.key_path('layouts')}.{key}.ranks", f"ranks must be below run.workers ({spec.workers})")
     for key, lay in spec.layouts.items():
         if key not in spec.ranks and lay.world > spec.workers:
-            raise SpecError(f"{f.key_path('layouts')}.{key}", f"{lay.world} ranks exceed workers ({spec.workers})")
+            raise SpecError(f"{f.key_path('layouts')}.{key}", f"{lay.world} ranks exceed run.workers ({spec.workers})")
     gen = spec.layouts.get("actor/generation")
     if spec.rollout_midstep is not None and gen is not None and gen.dp < 2:
         raise SpecError(f"{f.key_path('rollout')}.midstep.enabled", f"mid-step moves go between generation "

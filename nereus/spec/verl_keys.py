@@ -204,8 +204,10 @@ TABLE: dict[str, VerlKey] = {
                                      "trainer.experiment_name"),
     "trainer.experiment_name": _mapped("name", "the job's name (wandb/mlflow run name)"),
     "trainer.default_local_dir": _mapped("run.checkpoint.dir"),
-    "trainer.nnodes": _mapped("cluster.nodes", "the planner's cluster; nereus run uses run.workers local workers"),
-    "trainer.n_gpus_per_node": _mapped("cluster.gpus_per_node"),
+    "trainer.nnodes": VerlKey(DERIVED, "cluster.nodes", "and run.workers = nnodes x n_gpus_per_node (the job "
+                                                        "file's for the one not given); refused under "
+                                                        "run.adapt.availability"),
+    "trainer.n_gpus_per_node": VerlKey(DERIVED, "cluster.gpus_per_node", "and run.workers, as trainer.nnodes"),
     "trainer.resume_mode": _refused("resume with `nereus run JOB --resume` (from the run folder's latest "
                                     "checkpoint)", "disable"),
     "trainer.use_legacy_worker_impl": _ignored("verl's choice between its worker implementations"),
