@@ -31,6 +31,7 @@ def cmd_cfg_job(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from nereus.spec.data_files import check_data_files
     from nereus.spec.effective import header_line
     from nereus.spec.errors import SpecError
     from nereus.spec.job import load_effective
@@ -40,9 +41,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     job, config = load_effective(args.job, args.overrides)  # key.path=value overrides, validated like the file
     if job.run is None:
         raise SpecError("run", f"{args.job} has no `run:` section; see docs/rl.md and examples/ppo_tiny.yaml")
-    _check_run_args(args, Path(args.out or job.run.checkpoint_dir))
-    _check_verl_gpus(args, job.run.workers, config.typed.typed)
     try:  # every refusal until the job is accepted names the key as the user typed it (spec.typed_keys)
+        check_data_files(job.run)  # by name, before anything heavy is imported (spec.data_files)
+        _check_run_args(args, Path(args.out or job.run.checkpoint_dir))
+        _check_verl_gpus(args, job.run.workers, config.typed.typed)
         rl = _accept(args, job)
     except SpecError as err:
         raise config.typed.rename(err) from None

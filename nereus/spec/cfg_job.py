@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nereus.spec.data_files import check_data_files
 from nereus.spec.effective import config_text
 from nereus.spec.errors import SpecError
 from nereus.spec.files import read_yaml_file
@@ -65,6 +66,11 @@ def resolve_job(path: str | Path, overrides: Sequence[str]) -> JobReport:
             continue
         if job.run is None:
             report.problems.append(f"run: {path} has no `run:` section; see docs/rl.md and examples/ppo_tiny.yaml")
+        else:
+            try:
+                check_data_files(job.run)  # by name: no data file is opened
+            except SpecError as err:
+                report.problems.append(str(typed.rename(err)))
         break
     report.problems = list(dict.fromkeys(report.problems))
     return report
