@@ -379,7 +379,7 @@ class RLJob(Observer):
         if point is None:
             self._fresh()
         self.log = MetricsLog(self.dir / "metrics.jsonl", resume, quiet=self.quiet, loggers=self.run.logger,
-                              name=self.job.name)
+                              name=self.job.name, total=self.run.steps)
         self.bar = Progress(self.run.steps, start, quiet=self.quiet)
         if self.run.adapt is not None:
             self.adaptation = AdaptationLog(self.dir / "decisions.jsonl")

@@ -21,6 +21,10 @@ from nereus.spec.files import MAX_RECORD_BYTES, read_text_file
 # What the console line shows per step (the JSONL file has every metric).
 CONSOLE = ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss", "actor/reward_kl_penalty",
            "actor/entropy", "val/accuracy", "timing_s/step", "perf/throughput")
+# The step's stages on the console line after them, in the order a step runs them: verl's ``timing_s/<name>``,
+# shown as ``<name>=<seconds>`` (a stage the step did not time is left out).
+CONSOLE_STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
+                  "update_weights")
 
 # Without ``run.logger``: the console, the JSONL file, and TensorBoard when it is installed.
 DEFAULT = ("console", "jsonl", "tensorboard?")
@@ -42,6 +46,39 @@ def is_terminal(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def console_line(step: int, metrics: Mapping[str, object], eta_s: float | None = None) -> str:
+    """The console's line for a step: the ``CONSOLE`` metrics, the seconds of each stage (``CONSOLE_STAGES``)
+    and, when given, the run's estimated time left (``eta_seconds``). The same on a terminal and redirected."""
+    shown = [f"{k.split('/', 1)[-1] if k.startswith('val') else k}={metrics[k]:.4g}"
+             for k in CONSOLE if _number(metrics.get(k))]
+    stages = [f"{name}={metrics[f'timing_s/{name}']:.3g}" for name in CONSOLE_STAGES
+              if _number(metrics.get(f"timing_s/{name}"))]
+    if stages:
+        shown.append("timing_s: " + " ".join(stages))
+    if eta_s is not None:
+        shown.append(f"eta={clock_time(eta_s)}")
+    return f"step {step}: " + "  ".join(shown)
+
+
+def eta_seconds(step_seconds: Mapping[int, float], done: int, total: int | None) -> float | None:
+    """The run's time left after ``done`` of ``total`` steps: the mean ``timing_s/step`` of the steps logged
+    so far (step → seconds) times the steps still to run (evaluations and checkpoint writes are not in it);
+    None without a total or a step time."""
+    if total is None or not step_seconds:
+        return None
+    return max(0, total - done) * sum(step_seconds.values()) / len(step_seconds)
+
+
+def clock_time(seconds: float) -> str:
+    """``seconds`` as h:mm:ss (rounded to the second)."""
+    s = max(0, round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 class MetricsDamaged(ValueError):
@@ -192,13 +229,16 @@ def _sinks(loggers: tuple[str, ...], folder: Path, name: str, config: dict) -> l
 
 class MetricsLog:
     """Appends one JSON object per step to ``path`` and hands each step's numbers to the other sinks of
-    ``loggers`` (verl's names: console, jsonl/file, tensorboard, wandb, mlflow; None: ``DEFAULT``)."""
+    ``loggers`` (verl's names: console, jsonl/file, tensorboard, wandb, mlflow; None: ``DEFAULT``). ``total``:
+    the run's steps, for the console line's time left."""
 
     def __init__(self, path: Path, resume: bool, stream: TextIO = sys.stderr, quiet: bool = False,
-                 loggers: tuple[str, ...] | None = None, name: str = "nereus", config: dict | None = None) -> None:
+                 loggers: tuple[str, ...] | None = None, name: str = "nereus", config: dict | None = None,
+                 total: int | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         loggers = DEFAULT if loggers is None else loggers
-        self.path, self.stream = path, stream
+        self.path, self.stream, self.total = path, stream, total
+        self.step_seconds: dict[int, float] = {}  # timing_s/step of each step logged by this process
         self.quiet = quiet or "console" not in loggers
         self.sinks = _sinks(loggers, path.parent, name, config or {})
         self.file = path.open("a" if resume else "w")
@@ -209,16 +249,19 @@ class MetricsLog:
         numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         for sink in self.sinks:
             sink.log(step, numbers)
+        if _number(metrics.get("timing_s/step")):
+            self.step_seconds[step] = float(metrics["timing_s/step"])
         if not self.quiet:
-            shown = "  ".join(f"{k.split('/', 1)[-1] if k.startswith('val') else k}={metrics[k]:.4g}"
-                              for k in CONSOLE if k in metrics)
             lead = ERASE_LINE if is_terminal(self.stream) else ""  # the bar's line, taken over
-            self.stream.write(f"{lead}step {step}: {shown}\n")
+            eta = eta_seconds(self.step_seconds, step, self.total)
+            self.stream.write(f"{lead}{console_line(step, metrics, eta)}\n")
+            self.stream.flush()  # a log file or pipe sees each step as it ends
 
     def rewind(self, step: int) -> None:
         """Drop the JSONL lines after ``step`` steps (they are about to be redone; the other sinks get the
         redone steps again)."""
         self.file.flush()
+        self.step_seconds = {s: t for s, t in self.step_seconds.items() if s <= step}
         lines = rewound(self.path.read_text(errors="replace"), step)
         self.file.close()
         self.path.write_text("".join(ln + "\n" for ln in lines))

@@ -148,3 +148,32 @@ def test_a_log_file_or_pipe_gets_plain_metric_lines_and_no_bar(tmp_path):
         log.log(step, {"actor/pg_loss": 0.5})
     log.close()
     assert out.getvalue() == "step 1: actor/pg_loss=0.5\nstep 2: actor/pg_loss=0.5\n"
+
+
+TIMED = {"actor/pg_loss": 0.5, "timing_s/step": 2.0, "timing_s/gen": 1.25, "timing_s/old_log_prob": 0.125,
+         "timing_s/ref": 0.0625, "timing_s/values": 0.0625, "timing_s/adv": 0.001, "timing_s/update_critic": 0.25,
+         "timing_s/update_actor": 0.25, "timing_s/update_weights": 0.03125, "timing_s/worker_0/idle": 0.5}
+
+
+def test_the_console_line_shows_each_stages_seconds_and_the_time_left():
+    from nereus.run.metrics import clock_time, console_line, eta_seconds
+
+    assert console_line(3, TIMED, eta_seconds({1: 2.0, 2: 4.0, 3: 3.0}, 3, 1203)) == (
+        "step 3: actor/pg_loss=0.5  timing_s/step=2  timing_s: gen=1.25 old_log_prob=0.125 ref=0.0625 "
+        "values=0.0625 adv=0.001 update_critic=0.25 update_actor=0.25 update_weights=0.0312  eta=1:00:00")
+    assert console_line(1, {"actor/pg_loss": 0.5}) == "step 1: actor/pg_loss=0.5"  # nothing timed, no total
+    assert eta_seconds({}, 1, 10) is None and eta_seconds({1: 2.0}, 1, None) is None
+    assert eta_seconds({1: 2.0}, 12, 10) == 0 and clock_time(59.6) == "0:01:00"
+
+
+def test_a_redirected_console_gets_the_stage_times_and_eta_and_a_rewind_forgets_redone_steps(tmp_path):
+    out = io.StringIO()  # not a terminal: a log file or pipe
+    log = MetricsLog(tmp_path / "metrics.jsonl", resume=False, stream=out, loggers=("console",), total=4)
+    log.log(1, {**TIMED, "timing_s/step": 1.0})
+    log.log(2, {**TIMED, "timing_s/step": 3.0})
+    log.rewind(1)  # step 2 is redone after a recovery: its time leaves the mean
+    log.log(2, {**TIMED, "timing_s/step": 5.0})
+    log.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split("  eta=")[1] for line in lines] == ["0:00:03", "0:00:04", "0:00:06"]
+    assert all(" gen=1.25 " in line and "\x1b" not in line for line in lines)
