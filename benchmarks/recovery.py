@@ -58,7 +58,10 @@ from nereus.spec.job import job_from_dict  # noqa: E402
 LOST_WORKER = 1
 
 
-def make_job(out: Path, steps: int, snapshot_every: int, checkpoint_every: int, small: bool, two_nodes: bool = False):
+def make_job(out: Path, steps: int, snapshot_every: int, checkpoint_every: int, small: bool, two_nodes: bool = False,
+             own_keys: bool = False):
+    """``own_keys``: the actor's inference on workers 2-3, so that no two model-stages share a runtime key (as
+    under the controller) and a plan transition can move any of them (``benchmarks/chaos.py``)."""
     spec = yaml.safe_load((ROOT / "examples" / "ppo_tiny_fixed.yaml").read_text())
     spec["name"] = "recovery-bench"
     spec["cluster"]["profile"] = str(ROOT / "examples" / spec["cluster"]["profile"])  # relative to the example
@@ -66,6 +69,8 @@ def make_job(out: Path, steps: int, snapshot_every: int, checkpoint_every: int, 
                        warmstart={"actor_steps": 20 if small else 60, "reward_steps": 20 if small else 60,
                                   "batch": 32, "lr": 0.003},
                        checkpoint={"dir": str(out), "every": checkpoint_every, "snapshot_every": snapshot_every})
+    if own_keys:
+        spec["run"]["layouts"]["actor/inference"]["ranks"] = [2, 3]
     if two_nodes:  # two nodes of two workers: every TP group inside one of them
         spec["run"]["layouts"]["reward/inference"]["ranks"] = [2, 3]
         spec["cluster"].update(nodes=2, gpus_per_node=2)

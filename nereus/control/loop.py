@@ -123,7 +123,11 @@ class ControlLoop:
         decision = self.policy.after_step(m, nxt)
         tm = None
         if decision.plan is not None and decision.plan != plan:
-            tm = self.backend.apply_transition(plan, decision.plan, step)
+            try:
+                tm = self.backend.apply_transition(plan, decision.plan, step)
+            except WorkersLost:  # the step itself finished: it is recorded (on the plan it ran on); the move is lost
+                self._done(StepOutcome(m, decision, plan, None, lost_s))
+                raise
             self.policy.transition_done(plan, decision.plan, tm)
             self.plan = decision.plan
             self.record.add_plan(step + 1, self.plan)
@@ -131,9 +135,13 @@ class ControlLoop:
             self.plan = decision.plan    # phases) change without a transition
         restarted = failed and self.recovery.mode == "restart"
         transition_s = 0.0 if tm is None or restarted else tm.seconds  # a restart re-places for free
-        self.record.add_step(m, self.plan.num_gpus, self.plan.strategy, transition_s, lost_s)
-        self.record.add_decision(decision, transition_s)
-        outcome = StepOutcome(m, decision, self.plan, tm, lost_s)
+        return self._done(StepOutcome(m, decision, self.plan, tm, lost_s), transition_s)
+
+    def _done(self, outcome: StepOutcome, transition_s: float = 0.0) -> StepOutcome:
+        """A finished step into the run record and to the observer."""
+        self.record.add_step(outcome.metrics, outcome.plan.num_gpus, outcome.plan.strategy, transition_s,
+                             outcome.lost_s)
+        self.record.add_decision(outcome.decision, transition_s)
         self.observer.step_done(outcome)
         return outcome
 

@@ -32,7 +32,7 @@ from nereus.runtime.cluster.workers import Runtime
 from nereus.runtime.hosts.nodes import PlacementError
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.recovery.failover import WorkerLostError
-from nereus.runtime.transitions.live import KeySpec
+from nereus.runtime.transitions.live import KeySpec, MoveResult
 from nereus.spec.errors import SpecError
 from nereus.spec.generation import GenerationEntry
 from nereus.spec.job import JobSpec
@@ -113,10 +113,7 @@ class RuntimeBackend:
     def run_step(self, plan: Plan, step: int, policy: GenerationPolicy) -> StepMetrics:
         if plan != self.plan:
             raise ValueError("run_step: the plan is not the one the runtime holds; apply_transition moves to it")
-        every = self.job.run.snapshot_every
-        if every and step % every == 0 and self.rt.latest_snapshot_step != step:
-            # a redone step reports the snapshot it redoes from
-            self.carry["nereus/snapshot_s"] = self.rt.snapshot(step)
+        self._snapshot_if_due(step)
         t0 = time.perf_counter()
         try:
             ran = self.rl_step.run_step(step, policy, plan.levers)
@@ -140,20 +137,34 @@ class RuntimeBackend:
         return [KeySpec(p.key, p.model, p.stage, self.cfgs[p.model], p.layout, p.ranks) for p in placed]
 
     def apply_transition(self, old: Plan, new: Plan, step: int) -> TransitionMetrics:
+        """Move the runtime from ``old`` to ``new`` after step ``step``. The next step's snapshot is taken
+        first, so a worker lost in the move costs the move only (``WorkersLost`` for step ``step + 1``)."""
+        self._snapshot_if_due(step + 1)
         t0 = time.perf_counter()
-        if new.num_gpus > len(self.rt.workers):
-            self.rt.resize(new.num_gpus)
-        placed = placed_from_plan(new)
-        out = self.rt.transition(self.specs(placed), self.job)
+        try:
+            out = self._move_to(new)
+        except WorkerLostError as err:
+            raise WorkersLost(step + 1, err.lost, time.perf_counter() - t0, str(err)) from err
         keep = self.available(step + 1)
         if keep < len(self.rt.workers):  # workers the schedule takes away leave once the state is off them
             self.rt.resize(keep)
-        self._use(new, placed)
+        self._use(new, placed_from_plan(new))
         detail = {"executor_s": out.wall_s, **self._rebuild_engines(old, new)}
         world_job = self.job.with_gpus(len(self.rt.workers))
         predicted = schedule_graph(out.graph, Hardware(world_job.cluster)).makespan_s
         moved = sum(w.bytes_received for w in out.workers)
         return TransitionMetrics(time.perf_counter() - t0, predicted, moved, detail)
+
+    def _move_to(self, new: Plan) -> MoveResult:
+        if new.num_gpus > len(self.rt.workers):
+            self.rt.resize(new.num_gpus)
+        return self.rt.transition(self.specs(placed_from_plan(new)), self.job)
+
+    def _snapshot_if_due(self, step: int) -> None:
+        """Step ``step``'s host-memory snapshot, once (a redone step reports the snapshot it redoes from)."""
+        every = self.job.run.snapshot_every
+        if every and step % every == 0 and self.rt.latest_snapshot_step != step:
+            self.carry["nereus/snapshot_s"] = self.rt.snapshot(step)
 
     def _rebuild_engines(self, old: Plan, new: Plan) -> dict[str, float]:
         """With an engine that restarts on a move (``EngineTraits.restarts_on_move``: vLLM), a move of the

@@ -3,13 +3,19 @@ what at which named point; production code only calls ``FaultHook.at(point)``, w
 the plan armed that point on this worker.
 
 Points (where a fault hurts most):
+- ``"backward"``: in the middle of the backward pass, when the first parameter's gradient is computed (before
+  the gradient all-reduces: the other ranks wait in them);
 - ``"train_step"``: after the backward pass, before the optimizer step (gradient all-reduces done, the
   ZeRO shards not yet updated);
 - ``"transition.prepare"``, ``"transition.transfer"``, ``"transition.install"``: the phases of a live
   transition before its commit point (``runtime.transitions.executor``);
+- ``"sync.prepare"``, ``"sync.transfer"``, ``"sync.install"``: the same phases of the per-step weight sync
+  from a training layout to the model's other layouts, which runs through the same executor;
 - ``"migration.transfer"``, ``"migration.install"``: a live migration of unfinished sequences before its
   commit point (``runtime.engines.native.kv_migrate``): before this worker posts its messages, after they all landed;
-- ``"generate"``: a vLLM engine's replica while its engine generates (``Worker.generate_with_logprobs``).
+- ``"generate"``: a rollout engine's replica in the middle of decoding: the native engine after its first
+  decode iteration (prompts prefilled, tokens being sampled), a vLLM engine's replica while its engine
+  generates.
 
 Actions: ``kill`` SIGKILLs the worker's process (a lost worker: ``Runtime.recover``); ``fail`` raises
 ``InjectedFault`` there (a transition that fails before its commit point must leave the old layout).
@@ -21,8 +27,8 @@ import os
 import signal
 from dataclasses import dataclass
 
-POINTS = ("train_step", "transition.prepare", "transition.transfer", "transition.install", "migration.transfer",
-          "migration.install", "generate")
+POINTS = ("backward", "train_step", "transition.prepare", "transition.transfer", "transition.install",
+          "sync.prepare", "sync.transfer", "sync.install", "migration.transfer", "migration.install", "generate")
 ACTIONS = ("kill", "fail")
 
 
@@ -74,6 +80,10 @@ class FaultHook:
         for point, action in actions.items():
             Fault(0, point, action)  # validates the names
         self.armed.update(actions)
+
+    def armed_at(self, point: str) -> bool:
+        """Whether a fault waits at ``point`` (a hot path installs its hook only then)."""
+        return point in self.armed
 
     def at(self, point: str) -> None:
         """A named point on a production path: act if a fault plan armed it here."""

@@ -178,9 +178,9 @@ class Execution:
 
     def __init__(self, graph: TransitionPlan, old: Holdings, new: NewBuffers, comm: TransferComm,
                  model_dtypes: dict[str, torch.dtype], faults: FaultHook | None = None,
-                 resident: list[torch.Tensor] | None = None) -> None:
+                 resident: list[torch.Tensor] | None = None, fault_scope: str = "transition") -> None:
         self.graph, self.old, self.new, self.comm = graph, old, new, comm
-        self.dtypes, self.faults = model_dtypes, faults
+        self.dtypes, self.faults, self.fault_scope = model_dtypes, faults, fault_scope
         self.resident = list(resident or [])  # other tensors alive throughout (counted in the peak)
         self.me = dist.get_rank()
         self.rounds = plan_rounds(graph, model_dtypes)  # the same on every rank; prepare and transfer use it
@@ -204,7 +204,7 @@ class Execution:
         if self.faults is None:
             return
         try:
-            self.faults.at(f"transition.{phase}")
+            self.faults.at(f"{self.fault_scope}.{phase}")
         except InjectedFault as err:
             raise TransitionExecutionError(f"rank {self.me}: {err}") from None
 

@@ -161,11 +161,12 @@ def installer(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dic
 
 def transition_keys(graph: TransitionPlan, old: dict[str, ShardedModel], old_specs: list[KeySpec],
                     new_specs: list[KeySpec], new_groups: dict[str, ParallelGroups], comm: TransferComm,
-                    faults: FaultHook | None = None,
-                    schedule: str = "1f1b") -> tuple[dict[str, ShardedModel], TransferMeasures]:
+                    faults: FaultHook | None = None, schedule: str = "1f1b",
+                    fault_scope: str = "transition") -> tuple[dict[str, ShardedModel], TransferMeasures]:
     """This rank's new shards (key → ``ShardedModel``) once every rank committed; raises
     ``TransitionExecutionError`` on every rank otherwise, ``old`` untouched. ``old``: this rank's shards by
-    key (keys of ``old_specs``); ``new_groups``: every new key's groups, created by all ranks beforehand."""
+    key (keys of ``old_specs``); ``new_groups``: every new key's groups, created by all ranks beforehand.
+    ``fault_scope``: the fault points' prefix (``"sync"`` for a weight sync, ``comm.faults``)."""
     adam = _adam_facts(old, old_specs, comm)
     held = Holdings()
     dtypes: dict[str, torch.dtype] = {}
@@ -176,7 +177,8 @@ def transition_keys(graph: TransitionPlan, old: dict[str, ShardedModel], old_spe
             holdings_of(s.model, old[s.key], into=held)
     resident = [sm.model.tied_head for sm in old.values() if sm.model.tied_head is not None]
     device = next((g.device for g in new_groups.values()), torch.device("cpu"))
-    ex = Execution(graph, held, NewBuffers(new_needs(new_specs, new_groups), device), comm, dtypes, faults, resident)
+    ex = Execution(graph, held, NewBuffers(new_needs(new_specs, new_groups), device), comm, dtypes, faults, resident,
+                   fault_scope)
     models = ex.run(installer(new_specs, new_groups, adam, schedule, comm))
     ex.resident = [sm.model.tied_head for sm in models.values() if sm.model.tied_head is not None]
     ex.finish()

@@ -50,4 +50,14 @@ def test_plan_names_workers_points_and_actions():
     with pytest.raises(ValueError, match="unknown fault action 'hang'"):
         Fault(0, "train_step", "hang")
     with pytest.raises(ValueError, match="unknown fault point"):
-        FaultHook().arm({"backward": "kill"})
+        FaultHook().arm({"forward": "kill"})
+
+
+def test_a_hot_path_asks_whether_a_point_is_armed():
+    hook = FaultHook()
+    assert not hook.armed_at("backward")
+    hook.arm({"backward": "fail", "sync.transfer": "kill"})
+    assert hook.armed_at("backward") and hook.armed_at("sync.transfer") and not hook.armed_at("generate")
+    with pytest.raises(InjectedFault):
+        hook.at("backward")
+    assert not hook.armed_at("backward")  # each fires once

@@ -50,16 +50,30 @@ class TrainingRole(WorkerCore):
 
     def train_step(self, key: str, batch: TrainBatch, loss_fn: LossFn, lr: float, max_grad_norm: float | None,
                    weight_decay: float = 0.0) -> ReplicaOutput[ReplicaStats] | None:
-        """One optimizer step; the fault point ``train_step`` lies between the backward pass and Adam."""
+        """One optimizer step; the fault point ``backward`` lies inside the backward pass, ``train_step``
+        between the backward pass and Adam."""
 
         def run(sm: ShardedModel) -> ReplicaOutput[ReplicaStats] | None:
             metrics: list[object] = []
-            losses = sm.backward(batch, loss_fn, metrics)
+            armed = self._backward_fault(sm)
+            try:
+                losses = sm.backward(batch, loss_fn, metrics)
+            finally:
+                if armed is not None:
+                    armed.remove()
             self.faults.at("train_step")
             norm = sm.step(lr, max_grad_norm, weight_decay)
             return self._output(sm, ReplicaStats(tuple(losses), tuple(metrics), norm))
 
         return self._on(key, run)
+
+    def _backward_fault(self, sm: ShardedModel) -> torch.utils.hooks.RemovableHandle | None:
+        """Where a fault waits at ``backward``: a gradient hook on the shard's last parameter, which autograd
+        reaches first, so the fault lands while the backward pass runs (before any gradient all-reduce)."""
+        if not self.faults.armed_at("backward"):
+            return None
+        last = list(sm.model.parameters())[-1]
+        return last.register_hook(lambda grad: self.faults.at("backward"))
 
     def memory(self, key: str) -> MemoryReport | None:
         sm = self.models.get(key)

@@ -72,7 +72,9 @@ class TransitionRole(WorkerCore):
         old = {s.key: self.models[s.key] for s in sources if s.key in self.models}
         pending, self.pending = self.pending, {}
         try:
-            models, measured = transition_keys(graph, old, sources, new_specs, pending, self.comm, self.faults)
+            scope = "sync" if old_specs == new_specs else "transition"  # a weight sync re-places keys as they are
+            models, measured = transition_keys(graph, old, sources, new_specs, pending, self.comm, self.faults,
+                                               fault_scope=scope)
         except Exception as exc:  # noqa: BLE001 - reported to the driver; the old layout stays
             for key, g in pending.items():
                 if g is not self.groups.get(key):

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from nereus.runtime.comm.faults import FaultHook
 from nereus.runtime.engines.answers import Answer, Carried, DecodeStats, GroupOrder, ReplicaRollout
 from nereus.runtime.engines.native.speculative import propose, verify
 from nereus.runtime.engines.sampling import SamplingParams, sample, stream_seed
@@ -325,13 +326,16 @@ def replica_engine(sm: ShardedModel, prompts: list[list[int]], params: SamplingP
 
 
 def generate_continuous(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams,
-                        slots: int) -> ReplicaRollout:
+                        slots: int, faults: FaultHook | None = None) -> ReplicaRollout:
     """``generate_with_logprobs``'s answer from the continuous-batching engine: this replica's rows of
     ``prompts`` (sequence ids = their indices in ``prompts``), on every rank of the replica. With
     ``params.keep_groups``: only the rows of the first groups to finish (``first_groups``); the others
     None (tail batching), or ``Carried`` with ``params.carry_partial`` (partial rollout)."""
     engine = replica_engine(sm, prompts, params, slots)
     ids = sorted(engine.sequences())
+    if faults is not None and faults.armed_at("generate") and not engine.idle:
+        engine.step()  # prefill and the first tokens: the fault lands in the middle of decoding
+        faults.at("generate")
     if not params.keep_groups:
         done = engine.run()
         return ReplicaRollout([(done[i].tokens, done[i].logprobs) for i in ids], engine_stats(engine))

@@ -53,7 +53,7 @@ class NativeEngine:
 
     def generate(self, sm: ShardedModel, prompts: list[list[int]], params: SamplingParams,
                  faults: FaultHook) -> ReplicaRollout | None:
-        return generate_with_logprobs(sm, prompts, params)
+        return generate_with_logprobs(sm, prompts, params, faults)
 
     def session_open(self, sm: ShardedModel, prompts: list[list[int]], params: SamplingParams) -> bool:
         """A fresh continuous-batching engine on this replica's rows of ``prompts`` (``params.slots``)."""

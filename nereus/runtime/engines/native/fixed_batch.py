@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from nereus.runtime.comm.faults import FaultHook
 from nereus.runtime.engines.answers import ReplicaRollout
 from nereus.runtime.engines.native.decode_engine import generate_continuous
 from nereus.runtime.engines.native.fixed_decode import FixedDecode, left_pad
@@ -33,16 +34,17 @@ def generate(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams)
 
 
 @torch.no_grad()
-def generate_with_logprobs(sm: ShardedModel, prompts: list[list[int]],
-                           params: SamplingParams) -> ReplicaRollout | None:
+def generate_with_logprobs(sm: ShardedModel, prompts: list[list[int]], params: SamplingParams,
+                           faults: FaultHook | None = None) -> ReplicaRollout | None:
     """New tokens per prompt and, for each, log p(token) under the model's unscaled distribution
     (log-softmax of the full-vocabulary logits, no temperature or top-p) — the behaviour log-probs PPO's
     ratio needs. Complete on the last pipeline stage, None elsewhere (the engine, ``slots`` > 0: on every
     rank of the replica). With ``params.keep_groups`` (tail batching, partial rollout) only the kept rows
-    are answered; the others are None or ``Carried`` (``groups``)."""
+    are answered; the others are None or ``Carried`` (``groups``). ``faults``: the worker's fault hook, whose
+    point ``generate`` lies in the decode loop."""
     if params.slots:
-        return generate_continuous(sm, prompts, params, params.slots)
-    run = FixedDecode(sm, prompts, params).run()
+        return generate_continuous(sm, prompts, params, params.slots, faults)
+    run = FixedDecode(sm, prompts, params).run(faults)
     return ReplicaRollout(run.answers(), run.stats()) if sm.groups.last_stage else None
 
 

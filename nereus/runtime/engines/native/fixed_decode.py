@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from nereus.runtime.comm.faults import FaultHook
 from nereus.runtime.engines.answers import Answer, Carried, DecodeStats, GroupOrder
 from nereus.runtime.engines.native.speculative import as_text, propose_text, verify_rows
 from nereus.runtime.engines.sampling import SamplingParams, row_limit, sample, stream_seed
@@ -167,11 +168,15 @@ class FixedDecode:
 
     # ----- the loop -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self) -> FixedDecode:
+    def run(self, faults: FaultHook | None = None) -> FixedDecode:
+        """Prefill, then decode until every row finished; ``faults``' point ``generate`` is met at each decode
+        iteration (the prompts prefilled, tokens being sampled)."""
         tokens, positions, valid = self.prefill
         logits = self.step(tokens, positions, prefill_mask(valid), 0)
         pending = self._emit(logits)
         while not self._done():
+            if faults is not None:
+                faults.at("generate")
             k = self._draft_width()
             if k:
                 pending = self._speculate(pending, k)
