@@ -17,7 +17,7 @@ from nereus.runtime.engines.sampling import derive_seed
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.hf import read_config
 from nereus.spec.capability import UnsupportedLayout
-from nereus.spec.errors import SpecError
+from nereus.spec.errors import InfeasibleError, SpecError
 from nereus.spec.hf_files import check_model_dir
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout
@@ -96,16 +96,42 @@ def reward_router(job: JobSpec) -> RewardRouter:
 
 
 def _planned(job: JobSpec) -> dict[str, tuple[Layout, tuple[int, ...]]]:
-    """The planner's layouts for the model-stages the job leaves open, on ``run.workers`` devices."""
+    """The planner's layouts for the model-stages the job leaves open, on ``run.workers`` devices: only
+    layouts the runtime runs (``runtime_layout_ok``, the adaptive controller's filter: batches that split,
+    as ``check_batches`` then requires), so no refusal blames a ``run.layouts`` the user never wrote."""
     from nereus.cost.hardware import Hardware
     from nereus.planner.search import Constraints, search
 
     capability = capability_for(job.run.overlap)
     sized = job.with_gpus(job.run.workers)
     sized = replace(sized, options=capability.planning_options(sized.options))
-    allowed = Constraints(layout_filter=lambda ms, lay: engine_runs(job, ms.stage, lay), capability=capability)
-    plan = search(Hardware(sized.cluster), sized, constraints=allowed).plan
+    allowed = Constraints(layout_filter=lambda ms, lay: runtime_layout_ok(job, ms.stage, lay, ms.model),
+                          capability=capability)
+    try:
+        plan = search(Hardware(sized.cluster), sized, constraints=allowed).plan
+    except InfeasibleError:
+        _check_some_layout_splits(job, sized)
+        raise
     return {str(p.model_stage): (p.layout, tuple(p.gpus)) for p in plan.placements}
+
+
+def _check_some_layout_splits(job: JobSpec, sized: JobSpec) -> None:
+    """Refuse, naming the batch keys, a job whose batch no layout of some model-stage splits over its DP
+    replicas and micro-batches on any number of the workers (the keys are written as the user typed them:
+    ``spec.typed_keys``)."""
+    from nereus.planner.candidates import enumerate_layouts
+
+    for ms in sized.model_stages():
+        layouts = [lay for g in range(1, job.run.workers + 1) for lay in enumerate_layouts(sized, ms, g)]
+        if any(batch_split_problem(job, ms.stage, lay) is None for lay in layouts):
+            continue
+        size = _batch_size(job, ms.stage)
+        key, what = ("algorithm.mini_batches", "mini-batch") if ms.stage == "training" else (
+            "workload.prompts_per_step", "batch")
+        raise SpecError(key, f"no layout of {ms} on 1 to {job.run.workers} workers splits its {what} of {size} "
+                             "sequences into DP replicas x micro-batches: change workload.prompts_per_step, "
+                             "algorithm.samples_per_prompt or algorithm.mini_batches so that one does, or "
+                             "options.micro_batch_size")
 
 
 def _shared_key(placed: list[Placed], model: str, stage: str, layout: Layout, ranks: tuple[int, ...]) -> str | None:
@@ -176,27 +202,38 @@ def runtime_layout_ok(job: JobSpec, stage: str, layout: Layout, model: str) -> b
         return False
     if not tp_splits(job.models[model], layout.tp):
         return False
-    size, per = _batch_split(job, stage, layout)
-    return size % per == 0
+    return batch_split_problem(job, stage, layout) is None
 
 
 def _batch_split(job: JobSpec, stage: str, layout: Layout) -> tuple[int, int]:
     """Sequences a stage's batch holds (training: one mini-batch) and the multiple it must be of: DP
     replicas times micro-batch size (generation does not micro-batch)."""
+    return _batch_size(job, stage), layout.dp * (layout.micro_batch_size if stage != "generation" else 1)
+
+
+def _batch_size(job: JobSpec, stage: str) -> int:
+    """Sequences a stage's batch holds: a step's, one mini-batch of them for training."""
     n = job.sequences_per_step()
-    size = n // job.algorithm.mini_batches if stage == "training" else n
-    return size, layout.dp * (layout.micro_batch_size if stage != "generation" else 1)
+    return n // job.algorithm.mini_batches if stage == "training" else n
+
+
+def batch_split_problem(job: JobSpec, stage: str, layout: Layout) -> str | None:
+    """Why the stage's batch (training: one mini-batch) does not split over ``layout``'s DP replicas and
+    micro-batches; None when it does. The one check of the planner's filter and of ``check_batches``."""
+    size, per = _batch_split(job, stage, layout)
+    if size % per == 0:
+        return None
+    what = "mini-batch" if stage == "training" else "batch"
+    return (f"the {what} of {size} sequences does not split into dp={layout.dp} x "
+            f"micro_batch_size={layout.micro_batch_size}")
 
 
 def check_batches(job: JobSpec, placed: list[Placed]) -> None:
     """Each stage's batch must split over its DP replicas and micro-batches (and mini-batches)."""
     for p in placed:
-        size, per = _batch_split(job, p.stage, p.layout)
-        if size % per:
-            what = "mini-batch" if p.stage == "training" else "batch"
-            raise SpecError(f"run.layouts.{p.model}/{p.stage}",
-                            f"the {what} of {size} sequences does not split into dp={p.layout.dp} x "
-                            f"micro_batch_size={p.layout.micro_batch_size}")
+        why = batch_split_problem(job, p.stage, p.layout)
+        if why is not None:
+            raise SpecError(f"run.layouts.{p.model}/{p.stage}", why)
 
 
 def datasets(job: JobSpec, tok: Tokenizer, root: Path, notes: list[str] | None = None) -> tuple[list[Prompt],
