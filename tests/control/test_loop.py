@@ -64,6 +64,48 @@ def test_a_mid_step_loss_recovers_onto_the_survivors_and_redoes_the_step():
     assert record.summary()["failures"] == 1
 
 
+class DiesInMove(SimBackend):
+    """The simulator, except that devices die in the first transition (as the runtime reports it: the move
+    after step ``s`` raises ``WorkersLost`` for step ``s + 1``, whose snapshot it took first)."""
+
+    def __init__(self, *args, survivors: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.survivors, self.failed_after, self.recoveries = survivors, None, []
+
+    def apply_transition(self, old, new, step):
+        if self.failed_after is None:
+            self.failed_after = step
+            raise WorkersLost(step + 1, [self.survivors], elapsed_s=1.5)
+        return super().apply_transition(old, new, step)
+
+    def cluster(self, step):
+        now = super().cluster(step)
+        return ClusterState(min(now.num_gpus, self.survivors)) if self.recoveries else now
+
+    def recover(self, lost, plan_for):
+        plan = plan_for(self.survivors, lost.step)
+        self.recoveries.append(plan)
+        return RecoveryMetrics(lost.step, plan, seconds=2.0)
+
+
+def test_a_loss_in_a_transition_keeps_the_finished_step_and_resumes_after_it():
+    """The step before the move finished: it is recorded once, on the plan it ran on, and the run resumes at
+    the next step on the survivors' plan (nothing redone)."""
+    job = small_job(16)
+    grows = trace(12, gpus=[{"step": 0, "gpus": 16}, {"step": 5, "gpus": 32}])  # the controller moves onto more
+    backend = DiesInMove(job, grows, 0, initial_gpus=16, survivors=8)
+    seen = Steps()
+    record = run_policy(Controller(job, ControllerConfig(), LengthSchedule(default_max=2048)), backend, 12,
+                        observer=seen)
+    s = backend.failed_after
+    assert s is not None  # the controller moved at least once
+    assert seen.steps == list(range(12)) and seen.recovered_at == [s + 1]
+    assert [r["step"] for r in record.steps] == list(range(12))
+    assert record.steps[s]["transition_s"] == 0.0  # the move did not happen
+    assert record.steps[s + 1]["lost_s"] == pytest.approx(3.5)  # the lost move + recovery, booked to the next step
+    assert backend.recoveries[0].num_gpus <= 8
+
+
 def test_a_held_plan_never_moves_but_replans_onto_survivors():
     job = small_job(16)
     ctl = Controller(job, ControllerConfig(), LengthSchedule(default_max=2048))

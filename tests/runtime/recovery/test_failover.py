@@ -57,8 +57,9 @@ def _release(rt, keys) -> None:
 
 
 def test_worker_killed_mid_step_with_dp2(ray_runtime):
-    """Actor TP2×DP2 (Adam, ZeRO-1 over DP) and a frozen reference DP2 on 4 workers; worker 3 dies after
-    its backward pass of step 3. The survivors restore the state of the step's start (the snapshot holds
+    """Actor TP2×DP2 (Adam, ZeRO-1 over DP) and a frozen reference DP2 on 4 workers; worker 3 dies in the
+    middle of its backward pass of step 3 (fault point ``backward``: its peers wait in the gradient
+    all-reduce). The survivors restore the state of the step's start (the snapshot holds
     the lost ZeRO shard; the reference comes from its surviving replica), move to a 2-worker layout,
     redo the step, and hold what an uninterrupted run holds after it."""
     rt = ray_runtime
@@ -77,7 +78,7 @@ def test_worker_killed_mid_step_with_dp2(ray_runtime):
         for s in (1, 2):
             rt.train_step(train.key, make_batch(ACTOR, s), loss, lr=ADAM_LR)
         rt.snapshot(step=2)
-        rt.inject(FaultPlan.kill(3, "train_step"))
+        rt.inject(FaultPlan.kill(3, "backward"))
         with pytest.raises(WorkerLostError) as lost:
             rt.train_step(train.key, make_batch(ACTOR, 3), loss, lr=ADAM_LR)
         assert lost.value.lost == [3]
@@ -118,6 +119,72 @@ def test_worker_killed_mid_transition(ray_runtime):
         rt.train_step(train.key, make_batch(ACTOR, 2), loss, lr=ADAM_LR)
     finally:
         _release(rt, [train.key, ref.key])
+
+
+def test_worker_killed_mid_weight_sync(ray_runtime):
+    """The per-step weight sync (``sync_weights``: the trained actor's weights to its generation layout, through
+    the transition executor) loses worker 1 in its transfers (``sync.transfer``): the survivors come back on the
+    snapshot's state — the step redone from there holds what an uninterrupted step and sync hold, and the
+    generation key follows the training key."""
+    rt, j = ray_runtime, job()
+    train = spec("actor", lay(tp=2, dp=2), [0, 1, 2, 3])
+    gen = spec("actor", lay(dp=2), [1, 2], stage="generation")
+
+    def load() -> None:
+        for s in (train, gen):
+            rt.load(s.key, ACTOR, s.layout, list(s.ranks), state=initial_state("actor"))
+
+    load()
+    try:
+        rt.train_step(train.key, make_batch(ACTOR, 1), loss, lr=ADAM_LR)
+        rt.sync_weights("actor", j)
+        want = global_state(rt, gen.key, "actor")  # the uninterrupted step and sync
+        for key in (train.key, gen.key):
+            rt.release(key)
+
+        load()
+        rt.snapshot(step=0)
+        rt.train_step(train.key, make_batch(ACTOR, 1), loss, lr=ADAM_LR)
+        rt.inject(FaultPlan.kill(1, "sync.transfer"))
+        with pytest.raises(WorkerLostError) as lost:
+            rt.sync_weights("actor", j)
+        assert lost.value.lost == [1]
+        new_train, new_gen = spec("actor", lay(tp=2), [0, 2]), spec("actor", lay(), [1], stage="generation")
+        out = rt.recover(lambda n: [new_train, new_gen])
+        assert (out.lost, out.workers, out.resume_step) == ((1,), 3, 0)
+        rt.train_step(train.key, make_batch(ACTOR, 1), loss, lr=ADAM_LR)  # the lost step, redone
+        rt.sync_weights("actor", j)
+        got = global_state(rt, gen.key, "actor")
+        assert_states(got, want, exact=False)
+        assert_states(got, {k: v for k, v in global_state(rt, train.key, "actor").items() if k in got}, exact=True)
+    finally:
+        _release(rt, [train.key, gen.key])
+
+
+def test_generation_worker_killed_mid_decode(ray_runtime):
+    """The native engine's replica on worker 1 dies after its first decode iteration (``generate``): the
+    survivors re-form the world and generate the same greedy rows from the same weights."""
+    from nereus.runtime.engines.sampling import SamplingParams
+
+    rt = ray_runtime
+    gen = spec("actor", lay(dp=2), [0, 1], stage="generation")
+    rt.load(gen.key, ACTOR, gen.layout, list(gen.ranks), state=initial_state("actor"))
+    try:
+        prompts, params = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]], SamplingParams(max_new_tokens=5)
+        want = rt.generate_with_logprobs(gen.key, prompts, params)
+        rt.snapshot(step=0)
+        rt.inject(FaultPlan.kill(1, "generate"))
+        with pytest.raises(WorkerLostError) as lost:
+            rt.generate_with_logprobs(gen.key, prompts, params)
+        assert lost.value.lost == [1]
+        out = rt.recover(lambda n: [spec("actor", lay(), [2], stage="generation")])
+        assert out.live_state == ("actor",)  # from the surviving replica: nothing from the snapshot
+        got = rt.generate_with_logprobs(gen.key, prompts, params)
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+        for (_, a), (_, b) in zip(got, want, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **TOL)
+    finally:
+        _release(rt, [gen.key])
 
 
 def test_a_snapshot_whose_lost_image_failed_gives_way_to_the_one_before(ray_runtime):
