@@ -12,7 +12,9 @@ Nereus has the same knob with the same meaning (``actor_rollout_ref.actor.clip_r
 engines, refused with the reason otherwise. Two verl keys that set one Nereus key (actor's and critic's
 ``grad_clip``) must agree. ``resolve_overrides`` collects every problem instead of raising the first
 (``nereus run ... --cfg job``, ``spec.cfg_job``); verl's parallel degrees become ``run.layouts``
-(``spec.verl_layouts``).
+(``spec.verl_layouts``), its ``trainer.nnodes`` x ``n_gpus_per_node`` ``run.workers``. No job-file value is
+left contradicting an override: an estimator given makes ``algorithm.name`` (and the critic) follow, as
+verl's need for a critic follows its estimator, and what cannot agree is refused naming both keys.
 """
 
 from __future__ import annotations
