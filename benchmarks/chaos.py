@@ -161,12 +161,14 @@ def measure(args, tmp: Path, kind: str, base: dict, base_dir: Path) -> dict:
     out = tmp / kind
     ran = node_child(args, out) if kind == "node" else run_job(args, out, kind)
     recs = ran["summary"]["recoveries"]
-    rec = recs[0] if len(recs) == 1 else {"wall_s": float("nan"), "lost": []}
+    rec = recs[0] if len(recs) == 1 else {"wall_s": float("nan"), "world": float("nan"), "restore": float("nan"),
+                                          "lost": []}
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     finished = steps == list(range(1, args.steps + 1))
     equal, worst = compare(final_weights(out, args.steps), final_weights(base_dir, args.steps), args.rtol, args.atol)
     trained = {int(k): v for k, v in ran["trained"].items()}
-    return {"recovered": bool(finished and rec["lost"]), "recover_s": rec["wall_s"],
+    return {"recovered": bool(finished and rec["lost"]), "recover_s": rec["wall_s"], "world_s": rec["world"],
+            "restore_s": rec["restore"],
             "steps_lost": ran["started"] - args.steps,
             "samples_lost": samples_lost(trained, base["trained"], base["samples_per_prompt"]),
             "weights_equal": equal, "max_abs_weight_diff": worst, "lost_workers": list(rec["lost"])}
@@ -260,7 +262,8 @@ def main() -> int:
                       flush=True)
             results[kind] = measure(args, tmp, kind, *baselines[which])
             r = results[kind]
-            print(f"{kind:>22}: recovered {r['recovered']}, recover {r['recover_s']:.2f} s, steps lost "
+            print(f"{kind:>22}: recovered {r['recovered']}, recover {r['recover_s']:.2f} s (re-form world "
+                  f"{r['world_s']:.2f} s, restore {r['restore_s']:.2f} s), steps lost "
                   f"{r['steps_lost']}, samples lost {r['samples_lost']}, weights equal {r['weights_equal']} "
                   f"(max |diff| {r['max_abs_weight_diff']:.1e}), workers lost {r['lost_workers']}", flush=True)
     finally:
