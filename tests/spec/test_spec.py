@@ -189,6 +189,10 @@ DATASHEETS = {  # name: (TFLOP/s, HBM TB/s, HBM GB, NVLink GB/s bidirectional, N
     "H100-SXM-80GB": (989.4, 3.35, 80, 900, 400),
     "H200-SXM-141GB": (989.4, 4.8, 141, 900, 400),
     "H20-96GB": (148, 4.0, 96, 900, 400),
+    "H800-SXM-80GB": (989.4, 3.35, 80, 400, 400),  # H100 SXM5 with NVLink at 400 GB/s (H800 datasheet)
+    "A800-SXM-80GB": (312, 2.039, 80, 400, 200),  # A100 SXM4 80GB with NVLink at 400 GB/s (A800 datasheet)
+    "B200-SXM-180GB": (2250, 8.0, 180, 1800, 400),  # DGX/HGX B200 datasheets, per GPU, dense
+    "GB200-NVL72-186GB": (2500, 8.0, 186, 1800, 400),  # GB200 NVL72 datasheet, per GPU, dense
 }
 
 
