@@ -11,6 +11,8 @@ Hydra key (a dotted path followed by ``=``) count; a variable or array that hold
     python -m nereus.devtools.verl_examples /path/to/verl.git [COMMIT] > tests/data/verl_examples.json
 
 Deterministic: scripts in path order, overrides in script order, duplicates kept (later ones win in Hydra).
+The command lines of the documentation pages in ``DOC_PAGES`` (the quickstart's PPO run) are read the same
+way, under ``docs``: each ``-m verl.trainer.*`` command, from its line to the next blank one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ OVERRIDE = re.compile(r"^\+{0,2}[A-Za-z_][\w-]*(\.[\w-]+)+=")
 SHELL_ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
 ENTRY = re.compile(r"(?<![\w-])-m\s+([A-Za-z_][\w.]*)")  # python3 -m MODULE, torchrun ... -m MODULE
 SCRIPT_ENTRY = re.compile(r"\bpython3?\s+([\w./-]+\.py)\b")  # python3 main_ppo_split.py
+# the documentation pages whose command lines a verl user copies first
+DOC_PAGES = ("docs/start/quickstart.rst",)
+DOC_COMMAND = re.compile(r"^.*-m\s+verl\.trainer\.\S+.*?(?=\n[ \t]*\n|\Z)", re.MULTILINE | re.DOTALL)
 
 
 def _git(repo: str, *args: str) -> str:
@@ -79,12 +84,19 @@ def script_overrides(text: str) -> dict[str, object]:
     return {"entry": entry.group(1) if entry else "", "overrides": overrides}
 
 
+def doc_commands(text: str) -> list[dict[str, object]]:
+    """Each verl trainer command of a documentation page (``script_overrides`` of its text: from the line
+    that runs ``-m verl.trainer.<entry>`` to the next blank line), in page order."""
+    return [script_overrides(m.group(0)) for m in DOC_COMMAND.finditer(text)]
+
+
 def extract(repo: str, commit: str = "HEAD") -> dict[str, object]:
     commit = _git(repo, "rev-parse", commit).strip()
     paths = sorted(p for p in _git(repo, "ls-tree", "-r", "--name-only", commit).splitlines()
                    if p.startswith("examples/") and p.endswith(".sh"))
     scripts = {p: script_overrides(_git(repo, "show", f"{commit}:{p}")) for p in paths}
-    return {"source": SOURCE, "commit": commit, "scripts": scripts}
+    docs = {p: doc_commands(_git(repo, "show", f"{commit}:{p}")) for p in DOC_PAGES}
+    return {"source": SOURCE, "commit": commit, "scripts": scripts, "docs": docs}
 
 
 if __name__ == "__main__":

@@ -189,5 +189,6 @@ def _check_auto_levers(levers: str, engine: RolloutEngine, midstep: MidstepSpec 
     t = engine.traits
     if t.speculation != "live":
         why = "speculation is fixed when its engine starts" if t.speculation == "fixed" else "engine does not speculate"
-        raise SpecError("run.rollout.levers", f"auto needs the native engine ({t.label}'s {why}): set engine: native, "
-                        "or levers: none")
+        # under the engine's key: it is what a command line (verl's rollout.name=vllm) most often changes
+        raise SpecError("run.rollout.engine", f"{t.name} cannot run run.rollout.levers: auto ({t.label}'s {why}): "
+                        "set run.rollout.levers: none, or engine: native")

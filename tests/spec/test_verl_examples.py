@@ -4,6 +4,9 @@ derived, ignored or refused with a reason), nothing starts and nothing but the j
 The scripts' overrides are data (``tests/data/verl_examples.json``: every ``examples/**/*.sh`` of
 https://github.com/volcengine/verl at the commit the file names, as ``nereus.devtools.verl_examples``
 extracts them). Each script runs on the tiny example of its algorithm: PPO's for ``gae``, GRPO's otherwise.
+verl's documented command lines (the quickstart's PPO run, kept under ``docs`` in the same file, and the GRPO
+script docs/algo/grpo.md launches) run verbatim, and with the user's files in place of verl's machine's, on
+the HF examples.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ import pytest
 import yaml
 
 from nereus.cli import main
-from nereus.devtools.verl_examples import script_overrides
+from nereus.devtools.verl_examples import doc_commands, script_overrides
 from nereus.spec import cfg_job
 from nereus.spec.cfg_job import resolve_job
+from nereus.spec.engines import engine_traits, installed_distribution
 from nereus.spec.errors import SpecError
 from nereus.spec.overrides import apply_overrides, did_you_mean, resolve_overrides
-from nereus.spec.verl_keys import TABLE, lookup
+from nereus.spec.verl_keys import DERIVED, IGNORED, MAPPED, REFUSED, TABLE, lookup
 from nereus.spec.verl_layouts import DEGREES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -223,3 +227,80 @@ python3 -m verl.trainer.main_ppo --config-name='ppo_trainer' \\
     assert script_overrides(script) == {"entry": "verl.trainer.main_ppo", "overrides": [
         "actor_rollout_ref.actor.clip_ratio=0.2", "data.max_prompt_length=$((a+b))", "trainer.nnodes=1",
         "+trainer.n_gpus_per_node=${G}", "data.train_files=$HOME/x.parquet", 'trainer.logger=["console"]']}
+
+
+def test_the_extractor_reads_a_documentation_pages_command():
+    page = """Run it:
+
+.. code-block:: bash
+
+   PYTHONUNBUFFERED=1 python3 -m verl.trainer.main_ppo \\
+    data.train_batch_size=256 \\
+    trainer.nnodes=1 2>&1 | tee verl_demo.log
+
+Later: trainer.n_gpus_per_node=8 is prose, not a command.
+"""
+    assert doc_commands(page) == [{"entry": "verl.trainer.main_ppo",
+                                   "overrides": ["data.train_batch_size=256", "trainer.nnodes=1"]}]
+
+
+# verl's documented command lines, as data at the commit verl_examples.json names: the quickstart's PPO run
+# (docs/start/quickstart.rst) and the GRPO run docs/algo/grpo.md's "Reference Example" launches
+# (examples/grpo_trainer/run_qwen3-8b.sh), each on the HF example of its algorithm
+DOC_RUNS = {"ppo": (DATA["docs"]["docs/start/quickstart.rst"][0]["overrides"], "ppo_gsm8k_hf.yaml"),
+            "grpo": (SCRIPTS["examples/grpo_trainer/run_qwen3-8b.sh"]["overrides"], "grpo_gsm8k_hf.yaml")}
+# the tiny model of examples/make_tiny_hf.py, as far as --cfg job reads it (config.json)
+TINY_QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 2,
+              "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "vocab_size": 320, "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+def _fate_lines(out: str) -> dict[str, str]:
+    """override as written -> its fate, from --cfg job's comments."""
+    lines = out.split("# verl keys (", 1)[1].splitlines()[1:]
+    return dict(line[len("#   "):].split("  ", 1) for line in lines)
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_verls_documented_command_lines_have_a_fate_for_every_key_and_build(algorithm, tmp_path, capsys):
+    """Verbatim, every key is mapped, derived, ignored or refused with its reason (none unknown, none
+    silently dropped) and each problem (the hub model name, the data paths of verl's machine) is one line
+    under a key as typed; with the user's own files in their place, the job builds."""
+    overrides, job = DOC_RUNS[algorithm]
+    keys = [_key(o) for o in overrides]
+    fates = {k: lookup(k) for k in keys}
+    assert all(f is not None and f.kind in (MAPPED, DERIVED, IGNORED, REFUSED) for f in fates.values()), fates
+    assert all(f.reason for f in fates.values() if f.kind in (IGNORED, REFUSED))
+    assert main(["run", str(ROOT / "examples" / job), *overrides, "--cfg", "job"]) == 2
+    out, err = capsys.readouterr()
+    assert set(_fate_lines(out)) == set(overrides)  # each override's fate is printed
+    named = {line.removeprefix("nereus: error: ").split(":")[0] for line in err.splitlines()}
+    assert all(line.startswith("nereus: error: ") for line in err.splitlines())
+    assert "actor_rollout_ref.model.path" in named and named <= set(keys), err  # a hub name: Nereus downloads nothing
+    model, data = tmp_path / "model", tmp_path / "data"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_QWEN2))
+    data.mkdir()
+    (data / "train.parquet").write_bytes(b"")  # checked by name only: no data file is opened
+    (data / "test.parquet").write_bytes(b"")
+    mine = [o.replace("$HOME/data/gsm8k", str(data)).replace("=Qwen/Qwen2.5-0.5B-Instruct", f"={model}")
+            .replace("=Qwen/Qwen3-8B", f"={model}") for o in overrides]
+    assert len(mine) == len(overrides) and all(_key(a) == _key(b) for a, b in zip(mine, overrides, strict=True))
+    code = main(["run", str(ROOT / "examples" / job), *mine, "--cfg", "job"])
+    out, err = capsys.readouterr()
+    if installed_distribution(engine_traits("vllm")) is None:  # rollout.name=vllm: refused by its key
+        assert code == 2 and err.startswith("nereus: error: actor_rollout_ref.rollout.name: vllm is not installed")
+        return
+    assert (code, err) == (0, ""), err
+    built = yaml.safe_load(out)
+    assert built["algorithm"]["name"] == algorithm and built["run"]["rollout"]["engine"] == "vllm"
+    assert set(built["models"]) == ({"actor", "reference", "critic"} if algorithm == "ppo" else {"actor", "reference"})
+    assert (built["run"]["workers"], built["workload"]["prompts_per_step"]) == (
+        (1, 256) if algorithm == "ppo" else (8, 1024))
+
+
+def test_an_engine_the_job_files_levers_cannot_run_is_refused_under_the_key_typed():
+    """verl's quickstart selects vLLM; on a job file whose controller picks the levers (ppo_tiny.yaml's
+    ``run.rollout.levers: auto``, native engine only) the refusal names rollout.name, not a key never typed."""
+    [problem] = resolve_job(ROOT / "examples" / "ppo_tiny.yaml", ["actor_rollout_ref.rollout.name=vllm"]).problems
+    assert problem.startswith("actor_rollout_ref.rollout.name: vllm ")
