@@ -1,0 +1,88 @@
+"""Published end-to-end RL runs against Nereus's prediction, row by row and stage by stage.
+
+Each row of a CSV in the ``e2e_runs.csv`` schema (nereus/cost/e2e_runs.md) becomes a job and plan from its
+own fields (``nereus.sim.published_runs``: no per-row knob; the rules for what a row leaves empty are
+stated there), priced by the cost model (``--source cost``, as ``nereus estimate`` prices a plan) or run on
+the simulator's ground truth (``--source sim``). Rows it cannot price are skipped with the reason. It
+prints published, predicted and error per stage, then one JSON line: rows modelled, rows skipped (run id
+and why), cells predicted, the mean absolute error per column, and overall mean and largest.
+
+    python benchmarks/e2e_validation.py --rows nereus/cost/e2e_runs.csv [--source cost|sim] [--json]
+
+With ``--json`` only the JSON line is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+from nereus.sim.published_predict import SOURCES, predict
+from nereus.sim.published_runs import COLUMNS, RowSkipped, published_run, text
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The CSV's rows; lines starting with '#' are comments (the packaged copy's header)."""
+    lines = path.read_text(encoding="utf-8-sig").splitlines()
+    return list(csv.DictReader(line for line in lines if line.strip() and not line.startswith("#")))
+
+
+def validate(rows: list[dict], source: str) -> tuple[list[tuple[str, str, float, float]], list[dict], int]:
+    """(run id, column, published, predicted) per cell, the skipped rows, and the rows modelled."""
+    cells, skipped, modelled = [], [], 0
+    for i, row in enumerate(rows):
+        run_id = text(row, "run_id") or f"(row {i + 1})"
+        try:
+            run = published_run(row)
+            guess = predict(run, source)
+        except RowSkipped as why:
+            skipped.append({"run_id": run_id, "why": str(why)})
+            continue
+        modelled += 1
+        for column, value in run.published.items():
+            if column in guess and value > 0:  # a published 0 has no relative error
+                cells.append((run_id, column, value, guess[column]))
+    return cells, skipped, modelled
+
+
+def summary(cells: list, skipped: list[dict], modelled: int) -> dict:
+    errors: dict[str, list[float]] = {}
+    for _, column, published, guess in cells:
+        errors.setdefault(column, []).append(abs(100 * (guess / published - 1)))
+    every = [e for column in errors for e in errors[column]]
+    return {"rows": modelled, "skipped": skipped, "cells": len(cells),
+            "mean_abs_pct": {c: round(sum(errors[c]) / len(errors[c]), 1) for c in COLUMNS if c in errors},
+            "overall_mean_abs_pct": round(sum(every) / len(every), 1) if every else None,
+            "overall_max_abs_pct": round(max(every), 1) if every else None}
+
+
+def table(cells: list, skipped: list[dict]) -> str:
+    out = [f"{'run':<16} {'column':<18} {'published':>10} {'predicted':>10} {'error':>8}"]
+    for run_id, column, published, guess in cells:
+        error = 100 * (guess / published - 1)
+        out.append(f"{run_id:<16} {column:<18} {published:>10.2f} {guess:>10.2f} {error:>+7.0f}%")
+    out += [f"skipped {s['run_id']}: {s['why']}" for s in skipped]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=Path, required=True, help="a CSV in the e2e_runs.csv schema")
+    ap.add_argument("--source", choices=SOURCES, default="cost", help="cost model (default) or simulator truth")
+    ap.add_argument("--json", action="store_true", help="print only the JSON summary line")
+    args = ap.parse_args(argv)
+    if not args.rows.is_file():
+        print(f"--rows: {args.rows} is not a file; give a CSV in the e2e_runs.csv schema", file=sys.stderr)
+        return 2
+    cells, skipped, modelled = validate(read_rows(args.rows), args.source)
+    if not args.json:
+        print(table(cells, skipped))
+    print(json.dumps(summary(cells, skipped, modelled)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

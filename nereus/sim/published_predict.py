@@ -1,0 +1,93 @@
+"""Predicted stage seconds of a published run (``sim.published_runs``): from the cost model, as the planner
+and ``nereus estimate`` price a plan, or from the simulator's ground truth, as ``nereus simulate`` runs one.
+
+Both give per-model-stage and per-phase seconds; the published columns follow from them the same way:
+
+- a stage column is its model-stage's time (``t_gen_s`` the rollout, ``t_old_logprob_s`` the actor's
+  inference, ``t_ref_s`` the reference's, ``t_values_s`` the critic's, ``t_update_*`` the training stages),
+  ``t_weight_sync_s`` the weight-sync phase;
+- ``t_step_s``: a synchronous step runs its phases one after another; a one-step-off or fully
+  asynchronous one overlaps the rollout with the trainer's inference and training, then syncs weights:
+  max(generation, inference + training) + weight sync (verl's one_step_off and fully_async recipes);
+- in a fully asynchronous row ``t_gen_s`` is the trainer's wait for samples, not the rollout: the part of
+  the rollout the trainer's own work does not hide, max(0, generation - (inference + training));
+- ``tok_per_s_per_gpu``: the step's prompt and response tokens over the step and every GPU of the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from nereus.control.backend import RunToEnd
+from nereus.cost.hardware import Hardware
+from nereus.cost.plan_cost import estimate_plan
+from nereus.sim.backend import SimBackend
+from nereus.sim.published_runs import PublishedRun
+from nereus.spec.trace import LengthPoint, Trace
+
+STAGE_OF = {"t_gen_s": "actor/generation", "t_old_logprob_s": "actor/inference", "t_ref_s": "reference/inference",
+            "t_values_s": "critic/inference", "t_update_actor_s": "actor/training",
+            "t_update_critic_s": "critic/training"}
+ASYNC_MODES = ("one_step_off", "fully_async", "partial_rollout")
+SOURCES = ("cost", "sim")
+SIM_STEPS = 3  # simulated steps averaged per row (each draws its own lengths and noise)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    stages: dict[str, float]  # model-stage -> seconds
+    phases: dict[str, float]  # generation, inference, training, weight_sync -> seconds
+
+
+def cost_times(run: PublishedRun) -> StepTimes:
+    """The cost model's times of the run's plan (``nereus estimate``); memory is not checked here: the
+    runs fit through offload and sequence parallelism the memory model may not price."""
+    est = estimate_plan(Hardware(run.job.cluster), run.job, run.plan)
+    return StepTimes(dict(est.stage_times), dict(est.phase_times))
+
+
+def sim_times(run: PublishedRun, seed: int = 0, steps: int = SIM_STEPS) -> StepTimes:
+    """The simulator's ground truth for the run's plan: ``steps`` steps on a one-point trace at the
+    row's lengths, every generation run to its end, stage and phase seconds averaged."""
+    r = run.job.workload.response
+    trace = Trace(run.run_id, "published run", steps, r.sigma, (LengthPoint(0, r.mean, r.max),))
+    backend = SimBackend(run.job, trace, seed)
+    measured = [backend.run_step(run.plan, step, RunToEnd()) for step in range(steps)]
+    stages = {k: float(np.mean([m.stage_times_s[k] for m in measured])) for k in measured[0].stage_times_s}
+    phases = {k: float(np.mean([m.phase_times_s[k] for m in measured])) for k in measured[0].phase_times_s}
+    return StepTimes(stages, phases)
+
+
+def step_seconds(run: PublishedRun, times: StepTimes) -> float:
+    p = times.phases
+    if run.sync_mode in ASYNC_MODES:
+        return max(p["generation"], p["inference"] + p["training"]) + p["weight_sync"]
+    return sum(p.values())
+
+
+def predicted(run: PublishedRun, times: StepTimes) -> dict[str, float]:
+    """Predicted values of the columns the row publishes that the job has (a stage of a model the row
+    does not run is left out)."""
+    p, step = times.phases, step_seconds(run, times)
+    out = {}
+    for column in run.published:
+        if column == "t_gen_s" and run.sync_mode in ("fully_async", "partial_rollout"):
+            out[column] = max(0.0, p["generation"] - p["inference"] - p["training"])
+        elif column in STAGE_OF and STAGE_OF[column] in times.stages:
+            out[column] = times.stages[STAGE_OF[column]]
+        elif column == "t_weight_sync_s":
+            out[column] = p["weight_sync"]
+        elif column == "t_step_s":
+            out[column] = step
+        elif column == "tok_per_s_per_gpu":
+            wl = run.job.workload
+            tokens = run.job.sequences_per_step() * (wl.prompt_length + wl.response.mean)
+            out[column] = tokens / (step * run.job.cluster.num_gpus)
+    return out
+
+
+def predict(run: PublishedRun, source: str) -> dict[str, float]:
+    times = cost_times(run) if source == "cost" else sim_times(run)
+    return predicted(run, times)

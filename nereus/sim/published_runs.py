@@ -1,0 +1,265 @@
+"""Published end-to-end RL runs as Nereus jobs and plans, built from a row's own fields only.
+
+A row of the ``e2e_runs.csv`` schema (``nereus/cost/e2e_runs.md``: model architecture, GPU kind and count,
+placement, rollout TP, training backend and degrees, batch, lengths, sync mode, published stage seconds)
+becomes a ``JobSpec`` through ``job_from_dict`` (as a job file is read) and a ``Plan`` of the run's
+layouts, which ``nereus.sim.published_predict`` prices with the cost model or runs on the simulator. No
+row has a knob of its own: what a row leaves empty takes one stated rule for every row (below), and what
+no rule covers skips the row with its reason (``RowSkipped``), never a silent guess.
+
+Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, "End-to-end RL runs"):
+
+- lengths: the published mean prompt / response length; when only the cap is published, the mean is
+  ``UNSTATED_MEAN_FRACTION`` of it. Responses are log-normal with ``RESPONSE_SIGMA``, clipped at the cap.
+- rollout TP: the row's, else verl's example scripts' for a model of that size (``sim.recipes``).
+- micro-batches: verl's dynamic batching (token budget per GPU) at its recipes' budgets, for every row.
+- one optimizer update per step (the schema has no mini-batch count; FLOPs do not depend on it, and with
+  token-budget micro-batches neither does the count of FSDP gathers).
+- gradient checkpointing (full recompute) in training, as verl's and OpenRLHF's example scripts run it.
+- weight sync: verl's hybrid engine (``hybrid-reshard``) when colocated, a gather and NCCL broadcast
+  (``gather-broadcast``) when the rollout has GPUs of its own (``cost.weight_sync``).
+- a fully asynchronous trainer uses the rollout's log-probs: no old-log-prob pass (verl's fully_async
+  recipe, as the rows' notes say).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nereus.sim.recipes import system_recipe_tp
+from nereus.spec.cluster import gpu_presets
+from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
+from nereus.spec.errors import SpecError
+from nereus.spec.job import JobSpec, job_from_dict
+from nereus.spec.layout import Layout, ModelStage, Placement, Plan
+
+# Published per-step values a row may carry, in table order (``e2e_runs.md``).
+STAGE_COLUMNS = ("t_gen_s", "t_old_logprob_s", "t_ref_s", "t_values_s", "t_update_actor_s",
+                 "t_update_critic_s", "t_weight_sync_s", "t_step_s")
+COLUMNS = (*STAGE_COLUMNS, "tok_per_s_per_gpu")
+SYNC_MODES = ("sync", "one_step_off", "fully_async", "partial_rollout")
+PLACEMENTS = ("colocated", "disaggregated")
+BACKENDS = {"fsdp": "fsdp", "fsdp2": "fsdp", "deepspeed": "fsdp", "megatron": "megatron"}
+ALGORITHMS = ("ppo", "grpo", "dapo", "reinforce_pp", "rloo", "other")
+# A mean length a row does not publish, as a fraction of its cap. DAPO-Math-17k prompts in DAPO's template
+# are a few hundred tokens of a 2,048 cap; the repository's DAPO trace (traces/long_tail_dapo.yaml) starts
+# at a 3,000-token mean under a 28,672 cap (0.10): one eighth for both. A prior, not fitted to these rows.
+UNSTATED_MEAN_FRACTION = 1 / 8
+# Spread of log response lengths: the DAPO trace's (traces/long_tail_dapo.yaml), Seer and TLT's long tails
+# (docs/sources/rl_length_dynamics.md).
+RESPONSE_SIGMA = 1.0
+# verl's dynamic batching packs a GPU's share into micro-batches of at most this many tokens: its DAPO
+# recipes set actor.ppo_max_token_len_per_gpu = 2 x (max prompt + max response) and the log-prob budgets
+# 3 x (recipe/dapo and recipe/fully_async_policy scripts); ppo_max_token_len_per_gpu is verl's key.
+TRAIN_BUDGET_PER_TOKEN_CAP = 2
+INFER_BUDGET_PER_TOKEN_CAP = 3
+GPUS_PER_NODE = 8  # HGX/DGX nodes, when a row leaves gpus_per_node empty
+
+
+class RowSkipped(Exception):
+    """A row the model cannot price; the message is the reason the validation prints."""
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    run_id: str
+    job: JobSpec
+    plan: Plan
+    sync_mode: str
+    published: dict[str, float]  # column -> published value (only the columns the row has)
+
+
+def text(row: dict, key: str) -> str:
+    return (row.get(key) or "").strip()
+
+
+def number(row: dict, key: str) -> float | None:
+    """A numeric cell: None when empty; a cell that is not a number skips the row."""
+    value = text(row, key)
+    if not value:
+        return None
+    try:
+        out = float(value)
+    except ValueError:
+        raise RowSkipped(f"{key}={value!r} is not a number") from None
+    if not math.isfinite(out) or out < 0:
+        raise RowSkipped(f"{key}={value!r} is not a finite non-negative number")
+    return out
+
+
+def count(row: dict, key: str, required: str = "") -> int | None:
+    """A positive whole number; with ``required`` (why it is needed) an empty cell skips the row."""
+    value = number(row, key)
+    if value is None:
+        if required:
+            raise RowSkipped(f"{key} is empty ({required})")
+        return None
+    if value < 1 or value != int(value):
+        raise RowSkipped(f"{key}={text(row, key)!r} is not a positive whole number")
+    return int(value)
+
+
+def enum(row: dict, key: str, choices, default: str = "") -> str:
+    value = text(row, key).lower() or default
+    if value not in choices:
+        raise RowSkipped(f"{key}={text(row, key)!r} is not modelled (known: {', '.join(choices)})")
+    return value
+
+
+def published_values(row: dict) -> dict[str, float]:
+    return {c: v for c in COLUMNS if (v := number(row, c)) is not None}
+
+
+def gpu_name(row: dict) -> str:
+    """The preset of the row's GPU kind: 'H20-96G' is the H20 family's preset."""
+    kind = text(row, "gpu")
+    family = kind.split("-")[0].upper()
+    if not kind or family == "OTHER" or family not in gpu_presets():
+        raise RowSkipped(f"gpu={kind!r} is not in the GPU catalogue (nereus/spec/hardware.csv)")
+    return family
+
+
+def arch_dict(row: dict) -> dict:
+    arch = enum(row, "arch", ("dense", "moe"), "dense")
+    if arch == "moe":
+        raise RowSkipped("Mixture-of-Experts model: not modelled until the MoE cost model lands")
+    need = "the architecture"
+    heads = count(row, "n_heads", need)
+    hidden = count(row, "hidden", need)
+    head_dim = count(row, "head_dim")
+    if head_dim is not None and head_dim * heads != hidden:
+        raise RowSkipped(f"head_dim {head_dim} differs from hidden / n_heads ({hidden // heads}): not modelled")
+    return {"layers": count(row, "n_layers", need), "hidden": hidden, "heads": heads,
+            "kv_heads": count(row, "n_kv_heads") or heads, "ffn_hidden": count(row, "ffn_hidden", need),
+            "vocab": count(row, "vocab", need)}
+
+
+def mean_length(row: dict, which: str) -> tuple[int, int]:
+    """(mean, cap) of prompts or responses: the published mean, else the stated fraction of the cap."""
+    cap = count(row, f"max_{which}_len")
+    mean = number(row, f"mean_{which}_len")
+    if cap is None and mean is None:
+        raise RowSkipped(f"max_{which}_len and mean_{which}_len are empty (lengths set every stage's time)")
+    if cap is None:
+        raise RowSkipped(f"max_{which}_len is empty (the longest response sets the rollout's tail)")
+    mean = cap * UNSTATED_MEAN_FRACTION if mean is None else min(mean, cap)
+    return max(1, round(mean)), cap
+
+
+def weight_sync_only(published: dict[str, float]) -> bool:
+    """A row that publishes only the trainer-to-rollout weight transfer (its batch does not enter it)."""
+    return set(published) == {"t_weight_sync_s"}
+
+
+def job_of(row: dict, published: dict[str, float]) -> JobSpec:
+    gpu = gpu_name(row)
+    total = count(row, "gpus_total", "the GPU count")
+    per_node = count(row, "gpus_per_node") or min(total, GPUS_PER_NODE)
+    if total % per_node:
+        raise RowSkipped(f"gpus_total {total} is not a multiple of gpus_per_node {per_node}")
+    enum(row, "algorithm", ALGORITHMS, "other")
+    critic = enum(row, "critic", ("yes", "no"), "no") == "yes"
+    reference = enum(row, "reference", ("yes", "no"), "no") == "yes"
+    sync_mode = enum(row, "sync_mode", SYNC_MODES, "sync")
+    arch = arch_dict(row)
+    models = {"actor": arch, **({"critic": arch} if critic else {}), **({"reference": arch} if reference else {})}
+    if weight_sync_only(published):  # nominal batch, a sequence a GPU: the weight transfer does not depend on it
+        prompts, samples, (prompt, _), (response, cap) = total, 2, (1, 1), (1, 1)
+    else:
+        prompts = count(row, "prompts_per_step", "the batch")
+        samples = count(row, "samples_per_prompt") or 1
+        (prompt, _), (response, cap) = mean_length(row, "prompt"), mean_length(row, "response")
+    data = {
+        "name": text(row, "run_id"),
+        "models": models,
+        "algorithm": {"name": "ppo" if critic else "grpo", "samples_per_prompt": samples,
+                      # one response per prompt and no critic: no group to compare, REINFORCE++'s batch baseline
+                      **({} if critic or samples > 1 else {"adv_estimator": "reinforce_plus_plus"}),
+                      "recompute_old_log_prob": sync_mode not in ("fully_async", "partial_rollout")},
+        "workload": {"prompts_per_step": prompts, "prompt_length": prompt,
+                     "response_length": {"mean": response, "max": cap, "sigma": RESPONSE_SIGMA}},
+        "cluster": {"gpu": gpu, "nodes": total // per_node, "gpus_per_node": per_node},
+        "options": {"recompute": "full"},
+    }
+    try:
+        return job_from_dict(data)
+    except SpecError as err:
+        raise RowSkipped(f"the row does not make a valid job: {err}") from None
+
+
+def published_run(row: dict) -> PublishedRun:
+    """The row as a job and plan; ``RowSkipped`` says why a row cannot be priced."""
+    run_id = text(row, "run_id") or "(no run_id)"
+    published = published_values(row)
+    if not published:
+        raise RowSkipped("no published time or throughput")
+    job = job_of(row, published)
+    return PublishedRun(run_id, job, plan_of(row, job, weight_sync_only(published)), text(row, "sync_mode") or "sync",
+                        published)
+
+
+def _split(row: dict, total: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """GPUs of the rollout and of everything else: all of them colocated, else the rollout's first."""
+    if enum(row, "placement", PLACEMENTS, "colocated") == "colocated":
+        every = tuple(range(total))
+        return every, every
+    why = "a disaggregated run's pool sizes"
+    gen, train = count(row, "gen_gpus", why), count(row, "train_gpus", why)
+    if gen + train > total:
+        raise RowSkipped(f"gen_gpus + train_gpus ({gen} + {train}) exceed gpus_total {total}")
+    return tuple(range(gen)), tuple(range(gen, gen + train))
+
+
+def _balanced(share: int, budget: float, seq: int) -> int:
+    """Sequences per micro-batch when a share is packed into as few token-budget micro-batches as fit,
+    balanced by tokens (verl's dynamic batching): ceil(share / micro-batches)."""
+    micro_batches = math.ceil(share / max(1, int(budget // seq)))
+    return max(1, math.ceil(share / micro_batches))
+
+
+def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout]:
+    """Training and inference layouts on the trainer's GPUs, micro-batched by token budget."""
+    backend = BACKENDS.get(enum(row, "train_backend", (*BACKENDS, "other"), "fsdp"))
+    if backend is None:
+        raise RowSkipped(f"train_backend={text(row, 'train_backend')!r} is not modelled")
+    tp, pp = (count(row, "train_tp") or 1, count(row, "train_pp") or 1) if backend == "megatron" else (1, 1)
+    if gpus % (tp * pp):
+        raise RowSkipped(f"train_tp x train_pp ({tp} x {pp}) does not divide the {gpus} training GPUs")
+    dp = gpus // (tp * pp)
+    wl = job.workload
+    seq = wl.prompt_length + round(wl.response.mean)
+    cap = (count(row, "max_prompt_len") or wl.prompt_length) + wl.response.max
+    share = max(1, job.sequences_per_step() // dp)
+    fsdp = backend == "fsdp" and dp > 1
+    train = Layout(tp=tp, pp=pp, dp=dp, fsdp=fsdp, zero1=not fsdp, recompute="full",
+                   micro_batch_size=_balanced(share, TRAIN_BUDGET_PER_TOKEN_CAP * cap * tp * pp, seq))
+    infer = Layout(tp=tp, pp=pp, dp=dp, fsdp=fsdp, zero1=not fsdp, recompute="none",
+                   micro_batch_size=_balanced(share, INFER_BUDGET_PER_TOKEN_CAP * cap * tp * pp, seq))
+    return train, infer
+
+
+def _rollout_tp(row: dict, job: JobSpec, gen_gpus: int) -> int:
+    enum(row, "rollout_engine", tuple(ENGINE_TRAITS), PRICING_ENGINE)  # an engine Nereus declares traits of
+    tp = count(row, "rollout_tp")
+    if tp is None:
+        params_b = job.models["actor"].params() / 1e9
+        tp = min(gen_gpus, system_recipe_tp("verl", job.algorithm.name, params_b)[0])
+    if gen_gpus % tp:
+        raise RowSkipped(f"rollout_tp {tp} does not divide the {gen_gpus} rollout GPUs")
+    return tp
+
+
+def plan_of(row: dict, job: JobSpec, nominal: bool = False) -> Plan:
+    total = job.cluster.num_gpus
+    gen_gpus, train_gpus = _split(row, total)
+    tp = _rollout_tp(row, job, len(gen_gpus))
+    train, infer = _trainer_layouts(row, job, len(train_gpus))
+    if nominal:  # a weight-sync row: one sequence a replica, whatever the layouts
+        train, infer = (Layout(**{**lay.to_dict(), "micro_batch_size": 1}) for lay in (train, infer))
+    placements = [Placement(ModelStage("actor", "generation"), Layout(tp=tp, dp=len(gen_gpus) // tp), gen_gpus)]
+    for ms in job.model_stages()[1:]:
+        placements.append(Placement(ms, train if ms.stage == "training" else infer, train_gpus))
+    colocated = gen_gpus == train_gpus
+    return Plan(tuple(placements), total, strategy="colocated" if colocated else "disaggregated",
+                weight_sync="hybrid-reshard" if colocated else "gather-broadcast")

@@ -1,0 +1,70 @@
+"""benchmarks/e2e_validation.py on a few rows of the packaged data set in a CSV of their own: the final JSON
+line's keys and counts, a row it cannot model skipped with its reason, unknown enum values and empty or
+malformed cells skipped rather than guessed. No figure is asserted."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import e2e_validation  # noqa: E402
+
+KEYS = {"rows", "skipped", "cells", "mean_abs_pct", "overall_mean_abs_pct", "overall_max_abs_pct"}
+
+
+def packaged_rows() -> dict[str, dict]:
+    text = resources.files("nereus.cost").joinpath("e2e_runs.csv").read_text()
+    rows = csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))
+    return {row["run_id"]: row for row in rows}
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    path.write_text(out.getvalue())
+    return path
+
+
+def summary(capsys: pytest.CaptureFixture, *args: str) -> dict:
+    assert e2e_validation.main(list(args)) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("source", ["cost", "sim"])
+def test_two_modelled_rows_and_one_skipped(tmp_path: Path, capsys: pytest.CaptureFixture, source: str) -> None:
+    rows = packaged_rows()
+    unknown_gpu = {**rows["verl_oso_3"], "run_id": "odd_gpu", "gpu": "other"}
+    path = write(tmp_path / "runs.csv", [rows["verl_oso_3"], rows["verl_wsync_1"], rows["verl_fa30_1"], unknown_gpu])
+    out = summary(capsys, "--rows", str(path), "--source", source, "--json")
+    assert set(out) == KEYS
+    assert out["rows"] == 2
+    assert [s["run_id"] for s in out["skipped"]] == ["verl_fa30_1", "odd_gpu"]
+    assert "Mixture-of-Experts" in out["skipped"][0]["why"] and "gpu" in out["skipped"][1]["why"]
+    assert out["cells"] == 5  # four stage times of verl_oso_3, the weight sync of verl_wsync_1
+    assert set(out["mean_abs_pct"]) == {"t_gen_s", "t_old_logprob_s", "t_update_actor_s", "t_step_s",
+                                        "t_weight_sync_s"}
+    assert 0 <= out["overall_mean_abs_pct"] <= out["overall_max_abs_pct"]
+
+
+def test_malformed_cells_skip_the_row(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    base = packaged_rows()["verl_oso_3"]
+    rows = [{**base, "run_id": "bad_number", "prompts_per_step": "many"},
+            {**base, "run_id": "bad_mode", "sync_mode": "sometimes"},
+            {**base, "run_id": "no_lengths", "max_response_len": "", "mean_response_len": ""},
+            {**base, "run_id": "table_row", "t_step_s": "749"}]
+    out = summary(capsys, "--rows", str(write(tmp_path / "runs.csv", rows)))
+    assert out["rows"] == 1 and out["cells"] == 4
+    why = {s["run_id"]: s["why"] for s in out["skipped"]}
+    assert "prompts_per_step" in why["bad_number"] and "sync_mode" in why["bad_mode"]
+    assert "max_response_len" in why["no_lengths"]
