@@ -9,6 +9,11 @@ Both give per-model-stage and per-phase seconds; the published columns follow fr
 - ``t_step_s``: a synchronous step runs its phases one after another; a one-step-off or fully
   asynchronous one overlaps the rollout with the trainer's inference and training, then syncs weights:
   max(generation, inference + training) + weight sync (verl's one_step_off and fully_async recipes);
+- in a colocated row ``t_gen_s`` also holds the weight sync: verl's trainer times ``gen`` around the
+  worker's ``generate_sequences``, which enters the rollout sharding manager (reshard the trainer's weights
+  into the engine, wake it) before decoding (volcengine/verl, verl/trainer/ppo/ray_trainer.py and
+  verl/workers/fsdp_workers.py); the one-step-off rows' notes show the gap (generate_sequences 247 s
+  inside gen 321 s);
 - in a fully asynchronous row ``t_gen_s`` is the trainer's wait for samples, not the rollout: the part of
   the rollout the trainer's own work does not hide, max(0, generation - (inference + training));
 - ``tok_per_s_per_gpu``: the step's prompt and response tokens over the step and every GPU of the run.
@@ -75,6 +80,8 @@ def predicted(run: PublishedRun, times: StepTimes) -> dict[str, float]:
     for column in run.published:
         if column == "t_gen_s" and run.sync_mode in ("fully_async", "partial_rollout"):
             out[column] = max(0.0, p["generation"] - p["inference"] - p["training"])
+        elif column == "t_gen_s" and run.plan.strategy == "colocated":
+            out[column] = times.stages[STAGE_OF[column]] + p["weight_sync"]
         elif column in STAGE_OF and STAGE_OF[column] in times.stages:
             out[column] = times.stages[STAGE_OF[column]]
         elif column == "t_weight_sync_s":
