@@ -3,6 +3,7 @@ recovery reads), a re-formed world joined with the shards kept, and every key re
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import ray
@@ -31,8 +32,12 @@ class RecoveryRole(WorkerCore):
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        # An abandoned call fails once gloo notices its world is gone, which can take seconds (its peer's
+        # socket is dead, not closed): it touches nothing the recovery rebuilds, so it is not waited for beyond
+        # a short grace, and is left behind, still listed, if alive.
+        deadline = time.monotonic() + 0.25
         for t in self._stuck:
-            t.join(timeout=2.0)  # it fails once its world is destroyed; never wait long on it
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         self._stuck = [t for t in self._stuck if t.is_alive()]
         self._abort.clear()
         self.world, self.groups, self.pending = world, {}, {}
