@@ -252,7 +252,7 @@ class VerlOverrides:
         """Resolve the keys that read others: verl's mini-batch size, the reward function's path and name,
         and the parallel degrees (``verl_layouts``); each problem is added to ``problems``."""
         for part in (self._algorithm, self._mini_batches, self._reward_function, self._workers, self._layouts,
-                     self._rollout_correction, self._kl_in_reward):
+                     self._rollout_correction, self._kl_in_reward, self._unused_critic_keys):
             try:
                 part()
             except SpecError as err:
@@ -321,6 +321,16 @@ class VerlOverrides:
         if dropped:
             self.notes.append(f"nereus: {cause}: no critic is trained, so the job file's run.layouts of "
                               f"{', '.join(dropped)} are not used")
+
+    def _unused_critic_keys(self) -> None:
+        """verl's ``critic.*`` keys on a job that trains no critic (GRPO, or a model list without one) set
+        nothing that runs: each is noted, never silently kept."""
+        alg = self.out.get("algorithm") if isinstance(self.out.get("algorithm"), dict) else {}
+        listed = alg.get("models")
+        no_critic = alg.get("name") == "grpo" or (isinstance(listed, list) and "critic" not in listed)
+        for key in sorted(k for k in self.touched if k.startswith("critic.")) if no_critic else ():
+            self.notes.append(f"nereus: ignoring {key}: the job trains no critic (algorithm.name "
+                              f"{alg.get('name')}), so nothing uses it")
 
     def _kl_in_reward(self) -> None:
         """verl's reward KL: ``use_kl_in_reward`` gates ``kl_ctrl.kl_coef`` (``run.kl_coef``; 0 is off), whatever

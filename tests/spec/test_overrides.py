@@ -226,3 +226,14 @@ def test_two_verl_keys_that_set_one_nereus_key_must_agree():
                              "critic.optim.lr_warmup_steps_ratio=0.05"])
     # a Nereus key given directly is not a verl key: the later one wins, as for any override
     assert apply_overrides({}, ["critic.grad_clip=0.5", "run.grad_clip=2.0"])["run"]["grad_clip"] == 2.0
+
+
+def test_critic_keys_on_a_job_without_a_critic_are_noted(capsys):
+    """verl's critic keys on a GRPO job set nothing that runs: each is noted, never kept silently."""
+    grpo = {"algorithm": {"name": "grpo"}, "run": {}}
+    apply_overrides(grpo, ["critic.optim.lr=1e-5", "actor_rollout_ref.actor.optim.lr=1e-6"])
+    err = capsys.readouterr().err
+    assert "ignoring critic.optim.lr: the job trains no critic (algorithm.name grpo)" in err
+    assert "actor_rollout_ref" not in err
+    apply_overrides({"algorithm": {"name": "ppo"}, "run": {}}, ["critic.optim.lr=1e-5"])
+    assert "critic" not in capsys.readouterr().err  # a PPO job trains one
