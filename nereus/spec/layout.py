@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
 from nereus.spec.errors import SpecError
-from nereus.spec.fields import MAX_GPUS, MAX_LAYERS, MAX_SEQUENCES, Fields
+from nereus.spec.fields import MAX_GPUS, MAX_LAYERS, MAX_SEQUENCES, MAX_TOKENS, Fields
 from nereus.spec.generation import TailPhase
 from nereus.spec.levers import GenerationLevers
 from nereus.spec.parallel_dims import ParallelDims
@@ -53,6 +53,9 @@ class Layout:
     sequence_parallel: bool = True
     zero1: bool = True
     fsdp: bool = False  # ZeRO-3 / FSDP: weights, gradients and optimizer state all sharded over DP
+    # > 0: packed sequences in micro-batches of at most this many tokens per replica, instead of
+    # micro_batch_size padded rows (verl's use_remove_padding + use_dynamic_bsz, ppo_max_token_len_per_gpu)
+    max_token_len: int = 0
 
     @cached_property
     def dims(self) -> ParallelDims:
@@ -70,6 +73,8 @@ class Layout:
             text += f"·v{self.interleave}"
         if self.fsdp:
             text += " fsdp"
+        if self.max_token_len:
+            return text + f" packed {self.max_token_len} tok"
         return text + f" mbs{self.micro_batch_size}"
 
     def to_dict(self) -> dict:
@@ -88,6 +93,7 @@ class Layout:
             sequence_parallel=f.get("sequence_parallel", bool, True),
             zero1=f.get("zero1", bool, True),
             fsdp=f.get("fsdp", bool, False),
+            max_token_len=f.get("max_token_len", int, 0, minimum=0, maximum=MAX_TOKENS),
         )
         f.finish()
         return layout

@@ -140,13 +140,33 @@ class KVCache:
 @dataclass
 class Context:
     """Per-call inputs every layer reads: rotary tables, an optional boolean attention mask
-    [B, 1, T, S] (True = attend; None = causal over the whole sequence), KV caches and their offset."""
+    [B, 1, T, S] (True = attend; None = causal over the whole sequence), KV caches and their offset, and
+    for packed sequences (a batch of one row holding several sequences end to end) their lengths."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     mask: torch.Tensor | None = None
     caches: dict[int, KVCache] | None = None
     start: int | torch.Tensor = 0  # the caches' write offset: one for the batch, or one per row
+    seq_lens: tuple[int, ...] | None = None  # packed: each sequence's length along T (they sum to T)
+
+
+def packed_positions(seq_lens: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Positions [1, T] of sequences packed end to end: each restarts at 0, as if it ran alone."""
+    lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
+    starts = torch.cumsum(lens, 0) - lens
+    total = int(lens.sum())
+    return (torch.arange(total, device=device) - torch.repeat_interleave(starts, lens, output_size=total))[None]
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: tuple[int, ...],
+                     gqa: bool) -> torch.Tensor:
+    """Causal attention confined to each packed sequence ([1, heads, T, head_dim] split along T by
+    ``seq_lens``): the block-diagonal causal mask, computed block by block so that the work and memory
+    are Σ len² rather than T² (what flash-attention's varlen kernels do with cumulative lengths)."""
+    parts = zip(q.split(seq_lens, 2), k.split(seq_lens, 2), v.split(seq_lens, 2), strict=True)
+    return torch.cat([F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa) for a, b, c in parts],
+                     dim=2)
 
 
 class Attention(nn.Module):
@@ -171,7 +191,9 @@ class Attention(nn.Module):
         if ctx.caches is not None:
             k, v = ctx.caches[layer].update(k, v, ctx.start)
         gqa = self.heads != self.kv_heads  # SDPA reads each KV head for its query group, no copies
-        if ctx.mask is None:
+        if ctx.seq_lens is not None:
+            out = varlen_attention(q, k, v, ctx.seq_lens, gqa)
+        elif ctx.mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, enable_gqa=gqa)
@@ -266,17 +288,26 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight
 
     def context(self, positions: torch.Tensor, dtype: torch.dtype, mask: torch.Tensor | None = None,
-                caches: dict[int, KVCache] | None = None, start: int | torch.Tensor = 0) -> Context:
+                caches: dict[int, KVCache] | None = None, start: int | torch.Tensor = 0,
+                seq_lens: tuple[int, ...] | None = None) -> Context:
         cos, sin = rope_cos_sin(self.inv_freq, positions, dtype)
-        return Context(cos, sin, mask, caches, start)
+        return Context(cos, sin, mask, caches, start, seq_lens)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, caches: dict[int, KVCache] | None = None,
-                start: int | torch.Tensor = 0) -> torch.Tensor:
+                start: int | torch.Tensor = 0, seq_lens: tuple[int, ...] | None = None) -> torch.Tensor:
+        """``seq_lens``: ``inputs`` is one row of sequences packed end to end ([1, Σ seq_lens]); positions
+        restart and attention stays within each (``varlen_attention``), so every sequence's outputs are
+        those it has alone."""
         h = self.model.embed_tokens(inputs) if self.first else inputs
-        if positions is None:
+        if seq_lens is not None and (h.shape[0] != 1 or sum(seq_lens) != h.shape[1] or caches is not None):
+            raise ValueError(f"packed sequences of lengths summing to {sum(seq_lens)} need one row of that many "
+                             f"tokens and no KV cache; got {tuple(h.shape[:2])}")
+        if positions is None and seq_lens is not None:
+            positions = packed_positions(seq_lens, h.device)
+        elif positions is None:
             positions = torch.arange(start, start + h.shape[1], device=h.device).expand(h.shape[0], -1)
-        ctx = self.context(positions, h.dtype, mask, caches, start)
+        ctx = self.context(positions, h.dtype, mask, caches, start, seq_lens)
         for layer in self.model.layers.values():
             h = layer(h, ctx)
         if not self.last:

@@ -32,6 +32,9 @@ class TrainBatch:
     ref_logp: torch.Tensor | None = None  # [B, R]: the reference's log-probs (a KL loss)
     is_weight: torch.Tensor | None = None  # [B, R]: π_old / π_rollout per token (run.async, rl.offpolicy)
     entropy: torch.Tensor | None = None  # [b, T−1]: set by the engine for a loss that needs_entropy
+    # [B] long: each row's real tokens (``tokens`` is right-padded past them); None: every row is T long.
+    # A packing layout runs only these (``parallel.packing``)
+    lengths: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -11,6 +11,13 @@ models) or the values [b, T] (value-head models) and ``micro_batch`` is the ``Tr
 same rows (``TrainBatch.select``; for a ``loss_fn`` whose ``needs_entropy`` is true with ``entropy``
 [b, T−1] set: each next-token distribution's full-vocabulary entropy, differentiable). A single process
 running the same micro-batches computes the same objective.
+
+A layout with ``max_token_len`` packs instead (``parallel.packing``): a training batch's rows are dealt to
+the replicas by tokens and each replica's rows packed into micro-batches of at most that many tokens; each
+micro-batch's loss then counts by its share of the batch's rows (rows · dp / batch rows instead of one over
+the number of micro-batches), so with the loss functions' mini-batch weights (``rl.core.agg_weights``: Σ
+weight·ℓ / rows) the objective is the same aggregate over the mini-batch however it was split. Inference
+packs each replica's consecutive rows (they come back in order); outputs are in the padded frame.
 """
 
 from __future__ import annotations
@@ -28,15 +35,10 @@ from nereus.runtime.model.memory import ActivationMeter, MemoryReport, tensor_by
 from nereus.runtime.parallel import parallelize
 from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.dp import ShardedAdam, average_gradients, sum_gradients
-from nereus.runtime.parallel.pp import StageComm, forward_only, train_pipeline
-from nereus.runtime.parallel.tp import (
-    gather_vocab,
-    parallel_entropy,
-    parallel_entropy_and_sum_pi_squared,
-    parallel_logprobs,
-    reduce_replicated_kv_grads,
-    vocab_range,
-)
+from nereus.runtime.parallel.packing import PackedRows, replica_shares, row_lengths, token_budget_groups
+from nereus.runtime.parallel.pp import StageComm, train_pipeline
+from nereus.runtime.parallel.sharded_forward import ForwardOps
+from nereus.runtime.parallel.tp import parallel_entropy, parallel_logprobs, reduce_replicated_kv_grads, vocab_range
 from nereus.spec.sharding import Box, model_tensors, rank_order, rank_tensors, tp_box
 
 
@@ -51,6 +53,7 @@ class Loss:
 
 
 LossFn = Callable[[torch.Tensor, TrainBatch], "torch.Tensor | Loss"]
+# per-token quantities of next-token logit shards [.., n, V_local] and the next tokens [.., n]
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ def shard_boxes(cfg: ModelConfig, groups: ParallelGroups) -> dict[str, Box]:
     return boxes
 
 
-class ShardedModel:
+class ShardedModel(ForwardOps):
     """The shard of ``cfg``'s model that rank ``groups.rank`` holds, loaded from ``tensors`` (name → the
     local box of ``shard_boxes``, e.g. from ``hf.load_boxes``; with ``assign`` they become the parameters
     themselves)."""
@@ -145,77 +148,38 @@ class ShardedModel:
             raise ValueError(f"{n} sequences per replica do not split into micro-batches of {mbs}")
         return [mine.select(slice(i, i + mbs)) for i in range(0, n, mbs)]
 
+    @property
+    def token_budget(self) -> int:
+        """Tokens per packed micro-batch (the layout's ``max_token_len``); 0: padded micro-batches."""
+        return self.groups.layout.max_token_len
+
+    def packed_micro_batches(self, batch: TrainBatch, balance: bool = True) -> list[tuple[TrainBatch, PackedRows]]:
+        """This replica's rows of ``batch`` as packed micro-batches of at most ``token_budget`` tokens, each with
+        its packing (rows into ``batch``): dealt over DP by tokens with ``balance`` (training), else the
+        replica's consecutive rows (inference, whose answers are concatenated in replica order)."""
+        lengths = row_lengths(batch.lengths, len(batch), batch.tokens.shape[1])
+        if balance:
+            rows = replica_shares(lengths, self.groups.dims.dp)[self.groups.coords.dp_rank]
+        else:
+            rows = list(range(len(batch)))[self.replica_rows(len(batch))]
+        out = []
+        for group in token_budget_groups([lengths[r] for r in rows], self.token_budget):
+            idx = [rows[j] for j in group]
+            pack = PackedRows(torch.tensor(idx, dtype=torch.long), tuple(lengths[r] for r in idx))
+            out.append((batch.select(pack.rows).to(self.groups.device), pack))
+        return out
+
+    def _packed_stage_fn(self, packs: list[PackedRows]):
+        def run(x: torch.Tensor, i: int) -> torch.Tensor:
+            return self.model(x, seq_lens=packs[i].lengths)
+        shape = lambda i: (1, packs[i].tokens, self.cfg.arch.hidden)  # noqa: E731
+        return run, shape
+
     def _stage_fn(self, mbs: list[TrainBatch]):
         def run(x: torch.Tensor, i: int) -> torch.Tensor:
             return self.model(x)
         shape = lambda i: (*mbs[i].tokens.shape, self.cfg.arch.hidden)  # noqa: E731
         return run, shape
-
-    # ----- forward operations ---------------------------------------------------------------------
-    @torch.no_grad()
-    def forward(self, tokens: torch.Tensor) -> list[torch.Tensor]:
-        """Raw last-stage outputs per micro-batch of ``tokens`` (vocabulary-shard logits, or values); []
-        elsewhere."""
-        mbs = self.micro_batches(TrainBatch(tokens))
-        run, shape = self._stage_fn(mbs)
-        with self.meter.track(exclude=self.model.parameters()):
-            outs = forward_only(run, self.comm, [mb.tokens for mb in mbs], shape, self.dtype)
-        self.record_memory("forward", activations=self.meter.peak)
-        return outs
-
-    def logits(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """Full-vocabulary logits [b, T, V] of this replica's rows (last stage), else None."""
-        outs = [gather_vocab(o, self.groups.tp_group) for o in self.forward(tokens)]
-        return torch.cat(outs) if outs else None
-
-    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """log p(tokens[:, t+1] | tokens[:, :t+1]) [b, T−1] of this replica's rows (last stage), else None."""
-        found = self._next_token_logits(tokens)
-        if found is None:
-            return None
-        out, mine = found
-        with torch.no_grad():
-            return parallel_logprobs(out, mine[:, 1:], self.vocab_start, self.groups.tp_group)
-
-    def _next_token_logits(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(this replica's logit shards of each next-token distribution [b, T−1, V_local], its rows of
-        ``tokens``) from one forward pass (last stage), else None."""
-        outs = self.forward(tokens)
-        if not outs:
-            return None
-        return torch.cat(outs)[:, :-1], tokens[self.replica_rows(len(tokens))].to(self.groups.device)
-
-    def logprobs_and_entropy(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``logprobs`` and the full-vocabulary entropy [b, T−1] of each next-token distribution, from one
-        forward pass (last stage), else None."""
-        found = self._next_token_logits(tokens)
-        if found is None:
-            return None
-        out, mine = found
-        with torch.no_grad():
-            return (parallel_logprobs(out, mine[:, 1:], self.vocab_start, self.groups.tp_group),
-                    parallel_entropy(out, self.groups.tp_group))
-
-    def logprobs_entropy_and_sum_pi_squared(self, tokens: torch.Tensor,
-                                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``logprobs_and_entropy`` and Σ_v π(v)² [b, T−1] of each next-token distribution (the optimal
-        token baseline's input), from the same forward pass and the same vocabulary shards (last stage),
-        else None."""
-        found = self._next_token_logits(tokens)
-        if found is None:
-            return None
-        out, mine = found
-        with torch.no_grad():
-            entropy, sum_pi_squared = parallel_entropy_and_sum_pi_squared(out, self.groups.tp_group)
-            return (parallel_logprobs(out, mine[:, 1:], self.vocab_start, self.groups.tp_group), entropy,
-                    sum_pi_squared)
-
-    def values(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """Value-head outputs [b, T] of this replica's rows (last stage), else None."""
-        if not self.cfg.value_head:
-            raise ValueError("values need a model with a value head (score.weight)")
-        outs = self.forward(tokens)
-        return torch.cat(outs) if outs else None
 
     # ----- training -------------------------------------------------------------------------------
     def backward(self, batch: TrainBatch, loss_fn: LossFn, metrics: list[object] | None = None) -> list[float]:
@@ -223,33 +187,53 @@ class ShardedModel:
         reduced); returns this replica's micro-batch losses on the last stage. Statistics a loss function
         reports (``Loss.stats``) are appended to ``metrics`` in the order the micro-batches ran."""
         self.model.zero_grad(set_to_none=True)
-        mbs = self.micro_batches(batch)
-        run, shape = self._stage_fn(mbs)
+        if self.token_budget:
+            pairs = self.packed_micro_batches(batch)
+            mbs, packs = [mb for mb, _ in pairs], [p for _, p in pairs]
+            inputs = [p.pack(mb.tokens) for mb, p in pairs]
+            run, shape = self._packed_stage_fn(packs)
+            # each micro-batch counts by its share of the batch's rows (the DP average then divides by dp)
+            parts = [len(batch) / (len(mb) * self.groups.dims.dp) for mb in mbs]
+        else:
+            mbs, packs = self.micro_batches(batch), None
+            inputs = [mb.tokens for mb in mbs]
+            run, shape = self._stage_fn(mbs)
+            parts = [len(mbs)] * len(mbs)
 
         def loss(y: torch.Tensor, i: int) -> torch.Tensor:
-            mb = mbs[i]
-            if not self.cfg.value_head:
-                logits = y[:, :-1]
-                y = parallel_logprobs(logits, mb.tokens[:, 1:], self.vocab_start, self.groups.tp_group)
-                if getattr(loss_fn, "needs_entropy", False):  # an entropy bonus (verl's entropy_coeff)
-                    mb = replace(mb, entropy=parallel_entropy(logits, self.groups.tp_group))
+            y, mb = self._loss_inputs(y, mbs[i], None if packs is None else packs[i], inputs[i], loss_fn)
             out = loss_fn(y, mb)
             if isinstance(out, Loss):
                 if metrics is not None:
                     metrics.append(out.stats)
                 out = out.value
-            return out / len(mbs)
+            return out / parts[i]
 
         with self.meter.track(exclude=self.model.parameters()):
-            losses = train_pipeline(run, self.comm, [mb.tokens for mb in mbs], shape, self.dtype, loss,
-                                    self.schedule)
+            losses = train_pipeline(run, self.comm, inputs, shape, self.dtype, loss, self.schedule)
         self._activations = self.meter.peak
         reduce_replicated_kv_grads(self.model, self.groups.tp_group, self.groups.dims.tp, self.groups.coords.tp_rank)
         tied = [p for p in (self.model.tied_head, self._embedding_weight()) if p is not None]
         if self.groups.embed_group is not None and tied_head(self.cfg):
             sum_gradients(tied, self.groups.embed_group)
         average_gradients(list(self.model.parameters()), self.groups.dp_group)
-        return [x * len(mbs) for x in losses]
+        return [x * p for x, p in zip(losses, parts, strict=False)]
+
+    def _loss_inputs(self, y: torch.Tensor, mb: TrainBatch, pack: PackedRows | None, inputs: torch.Tensor,
+                     loss_fn: LossFn) -> tuple[torch.Tensor, TrainBatch]:
+        """What ``loss_fn`` reads of the last stage's output ``y``: the log-probs [b, T−1] of each next token
+        (with the entropies in ``mb.entropy`` for a loss that ``needs_entropy``: verl's entropy_coeff) or the
+        values [b, T], in the padded frame also when packed (0 past each row's length)."""
+        width = mb.tokens.shape[1]
+        if self.cfg.value_head:
+            return (y if pack is None else pack.unpack(y, width, next_token=False)), mb
+        logits, targets = (y[:, :-1], mb.tokens[:, 1:]) if pack is None else (y, pack.next_tokens(inputs))
+        logp = parallel_logprobs(logits, targets, self.vocab_start, self.groups.tp_group)
+        entropy = parallel_entropy(logits, self.groups.tp_group) if getattr(loss_fn, "needs_entropy", False) else None
+        if pack is not None:
+            logp = pack.unpack(logp, width - 1, next_token=True)
+            entropy = None if entropy is None else pack.unpack(entropy, width - 1, next_token=True)
+        return logp, (mb if entropy is None else replace(mb, entropy=entropy))
 
     def _embedding_weight(self) -> torch.nn.Parameter | None:
         emb = self.model.model.embed_tokens

@@ -14,8 +14,10 @@ from nereus.runtime.cluster.launch import run_world
 from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
+from nereus.spec.layout import Layout
 from nereus.spec.sharding import rank_tensors
 from tests.runtime.common import ADAM_EPS, GQA, GQA_VALUE, LR, MQA, all_layouts, batch, policy_loss, reference
+from tests.runtime.parallel.packed_checks import check_packed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
 TOL = dict(rtol=1e-4, atol=2e-5)
@@ -104,6 +106,10 @@ def _all_layouts_body(rank: int, world: int) -> None:
     check_layout(MQA, replace(all_layouts(world)[0], tp=1, pp=2, dp=2), schedule="gpipe")
     check_layout(MQA, replace(all_layouts(world)[0], tp=2, pp=2, dp=1, micro_batch_size=2, zero1=False))
     check_layout(GQA, replace(all_layouts(world)[0], tp=1, pp=2, dp=2, micro_batch_size=2))
+    # packed sequences in token-budget micro-batches, under TP, PP and DP
+    check_packed(MQA, Layout(tp=2, pp=1, dp=2))
+    check_packed(GQA, Layout(tp=2, pp=2, dp=1), budgets=(20,))
+    check_packed(GQA_VALUE, Layout(tp=1, pp=2, dp=2), budgets=(12,))
 
 
 def test_every_layout_matches_single_process_reference():
