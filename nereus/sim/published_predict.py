@@ -15,7 +15,11 @@ Both give per-model-stage and per-phase seconds; the published columns follow fr
   verl/workers/fsdp_workers.py); the one-step-off rows' notes show the gap (generate_sequences 247 s
   inside gen 321 s);
 - in a fully asynchronous row ``t_gen_s`` is the trainer's wait for samples, not the rollout: the part of
-  the rollout the trainer's own work does not hide, max(0, generation - (inference + training));
+  the rollout the trainer's own work does not hide, max(0, generation - (inference + training)). At
+  staleness 0 no sample may come from an older policy, so the rollout of a step's samples starts only
+  after the previous step's weights arrive: rollout and trainer take turns, the wait is the rollout and
+  the step is generation + inference + training + weight sync (verl's fully_async
+  ``staleness_threshold``; the streaming of mini-batches to the trainer within a step is not modelled);
 - ``tok_per_s_per_gpu``: the step's prompt and response tokens over the step and every GPU of the run.
 """
 
@@ -65,9 +69,14 @@ def sim_times(run: PublishedRun, seed: int = 0, steps: int = SIM_STEPS) -> StepT
     return StepTimes(stages, phases)
 
 
+def takes_turns(run: PublishedRun) -> bool:
+    """A fully asynchronous run at staleness 0: its rollout waits for each step's weights."""
+    return run.sync_mode in ("fully_async", "partial_rollout") and run.staleness == 0
+
+
 def step_seconds(run: PublishedRun, times: StepTimes) -> float:
     p = times.phases
-    if run.sync_mode in ASYNC_MODES:
+    if run.sync_mode in ASYNC_MODES and not takes_turns(run):
         return max(p["generation"], p["inference"] + p["training"]) + p["weight_sync"]
     return sum(p.values())
 
@@ -78,7 +87,9 @@ def predicted(run: PublishedRun, times: StepTimes) -> dict[str, float]:
     p, step = times.phases, step_seconds(run, times)
     out = {}
     for column in run.published:
-        if column == "t_gen_s" and run.sync_mode in ("fully_async", "partial_rollout"):
+        if column == "t_gen_s" and takes_turns(run):
+            out[column] = p["generation"]
+        elif column == "t_gen_s" and run.sync_mode in ("fully_async", "partial_rollout"):
             out[column] = max(0.0, p["generation"] - p["inference"] - p["training"])
         elif column == "t_gen_s" and run.plan.strategy == "colocated":
             out[column] = times.stages[STAGE_OF[column]] + p["weight_sync"]

@@ -16,7 +16,9 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
 - micro-batches: verl's dynamic batching (token budget per GPU) at its recipes' budgets, for every row.
 - one optimizer update per step (the schema has no mini-batch count; FLOPs do not depend on it, and with
   token-budget micro-batches neither does the count of FSDP gathers).
-- gradient checkpointing (full recompute) in training, as verl's and OpenRLHF's example scripts run it.
+- recomputation in training as each backend runs by default in verl's recipes: FSDP and DeepSpeed with
+  gradient checkpointing (``enable_gradient_checkpointing=True``, full recompute), Megatron without
+  (verl/trainer/config/engine/megatron.yaml: ``recompute_granularity: null``).
 - weight sync: verl's hybrid engine (``hybrid-reshard``) when colocated, a gather and NCCL broadcast
   (``gather-broadcast``) when the rollout has GPUs of its own (``cost.weight_sync``).
 - a fully asynchronous trainer uses the rollout's log-probs: no old-log-prob pass (verl's fully_async
@@ -74,6 +76,7 @@ class PublishedRun:
     plan: Plan
     sync_mode: str
     published: dict[str, float]  # column -> published value (only the columns the row has)
+    staleness: float | None = None  # verl fully_async staleness_threshold, when the row gives it
 
 
 def text(row: dict, key: str) -> str:
@@ -188,7 +191,6 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
         "workload": {"prompts_per_step": prompts, "prompt_length": prompt,
                      "response_length": {"mean": response, "max": cap, "sigma": RESPONSE_SIGMA}},
         "cluster": {"gpu": gpu, "nodes": total // per_node, "gpus_per_node": per_node},
-        "options": {"recompute": "full"},
     }
     try:
         return job_from_dict(data)
@@ -204,7 +206,7 @@ def published_run(row: dict) -> PublishedRun:
         raise RowSkipped("no published time or throughput")
     job = job_of(row, published)
     return PublishedRun(run_id, job, plan_of(row, job, weight_sync_only(published)), text(row, "sync_mode") or "sync",
-                        published)
+                        published, number(row, "staleness"))
 
 
 def _split(row: dict, total: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -240,7 +242,8 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
     cap = (count(row, "max_prompt_len") or wl.prompt_length) + wl.response.max
     share = max(1, job.sequences_per_step() // dp)
     fsdp = backend == "fsdp" and dp > 1
-    train = Layout(tp=tp, pp=pp, dp=dp, fsdp=fsdp, zero1=not fsdp, recompute="full",
+    recompute = "none" if backend == "megatron" else "full"
+    train = Layout(tp=tp, pp=pp, dp=dp, fsdp=fsdp, zero1=not fsdp, recompute=recompute,
                    micro_batch_size=_balanced(share, TRAIN_BUDGET_PER_TOKEN_CAP * cap * tp * pp, seq))
     infer = Layout(tp=tp, pp=pp, dp=dp, fsdp=fsdp, zero1=not fsdp, recompute="none",
                    micro_batch_size=_balanced(share, INFER_BUDGET_PER_TOKEN_CAP * cap * tp * pp, seq))
