@@ -221,7 +221,7 @@ def _split(row: dict, total: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(range(gen)), tuple(range(gen, gen + train))
 
 
-def _balanced(share: int, budget: float, seq: int) -> int:
+def balanced_micro_batch(share: int, budget: float, seq: int) -> int:
     """Sequences per micro-batch when a share is packed into as few token-budget micro-batches as fit,
     balanced by tokens (verl's dynamic batching): ceil(share / micro-batches)."""
     micro_batches = math.ceil(share / max(1, int(budget // seq)))
@@ -244,9 +244,9 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
     fsdp = backend == "fsdp" and dp > 1
     recompute = "none" if backend == "megatron" else "full"
     train = Layout(tp=tp, pp=pp, dp=dp, fsdp=fsdp, zero1=not fsdp, recompute=recompute,
-                   micro_batch_size=_balanced(share, TRAIN_BUDGET_PER_TOKEN_CAP * cap * tp * pp, seq))
+                   micro_batch_size=balanced_micro_batch(share, TRAIN_BUDGET_PER_TOKEN_CAP * cap * tp * pp, seq))
     infer = Layout(tp=tp, pp=pp, dp=dp, fsdp=fsdp, zero1=not fsdp, recompute="none",
-                   micro_batch_size=_balanced(share, INFER_BUDGET_PER_TOKEN_CAP * cap * tp * pp, seq))
+                   micro_batch_size=balanced_micro_batch(share, INFER_BUDGET_PER_TOKEN_CAP * cap * tp * pp, seq))
     return train, infer
 
 

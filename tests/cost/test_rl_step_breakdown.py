@@ -26,13 +26,13 @@ misses are strict xfails that carry the measured error; docs/cost-model.md says 
 from __future__ import annotations
 
 import csv
-import math
 from importlib import resources
 
 import pytest
 
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
+from nereus.sim.published_runs import balanced_micro_batch
 from nereus.spec.job import JobSpec, job_from_dict
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
 
@@ -67,13 +67,9 @@ def verl_colocated_plan(job: JobSpec) -> Plan:
     (prompt + mean response), ceil(share / micro-batches) to a micro-batch."""
     gpus, wl = job.cluster.num_gpus, job.workload
     seq = wl.prompt_length + wl.response.mean
-
-    def balanced(share: int, budget: int) -> int:
-        micro_batches = math.ceil(share / max(1, int(budget // seq)))
-        return math.ceil(share / micro_batches)
-
-    train_mbs = balanced(job.sequences_per_step() // job.algorithm.mini_batches // gpus, TRAIN_TOKENS_PER_GPU)
-    infer_mbs = balanced(job.sequences_per_step() // gpus, INFER_TOKENS_PER_GPU)
+    train_mbs = balanced_micro_batch(job.sequences_per_step() // job.algorithm.mini_batches // gpus,
+                                     TRAIN_TOKENS_PER_GPU, seq)
+    infer_mbs = balanced_micro_batch(job.sequences_per_step() // gpus, INFER_TOKENS_PER_GPU, seq)
     every = tuple(range(gpus))
     fsdp = {"tp": 1, "dp": gpus, "fsdp": True}
     return Plan((
