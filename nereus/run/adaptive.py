@@ -104,7 +104,7 @@ def policy_for(job: JobSpec) -> tuple[Policy, Plan, list[Placed]]:
     ctrl = controller_for(job)
     policy = lever_policy(ctrl) if job.run.rollout_levers == "auto" else ctrl
     plan = policy.initial_plan(job.run.adapt.workers_at(0, job.run.workers))
-    return policy, plan, placed_from_plan(plan)
+    return policy, plan, placed_from_plan(plan, job)
 
 
 def lever_policy(inner: Policy) -> PhasedPolicy:

@@ -148,7 +148,7 @@ class RuntimeBackend:
         keep = self.available(step + 1)
         if keep < len(self.rt.workers):  # workers the schedule takes away leave once the state is off them
             self.rt.resize(keep)
-        self._use(new, placed_from_plan(new))
+        self._use(new, placed_from_plan(new, self.job))
         detail = {"executor_s": out.wall_s, **self._rebuild_engines(old, new)}
         world_job = self.job.with_gpus(len(self.rt.workers))
         predicted = schedule_graph(out.graph, Hardware(world_job.cluster)).makespan_s
@@ -158,7 +158,7 @@ class RuntimeBackend:
     def _move_to(self, new: Plan) -> MoveResult:
         if new.num_gpus > len(self.rt.workers):
             self.rt.resize(new.num_gpus)
-        return self.rt.transition(self.specs(placed_from_plan(new)), self.job)
+        return self.rt.transition(self.specs(placed_from_plan(new, self.job)), self.job)
 
     def _snapshot_if_due(self, step: int) -> None:
         """Step ``step``'s host-memory snapshot, once (a redone step reports the snapshot it redoes from)."""
@@ -196,7 +196,7 @@ class RuntimeBackend:
             if self.adaptive:  # no more than the availability schedule grants
                 n = min(n, self.available(step))
             chosen["plan"] = plan_for(n, step)
-            chosen["placed"] = placed_from_plan(chosen["plan"])
+            chosen["placed"] = placed_from_plan(chosen["plan"], self.job)
             return self.specs(chosen["placed"])
 
         out = self.rt.recover(place, lost.lost)

@@ -95,7 +95,8 @@ class StepInference:
     def sequential(self, roll: Rollout, rows: list[Prompt]) -> tuple[Answers, torch.Tensor | None]:
         """Each stage issued once the one before answered; the stages' answers and the rule reward."""
         def run(s: InferenceStage) -> torch.Tensor | tuple[torch.Tensor, ...]:
-            return cat_parts(self.calls.wait([self.calls.submit(s.timer, "infer", s.key, s.call(roll.tokens))])[0])
+            call = self.calls.submit(s.timer, "infer", s.key, s.call(roll.tokens, roll.lengths))
+            return cat_parts(self.calls.wait([call])[0])
 
         got: Answers = {}
         stages = self.stages()
@@ -114,8 +115,8 @@ class StepInference:
         they run. Each stage is timed by its calls' own durations."""
         calls = {}
         for s in self.stages():
-            calls[s.timer] = [c for _, c in early.rest(s, roll.tokens)] if early else [
-                self.calls.submit(s.timer, "infer", s.key, s.call(roll.tokens))]
+            calls[s.timer] = [c for _, c in early.rest(s, roll.tokens, roll.lengths)] if early else [
+                self.calls.submit(s.timer, "infer", s.key, s.call(roll.tokens, roll.lengths))]
         with self.clock.timer("reward"):
             rule = self.rule_scores(roll, rows)
         answers = iter(self.calls.wait([c for cs in calls.values() for c in cs]))
@@ -143,7 +144,8 @@ class StepInference:
         with self.clock.timer("reward"):
             rule, rm = self.rule_scores(roll, rows), None
             if self.has("reward"):
-                call = self.calls.submit("reward", "infer", self.keys["reward", "inference"], Values(roll.tokens))
+                call = self.calls.submit("reward", "infer", self.keys["reward", "inference"],
+                                         Values(roll.tokens, roll.lengths))
                 rm = cat_parts(self.calls.wait([call])[0])[torch.arange(len(roll.tokens)), roll.last]
         return self.score(roll, rule, rm)
 

@@ -248,7 +248,7 @@ class RLJob(Observer):
             self.plan = Plan.from_dict(self.state["plan"], where)
             for p in self.plan.placements:  # the same check a job file's layouts pass
                 ParallelDims.of(p.layout, self.job.models[p.model_stage.model], f"{where}.{p.model_stage}")
-            self._placed = placed_from_plan(self.plan)
+            self._placed = placed_from_plan(self.plan, self.job)
         return step, path, prepare_resume(self.dir / "metrics.jsonl", step)
 
     def _restore(self, point: tuple[int, Path, list[str]] | None = None) -> int:

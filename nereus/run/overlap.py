@@ -211,19 +211,21 @@ class EarlyInference:
             tokens = pack_block(start, start + self.per, answer.value) if tokens is None else tokens
             self.early[s.timer][start] = self.calls.submit(s.timer, "infer", s.key, s.call(tokens))
 
-    def rest(self, stage: InferenceStage, tokens: torch.Tensor) -> list[tuple[int, Call]]:
+    def rest(self, stage: InferenceStage, tokens: torch.Tensor,
+             lengths: torch.Tensor | None = None) -> list[tuple[int, Call]]:
         """The stage's calls for the rows no early call took, one per run of consecutive blocks; with
-        the early ones, (block start, call) in row order."""
+        the early ones, (block start, call) in row order. ``lengths``: the rows' real tokens."""
         timer, key = stage.timer, stage.key
         taken = self.early[timer]
         if not taken:
-            return [(0, self.calls.submit(timer, "infer", key, stage.call(tokens)))]
+            return [(0, self.calls.submit(timer, "infer", key, stage.call(tokens, lengths)))]
         out, run = list(taken.items()), []
         for start in range(0, len(tokens), self.per):
             if start not in taken:
                 run.append(start)
             if run and (start in taken or start + self.per >= len(tokens)):
                 a, b = run[0], run[-1] + self.per
-                out.append((a, self.calls.submit(timer, "infer", key, stage.call(tokens[a:b]))))
+                part = None if lengths is None else lengths[a:b]
+                out.append((a, self.calls.submit(timer, "infer", key, stage.call(tokens[a:b], part))))
                 run = []
         return sorted(out, key=lambda x: x[0])

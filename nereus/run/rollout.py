@@ -29,6 +29,11 @@ class Rollout:
     finished: torch.Tensor  # [B] bool: ended with EOS
 
     @property
+    def lengths(self) -> torch.Tensor:
+        """Each sequence's real tokens, prompt plus response (``tokens`` is padded past them)."""
+        return self.prompt_len + self.response_len
+
+    @property
     def last(self) -> torch.Tensor:
         """Position of each sequence's last token in [B, T] (the reward model's score position)."""
         return self.prompt_len + self.response_len - 1

@@ -21,6 +21,7 @@ from nereus.spec.errors import InfeasibleError, SpecError
 from nereus.spec.hf_files import check_model_dir
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout
+from nereus.spec.packing import PackingSpec, token_budget
 from nereus.spec.parallel_dims import check_split, tp_splits
 from nereus.spec.rollout import one_engine_per_replica
 
@@ -136,12 +137,14 @@ def _check_some_layout_splits(job: JobSpec, sized: JobSpec) -> None:
 
 def _shared_key(placed: list[Placed], model: str, stage: str, layout: Layout, ranks: tuple[int, ...]) -> str | None:
     """An existing key this model-stage can use: same model, workers and parallelism; inference also needs
-    the same micro-batch size (generation does not micro-batch). ZeRO-1 only matters to the optimizer."""
+    the same micro-batch size and token budget (generation does not micro-batch). ZeRO-1 only matters to the
+    optimizer."""
     for p in placed:
         same = (p.model, p.ranks, p.layout.tp, p.layout.pp, p.layout.dp) == (model, ranks, layout.tp, layout.pp,
                                                                              layout.dp)
-        if same and stage != "training" and (stage == "generation" or p.layout.micro_batch_size ==
-                                              layout.micro_batch_size):
+        batching = (p.layout.micro_batch_size, p.layout.max_token_len) == (layout.micro_batch_size,
+                                                                            layout.max_token_len)
+        if same and stage != "training" and (stage == "generation" or batching):
             return p.key
     return None
 
@@ -173,18 +176,30 @@ def place(job: JobSpec) -> list[Placed]:
         if max(ranks) >= run.workers:
             raise SpecError(f"run.layouts.{name}", f"uses worker {max(ranks)} but the run has {run.workers} "
                                                    "workers (run.workers or --workers)")
+        layout = packed(run.packing, ms.model, ms.stage, layout, job.workload.prompt_length + job.workload.response.max)
         key = _shared_key(out, ms.model, ms.stage, layout, ranks) or name
         out.append(Placed(ms.model, ms.stage, layout, ranks, key))
     return out
 
 
-def placed_from_plan(plan) -> list[Placed]:
+def packed(spec: PackingSpec, model: str, stage: str, layout: Layout, max_seq: int) -> Layout:
+    """``layout`` with the token budget ``run.packing`` gives ``model``'s ``stage`` (``spec.packing``), or as
+    it is when that gives none (a budget a written layout holds stays)."""
+    budget = token_budget(spec, model, stage, layout.micro_batch_size, max_seq)
+    return replace(layout, max_token_len=budget) if budget else layout
+
+
+def placed_from_plan(plan, job: JobSpec | None = None) -> list[Placed]:
     """A controller's plan as runtime placements: one key per model-stage, named after it (keys stay the
     same across transitions; buffers that coincide on a worker are shared by the executor anyway). The
-    controller plans within ``CAPABILITY``; ``as_run`` turns off what changes nothing for a stage."""
+    controller plans within ``CAPABILITY``; ``as_run`` turns off what changes nothing for a stage; ``job``'s
+    ``run.packing`` sets each layout's token budget (``packed``)."""
     order = {"training": 0, "inference": 1, "generation": 2}
-    return [Placed(p.model_stage.model, p.model_stage.stage, CAPABILITY.as_run(p.layout, p.model_stage.stage),
-                   tuple(p.gpus), str(p.model_stage))
+    spec = job.run.packing if job is not None and job.run is not None else PackingSpec()
+    seq = job.workload.prompt_length + job.workload.response.max if job is not None else 0
+    return [Placed(p.model_stage.model, p.model_stage.stage,
+                   packed(spec, p.model_stage.model, p.model_stage.stage,
+                          CAPABILITY.as_run(p.layout, p.model_stage.stage), seq), tuple(p.gpus), str(p.model_stage))
             for p in sorted(plan.placements, key=lambda p: (order[p.model_stage.stage], str(p.model_stage)))]
 
 

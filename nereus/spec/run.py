@@ -12,6 +12,7 @@ from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEED, MAX_STEPS, Fields
 from nereus.spec.layout import Layout, ModelStage
 from nereus.spec.levers import TailBatching
+from nereus.spec.packing import PackingSpec, read_packing
 from nereus.spec.rollout import PartialRolloutConfig, RolloutEngine
 from nereus.spec.run_algorithm import PolicyLossSpec, read_policy_loss
 from nereus.spec.run_dapo import FilterGroupsSpec, OverlongBufferSpec, read_filter_groups, read_overlong_buffer
@@ -197,6 +198,7 @@ class RunSpec:
     # run.filter_groups / run.overlong_buffer: DAPO's dynamic sampling and overlong reward shaping (run_dapo)
     filter_groups: FilterGroupsSpec = field(default_factory=FilterGroupsSpec)
     overlong_buffer: OverlongBufferSpec = field(default_factory=OverlongBufferSpec)
+    packing: PackingSpec = field(default_factory=PackingSpec)  # run.packing: packed token-budget micro-batches
 
     @property
     def max_workers(self) -> int:
@@ -443,7 +445,8 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int, extra_los
         rollout_tail=ro.tail, rollout_partial=ro.partial, rollout_levers=ro.levers, policy_lag=ro.policy_lag,
         overlap=f.get("overlap", bool, False), async_mode=_async(f), val_kwargs=ro.val_kwargs,
         filter_groups=read_filter_groups(f.sub("filter_groups")),
-        overlong_buffer=read_overlong_buffer(f.sub("overlong_buffer"), final_response))
+        overlong_buffer=read_overlong_buffer(f.sub("overlong_buffer"), final_response),
+        packing=read_packing(f.sub("packing")))
     ckpt.finish()
     f.finish()
     _check_run(f, spec)

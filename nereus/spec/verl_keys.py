@@ -33,11 +33,9 @@ _MICRO = _ignored("the micro-batch size is part of each model-stage's layout (ru
                   "or the planner's); losses are aggregated over the whole mini-batch, so it changes no result")
 _FSDP = _ignored("Nereus has no FSDP: each model-stage runs under its own TP/PP/DP layout with ZeRO-1, planned to "
                  "fit memory, and nothing is offloaded")
-_PADDING = _ignored("Nereus packs [prompt, response, pad] with a loss mask; removing padding only saves time")
+_PADDING = _mapped("run.packing.enable", "packed sequences (spec.packing); one value for actor and critic")
 _RECOMPUTE = _ignored("activation recomputation changes memory, not results; the runtime does not recompute")
 _ONE_VALUE = "one value for actor and critic (a different critic value is refused)"
-_DYNAMIC_BSZ = _ignored("token-budget micro-batches are not implemented yet: micro-batches hold a fixed number of "
-                        "sequences (the layout's); results are identical, only time differs")
 # verl's actor_rollout_ref.actor.policy_loss.* options the registered losses read (run.policy_loss.*)
 _POLICY_LOSS_OPTIONS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
 
@@ -99,8 +97,8 @@ TABLE: dict[str, VerlKey] = {
                                          "ppo_mini_batch_size (which must divide it)"),
     f"{_A}.ppo_micro_batch_size_per_gpu": _MICRO,
     f"{_A}.ppo_micro_batch_size": _MICRO,
-    f"{_A}.use_dynamic_bsz": _DYNAMIC_BSZ,
-    f"{_A}.ppo_max_token_len_per_gpu": _DYNAMIC_BSZ,
+    f"{_A}.use_dynamic_bsz": _mapped("run.packing.dynamic_bsz", "token-budget micro-batches, packed"),
+    f"{_A}.ppo_max_token_len_per_gpu": _mapped("run.packing.max_token_len_per_gpu", "read with use_dynamic_bsz"),
     f"{_A}.ppo_epochs": _mapped("algorithm.epochs"),
     f"{_A}.clip_ratio": _mapped("run.clip_ratio", "0.2"),
     f"{_A}.clip_ratio_low": _mapped("run.clip_ratio_low", "defaults to clip_ratio"),

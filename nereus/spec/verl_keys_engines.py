@@ -21,8 +21,6 @@ _A, _R, _REF, _C = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "acto
 _M = "actor_rollout_ref.model"
 _ROLES = (_A, _REF, _C)
 
-_DYNAMIC_BSZ = ignored("token-budget micro-batches are not implemented yet: micro-batches hold a fixed number of "
-                       "sequences (the layout's); results are identical, only time differs")
 _MICRO = ignored("the micro-batch size is part of each model-stage's layout (run.layouts '...,micro_batch_size=N' "
                  "or the planner's); losses are aggregated over the whole mini-batch, so it changes no result")
 _ENGINE = ignored("an implementation choice of verl's engines (kernels, fusions, compilation, weight loading and "
@@ -84,13 +82,14 @@ ENGINE_KEYS: dict[str, VerlKey] = {
     f"{_A}.router_replay.mode": refused("routing replay is for MoE models; Nereus's are dense", "disabled"),
     **{f"{_R}.{k}": _ENGINE for k in ("layered_summon", "load_format", "multi_stage_wake_up", "skip_tokenizer_init")},
     f"{_R}.disable_log_stats": _PROFILE,
-    # ----- micro-batches and token budgets (the packing work) -----------------------------------------------
-    **_each("log_prob_use_dynamic_bsz", _DYNAMIC_BSZ, (_R, _REF)),
-    **_each("log_prob_max_token_len_per_gpu", _DYNAMIC_BSZ, (_R, _REF)),
+    # ----- micro-batches and token budgets: packed sequences (spec.packing) ---------------------------------
+    **_each("log_prob_use_dynamic_bsz", mapped("run.packing.dynamic_bsz", "one value for every model"), (_R, _REF)),
+    **_each("log_prob_max_token_len_per_gpu", mapped("run.packing.log_prob_max_token_len_per_gpu",
+                                                     "the actor's and reference's inference"), (_R, _REF)),
     **_each("log_prob_micro_batch_size", _MICRO, (_R, _REF)),
-    f"{_C}.use_dynamic_bsz": _DYNAMIC_BSZ,
-    f"{_C}.ppo_max_token_len_per_gpu": _DYNAMIC_BSZ,
-    f"{_C}.forward_max_token_len_per_gpu": _DYNAMIC_BSZ,
+    f"{_C}.use_dynamic_bsz": mapped("run.packing.dynamic_bsz", "one value for every model"),
+    f"{_C}.ppo_max_token_len_per_gpu": mapped("run.packing.critic_max_token_len_per_gpu"),
+    f"{_C}.forward_max_token_len_per_gpu": mapped("run.packing.forward_max_token_len_per_gpu"),
     "reward_model.micro_batch_size_per_gpu": _MICRO,
     "trainer.balance_batch": ignored("verl reorders a step's rows to even out tokens per data-parallel rank, for "
                                      "time; Nereus keeps the step's order"),
@@ -113,8 +112,8 @@ ENGINE_KEYS: dict[str, VerlKey] = {
                                                "on the workers of its layout's ranks"),
     "actor_rollout_ref.nccl_timeout": ignored("Nereus's collectives and calls have their own deadlines"),
     "reward_model.model.fsdp_config.param_offload": _FSDP,
-    "reward_model.model.use_remove_padding": ignored("Nereus packs [prompt, response, pad] with a loss mask; "
-                                                     "removing padding only saves time"),
+    "reward_model.model.use_remove_padding": ignored("the reward model packs as the actor and critic do "
+                                                     "(run.packing.enable); packing changes time, not results"),
     # ----- features Nereus does not have -------------------------------------------------------------------
     f"{_M}.lora_rank": _LORA,
     f"{_M}.lora_alpha": _LORA,

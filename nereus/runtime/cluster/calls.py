@@ -64,10 +64,11 @@ class Logprobs:
     """Next-token log-probs [B, T−1] of ``tokens`` (``Worker.logprobs``)."""
 
     tokens: torch.Tensor
+    lengths: torch.Tensor | None = None  # [B]: each row's real tokens (a packing layout runs only those)
     changes_state: ClassVar[bool] = False
 
     def issue(self, worker: ActorHandle, key: str) -> ObjectRef:
-        return worker.logprobs.remote(key, self.tokens)
+        return worker.logprobs.remote(key, self.tokens, self.lengths)
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,11 @@ class LogprobsAndEntropy:
     """Log-probs and full-vocabulary entropies [B, T−1] from one pass (``Worker.logprobs_and_entropy``)."""
 
     tokens: torch.Tensor
+    lengths: torch.Tensor | None = None  # [B]: each row's real tokens (a packing layout runs only those)
     changes_state: ClassVar[bool] = False
 
     def issue(self, worker: ActorHandle, key: str) -> ObjectRef:
-        return worker.logprobs_and_entropy.remote(key, self.tokens)
+        return worker.logprobs_and_entropy.remote(key, self.tokens, self.lengths)
 
 
 @dataclass(frozen=True)
@@ -87,10 +89,11 @@ class LogprobsEntropyAndSumPiSquared:
     the optimal token baseline reads Σπ²)."""
 
     tokens: torch.Tensor
+    lengths: torch.Tensor | None = None  # [B]: each row's real tokens (a packing layout runs only those)
     changes_state: ClassVar[bool] = False
 
     def issue(self, worker: ActorHandle, key: str) -> ObjectRef:
-        return worker.logprobs_entropy_and_sum_pi_squared.remote(key, self.tokens)
+        return worker.logprobs_entropy_and_sum_pi_squared.remote(key, self.tokens, self.lengths)
 
 
 @dataclass(frozen=True)
@@ -98,13 +101,15 @@ class Values:
     """A value-head model's values [B, T] of ``tokens`` (``Worker.values``)."""
 
     tokens: torch.Tensor
+    lengths: torch.Tensor | None = None  # [B]: each row's real tokens (a packing layout runs only those)
     changes_state: ClassVar[bool] = False
 
     def issue(self, worker: ActorHandle, key: str) -> ObjectRef:
-        return worker.values.remote(key, self.tokens)
+        return worker.values.remote(key, self.tokens, self.lengths)
 
 
-# the inference requests, each built from the tokens alone (``run.overlap`` re-issues one on row blocks)
+# the inference requests, each built from the tokens and optionally their rows' lengths (``run.overlap``
+# re-issues one on row blocks)
 InferenceCall = type[Logprobs] | type[LogprobsAndEntropy] | type[LogprobsEntropyAndSumPiSquared] | type[Values]
 
 

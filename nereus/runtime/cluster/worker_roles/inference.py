@@ -11,19 +11,21 @@ from nereus.runtime.cluster.worker_roles.core import WorkerCore
 
 class InferenceRole(WorkerCore):
     """Log-probs, entropies and values of a key's model (requests ``calls.Logprobs``,
-    ``LogprobsAndEntropy``, ``LogprobsEntropyAndSumPiSquared``, ``Values``); reads only ``models`` and changes
-    nothing."""
+    ``LogprobsAndEntropy``, ``LogprobsEntropyAndSumPiSquared``, ``Values``; ``lengths``: the rows' real
+    tokens, which a packing layout runs alone); reads only ``models`` and changes nothing."""
 
-    def logprobs(self, key: str, tokens: torch.Tensor) -> ReplicaOutput[torch.Tensor] | None:
-        return self._on(key, lambda sm: self._output(sm, sm.logprobs(tokens)))
+    def logprobs(self, key: str, tokens: torch.Tensor,
+                 lengths: torch.Tensor | None = None) -> ReplicaOutput[torch.Tensor] | None:
+        return self._on(key, lambda sm: self._output(sm, sm.logprobs(tokens, lengths)))
 
-    def logprobs_and_entropy(self, key: str,
-                             tokens: torch.Tensor) -> ReplicaOutput[tuple[torch.Tensor, torch.Tensor]] | None:
-        return self._on(key, lambda sm: self._output(sm, sm.logprobs_and_entropy(tokens)))
+    def logprobs_and_entropy(self, key: str, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
+                             ) -> ReplicaOutput[tuple[torch.Tensor, torch.Tensor]] | None:
+        return self._on(key, lambda sm: self._output(sm, sm.logprobs_and_entropy(tokens, lengths)))
 
-    def logprobs_entropy_and_sum_pi_squared(self, key: str, tokens: torch.Tensor,
+    def logprobs_entropy_and_sum_pi_squared(self, key: str, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
                                             ) -> ReplicaOutput[tuple[torch.Tensor, ...]] | None:
-        return self._on(key, lambda sm: self._output(sm, sm.logprobs_entropy_and_sum_pi_squared(tokens)))
+        return self._on(key, lambda sm: self._output(sm, sm.logprobs_entropy_and_sum_pi_squared(tokens, lengths)))
 
-    def values(self, key: str, tokens: torch.Tensor) -> ReplicaOutput[torch.Tensor] | None:
-        return self._on(key, lambda sm: self._output(sm, sm.values(tokens)))
+    def values(self, key: str, tokens: torch.Tensor,
+               lengths: torch.Tensor | None = None) -> ReplicaOutput[torch.Tensor] | None:
+        return self._on(key, lambda sm: self._output(sm, sm.values(tokens, lengths)))

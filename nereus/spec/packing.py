@@ -1,0 +1,65 @@
+"""``run.packing``: packed sequences in token-budget micro-batches for inference and training (the runtime's
+``parallel.packing``), as verl's ``use_remove_padding``, ``use_dynamic_bsz`` and ``*_max_token_len_per_gpu``.
+
+Packing changes time and memory, not results: rows are cut to their real length and laid end to end, so no
+compute runs on padding, and a micro-batch holds at most a budget of tokens instead of a number of rows.
+The budget of each model-stage is written into its layout (``Layout.max_token_len``), the one field the
+runtime reads. With ``dynamic_bsz`` the budgets are verl's keys (verl's defaults when unset); without it,
+a packed micro-batch holds at most the tokens of the padded one it replaces (micro-batch size × the
+longest sequence), so memory stays within what the layout was planned for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nereus.spec.fields import MAX_TOKENS, Fields
+
+# verl's defaults (verl/trainer/config: the actor's ppo_max_token_len_per_gpu 16384, which the rollout's and
+# reference's log_prob_max_token_len_per_gpu follow; the critic's ppo_max_token_len_per_gpu 32768, which its
+# forward_max_token_len_per_gpu follows)
+ACTOR_DEFAULT, CRITIC_DEFAULT = 16384, 32768
+CRITIC_MODELS = ("critic", "reward")
+
+
+@dataclass(frozen=True)
+class PackingSpec:
+    """``run.packing``; a budget left None takes the default of ``token_budget``."""
+
+    enable: bool = False  # verl's use_remove_padding
+    dynamic_bsz: bool = False  # verl's use_dynamic_bsz: micro-batches by the budgets below
+    max_token_len_per_gpu: int | None = None  # actor training (verl's actor ppo_max_token_len_per_gpu)
+    log_prob_max_token_len_per_gpu: int | None = None  # actor and reference inference
+    critic_max_token_len_per_gpu: int | None = None  # critic training (verl's critic.ppo_max_token_len_per_gpu)
+    forward_max_token_len_per_gpu: int | None = None  # critic and reward-model inference
+
+    @property
+    def on(self) -> bool:
+        """Whether the runtime packs (token-budget micro-batches are always packed)."""
+        return self.enable or self.dynamic_bsz
+
+
+def read_packing(f: Fields) -> PackingSpec:
+    """``run.packing``: ``enable``, ``dynamic_bsz`` and the four token budgets (each 1 to ``MAX_TOKENS``)."""
+    budgets = {k: f.get(k, int, None, minimum=1, maximum=MAX_TOKENS) for k in (
+        "max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "critic_max_token_len_per_gpu",
+        "forward_max_token_len_per_gpu")}
+    spec = PackingSpec(enable=f.get("enable", bool, False), dynamic_bsz=f.get("dynamic_bsz", bool, False), **budgets)
+    f.finish()
+    return spec
+
+
+def token_budget(spec: PackingSpec, model: str, stage: str, micro_batch_size: int, max_seq: int) -> int:
+    """The ``Layout.max_token_len`` of ``model``'s ``stage``: 0 (padded) when not packing or for generation;
+    with ``dynamic_bsz`` the stage's budget (an inference budget left unset follows the model's training
+    one, which defaults to verl's); else the padded micro-batch's
+    tokens, ``micro_batch_size`` × ``max_seq`` (the longest prompt plus response)."""
+    if not spec.on or stage not in ("inference", "training"):
+        return 0
+    if not spec.dynamic_bsz:
+        return micro_batch_size * max_seq
+    if model in CRITIC_MODELS:  # the forward budget follows the training one, as in verl's critic config
+        train = spec.critic_max_token_len_per_gpu or CRITIC_DEFAULT
+        return train if stage == "training" else spec.forward_max_token_len_per_gpu or train
+    train = spec.max_token_len_per_gpu or ACTOR_DEFAULT  # the rollout's and reference's log-prob budgets follow it
+    return train if stage == "training" else spec.log_prob_max_token_len_per_gpu or train
