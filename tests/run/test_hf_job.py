@@ -21,6 +21,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("pyarrow")
 
 from nereus.run.job import RLJob  # noqa: E402
+from nereus.run.setup import place  # noqa: E402
 from nereus.runtime.model.decoder import CausalLM  # noqa: E402
 from nereus.spec.engines import engine_traits, installed_distribution  # noqa: E402
 from nereus.spec.errors import SpecError  # noqa: E402
@@ -246,7 +247,8 @@ def _verl_grpo_command(tiny_hf, model: str) -> list[str]:
         f"data.val_files={tiny_hf / 'val.parquet'}", "data.train_batch_size=4", "data.max_prompt_length=64",
         "data.max_response_length=6", "data.filter_overlong_prompts=True", "data.truncation=error",
         f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.actor.optim.lr=1e-6",
-        "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.use_dynamic_bsz=True",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=96", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40", "actor_rollout_ref.actor.use_kl_loss=True",
         "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
         "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
@@ -280,10 +282,11 @@ def test_a_verl_grpo_command_line_runs(ray_runtime, tiny_hf, tmp_path, capsys):
     native = "actor_rollout_ref.rollout.name=native"
     job = load_job(tmp_path / "job.yaml", [*_verl_grpo_command(tiny_hf, model), native])
     notes = capsys.readouterr().err
-    for ignored in ("ppo_micro_batch_size_per_gpu=40", "fsdp_config.param_offload=True",
-                    "use_remove_padding=True", "project_name="):
+    for ignored in ("ppo_micro_batch_size_per_gpu=40", "fsdp_config.param_offload=True", "project_name="):
         assert any(line.startswith("nereus: ignoring ") and f".{ignored}" in line
                    for line in notes.splitlines()), ignored
+    assert not any(line.startswith("nereus: ignoring ") and ("padding" in line or "token_len" in line
+                                                             or "dynamic_bsz" in line) for line in notes.splitlines())
     r, a = job.run, job.algorithm
     assert (r.actor_lr, r.steps, r.total_epochs, r.eval_every, r.checkpoint_every, r.kl_coef) == (1e-6, 2, 15, 5, 20, 0)
     assert (a.adv_estimator, a.samples_per_prompt, a.mini_batches) == ("grpo", 4, 2)
@@ -292,8 +295,12 @@ def test_a_verl_grpo_command_line_runs(ray_runtime, tiny_hf, tmp_path, capsys):
     assert r.data.filter_overlong_prompts and r.rollout_engine.engine == "native"
     gen = r.layouts["actor/generation"]  # verl's rollout TP: tp=2, dp filling the 4 workers
     assert (gen.tp, gen.pp, gen.dp) == (2, 1, 2)
+    assert (r.packing.enable, r.packing.dynamic_bsz, r.packing.max_token_len_per_gpu) == (True, True, 96)
     rl = RLJob(job, runtime=ray_runtime, out_dir=tmp_path / "out", quiet=True)
     try:
+        # packed: the actor's training and inference and the reference's inference in 96-token micro-batches
+        assert {(p.model, p.stage): p.layout.max_token_len for p in place(job) if p.stage != "generation"} == {
+            ("actor", "training"): 96, ("actor", "inference"): 96, ("reference", "inference"): 96}
         summary = rl.execute()
     finally:
         rl.release()
