@@ -93,7 +93,8 @@ class PackedRows:
         """The token after each position of ``packed`` [1, L] within its sequence (0 at a sequence's last
         position, which predicts nothing the batch holds)."""
         out = torch.zeros_like(packed)
-        out[0, self._index(True)[2]] = packed[0, self._index(True)[2] + 1]
+        at = self._index(True)[2].to(packed.device)
+        out[0, at] = packed[0, at + 1]
         return out
 
     def unpack(self, packed: torch.Tensor, width: int, next_token: bool) -> torch.Tensor:
