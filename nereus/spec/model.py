@@ -27,7 +27,11 @@ def kv_token_bytes(layers: int, kv_heads: int, head_dim: int, elem_bytes: int) -
 
 @dataclass(frozen=True)
 class ModelArch:
-    """A Llama/Qwen2-style decoder (or a GPT-style one with a GeLU MLP, for published training data)."""
+    """A Llama/Qwen2/Qwen3-style decoder (or a GPT-style one with a GeLU MLP, for published training data).
+
+    ``head_dim`` is hidden / heads unless given (Qwen3 gives it: 0.6B has 16 heads of 128 over hidden
+    1,024); ``qk_norm`` is Qwen3's per-head RMSNorm of queries and keys before RoPE (one weight of
+    ``head_dim`` each, shared by all heads)."""
 
     layers: int
     hidden: int
@@ -38,10 +42,16 @@ class ModelArch:
     tied_embeddings: bool = False
     mlp: str = "swiglu"  # swiglu: gate, up, down matrices; gelu: up, down (GPT-2/3, Megatron)
     qkv_bias: bool = False
+    head_dim: int = 0  # 0: hidden // heads (resolved on construction)
+    qk_norm: bool = False
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def __post_init__(self) -> None:
+        if not self.head_dim and self.heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
+    def replicated_layer_params(self) -> int:
+        """Parameters of one layer that tensor parallelism replicates: the two norms, Qwen3's q/k norms."""
+        return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
 
     def layer_params(self) -> int:
         """Parameters of one decoder layer: attention, MLP, two norms (biases of GPT-style MLPs too)."""
@@ -57,7 +67,7 @@ class ModelArch:
         mlp = mats * self.hidden * self.ffn_hidden
         if self.mlp == "gelu":
             mlp += self.ffn_hidden + self.hidden + 3 * self.hidden  # biases of MLP and attention
-        return attn + mlp + 2 * self.hidden
+        return attn + mlp + self.replicated_layer_params()
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
@@ -76,6 +86,8 @@ class ModelArch:
             "layers": self.layers, "hidden": self.hidden, "ffn_hidden": self.ffn_hidden,
             "heads": self.heads, "kv_heads": self.kv_heads, "vocab": self.vocab,
             "tied_embeddings": self.tied_embeddings, "mlp": self.mlp, "qkv_bias": self.qkv_bias,
+            **({"head_dim": self.head_dim} if self.head_dim != self.hidden // self.heads else {}),
+            **({"qk_norm": True} if self.qk_norm else {}),
         }
 
 
@@ -87,10 +99,12 @@ PRESETS: dict[str, ModelArch] = {
     "qwen2.5-7b": ModelArch(28, 3584, 18944, 28, 4, 152064, qkv_bias=True),
     "qwen2.5-0.5b": ModelArch(24, 896, 4864, 14, 2, 151936, tied_embeddings=True, qkv_bias=True),
     "qwen2.5-32b": ModelArch(64, 5120, 27648, 40, 8, 152064, qkv_bias=True),
+    "qwen3-0.6b": ModelArch(28, 1024, 3072, 16, 8, 151936, tied_embeddings=True, head_dim=128, qk_norm=True),
+    "qwen3-8b": ModelArch(36, 4096, 12288, 32, 8, 151936, head_dim=128, qk_norm=True),
 }
 
 
-HF_MODEL_TYPES = ("llama", "qwen2", "mistral")
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 def hf_value_head(cfg: dict) -> bool:
@@ -103,22 +117,20 @@ def hf_value_head(cfg: dict) -> bool:
 
 
 def arch_from_hf(cfg: object, where: str) -> ModelArch:
-    """The architecture of a parsed HuggingFace Llama/Qwen2/Mistral ``config.json`` (transformers 4.x or
-    5.x spelling). The one parser of these files: ``nereus.runtime.model.hf`` reads a checkpoint's config
-    through it. It refuses what ``ModelArch`` cannot describe, naming the key: another model type, a
-    ``head_dim`` other than hidden / heads, attention or MLP biases (Qwen2's QKV bias is implied by its
-    type), and head counts that do not divide; and what would load but compute other logits than
-    transformers does (``_check_numerics``)."""
+    """The architecture of a parsed HuggingFace Llama/Qwen2/Qwen3/Mistral ``config.json`` (transformers 4.x
+    or 5.x spelling). The one parser of these files: ``nereus.runtime.model.hf`` reads a checkpoint's config
+    through it. The type implies Qwen2's QKV bias and Qwen3's q/k norms; ``head_dim`` is read as written
+    (null or absent: hidden / heads). It refuses what ``ModelArch`` cannot describe, naming the key:
+    another model type, attention or MLP biases, and head counts that do not divide; and what would load
+    but compute other logits than transformers does (``_check_numerics``)."""
     f = Fields(cfg, where)
     kind = f.get("model_type", str, "llama")
     if kind not in HF_MODEL_TYPES:
-        raise SpecError(f.key_path("model_type"), f"{kind!r} is not supported; use a llama, qwen2 or mistral config")
+        raise SpecError(f.key_path("model_type"), f"{kind!r} is not supported; use a {', '.join(HF_MODEL_TYPES[:-1])} "
+                                                  f"or {HF_MODEL_TYPES[-1]} config")
     heads = f.get("num_attention_heads", int, minimum=1, maximum=MAX_HIDDEN)
     hidden = f.get("hidden_size", int, minimum=1, maximum=MAX_HIDDEN)
-    head_dim = f.get("head_dim", int, hidden // heads)
-    if head_dim != hidden // heads:
-        raise SpecError(f.key_path("head_dim"), f"{head_dim} differs from hidden_size / num_attention_heads "
-                                                f"({hidden // heads}); not supported")
+    head_dim = f.get("head_dim", int, None, minimum=2, maximum=MAX_HIDDEN) or 0
     for key in ("attention_bias", "mlp_bias"):
         if f.get(key, bool, False):
             raise SpecError(f.key_path(key), "biases other than Qwen2's QKV bias are not supported: the "
@@ -134,8 +146,13 @@ def arch_from_hf(cfg: object, where: str) -> ModelArch:
         vocab=f.get("vocab_size", int, minimum=1, maximum=MAX_VOCAB),
         tied_embeddings=f.get("tie_word_embeddings", bool, False),
         qkv_bias=kind == "qwen2",
+        head_dim=head_dim,
+        qk_norm=kind == "qwen3",
     )
     _check_heads(arch, f.key_path("num_attention_heads"), f.key_path("num_key_value_heads"))
+    if arch.head_dim % 2:
+        raise SpecError(f.key_path("head_dim"), f"{arch.head_dim} is odd: RoPE rotates pairs of dimensions; give "
+                                                "the checkpoint's own (even) value")
     _check_runtime_keys(f, arch.vocab)
     return arch
 
@@ -217,7 +234,9 @@ SILU_NAMES = ("silu", "swish")
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # transformers' defaults where a config leaves a key out: (sliding_window, max_position_embeddings)
-_WINDOW_DEFAULTS = {"qwen2": (4096, 32768), "mistral": (4096, 4096 * 32)}
+_WINDOW_DEFAULTS = {"qwen2": (4096, 32768), "qwen3": (4096, 32768), "mistral": (4096, 4096 * 32)}
+# types that window only when ``use_sliding_window`` is set, from ``max_window_layers`` on (or by ``layer_types``)
+_WINDOW_SWITCHED = ("qwen2", "qwen3")
 
 
 def _check_numerics(f: Fields, kind: str, layers: int) -> None:
@@ -236,11 +255,11 @@ def _check_numerics(f: Fields, kind: str, layers: int) -> None:
 
 
 def _check_sliding_window(f: Fields, kind: str, layers: int) -> None:
-    """Qwen2 windows layers >= ``max_window_layers`` (or those ``layer_types`` names) when
+    """Qwen2 and Qwen3 window layers >= ``max_window_layers`` (or those ``layer_types`` names) when
     ``use_sliding_window`` is set; Mistral windows every layer unless ``sliding_window`` is null. The
     runtime attends causally over the whole sequence, which is the same only for a window at least
     ``max_position_embeddings`` wide. Llama ignores the key."""
-    if kind not in _WINDOW_DEFAULTS or kind == "qwen2" and not f.get("use_sliding_window", bool, False):
+    if kind not in _WINDOW_DEFAULTS or kind in _WINDOW_SWITCHED and not f.get("use_sliding_window", bool, False):
         return
     default_window, default_positions = _WINDOW_DEFAULTS[kind]
     window = f.get("sliding_window", int, None) if f.has("sliding_window") else default_window
@@ -330,7 +349,12 @@ def read_arch(f: Fields, base_dir: Path) -> ModelArch:
         tied_embeddings=f.get("tied_embeddings", bool, False),
         mlp=f.get("mlp", str, "swiglu", choices=["swiglu", "gelu"]),
         qkv_bias=f.get("qkv_bias", bool, False),
+        head_dim=f.get("head_dim", int, 0, minimum=2, maximum=MAX_HIDDEN),
+        qk_norm=f.get("qk_norm", bool, False),
     )
     f.finish()
     _check_heads(arch, f.key_path("heads"), f.key_path("kv_heads"))
+    if arch.qk_norm and arch.qkv_bias:  # saved checkpoints must load in transformers as some class
+        raise SpecError(f.key_path("qk_norm"), "with qkv_bias: true is no transformers model (Qwen2 has the "
+                                               "biases, Qwen3 the q/k norms); give one of them")
     return arch

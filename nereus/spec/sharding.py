@@ -1,10 +1,11 @@
 """Where every weight tensor of a model lives under a layout: the contract between the runtime's shards
 and the transition graph's boxes.
 
-Tensor names follow HuggingFace Llama/Qwen2 checkpoints. Tensor parallelism follows Megatron-LM
+Tensor names follow HuggingFace Llama/Qwen2/Qwen3 checkpoints. Tensor parallelism follows Megatron-LM
 (Shoeybi et al. 2019): column-parallel q/k/v/gate/up split their output rows, row-parallel o/down split
-their input columns, the embedding and LM head split the vocabulary; norms and the value head are
-replicated. When TP exceeds the KV heads, each KV head is replicated on tp/kv_heads consecutive ranks.
+their input columns, the embedding and LM head split the vocabulary; norms (Qwen3's per-head q/k norms
+too) and the value head are replicated. When TP exceeds the KV heads, each KV head is replicated on
+tp/kv_heads consecutive ranks.
 Each ``TensorSpec`` says, as data written where the tensor list is built, which dimension TP splits
 (``tp_dim``) and in units of what (``unit``): whole query heads (q, o), whole KV heads (k, v), or rows
 and columns (everything else). The degrees and rank coordinates come from ``spec.parallel_dims``.
@@ -76,6 +77,9 @@ def model_tensors(arch: ModelArch, value_head: bool = False) -> list[TensorSpec]
             out.append(TensorSpec(p + "self_attn.q_proj.bias", (arch.heads * hd,), 0, i, unit=HEADS))
             out.append(TensorSpec(p + "self_attn.k_proj.bias", (arch.kv_heads * hd,), 0, i, unit=KV_HEADS))
             out.append(TensorSpec(p + "self_attn.v_proj.bias", (arch.kv_heads * hd,), 0, i, unit=KV_HEADS))
+        if arch.qk_norm:  # one weight for all heads: replicated, each TP rank normalises its own heads
+            out.append(TensorSpec(p + "self_attn.q_norm.weight", (hd,), None, i))
+            out.append(TensorSpec(p + "self_attn.k_norm.weight", (hd,), None, i))
         out.append(TensorSpec(p + "self_attn.o_proj.weight", (h, arch.heads * hd), 1, i, unit=HEADS))
         out.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), None, i))
         if arch.mlp == "swiglu":

@@ -20,6 +20,10 @@ MQA = ModelConfig(ModelArch(layers=4, hidden=96, ffn_hidden=200, heads=12, kv_he
 GQA = ModelConfig(ModelArch(layers=3, hidden=64, ffn_hidden=120, heads=4, kv_heads=2, vocab=90,
                             tied_embeddings=True, qkv_bias=True), rope_theta=1e6, eos_token_id=5)
 GQA_VALUE = GQA.with_value_head()
+# Qwen3-style: per-head q/k norms and head_dim given (4 heads of 24 over hidden 64); TP 4 replicates its 2
+# KV heads, so the k-norm gradient sums shares of ranks holding the same KV head.
+QWEN3 = ModelConfig(ModelArch(layers=2, hidden=64, ffn_hidden=120, heads=4, kv_heads=2, vocab=90, head_dim=24,
+                              qk_norm=True), rope_theta=1e6, eos_token_id=5)
 
 BATCH, SEQ, LR = 12, 10, 1e-2  # 12 sequences split over DP 1, 2, 3 and 4
 # Adam divides by sqrt(v) + eps: at near-zero gradients eps=1e-8 turns a 1e-9 fp32 difference of reduction

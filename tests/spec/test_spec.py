@@ -104,7 +104,7 @@ LLAMA_CFG = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096
 
 @pytest.mark.parametrize(("patch", "pattern"), [
     ({"model_type": "gpt2"}, r"cfg\.model_type: 'gpt2' is not supported"),
-    ({"head_dim": 256}, r"cfg\.head_dim: 256 differs from hidden_size / num_attention_heads \(128\)"),
+    ({"head_dim": 127}, r"cfg\.head_dim: 127 is odd: RoPE rotates pairs"),
     ({"attention_bias": True}, r"cfg\.attention_bias: biases other than Qwen2's QKV bias"),
     ({"mlp_bias": True}, r"cfg\.mlp_bias: biases other"),
     ({"num_key_value_heads": 5}, r"cfg\.num_key_value_heads: heads \(32\) must be divisible by kv_heads \(5\)"),

@@ -1,4 +1,4 @@
-"""A Llama/Qwen2-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) in plain PyTorch.
+"""A Llama/Qwen2/Qwen3-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) in plain PyTorch.
 
 The math here knows nothing of parallelism. Module and parameter names follow HuggingFace checkpoints
 (``model.layers.3.self_attn.q_proj.weight``), so a model's ``state_dict`` keys are the tensor names of
@@ -178,14 +178,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(a.hidden, a.kv_heads * a.head_dim, bias=a.qkv_bias)
         self.v_proj = nn.Linear(a.hidden, a.kv_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = nn.Linear(a.heads * a.head_dim, a.hidden, bias=False)
+        # Qwen3: RMSNorm of each query and key head before RoPE, one weight shared by the heads
+        self.q_norm = RMSNorm(a.head_dim, cfg.rms_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, cfg.rms_eps) if a.qk_norm else None
         # the column-parallel projections' shared input: TP replaces it (``parallel.tp``), else a no-op
         self.tp_input: nn.Module = nn.Identity()
 
     def forward(self, x: torch.Tensor, ctx: Context, layer: int) -> torch.Tensor:
         x = self.tp_input(x)
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         if ctx.caches is not None:

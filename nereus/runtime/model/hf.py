@@ -1,4 +1,4 @@
-"""HuggingFace Llama/Qwen2 checkpoints: ``config.json`` ↔ ``ModelConfig`` and safetensors ↔ tensors.
+"""HuggingFace Llama/Qwen2/Qwen3 checkpoints: ``config.json`` ↔ ``ModelConfig`` and safetensors ↔ tensors.
 
 Tensor names are the checkpoint's own, so loading a rank's shard reads only the global boxes that
 ``nereus.spec.sharding.rank_tensors`` assigns it (``safe_open(...).get_slice``), never the whole model.
@@ -36,7 +36,7 @@ _HEAD_KEYS = ("id2label", "label2id", "num_labels", "problem_type", "dtype", "to
 
 
 def config_from_hf(data: dict, where: str = "config.json") -> ModelConfig:
-    """Map a Llama/Qwen2/Mistral ``config.json`` dict (transformers 4.x or 5.x spelling) to ``ModelConfig``:
+    """Map a Llama/Qwen2/Qwen3/Mistral ``config.json`` dict (transformers 4.x or 5.x spelling) to ``ModelConfig``:
     the architecture by the spec's parser (``arch_from_hf``, whose errors name the key), plus what only
     the runtime needs (RoPE, norm epsilon, value head, special tokens)."""
     arch = arch_from_hf(data, where)
@@ -62,16 +62,23 @@ def _is_scorer(data: dict) -> bool:
                for a in data.get("architectures") or [])
 
 
+# transformers' class-name prefix of each model type ``config_to_hf`` writes; Qwen3 with QKV biases has
+# no class (``arch_from_hf`` never reads one: Qwen3's ``attention_bias`` is refused)
+_HF_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
-    """A ``config.json`` that transformers loads as LlamaForCausalLM / Qwen2ForCausalLM (or a scorer)."""
+    """A ``config.json`` that transformers loads as LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (or
+    a scorer): the type follows from the features only it has (``_HF_CLASSES``)."""
     a = cfg.arch
-    kind = "qwen2" if a.qkv_bias else "llama"
+    kind = "qwen3" if a.qk_norm else "qwen2" if a.qkv_bias else "llama"
     head = "ForSequenceClassification" if cfg.value_head else "ForCausalLM"
     rope = {"rope_type": "default", **cfg.rope_scaling, "rope_theta": cfg.rope_theta}
     out = {
-        "architectures": [("Qwen2" if kind == "qwen2" else "Llama") + head], "model_type": kind,
+        "architectures": [_HF_CLASSES[kind] + head], "model_type": kind,
         "num_hidden_layers": a.layers, "hidden_size": a.hidden, "intermediate_size": a.ffn_hidden,
-        "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "vocab_size": a.vocab,
+        "num_attention_heads": a.heads, "num_key_value_heads": a.kv_heads, "head_dim": a.head_dim,
+        "vocab_size": a.vocab,
         "tie_word_embeddings": a.tied_embeddings, "rms_norm_eps": cfg.rms_eps, "rope_theta": cfg.rope_theta,
         "rope_parameters": rope, "hidden_act": "silu", "torch_dtype": "float32", "dtype": "float32",
         "bos_token_id": cfg.bos_token_id,

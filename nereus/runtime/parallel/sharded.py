@@ -38,7 +38,13 @@ from nereus.runtime.parallel.dp import ShardedAdam, average_gradients, sum_gradi
 from nereus.runtime.parallel.packing import PackedRows, replica_shares, row_lengths, token_budget_groups
 from nereus.runtime.parallel.pp import StageComm, train_pipeline
 from nereus.runtime.parallel.sharded_forward import ForwardOps
-from nereus.runtime.parallel.tp import parallel_entropy, parallel_logprobs, reduce_replicated_kv_grads, vocab_range
+from nereus.runtime.parallel.tp import (
+    parallel_entropy,
+    parallel_logprobs,
+    reduce_head_norm_grads,
+    reduce_replicated_kv_grads,
+    vocab_range,
+)
 from nereus.spec.sharding import Box, model_tensors, rank_order, rank_tensors, tp_box
 
 
@@ -213,6 +219,7 @@ class ShardedModel(ForwardOps):
             losses = train_pipeline(run, self.comm, inputs, shape, self.dtype, loss, self.schedule)
         self._activations = self.meter.peak
         reduce_replicated_kv_grads(self.model, self.groups.tp_group, self.groups.dims.tp, self.groups.coords.tp_rank)
+        reduce_head_norm_grads(self.model, self.groups.tp_group)
         tied = [p for p in (self.model.tied_head, self._embedding_weight()) if p is not None]
         if self.groups.embed_group is not None and tied_head(self.cfg):
             sum_gradients(tied, self.groups.embed_group)

@@ -1,11 +1,12 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) applied to a plain ``CausalLM`` from outside.
 
 q/k/v/gate/up become column-parallel (their output rows split), o/down row-parallel (their input columns
-split, outputs all-reduced), the embedding and LM head vocabulary-parallel. Every communication is a module
-the plain model leaves as a no-op slot and ``apply_tp`` swaps in (no hooks): ``CopyToTP`` at the shared
-input of a column-parallel region (the attention and MLP inputs, the LM head's input: identity forward,
-gradient all-reduce backward, once per region), ``RowParallelLinear`` for o/down (all-reduce forward),
-``VocabParallelEmbedding`` for the embedding. Every slice is the box that
+split, outputs all-reduced), the embedding and LM head vocabulary-parallel; Qwen3's per-head q/k norms
+are replicated, their gradients summed over TP after backward (``reduce_head_norm_grads``). Every
+communication is a module the plain model leaves as a no-op slot and ``apply_tp`` swaps in (no hooks):
+``CopyToTP`` at the shared input of a column-parallel region (the attention and MLP inputs, the LM head's
+input: identity forward, gradient all-reduce backward, once per region), ``RowParallelLinear`` for o/down
+(all-reduce forward), ``VocabParallelEmbedding`` for the embedding. Every slice is the box that
 ``nereus.spec.sharding.tp_box`` assigns, so shards match the transition graph's EMUs exactly, including
 uneven splits (remainder to the first ranks) that DTensor's chunked ``Shard`` placement cannot express.
 Attention reshapes by the local head counts. Log-probabilities come from the vocabulary shards without
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nereus.runtime.model.decoder import CausalLM
+from nereus.runtime.parallel.dp import sum_gradients
 from nereus.spec.model import ModelArch
 from nereus.spec.parallel_dims import check_split
 from nereus.spec.sharding import KV_HEADS, model_tensors, tp_box
@@ -225,3 +227,13 @@ def reduce_replicated_kv_grads(model: CausalLM, group: dist.ProcessGroup | None,
         full[index] = p.grad
         dist.all_reduce(full, group=group)
         p.grad = full[index].clone()
+
+
+def reduce_head_norm_grads(model: CausalLM, group: dist.ProcessGroup | None) -> None:
+    """Qwen3's q/k norm weights are replicated over TP, but each rank normalised only its own heads, so
+    its gradient is its heads' share: sum the shares over TP (one flat all-reduce; Megatron-Core's
+    ``finalize_model_grads`` all-reduces its q/k layernorm gradients over TP for the same reason)."""
+    if not model.cfg.arch.qk_norm or not _active(group):
+        return
+    attns = [layer.self_attn for layer in model.model.layers.values()]
+    sum_gradients([p for a in attns for p in (a.q_norm.weight, a.k_norm.weight)], group)

@@ -1,4 +1,5 @@
-"""Our decoder against transformers' LlamaForCausalLM / Qwen2ForCausalLM: load, logits, save round trip."""
+"""Our decoder against transformers' LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM: load, logits, save
+round trip."""
 
 import json
 import os
@@ -18,6 +19,8 @@ from nereus.spec.sharding import rank_tensors  # noqa: E402
 
 COMMON = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=8,
               num_key_value_heads=2, vocab_size=211, max_position_embeddings=128)
+# Qwen3 gives head_dim explicitly: 8 heads of 24 over hidden 64 (not hidden / heads = 8)
+QWEN3_HEAD_DIM = 24
 
 
 def _hf_model(kind: str, tied: bool, **extra):
@@ -25,6 +28,9 @@ def _hf_model(kind: str, tied: bool, **extra):
     if kind == "llama":
         cfg = transformers.LlamaConfig(**COMMON, tie_word_embeddings=tied, rope_theta=500000.0, **extra)
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**COMMON, head_dim=QWEN3_HEAD_DIM, tie_word_embeddings=tied, **extra)
+        model = transformers.Qwen3ForCausalLM(cfg)
     else:
         cfg = transformers.Qwen2Config(**COMMON, tie_word_embeddings=tied, **extra)
         model = transformers.Qwen2ForCausalLM(cfg)
@@ -42,12 +48,15 @@ def _load_ours(path) -> CausalLM:
     return ours.eval()
 
 
-@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True)])
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True),
+                                       ("qwen3", False), ("qwen3", True)])
 def test_logits_match_transformers(tmp_path, kind, tied):
     hf = _hf_model(kind, tied)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     ours = _load_ours(tmp_path)
-    assert ours.cfg.arch.qkv_bias == (kind == "qwen2") and ours.cfg.arch.tied_embeddings == tied
+    a = ours.cfg.arch
+    assert a.qkv_bias == (kind == "qwen2") and a.qk_norm == (kind == "qwen3") and a.tied_embeddings == tied
+    assert a.head_dim == (QWEN3_HEAD_DIM if kind == "qwen3" else COMMON["hidden_size"] // COMMON["num_attention_heads"])
     tokens = torch.randint(0, COMMON["vocab_size"], (3, 37), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(tokens).logits
@@ -68,12 +77,14 @@ def test_llama3_rope_scaling_matches(tmp_path):
         assert (hf(tokens).logits - ours(tokens)).abs().max().item() <= 1e-4
 
 
-def test_save_round_trip_loads_in_transformers(tmp_path):
-    hf = _hf_model("qwen2", True)
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_save_round_trip_loads_in_transformers(tmp_path, kind):
+    hf = _hf_model(kind, True)
     hf.save_pretrained(tmp_path / "a", safe_serialization=True)
     ours = _load_ours(tmp_path / "a")
     save_checkpoint(tmp_path / "b", ours.cfg, ours.state_dict())
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
+    assert type(back) is type(hf)  # Qwen3ForCausalLM, with the hub's q_norm / k_norm tensor names
     tokens = torch.randint(0, COMMON["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert (back(tokens).logits - hf(tokens).logits).abs().max().item() <= 1e-5
@@ -110,6 +121,9 @@ def test_checkpoint_config_is_validated_by_the_spec_parser(tmp_path):
     (lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1),
      r"config\.json\.use_sliding_window: sliding-window attention \(16 tokens on 2 of 3 layers\)"),
     (lambda: transformers.MistralConfig(**COMMON, sliding_window=16), r"config\.json\.sliding_window: .*16 tokens"),
+    (lambda: transformers.Qwen3Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+     r"config\.json\.use_sliding_window: sliding-window attention \(16 tokens on 2 of 3 layers\)"),
+    (lambda: transformers.Qwen3Config(**COMMON, attention_bias=True), r"config\.json\.attention_bias: biases"),
     (lambda: transformers.LlamaConfig(**COMMON, rope_scaling={"rope_type": "linear", "factor": 2.0}),
      r"config\.json\.rope_parameters\.rope_type: RoPE scaling 'linear' is not implemented"),
     (lambda: transformers.LlamaConfig(**COMMON, attention_bias=True), r"config\.json\.attention_bias: biases"),
@@ -122,6 +136,7 @@ def test_transformers_configs_that_would_diverge_are_refused(make, pattern):
 
 def test_transformers_configs_that_match_are_accepted():
     for cfg in (transformers.Qwen2Config(**COMMON), transformers.MistralConfig(**COMMON, sliding_window=None),
+                transformers.Qwen3Config(**COMMON, use_sliding_window=True, sliding_window=128),
                 transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=128)):
         assert config_from_hf(cfg.to_dict()).arch.layers == COMMON["num_hidden_layers"]
 
@@ -133,7 +148,7 @@ def test_older_rope_type_spelling_is_read():
     assert config_from_hf(data).rope_scaling["rope_type"] == "llama3"
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_packed_sequences_match_transformers(tmp_path, kind):
     """Sequences packed end to end (positions restarting, attention within each) give, position for
     position, transformers' logits of each sequence run alone and of the right-padded batch; gradients of

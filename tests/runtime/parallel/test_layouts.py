@@ -16,7 +16,7 @@ from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
 from nereus.spec.layout import Layout
 from nereus.spec.sharding import rank_tensors
-from tests.runtime.common import ADAM_EPS, GQA, GQA_VALUE, LR, MQA, all_layouts, batch, policy_loss, reference
+from tests.runtime.common import ADAM_EPS, GQA, GQA_VALUE, LR, MQA, QWEN3, all_layouts, batch, policy_loss, reference
 from tests.runtime.parallel.packed_checks import check_packed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
@@ -102,6 +102,8 @@ def _all_layouts_body(rank: int, world: int) -> None:
             check_layout(GQA, layout)
     for layout in [lay for lay in all_layouts(world) if lay.tp != 3 and lay.world >= 2]:
         check_layout(GQA_VALUE, layout)
+    for layout in [lay for lay in all_layouts(world) if lay.tp in (2, 4) and lay.pp * lay.dp <= 2]:
+        check_layout(QWEN3, layout)  # q/k norm gradients summed over TP (KV heads replicated at TP 4)
     # GPipe, ZeRO-1 off, and two sequences per micro-batch
     check_layout(MQA, replace(all_layouts(world)[0], tp=1, pp=2, dp=2), schedule="gpipe")
     check_layout(MQA, replace(all_layouts(world)[0], tp=2, pp=2, dp=1, micro_batch_size=2, zero1=False))
