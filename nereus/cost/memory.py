@@ -41,9 +41,13 @@ def mlp_activation_coeff(arch: ModelArch) -> float:
 def attention_activation_coeff(arch: ModelArch) -> float:
     """Bytes per s·b·h the attention block and both layernorms store besides the s×s scores: 15 for
     multi-head attention (QKV input 2, Q 2, K 2, V 2, projection input 2, dropout mask 1, layernorm
-    inputs 4). With grouped-query attention K and V shrink by kv_heads/heads."""
-    kv = arch.kv_heads / arch.heads
-    return 11 + 4 * kv
+    inputs 4). With grouped-query attention K and V shrink by kv_heads/heads; Q, K, V and the projection
+    input scale with heads·head_dim / hidden where head_dim is given (Qwen3), and Qwen3's q/k norms keep
+    their inputs (2 per Q and K element)."""
+    q = arch.heads * arch.head_dim / arch.hidden
+    kv = arch.kv_heads * arch.head_dim / arch.hidden
+    norms = 2 * (q + kv) if arch.qk_norm else 0.0
+    return 7 + 4 * q + 4 * kv + norms
 
 
 def layer_activation_bytes(arch: ModelArch, layout: Layout, seq: int, mbs: int, attention: str) -> float:
@@ -69,8 +73,9 @@ def stage_layers(arch: ModelArch, pp: int) -> int:
 
 def layer_params_per_rank(arch: ModelArch, tp: int) -> float:
     """One layer's parameters on one tensor-parallel rank: the split matrices (and biases) over TP, the
-    two norm weights replicated, and K/V replicated beyond the KV-head count (nereus.spec.sharding)."""
-    norms = 2 * arch.hidden
+    norm weights (two, plus Qwen3's q/k norms) replicated, and K/V replicated beyond the KV-head count
+    (nereus.spec.sharding)."""
+    norms = arch.replicated_layer_params()
     kv = 2 * arch.kv_heads * arch.head_dim * (arch.hidden + (1 if arch.qkv_bias else 0))
     rest = arch.layer_params() - norms - kv
     return rest / tp + kv / min(tp, arch.kv_heads) + norms

@@ -68,9 +68,10 @@ ENGINE_RELOAD_PER_TENSOR_S = 0.75e-3
 
 def checkpoint_tensors(job: JobSpec) -> int:
     """The actor's checkpoint tensors: 9 per layer (q, k, v, o, gate, up, down, two norms; +3 QKV biases
-    for Qwen2), the embedding, the final norm and an untied LM head."""
+    for Qwen2, +2 q/k norms for Qwen3), the embedding, the final norm and an untied LM head."""
     a = job.models["actor"]
-    return a.layers * (9 + (3 if a.qkv_bias else 0)) + 2 + (0 if a.tied_embeddings else 1)
+    per_layer = 9 + (3 if a.qkv_bias else 0) + (2 if a.qk_norm else 0)
+    return a.layers * per_layer + 2 + (0 if a.tied_embeddings else 1)
 
 
 def engine_reload_time(hw: Hardware, job: JobSpec, gen: Layout) -> float:

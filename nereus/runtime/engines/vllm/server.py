@@ -70,7 +70,7 @@ class Destination:
 
 
 def engine_layout(cfg: ModelConfig) -> dict[str, Destination]:
-    """Checkpoint name → its place in vLLM's parameter layout for a Llama/Qwen2 decoder (tensor-parallel
+    """Checkpoint name → its place in vLLM's parameter layout for a Llama/Qwen2/Qwen3 decoder (tensor-parallel
     size 1): q, k, v stacked in that order into ``qkv_proj``, gate then up into ``gate_up_proj``, every
     other tensor under its own name (vLLM's ``stacked_params_mapping`` of ``LlamaForCausalLM``)."""
     a = cfg.arch
@@ -86,6 +86,8 @@ def engine_layout(cfg: ModelConfig) -> dict[str, Destination]:
             for name, off, rows in parts:
                 out[f"{p}.self_attn.{name}.{kind}"] = Destination(f"{p}.self_attn.qkv_proj.{kind}", off, rows)
         out[f"{p}.self_attn.o_proj.weight"] = Destination(f"{p}.self_attn.o_proj.weight", 0, a.hidden)
+        for norm in ("q_norm", "k_norm") if a.qk_norm else ():  # Qwen3: vLLM keeps the checkpoint's names
+            out[f"{p}.self_attn.{norm}.weight"] = Destination(f"{p}.self_attn.{norm}.weight", 0, a.head_dim)
         out[f"{p}.mlp.gate_proj.weight"] = Destination(f"{p}.mlp.gate_up_proj.weight", 0, a.ffn_hidden)
         out[f"{p}.mlp.up_proj.weight"] = Destination(f"{p}.mlp.gate_up_proj.weight", a.ffn_hidden, a.ffn_hidden)
         out[f"{p}.mlp.down_proj.weight"] = Destination(f"{p}.mlp.down_proj.weight", 0, a.hidden)

@@ -13,6 +13,7 @@ from nereus.spec.model import ModelArch
 @pytest.mark.parametrize("arch", [
     ModelArch(layers=2, hidden=64, ffn_hidden=96, heads=4, kv_heads=2, vocab=50),
     ModelArch(layers=1, hidden=64, ffn_hidden=128, heads=2, kv_heads=1, vocab=40, tied_embeddings=True, qkv_bias=True),
+    ModelArch(layers=2, hidden=64, ffn_hidden=96, heads=2, kv_heads=1, vocab=50, head_dim=48, qk_norm=True),
 ])
 def test_every_checkpoint_tensor_has_a_place_and_fused_parameters_are_tiled(arch):
     cfg = ModelConfig(arch)
