@@ -1,8 +1,9 @@
 """Make a tiny HF model directory and a verl-format GSM8K-style dataset for examples/grpo_gsm8k_hf.yaml.
 
-    python examples/make_tiny_hf.py runs/tiny_hf     (--help: the options)
+    python examples/make_tiny_hf.py runs/tiny_hf     (--help: the options; --arch qwen3 for Qwen3)
 
-writes ``runs/tiny_hf/model/`` (a randomly initialised Qwen2ForCausalLM saved with ``save_pretrained``,
+writes ``runs/tiny_hf/model/`` (a randomly initialised Qwen2ForCausalLM, or Qwen3ForCausalLM with
+``--arch qwen3``, saved with ``save_pretrained``,
 plus a byte-level BPE tokenizer trained with the ``tokenizers`` package on the task's text, saved as a
 ``PreTrainedTokenizerFast`` with a ChatML chat template) and ``runs/tiny_hf/{train,val}.parquet`` (rows
 in verl's format: ``data_source``, ``prompt`` as chat messages, ``ability``, ``reward_model.ground_truth``,
@@ -65,21 +66,27 @@ def make_tokenizer(texts: list[str], folder: Path, vocab: int = 320):
 # attention, and TP 2 (the example's layouts) replicates it.
 ARCH = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1}
+# Qwen3 gives its head size explicitly and normalises each query and key head: 4 heads of 32 over hidden 64
+# (projections twice as wide as hidden, as in Qwen3-0.6B's 16 heads of 128 over 1,024), 2 KV heads.
+QWEN3_ARCH = {**ARCH, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
+ARCHS = ("qwen2", "qwen3")
 
 
-def make_model(folder: Path, vocab: int, eos: int, pad: int, seed: int = 0) -> None:
+def make_model(folder: Path, vocab: int, eos: int, pad: int, seed: int = 0, arch: str = "qwen2") -> None:
     """A 2-layer Qwen2ForCausalLM with random weights (``ARCH``: hidden 64, 2 query heads of size 32, 1 KV
-    head)."""
+    head), or with ``arch="qwen3"`` a Qwen3ForCausalLM (``QWEN3_ARCH``)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, **ARCH, max_position_embeddings=256,
-                      tie_word_embeddings=False, eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
-    Qwen2ForCausalLM(cfg).save_pretrained(folder, safe_serialization=True)
+    config, model, shape = (Qwen3Config, Qwen3ForCausalLM, QWEN3_ARCH) if arch == "qwen3" else (
+        Qwen2Config, Qwen2ForCausalLM, ARCH)
+    cfg = config(vocab_size=vocab, **shape, max_position_embeddings=256,
+                 tie_word_embeddings=False, eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+    model(cfg).save_pretrained(folder, safe_serialization=True)
 
 
-def make(out: str | Path, rows: int = 48, val: int = 8, seed: int = 0) -> Path:
+def make(out: str | Path, rows: int = 48, val: int = 8, seed: int = 0, arch: str = "qwen2") -> Path:
     """Write ``out/model``, ``out/train.parquet`` and ``out/val.parquet``; returns ``out``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -90,7 +97,7 @@ def make(out: str | Path, rows: int = 48, val: int = 8, seed: int = 0) -> Path:
     texts = [r["prompt"][0]["content"] + " " + r["extra_info"]["answer"] for r in data] + ["user assistant system"]
     tok = make_tokenizer(texts, out / "model")
     vocab = -(-len(tok) // 64) * 64  # rounded up, as released models pad their embedding tables
-    make_model(out / "model", vocab, tok.eos_token_id, tok.pad_token_id, seed)
+    make_model(out / "model", vocab, tok.eos_token_id, tok.pad_token_id, seed, arch)
     pq.write_table(pa.Table.from_pylist(data[:rows]), out / "train.parquet")
     pq.write_table(pa.Table.from_pylist(data[rows:]), out / "val.parquet")
     return out
@@ -105,11 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=48, help="training rows (default: 48)")
     parser.add_argument("--val", type=int, default=8, help="held-out rows (default: 8)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights (default: 0)")
+    parser.add_argument("--arch", choices=ARCHS, default="qwen2",
+                        help="qwen2 (default) or qwen3 (explicit head_dim, per-head q/k norms)")
     args = parser.parse_args(argv)
     if args.rows < 1 or args.val < 1 or args.rows + args.val > 361:  # 19 x 19 distinct sums of 1..19
         parser.error("--rows and --val must be at least 1 and together at most 361")
-    target = make(args.out, args.rows, args.val, args.seed)
-    print(f"wrote {target}/model (Qwen2 + BPE tokenizer with a chat template), {target}/train.parquet, "
+    target = make(args.out, args.rows, args.val, args.seed, args.arch)
+    print(f"wrote {target}/model ({args.arch} + BPE tokenizer with a chat template), {target}/train.parquet, "
           f"{target}/val.parquet")
     return 0
 
