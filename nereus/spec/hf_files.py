@@ -173,7 +173,8 @@ def check_weights(folder: Path, arch: ModelArch, value_head: bool, where: str) -
         if entry.shape != expected[name]:
             raise SpecError(where, f"{folder}: tensor {name} has shape {list(entry.shape)} but {config} (hidden_size "
                                    f"{arch.hidden}, vocab_size {arch.vocab}, intermediate_size {arch.ffn_hidden}, "
-                                   f"{arch.heads} heads, {arch.kv_heads} KV heads) needs {list(expected[name])}; "
+                                   f"{arch.heads} heads of {arch.head_dim}, {arch.kv_heads} KV heads) needs "
+                                   f"{list(expected[name])}; "
                                    "give the config.json that belongs to these weights")
         if entry.dtype not in FLOAT_DTYPES:
             raise SpecError(where, f"{folder}: tensor {name} is {entry.dtype}; weights must be one of "

@@ -90,6 +90,26 @@ def test_save_round_trip_loads_in_transformers(tmp_path, kind):
         assert (back(tokens).logits - hf(tokens).logits).abs().max().item() <= 1e-5
 
 
+def test_qwen3_weights_are_checked_against_the_config(tmp_path):
+    """The pre-flight (``spec.hf_files``) knows Qwen3's q/k norms and explicit head size: a Qwen3 directory
+    passes; Qwen2 weights (QKV biases, no q/k norms) under a Qwen3 config are refused; a wrong head_dim
+    names the shapes."""
+    from nereus.spec.hf_files import check_model_dir
+
+    _hf_model("qwen3", False).save_pretrained(tmp_path / "q3", safe_serialization=True)
+    check_model_dir(tmp_path / "q3", "models.actor.path")
+    _hf_model("qwen2", False).save_pretrained(tmp_path / "q2", safe_serialization=True)
+    data = json.loads((tmp_path / "q2" / "config.json").read_text())
+    (tmp_path / "q2" / "config.json").write_text(json.dumps({**data, "model_type": "qwen3"}))
+    with pytest.raises(SpecError, match=r"models\.actor\.path: .*tensor 'model\.layers\.\d\.self_attn\."
+                                        r"[qkv]_proj\.bias' is not a weight"):
+        check_model_dir(tmp_path / "q2", "models.actor.path")
+    data = json.loads((tmp_path / "q3" / "config.json").read_text())
+    (tmp_path / "q3" / "config.json").write_text(json.dumps({**data, "head_dim": 16}))
+    with pytest.raises(SpecError, match=r"has shape \[\d+(, 64)?\] .*8 heads of 16, 2 KV heads\) needs"):
+        check_model_dir(tmp_path / "q3", "models.actor.path")
+
+
 def test_partial_boxes_read_only_the_slice(tmp_path):
     hf = _hf_model("llama", False)
     hf.save_pretrained(tmp_path, safe_serialization=True)
