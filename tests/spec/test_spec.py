@@ -118,6 +118,31 @@ def test_hf_config_refuses_what_the_arch_cannot_describe(patch, pattern):
         arch_from_hf({**LLAMA_CFG, **patch}, "cfg")
 
 
+# Qwen3-8B's config.json (hub), the keys the parser reads: head_dim given, q/k norms implied by the type
+QWEN3_8B_CFG = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 36,
+                "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32, "num_key_value_heads": 8,
+                "head_dim": 128, "vocab_size": 151936, "attention_bias": False, "tie_word_embeddings": False,
+                "use_sliding_window": False, "sliding_window": None, "max_window_layers": 36,
+                "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-06}
+
+
+def _with_actor(model: dict) -> dict:
+    spec = base_spec()
+    spec["models"]["actor"] = model
+    return spec
+
+
+def test_qwen3_config_reads_head_dim_and_qk_norm_and_round_trips_inline():
+    arch = arch_from_hf(QWEN3_8B_CFG, "cfg")
+    assert arch == PRESETS["qwen3-8b"] and arch.qk_norm and not arch.qkv_bias and arch.head_dim == 128
+    small = PRESETS["qwen3-0.6b"]  # 16 heads of 128 over hidden 1,024: projections twice as wide as hidden
+    assert small.heads * small.head_dim == 2 * small.hidden
+    for a in (arch, small):
+        assert job_from_dict(_with_actor(a.to_dict())).models["actor"] == a
+    with pytest.raises(SpecError, match=r"models\.actor\.qk_norm: with qkv_bias: true is no transformers model"):
+        job_from_dict(_with_actor({**small.to_dict(), "qkv_bias": True}))
+
+
 QWEN2_CFG = {**LLAMA_CFG, "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096,
              "max_window_layers": 28, "max_position_embeddings": 32768}
 MISTRAL_CFG = {**LLAMA_CFG, "model_type": "mistral", "sliding_window": None, "max_position_embeddings": 32768}
