@@ -508,18 +508,19 @@ def test_pp_deeper_than_the_layers_is_refused_by_estimate_plan_and_run_alike(tmp
                    f"plan.{name}.layout: pp=4 asks for 4 pipeline stages")
 
 
-@pytest.mark.parametrize(("override", "needle"), [
-    ("run.top_p=0", "run.top_p: 0.0 keeps no token"),
-    ("actor_rollout_ref.rollout.top_p=0", "run.top_p: 0.0 keeps no token"),
-    ("run.temperature=1e-9", "run.temperature: 1e-09 overflows the logits"),
+@pytest.mark.parametrize(("override", "why"), [
+    ("run.top_p=0", "0.0 keeps no token"),
+    ("actor_rollout_ref.rollout.top_p=0", "0.0 keeps no token"),
+    ("run.temperature=1e-9", "1e-09 overflows the logits"),
 ])
-def test_degenerate_sampling_is_refused_by_plan_and_run(tmp_path, no_runtime, override, needle):
+def test_degenerate_sampling_is_refused_by_plan_and_run(tmp_path, no_runtime, override, why):
+    """Refused under the key as typed: the override's on the command line, run.<key> in the job file."""
     job = write_yaml(tmp_path / "job.yaml", tiny_job_doc(str(tmp_path / "out")))
-    assert_refused(run_cli("run", job, override), needle)
-    doc = tiny_job_doc(str(tmp_path / "out"))
     key, value = override.split("=")
+    assert_refused(run_cli("run", job, override), f"{key}: {why}")
+    doc = tiny_job_doc(str(tmp_path / "out"))
     doc["run"][key.split(".")[-1]] = float(value)
-    assert_refused(run_cli("plan", write_yaml(tmp_path / "job2.yaml", doc)), needle)
+    assert_refused(run_cli("plan", write_yaml(tmp_path / "job2.yaml", doc)), f"run.{key.split('.')[-1]}: {why}")
 
 
 # ----- hygiene ----------------------------------------------------------------------------------------------------
