@@ -62,14 +62,17 @@ class RuntimeCapability:
         reasons = self.supports(layout, stage)
         if reasons:
             raise UnsupportedLayout(reasons)
-        recompute = layout.recompute if layout.recompute in self.recompute else self.recompute[0]
+        kept = stage == "training" and layout.recompute in self.recompute  # no backward pass elsewhere
+        recompute = layout.recompute if kept else self.recompute[0]
         sp = layout.sequence_parallel and self.sequence_parallel
         return replace(layout, recompute=recompute, sequence_parallel=sp)
 
     def planning_options(self, options: Options) -> Options:
         """The planner's option space narrowed to what this runtime runs, so that the candidates it
         enumerates include runnable layouts (an option fixed to an unsupported value would leave none)."""
-        recompute = options.recompute if options.recompute in self.recompute else self.recompute[0]
+        # "auto" (the planner picks per layout, pricing time and memory) where there is a choice
+        choices = (*self.recompute, "auto") if len(self.recompute) > 1 else self.recompute
+        recompute = options.recompute if options.recompute in choices else self.recompute[0]
         interleave = options.interleave
         if self.max_interleave == 1 or (isinstance(interleave, int) and interleave > self.max_interleave):
             interleave = 1

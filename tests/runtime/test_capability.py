@@ -11,7 +11,7 @@ from nereus.cost.hardware import Hardware
 from nereus.planner.search import Constraints, search
 from nereus.runtime.capability import CAPABILITY
 from nereus.spec.capability import RuntimeCapability, UnsupportedLayout
-from nereus.spec.job import load_job
+from nereus.spec.job import Options, load_job
 from nereus.spec.layout import Layout
 from tests.conftest import EXAMPLES
 
@@ -20,14 +20,20 @@ PLAIN = Layout(tp=2, pp=2, recompute="none", sequence_parallel=False)
 
 def test_supports_names_each_field_and_fix():
     assert CAPABILITY.supports(PLAIN) == []
-    bad = replace(PLAIN, recompute="full", sequence_parallel=True, interleave=2, fsdp=True)
+    assert all(CAPABILITY.supports(replace(PLAIN, recompute=r)) == [] for r in ("selective", "full"))
+    bad = replace(PLAIN, sequence_parallel=True, interleave=2, fsdp=True)
     reasons = CAPABILITY.supports(bad, "training")
-    assert len(reasons) == 4
-    for field, fix in (("recompute", "recompute=none"), ("sequence_parallel", "sequence_parallel=false"),
-                       ("interleave", "interleave=1"), ("fsdp", "fsdp=false")):
+    assert len(reasons) == 3
+    for field, fix in (("sequence_parallel", "sequence_parallel=false"), ("interleave", "interleave=1"),
+                       ("fsdp", "fsdp=false")):
         assert any(r.startswith(field) and fix in r for r in reasons), (field, reasons)
-    with pytest.raises(UnsupportedLayout, match="recompute='full'"):
+    with pytest.raises(UnsupportedLayout, match="fsdp"):
         CAPABILITY.as_run(bad)
+    older = RuntimeCapability(recompute=("none",))
+    assert older.supports(replace(PLAIN, recompute="full")) == [
+        "recompute='full': the runtime implements ['none']; set recompute=none"]
+    assert older.planning_options(Options(recompute="auto")).recompute == "none"
+    assert CAPABILITY.planning_options(Options(recompute="auto")).recompute == "auto"  # the planner chooses
 
 
 def test_options_that_change_nothing_run_with_them_off():
@@ -84,3 +90,37 @@ def test_with_run_overlap_the_controller_prices_a_phase_at_its_slowest_disjoint_
     assert stages == same and len(stages) == 2  # the actor's and the reference's, on disjoint workers
     assert alone == pytest.approx(sum(stages)) and together == pytest.approx(max(stages))
     assert rests[True] == pytest.approx(rests[False] - min(stages))
+
+
+def _train_job(memory_gb: float):
+    from nereus.spec import job_from_dict
+
+    arch = {"layers": 8, "hidden": 1024, "ffn_hidden": 4096, "heads": 16, "kv_heads": 16, "vocab": 32000}
+    return job_from_dict({
+        "name": "recompute-fits", "models": {"actor": arch}, "algorithm": {"name": "train", "models": ["actor"]},
+        "workload": {"global_batch": 8, "sequence_length": 4096},
+        "cluster": {"gpu": {"name": "small", "peak_tflops": 100, "hbm_tb_per_s": 1, "memory_gb": memory_gb,
+                            "intra_node_gb_per_s": 100, "inter_node_gb_per_s": 10}, "nodes": 1, "gpus_per_node": 1},
+        "options": {"recompute": "auto", "sequence_parallel": False, "micro_batch_size": 8}})
+
+
+def test_the_planner_recomputes_under_the_capability_where_memory_requires_it():
+    """With options.recompute: auto the runtime's planner prices each training layout's memory: no
+    recomputation where the step fits without (it is faster), full recomputation on a device only it fits."""
+    from nereus.cost.stages import training_cost
+    from nereus.spec.layout import ModelStage
+
+    def choice(memory_gb: float) -> str:
+        job = _train_job(memory_gb)
+        job = replace(job, options=CAPABILITY.planning_options(job.options))
+        plan = search(Hardware(job.cluster), job, constraints=Constraints(capability=CAPABILITY)).plan
+        return plan.placement("actor/training").layout.recompute
+
+    job, ms = _train_job(1000), ModelStage("actor", "training")
+    peak = {r: training_cost(Hardware(job.cluster), job, ms, Layout(micro_batch_size=8, recompute=r,
+                                                                       sequence_parallel=False)).peak_bytes
+            for r in ("none", "full")}
+    assert peak["full"] < peak["none"] - 5e9  # 4k-token sequences: activations dominate
+    assert choice(1000) == "none"
+    # 2 GB of the device reserved (Hardware.usable_bytes): room for full recomputation's step, not the others'
+    assert choice((peak["full"] + peak["none"]) / 2 / 1e9 + 2) == "full"

@@ -10,6 +10,7 @@ only where a stage keeps them. ``nereus.runtime.parallel`` applies TP/PP/DP to i
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -169,6 +170,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens
                      dim=2)
 
 
+class CallSlot(nn.Module):
+    """A slot around one part of the forward pass that just calls it; activation recomputation swaps in a
+    module that checkpoints the part instead (``parallel.recompute``). Holds no tensors."""
+
+    def forward(self, fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+        return fn(*args)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -183,6 +192,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(a.head_dim, cfg.rms_eps) if a.qk_norm else None
         # the column-parallel projections' shared input: TP replaces it (``parallel.tp``), else a no-op
         self.tp_input: nn.Module = nn.Identity()
+        self.core_call: nn.Module = CallSlot()  # selective recomputation checkpoints the core (``parallel.recompute``)
 
     def forward(self, x: torch.Tensor, ctx: Context, layer: int) -> torch.Tensor:
         x = self.tp_input(x)
@@ -196,14 +206,20 @@ class Attention(nn.Module):
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         if ctx.caches is not None:
             k, v = ctx.caches[layer].update(k, v, ctx.start)
-        gqa = self.heads != self.kv_heads  # SDPA reads each KV head for its query group, no copies
-        if ctx.seq_lens is not None:
-            out = varlen_attention(q, k, v, ctx.seq_lens, gqa)
-        elif ctx.mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, enable_gqa=gqa)
+        out = self.core_call(attention_core, q, k, v, ctx)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """softmax(q·kᵀ/√d)·v of RoPE'd queries and keys [B, heads, T, head_dim] (the part Megatron-LM's selective
+    recomputation re-runs, Korthikanti et al. 2022, Sec. 5): causal, masked by ``ctx.mask``, or within each
+    packed sequence."""
+    gqa = q.shape[1] != k.shape[1]  # SDPA reads each KV head for its query group, no copies
+    if ctx.seq_lens is not None:
+        return varlen_attention(q, k, v, ctx.seq_lens, gqa)
+    if ctx.mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, enable_gqa=gqa)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -245,8 +261,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.arch.hidden, cfg.rms_eps)
         self.mlp = MLP(cfg)
+        self.layer_call: nn.Module = CallSlot()  # full recomputation checkpoints the layer (``parallel.recompute``)
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return self.layer_call(self.block, x, ctx)
+
+    def block(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, self.index)
         return x + self.mlp(self.post_attention_layernorm(x))
 

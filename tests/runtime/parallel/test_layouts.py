@@ -31,15 +31,24 @@ def _cut(t: torch.Tensor, box) -> torch.Tensor:
     return t[tuple(slice(lo, hi) for lo, hi in box)]
 
 
-def check_layout(cfg, layout, schedule: str = "1f1b") -> None:
+def check_layout(cfg, layout, schedule: str = "1f1b") -> int | None:
+    """``layout`` against the reference; this rank's activation peak of the training step (None off it)."""
     groups = ParallelGroups(layout, tied_embeddings=tied_head(cfg))
-    if groups.member:
-        _check_member(cfg, groups, schedule)
+    peak = _check_member(cfg, groups, schedule) if groups.member else None
     dist.barrier()
     groups.destroy()
+    return peak
 
 
-def _check_member(cfg, groups: ParallelGroups, schedule: str) -> None:
+def check_recompute(cfg, layout) -> None:
+    """Selective and full recomputation train to the reference's gradients and weights, keeping fewer bytes
+    for backward on every rank than without (full fewest: each layer keeps only its input)."""
+    peaks = {mode: check_layout(cfg, replace(layout, recompute=mode)) for mode in ("none", "selective", "full")}
+    if peaks["none"] is not None:
+        assert peaks["full"] < peaks["selective"] < peaks["none"], (layout.short(), peaks)
+
+
+def _check_member(cfg, groups: ParallelGroups, schedule: str) -> int:
     lay = groups.layout
     ref = reference(cfg, lay.micro_batch_size)
     boxes = shard_boxes(cfg, groups)
@@ -73,6 +82,7 @@ def _check_member(cfg, groups: ParallelGroups, schedule: str) -> None:
         src = "model.embed_tokens.weight" if name == "tied_head" else name
         torch.testing.assert_close(p.detach().cpu(), _cut(ref["stepped"][src], boxes[name]), **TOL,
                                    msg=_msg(f"weights {name} {where}"))
+    return sm.last_report.activations
 
 
 def _check_clipping(sm: ShardedModel, ref: dict, boxes: dict, where: str) -> None:
@@ -112,6 +122,9 @@ def _all_layouts_body(rank: int, world: int) -> None:
     check_packed(MQA, Layout(tp=2, pp=1, dp=2))
     check_packed(GQA, Layout(tp=2, pp=2, dp=1), budgets=(20,))
     check_packed(GQA_VALUE, Layout(tp=1, pp=2, dp=2), budgets=(12,))
+    # activation recomputation (full: TP all-reduces recomputed in backward), padded and packed
+    check_recompute(GQA, replace(all_layouts(world)[0], tp=2, pp=2, dp=1))
+    check_packed(MQA, Layout(tp=2, pp=1, dp=2, recompute="full"), budgets=(20,))
 
 
 def test_every_layout_matches_single_process_reference():
