@@ -213,7 +213,9 @@ def _bool_or_auto(f: Fields, key: str) -> bool | str:
     return value
 
 
-def _read_options(f: Fields) -> Options:
+def _read_options(f: Fields, runs: bool = False) -> Options:
+    """``options``; ``runs``: the job has a ``run`` section, whose runtime recomputes activations only when
+    asked (recompute defaults to none there; a planning-only job's default is Megatron's selective)."""
     def auto_or_int(key: str) -> int | str:
         value = f.get(key, (int, str), "auto")
         if isinstance(value, str) and value != "auto":
@@ -223,7 +225,7 @@ def _read_options(f: Fields) -> Options:
         return value
 
     opts = Options(
-        recompute=f.get("recompute", str, "selective", choices=[*RECOMPUTE, "auto"]),
+        recompute=f.get("recompute", str, "none" if runs else "selective", choices=[*RECOMPUTE, "auto"]),
         sequence_parallel=f.get("sequence_parallel", bool, True),
         zero1=f.get("zero1", bool, True),
         fsdp=_bool_or_auto(f, "fsdp"),
@@ -282,7 +284,7 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         algorithm=algorithm,
         workload=_read_workload(root.sub("workload", required=True), algorithm, base_dir),
         cluster=read_cluster(root.sub("cluster", required=True), base_dir),
-        options=_read_options(root.sub("options")),
+        options=_read_options(root.sub("options"), runs=root.has("run")),
         paths={m: p for m, p in paths.items() if m in algorithm.models},
     )
     if root.has("run"):
