@@ -42,10 +42,9 @@ from nereus.run.rollout import Rollout, draw_uids, mini_batches, pack
 from nereus.run.setup import packed
 from nereus.runtime.model.decoder import ModelConfig, build_model
 from nereus.runtime.parallel.batch import TrainBatch
-from nereus.runtime.parallel.packing import replica_shares, token_budget_groups
 from nereus.spec.layout import Layout
 from nereus.spec.model import ModelArch
-from nereus.spec.packing import PackingSpec
+from nereus.spec.packing import PackingSpec, replica_shares, token_budget_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = ModelConfig(ModelArch(layers=4, hidden=128, ffn_hidden=344, heads=4, kv_heads=2, vocab=256), eos_token_id=2)

@@ -23,6 +23,7 @@ from nereus.cost.memory import (
     stage_params,
     training_state_bytes,
 )
+from nereus.cost.stage_tokens import micro_batches
 from nereus.spec.algorithms import NEEDS_GREEDY_BASELINE
 from nereus.spec.engines import PRICING_ENGINE, engine_traits
 from nereus.spec.job import JobSpec, ResponseLength
@@ -77,7 +78,7 @@ def _attention_flops(arch: ModelArch, tokens: float, context: float, attention: 
 
 
 @lru_cache(maxsize=65536)
-def _layer_pass(hw: Hardware, arch: ModelArch, layout: Layout, seq: int, mbs: int, attention: str) -> _Pass:
+def _layer_pass(hw: Hardware, arch: ModelArch, layout: Layout, seq: float, mbs: float, attention: str) -> _Pass:
     tokens = seq * mbs
     # 2 FLOPs per multiply-accumulate per weight per token (Kaplan et al. 2020, Sec. 2.1).
     flops = (2 * tokens * arch.layer_params() + _attention_flops(arch, tokens, seq, attention)) / layout.tp
@@ -113,13 +114,6 @@ def _p2p_time(hw: Hardware, arch: ModelArch, layout: Layout, tokens: float) -> f
     return hw.p2p_time(tokens * arch.hidden * BF16 / layout.tp, cross)
 
 
-def _micro_batches(sequences: int, layout: Layout) -> int | None:
-    per_replica = math.ceil(sequences / layout.dp)
-    if sequences < layout.dp or per_replica < layout.micro_batch_size:
-        return None
-    return math.ceil(per_replica / layout.micro_batch_size)
-
-
 def _shared_host(hw: Hardware, layout: Layout, terms: dict[str, float]) -> dict[str, float]:
     """Workers sharing ``priors.host_cores`` CPU cores (CPU runtime): with more workers busy than cores, each
     runs its compute, memory traffic and per-pass overhead that many times slower. 0: dedicated devices."""
@@ -130,9 +124,10 @@ def _shared_host(hw: Hardware, layout: Layout, terms: dict[str, float]) -> dict[
     return {k: v * slow if k in ("compute", "memory", "overhead") else v for k, v in terms.items()}
 
 
-def _training_activation_bytes(arch: ModelArch, layout: Layout, seq: int, m: int, attention: str) -> float:
+def _training_activation_bytes(arch: ModelArch, layout: Layout, seq: float, mbs: float, m: int,
+                               attention: str) -> float:
     """Activations the first pipeline stage holds at its peak during one mini-batch update."""
-    p, v, mbs = layout.pp, layout.interleave, layout.micro_batch_size
+    p, v = layout.pp, layout.interleave
     # 1F1B keeps p micro-batches in flight on the first stage; interleaving adds (p−1)/(p·v) of them
     # (Korthikanti et al. 2022, Sec. 4.2.3).
     in_flight = 1.0 if p == 1 else min(m, p) * (1 + (p - 1) / (p * v) if v > 1 else 1.0)
@@ -149,15 +144,13 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
     """One step of mini-batch updates; None when the layout cannot split the batch."""
     arch, value_head = job.models[ms.model], job.has_value_head(ms.model)
     alg, opts = job.algorithm, job.options
-    seq = _train_seq_len(job)
-    per_update = job.sequences_per_step() // alg.mini_batches
-    m = _micro_batches(per_update, layout)
-    if m is None:
+    batches = micro_batches(job, layout, job.sequences_per_step() // alg.mini_batches)
+    if batches is None:
         return None
-    p, v, mbs = layout.pp, layout.interleave, layout.micro_batch_size
+    m, seq, mbs, tokens = batches.count, batches.seq, batches.mbs, batches.tokens
+    p, v = layout.pp, layout.interleave
     if v > 1 and (p == 1 or m % p or arch.layers % (p * v)):
         return None  # the interleaved schedule needs m divisible by p and whole layer chunks (Megatron-LM)
-    tokens = seq * mbs
     layers = stage_layers(arch, p)
     one = _layer_pass(hw, arch, _tp_only(layout), seq, mbs, opts.attention)
     head = _head_pass(hw, arch, layout.tp, tokens, value_head)
@@ -194,12 +187,13 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
     terms["overhead"] = terms.get("overhead", 0.0) + updates * 2 * (m + p - 1) * hw.priors.micro_batch_overhead_s
     state = training_state_bytes(stage_params(arch, layout, value_head), layout, opts.grad_bytes,
                                  opts.weight_bytes)
-    acts = _training_activation_bytes(arch, layout, seq, m, opts.attention)
+    acts = _training_activation_bytes(arch, layout, seq, mbs, m, opts.attention)
     logits = logits_bytes(arch, tokens, layout.tp, value_head, with_grad=True)
     memory = {**state, "activations": acts, "logits": logits}
     terms = _shared_host(hw, layout, terms)
     return StageCost(ms, layout, terms, sum(state.values()), acts + logits, memory,
-                     {"micro_batches": m, "bubble_fraction": bubble / m, "updates": updates})
+                     {"micro_batches": m, "bubble_fraction": bubble / m, "updates": updates,
+                      "micro_batch_tokens": tokens})
 
 
 def _grad_sync_time(hw: Hardware, layout: Layout, params: float, grad_bytes: int, micro_batches: int) -> float:
@@ -218,24 +212,14 @@ def _grad_sync_time(hw: Hardware, layout: Layout, params: float, grad_bytes: int
     return hw.all_reduce_time(params * grad_bytes, layout.dp, layout.tp)
 
 
-def _train_seq_len(job: JobSpec) -> int:
-    """Tokens per sequence in inference and training: packed prompt + mean response (verl's
-    remove-padding), or the fixed sequence length of a training-only job."""
-    wl = job.workload
-    if job.algorithm.name == "train":
-        return wl.sequence_length
-    return int(round(wl.prompt_length + wl.response.mean))
-
-
 def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -> StageCost | None:
     """Forward pass over every sequence of the step (log-probs, values or scores)."""
     arch, value_head = job.models[ms.model], job.has_value_head(ms.model)
-    seq = _train_seq_len(job)
-    m = _micro_batches(job.sequences_per_step(), layout)
-    if m is None:
+    batches = micro_batches(job, layout, job.sequences_per_step())
+    if batches is None:
         return None
-    p, mbs = layout.pp, layout.micro_batch_size
-    tokens = seq * mbs
+    m, seq, mbs, tokens = batches.count, batches.seq, batches.mbs, batches.tokens
+    p = layout.pp
     layers = stage_layers(arch, p)
     one = _layer_pass(hw, arch, _tp_only(layout), seq, mbs, job.options.attention)
     head = _head_pass(hw, arch, layout.tp, tokens, value_head)
@@ -257,7 +241,8 @@ def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -
     logits = logits_bytes(arch, tokens, layout.tp, value_head, with_grad=True)  # logits + log-softmax
     terms = _shared_host(hw, layout, terms)
     return StageCost(ms, layout, terms, weights, acts + logits,
-                     {"weights": weights, "activations": acts, "logits": logits}, {"micro_batches": m})
+                     {"weights": weights, "activations": acts, "logits": logits},
+                     {"micro_batches": m, "micro_batch_tokens": tokens})
 
 
 def generation_batches(job: JobSpec) -> float:

@@ -8,7 +8,7 @@ from functools import lru_cache
 
 from nereus.cost.hardware import Hardware
 from nereus.cost.stages import StageCost, stage_cost
-from nereus.planner.defaults import generation_layout
+from nereus.planner.defaults import generation_layout, planned_token_budget
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import RECOMPUTE, Layout, ModelStage
 from nereus.spec.parallel_dims import tp_splits
@@ -76,7 +76,8 @@ def enumerate_layouts(job: JobSpec, ms: ModelStage, gpus: int) -> list[Layout]:
             for mbs, v, rc, fsdp in itertools.product(mbs_options, v_options, stage_recomputes, fsdp_options):
                 layouts.append(Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, interleave=v, recompute=rc,
                                       sequence_parallel=opts.sequence_parallel and tp > 1,
-                                      zero1=opts.zero1 and ms.stage == "training" and not fsdp, fsdp=fsdp))
+                                      zero1=opts.zero1 and ms.stage == "training" and not fsdp, fsdp=fsdp,
+                                      max_token_len=planned_token_budget(job, ms, mbs)))
     return layouts
 
 

@@ -10,7 +10,9 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from nereus.spec.capability import RuntimeCapability
-from nereus.spec.layout import Layout, layout_fields
+from nereus.spec.job import JobSpec
+from nereus.spec.layout import Layout, ModelStage, layout_fields
+from nereus.spec.packing import token_budget
 
 # A generation layout's options: one pass per request (no micro-batching, no interleaving), no backward
 # pass to recompute for and no optimizer state to shard; sequence parallelism as the format leaves it.
@@ -46,3 +48,13 @@ def runtime_options(layout: Layout, capability: RuntimeCapability) -> Layout:
     if layout.sequence_parallel == UNWRITTEN.sequence_parallel:
         own["sequence_parallel"] = capability.sequence_parallel
     return replace(layout, **own)
+
+
+def planned_token_budget(job: JobSpec, ms: ModelStage, micro_batch_size: int) -> int:
+    """``Layout.max_token_len`` of an inference or training layout the planner proposes: the budget the run
+    gives it (``run.packing``, as ``run.setup.packed`` sets it), so that the planner prices the micro-batches
+    the runtime runs (``cost.stage_tokens``); 0 (no token budget) for a job without a run section."""
+    if job.run is None:
+        return 0
+    wl = job.workload
+    return token_budget(job.run.packing, ms.model, ms.stage, micro_batch_size, wl.prompt_length + wl.response.max)

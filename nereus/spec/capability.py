@@ -34,8 +34,9 @@ class RuntimeCapability:
     fsdp: bool = False
     # model-stages of one phase on disjoint workers run at the same time (the planner's step-time sum)
     concurrent_stages: bool = False
-    # each step's rollouts are padded to its longest response for inference and training (no remove-
-    # padding): a round of shorter responses costs less there too (the lever rule prices tail batching so)
+    # each step's rollouts are padded to its longest response for inference and training where a layout
+    # has no token budget (no remove-padding): a round of shorter responses costs less there too (the lever
+    # rule prices tail batching so); the planner prices such layouts so (``Options.padded_batches``)
     padded_rollouts: bool = False
 
     def supports(self, layout: Layout, stage: str = "training") -> list[str]:
@@ -79,4 +80,5 @@ class RuntimeCapability:
         return replace(options, recompute=recompute,
                        sequence_parallel=options.sequence_parallel and self.sequence_parallel,
                        fsdp=options.fsdp if self.fsdp else False, interleave=interleave,
-                       concurrent_stages=options.concurrent_stages and self.concurrent_stages)
+                       concurrent_stages=options.concurrent_stages and self.concurrent_stages,
+                       padded_batches=self.padded_rollouts)

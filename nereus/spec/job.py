@@ -76,6 +76,10 @@ class Options:
     # model-stages of one phase on disjoint GPUs run at the same time; False where the runtime runs them
     # one after another (the CPU runtime's driver does, docs/rl.md)
     concurrent_stages: bool = True
+    # a layout without a token budget (max_token_len 0) pads each row to the step's longest, as the Nereus
+    # runtime does (set from its capability, ``RuntimeCapability.planning_options``); False: rows at their
+    # own length, micro_batch_size of them (verl's use_remove_padding); priced in ``cost.stage_tokens``
+    padded_batches: bool = False
 
 
 @dataclass(frozen=True)

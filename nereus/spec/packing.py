@@ -7,10 +7,15 @@ The budget of each model-stage is written into its layout (``Layout.max_token_le
 runtime reads. With ``dynamic_bsz`` the budgets are verl's keys (verl's defaults when unset); without it,
 a packed micro-batch holds at most the tokens of the padded one it replaces (micro-batch size × the
 longest sequence), so memory stays within what the layout was planned for.
+
+The micro-batch plan itself is here too, torch-free, so that the runtime (``runtime.parallel.packing``) runs
+and the cost model (``cost.stage_tokens``) prices the same micro-batches: ``replica_shares`` deals a batch's
+rows to the DP replicas by tokens, ``token_budget_groups`` groups a replica's rows under the budget.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nereus.spec.fields import MAX_TOKENS, Fields
@@ -63,3 +68,54 @@ def token_budget(spec: PackingSpec, model: str, stage: str, micro_batch_size: in
         return train if stage == "training" else spec.forward_max_token_len_per_gpu or train
     train = spec.max_token_len_per_gpu or ACTOR_DEFAULT  # the rollout's and reference's log-prob budgets follow it
     return train if stage == "training" else spec.log_prob_max_token_len_per_gpu or train
+
+
+def replica_shares(lengths: Sequence[int], dp: int) -> list[list[int]]:
+    """Row indices per data-parallel replica: longest first, each to the replica with the fewest tokens so
+    far (the lowest index on a tie), so the replicas' token counts differ by at most one row's length. Each
+    replica's rows stay in batch order. Needs at least ``dp`` rows (every replica runs a micro-batch)."""
+    if len(lengths) < dp:
+        raise ValueError(f"{len(lengths)} sequences cannot give each of dp={dp} replicas one")
+    load, out = [0] * dp, [[] for _ in range(dp)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        d = min(range(dp), key=lambda d: (load[d], d))
+        load[d] += lengths[i]
+        out[d].append(i)
+    return [sorted(rows) for rows in out]
+
+
+def token_budget_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into micro-batches of at most ``budget`` tokens (a longer row alone):
+    as few micro-batches as first-fit decreasing needs, then the rows dealt longest first to the emptiest
+    micro-batch they fit in, so the micro-batches are balanced rather than full-then-empty."""
+    if budget < 1:
+        raise ValueError(f"token budget {budget} must be at least 1")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return _deal(lengths, order, _first_fit_count(lengths, order, budget), budget)
+
+
+def _first_fit_count(lengths: Sequence[int], order: list[int], budget: int) -> int:
+    bins: list[int] = []
+    for i in order:
+        n = lengths[i]
+        room = next((b for b, used in enumerate(bins) if used + n <= budget), None)
+        if room is None:
+            bins.append(n)
+        else:
+            bins[room] += n
+    return len(bins)
+
+
+def _deal(lengths: Sequence[int], order: list[int], count: int, budget: int) -> list[list[int]]:
+    load, out = [0] * count, [[] for _ in range(count)]
+    for i in order:
+        n = lengths[i]
+        fits = [b for b in range(len(load)) if load[b] + n <= budget or not out[b]]
+        if not fits:  # balancing can strand a row the first-fit count had room for: it opens a micro-batch
+            load.append(0)
+            out.append([])
+            fits = [len(load) - 1]
+        b = min(fits, key=lambda b: (load[b], b))
+        load[b] += n
+        out[b].append(i)
+    return [g for g in out if g]

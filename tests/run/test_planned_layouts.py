@@ -47,3 +47,18 @@ def test_a_batch_no_layout_splits_is_refused_naming_the_batch_keys(mbs, key, wha
     assert line.startswith(f"nereus: error: {key}: no layout of {what}")
     assert ("change data.train_batch_size, actor_rollout_ref.rollout.n or actor_rollout_ref.actor.ppo_mini_batch_size"
             in line) and "run.layouts" not in line
+
+
+def test_the_planner_prices_the_token_budgets_the_run_packs_with():
+    """With run.packing the planner proposes each inference and training layout with the token budget the
+    run gives it (``planner.defaults.planned_token_budget``), so the cost model prices the packed
+    micro-batches the runtime runs (``cost.stage_tokens``), not padded ones."""
+    from nereus.run.setup import _planned
+
+    job = load_job(GRPO, [*VERL_BATCHES, "actor_rollout_ref.model.use_remove_padding=True",
+                          "actor_rollout_ref.actor.use_dynamic_bsz=True",
+                          "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=96"])
+    planned = _planned(job)
+    assert planned["actor/training"][0].max_token_len == 96 and planned["actor/generation"][0].max_token_len == 0
+    runs = {f"{p.model}/{p.stage}": p.layout.max_token_len for p in place(job)}
+    assert runs == {k: v[0].max_token_len for k, v in planned.items()}  # what was priced is what runs

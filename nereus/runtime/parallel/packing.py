@@ -6,7 +6,9 @@ A layout with ``max_token_len`` > 0 packs (verl's ``use_remove_padding`` with ``
 first, each to the replica holding the fewest tokens, and each replica's rows are grouped into micro-batches
 of at most ``max_token_len`` tokens, longest first, each to the emptiest micro-batch it fits in (a row longer
 than the budget runs alone). Every rank of a layout computes the same plan from the same lengths, so the
-pipeline stages agree on each micro-batch's activation shape [1, tokens, hidden] without exchanging it.
+pipeline stages agree on each micro-batch's activation shape [1, tokens, hidden] without exchanging it. The
+plan itself (``spec.packing.replica_shares``, ``token_budget_groups``) is torch-free: the cost model prices
+the micro-batches it makes (``cost.stage_tokens``).
 
 Outputs go back to the padded frame the losses and the driver read ([b, T−1] next-token log-probs, [b, T]
 values), zero at padding: a loss reads them only where its mask is 1.
@@ -14,62 +16,10 @@ values), zero at padding: a loss reads them only where its mask is 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-
-
-def replica_shares(lengths: Sequence[int], dp: int) -> list[list[int]]:
-    """Row indices per data-parallel replica: longest first, each to the replica with the fewest tokens so
-    far (the lowest index on a tie), so the replicas' token counts differ by at most one row's length. Each
-    replica's rows stay in batch order. Needs at least ``dp`` rows (every replica runs a micro-batch)."""
-    if len(lengths) < dp:
-        raise ValueError(f"{len(lengths)} sequences cannot give each of dp={dp} replicas one")
-    load, out = [0] * dp, [[] for _ in range(dp)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        d = min(range(dp), key=lambda d: (load[d], d))
-        load[d] += lengths[i]
-        out[d].append(i)
-    return [sorted(rows) for rows in out]
-
-
-def token_budget_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Indices of ``lengths`` grouped into micro-batches of at most ``budget`` tokens (a longer row alone):
-    as few micro-batches as first-fit decreasing needs, then the rows dealt longest first to the emptiest
-    micro-batch they fit in, so the micro-batches are balanced rather than full-then-empty."""
-    if budget < 1:
-        raise ValueError(f"token budget {budget} must be at least 1")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    return _deal(lengths, order, _first_fit_count(lengths, order, budget), budget)
-
-
-def _first_fit_count(lengths: Sequence[int], order: list[int], budget: int) -> int:
-    bins: list[int] = []
-    for i in order:
-        n = lengths[i]
-        room = next((b for b, used in enumerate(bins) if used + n <= budget), None)
-        if room is None:
-            bins.append(n)
-        else:
-            bins[room] += n
-    return len(bins)
-
-
-def _deal(lengths: Sequence[int], order: list[int], count: int, budget: int) -> list[list[int]]:
-    load, out = [0] * count, [[] for _ in range(count)]
-    for i in order:
-        n = lengths[i]
-        fits = [b for b in range(len(load)) if load[b] + n <= budget or not out[b]]
-        if not fits:  # balancing can strand a row the first-fit count had room for: it opens a micro-batch
-            load.append(0)
-            out.append([])
-            fits = [len(load) - 1]
-        b = min(fits, key=lambda b: (load[b], b))
-        load[b] += n
-        out[b].append(i)
-    return [g for g in out if g]
 
 
 @dataclass(frozen=True)

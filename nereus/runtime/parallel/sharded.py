@@ -35,7 +35,7 @@ from nereus.runtime.model.memory import ActivationMeter, MemoryReport, tensor_by
 from nereus.runtime.parallel import parallelize
 from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.dp import ShardedAdam, average_gradients, sum_gradients
-from nereus.runtime.parallel.packing import PackedRows, replica_shares, row_lengths, token_budget_groups
+from nereus.runtime.parallel.packing import PackedRows, row_lengths
 from nereus.runtime.parallel.pp import StageComm, train_pipeline
 from nereus.runtime.parallel.sharded_forward import ForwardOps
 from nereus.runtime.parallel.tp import (
@@ -45,6 +45,7 @@ from nereus.runtime.parallel.tp import (
     reduce_replicated_kv_grads,
     vocab_range,
 )
+from nereus.spec.packing import replica_shares, token_budget_groups
 from nereus.spec.sharding import Box, model_tensors, rank_order, rank_tensors, tp_box
 
 

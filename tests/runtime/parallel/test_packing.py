@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from nereus.runtime.model.decoder import packed_positions
-from nereus.runtime.parallel.packing import PackedRows, replica_shares, row_lengths, token_budget_groups
+from nereus.runtime.parallel.packing import PackedRows, row_lengths
+from nereus.spec.packing import replica_shares, token_budget_groups
 
 LONG_TAIL = [900, 40, 35, 60, 1200, 30, 25, 80, 45, 50, 3000, 20]
 
