@@ -17,7 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+# the quick run starts its own Ray instance in the benchmark's process, none of the session's: it may run beside
+# the Ray group (tests/conftest.py)
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.beside_ray]
 
 
 SMOKE_MODES = ("static", "intra", "intra+midstep", "async", "levers")
