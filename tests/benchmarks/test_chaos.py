@@ -1,31 +1,54 @@
-"""Smoke test of benchmarks/chaos.py on the kind whose job-level path only it drives: a worker killed in the
-transfers of a live transition. The job records the finished step, recovers on the survivors from the snapshot
-taken before the move, loses no step and no sample, and ends on the weights of an uninterrupted run. The other
-kinds' recoveries are tested where they happen: tests/runtime/recovery/test_failover.py (mid-backward, weight
-sync, mid-decode, mid-transition), tests/run/test_vllm_job.py (a vLLM engine mid-generation) and
-tests/runtime/cluster/test_multinode.py (a lost node)."""
+"""benchmarks/chaos.py's bookkeeping, without processes: each in-process kind arms a fault point the runtime
+has, a sample lost is a training prompt the uninterrupted run trained on and the recovered one did not, and
+"equal weights" means every tensor within the tolerances, with the largest difference reported. The recoveries
+it drives are tested where they happen: tests/runtime/recovery/test_failover.py (mid-backward, weight sync,
+mid-decode, mid-transition), tests/control/test_loop.py (a loss in a transition keeps the finished step),
+tests/run/test_vllm_job.py (a vLLM engine mid-generation), tests/runtime/cluster/test_multinode.py (a lost
+node). The benchmark itself starts 9 jobs (minutes): its figures are in docs/reliability.md."""
 
 from __future__ import annotations
 
-import json
-import subprocess
+import importlib.util
 import sys
 from pathlib import Path
 
-import pytest
+import torch
+
+from nereus.runtime.comm.faults import POINTS
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# its own Ray instance in the benchmark's process, none of the session's: it may run beside the Ray group
-pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.beside_ray]
+
+def load_chaos():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # chaos.py imports its neighbour recovery.py
+    try:
+        spec = importlib.util.spec_from_file_location("chaos_bench", ROOT / "benchmarks" / "chaos.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
-def test_chaos_recovers_a_worker_lost_in_a_live_transition() -> None:
-    cmd = [sys.executable, "benchmarks/chaos.py", "--kinds", "live_transition", "--steps", "2", "--json"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])["kinds"]["live_transition"]
-    assert result["recovered"] and result["lost_workers"] == [1]
-    assert result["steps_lost"] == 0 and result["samples_lost"] == 0  # the move was lost, not the step
-    assert result["weights_equal"], result["max_abs_weight_diff"]
-    assert result["recover_s"] > 0
+def test_each_kind_arms_a_point_the_runtime_has():
+    chaos = load_chaos()
+    assert set(chaos.POINTS.values()) <= set(POINTS)
+    assert chaos.KINDS == ("generation_mid_decode", "trainer_mid_backward", "weight_sync", "live_transition", "node")
+
+
+def test_samples_lost_counts_prompts_never_trained_on():
+    chaos = load_chaos()
+    want = {0: [3, 5], 1: [7, 7], 2: [1, 2]}
+    assert chaos.samples_lost(want, want, 4) == 0
+    assert chaos.samples_lost({0: [3, 5], 1: [7], 2: [2, 1]}, want, 4) == 4  # one of step 1's two rows 7
+    assert chaos.samples_lost({0: [3, 5]}, want, 2) == 8  # steps 1 and 2 never trained
+
+
+def test_weights_equal_within_tolerance_and_the_worst_difference_is_reported():
+    chaos = load_chaos()
+    want = {"actor": {"w": torch.zeros(3)}, "critic": {"v": torch.ones(2)}}
+    near = {"actor": {"w": torch.tensor([0.0, 1e-7, 0.0])}, "critic": {"v": torch.ones(2)}}
+    far = {"actor": {"w": torch.tensor([0.0, 0.0, 1e-3])}, "critic": {"v": torch.ones(2)}}
+    assert chaos.compare(near, want, 1e-4, 1e-5) == (True, torch.tensor(1e-7).item())
+    equal, worst = chaos.compare(far, want, 1e-4, 1e-5)
+    assert not equal and abs(worst - 1e-3) < 1e-9
