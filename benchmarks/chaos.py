@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from recovery import make_job  # noqa: E402  (this folder: benchmarks/recovery.py)
+from recovery import losing_a_node, make_job  # noqa: E402  (this folder: benchmarks/recovery.py)
 
 from nereus.control.backend import Decision  # noqa: E402
 from nereus.run.driver import RLStep  # noqa: E402
@@ -175,41 +175,15 @@ def measure(args, tmp: Path, kind: str, base: dict, base_dir: Path) -> dict:
 
 
 def run_lost_node(args, out: Path) -> dict:
-    """The job on a local Ray cluster of a head and two worker nodes of two CPUs (workers 0-1 on one, 2-3 on
-    the other); in step ``--lose-at``'s first optimizer update the second node is removed: its raylet, object
-    store and both workers. Runs in a child process (``--node-child``): one driver, one cluster."""
-    import ray
-
-    from nereus.run.training import StepTraining
-    from nereus.runtime.cluster.workers import Runtime
-    from nereus.runtime.hosts.nodes import start_local_cluster
-
-    # objects above 1 KiB in the object store, so no snapshot image of the tiny models sits in the driver
-    cluster, _ = start_local_cluster(2, 2, system_config={"max_direct_call_object_size": 1024})
-    real = StepTraining.update
-    try:
-        rt = Runtime(4, address=cluster.address)
-        second = next(n for n in cluster.worker_nodes if n.node_id == rt.homes[2])
-        fired: list[str] = []
-
-        def update(training, model, batch, loss_fn, lr, step):
-            if step == args.lose_at and not fired:
-                fired.append(model)
-                cluster.remove_node(second, allow_graceful=False)
-            return real(training, model, batch, loss_fn, lr, step)
-
-        StepTraining.update = update
+    """The job on a local Ray cluster of two worker nodes, the second lost in step ``--lose-at``'s first
+    optimizer update (``recovery.losing_a_node``). Runs in a child process (``--node-child``)."""
+    with losing_a_node(args.lose_at) as rt:
         job = make_job(out, args.steps, 1, 0, small=True, two_nodes=True)
         rl = RLJob(job, runtime=rt, quiet=True)
         with Counted(args.lose_at, None) as counted:
             summary = rl.execute()
-        rt.shutdown()
-        return {"summary": summary, "started": counted.started, "trained": counted.trained,
-                "samples_per_prompt": job.algorithm.samples_per_prompt}
-    finally:
-        StepTraining.update = real
-        ray.shutdown()
-        cluster.shutdown()
+    return {"summary": summary, "started": counted.started, "trained": counted.trained,
+            "samples_per_prompt": job.algorithm.samples_per_prompt}
 
 
 def node_child(args, out: Path) -> dict:

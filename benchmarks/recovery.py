@@ -31,6 +31,7 @@ cluster a restart also waits for the scheduler, containers and inference engines
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -127,9 +128,11 @@ def summarize(args, out: Path, summary: dict) -> dict:
             "images_from_copies": rec.get("images_from_copies", 0)}
 
 
-def run_lost_node(args, out: Path) -> dict:
-    """The ``nereus`` run on a local cluster of two worker nodes, the second killed in step ``--lose-at``
-    (run in a child process of this script: ``--lost-node-child``)."""
+@contextlib.contextmanager
+def losing_a_node(lose_at: int):
+    """A runtime of 4 workers on a local Ray cluster of a head and two worker nodes of two CPUs each
+    (workers 0-1 on one, 2-3 on the other), whose second node is removed — raylet, object store, workers 2
+    and 3 — in the first optimizer update of step ``lose_at``. For a child process: one driver, one cluster."""
     import ray
 
     from nereus.runtime.cluster.workers import Runtime
@@ -137,26 +140,33 @@ def run_lost_node(args, out: Path) -> dict:
 
     # objects above 1 KiB in the object store, so no snapshot image of the tiny models sits in the driver
     cluster, _ = start_local_cluster(2, 2, system_config={"max_direct_call_object_size": 1024})
+    real, fired = StepTraining.update, []
     try:
         rt = Runtime(4, address=cluster.address)
         second = next(n for n in cluster.worker_nodes if n.node_id == rt.homes[2])
-        real, fired = StepTraining.update, []
 
         def update(training, model, batch, loss_fn, lr, step):
-            if step == args.lose_at and not fired:
+            if step == lose_at and not fired:
                 fired.append(model)
-                cluster.remove_node(second, allow_graceful=False)  # raylet, object store, workers 2 and 3
+                cluster.remove_node(second, allow_graceful=False)
             return real(training, model, batch, loss_fn, lr, step)
 
         StepTraining.update = update
-        rl = RLJob(make_job(out, args.steps, 1, 0, args.small, two_nodes=True), runtime=rt, quiet=True)
-        summary = rl.execute()
-        StepTraining.update = real
+        yield rt
         rt.shutdown()
-        return summarize(args, out, summary)
     finally:
+        StepTraining.update = real
         ray.shutdown()
         cluster.shutdown()
+
+
+def run_lost_node(args, out: Path) -> dict:
+    """The ``nereus`` run on a local cluster of two worker nodes, the second lost in step ``--lose-at``
+    (run in a child process of this script: ``--lost-node-child``)."""
+    with losing_a_node(args.lose_at) as rt:
+        rl = RLJob(make_job(out, args.steps, 1, 0, args.small, two_nodes=True), runtime=rt, quiet=True)
+        summary = rl.execute()
+    return summarize(args, out, summary)
 
 
 def lost_node_child(args, out: Path) -> dict:
