@@ -15,18 +15,13 @@ from nereus.sim.backend import SimBackend
 from tests.control.test_controller import small_job, trace
 
 
-class DiesOnce(SimBackend):
-    """The simulator, except that devices die while step ``at`` runs (as the runtime reports it): the step
-    raises ``WorkersLost``, and recovery puts the job on the survivors at the step in flight."""
+class LosesDevices(SimBackend):
+    """The simulator with the runtime's recovery: once devices are lost, ``survivors`` remain, and recovery
+    puts the job on them at the step the loss names."""
 
-    def __init__(self, *args, at: int, survivors: int, **kwargs) -> None:
+    def __init__(self, *args, survivors: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.at, self.survivors, self.recoveries = at, survivors, []
-
-    def run_step(self, plan, step, policy):
-        if step == self.at and not self.recoveries:
-            raise WorkersLost(step, [self.survivors], elapsed_s=4.0)
-        return super().run_step(plan, step, policy)
+        self.survivors, self.recoveries = survivors, []
 
     def cluster(self, step):
         now = super().cluster(step)
@@ -36,6 +31,20 @@ class DiesOnce(SimBackend):
         plan = plan_for(self.survivors, lost.step)
         self.recoveries.append(plan)
         return RecoveryMetrics(lost.step, plan, seconds=2.0)
+
+
+class DiesOnce(LosesDevices):
+    """Devices die while step ``at`` runs (as the runtime reports it): the step raises ``WorkersLost``, and
+    recovery puts the job on the survivors at the step in flight."""
+
+    def __init__(self, *args, at: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.at = at
+
+    def run_step(self, plan, step, policy):
+        if step == self.at and not self.recoveries:
+            raise WorkersLost(step, [self.survivors], elapsed_s=4.0)
+        return super().run_step(plan, step, policy)
 
 
 class Steps(Observer):
@@ -64,28 +73,19 @@ def test_a_mid_step_loss_recovers_onto_the_survivors_and_redoes_the_step():
     assert record.summary()["failures"] == 1
 
 
-class DiesInMove(SimBackend):
-    """The simulator, except that devices die in the first transition (as the runtime reports it: the move
-    after step ``s`` raises ``WorkersLost`` for step ``s + 1``, whose snapshot it took first)."""
+class DiesInMove(LosesDevices):
+    """Devices die in the first transition (as the runtime reports it: the move after step ``s`` raises
+    ``WorkersLost`` for step ``s + 1``, whose snapshot it took first)."""
 
-    def __init__(self, *args, survivors: int, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.survivors, self.failed_after, self.recoveries = survivors, None, []
+        self.failed_after = None
 
     def apply_transition(self, old, new, step):
         if self.failed_after is None:
             self.failed_after = step
             raise WorkersLost(step + 1, [self.survivors], elapsed_s=1.5)
         return super().apply_transition(old, new, step)
-
-    def cluster(self, step):
-        now = super().cluster(step)
-        return ClusterState(min(now.num_gpus, self.survivors)) if self.recoveries else now
-
-    def recover(self, lost, plan_for):
-        plan = plan_for(self.survivors, lost.step)
-        self.recoveries.append(plan)
-        return RecoveryMetrics(lost.step, plan, seconds=2.0)
 
 
 def test_a_loss_in_a_transition_keeps_the_finished_step_and_resumes_after_it():
