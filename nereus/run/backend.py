@@ -141,24 +141,25 @@ class RuntimeBackend:
         first, so a worker lost in the move costs the move only (``WorkersLost`` for step ``step + 1``)."""
         self._snapshot_if_due(step + 1)
         t0 = time.perf_counter()
+        placed = placed_from_plan(new, self.job)
         try:
-            out = self._move_to(new)
+            out = self._move_to(new, placed)
         except WorkerLostError as err:
             raise WorkersLost(step + 1, err.lost, time.perf_counter() - t0, str(err)) from err
         keep = self.available(step + 1)
         if keep < len(self.rt.workers):  # workers the schedule takes away leave once the state is off them
             self.rt.resize(keep)
-        self._use(new, placed_from_plan(new, self.job))
+        self._use(new, placed)
         detail = {"executor_s": out.wall_s, **self._rebuild_engines(old, new)}
         world_job = self.job.with_gpus(len(self.rt.workers))
         predicted = schedule_graph(out.graph, Hardware(world_job.cluster)).makespan_s
         moved = sum(w.bytes_received for w in out.workers)
         return TransitionMetrics(time.perf_counter() - t0, predicted, moved, detail)
 
-    def _move_to(self, new: Plan) -> MoveResult:
+    def _move_to(self, new: Plan, placed: list[Placed]) -> MoveResult:
         if new.num_gpus > len(self.rt.workers):
             self.rt.resize(new.num_gpus)
-        return self.rt.transition(self.specs(placed_from_plan(new, self.job)), self.job)
+        return self.rt.transition(self.specs(placed), self.job)
 
     def _snapshot_if_due(self, step: int) -> None:
         """Step ``step``'s host-memory snapshot, once (a redone step reports the snapshot it redoes from)."""
