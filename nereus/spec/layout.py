@@ -47,6 +47,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1  # expert parallelism: experts split over ep of the dp ranks (Megatron-Core's expert_model_parallel)
     micro_batch_size: int = 1
     interleave: int = 1  # virtual pipeline stages per device (Narayanan et al. 2021, sec. 2.2.2)
     recompute: str = "selective"
@@ -61,7 +62,7 @@ class Layout:
     def dims(self) -> ParallelDims:
         """The degrees as the one parallel-dims value (ranks, coordinates, groups; not checked against a
         model: ``ParallelDims.of(layout, arch)`` is)."""
-        return ParallelDims(self.tp, self.pp, self.dp)
+        return ParallelDims(self.tp, self.pp, self.dp, self.ep)
 
     @property
     def world(self) -> int:
@@ -69,6 +70,8 @@ class Layout:
 
     def short(self) -> str:
         text = f"TP{self.tp}·PP{self.pp}·DP{self.dp}"
+        if self.ep > 1:
+            text += f"·EP{self.ep}"
         if self.interleave > 1:
             text += f"·v{self.interleave}"
         if self.fsdp:
@@ -87,6 +90,7 @@ class Layout:
             tp=f.get("tp", int, 1, minimum=1, maximum=MAX_GPUS),
             pp=f.get("pp", int, 1, minimum=1, maximum=MAX_GPUS),
             dp=f.get("dp", int, 1, minimum=1, maximum=MAX_GPUS),
+            ep=f.get("ep", int, 1, minimum=1, maximum=MAX_GPUS),
             micro_batch_size=f.get("micro_batch_size", int, 1, minimum=1, maximum=MAX_SEQUENCES),
             interleave=f.get("interleave", int, 1, minimum=1, maximum=MAX_LAYERS),
             recompute=f.get("recompute", str, "selective", choices=RECOMPUTE),

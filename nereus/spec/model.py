@@ -9,6 +9,7 @@ from pathlib import Path
 from nereus.spec.errors import SpecError, brief
 from nereus.spec.fields import MAX_LAYERS, MAX_TOKENS, Fields, check_number
 from nereus.spec.files import read_json_file
+from nereus.spec.moe import MOE_MODEL_TYPES, MoESpec, moe_from_hf, read_moe
 
 # Upper bounds of an architecture's sizes, checked on load so that the cost model's products stay far from
 # overflow and the planner's per-layer search finishes (docs/reliability.md). Published models are well
@@ -31,7 +32,8 @@ class ModelArch:
 
     ``head_dim`` is hidden / heads unless given (Qwen3 gives it: 0.6B has 16 heads of 128 over hidden
     1,024); ``qk_norm`` is Qwen3's per-head RMSNorm of queries and keys before RoPE (one weight of
-    ``head_dim`` each, shared by all heads)."""
+    ``head_dim`` each, shared by all heads). ``moe`` makes it a Mixture-of-Experts decoder (``spec.moe``):
+    its sparse layers route tokens to experts instead of the dense MLP of ``ffn_hidden``."""
 
     layers: int
     hidden: int
@@ -44,6 +46,7 @@ class ModelArch:
     qkv_bias: bool = False
     head_dim: int = 0  # 0: hidden // heads (resolved on construction)
     qk_norm: bool = False
+    moe: MoESpec | None = None
 
     def __post_init__(self) -> None:
         if not self.head_dim and self.heads > 0:
@@ -54,11 +57,19 @@ class ModelArch:
         return 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
 
     def layer_params(self) -> int:
-        """Parameters of one decoder layer: attention, MLP, two norms (biases of GPT-style MLPs too)."""
-        return self._layer_param_count
+        """Parameters of one decoder layer: attention, MLP, two norms (biases of GPT-style MLPs too); of an
+        MoE decoder, the mean over its layers (all experts of the sparse ones: what memory holds)."""
+        return self._layer_param_sums[0] // self.layers
+
+    def active_layer_params(self) -> int:
+        """The parameters one token's forward pass touches in a layer, on average over the layers: all of
+        them in a dense decoder; ``top_k`` experts, the shared one and the router in a sparse layer (what
+        the FLOPs of a token count, 2 per active parameter)."""
+        return self._layer_param_sums[1] // self.layers
 
     @cached_property
-    def _layer_param_count(self) -> int:
+    def _layer_param_sums(self) -> tuple[int, int]:
+        """(all, active) parameters of the layers together."""
         hd = self.head_dim
         attn = self.hidden * (self.heads + 2 * self.kv_heads) * hd + self.heads * hd * self.hidden
         if self.qkv_bias:
@@ -67,7 +78,17 @@ class ModelArch:
         mlp = mats * self.hidden * self.ffn_hidden
         if self.mlp == "gelu":
             mlp += self.ffn_hidden + self.hidden + 3 * self.hidden  # biases of MLP and attention
-        return attn + mlp + self.replicated_layer_params()
+        rest = self.layers * (attn + self.replicated_layer_params())
+        if self.moe is None:
+            return rest + self.layers * mlp, rest + self.layers * mlp
+        dense = len(self.moe.dense_layers)
+        sparse = self.layers - dense
+        return (rest + dense * mlp + sparse * self.moe.mlp_params(self.hidden),
+                rest + dense * mlp + sparse * self.moe.active_mlp_params(self.hidden))
+
+    def sparse_layers(self) -> int:
+        """Layers whose MLP routes to experts (0 for a dense decoder)."""
+        return 0 if self.moe is None else self.layers - len(self.moe.dense_layers)
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden
@@ -75,7 +96,11 @@ class ModelArch:
     def params(self, value_head: bool = False) -> int:
         """Total parameters; a value head (critic, reward) replaces the LM head by a hidden→1 projection."""
         head = self.hidden if value_head else (0 if self.tied_embeddings else self.vocab * self.hidden)
-        return self.layers * self.layer_params() + self.embedding_params() + head + self.hidden
+        return self._layer_param_sums[0] + self.embedding_params() + head + self.hidden
+
+    def active_params(self) -> int:
+        """Parameters one token's forward pass touches (all of them for a dense decoder; ``A3B`` of an MoE)."""
+        return self.params() - (self._layer_param_sums[0] - self._layer_param_sums[1])
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """KV cache per token over the whole model (``kv_token_bytes``)."""
@@ -88,6 +113,7 @@ class ModelArch:
             "tied_embeddings": self.tied_embeddings, "mlp": self.mlp, "qkv_bias": self.qkv_bias,
             **({"head_dim": self.head_dim} if self.head_dim != self.hidden // self.heads else {}),
             **({"qk_norm": True} if self.qk_norm else {}),
+            **({"moe": self.moe.to_dict()} if self.moe is not None else {}),
         }
 
 
@@ -101,10 +127,18 @@ PRESETS: dict[str, ModelArch] = {
     "qwen2.5-32b": ModelArch(64, 5120, 27648, 40, 8, 152064, qkv_bias=True),
     "qwen3-0.6b": ModelArch(28, 1024, 3072, 16, 8, 151936, tied_embeddings=True, head_dim=128, qk_norm=True),
     "qwen3-8b": ModelArch(36, 4096, 12288, 32, 8, 151936, head_dim=128, qk_norm=True),
+    # Mixture-of-Experts (``spec.moe``): 128 experts, 8 routed per token, renormalised top-k
+    "qwen3-30b-a3b": ModelArch(48, 2048, 6144, 32, 4, 151936, head_dim=128, qk_norm=True,
+                               moe=MoESpec(128, 8, 768, True, aux_loss_coef=0.001)),
+    "qwen3-235b-a22b": ModelArch(94, 4096, 12288, 64, 4, 151936, head_dim=128, qk_norm=True,
+                                 moe=MoESpec(128, 8, 1536, True, aux_loss_coef=0.001)),
+    "mixtral-8x7b": ModelArch(32, 4096, 14336, 32, 8, 32000, moe=MoESpec(8, 2, 14336, True, aux_loss_coef=0.02)),
 }
 
 
-HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", *MOE_MODEL_TYPES)
+# the dense family each MoE type's attention and norms follow (Qwen2's QKV bias, Qwen3's q/k norms)
+_ATTENTION_FAMILY = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "mixtral"}
 
 
 def hf_value_head(cfg: dict) -> bool:
@@ -136,6 +170,8 @@ def arch_from_hf(cfg: object, where: str) -> ModelArch:
             raise SpecError(f.key_path(key), "biases other than Qwen2's QKV bias are not supported: the "
                                              f"runtime's projections have none; use a config with {key}: false")
     layers = f.get("num_hidden_layers", int, minimum=1, maximum=MAX_LAYERS)
+    moe = moe_from_hf(f, kind, layers, MAX_FFN_HIDDEN)
+    kind = _ATTENTION_FAMILY.get(kind, kind)
     _check_numerics(f, kind, layers)
     arch = ModelArch(
         layers=layers,
@@ -148,6 +184,7 @@ def arch_from_hf(cfg: object, where: str) -> ModelArch:
         qkv_bias=kind == "qwen2",
         head_dim=head_dim,
         qk_norm=kind == "qwen3",
+        moe=moe,
     )
     _check_heads(arch, f.key_path("num_attention_heads"), f.key_path("num_key_value_heads"))
     if arch.head_dim % 2:
@@ -234,7 +271,8 @@ SILU_NAMES = ("silu", "swish")
 ROPE_TYPES = ("default", "llama3")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # transformers' defaults where a config leaves a key out: (sliding_window, max_position_embeddings)
-_WINDOW_DEFAULTS = {"qwen2": (4096, 32768), "qwen3": (4096, 32768), "mistral": (4096, 4096 * 32)}
+_WINDOW_DEFAULTS = {"qwen2": (4096, 32768), "qwen3": (4096, 32768), "mistral": (4096, 4096 * 32),
+                    "mixtral": (None, 4096 * 32)}
 # types that window only when ``use_sliding_window`` is set, from ``max_window_layers`` on (or by ``layer_types``)
 _WINDOW_SWITCHED = ("qwen2", "qwen3")
 
@@ -266,7 +304,7 @@ def _check_sliding_window(f: Fields, kind: str, layers: int) -> None:
     positions = f.get("max_position_embeddings", int, default_positions)
     if window is None or window >= positions:
         return
-    if kind == "mistral":
+    if kind in ("mistral", "mixtral"):
         raise SpecError(f.key_path("sliding_window"), f"sliding-window attention ({window} tokens, below "
                         f"max_position_embeddings {positions}) is not implemented: the runtime attends over "
                         "the whole sequence; use a checkpoint whose config has sliding_window: null "
@@ -351,6 +389,7 @@ def read_arch(f: Fields, base_dir: Path) -> ModelArch:
         qkv_bias=f.get("qkv_bias", bool, False),
         head_dim=f.get("head_dim", int, 0, minimum=2, maximum=MAX_HIDDEN),
         qk_norm=f.get("qk_norm", bool, False),
+        moe=read_moe(f.sub("moe")) if f.has("moe") else None,
     )
     f.finish()
     _check_heads(arch, f.key_path("heads"), f.key_path("kv_heads"))

@@ -55,9 +55,8 @@ class DegreeProblem:
 
 
 def expert_count(arch: ModelArch) -> int:
-    """Routed experts per layer that expert parallelism splits: none in the dense decoders ``ModelArch``
-    describes today (an MoE architecture reports its count here)."""
-    return 0
+    """Routed experts per sparse layer that expert parallelism splits (0: a dense decoder)."""
+    return 0 if arch.moe is None else arch.moe.experts
 
 
 def split_problem(arch: ModelArch, tp: int, ep: int = 1, cp: int = 1, dp: int = 1) -> DegreeProblem | None:
@@ -75,10 +74,12 @@ def split_problem(arch: ModelArch, tp: int, ep: int = 1, cp: int = 1, dp: int = 
                                        f"multiple of it (and divides {heads})")
     if ep > 1:
         experts = expert_count(arch)
+        if not experts:
+            return DegreeProblem("ep", ep, "asks for expert parallelism of a dense model, no experts: give ep=1")
+        if experts % ep:
+            return DegreeProblem("ep", ep, f"does not divide the model's {experts} experts")
         if dp % ep:
             return DegreeProblem("ep", ep, f"does not divide dp={dp}: experts are split over data-parallel ranks")
-        if not experts or experts % ep:
-            return DegreeProblem("ep", ep, f"does not divide the model's {experts} experts")
     if cp != 1:
         return DegreeProblem("cp", cp, "asks for context parallelism, which has no rank order yet: give cp=1")
     return None

@@ -213,9 +213,12 @@ def test_degrees_are_positive_integers_and_ep_cp_have_their_rules():
         with pytest.raises(ValueError, match="give an integer >= 1"):
             ParallelDims(**bad)
     arch = PRESETS["llama3-8b"]
-    assert str(split_problem(arch, 8, ep=3, dp=4)) == "ep=3 does not divide dp=4: experts are split over " \
-                                                      "data-parallel ranks"
-    assert "does not divide the model's 0 experts" in str(split_problem(arch, 8, ep=2, dp=4))  # a dense model
+    assert "dense model, no experts" in str(split_problem(arch, 8, ep=2, dp=4))
+    moe = PRESETS["mixtral-8x7b"]
+    assert str(split_problem(moe, 8, ep=4, dp=2)) == "ep=4 does not divide dp=2: experts are split over " \
+                                                     "data-parallel ranks"
+    assert str(split_problem(moe, 8, ep=3, dp=3)) == "ep=3 does not divide the model's 8 experts"
+    assert split_problem(moe, 8, ep=4, dp=8) is None
     assert str(ParallelDims(tp=8, dp=2, cp=2).problem(arch)).startswith("cp=2 asks for context parallelism")
     assert ParallelDims(tp=8, dp=4).problem(arch) is None
 
