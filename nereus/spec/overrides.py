@@ -222,6 +222,10 @@ class VerlOverrides:
                 self._put(key, "models.reference.path", value)  # verl's reference is the actor's start
         elif key.endswith(".ppo_mini_batch_size"):
             self.mini[key] = _positive_int(key, value)
+        elif key.endswith(".enable_gradient_checkpointing"):  # HF gradient checkpointing: every layer re-run
+            if not isinstance(value, bool):
+                raise SpecError(key, f"expected true or false, got {value!r}")
+            self._set(key, "options.recompute", "full" if value else "none")
         elif key.startswith("custom_reward_function."):
             if not isinstance(value, str) or not value:
                 raise SpecError(key, f"expected a non-empty string, got {value!r}")

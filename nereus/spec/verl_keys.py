@@ -34,8 +34,8 @@ _MICRO = _ignored("the micro-batch size is part of each model-stage's layout (ru
 _FSDP = _ignored("Nereus has no FSDP: each model-stage runs under its own TP/PP/DP layout with ZeRO-1, planned to "
                  "fit memory, and nothing is offloaded")
 _PADDING = _mapped("run.packing.enable", "packed sequences (spec.packing); one value for actor and critic")
-_RECOMPUTE = _ignored("activation recomputation changes memory, not results; options.recompute sets it (auto: the "
-                      "planner recomputes where memory requires)")
+_RECOMPUTE = VerlKey(DERIVED, "options.recompute", "true: full recomputation (verl checkpoints every layer), false: "
+                                                  "none; one value for actor and critic")
 _ONE_VALUE = "one value for actor and critic (a different critic value is refused)"
 # verl's actor_rollout_ref.actor.policy_loss.* options the registered losses read (run.policy_loss.*)
 _POLICY_LOSS_OPTIONS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")

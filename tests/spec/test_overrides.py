@@ -176,6 +176,10 @@ def test_verl_grpo_script_keys_are_all_known():
     assert (run["total_epochs"], run["eval_every"], run["checkpoint"], run["logger"]) == (
         15, 5, {"every": 20}, ["console", "wandb"])
     assert (out["name"], out["cluster"]) == ("qwen2_7b_function_rm", {"gpus_per_node": 8, "nodes": 1})
+    assert out["options"]["recompute"] == "full"  # enable_gradient_checkpointing: every layer re-run
+    with pytest.raises(SpecError, match="critic.model.enable_gradient_checkpointing.*one value for actor and critic"):
+        apply_overrides({}, ["actor_rollout_ref.model.enable_gradient_checkpointing=True",
+                             "critic.model.enable_gradient_checkpointing=False"])
 
 
 def test_ignored_verl_keys_are_noted_and_refused_ones_say_why(capsys):
