@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 from nereus.spec.errors import InfeasibleError, RuntimeFailure, SpecError, cut
@@ -33,6 +34,19 @@ def _load(args: argparse.Namespace):
     if getattr(args, "gpus", None) is not None:  # an explicit 0 is refused by with_gpus, never ignored
         job = job.with_gpus(args.gpus)
     return job
+
+
+def _as_run(job):
+    """``job`` priced as ``nereus run`` runs it when it has a ``run`` section: the runtime's capability narrows
+    the options (padded batches where no token budget packs them, its recompute and FSDP choices), as the
+    run's own planner and controller do (``run.setup``, ``run.adaptive``); the capability, to constrain a
+    search (None for a planning-only job)."""
+    if job.run is None:
+        return job, None
+    from nereus.runtime.capability import capability_for
+
+    capability = capability_for(job.run.overlap)
+    return replace(job, options=capability.planning_options(job.options)), capability
 
 
 def _check_out(flag: str, path: str | None, folder: bool = False) -> None:
@@ -64,11 +78,11 @@ def _number(flag: str, value: float, low: float, high: float, low_open: bool = F
 def cmd_plan(args: argparse.Namespace) -> int:
     from nereus.cost.hardware import Hardware
     from nereus.planner.explain import explain_text, result_json
-    from nereus.planner.search import search
+    from nereus.planner.search import Constraints, search
 
     _check_out("--out", args.out)
-    job = _load(args)
-    result = search(Hardware(job.cluster), job)
+    job, capability = _as_run(_load(args))
+    result = search(Hardware(job.cluster), job, constraints=Constraints(capability=capability))
     if args.out is not None:  # the file first: a closed stdout (| head) must not lose it
         write_text_file(args.out, json.dumps(result_json(job, result), indent=1), "--out")
     if args.json:
@@ -84,7 +98,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from nereus.planner.explain import estimate_text
     from nereus.planner.layouts import plan_from_layout, read_plan_file
 
-    job = _load(args)
+    job, _ = _as_run(_load(args))
     hw = Hardware(job.cluster)
     if args.plan:
         plan = read_plan_file(args.plan)

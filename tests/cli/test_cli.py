@@ -35,6 +35,24 @@ def test_estimate_reads_the_file_plan_writes(capsys, examples, tmp_path):
     assert json.loads(out)["step_time_s"] == pytest.approx(planned["step_time_s"])
 
 
+def test_a_run_job_is_planned_and_estimated_as_the_runtime_runs_it(capsys, examples, tmp_path):
+    """A job with a ``run`` section is priced with the runtime's capability (padded rows where no token
+    budget packs them), as ``nereus run`` plans it; the same job without the section is priced as written."""
+    import yaml
+
+    job_file = examples / "grpo_longtail_tiny.yaml"
+    out_file = tmp_path / "plan.json"
+    assert run(capsys, "plan", str(job_file), "--json", "--out", str(out_file))[0] == 0
+    code, out, _ = run(capsys, "estimate", str(job_file), "--plan", str(out_file), "--json")
+    as_run = json.loads(out)["model_stages"]["actor/training"]["time_s"]
+    data = yaml.safe_load(job_file.read_text())
+    del data["run"]
+    planning_only = tmp_path / "job.yaml"
+    planning_only.write_text(yaml.safe_dump(data))
+    code, out, _ = run(capsys, "estimate", str(planning_only), "--plan", str(out_file), "--json")
+    assert code == 0 and as_run > 1.5 * json.loads(out)["model_stages"]["actor/training"]["time_s"]
+
+
 def test_estimate_training_job_from_a_layout(capsys, examples):
     code, out, _ = run(capsys, "estimate", str(examples / "train_gpt_1t_a100.yaml"), "--layout", "tp=8,pp=64")
     assert code == 0 and "gpt/training" in out and "TP8·PP64·DP6" in out
