@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -46,15 +47,18 @@ def tiny_hf(tmp_path_factory):
     maker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(maker)
     root = maker.make(tmp_path_factory.mktemp("tiny_hf"), rows=24, val=4)
+    shutil.copytree(root / "model", root / "qwen3")  # the tokenizer files; the weights of a Qwen3 over them
+    cfg = transformers.AutoConfig.from_pretrained(root / "model")
+    maker.make_model(root / "qwen3", cfg.vocab_size, cfg.eos_token_id, cfg.pad_token_id, arch="qwen3")
     torch.manual_seed(1)  # a reward model: a sequence-classification checkpoint with one label
     cfg = transformers.AutoConfig.from_pretrained(root / "model", num_labels=1)
     transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(root / "rm")
     return root
 
 
-def _job_file(tiny_hf, tmp_path, algorithm: str) -> str:
+def _job_file(tiny_hf, tmp_path, algorithm: str, folder: str = "model") -> str:
     spec = yaml.safe_load((EXAMPLES / "grpo_gsm8k_hf.yaml").read_text())
-    model = str(tiny_hf / "model")
+    model = str(tiny_hf / folder)
     spec["models"] = {"actor": {"path": model}, "reference": {"path": model}}
     run = spec["run"]
     run.update(steps=2, eval_every=2, data={"train": str(tiny_hf / "train.parquet"),
@@ -100,7 +104,10 @@ def _ours(folder, weights: dict) -> CausalLM:
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_hf_model_and_verl_dataset(ray_runtime, tiny_hf, tmp_path, algorithm):
-    rl = RLJob(load_job(_job_file(tiny_hf, tmp_path, algorithm)), runtime=ray_runtime, out_dir=tmp_path, quiet=True)
+    """PPO from a Qwen2 checkpoint; GRPO from a Qwen3 one (q/k norms, under TP2·DP2 training)."""
+    folder = "qwen3" if algorithm == "grpo" else "model"
+    rl = RLJob(load_job(_job_file(tiny_hf, tmp_path, algorithm, folder)), runtime=ray_runtime, out_dir=tmp_path,
+               quiet=True)
     try:
         assert type(rl.tok).__name__ == "HFTokenizer" and rl.train[0].data_source == "openai/gsm8k"
         summary = rl.execute()
@@ -115,7 +122,8 @@ def test_hf_model_and_verl_dataset(ray_runtime, tiny_hf, tmp_path, algorithm):
     step = tmp_path / "step_2" / "actor"
     hf = transformers.AutoModelForCausalLM.from_pretrained(step).eval()
     tok = transformers.AutoTokenizer.from_pretrained(step)  # the tokenizer files travel with the checkpoint
-    start = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf / "model")
+    start = transformers.AutoModelForCausalLM.from_pretrained(tiny_hf / folder)
+    assert type(hf) is type(start)  # saved as the class it was loaded from (Qwen3ForCausalLM for GRPO)
     moved = max((a - b).abs().max().item() for a, b in zip(hf.parameters(), start.parameters(), strict=True))
     assert moved > 0  # the run trained the actor
     x = _tokens(tok)
@@ -186,8 +194,6 @@ def test_critic_and_reward_sources(tiny_hf, tmp_path):
 def _two_eos_model(tiny_hf, folder):
     """The tiny model with two EOS ids in config.json and generation_config.json (as Llama 3 Instruct lists
     <|end_of_text|> and <|eot_id|>): the tokenizer's EOS and its padding token's id."""
-    import shutil
-
     shutil.copytree(tiny_hf / "model", folder)
     cfg = json.loads((folder / "config.json").read_text())
     eos = [cfg["eos_token_id"], cfg["pad_token_id"]]
