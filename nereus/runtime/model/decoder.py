@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nereus.runtime.model.moe import MoEBlock, RoutingRecord
 from nereus.spec.model import ModelArch
 
 
@@ -150,6 +151,7 @@ class Context:
     caches: dict[int, KVCache] | None = None
     start: int | torch.Tensor = 0  # the caches' write offset: one for the batch, or one per row
     seq_lens: tuple[int, ...] | None = None  # packed: each sequence's length along T (they sum to T)
+    routing: RoutingRecord | None = None  # MoE: router record/replay and load-balancing statistics
 
 
 def packed_positions(seq_lens: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
@@ -240,12 +242,15 @@ class _SwiGLU(torch.autograd.Function):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """SwiGLU of width ``ffn_hidden`` (the dense ``arch.ffn_hidden`` unless given: an MoE expert's)."""
+
+    def __init__(self, cfg: ModelConfig, ffn_hidden: int | None = None) -> None:
         super().__init__()
         a = cfg.arch
-        self.gate_proj = nn.Linear(a.hidden, a.ffn_hidden, bias=False)
-        self.up_proj = nn.Linear(a.hidden, a.ffn_hidden, bias=False)
-        self.down_proj = nn.Linear(a.ffn_hidden, a.hidden, bias=False)
+        width = a.ffn_hidden if ffn_hidden is None else ffn_hidden
+        self.gate_proj = nn.Linear(a.hidden, width, bias=False)
+        self.up_proj = nn.Linear(a.hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, a.hidden, bias=False)
         self.tp_input: nn.Module = nn.Identity()  # as in ``Attention``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,7 +265,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.arch.hidden, cfg.rms_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.arch.hidden, cfg.rms_eps)
-        self.mlp = MLP(cfg)
+        moe = cfg.arch.moe
+        self.mlp: nn.Module = (MoEBlock(moe, cfg.arch.hidden, index, lambda width: MLP(cfg, width))
+                               if moe is not None and moe.sparse(index) else MLP(cfg))
         self.layer_call: nn.Module = CallSlot()  # full recomputation checkpoints the layer (``parallel.recompute``)
 
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -268,6 +275,8 @@ class DecoderLayer(nn.Module):
 
     def block(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx, self.index)
+        if isinstance(self.mlp, MoEBlock):
+            return x + self.mlp(self.post_attention_layernorm(x), ctx.routing)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -315,16 +324,17 @@ class CausalLM(nn.Module):
 
     def context(self, positions: torch.Tensor, dtype: torch.dtype, mask: torch.Tensor | None = None,
                 caches: dict[int, KVCache] | None = None, start: int | torch.Tensor = 0,
-                seq_lens: tuple[int, ...] | None = None) -> Context:
+                seq_lens: tuple[int, ...] | None = None, routing: RoutingRecord | None = None) -> Context:
         cos, sin = rope_cos_sin(self.inv_freq, positions, dtype)
-        return Context(cos, sin, mask, caches, start, seq_lens)
+        return Context(cos, sin, mask, caches, start, seq_lens, routing)
 
     def forward(self, inputs: torch.Tensor, positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, caches: dict[int, KVCache] | None = None,
-                start: int | torch.Tensor = 0, seq_lens: tuple[int, ...] | None = None) -> torch.Tensor:
+                start: int | torch.Tensor = 0, seq_lens: tuple[int, ...] | None = None,
+                routing: RoutingRecord | None = None) -> torch.Tensor:
         """``seq_lens``: ``inputs`` is one row of sequences packed end to end ([1, Σ seq_lens]); positions
         restart and attention stays within each (``varlen_attention``), so every sequence's outputs are
-        those it has alone."""
+        those it has alone. ``routing``: an MoE model's router record or replay (``moe.RoutingRecord``)."""
         h = self.model.embed_tokens(inputs) if self.first else inputs
         if seq_lens is not None and (h.shape[0] != 1 or sum(seq_lens) != h.shape[1] or caches is not None):
             raise ValueError(f"packed sequences of lengths summing to {sum(seq_lens)} need one row of that many "
@@ -333,7 +343,7 @@ class CausalLM(nn.Module):
             positions = packed_positions(seq_lens, h.device)
         elif positions is None:
             positions = torch.arange(start, start + h.shape[1], device=h.device).expand(h.shape[0], -1)
-        ctx = self.context(positions, h.dtype, mask, caches, start, seq_lens)
+        ctx = self.context(positions, h.dtype, mask, caches, start, seq_lens, routing)
         for layer in self.model.layers.values():
             h = layer(h, ctx)
         if not self.last:
