@@ -41,7 +41,10 @@ _CHECKPOINT = ignored("verl's checkpoint formats and retention; Nereus writes it
 _REMOTE_CODE = ignored("Nereus reads a checkpoint's config and weights itself and runs no code from it")
 _LORA = refused("LoRA adapters are not implemented: Nereus trains every weight", 0)
 _VISION = refused("vision-language inputs are not supported (text-only decoders)", False)
-_MOE = refused("needs an MoE model: Nereus's models are dense, so 1 is the only degree", 1)
+_ETP = refused("tensor parallelism inside experts different from the attention's is not in the runtime (experts "
+               "split by the layout's tp); 1 is the only degree", 1)
+_ROLLOUT_EP = refused("expert parallelism in generation is not in the native engine (its experts are replicated "
+                      "over the rollout's ranks); 1 is the only degree", 1)
 _CP = refused("context parallelism is not in the runtime (long sequences split by TP with sequence parallelism)", 1)
 _MULTI_TURN = refused("multi-turn rollouts with tools or interactions are not implemented (one response per "
                       "prompt)", False)
@@ -60,9 +63,8 @@ ENGINE_KEYS: dict[str, VerlKey] = {
     **{key: derived(f"run.layouts.{stages[0]}", f"{field} of {', '.join(stages)}")
        for key, (stages, field) in DEGREES.items()},
     **_each("megatron.context_parallel_size", _CP),
-    **_each("megatron.expert_model_parallel_size", _MOE),
-    **_each("megatron.expert_tensor_parallel_size", _MOE),
-    f"{_R}.expert_parallel_size": _MOE,
+    **_each("megatron.expert_tensor_parallel_size", _ETP),
+    f"{_R}.expert_parallel_size": _ROLLOUT_EP,
     # ----- the vLLM engine's scheduler ----------------------------------------------------------------------
     f"{_R}.enable_chunked_prefill": mapped("run.rollout.enable_chunked_prefill", "the vLLM engine's; the native "
                                                                                 "engine prefills a prompt whole"),

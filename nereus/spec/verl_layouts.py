@@ -17,8 +17,10 @@ degree becomes that stage's layout, the one the job starts from and keeps:
   (the rollout's ``data_parallel_size``, when given, is its dp instead); tp × pp must divide the workers;
 - a job under ``run.adapt`` has no fixed layouts (the controller chooses them): the degree is refused.
 
-Context and expert parallelism have no runtime here: those degrees pass at 1 and are refused above it
-(``nereus.spec.verl_keys_engines``).
+Megatron's ``expert_model_parallel_size`` is the stage's ``ep`` (experts split over that many of its
+data-parallel ranks, as Megatron-Core does; checked against the model like every degree). Context
+parallelism and a separate expert tensor-parallel degree have no runtime here: those pass at 1 and are
+refused above it (``nereus.spec.verl_keys_engines``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ _ORDER = ("tp", "pp", "dp")  # a written layout names its degrees first, in this
 DEGREES: dict[str, tuple[tuple[str, ...], str]] = {
     **{f"{prefix}.megatron.{name}_model_parallel_size": (stages, field)
        for prefix, stages in ((_A, _ACTOR), (_REF, _REFERENCE), (_C, _CRITIC))
-       for name, field in (("tensor", "tp"), ("pipeline", "pp"), ("virtual_pipeline", "interleave"))},
+       for name, field in (("tensor", "tp"), ("pipeline", "pp"), ("virtual_pipeline", "interleave"),
+                           ("expert", "ep"))},
     **{f"{prefix}.ulysses_sequence_parallel_size": (stages, "tp")
        for prefix, stages in ((_A, _ACTOR), (_REF, _REFERENCE), (_C, _CRITIC))},
     f"{_R}.tensor_model_parallel_size": (("actor/generation",), "tp"),

@@ -184,7 +184,7 @@ def test_verl_grpo_script_keys_are_all_known():
 
 def test_ignored_verl_keys_are_noted_and_refused_ones_say_why(capsys):
     apply_overrides({}, ["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40", "data.truncation=error",
-                         "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1"])
+                         "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"])
     err = capsys.readouterr().err
     assert ("ignoring actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40: the micro-batch size is part "
             "of each model-stage's layout") in err
@@ -192,7 +192,7 @@ def test_ignored_verl_keys_are_noted_and_refused_ones_say_why(capsys):
     for text, why in [("data.truncation=left", "Nereus never truncates a prompt"),
                       ("actor_rollout_ref.model.lora_rank=32", "LoRA adapters are not implemented"),
                       ("actor_rollout_ref.actor.megatron.context_parallel_size=2", "context parallelism is not"),
-                      ("actor_rollout_ref.rollout.expert_parallel_size=4", "needs an MoE model")]:
+                      ("actor_rollout_ref.rollout.expert_parallel_size=4", "expert parallelism in generation")]:
         with pytest.raises(SpecError, match=rf"{text.split('=')[0]}: .*{why}"):
             apply_overrides({}, [text])
 

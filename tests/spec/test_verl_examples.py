@@ -170,12 +170,18 @@ def test_parallel_degrees_become_the_stages_layouts():
     (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
       "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4"], r"differs from .*both set tp of actor/training"),
     (["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=two"], "expected a positive integer"),
-    (["actor_rollout_ref.actor.megatron.expert_model_parallel_size=8"], "needs an MoE model"),
+    (["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2"], "tensor parallelism inside experts"),
     (["actor_rollout_ref.ref.megatron.context_parallel_size=2"], "context parallelism is not in the runtime"),
 ])
 def test_degrees_that_cannot_be_honoured_are_refused(overrides, why):
     with pytest.raises(SpecError, match=why):
         apply_overrides({"models": {"actor": {}, "reference": {}}, "run": {}}, overrides)
+
+
+def test_megatron_expert_parallel_degree_is_the_stages_ep():
+    out = apply_overrides({"models": {"actor": {}}, "run": {"workers": 4}},
+                          ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"])
+    assert out["run"]["layouts"] == {"actor/training": "dp=4,ep=2", "actor/inference": "dp=4,ep=2"}
 
 
 def test_degrees_under_run_adapt_are_refused():
