@@ -25,6 +25,7 @@ from nereus.spec.errors import SpecError, brief
 from nereus.spec.fields import Fields
 from nereus.spec.files import load_json, open_regular, read_json_file
 from nereus.spec.model import ModelArch, arch_from_hf, hf_value_head
+from nereus.spec.moe import mixtral_name
 from nereus.spec.sharding import model_tensors
 
 SINGLE = "model.safetensors"
@@ -155,11 +156,13 @@ def _sharded(folder: Path, index: Path, where: str) -> dict[str, TensorEntry]:
     return out
 
 
-def check_weights(folder: Path, arch: ModelArch, value_head: bool, where: str) -> None:
+def check_weights(folder: Path, arch: ModelArch, value_head: bool, where: str, mixtral: bool = False) -> None:
     """Refuse, naming the tensor and the fix, weights that are not the model ``config.json`` describes:
-    a missing or unknown tensor, a shape other than the config's, a dtype that is not floating point."""
+    a missing or unknown tensor, a shape other than the config's, a dtype that is not floating point.
+    ``mixtral``: the MoE tensors carry Mixtral's names (``moe.mixtral_name``)."""
     found = weight_files(folder, where)
-    expected = {t.name: t.shape for t in model_tensors(arch, value_head)}
+    rename = mixtral_name if mixtral else str
+    expected = {rename(t.name): t.shape for t in model_tensors(arch, value_head)}
     if arch.tied_embeddings and not value_head:  # a tied checkpoint may carry its head's copy, or not
         expected.setdefault("lm_head.weight", (arch.vocab, arch.hidden))
     config = f"{folder / 'config.json'}"
@@ -208,5 +211,5 @@ def check_model_dir(folder: Path, where: str) -> None:
     """The whole pre-flight of one HF model directory: ``config.json``, weights, tokenizer files."""
     config = read_json_file(folder / "config.json", "HuggingFace config.json")
     arch = arch_from_hf(config, f"{where}<{folder / 'config.json'}>")
-    check_weights(folder, arch, hf_value_head(config), where)
+    check_weights(folder, arch, hf_value_head(config), where, mixtral=config.get("model_type") == "mixtral")
     check_tokenizer_files(folder, where)

@@ -18,6 +18,7 @@ family             experts / top-k keys           expert width key         extra
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from nereus.spec.errors import SpecError
@@ -94,7 +95,7 @@ def moe_from_hf(f: Fields, kind: str, layers: int, max_ffn: int) -> MoESpec | No
             raise SpecError(f.key_path("router_jitter_noise"), f"{jitter} adds random noise to routing in "
                                                                "training; set it to 0")
     else:
-        experts = f.get("num_experts", int, minimum=0, maximum=MAX_EXPERTS)
+        experts = _qwen_experts(f)
         if not experts:
             return None
         width = f.get("moe_intermediate_size", int, minimum=1, maximum=max_ffn)
@@ -108,6 +109,19 @@ def moe_from_hf(f: Fields, kind: str, layers: int, max_ffn: int) -> MoESpec | No
                                                            "checkpoint's own value")
     coef = f.get("router_aux_loss_coef", float, 0.001 if kind != "mixtral" else 0.02, minimum=0.0, maximum=1e3)
     return MoESpec(experts, top_k, width, norm, shared, dense, coef)
+
+
+def _qwen_experts(f: Fields) -> int:
+    """Qwen's expert count: ``num_experts`` as the hub's configs write it, or ``num_local_experts``, the name
+    transformers 5 writes for Qwen3-MoE (its config maps one to the other)."""
+    if not f.has("num_experts") and f.has("num_local_experts"):
+        return f.get("num_local_experts", int, minimum=0, maximum=MAX_EXPERTS)
+    experts = f.get("num_experts", int, minimum=0, maximum=MAX_EXPERTS)
+    other = f.get("num_local_experts", int, None, minimum=0, maximum=MAX_EXPERTS)
+    if other is not None and other != experts:
+        raise SpecError(f.key_path("num_local_experts"), f"{other} disagrees with num_experts {experts}; give one "
+                                                         "expert count")
+    return experts
 
 
 def _dense_layers(f: Fields, layers: int) -> tuple[int, ...]:
@@ -135,3 +149,21 @@ def read_moe(f: Fields) -> MoESpec:
     )
     f.finish()
     return spec
+
+
+# Mixtral's checkpoint names of the MoE tensors (transformers' MixtralForCausalLM on disk and on the hub): the
+# router and experts under ``block_sparse_moe``, the expert's gate/up/down as w1/w3/w2. In memory and in the
+# sharding contract every family uses Qwen's names (``mlp.gate``, ``mlp.experts.{i}.gate_proj`` ...).
+_MIXTRAL_MLP = re.compile(r"\.mlp\.(gate\.weight|experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight)$")
+_MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def mixtral_name(name: str) -> str:
+    """The Mixtral checkpoint name of a contract tensor name (other names unchanged)."""
+    m = _MIXTRAL_MLP.search(name)
+    if m is None:
+        return name
+    head = name[:m.start()] + ".block_sparse_moe."
+    if m.group(2) is None:
+        return head + "gate.weight"
+    return f"{head}experts.{m.group(2)}.{_MIXTRAL_PROJ[m.group(3)]}.weight"

@@ -49,6 +49,7 @@ class TensorSpec:
 
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
+    expert: int | None = None  # an MoE layer's routed expert (global index) the tensor belongs to
             raise ValueError(f"TensorSpec.unit: {self.unit!r}; one of {', '.join(UNITS)}")
 
 
@@ -85,6 +86,9 @@ def model_tensors(arch: ModelArch, value_head: bool = False) -> list[TensorSpec]
         if arch.mlp == "swiglu":
             out.append(TensorSpec(p + "mlp.gate_proj.weight", (arch.ffn_hidden, h), 0, i))
         out.append(TensorSpec(p + "mlp.up_proj.weight", (arch.ffn_hidden, h), 0, i))
+        if arch.moe is not None and arch.moe.sparse(i):
+            out += moe_layer_tensors(arch, i)
+            continue
         out.append(TensorSpec(p + "mlp.down_proj.weight", (h, arch.ffn_hidden), 1, i))
     out.append(TensorSpec("model.norm.weight", (h,), None, None, "last"))
     if value_head:
@@ -97,6 +101,28 @@ def model_tensors(arch: ModelArch, value_head: bool = False) -> list[TensorSpec]
 def tensor_stage(t: TensorSpec, arch: ModelArch, pp: int) -> int:
     """Pipeline stage holding ``t``. Tied embeddings: the last stage uses the first stage's weight,
     which the runtime keeps in sync as Megatron-LM does; its canonical home is stage 0."""
+def _swiglu(prefix: str, width: int, hidden: int, layer: int, expert: int | None = None) -> list[TensorSpec]:
+    """gate/up column-parallel, down row-parallel, as the dense MLP."""
+    return [TensorSpec(prefix + "gate_proj.weight", (width, hidden), 0, layer, expert=expert),
+            TensorSpec(prefix + "up_proj.weight", (width, hidden), 0, layer, expert=expert),
+            TensorSpec(prefix + "down_proj.weight", (hidden, width), 1, layer, expert=expert)]
+
+
+def moe_layer_tensors(arch: ModelArch, layer: int) -> list[TensorSpec]:
+    """The MLP tensors of sparse layer ``layer`` (Qwen's names; ``runtime.model.hf`` maps Mixtral's): the
+    router (replicated), each routed expert (TP inside the expert, like the dense MLP), and Qwen2-MoE's
+    shared expert with its one-output gate (replicated)."""
+    moe, h = arch.moe, arch.hidden
+    p = f"model.layers.{layer}.mlp."
+    out = [TensorSpec(p + "gate.weight", (moe.experts, h), None, layer)]
+    for e in range(moe.experts):
+        out += _swiglu(f"{p}experts.{e}.", moe.expert_ffn_hidden, h, layer, e)
+    if moe.shared_expert_ffn_hidden:
+        out += _swiglu(p + "shared_expert.", moe.shared_expert_ffn_hidden, h, layer)
+        out.append(TensorSpec(p + "shared_expert_gate.weight", (1, h), None, layer))
+    return out
+
+
     if t.position == "first":
         return 0
     if t.position == "last":

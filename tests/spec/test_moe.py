@@ -1,12 +1,15 @@
 """Mixture-of-Experts architectures parsed from HuggingFace configs as written (``spec.moe``)."""
 
+import math
+
 import pytest
 
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import Fields
 from nereus.spec.layout import Layout
 from nereus.spec.model import PRESETS, ModelArch, arch_from_hf, read_arch
-from nereus.spec.moe import MoESpec
+from nereus.spec.moe import MoESpec, mixtral_name
+from nereus.spec.sharding import model_tensors, tp_box
 
 # Qwen/Qwen3-30B-A3B config.json (the keys the parser reads)
 QWEN3_30B_A3B = {
@@ -58,6 +61,22 @@ def test_bad_moe_keys_are_named(change, key, text):
     assert key in str(err.value)
 
 
+def test_qwen3_moe_expert_count_as_transformers_5_writes_it():
+    written = {k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"} | {"num_local_experts": 128}
+    assert arch_from_hf(written, "m") == PRESETS["qwen3-30b-a3b"]
+    with pytest.raises(SpecError, match=r"m\.num_local_experts: 64 disagrees with num_experts 128"):
+        arch_from_hf({**QWEN3_30B_A3B, "num_local_experts": 64}, "m")
+
+
+def test_mixtral_names_are_mapped_for_the_moe_tensors_only():
+    assert mixtral_name("model.layers.3.mlp.gate.weight") == "model.layers.3.block_sparse_moe.gate.weight"
+    assert mixtral_name("model.layers.0.mlp.experts.12.gate_proj.weight") == (
+        "model.layers.0.block_sparse_moe.experts.12.w1.weight")
+    assert mixtral_name("model.layers.0.mlp.experts.1.up_proj.weight").endswith("experts.1.w3.weight")
+    assert mixtral_name("model.layers.0.mlp.experts.1.down_proj.weight").endswith("experts.1.w2.weight")
+    assert mixtral_name("model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
+
+
 def test_mixtral_jitter_is_refused_and_a_job_file_moe_entry_reads():
     with pytest.raises(SpecError, match="router_jitter_noise"):
         arch_from_hf({**MIXTRAL_8X7B, "router_jitter_noise": 0.1}, "m")
@@ -74,3 +93,19 @@ def test_layout_strings_carry_ep_and_it_is_checked_against_the_model():
     assert layout.ep == 2 and layout.dims.ep == 2 and "EP2" in layout.short()
     assert layout.dims.problem(PRESETS["mixtral-8x7b"]) is None
     assert "dense model, no experts" in str(layout.dims.problem(PRESETS["qwen3-8b"]))
+
+
+def test_sharding_lists_every_moe_tensor_with_the_dense_mlps_tp_split():
+    arch = ModelArch(3, 64, 96, 4, 2, 100, qkv_bias=True,
+                     moe=MoESpec(4, 2, 40, shared_expert_ffn_hidden=24, dense_layers=(1,)))
+    tensors = {t.name: t for t in model_tensors(arch)}
+    assert sum(math.prod(t.shape) for t in tensors.values()) == arch.params()
+    router = tensors["model.layers.0.mlp.gate.weight"]
+    shared_gate = tensors["model.layers.0.mlp.shared_expert_gate.weight"]
+    assert router.shape == (4, 64) and router.tp_dim is None and shared_gate.tp_dim is None
+    up = tensors["model.layers.2.mlp.experts.3.up_proj.weight"]
+    down = tensors["model.layers.2.mlp.experts.3.down_proj.weight"]
+    assert (up.shape, up.tp_dim, up.expert) == ((40, 64), 0, 3) and (down.shape, down.tp_dim) == ((64, 40), 1)
+    assert tensors["model.layers.0.mlp.shared_expert.gate_proj.weight"].expert is None
+    assert "model.layers.1.mlp.gate_proj.weight" in tensors and "model.layers.1.mlp.gate.weight" not in tensors
+    assert tp_box(up, arch, 2, 1) == ((20, 40), (0, 64)) and tp_box(router, arch, 2, 1) == ((0, 4), (0, 64))

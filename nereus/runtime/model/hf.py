@@ -1,7 +1,12 @@
-"""HuggingFace Llama/Qwen2/Qwen3 checkpoints: ``config.json`` ↔ ``ModelConfig`` and safetensors ↔ tensors.
+"""HuggingFace Llama/Qwen2/Qwen3 and Qwen3-MoE/Qwen2-MoE/Mixtral checkpoints: ``config.json`` ↔ ``ModelConfig``
+and safetensors ↔ tensors.
 
 Tensor names are the checkpoint's own, so loading a rank's shard reads only the global boxes that
-``nereus.spec.sharding.rank_tensors`` assigns it (``safe_open(...).get_slice``), never the whole model.
+``nereus.spec.sharding.rank_tensors`` assigns it (``safe_open(...).get_slice``), never the whole model:
+a rank holding some experts reads only theirs. Experts are stored one tensor per expert and projection, as
+the hub's checkpoints and transformers 5's ``save_pretrained`` write them (transformers fuses them in
+memory only); Mixtral's ``block_sparse_moe.*`` / ``w1``,``w3``,``w2`` names are mapped to Qwen's here only
+(``spec.moe.mixtral_name``).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nereus.runtime.model.decoder import ModelConfig
-from nereus.spec.model import arch_from_hf
+from nereus.spec.model import ModelArch, arch_from_hf
+from nereus.spec.moe import mixtral_name
 from nereus.spec.sharding import Box
 
 INDEX = "model.safetensors.index.json"
@@ -64,14 +70,39 @@ def _is_scorer(data: dict) -> bool:
 
 # transformers' class-name prefix of each model type ``config_to_hf`` writes; Qwen3 with QKV biases has
 # no class (``arch_from_hf`` never reads one: Qwen3's ``attention_bias`` is refused)
-_HF_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_HF_CLASSES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe",
+               "mixtral": "Mixtral"}
+
+
+def hf_model_type(arch: ModelArch) -> str:
+    """The ``model_type`` ``config_to_hf`` writes: the one family with the architecture's features (Qwen3's
+    q/k norms, Qwen2's QKV bias, experts)."""
+    if arch.moe is not None:
+        return "qwen3_moe" if arch.qk_norm else "qwen2_moe" if arch.qkv_bias else "mixtral"
+    return "qwen3" if arch.qk_norm else "qwen2" if arch.qkv_bias else "llama"
+
+
+def _moe_keys(arch: ModelArch, kind: str) -> dict:
+    """The MoE keys of ``config.json`` as family ``kind`` spells them (``spec.moe.moe_from_hf`` reads them)."""
+    moe = arch.moe
+    common = {"num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_loss_coef,
+              "output_router_logits": False}
+    if kind == "mixtral":  # every layer sparse, experts as wide as intermediate_size, always renormalised
+        return {**common, "num_local_experts": moe.experts, "intermediate_size": moe.expert_ffn_hidden,
+                "router_jitter_noise": 0.0, "sliding_window": None}
+    out = {**common, "num_experts": moe.experts, "moe_intermediate_size": moe.expert_ffn_hidden,
+           "norm_topk_prob": moe.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": list(moe.dense_layers)}
+    if kind == "qwen2_moe":
+        out |= {"shared_expert_intermediate_size": moe.shared_expert_ffn_hidden, "qkv_bias": True}
+    return out
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-    """A ``config.json`` that transformers loads as LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (or
-    a scorer): the type follows from the features only it has (``_HF_CLASSES``)."""
+    """A ``config.json`` that transformers loads as LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
+    Qwen3MoeForCausalLM / Qwen2MoeForCausalLM / MixtralForCausalLM (or a scorer): the type follows from the
+    features only it has (``hf_model_type``)."""
     a = cfg.arch
-    kind = "qwen3" if a.qk_norm else "qwen2" if a.qkv_bias else "llama"
+    kind = hf_model_type(a)
     head = "ForSequenceClassification" if cfg.value_head else "ForCausalLM"
     rope = {"rope_type": "default", **cfg.rope_scaling, "rope_theta": cfg.rope_theta}
     out = {
@@ -84,6 +115,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id,
     }
+    if a.moe is not None:
+        out |= _moe_keys(a, kind)
     if cfg.value_head:
         out["num_labels"] = 1
     return out
@@ -110,19 +143,24 @@ def load_boxes(path: str | Path, boxes: dict[str, Box], dtype: torch.dtype = tor
     where = _files(path)
     out: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
-    for name in boxes:
-        source = name if name in where else ALIASES.get(name, name)
-        if source not in where:
-            raise KeyError(f"{name} is not in the checkpoint at {path}")
+    sources = {name: _source(name, where, path) for name in boxes}
+    for name, source in sources.items():
         by_file.setdefault(where[source], []).append(name)
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as f:
             for name in names:
-                source = name if name in where else ALIASES[name]
-                sl = f.get_slice(source)
+                sl = f.get_slice(sources[name])
                 index = tuple(slice(lo, hi) for lo, hi in boxes[name])
                 out[name] = sl[index].to(dtype).contiguous()
     return out
+
+
+def _source(name: str, where: Mapping[str, Path], path: Path) -> str:
+    """The checkpoint tensor holding contract tensor ``name``: itself, its Mixtral spelling, or an alias."""
+    for source in (name, mixtral_name(name), ALIASES.get(name)):
+        if source in where:
+            return source
+    raise KeyError(f"{name} is not in the checkpoint at {path}")
 
 
 def slice_boxes(full: dict[str, torch.Tensor], boxes: dict[str, Box]) -> dict[str, torch.Tensor]:
@@ -160,4 +198,6 @@ def save_checkpoint(path: str | Path, cfg: ModelConfig, tensors: dict[str, torch
     data = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     if cfg.arch.tied_embeddings:
         data.pop("lm_head.weight", None)
+    if config["model_type"] == "mixtral":
+        data = {mixtral_name(k): v for k, v in data.items()}
     save_file(data, str(path / SINGLE), metadata={"format": "pt"})
