@@ -84,6 +84,12 @@ def replica_shares(lengths: Sequence[int], dp: int) -> list[list[int]]:
     return [sorted(rows) for rows in out]
 
 
+def replica_order(lengths: Sequence[int], dp: int) -> list[int]:
+    """The batch rows in the order a packed inference's replicas answer them: each replica's share
+    (``replica_shares``, in batch order), replicas in DP order. The driver inverts it."""
+    return [i for share in replica_shares(lengths, dp) for i in share]
+
+
 def token_budget_groups(lengths: Sequence[int], budget: int) -> list[list[int]]:
     """Indices of ``lengths`` grouped into micro-batches of at most ``budget`` tokens (a longer row alone):
     as few micro-batches as first-fit decreasing needs, then the rows dealt longest first to the emptiest

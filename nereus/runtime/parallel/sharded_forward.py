@@ -41,8 +41,11 @@ class ForwardOps:
     def packed_forward(self, tokens: torch.Tensor,
                        lengths: torch.Tensor | None) -> list[tuple[PackedRows, torch.Tensor, torch.Tensor]]:
         """(packing, packed tokens [1, L], raw last-stage output [1, L, ...]) per packed micro-batch of this
-        replica's rows of ``tokens`` (packings' rows index ``tokens``); [] off the last stage."""
-        mbs = self.packed_micro_batches(TrainBatch(tokens, lengths=lengths), balance=False)
+        replica's rows of ``tokens`` (packings' rows index ``tokens``); [] off the last stage. The rows are
+        dealt over DP by tokens as training deals them (``spec.packing.replica_shares``), so the replicas
+        finish together and the cost model's fullest replica is the runtime's; the driver puts the
+        replicas' answers back in batch order (``spec.packing.replica_order``)."""
+        mbs = self.packed_micro_batches(TrainBatch(tokens, lengths=lengths))
         packs, inputs = [p for _, p in mbs], [p.pack(mb.tokens) for mb, p in mbs]
         run, shape = self._packed_stage_fn(packs)
         with self.meter.track(exclude=self.model.parameters()):
@@ -66,25 +69,24 @@ class ForwardOps:
                              ) -> tuple[torch.Tensor, ...] | None:
         """``measure(logit shards [.., n, V_local], next tokens [.., n])`` of this replica's rows from one
         forward pass, each result in the next-token frame [b, T−1] (last stage), else None."""
-        rows = self.replica_rows(len(tokens))
         if not self.token_budget:
             outs = self.forward(tokens)
             if not outs:
                 return None
-            mine = tokens[rows].to(self.groups.device)
+            mine = tokens[self.replica_rows(len(tokens))].to(self.groups.device)
             with torch.no_grad():
                 return measure(torch.cat(outs)[:, :-1], mine[:, 1:])
         found = self.packed_forward(tokens, lengths)
         if not found:
             return None
-        width, results = tokens.shape[1] - 1, None
+        width, results, at = tokens.shape[1] - 1, None, _share_positions(found)
         with torch.no_grad():
             for pack, packed, out in found:
                 got = measure(out, pack.next_tokens(packed))
                 if results is None:
-                    results = [g.new_zeros((rows.stop - rows.start, width)) for g in got]
+                    results = [g.new_zeros((len(at), width)) for g in got]
                 for r, g in zip(results, got, strict=True):
-                    r[pack.rows.to(r.device) - rows.start] = pack.unpack(g, width, next_token=True)
+                    r[_positions(at, pack).to(r.device)] = pack.unpack(g, width, next_token=True)
         return tuple(results)
 
     def logprobs_and_entropy(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
@@ -115,9 +117,19 @@ class ForwardOps:
         found = self.packed_forward(tokens, lengths)
         if not found:
             return None
-        rows = self.replica_rows(len(tokens))
-        out = found[0][2].new_zeros((rows.stop - rows.start, tokens.shape[1]))
+        at = _share_positions(found)
+        out = found[0][2].new_zeros((len(at), tokens.shape[1]))
         for pack, _, y in found:
-            out[pack.rows.to(out.device) - rows.start] = pack.unpack(y, tokens.shape[1], next_token=False)
+            out[_positions(at, pack).to(out.device)] = pack.unpack(y, tokens.shape[1], next_token=False)
         return out
+
+
+def _share_positions(found: list[tuple[PackedRows, torch.Tensor, torch.Tensor]]) -> dict[int, int]:
+    """Batch row -> its place among this replica's rows in batch order (a packed inference answers its share
+    of the batch so: ``spec.packing.replica_order``)."""
+    return {row: i for i, row in enumerate(sorted(r for pack, _, _ in found for r in pack.rows.tolist()))}
+
+
+def _positions(at: dict[int, int], pack: PackedRows) -> torch.Tensor:
+    return torch.tensor([at[r] for r in pack.rows.tolist()], dtype=torch.long)
 

@@ -16,6 +16,7 @@ from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
 from nereus.spec.layout import Layout
+from nereus.spec.packing import replica_shares
 
 ROWS, WIDTH = 8, 12
 TOL = dict(rtol=1e-4, atol=2e-5)
@@ -71,7 +72,7 @@ def _check(cfg: ModelConfig, groups: ParallelGroups, where: str) -> None:
     ref, b = packed_reference(cfg), packed_batch(cfg)
     boxes = shard_boxes(cfg, groups)
     sm = ShardedModel(cfg, groups, slice_boxes(ref["state"], boxes))
-    rows = sm.replica_rows(len(b))
+    rows = replica_shares(b.lengths.tolist(), groups.dims.dp)[groups.coords.dp_rank]  # dealt by tokens
     got = sm.values(b.tokens, b.lengths) if cfg.value_head else sm.logprobs(b.tokens, b.lengths)
     if got is not None:
         torch.testing.assert_close(got * ref["keep"][rows], ref["out"][rows], **TOL, msg=lambda m: f"{where}: {m}")
