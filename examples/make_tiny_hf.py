@@ -3,7 +3,8 @@
     python examples/make_tiny_hf.py runs/tiny_hf     (--help: the options; --arch qwen3 for Qwen3)
 
 writes ``runs/tiny_hf/model/`` (a randomly initialised Qwen2ForCausalLM, or Qwen3ForCausalLM with
-``--arch qwen3``, saved with ``save_pretrained``,
+``--arch qwen3``, or a Mixture-of-Experts Qwen3MoeForCausalLM / MixtralForCausalLM / Qwen2MoeForCausalLM with
+``--arch qwen3_moe`` / ``mixtral`` / ``qwen2_moe``: 4 experts, 2 per token; saved with ``save_pretrained``,
 plus a byte-level BPE tokenizer trained with the ``tokenizers`` package on the task's text, saved as a
 ``PreTrainedTokenizerFast`` with a ChatML chat template) and ``runs/tiny_hf/{train,val}.parquet`` (rows
 in verl's format: ``data_source``, ``prompt`` as chat messages, ``ability``, ``reward_model.ground_truth``,
@@ -69,21 +70,28 @@ ARCH = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
 # Qwen3 gives its head size explicitly and normalises each query and key head: 4 heads of 32 over hidden 64
 # (projections twice as wide as hidden, as in Qwen3-0.6B's 16 heads of 128 over 1,024), 2 KV heads.
 QWEN3_ARCH = {**ARCH, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
-ARCHS = ("qwen2", "qwen3")
+# Mixture of Experts (docs/moe.md): 4 experts of width 64, 2 routed per token, on the shapes above; Qwen2-MoE
+# adds its shared expert, and every family keeps the checkpoint's load-balancing loss coefficient.
+MOE = {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.01}
+MOE_ARCHS = {
+    "qwen3_moe": {**QWEN3_ARCH, **MOE, "num_experts": 4, "moe_intermediate_size": 64, "norm_topk_prob": True},
+    "qwen2_moe": {**ARCH, **MOE, "num_experts": 4, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96},
+    "mixtral": {**ARCH, **MOE, "num_local_experts": 4, "intermediate_size": 64, "sliding_window": None},
+}
+ARCHS = ("qwen2", "qwen3", *MOE_ARCHS)
 
 
 def make_model(folder: Path, vocab: int, eos: int, pad: int, seed: int = 0, arch: str = "qwen2") -> None:
     """A 2-layer Qwen2ForCausalLM with random weights (``ARCH``: hidden 64, 2 query heads of size 32, 1 KV
-    head), or with ``arch="qwen3"`` a Qwen3ForCausalLM (``QWEN3_ARCH``)."""
+    head), or with ``arch="qwen3"`` a Qwen3ForCausalLM (``QWEN3_ARCH``), or an MoE model (``MOE_ARCHS``)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config, model, shape = (Qwen3Config, Qwen3ForCausalLM, QWEN3_ARCH) if arch == "qwen3" else (
-        Qwen2Config, Qwen2ForCausalLM, ARCH)
-    cfg = config(vocab_size=vocab, **shape, max_position_embeddings=256,
-                 tie_word_embeddings=False, eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
-    model(cfg).save_pretrained(folder, safe_serialization=True)
+    shape = MOE_ARCHS.get(arch) or (QWEN3_ARCH if arch == "qwen3" else ARCH)
+    cfg = AutoConfig.for_model(arch, vocab_size=vocab, **shape, max_position_embeddings=256,
+                               tie_word_embeddings=False, eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder, safe_serialization=True)
 
 
 def make(out: str | Path, rows: int = 48, val: int = 8, seed: int = 0, arch: str = "qwen2") -> Path:
@@ -113,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val", type=int, default=8, help="held-out rows (default: 8)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights (default: 0)")
     parser.add_argument("--arch", choices=ARCHS, default="qwen2",
-                        help="qwen2 (default) or qwen3 (explicit head_dim, per-head q/k norms)")
+                        help="qwen2 (default), qwen3 (explicit head_dim, per-head q/k norms), or a Mixture of "
+                             "Experts: qwen3_moe, mixtral, qwen2_moe (4 experts, 2 per token)")
     args = parser.parse_args(argv)
     if args.rows < 1 or args.val < 1 or args.rows + args.val > 361:  # 19 x 19 distinct sums of 1..19
         parser.error("--rows and --val must be at least 1 and together at most 361")

@@ -252,9 +252,11 @@ def test_model_path_errors_name_the_key(tmp_path):
         job_from_dict(spec)
 
 
-def test_make_tiny_hf_model_has_a_head_size_vllms_cpu_build_runs(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "mixtral", "qwen2_moe"])
+def test_make_tiny_hf_model_has_a_head_size_vllms_cpu_build_runs(tmp_path, arch):
     """The tiny model's head size is one vLLM's CPU attention takes, so a job generating with vLLM accepts
-    it on the CPU build (checked against the engine's declared head sizes, not a number copied here)."""
+    it on the CPU build (checked against the engine's declared head sizes, not a number copied here); the
+    MoE ones have 4 experts, 2 per token."""
     pytest.importorskip("transformers")
     import importlib.util
 
@@ -266,8 +268,9 @@ def test_make_tiny_hf_model_has_a_head_size_vllms_cpu_build_runs(tmp_path):
     spec = importlib.util.spec_from_file_location("make_tiny_hf", EXAMPLES / "make_tiny_hf.py")
     maker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(maker)
-    maker.make_model(tmp_path, vocab=64, eos=2, pad=0)
-    arch = read_config(tmp_path).arch
+    maker.make_model(tmp_path, vocab=64, eos=2, pad=0, arch=arch)
+    arch, moe = read_config(tmp_path).arch, arch != "qwen2"
+    assert (arch.moe is not None) == moe and (not moe or (arch.moe.experts, arch.moe.top_k) == (4, 2))
     traits = engine_traits("vllm")
     assert arch.head_dim in traits.cpu_head_sizes and arch.layers == 2 and arch.hidden <= 64
     check_rollout_engine(RolloutEngine(engine="vllm"), {"actor": arch.head_dim}, {}, traits.cpu_distribution)

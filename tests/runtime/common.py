@@ -11,6 +11,7 @@ from nereus.runtime.model.decoder import ModelConfig, build_model
 from nereus.runtime.parallel.batch import TrainBatch
 from nereus.spec.layout import Layout
 from nereus.spec.model import ModelArch
+from nereus.spec.moe import MoESpec
 
 # 12 heads of 8 and one KV head: TP 2, 3 and 4 all split whole heads and replicate the KV head; the
 # FFN width (200) and vocabulary (101) split unevenly over 3 and 4 ranks; 4 layers split 2/1/1 over PP 3.
@@ -24,6 +25,12 @@ GQA_VALUE = GQA.with_value_head()
 # KV heads, so the k-norm gradient sums shares of ranks holding the same KV head.
 QWEN3 = ModelConfig(ModelArch(layers=2, hidden=64, ffn_hidden=120, heads=4, kv_heads=2, vocab=90, head_dim=24,
                               qk_norm=True), rope_theta=1e6, eos_token_id=5)
+# Mixture of Experts: 4 experts of width 24, 2 per token, layer 1 dense, Qwen3's q/k norms and Qwen2-MoE's shared
+# expert (``runtime.model.moe``); TP 2 splits each expert like the dense MLP
+MOE = ModelConfig(ModelArch(layers=3, hidden=32, ffn_hidden=48, heads=4, kv_heads=2, vocab=50, qk_norm=True,
+                            moe=MoESpec(4, 2, 24, True, shared_expert_ffn_hidden=20, dense_layers=(1,),
+                                        aux_loss_coef=0.01)),
+                  rope_theta=1e4, eos_token_id=5)
 
 BATCH, SEQ, LR = 12, 10, 1e-2  # 12 sequences split over DP 1, 2, 3 and 4
 # Adam divides by sqrt(v) + eps: at near-zero gradients eps=1e-8 turns a 1e-9 fp32 difference of reduction

@@ -151,6 +151,11 @@ class MoEBlock(nn.Module):
         self.tp_input: nn.Module = nn.Identity()
         self.dispatch: nn.Module = LocalDispatch()  # expert parallelism swaps in an all-to-all
 
+    def mlps(self) -> list[nn.Module]:
+        """The SwiGLU MLPs this block holds (its routed experts here, the shared one): what tensor parallelism
+        makes column/row parallel, as it does the dense MLP."""
+        return [*self.experts.values(), *([self.shared_expert] if self.shared_expert is not None else [])]
+
     def forward(self, x: torch.Tensor, routing: RoutingRecord | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits = self.gate(flat)

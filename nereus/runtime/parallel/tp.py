@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nereus.runtime.model.decoder import CausalLM
+from nereus.runtime.model.moe import MoEBlock
 from nereus.runtime.parallel.dp import sum_gradients
 from nereus.spec.model import ModelArch
 from nereus.spec.parallel_dims import check_split
@@ -127,7 +128,8 @@ def apply_tp(model: CausalLM, group: dist.ProcessGroup | None, tp: int, tp_rank:
         attn.heads = attn.q_proj.weight.shape[0] // arch.head_dim
         attn.kv_heads = attn.k_proj.weight.shape[0] // arch.head_dim
         attn.o_proj = RowParallelLinear(attn.o_proj.weight.data, group)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight.data, group)
+        for ffn in mlp.mlps() if isinstance(mlp, MoEBlock) else [mlp]:  # MoE: each expert as an MLP, router replicated
+            ffn.down_proj = RowParallelLinear(ffn.down_proj.weight.data, group)
         attn.tp_input, mlp.tp_input = CopyToTP(group), CopyToTP(group)
     embed_box = tp_box(specs["model.embed_tokens.weight"], arch, tp, tp_rank)
     if model.tied_head is not None:  # the last stage's copy of a tied embedding: same vocabulary rows

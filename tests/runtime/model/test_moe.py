@@ -3,24 +3,17 @@
 import pytest
 import torch
 
-from nereus.runtime.model.decoder import ModelConfig, build_model, logprobs_from_logits
+from nereus.runtime.model.decoder import build_model, logprobs_from_logits
 from nereus.runtime.model.moe import MoEBlock, RoutingRecord, route
-from nereus.spec.model import ModelArch
-from nereus.spec.moe import MoESpec
-
-# 4 experts, 2 per token; layer 1 stays dense; Qwen2-MoE's shared expert behind its gate
-TINY_MOE = ModelConfig(ModelArch(layers=3, hidden=32, ffn_hidden=48, heads=4, kv_heads=2, vocab=50, qk_norm=True,
-                                 moe=MoESpec(4, 2, 24, True, shared_expert_ffn_hidden=20, dense_layers=(1,),
-                                             aux_loss_coef=0.01)),
-                       rope_theta=1e4)
+from tests.runtime.common import MOE
 
 
 def _tokens(seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, TINY_MOE.arch.vocab, (2, 11), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, MOE.arch.vocab, (2, 11), generator=torch.Generator().manual_seed(seed))
 
 
 def test_sparse_layers_hold_experts_by_global_index():
-    model = build_model(TINY_MOE, seed=0)
+    model = build_model(MOE, seed=0)
     names = set(model.state_dict())
     assert "model.layers.0.mlp.gate.weight" in names and "model.layers.2.mlp.experts.3.down_proj.weight" in names
     assert "model.layers.0.mlp.shared_expert_gate.weight" in names
@@ -42,7 +35,7 @@ def test_route_renormalises_and_replays_at_given_indices():
 
 
 def test_record_then_replay_gives_the_same_logprobs_and_other_indices_change_them():
-    model = build_model(TINY_MOE, seed=1).eval()
+    model = build_model(MOE, seed=1).eval()
     tokens = _tokens()
     record = RoutingRecord()
     with torch.no_grad():
@@ -56,7 +49,7 @@ def test_record_then_replay_gives_the_same_logprobs_and_other_indices_change_the
 
 
 def test_replay_of_the_wrong_shape_is_refused():
-    model = build_model(TINY_MOE, seed=1)
+    model = build_model(MOE, seed=1)
     record = RoutingRecord()
     model(_tokens(), routing=record)
     with pytest.raises(ValueError, match="layer 0"):
@@ -64,7 +57,7 @@ def test_replay_of_the_wrong_shape_is_refused():
 
 
 def test_aux_loss_is_switch_loss_over_all_sparse_tokens_and_reaches_the_router():
-    model = build_model(TINY_MOE, seed=2)
+    model = build_model(MOE, seed=2)
     record = RoutingRecord(aux=True)
     model(_tokens(), routing=record)
     loss = record.aux_loss()
@@ -78,7 +71,7 @@ def test_aux_loss_is_switch_loss_over_all_sparse_tokens_and_reaches_the_router()
 
 
 def test_an_expert_no_token_chose_gets_zero_gradients():
-    model = build_model(TINY_MOE, seed=3)
+    model = build_model(MOE, seed=3)
     tokens = _tokens()
     forced = {i: torch.zeros(22, 2, dtype=torch.long) + torch.tensor([0, 1]) for i in (0, 2)}
     model(tokens, routing=RoutingRecord(forced)).sum().backward()
