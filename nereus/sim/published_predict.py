@@ -20,7 +20,11 @@ Both give per-model-stage and per-phase seconds; the published columns follow fr
   after the previous step's weights arrive: rollout and trainer take turns, the wait is the rollout and
   the step is generation + inference + training + weight sync (verl's fully_async
   ``staleness_threshold``; the streaming of mini-batches to the trainer within a step is not modelled);
-- ``tok_per_s_per_gpu``: the step's prompt and response tokens over the step and every GPU of the run.
+- ``tok_per_s_per_gpu``: the step's prompt and response tokens over the step and every GPU of the run;
+- every stage call also moves the step's batch, padded to the length caps, through verl's single driver
+  (``cost.controller``): its timers ``gen``, ``old_log_prob``, ``ref``, ``values`` and ``update_*`` hold
+  that time, and so does each phase of the step. A one-step-off row's ``t_gen_s`` is the rollout worker's
+  own ``generate_sequences`` timer (its notes), which does not, though its step waits for it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nereus.control.backend import RunToEnd
+from nereus.cost.controller import controller_time
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.sim.backend import SimBackend
@@ -69,6 +74,18 @@ def sim_times(run: PublishedRun, seed: int = 0, steps: int = SIM_STEPS) -> StepT
     return StepTimes(stages, phases)
 
 
+def with_controller(run: PublishedRun, times: StepTimes) -> StepTimes:
+    """The times with each stage call's pass through the driver (``cost.controller``) added: to every
+    model-stage that runs, and to its phase once per model-stage."""
+    moved = controller_time(run.job.sequences_per_step(), run.padded_tokens)
+    stages, phases = dict(times.stages), dict(times.phases)
+    for name, seconds in times.stages.items():
+        if seconds > 0:
+            stages[name] = seconds + moved
+            phases[name.split("/")[1]] += moved
+    return StepTimes(stages, phases)
+
+
 def takes_turns(run: PublishedRun) -> bool:
     """A fully asynchronous run at staleness 0: its rollout waits for each step's weights."""
     return run.sync_mode in ("fully_async", "partial_rollout") and run.staleness == 0
@@ -81,13 +98,16 @@ def step_seconds(run: PublishedRun, times: StepTimes) -> float:
     return sum(p.values())
 
 
-def predicted(run: PublishedRun, times: StepTimes) -> dict[str, float]:
+def predicted(run: PublishedRun, device: StepTimes) -> dict[str, float]:
     """Predicted values of the columns the row publishes that the job has (a stage of a model the row
-    does not run is left out)."""
+    does not run is left out); ``device`` are the stages' times without the driver's part."""
+    times = with_controller(run, device)
     p, step = times.phases, step_seconds(run, times)
     out = {}
     for column in run.published:
-        if column == "t_gen_s" and takes_turns(run):
+        if column == "t_gen_s" and run.sync_mode == "one_step_off":
+            out[column] = device.stages[STAGE_OF[column]]  # the worker's generate_sequences timer
+        elif column == "t_gen_s" and takes_turns(run):
             out[column] = p["generation"]
         elif column == "t_gen_s" and run.sync_mode in ("fully_async", "partial_rollout"):
             out[column] = max(0.0, p["generation"] - p["inference"] - p["training"])

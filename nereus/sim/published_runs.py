@@ -14,8 +14,10 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
   its cap). Responses are log-normal with ``RESPONSE_SIGMA``, clipped at the cap.
 - rollout TP: the row's, else verl's example scripts' for a model of that size (``sim.recipes``).
 - micro-batches: verl's dynamic batching (token budget per GPU) at its recipes' budgets, for every row.
-- one optimizer update per step (the schema has no mini-batch count; FLOPs do not depend on it, and with
-  token-budget micro-batches neither does the count of FSDP gathers).
+- PPO mini-batches of ``MINI_BATCH_PROMPTS`` prompts (the schema has no mini-batch count): one optimizer
+  update each, micro-batched by token budget within it, so a pipeline's bubble and FSDP's gathers are paid
+  per mini-batch; one update a step when the prompts do not split into them.
+- the batch through verl's driver padded to the length caps (``padded_tokens``, ``cost.controller``).
 - recomputation in training as each backend runs by default in verl's recipes: FSDP and DeepSpeed with
   gradient checkpointing (``enable_gradient_checkpointing=True``, full recompute), Megatron without
   (verl/trainer/config/engine/megatron.yaml: ``recompute_granularity: null``).
@@ -49,11 +51,16 @@ ALGORITHMS = ("ppo", "grpo", "dapo", "reinforce_pp", "rloo", "other")
 # template are a few hundred tokens of a 2,048 cap (one eighth). A prior, not fitted to any row.
 UNSTATED_PROMPT_FRACTION = 1 / 8
 # A mean response length a row does not publish. Caps (8K-28K in verl's DAPO rows) are headroom for the
-# tail, not a scale of the mean: the one global constant of this validation, fitted on two NAMED rows'
-# update_actor (verl_oso_3, verl_fa_2: the training FLOPs at the H20's priced GEMM rate give 950-1,000
-# tokens for both) and reported on every other cell (docs/cost-model.md, "End-to-end RL runs").
-UNSTATED_RESPONSE_TOKENS = 1000
-FITTED_ON = ("verl_oso_3", "verl_fa_2")
+# tail, not a scale of the mean. One of the validation's two global constants, fitted together with
+# ``cost.controller.CONTROLLER_S_PER_TOKEN_SLOT`` on three NAMED cells (verl_oso_1's old_log_prob,
+# verl_oso_3's and verl_fa_2's update_actor) and reported on every other cell (docs/cost-model.md,
+# "End-to-end RL runs").
+UNSTATED_RESPONSE_TOKENS = 750
+FITTED_ON = ("verl_oso_1", "verl_oso_3", "verl_fa_2")
+# Prompts per PPO mini-batch (one optimizer update): train_prompt_mini_bsz=32 in every DAPO recipe script
+# behind these rows (verl/experimental/one_step_off_policy/shell/dapo_7b_math_*.sh and
+# fully_async_policy/shell/dapo_7b_math_fsdp2_*.sh); verl's key is actor.ppo_mini_batch_size.
+MINI_BATCH_PROMPTS = 32
 # Spread of log response lengths: the DAPO trace's (traces/long_tail_dapo.yaml), Seer and TLT's long tails
 # (docs/sources/rl_length_dynamics.md).
 RESPONSE_SIGMA = 1.0
@@ -77,6 +84,7 @@ class PublishedRun:
     sync_mode: str
     published: dict[str, float]  # column -> published value (only the columns the row has)
     staleness: float | None = None  # verl fully_async staleness_threshold, when the row gives it
+    padded_tokens: int = 0  # token slots of every sequence as the batch travels: max prompt + max response
 
 
 def text(row: dict, key: str) -> str:
@@ -181,10 +189,12 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
         prompts = count(row, "prompts_per_step", "the batch")
         samples = count(row, "samples_per_prompt") or 1
         (prompt, _), (response, cap) = mean_length(row, "prompt"), mean_length(row, "response")
+    mini_batches = prompts // MINI_BATCH_PROMPTS if prompts % MINI_BATCH_PROMPTS == 0 else 1
     data = {
         "name": text(row, "run_id"),
         "models": models,
         "algorithm": {"name": "ppo" if critic else "grpo", "samples_per_prompt": samples,
+                      "mini_batches": mini_batches,
                       # one response per prompt and no critic: no group to compare, REINFORCE++'s batch baseline
                       **({} if critic or samples > 1 else {"adv_estimator": "reinforce_plus_plus"}),
                       "recompute_old_log_prob": sync_mode not in ("fully_async", "partial_rollout")},
@@ -205,8 +215,9 @@ def published_run(row: dict) -> PublishedRun:
     if not published:
         raise RowSkipped("no published time or throughput")
     job = job_of(row, published)
+    padded = (count(row, "max_prompt_len") or job.workload.prompt_length) + job.workload.response.max
     return PublishedRun(run_id, job, plan_of(row, job, weight_sync_only(published)), text(row, "sync_mode") or "sync",
-                        published, number(row, "staleness"))
+                        published, number(row, "staleness"), padded)
 
 
 def _split(row: dict, total: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -240,11 +251,13 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
     wl = job.workload
     seq = wl.prompt_length + round(wl.response.mean)
     cap = (count(row, "max_prompt_len") or wl.prompt_length) + wl.response.max
-    share = max(1, job.sequences_per_step() // dp)
+    share = max(1, job.sequences_per_step() // dp)  # an inference pass takes the whole batch
+    update_share = max(1, share // job.algorithm.mini_batches)  # an update takes a mini-batch
     fsdp = backend == "fsdp" and dp > 1
     recompute = "none" if backend == "megatron" else "full"
     train = Layout(tp=tp, pp=pp, dp=dp, fsdp=fsdp, zero1=not fsdp, recompute=recompute,
-                   micro_batch_size=balanced_micro_batch(share, TRAIN_BUDGET_PER_TOKEN_CAP * cap * tp * pp, seq))
+                   micro_batch_size=balanced_micro_batch(update_share, TRAIN_BUDGET_PER_TOKEN_CAP * cap * tp * pp,
+                                                          seq))
     infer = Layout(tp=tp, pp=pp, dp=dp, fsdp=fsdp, zero1=not fsdp, recompute="none",
                    micro_batch_size=balanced_micro_batch(share, INFER_BUDGET_PER_TOKEN_CAP * cap * tp * pp, seq))
     return train, infer
