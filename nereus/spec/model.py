@@ -389,7 +389,8 @@ def read_arch(f: Fields, base_dir: Path) -> ModelArch:
         qkv_bias=f.get("qkv_bias", bool, False),
         head_dim=f.get("head_dim", int, 0, minimum=2, maximum=MAX_HIDDEN),
         qk_norm=f.get("qk_norm", bool, False),
-        moe=read_moe(f.sub("moe")) if f.has("moe") else None,
+        # a null ``moe`` (e.g. ``dataclasses.asdict`` of a dense arch) is a dense model, as a missing one
+        moe=read_moe(f.sub("moe")) if f.sub("moe").data else None,
     )
     f.finish()
     _check_heads(arch, f.key_path("heads"), f.key_path("kv_heads"))

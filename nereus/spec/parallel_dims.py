@@ -27,7 +27,10 @@ from nereus.spec.model import ModelArch
 if TYPE_CHECKING:
     from nereus.spec.layout import Layout
 
-GROUP_KINDS = ("tp", "dp", "pp", "embed")  # "embed": each (first stage, last stage) pair of a tied embedding
+# "embed": each (first stage, last stage) pair of a tied embedding; "ep": the ``ep`` consecutive DP ranks that
+# split the experts between them (all-to-all of routed tokens); "edp": the DP ranks holding the same experts
+# (their gradients are reduced together), Megatron-Core's expert-data-parallel group
+GROUP_KINDS = ("tp", "dp", "pp", "embed", "ep", "edp")
 
 
 class Coord(NamedTuple):
@@ -169,11 +172,21 @@ class ParallelDims:
             raise ValueError(f"rank {rank} is outside the {self.world} ranks of TP{self.tp}·PP{self.pp}·DP{self.dp}")
         return Coord(rank // (self.tp * self.dp), (rank // self.tp) % self.dp, rank % self.tp)
 
+    def ep_rank(self, dp_rank: int) -> int:
+        """The place of DP rank ``dp_rank`` in its expert-parallel group: which ``1/ep`` of the experts it holds
+        (EP groups are ``ep`` consecutive DP ranks, as Megatron-Core lays them out)."""
+        return dp_rank % self.ep
+
+    def edp_rank(self, dp_rank: int) -> int:
+        """The place of DP rank ``dp_rank`` among the DP ranks holding its experts (``dp / ep`` of them)."""
+        return dp_rank // self.ep
+
     def group_members(self, kind: str, ranks: Sequence[int] | None = None) -> list[list[int]]:
         """Every group of ``kind`` (``GROUP_KINDS``) as lists of ``ranks`` (default: the layout's own ranks),
         each in coordinate order (a rank's place in its group is its coordinate): TP groups of ``tp`` ranks
         per (pp, dp); DP groups per (pp, tp); PP groups per (dp, tp); embedding pairs (first stage, last
-        stage) per (dp, tp)."""
+        stage) per (dp, tp); EP groups of ``ep`` consecutive DP ranks and expert-data-parallel groups of the
+        ``dp / ep`` DP ranks with the same EP rank, per (pp, tp)."""
         r = range(self.world) if ranks is None else ranks
         if len(r) != self.world:
             raise ValueError(f"TP{self.tp}·PP{self.pp}·DP{self.dp} has {self.world} ranks, got {len(r)}")
@@ -186,4 +199,11 @@ class ParallelDims:
             return [[r[at(p, d, t)] for p in pps] for d in dps for t in tps]
         if kind == "embed":
             return [[r[at(0, d, t)], r[at(self.pp - 1, d, t)]] for d in dps for t in tps]
+        ep, blocks = self.ep, range(self.dp // self.ep)
+        if kind in ("ep", "edp") and self.dp % ep:
+            raise ValueError(f"ep={ep} does not divide dp={self.dp}: no expert-parallel groups")
+        if kind == "ep":
+            return [[r[at(p, b * ep + e, t)] for e in range(ep)] for p in pps for t in tps for b in blocks]
+        if kind == "edp":
+            return [[r[at(p, b * ep + e, t)] for b in blocks] for p in pps for t in tps for e in range(ep)]
         raise ValueError(f"group kind {kind!r}; one of {', '.join(GROUP_KINDS)}")

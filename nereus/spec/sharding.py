@@ -12,6 +12,9 @@ and columns (everything else). The degrees and rank coordinates come from ``spec
 Pipeline stages take contiguous layer ranges, the remainder going to the first stages; the embedding
 sits on the first stage, the final norm and the head on the last. ``Layout.interleave`` changes the
 pipeline schedule only: placement stays contiguous layer ranges, as the runtime builds its stages.
+Expert parallelism (``ep``) places each routed expert's tensors (``TensorSpec.expert``) only on the DP
+ranks whose EP rank owns it (``expert_range``: a contiguous ``1/ep`` of the experts; ``holds``), so a rank
+loads, snapshots and moves only its experts; every other tensor stays on every DP rank.
 
 ZeRO-1 optimizer state (fp32 master weights, Adam m and v) is sharded over data parallelism as the
 distributed optimizers of Megatron-LM and DeepSpeed do (Rajbhandari et al. 2020, Sec. 5.1): the tensors
@@ -46,10 +49,10 @@ class TensorSpec:
     layer: int | None  # decoder layer index; None for embedding, final norm and heads
     position: str = "layer"  # "first" (embedding), "layer", "last" (final norm, heads)
     unit: str = ELEMENTS  # what ``tp_dim`` is split into (``UNITS``)
+    expert: int | None = None  # an MoE layer's routed expert (global index) the tensor belongs to
 
     def __post_init__(self) -> None:
         if self.unit not in UNITS:
-    expert: int | None = None  # an MoE layer's routed expert (global index) the tensor belongs to
             raise ValueError(f"TensorSpec.unit: {self.unit!r}; one of {', '.join(UNITS)}")
 
 
@@ -83,12 +86,12 @@ def model_tensors(arch: ModelArch, value_head: bool = False) -> list[TensorSpec]
             out.append(TensorSpec(p + "self_attn.k_norm.weight", (hd,), None, i))
         out.append(TensorSpec(p + "self_attn.o_proj.weight", (h, arch.heads * hd), 1, i, unit=HEADS))
         out.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), None, i))
-        if arch.mlp == "swiglu":
-            out.append(TensorSpec(p + "mlp.gate_proj.weight", (arch.ffn_hidden, h), 0, i))
-        out.append(TensorSpec(p + "mlp.up_proj.weight", (arch.ffn_hidden, h), 0, i))
         if arch.moe is not None and arch.moe.sparse(i):
             out += moe_layer_tensors(arch, i)
             continue
+        if arch.mlp == "swiglu":
+            out.append(TensorSpec(p + "mlp.gate_proj.weight", (arch.ffn_hidden, h), 0, i))
+        out.append(TensorSpec(p + "mlp.up_proj.weight", (arch.ffn_hidden, h), 0, i))
         out.append(TensorSpec(p + "mlp.down_proj.weight", (h, arch.ffn_hidden), 1, i))
     out.append(TensorSpec("model.norm.weight", (h,), None, None, "last"))
     if value_head:
@@ -98,9 +101,6 @@ def model_tensors(arch: ModelArch, value_head: bool = False) -> list[TensorSpec]
     return out
 
 
-def tensor_stage(t: TensorSpec, arch: ModelArch, pp: int) -> int:
-    """Pipeline stage holding ``t``. Tied embeddings: the last stage uses the first stage's weight,
-    which the runtime keeps in sync as Megatron-LM does; its canonical home is stage 0."""
 def _swiglu(prefix: str, width: int, hidden: int, layer: int, expert: int | None = None) -> list[TensorSpec]:
     """gate/up column-parallel, down row-parallel, as the dense MLP."""
     return [TensorSpec(prefix + "gate_proj.weight", (width, hidden), 0, layer, expert=expert),
@@ -123,6 +123,9 @@ def moe_layer_tensors(arch: ModelArch, layer: int) -> list[TensorSpec]:
     return out
 
 
+def tensor_stage(t: TensorSpec, arch: ModelArch, pp: int) -> int:
+    """Pipeline stage holding ``t``. Tied embeddings: the last stage uses the first stage's weight,
+    which the runtime keeps in sync as Megatron-LM does; its canonical home is stage 0."""
     if t.position == "first":
         return 0
     if t.position == "last":
@@ -154,13 +157,27 @@ def tp_box(t: TensorSpec, arch: ModelArch, tp: int, tp_rank: int) -> Box:
     return tuple(full)
 
 
+def expert_range(experts: int, ep: int, ep_rank: int) -> range:
+    """The routed experts (global indices) EP rank ``ep_rank`` of ``ep`` holds: a contiguous ``1/ep`` of them,
+    as Megatron-Core splits its experts."""
+    return range(*split_range(experts, ep, ep_rank))
+
+
+def holds(t: TensorSpec, arch: ModelArch, dims: ParallelDims, dp_rank: int) -> bool:
+    """Whether DP rank ``dp_rank`` holds ``t`` at all: every tensor but the routed experts of other EP ranks
+    (expert parallelism splits experts over ``ep`` consecutive DP ranks: ``ParallelDims.ep_rank``)."""
+    if t.expert is None or dims.ep == 1:
+        return True
+    return t.expert in expert_range(arch.moe.experts, dims.ep, dims.ep_rank(dp_rank))
+
+
 def rank_tensors(arch: ModelArch, dims: ParallelDims, rank: int, value_head: bool = False) -> dict[str, Box]:
     """Every tensor box held by ``rank`` of a layout's ``dims`` (its coordinates: ``ParallelDims.coords``)."""
-    pp_rank, _, tp_rank = dims.coords(rank)
+    pp_rank, dp_rank, tp_rank = dims.coords(rank)
     return {
         t.name: tp_box(t, arch, dims.tp, tp_rank)
         for t in model_tensors(arch, value_head)
-        if tensor_stage(t, arch, dims.pp) == pp_rank
+        if tensor_stage(t, arch, dims.pp) == pp_rank and holds(t, arch, dims, dp_rank)
     }
 
 
@@ -216,19 +233,33 @@ def flat_range_boxes(box: Box, lo: int, hi: int) -> tuple[Box, ...]:
 
 
 def rank_order(arch: ModelArch, dims: ParallelDims, stage: int, tp_rank: int,
-               value_head: bool = False) -> list[tuple[str, Box]]:
-    """The tensors pipeline stage ``stage``, TP rank ``tp_rank`` holds, in checkpoint order, with boxes."""
+               value_head: bool = False, dp_rank: int = 0) -> list[tuple[str, Box]]:
+    """The tensors pipeline stage ``stage``, TP rank ``tp_rank`` (and DP rank ``dp_rank``: under expert
+    parallelism, its experts) holds, in checkpoint order, with boxes."""
     return [(t.name, tp_box(t, arch, dims.tp, tp_rank)) for t in model_tensors(arch, value_head)
-            if tensor_stage(t, arch, dims.pp) == stage]
+            if tensor_stage(t, arch, dims.pp) == stage and holds(t, arch, dims, dp_rank)]
 
 
 def zero_shards(arch: ModelArch, dims: ParallelDims, stage: int, tp_rank: int, dp_rank: int,
-                value_head: bool = False) -> dict[str, tuple[Box, ...]]:
+                value_head: bool = False, zero: bool = True) -> dict[str, tuple[Box, ...]]:
     """ZeRO part of DP rank ``dp_rank``: its range of the flat buffer of the rank's tensors (checkpoint
-    order, each flattened row-major), as boxes per tensor it touches (tensors outside left out)."""
-    order = rank_order(arch, dims, stage, tp_rank, value_head)
+    order, each flattened row-major), as boxes per tensor it touches (tensors outside left out); the whole
+    buffer without ``zero``. Under expert parallelism a rank has two buffers, listed in this order: the
+    dense tensors' (split over DP) and its routed experts' (split over the ``dp / ep`` DP ranks holding
+    the same experts, Megatron-Core's expert-data-parallel group)."""
+    order = rank_order(arch, dims, stage, tp_rank, value_head, dp_rank)
+    if dims.ep == 1:
+        return _flat_part(order, dims.dp if zero else 1, dp_rank if zero else 0)
+    experts = {t.name for t in model_tensors(arch, value_head) if t.expert is not None}
+    dense = _flat_part([x for x in order if x[0] not in experts], dims.dp if zero else 1, dp_rank if zero else 0)
+    return {**dense, **_flat_part([x for x in order if x[0] in experts], dims.dp // dims.ep if zero else 1,
+                                  dims.edp_rank(dp_rank) if zero else 0)}
+
+
+def _flat_part(order: list[tuple[str, Box]], parts: int, index: int) -> dict[str, tuple[Box, ...]]:
+    """Part ``index`` of ``parts`` of the flat buffer of ``order``'s boxes, as boxes per tensor it touches."""
     total = sum(box_volume(b) for _, b in order)
-    lo, hi = split_range(total, dims.dp, dp_rank)
+    lo, hi = split_range(total, parts, index)
     out, offset = {}, 0
     for name, box in order:
         n = box_volume(box)

@@ -203,9 +203,24 @@ def test_group_members_are_those_the_process_groups_were_built_from():
             assert layout.dims.group_members(kind, ranks) == old_members(layout, ranks, kind), (kind, tp, pp, dp)
         assert layout.dims.group_members("tp") == old_members(layout, list(range(layout.world)), "tp")
     with pytest.raises(ValueError, match="group kind"):
-        ParallelDims().group_members("ep")
+        ParallelDims().group_members("cp")
     with pytest.raises(ValueError, match="has 4 ranks, got 3"):
         ParallelDims(2, 1, 2).group_members("tp", [0, 1, 2])
+
+
+def test_expert_parallel_groups_split_each_dp_group_into_consecutive_blocks():
+    dims = ParallelDims(tp=2, pp=1, dp=4, ep=2)  # ranks (dp, tp): dp rank d holds ranks 2d, 2d+1
+    assert dims.group_members("ep") == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert dims.group_members("edp") == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert [dims.ep_rank(d) for d in range(4)] == [0, 1, 0, 1]
+    assert [dims.edp_rank(d) for d in range(4)] == [0, 0, 1, 1]
+    for tp, pp, dp, ep in [(1, 1, 2, 2), (1, 2, 4, 4), (2, 2, 2, 1)]:
+        d = ParallelDims(tp, pp, dp, ep)
+        for kind in ("ep", "edp"):
+            members = d.group_members(kind)
+            assert sorted(r for g in members for r in g) == list(range(d.world)), (kind, tp, pp, dp, ep)
+    with pytest.raises(ValueError, match="ep=2 does not divide dp=3"):
+        ParallelDims(dp=3, ep=2).group_members("ep")
 
 
 def test_degrees_are_positive_integers_and_ep_cp_have_their_rules():

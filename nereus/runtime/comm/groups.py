@@ -60,7 +60,8 @@ OUTSIDE = Coord(-1, -1, -1)  # the coordinates of a rank outside the layout
 
 
 class ParallelGroups:
-    """TP, DP and PP groups (and, for tied embeddings under PP, first/last-stage groups) of one layout,
+    """TP, DP and PP groups (and, for tied embeddings under PP, first/last-stage groups; under expert
+    parallelism, EP and expert-data-parallel groups) of one layout,
     built from its ``dims`` (``ParallelDims.group_members``); ``coords`` is this rank's ``Coord``.
 
     ``member`` is False on ranks outside ``ranks``; their group attributes are None and ``coords`` is
@@ -85,6 +86,9 @@ class ParallelGroups:
         self.dp_group = self._make("dp", timeout)
         self.pp_group = self._make("pp", timeout)
         self.embed_group = self._make("embed", timeout) if tied_embeddings and self.dims.pp > 1 else None
+        # expert parallelism: the all-to-all group and the group its experts' gradients are reduced over
+        self.ep_group = self._make("ep", timeout) if self.dims.ep > 1 else None
+        self.edp_group = self._make("edp", timeout) if self.dims.ep > 1 else None
 
     def _make(self, kind: str, timeout: timedelta) -> dist.ProcessGroup | None:
         mine = None
@@ -111,7 +115,7 @@ class ParallelGroups:
 
     def destroy(self) -> None:
         """Release this layout's groups on this rank."""
-        for g in (self.tp_group, self.dp_group, self.pp_group, self.embed_group):
+        for g in (self.tp_group, self.dp_group, self.pp_group, self.embed_group, self.ep_group, self.edp_group):
             if g is not None:
                 dist.destroy_process_group(g)
-        self.tp_group = self.dp_group = self.pp_group = self.embed_group = None
+        self.tp_group = self.dp_group = self.pp_group = self.embed_group = self.ep_group = self.edp_group = None

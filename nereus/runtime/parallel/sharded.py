@@ -34,7 +34,8 @@ from nereus.runtime.model.decoder import CausalLM, ModelConfig, rope_inv_freq
 from nereus.runtime.model.memory import ActivationMeter, MemoryReport, tensor_bytes
 from nereus.runtime.parallel import parallelize
 from nereus.runtime.parallel.batch import TrainBatch
-from nereus.runtime.parallel.dp import ShardedAdam, average_gradients, sum_gradients
+from nereus.runtime.parallel.dp import ShardedAdam, sum_gradients
+from nereus.runtime.parallel.ep import ExpertShardedAdam, expert_grad_square, is_expert, reduce_gradients
 from nereus.runtime.parallel.packing import PackedRows, row_lengths
 from nereus.runtime.parallel.pp import StageComm, train_pipeline
 from nereus.runtime.parallel.sharded_forward import ForwardOps
@@ -224,7 +225,7 @@ class ShardedModel(ForwardOps):
         tied = [p for p in (self.model.tied_head, self._embedding_weight()) if p is not None]
         if self.groups.embed_group is not None and tied_head(self.cfg):
             sum_gradients(tied, self.groups.embed_group)
-        average_gradients(list(self.model.parameters()), self.groups.dp_group)
+        reduce_gradients(self.model, self.groups)  # over DP (experts: over their expert-data-parallel group)
         return [x * p for x, p in zip(losses, parts, strict=False)]
 
     def _loss_inputs(self, y: torch.Tensor, mb: TrainBatch, pack: PackedRows | None, inputs: torch.Tensor,
@@ -252,12 +253,16 @@ class ShardedModel(ForwardOps):
         stage's ``tied_head`` is not among them: it follows the embedding (``sync_tied_head``)."""
         named = self.shards()
         dims, c = self.groups.dims, self.groups.coords
-        order = [n for n, _ in rank_order(self.cfg.arch, dims, c.pp_rank, c.tp_rank, self.cfg.value_head)]
+        order = [n for n, _ in rank_order(self.cfg.arch, dims, c.pp_rank, c.tp_rank, self.cfg.value_head, c.dp_rank)]
         if sorted(order) != sorted(named):
             raise RuntimeError(f"stage {c.pp_rank} holds {sorted(named)}, the contract says {sorted(order)}")
         return [(n, named[n]) for n in order]
 
     def make_optimizer(self, lr: float = 1e-3, init_master: bool = True, **adam) -> ShardedAdam:
+        if self.groups.dims.ep > 1:  # experts' state over their own group (``ep.ExpertShardedAdam``)
+            self.optimizer = ExpertShardedAdam(self.optimizer_params(), self.groups, self.groups.layout.zero1,
+                                               lr=lr, init_master=init_master, **adam)
+            return self.optimizer
         self.optimizer = ShardedAdam(self.optimizer_params(), self.groups.dp_group, self.groups.layout.zero1,
                                      lr=lr, init_master=init_master, **adam)
         return self.optimizer
@@ -280,9 +285,12 @@ class ShardedModel(ForwardOps):
         After ``backward`` the gradients are DP-averaged, so every replica computes the same norm."""
         params = self.optimizer_params()
         sq = torch.zeros((), dtype=torch.float64)
+        ep = self.groups.dims.ep > 1  # each EP rank holds other experts: theirs are summed over the EP group
         for name, p in params:
-            if p.grad is not None:
+            if p.grad is not None and not (ep and is_expert(name)):
                 sq += p.grad.double().pow(2).sum() / self._tp_multiplicity[name]
+        if ep:
+            sq += expert_grad_square(params, self.groups)
         for group in (self.groups.tp_group, self.groups.pp_group):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)

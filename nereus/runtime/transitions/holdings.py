@@ -10,7 +10,7 @@ nothing is copied to build the view, and a kept buffer is handed to the new layo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -111,12 +111,9 @@ def optimizer_boxes(cfg, groups) -> list[tuple[str, tuple[Box, ...]]]:
     """(tensor, box set) of each optimizer segment a rank holds under a layout, in checkpoint order: its
     ZeRO range of the contract's flat buffer (``sharding.zero_shards``; the whole buffer without ZeRO-1),
     which is what ``ShardedAdam`` keeps."""
-    dims, c = groups.dims, groups.coords
-    if not groups.layout.zero1:
-        dims, dp_rank = replace(dims, dp=1), 0
-    else:
-        dp_rank = c.dp_rank
-    return list(zero_shards(cfg.arch, dims, c.pp_rank, c.tp_rank, dp_rank, cfg.value_head).items())
+    c = groups.coords
+    return list(zero_shards(cfg.arch, groups.dims, c.pp_rank, c.tp_rank, c.dp_rank, cfg.value_head,
+                            zero=groups.layout.zero1).items())
 
 
 def holdings_of(model: str, sm: ShardedModel, into: Holdings | None = None) -> Holdings:
