@@ -26,6 +26,8 @@ ENGINES = RUNNABLE  # the run.rollout.engine choices
 SPECULATION_METHODS = ("ngram",)  # run.rollout.speculative.method: vLLM's n-gram proposer's name
 # no live-batch bound unless run.rollout.speculative.max_live gives one
 UNBOUNDED_LIVE = 2**31
+# run.rollout.native_decode: how the native engine decodes a fixed batch (runtime.engines.native.graphed_decode)
+NATIVE_DECODES = ("auto", "graphed", "static", "loop")
 
 
 def read_speculation(rollout: Fields) -> Speculation | None:
@@ -94,6 +96,9 @@ class RolloutEngine:
     # vLLM's scheduler (verl's rollout keys of the same names); None: vLLM's own default
     enable_chunked_prefill: bool | None = None
     max_num_batched_tokens: int | None = None
+    # the native engine's fixed batch: CUDA graphs over static buffers (graphed), the same buffers eager
+    # (static), the per-step loop (loop); auto: graphed on a CUDA device, the loop elsewhere
+    native_decode: str = "auto"
 
     def scheduler_args(self) -> dict[str, object]:
         """The vLLM scheduler arguments the job sets (``LLM(**...)``); the native engine has no prefill budget."""
@@ -121,6 +126,7 @@ def read_engine(rollout: Fields) -> RolloutEngine:
                          enforce_eager=rollout.get("enforce_eager", bool, True),
                          enable_chunked_prefill=rollout.get("enable_chunked_prefill", bool, None),
                          max_num_batched_tokens=rollout.get("max_num_batched_tokens", int, None, minimum=1),
+                         native_decode=rollout.get("native_decode", str, "auto", choices=NATIVE_DECODES),
                          speculative=read_speculation(rollout))
 
 

@@ -106,3 +106,10 @@ def test_val_kwargs_read_as_verls_and_refuse_what_cannot_sample(tmp_path):
         tiny_job("grpo", str(tmp_path), rollout={"val_kwargs": {"do_sample": True}})
     with pytest.raises(SpecError, match=r"run\.rollout\.val_kwargs\.top_k"):
         tiny_job("grpo", str(tmp_path), rollout={"val_kwargs": {"top_k": 5}})
+
+
+def test_native_decode_key(tmp_path):
+    job = tiny_job("ppo", str(tmp_path), rollout={"native_decode": "static"})
+    assert job.run.rollout_engine.native_decode == "static"
+    with pytest.raises(SpecError, match=r"run\.rollout\.native_decode"):
+        tiny_job("ppo", str(tmp_path), rollout={"native_decode": "cudagraph"})

@@ -5,7 +5,8 @@ pipeline stages), so there is nothing to open, reload after a weight sync or res
 is the fixed batch (``fixed_batch``; the continuous-batching engine with ``params.slots``); a generation with
 decision points is a session (``session``: one ``DecodeEngine`` per replica, kept here between calls), whose
 moves send records, sampling streams and KV caches (``kv_migrate``) and whose speculation switches by live
-batch (``speculative``). It is the exact single-process reference.
+batch (``speculative``). A plain fixed batch on one stage decodes from static buffers, as a captured CUDA
+graph on a GPU (``graphed_decode``; ``run.rollout.native_decode``). It is the exact single-process reference.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from nereus.runtime.comm.faults import FaultHook
 from nereus.runtime.engines.answers import ClosedReplica, MigrationOutcome, ReplicaRollout
 from nereus.runtime.engines.native.decode_engine import DecodeEngine, replica_engine
 from nereus.runtime.engines.native.fixed_batch import generate_with_logprobs
+from nereus.runtime.engines.native.graphed_decode import decode_path, static_generate
 from nereus.runtime.engines.native.session import close_engine, migrate_sequences, run_chunk
 from nereus.runtime.engines.protocol import EngineConfig, EngineOpened, MigrationContext
 from nereus.runtime.engines.sampling import SamplingParams
@@ -31,18 +33,20 @@ if TYPE_CHECKING:
 
 
 class NativeEngine:
-    """A key's native engine on one worker: its step's session (a ``DecodeEngine``), when one is open."""
+    """A key's native engine on one worker: its step's session (a ``DecodeEngine``), when one is open, and
+    how it decodes a fixed batch (``decode``: ``run.rollout.native_decode``)."""
 
     outlives_world: ClassVar[bool] = False  # its session runs on the world's groups
     start_s: ClassVar[float] = 0.0
 
-    def __init__(self) -> None:
+    def __init__(self, decode: str = "auto") -> None:
         self.session: DecodeEngine | None = None
+        self.decode = decode
 
     @classmethod
     def open(cls, sm: ShardedModel | None, config: EngineConfig,
              idle: IdleEngines) -> tuple[NativeEngine, EngineOpened]:
-        return cls(), EngineOpened.NONE  # the worker's shard is the engine
+        return cls(config.settings.native_decode), EngineOpened.NONE  # the worker's shard is the engine
 
     @classmethod
     def bystander(cls) -> NativeEngine:
@@ -53,7 +57,10 @@ class NativeEngine:
 
     def generate(self, sm: ShardedModel, prompts: list[list[int]], params: SamplingParams,
                  faults: FaultHook) -> ReplicaRollout | None:
-        return generate_with_logprobs(sm, prompts, params, faults)
+        path = decode_path(self.decode, sm, params)
+        if path == "loop":
+            return generate_with_logprobs(sm, prompts, params, faults)
+        return static_generate(sm, prompts, params, capture=path == "graphed", faults=faults)
 
     def session_open(self, sm: ShardedModel, prompts: list[list[int]], params: SamplingParams) -> bool:
         """A fresh continuous-batching engine on this replica's rows of ``prompts`` (``params.slots``)."""

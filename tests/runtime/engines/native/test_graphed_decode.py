@@ -1,0 +1,117 @@
+"""The static-buffer decode (``runtime.engines.native.graphed_decode``) with graph capture off, as it runs
+on CPU: the same tokens and log-probs as the per-step loop (``fixed_decode``) for batches smaller than
+their bucket, EOS stops, per-row limits and sampling; the packed prefill fills the caches the loop's
+padded prefill does; the engine's option picks the path. In this process, on a world of one (no
+processes started)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nereus.runtime.comm.groups import ParallelGroups
+from nereus.runtime.engines.native.engine import NativeEngine
+from nereus.runtime.engines.native.fixed_decode import FixedDecode
+from nereus.runtime.engines.native.graphed_decode import (
+    StaticDecode,
+    batch_bucket,
+    decode_path,
+    length_bucket,
+    static_generate,
+)
+from nereus.runtime.engines.sampling import SamplingParams
+from nereus.runtime.model.decoder import build_model
+from nereus.runtime.model.hf import slice_boxes
+from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
+from nereus.spec.layout import Layout
+from nereus.spec.levers import Speculation
+from tests.runtime.common import GQA, QWEN3
+
+LAYOUT = Layout(micro_batch_size=1, recompute="none", sequence_parallel=False)
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[None]:
+    """A default group of one rank in this process (a hash store: no port, no process), destroyed after."""
+    if dist.is_initialized():
+        pytest.skip("a default process group exists in this process already")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def sharded(cfg, dtype: torch.dtype) -> ShardedModel:
+    groups = ParallelGroups(LAYOUT, tied_embeddings=tied_head(cfg))
+    state = build_model(cfg, seed=1).state_dict()
+    return ShardedModel(cfg, groups, slice_boxes(state, shard_boxes(cfg, groups)), dtype=dtype)
+
+
+def prompts(n: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (2 + (i * 5) % 9,), generator=g).tolist() for i in range(n)]
+
+
+def assert_same(sm: ShardedModel, ps: list[list[int]], sp: SamplingParams, atol: float) -> None:
+    want = FixedDecode(sm, ps, sp).run()
+    got = static_generate(sm, ps, sp, capture=True)  # no CUDA here: the same step, eagerly
+    assert [toks for toks, _ in got.rows] == want.rows
+    for (_, lps), ref in zip(got.rows, want.row_logps, strict=True):
+        assert torch.allclose(torch.tensor(lps), torch.tensor(ref), atol=atol, rtol=0)
+    assert got.stats.iterations == want.iterations
+
+
+@pytest.mark.parametrize("cfg", [GQA, QWEN3], ids=["gqa", "qwen3"])
+def test_greedy_equals_the_loop(world, cfg) -> None:
+    sm = sharded(cfg, torch.float32)
+    for n in (1, 3, 5):  # buckets 1, 4, 8: padding rows decode beside the real ones
+        assert_same(sm, prompts(n, cfg.arch.vocab), SamplingParams(max_new_tokens=7), atol=1e-5)
+
+
+def test_eos_limits_and_sampling_equal_the_loop(world) -> None:
+    sm = sharded(GQA, torch.float64)  # float64: rounding cannot move a sampled token across a boundary
+    ps = prompts(6, GQA.arch.vocab)
+    free = FixedDecode(sm, ps, SamplingParams(max_new_tokens=9)).run().rows
+    eos = SamplingParams(max_new_tokens=9, eos_token_id=free[0][2])  # row 0 stops at its third token
+    assert_same(sm, ps, eos, atol=1e-12)
+    assert_same(sm, ps, replace(eos, resumed=(3, 0, 8, 0, 0, 1), resumed_done=frozenset({4})), atol=1e-12)
+    assert_same(sm, ps, replace(eos, temperature=0.9, top_p=0.9, top_k=20, seed=4), atol=1e-12)
+
+
+def test_packed_prefill_fills_the_caches(world) -> None:
+    """Each prompt's keys and values land in its cache row from position 0; its last logits equal those
+    of the prompt run alone without a cache."""
+    sm = sharded(GQA, torch.float64)
+    ps = prompts(3, GQA.arch.vocab)
+    decode = StaticDecode(sm.model, len(ps), 32, torch.float64, capture=False)
+    logits = decode.prefill(ps)
+    assert decode.offset.tolist() == [len(p) for p in ps] + [0]  # bucket 4: one padding row
+    for j, p in enumerate(ps):
+        alone = sm.model(torch.tensor([p]))[0, -1]
+        assert torch.allclose(logits[j], alone, atol=1e-10)
+        assert decode.caches[0].k[j, :, len(p):].abs().sum() == 0 and decode.caches[0].k[j, :, : len(p)].abs().sum() > 0
+
+
+def test_buckets() -> None:
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert [length_bucket(n) for n in (1, 64, 65)] == [64, 64, 128]
+    with pytest.raises(ValueError, match="at least one row"):
+        batch_bucket(0)
+
+
+def test_engine_option_picks_the_path(world) -> None:
+    sm = sharded(GQA, torch.float32)
+    plain = SamplingParams(max_new_tokens=5)
+    assert decode_path("auto", sm, plain) == "loop"  # CPU: the per-step loop by default
+    assert decode_path("graphed", sm, plain) == "static"  # no CUDA device: the same buffers, eagerly
+    assert decode_path("static", sm, plain) == "static" and decode_path("loop", sm, plain) == "loop"
+    spec = Speculation("ngram", 2, 8, prompt_lookup_max=3)
+    for other in (replace(plain, slots=2), replace(plain, speculation=spec), replace(plain, keep_groups=1)):
+        assert decode_path("static", sm, other) == "loop"  # what the static path does not run
+    ps = prompts(4, GQA.arch.vocab)
+    static = NativeEngine("static").generate(sm, ps, plain, None)
+    loop = NativeEngine("loop").generate(sm, ps, plain, None)
+    assert [r[0] for r in static.rows] == [r[0] for r in loop.rows]
