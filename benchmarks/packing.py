@@ -38,7 +38,8 @@ difference of the actor's and reference's log-probs over response tokens, first 
 ``max_abs_loss_diff`` (of the first optimizer steps' token-mean objectives), ``peak_mem_ratio`` (packed /
 padded peak activation bytes over workers and operations, the runtime's memory meter); then the cost
 model's ``predicted_padded_s``, ``predicted_packed_s``, ``predicted_ratio``, ``error_padded`` and
-``error_packed`` (predicted / measured − 1 of the step), ``error_bound`` (the stated error) and ``parts``
+``error_packed`` (predicted / measured − 1 of the step; ``*_after``: with the profile measured after the
+rounds), ``error_bound`` (the stated error) and ``parts``
 (per mode and part: measured and predicted seconds).
 
     python benchmarks/packing.py [--job examples/grpo_packing_bench.yaml] [--rounds 3] [--json]
@@ -212,13 +213,14 @@ def timed_rounds(job: JobSpec, plans: dict[str, Plan], roll: Rollout, rounds: in
 
 def parts_table(got: dict[str, list[dict]], before: dict[str, dict], after: dict[str, dict]) -> dict:
     """Per mode and part (and ``total``): the measured median, the predictions with the profile measured
-    before and after the rounds, and the error of the first (predicted / measured − 1)."""
+    before and after the rounds, and their errors (predicted / measured − 1)."""
     out = {}
     for mode in MODES:
         measured = {part: statistics.median(r["seconds"][part] for r in got[mode]) for part in PARTS}
         measured["total"] = statistics.median(sum(r["seconds"].values()) for r in got[mode])
         out[mode] = {part: {"measured_s": m, "predicted_s": before[mode][part],
-                            "predicted_after_s": after[mode][part], "error": before[mode][part] / m - 1}
+                            "predicted_after_s": after[mode][part], "error": before[mode][part] / m - 1,
+                            "error_after": after[mode][part] / m - 1}
                      for part, m in measured.items()}
     return out
 
@@ -246,24 +248,28 @@ def run(job: JobSpec, rounds: int, plans_dir: Path | None) -> dict:
         "predicted_packed_s": before["packed"]["total"],
         "error_padded": parts["padded"]["total"]["error"],
         "error_packed": parts["packed"]["total"]["error"],
+        "error_padded_after": parts["padded"]["total"]["error_after"],
+        "error_packed_after": parts["packed"]["total"]["error_after"],
         "error_bound": ERROR_BOUND,
         "parts": parts,
         "profile_gflops": [p.matmul_flops_per_s / 1e9 for p in profiles],
+        "profile_load": [p.load_average for p in profiles],
         "layouts": {m: {str(p.model_stage): p.layout.short() for p in plans[m].placements} for m in MODES},
     }
 
 
 def report(out: dict) -> list[str]:
     """The measured-vs-predicted table and the summary lines."""
-    lines = [f"{'stage':<13} {'mode':<7} {'measured s':>10} {'predicted s':>22} {'error':>8}"]
+    lines = [f"{'stage':<13} {'mode':<7} {'measured s':>10} {'predicted s [after]':>21} {'error [after]':>18}"]
     for part in (*PARTS, "total"):
         for mode in MODES:
             r = out["parts"][mode][part]
             lines.append(f"{part:<13} {mode:<7} {r['measured_s']:10.3f} {r['predicted_s']:10.3f} "
-                         f"[{r['predicted_after_s']:8.3f}] {r['error']:+8.1%}")
+                         f"[{r['predicted_after_s']:8.3f}] {r['error']:+8.1%} [{r['error_after']:+7.1%}]")
     before, after = out["profile_gflops"]
     lines += [f"{mode}: {out['layouts'][mode]}" for mode in MODES]
-    lines.append(f"profile matmul {before:.3g} GFLOP/s per worker before the rounds, {after:.3g} after; "
+    lines.append(f"profile matmul {before:.3g} GFLOP/s per worker before the rounds, {after:.3g} after (load "
+                 f"average {out['profile_load'][0]:.1f}, {out['profile_load'][1]:.1f}); "
                  f"stated error of uncalibrated predictions: up to {out['error_bound']:.0%} per model-stage")
     lines.append(f"packed/padded {out['ratio']:.3f} measured, {out['predicted_ratio']:.3f} predicted; padding "
                  f"{out['padding_fraction']:.1%} of the padded tokens; max |Δ log-prob| "
@@ -286,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(report(out)), file=sys.stderr)
     keys = ("padded_s", "packed_s", "ratio", "padding_fraction", "max_abs_logprob_diff", "max_abs_loss_diff",
             "peak_mem_ratio", "predicted_padded_s", "predicted_packed_s", "predicted_ratio", "error_padded",
-            "error_packed", "error_bound", "parts")
+            "error_packed", "error_padded_after", "error_packed_after", "error_bound", "parts")
     print(json.dumps({k: out[k] for k in keys}))
     return 0
 
