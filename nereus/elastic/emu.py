@@ -8,7 +8,9 @@ contract of ``nereus.spec.sharding``, the same one the runtime builds its shards
 Coverage: a replica's weight shards cover each tensor once, up to identical copies on tensor-parallel
 ranks (norms, and K/V heads when TP exceeds the KV heads). With ZeRO-1 each replica owns 1/dp of the
 optimizer state (``sharding.zero_shards``); the replicas of a model-stage together cover it once. With
-FSDP (``Layout.fsdp``, ZeRO-3) weights and gradient buffers are sharded the same way.
+FSDP (``Layout.fsdp``, ZeRO-3) weights and gradient buffers are sharded the same way. Under expert
+parallelism a replica holds only its EP rank's routed experts (``sharding.holds``): the ``ep`` replicas of
+an EP group together cover each expert once.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
 from nereus.spec.parallel_dims import layer_problem, split_problem
-from nereus.spec.sharding import box_volume, model_tensors, tensor_stage, tp_box, zero_shards
+from nereus.spec.sharding import box_volume, holds, model_tensors, tensor_stage, tp_box, zero_shards
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,10 @@ def placement_emus(job: JobSpec, p: Placement) -> list[EMU]:
         tensors = []
         for kind, sharded in placement_states(job, p):
             for spec, s in zip(specs, stages, strict=True):
+                held = holds(spec, arch, dims, r)  # under EP, only this replica's experts
                 shards = tuple(Shard(p.gpus[dims.rank(s, r, t)], parts[(s, t)].get(spec.name, ()) if sharded
-                                     else _nonempty(tp_box(spec, arch, dims.tp, t))) for t in range(dims.tp))
+                                     else _nonempty(tp_box(spec, arch, dims.tp, t)) if held else ())
+                               for t in range(dims.tp))
                 tensors.append(TensorState(spec.name, kind.name, spec.shape, kind.dtype, kind.bytes_per_element,
                                            tuple(sh for sh in shards if sh.boxes)))
         emus.append(EMU(p.model_stage, r, lay, replica_devices(p, r), tuple(tensors)))
@@ -162,7 +166,7 @@ def check_plan(job: JobSpec, plan: Plan, where: str = "plan") -> None:
         if model not in job.models:
             raise SpecError(f"{path}.model_stage", f"model {model!r} is not in the job ({sorted(job.models)})")
         arch, lay = job.models[model], p.layout
-        problem = split_problem(arch, lay.tp) or layer_problem(arch.layers, lay.pp, lay.interleave, runnable=False)
+        problem = split_problem(arch, lay.tp, lay.ep, dp=lay.dp) or layer_problem(arch.layers, lay.pp, lay.interleave, runnable=False)
         if problem is not None:
             raise problem.at(f"{path}.layout")
         if max(p.gpus) >= job.cluster.num_gpus:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from nereus.elastic.boxes import BoxSet, bounding, intersect_sets, set_contains, set_volume, subtract
 from nereus.elastic.emu import StateKind
+from nereus.elastic.ep_buffers import ExpertRankBuffers
 from nereus.elastic.groups import ModelGroups, Pipeline, TensorGroup, class_boxes, class_tp_box
 from nereus.elastic.plan import LocalPiece, SentPiece, WholeBuffer
 from nereus.spec.layout import Placement
@@ -40,6 +41,11 @@ class Holder:
     def device(self, stage: int, dp_rank: int, tp_rank: int) -> int:
         return self.placement.gpus[self.placement.layout.dims.rank(stage, dp_rank, tp_rank)]
 
+    @property
+    def per_rank(self) -> bool:
+        """Whether what a rank holds depends on its DP rank: DP-sharded, or experts split by EP."""
+        return self.zero or self.placement.layout.ep > 1
+
 
 def device_slots(holders: list[Holder]) -> dict[int, tuple[Slot, ...]]:
     slots: dict[int, list[Slot]] = {}
@@ -47,7 +53,7 @@ def device_slots(holders: list[Holder]) -> dict[int, tuple[Slot, ...]]:
         dims = h.placement.layout.dims
         for rank, g in enumerate(h.placement.gpus):
             s, r, t = dims.coords(rank)
-            slots.setdefault(g, []).append((hi, s, t, r if h.zero else None))
+            slots.setdefault(g, []).append((hi, s, t, r if h.per_rank else None))
     return {g: tuple(v) for g, v in slots.items()}
 
 
@@ -102,6 +108,11 @@ class RankBuffers:
                     out.append((flat_range_boxes(boxes[i], a - o, b - o), t, r))
                 r += 1
         return out
+
+
+def rank_buffers(h: Holder, groups: ModelGroups) -> RankBuffers | ExpertRankBuffers:
+    """What each DP rank of a ``per_rank`` holder holds (``ep_buffers`` under expert parallelism)."""
+    return ExpertRankBuffers(h, groups) if h.placement.layout.ep > 1 else RankBuffers(h, groups)
 
 
 class Partition:
@@ -203,13 +214,13 @@ class StateGeometry:
         self._cache: dict[tuple, tuple] = {}
         self._slots: dict[tuple, list] = {}
         self._skeys: dict[tuple, SourceKey] = {}
-        self._buffers = {(which, i): RankBuffers(h, groups) for which, hs in (("old", old), ("new", new))
-                         for i, h in enumerate(hs) if h.zero}
-        # Unsharded holders place every tensor of a box class alike; sharded ones each tensor apart.
-        self.per_tensor = any(h.zero for h in old)
+        self._buffers = {(which, i): rank_buffers(h, groups) for which, hs in (("old", old), ("new", new))
+                         for i, h in enumerate(hs) if h.per_rank}
+        # Unsharded holders place every tensor of a box class alike; sharded ones (and EP) each tensor apart.
+        self.per_tensor = any(h.per_rank for h in old)
 
     def partition(self, hi: int, g: TensorGroup) -> Partition:
-        key = (hi, g.id if self.old[hi].zero else g.cls)
+        key = (hi, g.id if self.old[hi].per_rank else g.cls)
         if key not in self._partitions:
             self._partitions[key] = Partition(hi, self.old[hi], g, self.groups, self._buffers.get(("old", hi)))
         return self._partitions[key]
@@ -222,7 +233,7 @@ class StateGeometry:
             hi, s, t, r = slot
             h = holders[hi]
             bpe = self.kind.bytes_per_element
-            if h.zero:
+            if h.per_rank:
                 parts = self._buffers[(which, hi)].part(s, t, r)
                 out = [(g, bs, set_volume(bs) * bpe * g.count) for g, bs in parts]
             else:

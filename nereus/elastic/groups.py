@@ -61,9 +61,11 @@ class ModelGroups:
         keyed: dict[tuple, list[TensorSpec]] = {}
         for spec in model_tensors(arch, value_head):
             stages = tuple(tensor_stage(spec, arch, pp) for pp in self.pipelines)
-            keyed.setdefault((box_class(spec), stages, spec.name if singletons else ""), []).append(spec)
+            # routed experts apart: expert parallelism places each on its own ranks (``sharding.holds``)
+            key = (box_class(spec), stages, spec.name if singletons else "", spec.expert)
+            keyed.setdefault(key, []).append(spec)
         self.groups: list[TensorGroup] = []
-        for i, ((_, stages, _), specs) in enumerate(keyed.items()):
+        for i, ((_, stages, _, _), specs) in enumerate(keyed.items()):
             self.groups.append(TensorGroup(first_id + i, model, tuple(s.name for s in specs), specs[0],
                                            dict(zip(self.pipelines, stages, strict=True)), box_class(specs[0]),
                                            len(specs)))

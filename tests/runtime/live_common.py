@@ -3,6 +3,7 @@ graph, runtime keys under given layouts, and the global state of every key gathe
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 
 import torch
@@ -40,7 +41,7 @@ def lay(tp: int = 1, pp: int = 1, dp: int = 1, mbs: int = 1) -> Layout:
 def job(cfgs: dict[str, ModelConfig] = CFGS, chunk_mib: float | None = None):
     models = {}
     for role in ("actor", "critic", "reference", "reward"):
-        arch = asdict(cfgs.get(role, CFGS[role]).arch)
+        arch = json.loads(json.dumps(asdict(cfgs.get(role, CFGS[role]).arch)))  # tuples as lists, as YAML has them
         models[role] = arch
     return job_from_dict({
         "name": "live", "models": models, "algorithm": {"name": "ppo"},
@@ -61,8 +62,9 @@ def graph_between(old: list[KeySpec], new: list[KeySpec], **kw) -> TransitionPla
     return build_graph(job(**kw), plan_of(old, WORLD), plan_of(new, WORLD))
 
 
-def initial_state(model: str) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in build_model(CFGS[model], seed=7).state_dict().items()}
+def initial_state(model: str, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """``model``'s initial weights (of ``cfg`` when given instead of the role's config)."""
+    return {k: v.detach().clone() for k, v in build_model(cfg or CFGS[model], seed=7).state_dict().items()}
 
 
 def groups_for(s: KeySpec) -> ParallelGroups:
@@ -99,7 +101,8 @@ def train_step(sm: ShardedModel | None, cfg: ModelConfig, seed: int, lr: float =
     return [x for _, losses in sorted(p for p in parts if p[1]) for x in losses]
 
 
-def global_state(model: str, sm: ShardedModel | None) -> dict[tuple[str, str, int], torch.Tensor]:
+def global_state(model: str, sm: ShardedModel | None,
+                 cfg: ModelConfig | None = None) -> dict[tuple[str, str, int], torch.Tensor]:
     """(state, tensor, component) → whole tensor, assembled on every rank from every rank's buffers;
     elements no rank holds stay NaN (callers check coverage)."""
     mine = []
@@ -109,7 +112,7 @@ def global_state(model: str, sm: ShardedModel | None) -> dict[tuple[str, str, in
                 mine += [(state, name, i, box, v.clone()) for i, v in enumerate(buf.view(box))]
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
-    shapes = {k: tuple(v.shape) for k, v in initial_state(model).items()}
+    shapes = {k: tuple(v.shape) for k, v in initial_state(model, cfg).items()}
     full: dict[tuple[str, str, int], torch.Tensor] = {}
     for rank_parts in parts:
         for state, name, i, box, v in rank_parts:
