@@ -21,15 +21,18 @@ PLAIN = Layout(tp=2, pp=2, recompute="none", sequence_parallel=False)
 def test_supports_names_each_field_and_fix():
     assert CAPABILITY.supports(PLAIN) == []
     assert all(CAPABILITY.supports(replace(PLAIN, recompute=r)) == [] for r in ("selective", "full"))
+    assert CAPABILITY.supports(replace(PLAIN, fsdp=True, zero1=False)) == []  # ZeRO-3 (``parallel.zero3``)
     bad = replace(PLAIN, sequence_parallel=True, interleave=2, fsdp=True)
-    reasons = CAPABILITY.supports(bad, "training")
+    older = RuntimeCapability(recompute=("none",))
+    reasons = older.supports(bad, "training")
     assert len(reasons) == 3
     for field, fix in (("sequence_parallel", "sequence_parallel=false"), ("interleave", "interleave=1"),
                        ("fsdp", "fsdp=false")):
         assert any(r.startswith(field) and fix in r for r in reasons), (field, reasons)
     with pytest.raises(UnsupportedLayout, match="fsdp"):
+        older.as_run(bad)
+    with pytest.raises(UnsupportedLayout, match="interleave"):
         CAPABILITY.as_run(bad)
-    older = RuntimeCapability(recompute=("none",))
     assert older.supports(replace(PLAIN, recompute="full")) == [
         "recompute='full': the runtime implements ['none']; set recompute=none"]
     assert older.planning_options(Options(recompute="auto")).recompute == "none"

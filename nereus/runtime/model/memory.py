@@ -21,6 +21,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 
@@ -59,6 +60,15 @@ class MemoryReport:
         return {**asdict(self), "total": self.total}
 
 
+class SavedWeights(Protocol):
+    """Weights that a saved tensor may be a view of and that can be rebuilt in backward instead of kept
+    (``parallel.zero3.Zero3``): ``pack`` gives a reference for such a tensor (None for any other)."""
+
+    def pack(self, t: torch.Tensor) -> object | None: ...
+
+    def unpack(self, ref: object) -> torch.Tensor: ...
+
+
 class _Saved:
     __slots__ = ("tensor", "__weakref__")
 
@@ -69,7 +79,8 @@ class _Saved:
 class ActivationMeter:
     """Peak bytes of tensors saved for backward while ``track`` is active (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, weights: SavedWeights | None = None) -> None:
+        self.weights = weights  # gathered ZeRO-3 weights are saved as references, neither kept nor counted
         self.peak = 0
         self._current = 0
         self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
@@ -83,7 +94,10 @@ class ActivationMeter:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield self
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor | _Saved:
+    def _pack(self, t: torch.Tensor) -> object:
+        ref = self.weights.pack(t) if self.weights is not None else None
+        if ref is not None:
+            return ref
         if isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in self._exclude:
             return t
         key = t.untyped_storage().data_ptr()
@@ -105,9 +119,10 @@ class ActivationMeter:
             self._current -= entry[0]
             del self._live[key]
 
-    @staticmethod
-    def _unpack(packed: torch.Tensor | _Saved) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Saved) else packed
+    def _unpack(self, packed: object) -> torch.Tensor:
+        if isinstance(packed, _Saved):
+            return packed.tensor
+        return packed if isinstance(packed, torch.Tensor) else self.weights.unpack(packed)
 
 
 def _job(arch: ModelArch, value_head: bool, layout: Layout, training: dict, **workload) -> tuple[str, JobSpec]:

@@ -13,11 +13,13 @@ Shards = dict[str, tuple[tuple, torch.Tensor]]  # name → (global box, local te
 
 
 def read_shards(sm: ShardedModel) -> Shards | None:
-    """name → (global box, local tensor) on DP replica 0 (other replicas hold copies), else None."""
+    """name → (global box, local tensor) on DP replica 0 (other replicas hold copies), else None. Every rank
+    of the layout calls it (under ZeRO-3 the local tensors are gathered over DP)."""
+    shards = sm.shards()
     if sm.groups.coords.dp_rank != 0:
         return None
     boxes = shard_boxes(sm.cfg, sm.groups)
-    return {k: (tuple(boxes[k]), v.detach().clone()) for k, v in sm.shards().items()}
+    return {k: (tuple(boxes[k]), v.detach().clone()) for k, v in shards.items()}
 
 
 def assemble(parts: list[Shards | None]) -> dict[str, torch.Tensor]:

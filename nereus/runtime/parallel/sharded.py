@@ -42,10 +42,10 @@ from nereus.runtime.parallel.sharded_forward import ForwardOps
 from nereus.runtime.parallel.tp import (
     parallel_entropy,
     parallel_logprobs,
-    reduce_head_norm_grads,
-    reduce_replicated_kv_grads,
+    reduce_tp_replicated,
     vocab_range,
 )
+from nereus.runtime.parallel.zero3 import Zero3, Zero3Adam
 from nereus.spec.packing import replica_shares, token_budget_groups
 from nereus.spec.sharding import Box, model_tensors, rank_order, rank_tensors, tp_box
 
@@ -133,8 +133,11 @@ class ShardedModel(ForwardOps):
         self.model: CausalLM = model
         self.vocab_start = vocab_range(cfg.arch, groups.dims.tp, groups.coords.tp_rank)[0]
         self.optimizer: ShardedAdam | None = None
+        self.zero3: Zero3 | None = None  # ZeRO-3: only this rank's range of the weights is kept (``parallel.zero3``)
+        if groups.layout.fsdp:
+            self.zero3 = Zero3(model, [n for n, _ in self.optimizer_params()], groups)
         self.comm = StageComm(groups)
-        self.meter = ActivationMeter()
+        self.meter = ActivationMeter(self.zero3)
         self.last_report: MemoryReport | None = None
 
     # ----- batch handling -------------------------------------------------------------------------
@@ -195,6 +198,8 @@ class ShardedModel(ForwardOps):
         reduced); returns this replica's micro-batch losses on the last stage. Statistics a loss function
         reports (``Loss.stats``) are appended to ``metrics`` in the order the micro-batches ran."""
         self.model.zero_grad(set_to_none=True)
+        if self.zero3 is not None:
+            self.zero3.grads.zero_()
         if self.token_budget:
             pairs = self.packed_micro_batches(batch)
             mbs, packs = [mb for mb, _ in pairs], [p for _, p in pairs]
@@ -220,8 +225,13 @@ class ShardedModel(ForwardOps):
         with self.meter.track(exclude=self.model.parameters()):
             losses = train_pipeline(run, self.comm, inputs, shape, self.dtype, loss, self.schedule)
         self._activations = self.meter.peak
-        reduce_replicated_kv_grads(self.model, self.groups.tp_group, self.groups.dims.tp, self.groups.coords.tp_rank)
-        reduce_head_norm_grads(self.model, self.groups.tp_group)
+        # under ZeRO-3 each unit's backward has done this and the DP reduction (``zero3``): no gradients here
+        grads = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
+        reduce_tp_replicated(self.cfg, grads, self.groups.tp_group, self.groups.dims.tp, self.groups.coords.tp_rank)
+        if self.zero3 is not None:  # the last stage's averaged tied copy's gradient joins the first stage's range
+            reduce_gradients(self.model, self.groups)
+            self.zero3.sum_tied_gradient(self.model.tied_head, self.groups)
+            return [x * p for x, p in zip(losses, parts, strict=False)]
         tied = [p for p in (self.model.tied_head, self._embedding_weight()) if p is not None]
         if self.groups.embed_group is not None and tied_head(self.cfg):
             sum_gradients(tied, self.groups.embed_group)
@@ -246,7 +256,9 @@ class ShardedModel(ForwardOps):
 
     def _embedding_weight(self) -> torch.nn.Parameter | None:
         emb = self.model.model.embed_tokens
-        return emb.weight if emb is not None and self.groups.dims.pp > 1 else None
+        if emb is None or self.groups.dims.pp == 1:
+            return None
+        return emb.weight if self.zero3 is None else self.zero3.tensor("model.embed_tokens.weight")  # a DP gather
 
     def optimizer_params(self) -> list[tuple[str, torch.nn.Parameter]]:
         """The parameters Adam updates, in the contract's flat order (``sharding.rank_order``). The last
@@ -259,6 +271,9 @@ class ShardedModel(ForwardOps):
         return [(n, named[n]) for n in order]
 
     def make_optimizer(self, lr: float = 1e-3, init_master: bool = True, **adam) -> ShardedAdam:
+        if self.zero3 is not None:
+            self.optimizer = Zero3Adam(self.zero3, lr=lr, init_master=init_master, **adam)
+            return self.optimizer
         if self.groups.dims.ep > 1:  # experts' state over their own group (``ep.ExpertShardedAdam``)
             self.optimizer = ExpertShardedAdam(self.optimizer_params(), self.groups, self.groups.layout.zero1,
                                                lr=lr, init_master=init_master, **adam)
@@ -283,6 +298,9 @@ class ShardedModel(ForwardOps):
         once: TP shards and PP stages summed, TP-replicated tensors and the tied head's copy counted once —
         is at most ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s rule); returns the norm before.
         After ``backward`` the gradients are DP-averaged, so every replica computes the same norm."""
+        if self.zero3 is not None:
+            groups = (self.groups.tp_group, self.groups.pp_group)
+            return self.zero3.clip_gradients(max_norm, self._tp_multiplicity, groups)
         params = self.optimizer_params()
         sq = torch.zeros((), dtype=torch.float64)
         ep = self.groups.dims.ep > 1  # each EP rank holds other experts: theirs are summed over the EP group
@@ -336,12 +354,17 @@ class ShardedModel(ForwardOps):
 
     # ----- shards and memory ----------------------------------------------------------------------
     def shards(self) -> dict[str, torch.Tensor]:
-        """Local parameters by checkpoint name (the tied-embedding copy ``tied_head`` excluded)."""
+        """Local parameters by checkpoint name (the tied-embedding copy ``tied_head`` excluded); under ZeRO-3
+        gathered over DP, so every DP rank calls it."""
+        if self.zero3 is not None:
+            return self.zero3.full_weights()
         return {k: v for k, v in self.model.named_parameters() if k != "tied_head"}
 
     def record_memory(self, op: str, activations: int = 0, kv_cache: int = 0) -> MemoryReport:
-        params = list(self.model.parameters())
+        params = list(self.model.parameters())  # none outside a gather under ZeRO-3: its ranges instead
         grads = [p.grad for p in params if p.grad is not None]
+        if self.zero3 is not None:
+            params, grads = [*params, self.zero3.weights], [*grads, self.zero3.grads]
         opt = self.optimizer.state_bytes() if self.optimizer is not None and op == "train" else 0
         self.last_report = MemoryReport(op, tensor_bytes(params), tensor_bytes(grads) if op == "train" else 0,
                                         opt, activations, kv_cache)

@@ -2,7 +2,7 @@
 
 q/k/v/gate/up become column-parallel (their output rows split), o/down row-parallel (their input columns
 split, outputs all-reduced), the embedding and LM head vocabulary-parallel; Qwen3's per-head q/k norms
-are replicated, their gradients summed over TP after backward (``reduce_head_norm_grads``). Every
+are replicated, their gradients summed over TP after backward (``reduce_tp_replicated``). Every
 communication is a module the plain model leaves as a no-op slot and ``apply_tp`` swaps in (no hooks):
 ``CopyToTP`` at the shared input of a column-parallel region (the attention and MLP inputs, the LM head's
 input: identity forward, gradient all-reduce backward, once per region), ``RowParallelLinear`` for o/down
@@ -20,9 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nereus.runtime.model.decoder import CausalLM
+from nereus.runtime.model.decoder import CausalLM, ModelConfig
 from nereus.runtime.model.moe import MoEBlock
-from nereus.runtime.parallel.dp import sum_gradients
 from nereus.spec.model import ModelArch
 from nereus.spec.parallel_dims import check_split
 from nereus.spec.sharding import KV_HEADS, model_tensors, tp_box
@@ -213,29 +212,34 @@ def gather_vocab(logits: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     return torch.cat([p[..., : int(s.item())] for p, s in zip(parts, sizes, strict=True)], dim=-1)
 
 
-def reduce_replicated_kv_grads(model: CausalLM, group: dist.ProcessGroup | None, tp: int, tp_rank: int) -> None:
-    """When TP exceeds the KV heads, tp/kv_heads ranks hold the same K/V head and each computed only its
-    query heads' share of its gradient: sum the shares (over TP, each rank placed at its head's rows)."""
-    arch = model.cfg.arch
-    if not _active(group) or tp <= arch.kv_heads:
-        return
-    specs = {t.name: t for t in model_tensors(arch, model.cfg.value_head) if t.unit == KV_HEADS}
-    for name, p in model.named_parameters():
-        if name not in specs or p.grad is None:
-            continue
-        box = tp_box(specs[name], arch, tp, tp_rank)
-        full = torch.zeros(specs[name].shape, dtype=p.grad.dtype, device=p.grad.device)
-        index = tuple(slice(lo, hi) for lo, hi in box)
-        full[index] = p.grad
-        dist.all_reduce(full, group=group)
-        p.grad = full[index].clone()
+def reduce_tp_replicated(cfg: ModelConfig, grads: dict[str, torch.Tensor], group: dist.ProcessGroup | None,
+                         tp: int, tp_rank: int) -> None:
+    """Sum over TP, in place, the gradient shares of the tensors in ``grads`` (name → this rank's local
+    gradient) that TP ranks hold in common, each rank having computed only its heads' share:
 
+    - K/V heads replicated when TP exceeds the KV heads (tp/kv_heads ranks hold one head): the shares
+      summed over TP, each rank's placed at its head's rows;
+    - Qwen3's q/k norm weights (one weight for all heads): one flat all-reduce (Megatron-Core's
+      ``finalize_model_grads`` all-reduces its q/k layernorm gradients over TP for the same reason).
 
-def reduce_head_norm_grads(model: CausalLM, group: dist.ProcessGroup | None) -> None:
-    """Qwen3's q/k norm weights are replicated over TP, but each rank normalised only its own heads, so
-    its gradient is its heads' share: sum the shares over TP (one flat all-reduce; Megatron-Core's
-    ``finalize_model_grads`` all-reduces its q/k layernorm gradients over TP for the same reason)."""
-    if not model.cfg.arch.qk_norm or not _active(group):
+    Every rank of ``group`` calls it with the same names (its own boxes)."""
+    if not _active(group):
         return
-    attns = [layer.self_attn for layer in model.model.layers.values()]
-    sum_gradients([p for a in attns for p in (a.q_norm.weight, a.k_norm.weight)], group)
+    arch = cfg.arch
+    if tp > arch.kv_heads:
+        specs = {t.name: t for t in model_tensors(arch, cfg.value_head) if t.unit == KV_HEADS}
+        for name in [n for n in grads if n in specs]:
+            box = tp_box(specs[name], arch, tp, tp_rank)
+            full = torch.zeros(specs[name].shape, dtype=grads[name].dtype, device=grads[name].device)
+            index = tuple(slice(lo, hi) for lo, hi in box)
+            full[index] = grads[name]
+            dist.all_reduce(full, group=group)
+            grads[name].copy_(full[index])
+    norms = [g for n, g in grads.items() if n.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight"))]
+    if arch.qk_norm and norms:
+        flat = torch.cat([g.reshape(-1) for g in norms])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in norms:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()

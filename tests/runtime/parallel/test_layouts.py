@@ -18,6 +18,7 @@ from nereus.spec.layout import Layout
 from nereus.spec.sharding import rank_tensors
 from tests.runtime.common import ADAM_EPS, GQA, GQA_VALUE, LR, MQA, QWEN3, all_layouts, batch, policy_loss, reference
 from tests.runtime.parallel.packed_checks import check_packed
+from tests.runtime.parallel.zero3_checks import check_fsdp
 
 pytestmark = [pytest.mark.distributed, pytest.mark.rayless]  # no Ray: may run beside the Ray tests
 TOL = dict(rtol=1e-4, atol=2e-5)
@@ -125,7 +126,12 @@ def _all_layouts_body(rank: int, world: int) -> None:
     # activation recomputation (full: TP all-reduces recomputed in backward), padded and packed
     check_recompute(GQA, replace(all_layouts(world)[0], tp=2, pp=2, dp=1))
     check_packed(MQA, Layout(tp=2, pp=1, dp=2, recompute="full"), budgets=(20,))
+    # ZeRO-3 (weights, gradients and Adam state sharded over DP) for a few steps: alone, under TP with q/k norm
+    # gradients summed over TP and full recomputation gathering again in backward, under PP with a tied embedding
+    check_fsdp(MQA, Layout(tp=1, pp=1, dp=4, fsdp=True, zero1=False, micro_batch_size=3))
+    check_fsdp(QWEN3, Layout(tp=2, pp=1, dp=2, fsdp=True, zero1=False, recompute="full"))
+    check_fsdp(GQA, Layout(tp=1, pp=2, dp=2, fsdp=True, zero1=False))
 
 
 def test_every_layout_matches_single_process_reference():
-    run_world(_all_layouts_body, 4, timeout_s=30)
+    run_world(_all_layouts_body, 4, timeout_s=120)
