@@ -111,6 +111,16 @@ def is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
+def first_copy(name: str, groups: ParallelGroups) -> bool:
+    """Whether this rank's copy of weight ``name`` is the one a checkpoint or snapshot keeps: DP replica 0's,
+    and under EP each expert's first holder (its EP rank in the first EP group), which together cover the
+    model once."""
+    c = groups.coords
+    if groups.dims.ep > 1 and is_expert(name):
+        return groups.dims.edp_rank(c.dp_rank) == 0
+    return c.dp_rank == 0
+
+
 def split_expert_params(named: list[tuple[str, nn.Parameter]]) -> tuple[list, list]:
     """(dense, expert) parameters of ``named``, each keeping the given order."""
     return [x for x in named if not is_expert(x[0])], [x for x in named if is_expert(x[0])]

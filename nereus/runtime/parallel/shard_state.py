@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import torch
 
+from nereus.runtime.parallel.ep import first_copy
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes
 
 Shards = dict[str, tuple[tuple, torch.Tensor]]  # name → (global box, local tensor)
 
 
 def read_shards(sm: ShardedModel) -> Shards | None:
-    """name → (global box, local tensor) on DP replica 0 (other replicas hold copies), else None. Every rank
+    """name → (global box, local tensor) on DP replica 0 (other replicas hold copies; under EP each expert
+    from its first holder: ``ep.first_copy``), else None. Every rank
     of the layout calls it (under ZeRO-3 the local tensors are gathered over DP)."""
-    shards = sm.shards()
-    if sm.groups.coords.dp_rank != 0:
+    shards = {k: v for k, v in sm.shards().items() if first_copy(k, sm.groups)}  # EP: experts of other ranks
+    if not shards:
         return None
     boxes = shard_boxes(sm.cfg, sm.groups)
     return {k: (tuple(boxes[k]), v.detach().clone()) for k, v in shards.items()}

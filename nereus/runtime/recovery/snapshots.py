@@ -28,6 +28,7 @@ from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.comm.transfer import TransferComm
 from nereus.runtime.model.dtypes import dtype_name, torch_dtype
 from nereus.runtime.parallel.dp import AdamFacts
+from nereus.runtime.parallel.ep import first_copy
 from nereus.runtime.parallel.sharded import ShardedModel
 from nereus.runtime.transitions.holdings import (
     OPTIMIZER,
@@ -82,7 +83,8 @@ def state_image(models: dict[str, ShardedModel], key_model: dict[str, str], opti
                 weights_dp0_only: bool = False) -> StateImage:
     """Copies of the weights (and, for models in ``optimizer_for``, the Adam state) of the keys in
     ``key_model`` (key → model) this worker holds. With ``weights_dp0_only`` only data-parallel replica 0
-    contributes weights (the other replicas hold the same values)."""
+    contributes weights (the other replicas hold the same values; under EP each expert's first holder,
+    ``ep.first_copy``)."""
     held = Holdings()
     adam: dict[str, AdamFacts] = {}
     for key, model in key_model.items():
@@ -91,7 +93,7 @@ def state_image(models: dict[str, ShardedModel], key_model: dict[str, str], opti
             continue
         part = holdings_of(model, sm)
         for bkey, buf in part.buffers.items():
-            if bkey[1] == WEIGHTS and weights_dp0_only and sm.groups.coords.dp_rank != 0:
+            if bkey[1] == WEIGHTS and weights_dp0_only and not first_copy(bkey[2], sm.groups):
                 continue
             if bkey[1] == OPTIMIZER and model not in optimizer_for:
                 continue

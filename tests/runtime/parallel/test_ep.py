@@ -1,6 +1,7 @@
 """Expert parallelism against the single-process reference (design invariant 6): an MoE model's shard boxes,
 logits, log-probs, gradients, global gradient norm and one Adam step under layouts with ``ep`` > 1, ZeRO-1
-on and off, with PP and with TP; and the all-to-all dispatcher against the local one on uneven routing."""
+on and off, with PP and with TP; the shards a checkpoint keeps; and the all-to-all dispatcher against the
+local one on uneven routing."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import torch.distributed as dist
 from nereus.runtime.cluster.launch import run_world
 from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.model.decoder import ModelConfig, build_model
+from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.model.moe import LocalDispatch
 from nereus.runtime.parallel.ep import AllToAllDispatch, apply_ep, moe_blocks
+from nereus.runtime.parallel.shard_state import assemble, read_shards
+from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes
 from nereus.spec.layout import Layout
 from nereus.spec.model import ModelArch
 from nereus.spec.moe import MoESpec
 from nereus.spec.sharding import expert_range, rank_tensors
+from tests.runtime.common import reference
 from tests.runtime.parallel.test_layouts import check_layout
 
 pytestmark = [pytest.mark.distributed, pytest.mark.rayless]
@@ -74,12 +79,29 @@ def _dispatch_check() -> None:
 def _body(rank: int, world: int) -> None:
     _dispatch_check()
     _groups_check()
+    _checkpoint_check()
     base = Layout(tp=1, pp=1, dp=2, ep=2, micro_batch_size=1, recompute="none", sequence_parallel=False)
     check_layout(MOE, base)
     check_layout(MOE, replace(base, dp=4))  # two EP groups: experts reduced over their edp group
     check_layout(MOE, replace(base, dp=4, ep=4, zero1=False))
     check_layout(MOE, replace(base, pp=2))
     check_layout(MOE, replace(base, tp=2))  # TP inside each expert; the all-to-all among one TP rank's peers
+
+
+def _checkpoint_check() -> None:
+    """The shards a checkpoint keeps (``read_shards``: DP replica 0, each expert from its first holder) assemble
+    into the whole model once, experts from both EP ranks."""
+    groups = ParallelGroups(Layout(dp=4, ep=2))
+    state = reference(MOE)["state"]
+    sm = ShardedModel(MOE, groups, slice_boxes(state, shard_boxes(MOE, groups)))
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, read_shards(sm))
+    assert [p is not None for p in parts] == [True, True, False, False]
+    whole = assemble(parts)
+    assert set(whole) == set(state)
+    for name, t in state.items():
+        assert torch.equal(whole[name], t), name
+    groups.destroy()
 
 
 def test_ep_dispatch_and_layouts_match_single_process_reference():
