@@ -25,6 +25,10 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
   (``gather-broadcast``) when the rollout has GPUs of its own (``cost.weight_sync``).
 - a fully asynchronous trainer uses the rollout's log-probs: no old-log-prob pass (verl's fully_async
   recipe, as the rows' notes say).
+- the rollout decodes from CUDA graphs (vLLM's default) unless the row's ``enforce_eager`` says yes
+  (verl's key; an optional column, empty or absent: no): then every decode step also pays the host's
+  eager dispatch (``cost.eager``) in the engine's fixed step cost (the cluster prior
+  ``decode_step_overhead_s``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from nereus.cost.eager import eager_step_overhead_s
+from nereus.cost.hardware import Priors
 from nereus.sim.recipes import system_recipe_tp
 from nereus.spec.cluster import gpu_presets
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
@@ -200,12 +206,21 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
                       "recompute_old_log_prob": sync_mode not in ("fully_async", "partial_rollout")},
         "workload": {"prompts_per_step": prompts, "prompt_length": prompt,
                      "response_length": {"mean": response, "max": cap, "sigma": RESPONSE_SIGMA}},
-        "cluster": {"gpu": gpu, "nodes": total // per_node, "gpus_per_node": per_node},
+        "cluster": {"gpu": gpu, "nodes": total // per_node, "gpus_per_node": per_node,
+                    **_eager_priors(row, arch["layers"])},
     }
     try:
         return job_from_dict(data)
     except SpecError as err:
         raise RowSkipped(f"the row does not make a valid job: {err}") from None
+
+
+def _eager_priors(row: dict, layers: int) -> dict:
+    """The cluster's ``priors`` for a rollout run eagerly (``enforce_eager`` yes): the engine's fixed step
+    cost plus the host's eager dispatch; nothing for a CUDA-graph rollout."""
+    if enum(row, "enforce_eager", ("yes", "no"), "no") == "no":
+        return {}
+    return {"priors": {"decode_step_overhead_s": Priors().decode_step_overhead_s + eager_step_overhead_s(layers)}}
 
 
 def published_run(row: dict) -> PublishedRun:
