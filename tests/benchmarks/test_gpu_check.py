@@ -1,6 +1,8 @@
 """Smoke test of benchmarks/gpu_check.py on CPU (``--device cpu --small``): every figure is measured and
-priced, the vLLM engine's too where vLLM is installed (no speed is asserted: a decode figure per token is
-the difference of two medians, which on a busy machine with this tiny shape can come out negative)."""
+priced, the vLLM engine's too where vLLM is installed, the static-buffer decode's (eager: no CUDA graph
+on CPU) and the packed-vs-padded training pass's; the JSON is in the file and on the last line (no speed
+is asserted: a decode figure per token is the difference of two medians, which on a busy machine with
+this tiny shape can come out negative)."""
 
 from __future__ import annotations
 
@@ -24,9 +26,17 @@ def test_gpu_check_small_on_cpu(tmp_path: Path) -> None:
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     [result] = json.loads(out.read_text())
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [result]
     names = {r["name"] for r in result["rows"]}
     assert any(n.startswith("training step") for n in names)
     assert {f"native decode per token, batch {b}" for b in (1, 4, 16)} <= names
+    assert {f"native static {k}, batch {b}" for b in (1, 4, 16) for k in ("decode per token", "eager step")} <= names
+    for figures in result["decode"].values():
+        assert figures["graphed_step_ms"] is None and figures["eager_step_ms"] > 0  # no graph without CUDA
+        assert figures["predicted_ms_per_token"] > 0 and math.isfinite(figures["loop_over_predicted"])
+    packing = result["packing"]
+    assert 0 < packing["padding_fraction"] < 1 and packing["real_tokens"] > 0
+    assert packing["packed"]["tokens_per_s"] > 0 and packing["padded"]["tokens_per_s"] > 0
     if importlib.util.find_spec("vllm") is not None:
         assert {f"vllm decode per token, batch {b}" for b in (1, 4, 16)} <= names
         assert "weight sync (engine reload)" in names

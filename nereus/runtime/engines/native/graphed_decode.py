@@ -57,7 +57,8 @@ def decode_path(mode: str, sm: ShardedModel, params: SamplingParams) -> str:
     ``run.rollout.native_decode`` (auto: graphed on a CUDA device, the loop elsewhere)."""
     if mode == "loop" or not static_supported(sm, params):
         return "loop"
-    cuda = sm.groups.device.type == "cuda"
+    # an MoE layer's routing sizes its expert batches on the host: no graph, the static buffers eager
+    cuda = sm.groups.device.type == "cuda" and sm.cfg.arch.moe is None
     if mode == "auto":
         return "graphed" if cuda else "loop"
     return "graphed" if mode == "graphed" and cuda else "static"
@@ -123,6 +124,7 @@ class StaticDecode:
         if capture and dev.type == "cuda":
             self._capture()
 
+    @torch.no_grad()
     def _forward(self) -> None:
         """Feed ``ids`` at ``offset``, logits into ``logits``, advance ``offset``: no host value is read."""
         mask = (self.cols[None] <= self.offset[:, None])[:, None, None]  # [rows, 1, 1, length]
@@ -154,6 +156,7 @@ class StaticDecode:
             self._forward()
         return self.logits
 
+    @torch.no_grad()
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         """The prompts packed end to end in one forward, each one's keys and values into its cache row
         (from position 0); the logits at each prompt's last position [n, V]."""

@@ -1,8 +1,8 @@
-"""The static-buffer decode (``runtime.engines.native.graphed_decode``) with graph capture off, as it runs
-on CPU: the same tokens and log-probs as the per-step loop (``fixed_decode``) for batches smaller than
-their bucket, EOS stops, per-row limits and sampling; the packed prefill fills the caches the loop's
-padded prefill does; the engine's option picks the path. In this process, on a world of one (no
-processes started)."""
+"""The static-buffer decode (``runtime.engines.native.graphed_decode``) as it runs on CPU (no graph
+capture; on a CUDA machine the same tests replay captured graphs): the same tokens and log-probs as the
+per-step loop (``fixed_decode``) for batches smaller than their bucket, EOS stops, per-row limits and
+sampling; the packed prefill fills the caches the loop's padded prefill does; the engine's option picks
+the path. In this process, on a world of one (no processes started)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 
 def assert_same(sm: ShardedModel, ps: list[list[int]], sp: SamplingParams, atol: float) -> None:
     want = FixedDecode(sm, ps, sp).run()
-    got = static_generate(sm, ps, sp, capture=True)  # no CUDA here: the same step, eagerly
+    got = static_generate(sm, ps, sp, capture=True)  # a CUDA graph on a GPU; on CPU the same step, eagerly
     assert [toks for toks, _ in got.rows] == want.rows
     for (_, lps), ref in zip(got.rows, want.row_logps, strict=True):
         assert torch.allclose(torch.tensor(lps), torch.tensor(ref), atol=atol, rtol=0)
@@ -90,7 +90,7 @@ def test_packed_prefill_fills_the_caches(world) -> None:
     logits = decode.prefill(ps)
     assert decode.offset.tolist() == [len(p) for p in ps] + [0]  # bucket 4: one padding row
     for j, p in enumerate(ps):
-        alone = sm.model(torch.tensor([p]))[0, -1]
+        alone = sm.model(torch.tensor([p], device=decode.device))[0, -1]
         assert torch.allclose(logits[j], alone, atol=1e-10)
         assert decode.caches[0].k[j, :, len(p):].abs().sum() == 0 and decode.caches[0].k[j, :, : len(p)].abs().sum() > 0
 
@@ -105,8 +105,9 @@ def test_buckets() -> None:
 def test_engine_option_picks_the_path(world) -> None:
     sm = sharded(GQA, torch.float32)
     plain = SamplingParams(max_new_tokens=5)
-    assert decode_path("auto", sm, plain) == "loop"  # CPU: the per-step loop by default
-    assert decode_path("graphed", sm, plain) == "static"  # no CUDA device: the same buffers, eagerly
+    cuda = sm.groups.device.type == "cuda"  # this file runs on a GPU machine too (docs/generation.md)
+    assert decode_path("auto", sm, plain) == ("graphed" if cuda else "loop")  # CPU: the per-step loop
+    assert decode_path("graphed", sm, plain) == ("graphed" if cuda else "static")  # CPU: the buffers, eager
     assert decode_path("static", sm, plain) == "static" and decode_path("loop", sm, plain) == "loop"
     spec = Speculation("ngram", 2, 8, prompt_lookup_max=3)
     for other in (replace(plain, slots=2), replace(plain, speculation=spec), replace(plain, keep_groups=1)):
