@@ -166,7 +166,8 @@ def check_plan(job: JobSpec, plan: Plan, where: str = "plan") -> None:
         if model not in job.models:
             raise SpecError(f"{path}.model_stage", f"model {model!r} is not in the job ({sorted(job.models)})")
         arch, lay = job.models[model], p.layout
-        problem = split_problem(arch, lay.tp, lay.ep, dp=lay.dp) or layer_problem(arch.layers, lay.pp, lay.interleave, runnable=False)
+        problem = (split_problem(arch, lay.tp, lay.ep, dp=lay.dp)
+                   or layer_problem(arch.layers, lay.pp, lay.interleave, runnable=False))
         if problem is not None:
             raise problem.at(f"{path}.layout")
         if max(p.gpus) >= job.cluster.num_gpus:

@@ -7,7 +7,9 @@ consecutive data-parallel ranks (an EP group), each holding a contiguous ``1/ep`
 rank owning the expert, runs the local experts on what arrived, sends the outputs back and combines them
 with the routing weights: two ``all_to_all_single`` exchanges of variable size (gloo implements them on CPU,
 NCCL on GPUs), each differentiable (its backward is the reverse exchange). Every rank of an EP group must
-run the same number of MoE forwards (the same number of micro-batches), as every collective requires.
+run the same number of MoE forwards (the same number of micro-batches), as every collective requires:
+padded micro-batches split every replica's rows alike, packed ones are evened out (``even_packing``).
+Generation, whose replicas decode for different numbers of steps, stays ``ep=1``.
 
 Gradients (``reduce_gradients``): dense parameters are averaged over DP as without EP. An expert's
 gradient on a rank already sums what every rank of its EP group routed to it; summing over the
@@ -30,6 +32,7 @@ from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.model.decoder import CausalLM
 from nereus.runtime.model.moe import MoEBlock
 from nereus.runtime.parallel.dp import AdamFacts, ShardedAdam, average_gradients, sum_gradients
+from nereus.spec.packing import token_budget_groups
 from nereus.spec.sharding import expert_range
 
 
@@ -104,6 +107,28 @@ def apply_ep(model: CausalLM, group: dist.ProcessGroup | None, ep: int, ep_rank:
             del block.experts[key]
         block.dispatch = AllToAllDispatch(group, moe.experts, ep)
     return model
+
+
+def even_packing(lengths: list[int], replicas: list[list[int]], mine: int, budget: int) -> list[list[int]]:
+    """Replica ``mine``'s packed micro-batches (``spec.packing.token_budget_groups`` of its rows
+    ``replicas[mine]``, as indices into them), split until it has as many as the replica with most: every rank
+    of an EP group must run as many MoE forwards, each an all-to-all with the others. Halving the micro-batch
+    with most rows keeps each within the budget and the step's objective the same (each micro-batch's loss
+    counts by its rows). Every rank computes every replica's count from the same lengths: no communication."""
+    def groups_of(rows: list[int]) -> list[list[int]]:
+        return token_budget_groups([lengths[r] for r in rows], budget)
+
+    target = max(len(groups_of(rows)) for rows in replicas)
+    groups = groups_of(replicas[mine])
+    while len(groups) < target:
+        widest = max(range(len(groups)), key=lambda i: len(groups[i]))
+        g = groups[widest]
+        if len(g) < 2:
+            raise ValueError(f"expert parallelism: a replica packs {len(replicas[mine])} rows, fewer than the "
+                             f"{target} micro-batches another replica of its EP group runs; give a larger "
+                             "max_token_len (or ep=1)")
+        groups[widest:widest + 1] = [g[: len(g) // 2], g[len(g) // 2:]]
+    return groups
 
 
 def is_expert(name: str) -> bool:

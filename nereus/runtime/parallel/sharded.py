@@ -35,7 +35,13 @@ from nereus.runtime.model.memory import ActivationMeter, MemoryReport, tensor_by
 from nereus.runtime.parallel import parallelize
 from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.dp import ShardedAdam, sum_gradients
-from nereus.runtime.parallel.ep import ExpertShardedAdam, expert_grad_square, is_expert, reduce_gradients
+from nereus.runtime.parallel.ep import (
+    ExpertShardedAdam,
+    even_packing,
+    expert_grad_square,
+    is_expert,
+    reduce_gradients,
+)
 from nereus.runtime.parallel.packing import PackedRows, row_lengths
 from nereus.runtime.parallel.pp import StageComm, train_pipeline
 from nereus.runtime.parallel.sharded_forward import ForwardOps
@@ -173,8 +179,14 @@ class ShardedModel(ForwardOps):
             rows = replica_shares(lengths, self.groups.dims.dp)[self.groups.coords.dp_rank]
         else:
             rows = list(range(len(batch)))[self.replica_rows(len(batch))]
+        groups = token_budget_groups([lengths[r] for r in rows], self.token_budget)
+        if self.groups.dims.ep > 1:  # every rank of an EP group runs as many MoE forwards (all-to-alls)
+            dp, n = self.groups.dims.dp, len(batch)
+            shares = replica_shares(lengths, dp) if balance else [list(range(n))[d * n // dp:(d + 1) * n // dp]
+                                                                  for d in range(dp)]
+            groups = even_packing(lengths, shares, self.groups.coords.dp_rank, self.token_budget)
         out = []
-        for group in token_budget_groups([lengths[r] for r in rows], self.token_budget):
+        for group in groups:
             idx = [rows[j] for j in group]
             pack = PackedRows(torch.tensor(idx, dtype=torch.long), tuple(lengths[r] for r in idx))
             out.append((batch.select(pack.rows).to(self.groups.device), pack))

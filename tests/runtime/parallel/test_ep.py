@@ -1,7 +1,7 @@
 """Expert parallelism against the single-process reference (design invariant 6): an MoE model's shard boxes,
 logits, log-probs, gradients, global gradient norm and one Adam step under layouts with ``ep`` > 1, ZeRO-1
-on and off, with PP and with TP; the shards a checkpoint keeps; and the all-to-all dispatcher against the
-local one on uneven routing."""
+on and off, with PP and with TP, packed into token-budget micro-batches; the shards a checkpoint keeps; and
+the all-to-all dispatcher against the local one on uneven routing."""
 
 from __future__ import annotations
 
@@ -13,25 +13,20 @@ import torch.distributed as dist
 
 from nereus.runtime.cluster.launch import run_world
 from nereus.runtime.comm.groups import ParallelGroups
-from nereus.runtime.model.decoder import ModelConfig, build_model
+from nereus.runtime.model.decoder import build_model
 from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.model.moe import LocalDispatch
 from nereus.runtime.parallel.ep import AllToAllDispatch, apply_ep, moe_blocks
 from nereus.runtime.parallel.shard_state import assemble, read_shards
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes
 from nereus.spec.layout import Layout
-from nereus.spec.model import ModelArch
-from nereus.spec.moe import MoESpec
 from nereus.spec.sharding import expert_range, rank_tensors
-from tests.runtime.common import reference
+from tests.runtime.common import MOE, reference  # MOE: its load-balancing loss trains too
+from tests.runtime.parallel.packed_checks import check_packed
 from tests.runtime.parallel.test_layouts import check_layout
 
 pytestmark = [pytest.mark.distributed, pytest.mark.rayless]
 
-# 4 experts of width 24, 2 per token, layer 1 dense, Qwen2-MoE's shared expert: EP 2 and 4 split the experts
-MOE = ModelConfig(ModelArch(layers=3, hidden=32, ffn_hidden=48, heads=4, kv_heads=2, vocab=50, qk_norm=True,
-                            moe=MoESpec(4, 2, 24, True, shared_expert_ffn_hidden=20, dense_layers=(1,))),
-                  rope_theta=1e4, eos_token_id=5)
 
 
 def test_expert_boxes_follow_the_ep_rank():
@@ -86,6 +81,7 @@ def _body(rank: int, world: int) -> None:
     check_layout(MOE, replace(base, dp=4, ep=4, zero1=False))
     check_layout(MOE, replace(base, pp=2))
     check_layout(MOE, replace(base, tp=2))  # TP inside each expert; the all-to-all among one TP rank's peers
+    check_packed(MOE, Layout(dp=4, ep=2), budgets=(12,))  # replicas pack 2, 2, 2 and 1 micro-batches: evened
 
 
 def _checkpoint_check() -> None:
