@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.engines.native.engine import NativeEngine
@@ -24,7 +25,7 @@ from nereus.runtime.engines.native.graphed_decode import (
     static_generate,
 )
 from nereus.runtime.engines.sampling import SamplingParams
-from nereus.runtime.model.decoder import build_model
+from nereus.runtime.model.decoder import KVCache, build_model
 from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
 from nereus.spec.layout import Layout
@@ -93,6 +94,39 @@ def test_packed_prefill_fills_the_caches(world) -> None:
         alone = sm.model(torch.tensor([p], device=decode.device))[0, -1]
         assert torch.allclose(logits[j], alone, atol=1e-10)
         assert decode.caches[0].k[j, :, len(p):].abs().sum() == 0 and decode.caches[0].k[j, :, : len(p)].abs().sum() > 0
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that bring a tensor's value to the host (``.item()``, ``int(t)``, a boolean mask's
+    ``nonzero``): on a GPU each is a sync, and none may happen inside a CUDA graph being captured."""
+
+    READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.item")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.READS):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_step_reads_nothing_on_the_host() -> None:
+    """What makes the step capturable, checked on CPU: no op of it reads a tensor's value on the host,
+    where the per-row path of ``KVCache.update`` does (the check fires)."""
+    model = build_model(QWEN3, seed=1)
+    decode = StaticDecode(model, 3, 64, torch.float32, capture=False)
+    decode.prefill(prompts(3, QWEN3.arch.vocab))
+    new = torch.tensor([1, 2, 3])
+    with HostReads() as mode:
+        decode.step(new)
+        decode.step(new)
+    assert mode.reads == []
+    cache = KVCache(2, 2, 8, 4, torch.float32, torch.device("cpu"))
+    with HostReads() as mode:
+        cache.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4), torch.tensor([3, 5]))
+    assert mode.reads
 
 
 def test_buckets() -> None:
