@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from functools import lru_cache
 
 import torch
 
 from nereus.runtime.model.decoder import ModelConfig, build_model
+from nereus.runtime.model.moe import RoutingRecord
 from nereus.runtime.parallel.batch import TrainBatch
 from nereus.spec.layout import Layout
 from nereus.spec.model import ModelArch
@@ -31,6 +33,9 @@ MOE = ModelConfig(ModelArch(layers=3, hidden=32, ffn_hidden=48, heads=4, kv_head
                             moe=MoESpec(4, 2, 24, True, shared_expert_ffn_hidden=20, dense_layers=(1,),
                                         aux_loss_coef=0.01)),
                   rope_theta=1e4, eos_token_id=5)
+# the same without the load-balancing loss, which depends on how tokens are grouped into micro-batches: for checks
+# that the objective does not (packing)
+MOE_NO_AUX = replace(MOE, arch=replace(MOE.arch, moe=replace(MOE.arch.moe, aux_loss_coef=0.0)))
 
 BATCH, SEQ, LR = 12, 10, 1e-2  # 12 sequences split over DP 1, 2, 3 and 4
 # Adam divides by sqrt(v) + eps: at near-zero gradients eps=1e-8 turns a 1e-9 fp32 difference of reduction
@@ -77,10 +82,12 @@ def reference(cfg: ModelConfig, mbs: int = 1) -> dict[str, dict[str, torch.Tenso
     n = BATCH // mbs
     for i in range(0, BATCH, mbs):
         mb = b.select(slice(i, i + mbs))
-        y = model(mb.tokens)
+        record = RoutingRecord(aux=True)
+        y = model(mb.tokens, routing=record)
         if not cfg.value_head:
             y = torch.log_softmax(y, -1)[:, :-1].gather(-1, mb.tokens[:, 1:, None]).squeeze(-1)
-        (policy_loss(y, mb) / n).backward()
+        aux = record.layer_aux_losses().mean() * cfg.arch.moe.aux_loss_coef if cfg.arch.moe else 0.0
+        ((policy_loss(y, mb) + aux) / n).backward()  # an MoE model's load-balancing loss as the runtime trains it
     out["grad"] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     # what torch.nn.utils.clip_grad_norm_ measures (a tied embedding is one parameter, counted once)
     out["grad_norm"] = torch.stack([g.double().pow(2).sum() for g in out["grad"].values()]).sum().sqrt()

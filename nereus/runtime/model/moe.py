@@ -42,6 +42,21 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool,
     return top.to(logits.dtype), indices
 
 
+class _JoinLoss(torch.autograd.Function):
+    """``h`` unchanged; in backward also the gradient ``weight`` into the scalar ``loss``, so a loss formed inside a
+    forward trains with whatever loss the output feeds, on any pipeline stage, without being added to it
+    (Megatron-Core's ``MoEAuxLossAutoScaler`` does the same)."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, loss: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, torch.full((), ctx.weight, dtype=torch.float32, device=grad.device), None
+
+
 class RoutingRecord:
     """The routing of one forward call, layer by layer: recorded, or replayed from an earlier record, plus the
     statistics of the load-balancing loss.
@@ -53,14 +68,18 @@ class RoutingRecord:
     Layers overwrite their entry, so a layer recomputed under activation checkpointing records the same
     thing again. With ``aux``, each sparse layer also keeps its expert assignment counts and router
     probability sums (``token_mask`` [N] leaves padding out), from which ``aux_loss`` forms the Switch
-    Transformer loss (Fedus et al. 2021, eq. 4) as transformers' ``load_balancing_loss_func`` does.
+    Transformer loss (Fedus et al. 2021, eq. 4) as transformers' ``load_balancing_loss_func`` does; training
+    joins it, times ``aux_weight``, to the backward of the forward's output (``join_aux_loss``), summed over
+    ranks by ``reduce`` where they split the tokens.
     """
 
     def __init__(self, replay: Mapping[int, torch.Tensor] | None = None, aux: bool = False,
-                 token_mask: torch.Tensor | None = None) -> None:
+                 token_mask: torch.Tensor | None = None, aux_weight: float = 0.0,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.replay = dict(replay) if replay is not None else None
         self.aux = aux
         self.token_mask = token_mask
+        self.aux_weight, self.reduce = aux_weight, reduce
         self.indices: dict[int, torch.Tensor] = {}
         self.stats: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # counts, prob sums, rows
 
@@ -93,28 +112,44 @@ class RoutingRecord:
             0, indices.reshape(-1), keep.repeat_interleave(indices.shape[-1]))
         self.stats[layer] = (counts, (probs * keep[:, None]).sum(0), keep.sum())
 
-    def aux_stats(self) -> torch.Tensor:
-        """[2E + 1]: expert assignment counts, router probability sums (differentiable) and token rows,
-        summed over the sparse layers -- sums, so data-parallel ranks can add theirs before ``aux_loss``."""
+    def layer_stats(self) -> torch.Tensor:
+        """[L, 2E + 1] per sparse layer seen (in layer order): expert assignment counts, router probability sums
+        (differentiable) and token rows -- sums, so ranks that split the tokens can add theirs (``reduce``)."""
         if not self.stats:
             raise ValueError("no load-balancing statistics: give RoutingRecord(aux=True) to a forward of an MoE model")
-        parts = list(self.stats.values())
-        counts = torch.stack([c for c, _, _ in parts]).sum(0)
-        probs = torch.stack([p for _, p, _ in parts]).sum(0)
-        rows = torch.stack([r for _, _, r in parts]).sum().reshape(1)
-        return torch.cat([counts, probs, rows])
+        return torch.stack([torch.cat([c, p, r.reshape(1)]) for _, (c, p, r) in sorted(self.stats.items())])
 
     def aux_loss(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """E · Σ_e f_e · P_e with f_e the share of top-k assignments and P_e the mean router probability of
-        expert e, over every sparse layer's tokens together (transformers' ``aux_loss``, before the config's
-        ``router_aux_loss_coef``). ``reduce`` sums ``aux_stats`` over ranks that split the tokens (e.g. an
+        expert e, over every sparse layer's tokens pooled (transformers' ``aux_loss``, before the config's
+        ``router_aux_loss_coef``). ``reduce`` sums ``layer_stats`` over ranks that split the tokens (e.g. an
         all-reduce that keeps the gradient), so the loss is the one of the whole token set."""
-        stats = self.aux_stats()
-        if reduce is not None:
-            stats = reduce(stats)
-        experts = (stats.shape[0] - 1) // 2
-        rows = stats[-1]
-        return experts * torch.sum((stats[:experts] / rows) * (stats[experts:2 * experts] / rows))
+        return _switch_loss(self._reduced(reduce).sum(0, keepdim=True))[0]
+
+    def layer_aux_losses(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """[L]: the same loss of each sparse layer on its own (Megatron-Core's form, which training uses: a sum
+        over layers splits over pipeline stages, transformers' pooled form does not)."""
+        return _switch_loss(self._reduced(reduce))
+
+    def _reduced(self, reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+        stats = self.layer_stats()
+        return stats if reduce is None else reduce(stats)
+
+    def join_aux_loss(self, h: torch.Tensor) -> torch.Tensor:
+        """``h`` (the output of the forward this record saw) with ``aux_weight`` × the sum of ``layer_aux_losses``
+        joined to its backward: gradients of whatever loss ``h`` feeds then include the load-balancing loss's.
+        ``h`` as it is when the forward routed nothing (a pipeline stage without sparse layers) or the weight
+        is 0."""
+        if not self.aux_weight or not self.stats:
+            return h
+        return _JoinLoss.apply(h, self.layer_aux_losses(self.reduce).sum(), self.aux_weight)
+
+
+def _switch_loss(stats: torch.Tensor) -> torch.Tensor:
+    """E · Σ_e (counts_e / rows) · (prob sums_e / rows) of each row of ``stats`` [L, 2E + 1]."""
+    experts = (stats.shape[1] - 1) // 2
+    rows = stats[:, -1:]
+    return experts * torch.sum((stats[:, :experts] / rows) * (stats[:, experts:2 * experts] / rows), dim=1)
 
 
 class LocalDispatch(nn.Module):

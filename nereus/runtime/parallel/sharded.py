@@ -32,6 +32,7 @@ import torch.distributed as dist
 from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.model.decoder import CausalLM, ModelConfig, rope_inv_freq
 from nereus.runtime.model.memory import ActivationMeter, MemoryReport, tensor_bytes
+from nereus.runtime.model.moe import RoutingRecord
 from nereus.runtime.parallel import parallelize
 from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.dp import ShardedAdam, sum_gradients
@@ -192,17 +193,32 @@ class ShardedModel(ForwardOps):
             out.append((batch.select(pack.rows).to(self.groups.device), pack))
         return out
 
-    def _packed_stage_fn(self, packs: list[PackedRows]):
+    def _packed_stage_fn(self, packs: list[PackedRows], loss_weights: list[float] | None = None):
         def run(x: torch.Tensor, i: int) -> torch.Tensor:
-            return self.model(x, seq_lens=packs[i].lengths)
+            return self._stage_forward(x, loss_weights, i, None, seq_lens=packs[i].lengths)
         shape = lambda i: (1, packs[i].tokens, self.cfg.arch.hidden)  # noqa: E731
         return run, shape
 
-    def _stage_fn(self, mbs: list[TrainBatch]):
+    def _stage_fn(self, mbs: list[TrainBatch], loss_weights: list[float] | None = None):
         def run(x: torch.Tensor, i: int) -> torch.Tensor:
-            return self.model(x)
+            return self._stage_forward(x, loss_weights, i, mbs[i].lengths)
         shape = lambda i: (*mbs[i].tokens.shape, self.cfg.arch.hidden)  # noqa: E731
         return run, shape
+
+    def _stage_forward(self, x: torch.Tensor, loss_weights: list[float] | None, i: int,
+                       lengths: torch.Tensor | None, **kwargs: object) -> torch.Tensor:
+        """The stage's forward of micro-batch ``i``. In training (``loss_weights``: each micro-batch's weight in
+        the step's loss) an MoE model's load-balancing loss -- the mean over its sparse layers of each layer's,
+        over the micro-batch's tokens (not the padding past ``lengths``) -- joins the backward at the
+        checkpoint's ``router_aux_loss_coef`` (``moe.RoutingRecord.join_aux_loss``: each pipeline stage its
+        own layers' part)."""
+        arch = self.cfg.arch
+        coef = arch.moe.aux_loss_coef if arch.moe is not None else 0.0
+        if loss_weights is None or not coef:
+            return self.model(x, **kwargs)
+        mask = None if lengths is None else torch.arange(x.shape[1], device=x.device) < lengths.to(x.device)[:, None]
+        record = RoutingRecord(aux=True, token_mask=mask, aux_weight=coef * loss_weights[i] / arch.sparse_layers())
+        return record.join_aux_loss(self.model(x, routing=record, **kwargs))
 
     # ----- training -------------------------------------------------------------------------------
     def backward(self, batch: TrainBatch, loss_fn: LossFn, metrics: list[object] | None = None) -> list[float]:
@@ -216,14 +232,14 @@ class ShardedModel(ForwardOps):
             pairs = self.packed_micro_batches(batch)
             mbs, packs = [mb for mb, _ in pairs], [p for _, p in pairs]
             inputs = [p.pack(mb.tokens) for mb, p in pairs]
-            run, shape = self._packed_stage_fn(packs)
             # each micro-batch counts by its share of the batch's rows (the DP average then divides by dp)
             parts = [len(batch) / (len(mb) * self.groups.dims.dp) for mb in mbs]
+            run, shape = self._packed_stage_fn(packs, [1 / p for p in parts])
         else:
             mbs, packs = self.micro_batches(batch), None
             inputs = [mb.tokens for mb in mbs]
-            run, shape = self._stage_fn(mbs)
             parts = [len(mbs)] * len(mbs)
+            run, shape = self._stage_fn(mbs, [1 / p for p in parts])
 
         def loss(y: torch.Tensor, i: int) -> torch.Tensor:
             y, mb = self._loss_inputs(y, mbs[i], None if packs is None else packs[i], inputs[i], loss_fn)

@@ -77,3 +77,28 @@ def test_an_expert_no_token_chose_gets_zero_gradients():
     model(tokens, routing=RoutingRecord(forced)).sum().backward()
     grad = model.model.layers["0"].mlp.experts["3"].gate_proj.weight.grad
     assert grad is not None and not grad.any()
+
+
+def test_joined_aux_loss_adds_its_gradient_to_the_outputs_loss():
+    tokens = _tokens()
+    grads = []
+    for joined in (True, False):
+        model = build_model(MOE, seed=4)
+        record = RoutingRecord(aux=True, aux_weight=0.5 if joined else 0.0)
+        y = record.join_aux_loss(model(tokens, routing=record))
+        loss = y.square().mean() + (0.0 if joined else 0.5 * record.layer_aux_losses().sum())
+        loss.backward()
+        grads.append(model.model.layers["2"].mlp.gate.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
+    assert grads[0].abs().sum() > 0
+
+
+def test_per_layer_aux_losses_pool_to_the_transformers_form_for_one_layer():
+    model = build_model(MOE, seed=5)
+    record = RoutingRecord(aux=True)
+    model(_tokens(), routing=record)
+    per_layer = record.layer_aux_losses()
+    assert per_layer.shape == (2,)
+    one = RoutingRecord(aux=True)
+    one.stats = {0: record.stats[0]}
+    torch.testing.assert_close(one.aux_loss(), per_layer[0])

@@ -21,7 +21,7 @@ from nereus.runtime.parallel.shard_state import assemble, read_shards
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes
 from nereus.spec.layout import Layout
 from nereus.spec.sharding import expert_range, rank_tensors
-from tests.runtime.common import MOE, reference  # MOE: its load-balancing loss trains too
+from tests.runtime.common import MOE, MOE_NO_AUX, reference  # MOE: its load-balancing loss trains too
 from tests.runtime.parallel.packed_checks import check_packed
 from tests.runtime.parallel.test_layouts import check_layout
 
@@ -81,7 +81,7 @@ def _body(rank: int, world: int) -> None:
     check_layout(MOE, replace(base, dp=4, ep=4, zero1=False))
     check_layout(MOE, replace(base, pp=2))
     check_layout(MOE, replace(base, tp=2))  # TP inside each expert; the all-to-all among one TP rank's peers
-    check_packed(MOE, Layout(dp=4, ep=2), budgets=(12,))  # replicas pack 2, 2, 2 and 1 micro-batches: evened
+    check_packed(MOE_NO_AUX, Layout(dp=4, ep=2), budgets=(12,))  # replicas pack 2, 2, 2 and 1 micro-batches: evened
 
 
 def _checkpoint_check() -> None:
