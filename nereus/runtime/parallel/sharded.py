@@ -121,17 +121,21 @@ def shard_boxes(cfg: ModelConfig, groups: ParallelGroups) -> dict[str, Box]:
 class ShardedModel(ForwardOps):
     """The shard of ``cfg``'s model that rank ``groups.rank`` holds, loaded from ``tensors`` (name → the
     local box of ``shard_boxes``, e.g. from ``hf.load_boxes``; with ``assign`` they become the parameters
-    themselves)."""
+    themselves). Under ZeRO-3 ``zero3_weights`` may give the rank's range of the weights instead (adopted
+    as it is; ``tensors`` then holds only a last stage's ``tied_head``)."""
 
     def __init__(self, cfg: ModelConfig, groups: ParallelGroups, tensors: dict[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, schedule: str = "1f1b", assign: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, schedule: str = "1f1b", assign: bool = False,
+                 zero3_weights: torch.Tensor | None = None) -> None:
         if not groups.member:
             raise ValueError("this rank is not part of the layout")
         self.cfg, self.groups, self.dtype, self.schedule = cfg, groups, dtype, schedule
         with torch.device("meta"):  # shapes only: the shard's tensors are loaded (or adopted) below
             whole = CausalLM(cfg)
         model = parallelize(whole, groups)
-        if assign:  # adopt the given tensors as the parameters (a transition's new buffers): no copy
+        if zero3_weights is not None:  # the whole local tensors are never built: shapes stay on meta
+            model.to(dtype=dtype).load_state_dict(tensors, strict=False, assign=True)
+        elif assign:  # adopt the given tensors as the parameters (a transition's new buffers): no copy
             model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=True, assign=True)
         else:  # parameters in ``dtype`` as the adopted ones are (load_state_dict casts into the target's dtype)
             model.to(dtype=dtype).to_empty(device=groups.device)
@@ -142,7 +146,7 @@ class ShardedModel(ForwardOps):
         self.optimizer: ShardedAdam | None = None
         self.zero3: Zero3 | None = None  # ZeRO-3: only this rank's range of the weights is kept (``parallel.zero3``)
         if groups.layout.fsdp:
-            self.zero3 = Zero3(model, [n for n, _ in self.optimizer_params()], groups)
+            self.zero3 = Zero3(model, [n for n, _ in self.optimizer_params()], groups, zero3_weights)
         self.comm = StageComm(groups)
         self.meter = ActivationMeter(self.zero3)
         self.last_report: MemoryReport | None = None
@@ -260,7 +264,7 @@ class ShardedModel(ForwardOps):
             reduce_gradients(self.model, self.groups)
             self.zero3.sum_tied_gradient(self.model.tied_head, self.groups)
             return [x * p for x, p in zip(losses, parts, strict=False)]
-        tied = [p for p in (self.model.tied_head, self._embedding_weight()) if p is not None]
+        tied = [p for p in (self.model.tied_head, self.embedding_weight()) if p is not None]
         if self.groups.embed_group is not None and tied_head(self.cfg):
             sum_gradients(tied, self.groups.embed_group)
         reduce_gradients(self.model, self.groups)  # over DP (experts: over their expert-data-parallel group)
@@ -282,7 +286,8 @@ class ShardedModel(ForwardOps):
             entropy = None if entropy is None else pack.unpack(entropy, width - 1, next_token=True)
         return logp, (mb if entropy is None else replace(mb, entropy=entropy))
 
-    def _embedding_weight(self) -> torch.nn.Parameter | None:
+    def embedding_weight(self) -> torch.Tensor | None:
+        """The first stage's embedding under PP (the source of a last stage's tied head), else None."""
         emb = self.model.model.embed_tokens
         if emb is None or self.groups.dims.pp == 1:
             return None
@@ -370,7 +375,7 @@ class ShardedModel(ForwardOps):
         if group is None or not tied_head(self.cfg):
             return
         src = self.groups.pp_peer(0)
-        target = self.model.tied_head if self.groups.last_stage else self._embedding_weight()
+        target = self.model.tied_head if self.groups.last_stage else self.embedding_weight()
         if target is not None:
             dist.broadcast(target.data, src=src, group=group)
 

@@ -84,7 +84,7 @@ def state_image(models: dict[str, ShardedModel], key_model: dict[str, str], opti
     """Copies of the weights (and, for models in ``optimizer_for``, the Adam state) of the keys in
     ``key_model`` (key → model) this worker holds. With ``weights_dp0_only`` only data-parallel replica 0
     contributes weights (the other replicas hold the same values; under EP each expert's first holder,
-    ``ep.first_copy``)."""
+    ``ep.first_copy``; under ZeRO-3 every replica, each holding its own range)."""
     held = Holdings()
     adam: dict[str, AdamFacts] = {}
     for key, model in key_model.items():
@@ -93,7 +93,8 @@ def state_image(models: dict[str, ShardedModel], key_model: dict[str, str], opti
             continue
         part = holdings_of(model, sm)
         for bkey, buf in part.buffers.items():
-            if bkey[1] == WEIGHTS and weights_dp0_only and not first_copy(bkey[2], sm.groups):
+            copy = not sm.groups.layout.fsdp and not first_copy(bkey[2], sm.groups)  # ZeRO-3 ranges are all kept
+            if bkey[1] == WEIGHTS and weights_dp0_only and copy:
                 continue
             if bkey[1] == OPTIMIZER and model not in optimizer_for:
                 continue

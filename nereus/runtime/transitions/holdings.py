@@ -111,17 +111,30 @@ def optimizer_boxes(cfg, groups) -> list[tuple[str, tuple[Box, ...]]]:
     """(tensor, box set) of each optimizer segment a rank holds under a layout, in checkpoint order: its
     ZeRO range of the contract's flat buffer (``sharding.zero_shards``; the whole buffer without ZeRO-1),
     which is what ``ShardedAdam`` keeps."""
-    c = groups.coords
+    c, lay = groups.coords, groups.layout
     return list(zero_shards(cfg.arch, groups.dims, c.pp_rank, c.tp_rank, c.dp_rank, cfg.value_head,
-                            zero=groups.layout.zero1).items())
+                            zero=lay.zero1 or lay.fsdp).items())
+
+
+def weight_buffers(cfg, groups) -> list[tuple[str, tuple[Box, ...]]]:
+    """(tensor, box set) of each weight buffer a rank holds under a layout: its boxes (``weight_boxes``), or
+    under ZeRO-3 (``Layout.fsdp``) its range of the flat buffer, the optimizer's (``runtime.parallel.zero3``)."""
+    if groups.layout.fsdp:
+        return optimizer_boxes(cfg, groups)
+    return [(name, (box,)) for name, box in weight_boxes(cfg, groups).items()]
 
 
 def holdings_of(model: str, sm: ShardedModel, into: Holdings | None = None) -> Holdings:
     """Views of ``sm``'s weights and, once Adam has stepped, its optimizer segments."""
     out = into if into is not None else Holdings()
-    boxes = weight_boxes(sm.cfg, sm.groups)
-    for name, p in sm.shards().items():
-        out.add((model, WEIGHTS, name, (boxes[name],)), Buffer((boxes[name],), (p.data.view(-1),)))
+    if sm.zero3 is not None:  # views of the ZeRO-3 weight range, one per tensor it touches
+        ranges = sm.zero3.weights.split([b - a for _, a, b in sm.zero3.segments()])
+        for (name, bset), flat in zip(weight_buffers(sm.cfg, sm.groups), ranges, strict=True):
+            out.add((model, WEIGHTS, name, bset), Buffer(bset, (flat,)))
+    else:
+        boxes = weight_boxes(sm.cfg, sm.groups)
+        for name, p in sm.shards().items():
+            out.add((model, WEIGHTS, name, (boxes[name],)), Buffer((boxes[name],), (p.data.view(-1),)))
     opt = sm.optimizer
     moments = opt.moments() if opt is not None else None
     if moments is not None:

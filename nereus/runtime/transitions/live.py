@@ -36,6 +36,7 @@ from nereus.runtime.transitions.holdings import (
     holdings_of,
     optimizer_boxes,
     weight_boxes,
+    weight_buffers,
 )
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
 
@@ -90,8 +91,8 @@ def new_needs(specs: list[KeySpec], groups: dict[str, ParallelGroups]) -> dict[B
         g = groups[s.key]
         if not g.member:
             continue
-        for name, box in weight_boxes(s.cfg, g).items():
-            needs[(s.model, WEIGHTS, name, (box,))] = (torch_dtype(s.dtype),)
+        for name, bset in weight_buffers(s.cfg, g):
+            needs[(s.model, WEIGHTS, name, bset)] = (torch_dtype(s.dtype),)
         if s.training:
             for name, bset in optimizer_boxes(s.cfg, g):
                 needs[(s.model, OPTIMIZER, name, bset)] = (torch.float32,) * 3
@@ -125,12 +126,22 @@ def _fill_tied_heads(models: list[ShardedModel], comm: TransferComm) -> None:
         if g.embed_group is None or not tied_head(sm.cfg):
             continue
         if g.first_stage:
-            ops.append(dist.P2POp(dist.isend, sm.model.model.embed_tokens.weight.data, g.pp_peer(g.layout.pp - 1),
+            ops.append(dist.P2POp(dist.isend, sm.embedding_weight().data, g.pp_peer(g.layout.pp - 1),
                                   group=comm.transfer))
         if g.last_stage:
             ops.append(dist.P2POp(dist.irecv, sm.model.tied_head.data, g.pp_peer(0), group=comm.transfer))
     if ops:
         comm.wait(dist.batch_isend_irecv(ops))
+
+
+def _new_weights(s: KeySpec, g: ParallelGroups, h: Holdings) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """A new key's weights from the new buffers: its tensors by name, or under ZeRO-3 none and its range
+    (the buffers of the tensors the range touches, end to end)."""
+    if s.layout.fsdp:
+        buffers = [h.get((s.model, WEIGHTS, name, bset)) for name, bset in weight_buffers(s.cfg, g)]
+        return {}, torch.cat([b.comps[0] for b in buffers])
+    return {name: new_tensor(h.get((s.model, WEIGHTS, name, (box,))), box)
+            for name, box in weight_boxes(s.cfg, g).items()}, None
 
 
 def installer(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dict[str, AdamFacts], schedule: str,
@@ -141,12 +152,12 @@ def installer(specs: list[KeySpec], groups: dict[str, ParallelGroups], adam: dic
             g = groups[s.key]
             if not g.member:
                 continue
-            tensors = {name: new_tensor(h.get((s.model, WEIGHTS, name, (box,))), box)
-                       for name, box in weight_boxes(s.cfg, g).items()}
+            tensors, zero3 = _new_weights(s, g, h)
             box = shard_boxes(s.cfg, g).get("tied_head")
             if box is not None:  # filled from the first stage's embedding below (_fill_tied_heads)
                 tensors["tied_head"] = torch.empty(extent(box), dtype=torch_dtype(s.dtype), device=g.device)
-            sm = ShardedModel(s.cfg, g, tensors, dtype=torch_dtype(s.dtype), schedule=schedule, assign=True)
+            sm = ShardedModel(s.cfg, g, tensors, dtype=torch_dtype(s.dtype), schedule=schedule, assign=True,
+                              zero3_weights=zero3)
             if s.training and s.model in adam:
                 facts = adam[s.model]
                 opt = sm.make_optimizer(init_master=False, **facts.settings())
@@ -205,8 +216,10 @@ def follows(target: ShardedModel, source: ShardedModel | None) -> bool:
 def rebuild(sm: ShardedModel, groups: ParallelGroups) -> ShardedModel:
     """``sm`` on new process groups of the same layout (after the world was re-formed): the same
     parameter tensors adopted, the same Adam segments, moments and step count handed over."""
-    tensors = {name: p.data for name, p in sm.model.named_parameters()}
-    new = ShardedModel(sm.cfg, groups, tensors, dtype=sm.dtype, schedule=sm.schedule, assign=True)
+    tensors = {name: p.data for name, p in sm.model.named_parameters()}  # under ZeRO-3 a tied head at most
+    zero3 = sm.zero3.weights if sm.zero3 is not None else None
+    new = ShardedModel(sm.cfg, groups, tensors, dtype=sm.dtype, schedule=sm.schedule, assign=True,
+                       zero3_weights=zero3)
     old = sm.optimizer
     if old is not None:
         old.ensure_state()

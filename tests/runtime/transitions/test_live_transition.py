@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from nereus.runtime.cluster.launch import run_world
 from nereus.runtime.comm.transfer import TransferComm
+from nereus.runtime.recovery.snapshots import restore_state, state_image
 from nereus.runtime.transitions import executor
 from nereus.runtime.transitions.live import KeySpec, transition_keys
+from nereus.spec.layout import Layout
 from tests.runtime.live_common import (
     WORLD,
     assert_same_state,
@@ -63,9 +67,14 @@ def euler_circuit(n: int) -> list[int]:
     return walk[::-1]
 
 
-def _circuit_body(rank: int, world: int, model: str, walk: list[int], graphs: list) -> None:
-    comm = TransferComm(timeout_s=30)
-    specs = [spec(model, layout, gpus) for layout, gpus in NODES]
+def _circuit_body(rank: int, world: int, model: str, walk: list[int], graphs: list, nodes: list = NODES) -> None:
+    _walk(TransferComm(timeout_s=30), model, walk, graphs, nodes)
+    dist.barrier()
+
+
+def _walk(comm: TransferComm, model: str, walk: list[int], graphs: list, nodes: list):
+    """Along ``walk`` through ``nodes``, every transition checked; this rank's last shard and the state."""
+    specs = [spec(model, layout, gpus) for layout, gpus in nodes]
     groups = [groups_for(s) for s in specs]  # every layout's groups, created ahead by every rank
     first = walk[0]
     sm = load(specs[first], groups[first], initial_state(model))
@@ -78,9 +87,9 @@ def _circuit_body(rank: int, world: int, model: str, walk: list[int], graphs: li
         models, _ = transition_keys(graph, held, [specs[a]], [specs[b]], {specs[b].key: groups[b]}, comm)
         sm = models.get(specs[b].key)
         assert (sm is not None) == groups[b].member
-        where = f"{model}: {NODES[a][0].short()} on {NODES[a][1]} -> {NODES[b][0].short()} on {NODES[b][1]}"
+        where = f"{model}: {nodes[a][0].short()} on {nodes[a][1]} -> {nodes[b][0].short()} on {nodes[b][1]}"
         assert_same_state(global_state(model, sm), want, where)
-    dist.barrier()
+    return sm, want
 
 
 def strided_cycles(n: int, strides: tuple[int, ...]) -> list[int]:
@@ -112,6 +121,46 @@ def test_every_layout_moves_in_and_out_bit_identically(model):
     reward without Adam state), not in how a graph moves a box: each leaves and enters every layout twice,
     from a neighbour and from far away (strides 1 and 3 through the ten), 20 moves instead of 90."""
     _walk_through_layouts(model, strided_cycles(len(NODES), (1, 3)))
+
+
+def zero3(layout: Layout) -> Layout:
+    return replace(layout, fsdp=True, zero1=False)
+
+
+# ZeRO-3 (weights and Adam state in each DP rank's flat range) to and from TP, PP, DP and ZeRO-1 layouts
+ZERO3_NODES = [(zero3(lay(dp=2)), [0, 1]), (lay(tp=2), [2, 3]), (zero3(lay(dp=4)), [3, 1, 2, 0]),
+               (zero3(lay(tp=2, dp=2)), [0, 2, 1, 3]), (zero3(lay(pp=2, dp=2)), [0, 1, 2, 3]), (lay(dp=2), [1, 3])]
+
+
+def _zero3_body(rank: int, world: int, walk: list[int], graphs: list) -> None:
+    """The walk, then the last layout's snapshot (every ZeRO-3 range kept, other replicas' copies not)
+    restored into TP 2: the same state again."""
+    comm = TransferComm(timeout_s=30)
+    sm, want = _walk(comm, "actor", walk, graphs, ZERO3_NODES)
+    last = spec("actor", *ZERO3_NODES[walk[-1]])
+    image = state_image({last.key: sm} if sm is not None else {}, {last.key: "actor"}, {"actor"}, weights_dp0_only=True)
+    images: list = [None] * world
+    dist.all_gather_object(images, image)
+    target = spec("actor", lay(tp=2), [2, 0])
+    groups = {target.key: groups_for(target)}
+    restored = restore_state([target], groups, {"actor": images}, comm).get(target.key)
+    assert_same_state(global_state("actor", restored), want, "snapshot of ZeRO-3 restored into tp=2")
+    # and the moved ZeRO-3 shards train on as the TP ones do (one step each from the same state)
+    losses = [train_step(m, last.cfg, seed=5) for m in (sm, restored)]
+    torch.testing.assert_close(torch.tensor(losses[0]), torch.tensor(losses[1]), rtol=1e-5, atol=1e-6)
+    stepped = [global_state("actor", m) for m in (sm, restored)]
+    for key, t in stepped[1].items():
+        torch.testing.assert_close(stepped[0][key], t, rtol=1e-4, atol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
+    dist.barrier()
+
+
+def test_zero3_moves_to_and_from_tp_bit_identically():
+    """The actor (tied embedding, Adam moments) between ZeRO-3 layouts and TP/ZeRO-1 ones, both ways, every
+    weight and optimizer component bit-identical after each move; then through a snapshot."""
+    walk = [0, 1, 0, 2, 3, 4, 1, 5, 4, 0]
+    specs = [spec("actor", layout, gpus) for layout, gpus in ZERO3_NODES]
+    graphs = [graph_between([specs[a]], [specs[b]]) for a, b in itertools.pairwise(walk)]
+    run_world(_zero3_body, WORLD, walk, graphs, timeout_s=120.0, backend="gloo")
 
 
 # Four models, the actor in two stages: training (with Adam) and generation, sharing buffers where the
