@@ -110,3 +110,34 @@ def test_priced_per_pass_overhead_makes_the_planner_take_whole_mini_batches(exam
     assert 32 in MICRO_BATCH_SIZES
     assert training_and_inference({"micro_batch_overhead_s": 0.003, "host_cores": 2}) == [32, 32, 32]
     assert max(training_and_inference({"micro_batch_overhead_s": 0.0, "host_cores": 2})) < 32
+
+
+def test_the_planner_shards_weights_with_fsdp_where_only_that_fits(examples):
+    # GRPO 7B on 32 GPUs of 40 GB with data-parallel-only training layouts (TP and PP would shard the weights
+    # too): ZeRO-1 keeps 2 + 4 bytes of weights and gradients per parameter whole on every GPU (42 GB), so
+    # training fits only with fsdp (18 bytes per parameter over 32 ranks). The plain planner and the one
+    # for this runtime (its capability runs ZeRO-3) both choose it; a runtime without it has no plan.
+    from dataclasses import replace
+
+    from nereus.planner.search import Constraints
+    from nereus.runtime.capability import CAPABILITY
+    from nereus.spec.response import ResponseLength
+
+    job = load_job(examples / "grpo_7b_h100.yaml").with_response(ResponseLength(1000, 2048, "lognormal", 0.8))
+    job = replace(job, cluster=replace(job.cluster, gpu=replace(job.cluster.gpu, memory_bytes=40e9)),
+                  options=replace(job.options, fsdp="auto"))
+
+    def data_parallel(ms, layout):
+        return ms.stage == "generation" or layout.tp == layout.pp == 1
+
+    for capability in (None, CAPABILITY):
+        planned = job if capability is None else replace(job, options=capability.planning_options(job.options))
+        plan = search(Hardware(job.cluster), planned, None,
+                      constraints=Constraints(("colocated",), data_parallel, capability)).plan
+        training = [p.layout for p in plan.placements if p.model_stage.stage == "training"]
+        assert training and all(lay.fsdp and not lay.zero1 for lay in training), training
+        assert estimate_plan(Hardware(job.cluster), planned, plan).feasible
+    without = replace(CAPABILITY, fsdp=False)
+    with pytest.raises(InfeasibleError, match="actor/training"):
+        search(Hardware(job.cluster), replace(job, options=without.planning_options(job.options)), None,
+               constraints=Constraints(("colocated",), data_parallel, without))
