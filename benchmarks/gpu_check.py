@@ -74,8 +74,9 @@ class Sizes:
 GPU_SIZES = Sizes(prompt=256, new_tokens=32, batches=(1, 4, 16, 64), train_rows=8, repeats=3)
 CPU_SIZES = Sizes(prompt=16, new_tokens=32, batches=(1, 4, 16), train_rows=4, repeats=3)
 SMOKE_SIZES = Sizes(prompt=8, new_tokens=4, batches=(1, 3), train_rows=4, repeats=1)
-# the packed-vs-padded batch: rows of a long-tail length mix, the longest this wide (GPU, CPU)
-PACK_WIDTH = {"cuda": 1024, "cpu": 64}
+# the packed-vs-padded batch: rows of a long-tail length mix, the longest this wide (the 7B padded pass at
+# 1,024 would not fit an H100's 80 GB beside its gradients)
+PACK_WIDTH = {"0.5b": 1024, "7b": 512, "small": 64}
 
 
 def fresh_prompts(b: int, sizes: Sizes, vocab: int) -> list[list[int]]:
@@ -239,6 +240,7 @@ def packed_vs_padded(model: torch.nn.Module, rows: int, width: int, device: str,
             secs = timed(fn, repeats)
         except torch.cuda.OutOfMemoryError:
             out[name] = {"error": "out of memory"}
+            model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             continue
         out[name] = {"step_s": secs, "tokens_per_s": sum(lengths) / secs, "peak_mem_bytes": mem}
@@ -315,7 +317,7 @@ def check_shape(shape: str, device: str, preset: str | None, sizes: Sizes, vllm_
     rows = [row(f"training step ({sizes.train_rows} x {sizes.prompt + sizes.new_tokens} tokens)",
                 training_step_s(model, sizes, device),
                 training_cost(hw, job, ModelStage("actor", "training"), layout).time())]
-    packing = packed_vs_padded(model, sizes.train_rows, PACK_WIDTH[device], device, sizes.repeats)
+    packing = packed_vs_padded(model, sizes.train_rows, PACK_WIDTH[shape], device, sizes.repeats)
     sm = native_model(cfg, device, dtype, model.state_dict())
     del model
     if device == "cuda":

@@ -30,7 +30,7 @@ from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
 from nereus.spec.layout import Layout
 from nereus.spec.levers import Speculation
-from tests.runtime.common import GQA, QWEN3
+from tests.runtime.common import GQA, MOE, QWEN3
 
 LAYOUT = Layout(micro_batch_size=1, recompute="none", sequence_parallel=False)
 
@@ -65,7 +65,7 @@ def assert_same(sm: ShardedModel, ps: list[list[int]], sp: SamplingParams, atol:
     assert got.stats.iterations == want.iterations
 
 
-@pytest.mark.parametrize("cfg", [GQA, QWEN3], ids=["gqa", "qwen3"])
+@pytest.mark.parametrize("cfg", [GQA, QWEN3, MOE], ids=["gqa", "qwen3", "moe"])
 def test_greedy_equals_the_loop(world, cfg) -> None:
     sm = sharded(cfg, torch.float32)
     for n in (1, 3, 5):  # buckets 1, 4, 8: padding rows decode beside the real ones
