@@ -24,12 +24,14 @@ from nereus.runtime.engines.native.graphed_decode import (
     length_bucket,
     static_generate,
 )
+from nereus.runtime.engines.protocol import EngineConfig
 from nereus.runtime.engines.sampling import SamplingParams
 from nereus.runtime.model.decoder import KVCache, build_model
 from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
 from nereus.spec.layout import Layout
 from nereus.spec.levers import Speculation
+from nereus.spec.rollout import RolloutEngine
 from tests.runtime.common import GQA, MOE, QWEN3
 
 LAYOUT = Layout(micro_batch_size=1, recompute="none", sequence_parallel=False)
@@ -146,6 +148,8 @@ def test_engine_option_picks_the_path(world) -> None:
     spec = Speculation("ngram", 2, 8, prompt_lookup_max=3)
     for other in (replace(plain, slots=2), replace(plain, speculation=spec), replace(plain, keep_groups=1)):
         assert decode_path("static", sm, other) == "loop"  # what the static path does not run
+    settings = RolloutEngine(native_decode="static")  # run.rollout.native_decode reaches the engine
+    assert NativeEngine.open(sm, EngineConfig(GQA, 64, settings=settings), None)[0].decode == "static"
     ps = prompts(4, GQA.arch.vocab)
     static = NativeEngine("static").generate(sm, ps, plain, None)
     loop = NativeEngine("loop").generate(sm, ps, plain, None)
