@@ -171,13 +171,13 @@ def reduce_gradients(model: CausalLM, groups: ParallelGroups) -> None:
 def expert_grad_square(named: list[tuple[str, torch.Tensor]], groups: ParallelGroups) -> torch.Tensor:
     """Σ grad² over this rank's expert parameters, summed over its EP group (each expert once per TP
     shard): the experts' part of the global gradient norm."""
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=groups.device)  # on the device: NCCL reduces no CPU tensor
     for name, p in named:
         if is_expert(name) and p.grad is not None:
             sq += p.grad.double().pow(2).sum()
     if groups.ep_group is not None:
         dist.all_reduce(sq, group=groups.ep_group)
-    return sq
+    return sq.cpu()
 
 
 class ExpertShardedAdam:
