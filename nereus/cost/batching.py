@@ -52,12 +52,16 @@ class StepTable:
         self.comm_fixed, self.comm_per_seq = m.comm_fixed, m.comm_per_seq
         self.per_seq, self.fixed = m.per_seq_s, m.fixed_s
         self.compute = np.array([0.0] + [m.compute_s(b) for b in range(1, bmax + 1)])
+        # weight reads by batch: constant for a dense model, the experts hit for an MoE one (``cost.moe``)
+        self.reads = (np.full(bmax + 1, m.weights_s) if m.experts is None
+                      else np.array([m.weights_s] + [m.read_s(b) for b in range(1, bmax + 1)]))
 
     def seconds(self, live: np.ndarray, ctx_sum: np.ndarray, f: Factors) -> np.ndarray:
         """One decode step at each (live batch, summed context); 0 where nothing is live."""
-        comp = self.compute[np.minimum(live, len(self.compute) - 1).astype(int)]
-        mem_bound = self.weights_s >= comp
-        gemm = np.where(mem_bound, self.weights_s * f.memory, comp * f.compute)
+        at = np.minimum(live, len(self.compute) - 1).astype(int)
+        comp, reads = self.compute[at], self.reads[at]
+        mem_bound = reads >= comp
+        gemm = np.where(mem_bound, reads * f.memory, comp * f.compute)
         tp = (self.comm_fixed + live * self.comm_per_seq) * f.tp_comm if self.comm_fixed else 0.0
         t = gemm + ctx_sum * self.kv_s * f.memory + tp + (live * self.per_seq + self.fixed) * f.overhead
         return np.where(live > 0, t, 0.0)

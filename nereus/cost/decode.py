@@ -22,6 +22,13 @@ from functools import lru_cache
 from importlib import resources
 
 from nereus.cost.hardware import Hardware
+from nereus.cost.moe import (
+    expert_decode,
+    expert_params_per_rank,
+    imbalance,
+    non_expert_mlp_gemms,
+    routed_expert_flops_per_token,
+)
 from nereus.spec.engines import PRICING_ENGINE, EngineCosts, engine_traits
 from nereus.spec.model import ModelArch
 
@@ -116,6 +123,8 @@ class Replica:
     # model passes the cluster's ``decode_step_overhead_s`` prior here, so a measured profile overrides the
     # engine's fixed step cost.
     engine_costs: EngineCosts | None = None
+    # replicas whose routed experts are split over ``ep`` of them (expert parallelism, ``cost.moe``)
+    ep: int = 1
 
     @property
     def costs(self) -> EngineCosts:
@@ -152,11 +161,12 @@ class Replica:
         column-parallel QKV and gate/up, row-parallel O and down, and the vocabulary-parallel LM head."""
         a, t = self.arch, self.tp
         hd, mats = a.head_dim, 3 if a.mlp == "swiglu" else 2
+        mlp = ([((mats - 1) * a.ffn_hidden // t, a.hidden, a.layers), (a.hidden, a.ffn_hidden // t, a.layers)]
+               if a.moe is None else non_expert_mlp_gemms(a, t))  # routed experts: ``StepModel.experts``
         return [
             ((a.heads + 2 * a.kv_heads) * hd // t, a.hidden, a.layers),
             (a.hidden, a.heads * hd // t, a.layers),
-            ((mats - 1) * a.ffn_hidden // t, a.hidden, a.layers),
-            (a.hidden, a.ffn_hidden // t, a.layers),
+            *mlp,
             (a.vocab // t, a.hidden, 1),
         ]
 
@@ -181,7 +191,8 @@ class Replica:
         head at ``lm_head_bytes``)."""
         a = self.arch
         vocab = a.embedding_params() + (0 if a.tied_embeddings else a.vocab * a.hidden)
-        return ((a.params() - vocab) * self.precision.weight_bytes + vocab * self.lm_head_bytes()) / self.tp
+        body = a.params() - vocab - (a.layers * expert_params_per_rank(a, 1, self.ep) if self.ep > 1 else 0)
+        return (body * self.precision.weight_bytes + vocab * self.lm_head_bytes()) / self.tp
 
 
 def _weights(gemms: list[tuple[int, int, int]]) -> int:
@@ -260,6 +271,12 @@ class StepModel:
         self.comm_fixed = 2 * a.layers * all_reduce_call(r, 0.0)
         self.comm_per_seq = 2 * a.layers * (hw.all_reduce_time(a.hidden * 2.0, r.tp)
                                             - hw.all_reduce_time(0.0, r.tp)) / r.priors.decode_link_share
+        self.experts = expert_decode(hw, a, r.tp, r.ep, r.precision.weight_bytes, self.peak, r.gemm_efficiency,
+                                     r.sms, r.priors.tile_rows, r.priors.tile_cols)
+        if self.experts is not None and r.ep > 1:  # dispatch/combine all-to-alls: linear in the batch too
+            fixed = self.experts.all_to_all_s(hw, a.hidden, r.tp, 0.0)
+            self.comm_fixed += fixed
+            self.comm_per_seq += self.experts.all_to_all_s(hw, a.hidden, r.tp, 1.0) - fixed
         eng = r.costs
         self.per_seq_s = eng.sequence_s
         self.fixed_s = eng.step_s + a.layers * r.priors.kernels_per_layer * r.priors.kernel_gap_s
@@ -276,8 +293,14 @@ class StepModel:
         r, p = self.replica, self.replica.priors
         body, head = tuple(self.gemm_list[:-1]), tuple(self.gemm_list[-1:])
         head_peak, head_eff = r.lm_head_peak()
+        experts = self.experts.compute_s(b) if self.experts is not None else 0.0
         return (_gemm_compute_s(body, self.peak, r.gemm_efficiency, r.sms, p.tile_rows, p.tile_cols, b)
-                + _gemm_compute_s(head, head_peak, head_eff, r.sms, p.tile_rows, p.tile_cols, b))
+                + _gemm_compute_s(head, head_peak, head_eff, r.sms, p.tile_rows, p.tile_cols, b) + experts)
+
+    def read_s(self, b: int) -> float:
+        """Weight bytes a step of ``b`` sequences reads, in seconds: all of a dense model's; of an MoE
+        model, everything but the routed experts plus the experts the batch hits (``cost.moe``)."""
+        return self.weights_s if self.experts is None else self.weights_s + self.experts.read_s(b)
 
     def kinds(self, batch: float, context: float) -> tuple[tuple[str, float], ...]:
         """The step's seconds other than its GEMMs, under the cost model's term names."""
@@ -287,14 +310,15 @@ class StepModel:
 
     def step(self, batch: float, context: float) -> StepTime:
         compute = self.compute_s(max(1, math.ceil(batch)))
+        reads = self.read_s(max(1, math.ceil(batch)))
         # Each GEMM kernel lasts as long as the slower of its reads and its FLOPs; summed over the step's
         # GEMMs, the larger side sets the time (they cross at the same batch for every decoder GEMM).
-        gemm = max(self.weights_s, compute)
+        gemm = max(reads, compute)
         attention = batch * context * max(self.kv_s_per_token, self.attn_s_per_token)
         terms = {"gemm": gemm, "attention": attention,
                  "tp_comm": self.comm_fixed + batch * self.comm_per_seq if self.comm_fixed else 0.0,
                  "per_sequence": batch * self.per_seq_s, "fixed": self.fixed_s}
-        return StepTime(terms, "memory" if self.weights_s >= compute else "compute")
+        return StepTime(terms, "memory" if reads >= compute else "compute")
 
 
 @lru_cache(maxsize=256)
@@ -318,6 +342,9 @@ def prefill_time(r: Replica, tokens: float, prompt: float) -> float:
     head_peak, head_eff = r.lm_head_peak()
     compute = ((2 * tokens * _weights(gemms[:-1]) + attn_flops) / (r.peak_flops * r.gemm_efficiency)
                + 2 * tokens * _weights(gemms[-1:]) / (head_peak * head_eff))
+    if a.moe is not None:  # the routed experts' FLOPs at the large-GEMM efficiency (prompts fill the tiles)
+        routed = tokens * a.layers * routed_expert_flops_per_token(a) / r.tp * imbalance(a, r.ep)
+        compute += routed / (r.peak_flops * r.gemm_efficiency)
     return compute + 2 * a.layers * all_reduce_call(r, tokens * a.hidden * 2)
 
 
@@ -417,9 +444,10 @@ def decode_phases(r: Replica, prompt: float, sequences: int, slots: int, lengths
     for steps, share, done in _segments(q, longest, mix):
         live = max(1.0, b * share)
         compute = model.compute_s(max(1, math.ceil(live)))
-        gemm = max(model.weights_s, compute)
+        reads = model.read_s(max(1, math.ceil(live)))
+        gemm = max(reads, compute)
         kinds = model.kinds(live, prompt + done + mix * mean_age)
-        terms["memory" if model.weights_s >= compute else "compute"] += steps * gemm
+        terms["memory" if reads >= compute else "compute"] += steps * gemm
         for kind, v in kinds:
             terms[kind] += steps * v
         seconds = steps * (gemm + sum(v for _, v in kinds))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from nereus.cost.moe import expert_params_per_rank
 from nereus.spec.layout import Layout
 from nereus.spec.model import ModelArch
 
@@ -35,7 +36,15 @@ def mlp_activation_coeff(arch: ModelArch) -> float:
     r = arch.ffn_hidden / arch.hidden
     if arch.mlp == "gelu":
         return 2 + 2 * r + 2 * r + 1
-    return 2 + 6 * r
+    if arch.moe is None:
+        return 2 + 6 * r
+    # A sparse layer keeps its input, each of the token's top_k permuted copies (2), their SwiGLU tensors at
+    # the expert width and their outputs before the weighted combine (2), and the shared expert's SwiGLU
+    # (Megatron-Core MoE keeps the permuted tokens for backward: token_dispatcher, experts' GroupedMLP).
+    m, h = arch.moe, arch.hidden
+    sparse = 2 + m.top_k * (4 + 6 * m.expert_ffn_hidden / h) + 6 * m.shared_expert_ffn_hidden / h
+    share = arch.sparse_layers() / arch.layers
+    return share * sparse + (1 - share) * (2 + 6 * r)
 
 
 def attention_activation_coeff(arch: ModelArch) -> float:
@@ -71,14 +80,15 @@ def stage_layers(arch: ModelArch, pp: int) -> int:
     return math.ceil(arch.layers / pp)
 
 
-def layer_params_per_rank(arch: ModelArch, tp: int) -> float:
+def layer_params_per_rank(arch: ModelArch, tp: int, ep: int = 1) -> float:
     """One layer's parameters on one tensor-parallel rank: the split matrices (and biases) over TP, the
     norm weights (two, plus Qwen3's q/k norms) replicated, and K/V replicated beyond the KV-head count
-    (nereus.spec.sharding)."""
+    (nereus.spec.sharding); an MoE layer's routed experts further split over ``ep`` (``cost.moe``)."""
     norms = arch.replicated_layer_params()
     kv = 2 * arch.kv_heads * arch.head_dim * (arch.hidden + (1 if arch.qkv_bias else 0))
     rest = arch.layer_params() - norms - kv
-    return rest / tp + kv / min(tp, arch.kv_heads) + norms
+    per_rank = rest / tp + kv / min(tp, arch.kv_heads) + norms
+    return per_rank - expert_params_per_rank(arch, tp, ep) if ep > 1 else per_rank
 
 
 def stage_params(arch: ModelArch, layout: Layout, value_head: bool) -> float:
@@ -87,7 +97,7 @@ def stage_params(arch: ModelArch, layout: Layout, value_head: bool) -> float:
     With PP > 1 the embedding sits on the first stage and the head on the last; with tied embeddings the
     last stage keeps its own copy (Megatron-LM). The final norm and a value head are replicated over TP.
     """
-    layers = stage_layers(arch, layout.pp) * layer_params_per_rank(arch, layout.tp)
+    layers = stage_layers(arch, layout.pp) * layer_params_per_rank(arch, layout.tp, layout.ep)
     emb = arch.embedding_params() / layout.tp
     head = arch.hidden if value_head else arch.vocab * arch.hidden / layout.tp
     ends = emb + head if layout.pp == 1 else max(emb, head)

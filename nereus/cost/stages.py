@@ -23,6 +23,7 @@ from nereus.cost.memory import (
     stage_params,
     training_state_bytes,
 )
+from nereus.cost.moe import ParamPart, moe_micro_batch_terms, param_parts
 from nereus.cost.stage_tokens import micro_batches
 from nereus.spec.algorithms import NEEDS_GREEDY_BASELINE
 from nereus.spec.engines import PRICING_ENGINE, engine_traits
@@ -80,8 +81,9 @@ def _attention_flops(arch: ModelArch, tokens: float, context: float, attention: 
 @lru_cache(maxsize=65536)
 def _layer_pass(hw: Hardware, arch: ModelArch, layout: Layout, seq: float, mbs: float, attention: str) -> _Pass:
     tokens = seq * mbs
-    # 2 FLOPs per multiply-accumulate per weight per token (Kaplan et al. 2020, Sec. 2.1).
-    flops = (2 * tokens * arch.layer_params() + _attention_flops(arch, tokens, seq, attention)) / layout.tp
+    # 2 FLOPs per multiply-accumulate per weight per token (Kaplan et al. 2020, Sec. 2.1); an MoE layer's
+    # token meets only its active parameters (``cost.moe``).
+    flops = (2 * tokens * arch.active_layer_params() + _attention_flops(arch, tokens, seq, attention)) / layout.tp
     no_recompute = Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel, recompute="none")
     hbm = ELEMENTWISE_TRAFFIC * layer_activation_bytes(arch, no_recompute, seq, mbs, attention)
     # Megatron TP: two all-reduces of the s·b·h activations per layer in forward (Shoeybi et al. 2019,
@@ -166,6 +168,8 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
         "tp_comm": layers * (2 * one.tp_time + recompute_tp),
         "pp_comm": 2 * v * _p2p_time(hw, arch, layout, tokens),
     }
+    for k, t in moe_micro_batch_terms(hw, arch, layout, tokens, layers, training=True).items():
+        mb_layers[k] = mb_layers.get(k, 0.0) + t
     mb_head = {"compute": hw.compute_time(3 * head.flops), "memory": hw.hbm_time(2 * head.hbm_bytes),
                "tp_comm": 2 * head.tp_time}
     # 1F1B with v virtual stages: m·t + (p−1)/v·t, the head's stage setting the steady pace
@@ -174,19 +178,18 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
     per_update_terms = {k: (m + bubble) * t for k, t in mb_layers.items()}
     for k, t in mb_head.items():
         per_update_terms[k] += m * t
-    params = stage_params(arch, layout, value_head)
-    per_update_terms["dp_comm"] = _grad_sync_time(hw, layout, params, opts.grad_bytes, m)
-    shard = layout.dp if (layout.zero1 or layout.fsdp) else 1
-    if layout.fsdp:  # every state is sharded, so the update touches 1/dp of everything
-        params /= layout.dp
-    # Adam reads grad, master, m, v and writes master, m, v and the bf16 weight (Megatron optimizer).
-    per_update_terms["optimizer"] = hw.hbm_time(params * (FP32 + BF16 + 6 * FP32 / shard))
+    parts = param_parts(arch, layout, stage_params(arch, layout, value_head))  # dense + experts' DP groups
+    per_update_terms["dp_comm"] = sum(_grad_sync_time(hw, q.layout, q.params, opts.grad_bytes, m, q.stride)
+                                      for q in parts)
+    per_update_terms["optimizer"] = sum(_optimizer_time(hw, q) for q in parts)
     updates = alg.mini_batches * alg.epochs
     terms = {k: updates * t for k, t in per_update_terms.items()}
     # forward and backward of every micro-batch on every stage of the pipeline schedule
     terms["overhead"] = terms.get("overhead", 0.0) + updates * 2 * (m + p - 1) * hw.priors.micro_batch_overhead_s
-    state = training_state_bytes(stage_params(arch, layout, value_head), layout, opts.grad_bytes,
-                                 opts.weight_bytes)
+    state: dict[str, float] = {}
+    for q in parts:
+        for k, b in training_state_bytes(q.params, q.layout, opts.grad_bytes, opts.weight_bytes).items():
+            state[k] = state.get(k, 0.0) + b
     acts = _training_activation_bytes(arch, layout, seq, mbs, m, opts.attention)
     logits = logits_bytes(arch, tokens, layout.tp, value_head, with_grad=True)
     memory = {**state, "activations": acts, "logits": logits}
@@ -196,20 +199,32 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
                       "micro_batch_tokens": tokens})
 
 
-def _grad_sync_time(hw: Hardware, layout: Layout, params: float, grad_bytes: int, micro_batches: int) -> float:
-    """DP gradient all-reduce; with ZeRO-1 a reduce-scatter of gradients plus an all-gather of bf16
-    weights (Rajbhandari et al. 2020, Sec. 7.1: same volume as all-reduce for P_os). FSDP / ZeRO-3
-    gathers the weights before each forward and backward and reduce-scatters gradients after each
-    backward, per micro-batch (Sec. 7.2.2: 1.5× the all-reduce volume per pass; Zhao et al. 2023, FSDP)."""
+def _grad_sync_time(hw: Hardware, layout: Layout, params: float, grad_bytes: int, micro_batches: int,
+                    stride: int) -> float:
+    """DP gradient all-reduce over ``layout.dp`` ranks ``stride`` apart; with ZeRO-1 a reduce-scatter of
+    gradients plus an all-gather of bf16 weights (Rajbhandari et al. 2020, Sec. 7.1: same volume as
+    all-reduce for P_os). FSDP / ZeRO-3 gathers the weights before each forward and backward and
+    reduce-scatters gradients after each backward, per micro-batch (Sec. 7.2.2: 1.5× the all-reduce volume
+    per pass; Zhao et al. 2023, FSDP)."""
     if layout.dp == 1:
         return 0.0
     if layout.fsdp:
-        return micro_batches * (2 * hw.all_gather_time(params * BF16, layout.dp, layout.tp)
-                                + hw.all_gather_time(params * grad_bytes, layout.dp, layout.tp))
+        return micro_batches * (2 * hw.all_gather_time(params * BF16, layout.dp, stride)
+                                + hw.all_gather_time(params * grad_bytes, layout.dp, stride))
     if layout.zero1:
-        return (hw.all_gather_time(params * grad_bytes, layout.dp, layout.tp)
-                + hw.all_gather_time(params * BF16, layout.dp, layout.tp))
-    return hw.all_reduce_time(params * grad_bytes, layout.dp, layout.tp)
+        return (hw.all_gather_time(params * grad_bytes, layout.dp, stride)
+                + hw.all_gather_time(params * BF16, layout.dp, stride))
+    return hw.all_reduce_time(params * grad_bytes, layout.dp, stride)
+
+
+def _optimizer_time(hw: Hardware, part: ParamPart) -> float:
+    """Adam reads grad, master, m, v and writes master, m, v and the bf16 weight (Megatron optimizer);
+    ZeRO-1 and FSDP shard the states over the part's DP group, FSDP the weights and gradients too."""
+    layout, params = part.layout, part.params
+    shard = layout.dp if (layout.zero1 or layout.fsdp) else 1
+    if layout.fsdp:  # every state is sharded, so the update touches 1/dp of everything
+        params /= layout.dp
+    return hw.hbm_time(params * (FP32 + BF16 + 6 * FP32 / shard))
 
 
 def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -> StageCost | None:
@@ -232,6 +247,8 @@ def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -
         "pp_comm": fill * _p2p_time(hw, arch, layout, tokens),
         "overhead": fill * hw.priors.micro_batch_overhead_s,
     }
+    for k, t in moe_micro_batch_terms(hw, arch, layout, tokens, layers, training=False).items():
+        terms[k] = terms.get(k, 0.0) + fill * t
     working = Layout(tp=layout.tp, sequence_parallel=layout.sequence_parallel, recompute="none")
     acts = 2 * layer_activation_bytes(arch, working, seq, mbs, job.options.attention)
     if layout.fsdp and layout.dp > 1:  # weights gathered layer by layer for every micro-batch
@@ -287,12 +304,12 @@ def generation_cost(
     resp = wl.response
     slots = int(min(ENGINE_MAX_SEQUENCES, budget // (kv_token * (wl.prompt_length + resp.mean))))
     phases = _decode_phases(hw, arch, tp, job.options.weight_bytes, wl.prompt_length, b, max(1, min(slots, b)), resp,
-                            resp.longest(total))
+                            resp.longest(total), layout.ep)
     terms = {**dict.fromkeys(("compute", "memory", "tp_comm", "pp_comm", "overhead"), 0.0), **phases.terms}
     greedy = math.ceil(greedy_responses(job) / layout.dp)
     if greedy:  # ReMax's greedy response per prompt: a generation pass of its own after the step's, with its own tail
         extra = _decode_phases(hw, arch, tp, job.options.weight_bytes, wl.prompt_length, greedy,
-                               max(1, min(slots, greedy)), resp, resp.longest(greedy * layout.dp))
+                               max(1, min(slots, greedy)), resp, resp.longest(greedy * layout.dp), layout.ep)
         terms = {k: v + extra.terms.get(k, 0.0) for k, v in terms.items()}
     if p > 1:  # each decode step hands the live batch's activations through the p stages
         bulk_p2p = hw.p2p_time(phases.batch * arch.hidden * BF16 / tp, cross_node=False)
@@ -319,17 +336,18 @@ def greedy_responses(job: JobSpec) -> int:
 
 @lru_cache(maxsize=32768)  # a 40-step run on a 64-GPU trace asks for about 8,000 distinct ones
 def _decode_phases(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, prompt: int, sequences: int,
-                   slots: int, resp: ResponseLength, longest: float) -> DecodePhases:
+                   slots: int, resp: ResponseLength, longest: float, ep: int = 1) -> DecodePhases:
     """The decode model for one replica (cached: the planner prices each TP degree many times)."""
-    replica = generation_replica(hw, arch, tp, weight_bytes)
+    replica = generation_replica(hw, arch, tp, weight_bytes, ep)
     return decode_phases(replica, prompt, sequences, slots, resp.quantiles(16), resp.mean, longest)
 
 
-def generation_replica(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int) -> Replica:
-    """The rollout engine's replica as the planner prices it (also the intra-step model's, cost.generation)."""
+def generation_replica(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, ep: int = 1) -> Replica:
+    """The rollout engine's replica as the planner prices it (also the intra-step model's, cost.generation);
+    ``ep``: replicas whose experts are split over that many of them (attention data parallel)."""
     precision = Precision.of("bf16") if weight_bytes <= 2 else Precision("fp32", weight_bytes, weight_bytes)
     engine = EngineCosts(hw.priors.decode_step_overhead_s, engine_traits(PRICING_ENGINE).host.sequence_s)
-    return Replica(hw, arch, tp, precision, PRICING_ENGINE, engine_costs=engine)
+    return Replica(hw, arch, tp, precision, PRICING_ENGINE, engine_costs=engine, ep=ep)
 
 
 def stage_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout,

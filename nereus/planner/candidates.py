@@ -37,6 +37,18 @@ def tp_degrees(job: JobSpec, model: str, gpus: int) -> list[int]:
     return out
 
 
+def ep_degrees(job: JobSpec, model: str, dp: int) -> list[int]:
+    """Expert-parallel degrees of an MoE model: those dividing both dp and the expert count (Megatron-Core's
+    rule, ``spec.parallel_dims.split_problem``), or the job's fixed ``options.ep`` where it fits; [1] for a
+    dense model and where the runtime has no expert parallelism (``RuntimeCapability.planning_options``)."""
+    moe, fixed = job.models[model].moe, job.options.ep
+    if moe is None:
+        return [1]
+    if isinstance(fixed, int):
+        return [fixed] if dp % fixed == 0 and moe.experts % fixed == 0 else [1]
+    return [e for e in divisors(dp) if moe.experts % e == 0]
+
+
 def pp_degrees(job: JobSpec, ms: ModelStage, gpus_per_replica_limit: int) -> list[int]:
     """Pipeline depths that split the layers evenly; generation keeps pipelines short (decode latency)."""
     layers = job.models[ms.model].layers
@@ -59,8 +71,9 @@ def enumerate_layouts(job: JobSpec, ms: ModelStage, gpus: int) -> list[Layout]:
             dp = min(gpus // (tp * pp), seqs)
             if dp < 1:
                 continue
+            eps = ep_degrees(job, ms.model, dp)
             if ms.stage == "generation":
-                layouts.append(generation_layout(tp, pp, dp))
+                layouts.extend(generation_layout(tp, pp, dp, ep) for ep in eps)
                 continue
             per_replica = -(-seqs // dp)
             mbs_options = [opts.micro_batch_size] if isinstance(opts.micro_batch_size, int) else [
@@ -73,8 +86,9 @@ def enumerate_layouts(job: JobSpec, ms: ModelStage, gpus: int) -> list[Layout]:
                 v_options = [1]
             stage_recomputes = recomputes if ms.stage == "training" else ("none",)
             fsdp_options = (False, True) if opts.fsdp == "auto" and dp > 1 else (bool(opts.fsdp) and dp > 1,)
-            for mbs, v, rc, fsdp in itertools.product(mbs_options, v_options, stage_recomputes, fsdp_options):
-                layouts.append(Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, interleave=v, recompute=rc,
+            for ep, mbs, v, rc, fsdp in itertools.product(eps, mbs_options, v_options, stage_recomputes,
+                                                          fsdp_options):
+                layouts.append(Layout(tp=tp, pp=pp, dp=dp, ep=ep, micro_batch_size=mbs, interleave=v, recompute=rc,
                                       sequence_parallel=opts.sequence_parallel and tp > 1,
                                       zero1=opts.zero1 and ms.stage == "training" and not fsdp, fsdp=fsdp,
                                       max_token_len=planned_token_budget(job, ms, mbs)))

@@ -25,9 +25,9 @@ UNWRITTEN = Layout()
 DEGREES = ("tp", "pp", "dp")
 
 
-def generation_layout(tp: int, pp: int, dp: int) -> Layout:
+def generation_layout(tp: int, pp: int, dp: int, ep: int = 1) -> Layout:
     """The planner's generation layout of these degrees (``GENERATION_OPTIONS``)."""
-    return Layout(tp=tp, pp=pp, dp=dp, **GENERATION_OPTIONS)
+    return Layout(tp=tp, pp=pp, dp=dp, ep=ep, **GENERATION_OPTIONS)
 
 
 def written_options(text: str, where: str = "--layout") -> tuple[dict[str, object], dict[str, object]]:

@@ -7,14 +7,14 @@ from dataclasses import replace
 
 from nereus.spec.capability import RuntimeCapability
 
-# TP, PP, DP, micro-batches, ZeRO-1, ZeRO-3/FSDP (``parallel.zero3``), GPipe/1F1B, activation recomputation
-# (full and selective: ``parallel.recompute``); no sequence parallelism or interleaving; the RL driver runs
-# model-stages one after another (with run.overlap, those on disjoint workers at once: ``capability_for``); a
-# step's rollouts are packed to its longest response (run.rollout.pack), so inference and training pay for the
-# padding.
+# TP, PP, DP, EP in inference and training (``parallel.ep``), micro-batches, ZeRO-1, ZeRO-3/FSDP
+# (``parallel.zero3``; not with EP), GPipe/1F1B, activation recomputation (full and selective:
+# ``parallel.recompute``); no sequence parallelism or interleaving; the RL driver runs model-stages one after
+# another (with run.overlap, those on disjoint workers at once: ``capability_for``); a step's rollouts are
+# packed to its longest response (run.rollout.pack), so inference and training pay for the padding.
 # "none" first: what a layout that leaves recompute out runs (``planner.defaults.runtime_options``).
 CAPABILITY = RuntimeCapability(recompute=("none", "selective", "full"), sequence_parallel=False, max_interleave=1,
-                               fsdp=True, concurrent_stages=False, padded_rollouts=True)
+                               fsdp=True, expert_parallel=True, concurrent_stages=False, padded_rollouts=True)
 
 
 def capability_for(overlap: bool) -> RuntimeCapability:

@@ -32,6 +32,11 @@ class RuntimeCapability:
     sequence_parallel: bool = False
     max_interleave: int = 1
     fsdp: bool = False
+    # expert parallelism (ep > 1) of MoE layouts in inference and training; False: the planner proposes ep=1
+    # only. ``ep_generation``: in generation too (each replica decodes a different number of steps, so an
+    # all-to-all per step needs an engine that keeps its EP group in lockstep)
+    expert_parallel: bool = False
+    ep_generation: bool = False
     # model-stages of one phase on disjoint workers run at the same time (the planner's step-time sum)
     concurrent_stages: bool = False
     # each step's rollouts are padded to its longest response for inference and training where a layout
@@ -55,7 +60,20 @@ class RuntimeCapability:
                        f"stages per device; set interleave={self.max_interleave}")
         if layout.fsdp and not self.fsdp:
             out.append("fsdp: the runtime shards only the optimizer state over DP (zero1); set fsdp=false")
+        if layout.ep > 1:
+            out.extend(self._ep_problems(layout, stage))
         return out
+
+    def _ep_problems(self, layout: Layout, stage: str) -> list[str]:
+        if not self.expert_parallel:
+            return [f"ep={layout.ep}: the runtime has no expert parallelism; set ep=1"]
+        if stage == "generation" and not self.ep_generation:
+            return [f"ep={layout.ep} in generation: the engine decodes each replica alone, experts replicated "
+                    "(its weights come from the EP training layout by the weight sync); set ep=1"]
+        if layout.fsdp:
+            return [f"ep={layout.ep} with fsdp: the runtime's ZeRO-3 buffers span all DP ranks, not expert "
+                    "groups; set fsdp=false (ZeRO-1 shards the experts' optimizer state) or ep=1"]
+        return []
 
     def as_run(self, layout: Layout, stage: str = "training") -> Layout:
         """``layout`` as this runtime runs it: the options that change nothing for ``stage`` (see the module
@@ -80,5 +98,6 @@ class RuntimeCapability:
         return replace(options, recompute=recompute,
                        sequence_parallel=options.sequence_parallel and self.sequence_parallel,
                        fsdp=options.fsdp if self.fsdp else False, interleave=interleave,
+                       ep=options.ep if self.expert_parallel else 1,
                        concurrent_stages=options.concurrent_stages and self.concurrent_stages,
                        padded_batches=self.padded_rollouts)

@@ -70,6 +70,9 @@ class Options:
     fsdp: bool | str = False  # True, False or "auto" (the planner tries both)
     interleave: int | str = "auto"
     micro_batch_size: int | str = "auto"
+    # expert parallelism of an MoE model's layouts: "auto" (the planner tries every ep that divides dp and
+    # the expert count, ``planner.candidates``) or a fixed degree; dense models always have ep=1
+    ep: int | str = "auto"
     attention: str = "flash"  # "standard" materialises the s×s scores (Megatron 2021)
     grad_bytes: int = 4  # fp32 gradient accumulation buffers (Megatron main_grad)
     weight_bytes: int = 2  # bf16 weights on GPUs; 4 where the runtime computes in fp32 (CPU workers)
@@ -235,6 +238,7 @@ def _read_options(f: Fields, runs: bool = False) -> Options:
         fsdp=_bool_or_auto(f, "fsdp"),
         interleave=auto_or_int("interleave"),
         micro_batch_size=auto_or_int("micro_batch_size"),
+        ep=auto_or_int("ep"),
         attention=f.get("attention", str, "flash", choices=["flash", "standard"]),
         grad_bytes=f.get("grad_bytes", int, 4, choices=[2, 4]),
         weight_bytes=f.get("weight_bytes", int, 2, choices=[2, 4]),

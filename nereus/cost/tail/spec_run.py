@@ -54,10 +54,13 @@ class SpecTable:
         self.comm_fixed, self.comm_per_seq = m.comm_fixed, m.comm_per_seq
         self.per_seq, self.fixed = m.per_seq_s, m.fixed_s
         self.compute = np.array([0.0] + [m.compute_s(b * rows) for b in range(1, ENGINE_MAX_SEQUENCES + 1)])
+        self.reads = (np.full(ENGINE_MAX_SEQUENCES + 1, m.weights_s) if m.experts is None
+                      else np.array([m.weights_s] + [m.read_s(b * rows) for b in range(1, ENGINE_MAX_SEQUENCES + 1)]))
 
     def seconds(self, live: np.ndarray, ctx_sum: np.ndarray, f: Factors) -> np.ndarray:
-        comp = self.compute[np.minimum(live, len(self.compute) - 1).astype(int)]
-        gemm = np.where(self.weights_s >= comp, self.weights_s * f.memory, comp * f.compute)
+        at = np.minimum(live, len(self.compute) - 1).astype(int)
+        comp, reads = self.compute[at], self.reads[at]
+        gemm = np.where(reads >= comp, reads * f.memory, comp * f.compute)
         tp = (self.comm_fixed + live * self.rows * self.comm_per_seq) * f.tp_comm if self.comm_fixed else 0.0
         host = (live * (self.per_seq + self.host_s) + self.fixed) * f.overhead
         t = gemm + ctx_sum * self.kv_s * f.memory + tp + host

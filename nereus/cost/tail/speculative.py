@@ -169,7 +169,7 @@ def verify_seconds(m: StepModel, batch: float, context: float, rows: int) -> flo
     all-reduces' activations for every row, the engine's costs once. ``rows = 1`` is ``m.step``."""
     b = max(1.0, batch)
     n = max(1, math.ceil(b * rows))
-    gemm = max(m.weights_s, m.compute_s(n))
+    gemm = max(m.read_s(n), m.compute_s(n))
     attention = b * context * max(m.kv_s_per_token, rows * m.attn_s_per_token)
     tp = m.comm_fixed + n * m.comm_per_seq if m.comm_fixed else 0.0
     return gemm + attention + tp + b * m.per_seq_s + m.fixed_s
