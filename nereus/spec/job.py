@@ -306,7 +306,7 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         for name, layout in run.layouts.items():
             ParallelDims.of(layout, job.models[name.split("/")[0]], f"run.layouts.{name}")
         check_rollout_engine(run.rollout_engine, {m: a.head_dim for m, a in job.models.items()}, run.layouts,
-                             installed_distribution(run.rollout_engine.traits))
+                             installed_distribution(run.rollout_engine.traits), job.models["actor"].moe is not None)
         check_old_log_prob(job.algorithm, run)
         check_dapo(run, job.algorithm.samples_per_prompt, job.algorithm.models)
     check_keep_rate(job.workload.filter_keep_rate, job.run)

@@ -131,13 +131,18 @@ def read_engine(rollout: Fields) -> RolloutEngine:
 
 
 def check_rollout_engine(engine: RolloutEngine, head_dims: dict[str, int], layouts: dict[str, object],
-                         installed: str | None) -> None:
+                         installed: str | None, moe: bool = False) -> None:
     """One-line errors, before any process starts, for an engine this installation cannot run: its package
-    missing, a head size its CPU build refuses, a generation layout it does not run. ``installed``:
+    missing, a head size its CPU build refuses, a Mixture-of-Experts actor (``moe``) whose weights it cannot
+    take from the trainer, a generation layout it does not run. ``installed``:
     ``spec.engines.installed_distribution(engine.traits)``."""
     t, native = engine.traits, f"run.rollout.engine: {DEFAULT_ENGINE}"
     if t.package is not None and installed is None:
         raise SpecError("run.rollout.engine", f"{t.package} is not installed: {t.install_hint}; or use engine: "
+                        f"{DEFAULT_ENGINE}")
+    if moe and not t.syncs_moe:
+        raise SpecError("run.rollout.engine", f"the actor is a Mixture-of-Experts model, whose expert and router "
+                        f"weights the {t.label} engine does not take from the trainer in place yet; use engine: "
                         f"{DEFAULT_ENGINE}")
     actor = head_dims["actor"]
     if t.cpu_head_sizes and installed == t.cpu_distribution and actor not in t.cpu_head_sizes:

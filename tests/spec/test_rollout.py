@@ -38,6 +38,12 @@ def test_head_size_the_cpu_build_refuses():
     check_rollout_engine(VLLM, {"actor": 16}, {}, "vllm")  # the CUDA build has other kernels
 
 
+def test_an_moe_actor_is_refused_by_vllm_and_runs_native():
+    with pytest.raises(SpecError, match=r"engine: the actor is a Mixture-of-Experts model.*engine: native"):
+        check_rollout_engine(VLLM, {"actor": 32}, {}, "vllm-cpu", moe=True)
+    check_rollout_engine(RolloutEngine(), {"actor": 32}, {}, None, moe=True)
+
+
 def test_generation_layouts_the_vllm_engine_runs():
     check_rollout_engine(VLLM, {"actor": 32}, {"actor/generation": Layout(tp=2)}, "vllm-cpu")  # TP engines
     with pytest.raises(SpecError, match=r"run\.layouts\.actor/generation: .*pp=1"):
