@@ -15,6 +15,7 @@ import torch
 
 from nereus.rl.core import agg_weights
 from nereus.rl.data import PAD
+from nereus.runtime.model.routes import routes_frame
 from nereus.runtime.parallel.batch import TrainBatch
 
 
@@ -27,6 +28,9 @@ class Rollout:
     prompt_len: torch.Tensor  # [B]
     response_len: torch.Tensor  # [B]
     finished: torch.Tensor  # [B] bool: ended with EOS
+    # [B, T, sparse layers, k] int16: the experts generation routed each position to (router replay,
+    # ``runtime.model.routes``); None: not recorded (a dense model, replay off, an engine that does not record)
+    routes: torch.Tensor | None = None
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -44,11 +48,13 @@ class Rollout:
 
 
 def pack(prompts: list[list[int]], responses: list[list[int]], logps: list[list[float]] | None,
-         eos: int | tuple[int, ...], fixed: tuple[int, int] | None = None) -> Rollout:
+         eos: int | tuple[int, ...], fixed: tuple[int, int] | None = None,
+         routes: list[torch.Tensor] | None = None) -> Rollout:
     """Pack prompt/response pairs (``logps`` per response token, or None) into a ``Rollout``; a response
     ending with ``eos`` (an id, or any of several) is finished. ``fixed``:
     (prompt length, response length) bounds to pad to instead of the longest present
-    (``run.rollout.pad_to_max``: rows packed before the others finish have the same width)."""
+    (``run.rollout.pad_to_max``: rows packed before the others finish have the same width). ``routes``: each
+    row's experts per position fed (router replay), laid in the frame of the packed tokens."""
     b = len(prompts)
     if fixed is not None:
         width, total = max(1, fixed[1]), fixed[0] + max(1, fixed[1])
@@ -71,7 +77,8 @@ def pack(prompts: list[list[int]], responses: list[list[int]], logps: list[list[
     rlen = torch.tensor([len(r) for r in responses])
     stops = {eos} if isinstance(eos, int) else set(eos)
     finished = torch.tensor([bool(r) and r[-1] in stops for r in responses])
-    return Rollout(tokens, index, mask, gen_logp, plen, rlen, finished)
+    frame = None if routes is None else routes_frame(routes, total)
+    return Rollout(tokens, index, mask, gen_logp, plen, rlen, finished, frame)
 
 
 def repeat_prompts(prompts: list, n: int) -> list:

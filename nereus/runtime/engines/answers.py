@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import astuple, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,13 @@ class DecodeStats:
 
 @dataclass(frozen=True)
 class ReplicaRollout:
-    """One data-parallel replica's answer to a generation call: its rows' answers, in row order, and how
-    the generation went."""
+    """One data-parallel replica's answer to a generation call: its rows' answers, in row order, how the
+    generation went, and, where ``SamplingParams.record_routes`` asked and the engine records them, each
+    row's routes [positions fed, sparse layers, top_k] (``model.routes``; None: not recorded)."""
 
     rows: list[Answer]
     stats: DecodeStats = DecodeStats()
+    routes: list[torch.Tensor] | None = None
 
 
 class GroupOrder:

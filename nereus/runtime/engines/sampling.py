@@ -57,6 +57,8 @@ class SamplingParams:
     # shortened by them); rows in ``resumed_done`` had finished already and generate nothing
     resumed: tuple[int, ...] = ()
     resumed_done: frozenset[int] = frozenset()
+    # router replay (``run.router_replay``): answer each row's experts per position (``model.routes``)
+    record_routes: bool = False
 
     @property
     def stops(self) -> frozenset[int]:

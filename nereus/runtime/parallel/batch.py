@@ -35,6 +35,9 @@ class TrainBatch:
     # [B] long: each row's real tokens (``tokens`` is right-padded past them); None: every row is T long.
     # A packing layout runs only these (``parallel.packing``)
     lengths: torch.Tensor | None = None
+    # [B, T, sparse layers, k] int16: the experts generation routed each position to (router replay,
+    # ``model.routes``); None: the forward routes with its own router
+    routes: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)

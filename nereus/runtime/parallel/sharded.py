@@ -33,6 +33,7 @@ from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.model.decoder import CausalLM, ModelConfig, rope_inv_freq
 from nereus.runtime.model.memory import ActivationMeter, MemoryReport, tensor_bytes
 from nereus.runtime.model.moe import RoutingRecord
+from nereus.runtime.model.routes import replay_record, sparse_layer_ids
 from nereus.runtime.parallel import parallelize
 from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.dp import ShardedAdam, sum_gradients
@@ -197,31 +198,41 @@ class ShardedModel(ForwardOps):
             out.append((batch.select(pack.rows).to(self.groups.device), pack))
         return out
 
-    def _packed_stage_fn(self, packs: list[PackedRows], loss_weights: list[float] | None = None):
+    def _packed_stage_fn(self, packs: list[PackedRows], loss_weights: list[float] | None = None,
+                         mbs: list[TrainBatch] | None = None):
+        """``mbs``: the packs' micro-batches, whose routes (router replay) are packed as their tokens."""
         def run(x: torch.Tensor, i: int) -> torch.Tensor:
-            return self._stage_forward(x, loss_weights, i, None, seq_lens=packs[i].lengths)
+            routes = None if mbs is None or mbs[i].routes is None else packs[i].pack(mbs[i].routes)
+            return self._stage_forward(x, loss_weights, i, None, routes, seq_lens=packs[i].lengths)
         shape = lambda i: (1, packs[i].tokens, self.cfg.arch.hidden)  # noqa: E731
         return run, shape
 
     def _stage_fn(self, mbs: list[TrainBatch], loss_weights: list[float] | None = None):
         def run(x: torch.Tensor, i: int) -> torch.Tensor:
-            return self._stage_forward(x, loss_weights, i, mbs[i].lengths)
+            return self._stage_forward(x, loss_weights, i, mbs[i].lengths, mbs[i].routes)
         shape = lambda i: (*mbs[i].tokens.shape, self.cfg.arch.hidden)  # noqa: E731
         return run, shape
 
     def _stage_forward(self, x: torch.Tensor, loss_weights: list[float] | None, i: int,
-                       lengths: torch.Tensor | None, **kwargs: object) -> torch.Tensor:
+                       lengths: torch.Tensor | None, routes: torch.Tensor | None = None,
+                       **kwargs: object) -> torch.Tensor:
         """The stage's forward of micro-batch ``i``. In training (``loss_weights``: each micro-batch's weight in
         the step's loss) an MoE model's load-balancing loss -- the mean over its sparse layers of each layer's,
         over the micro-batch's tokens (not the padding past ``lengths``) -- joins the backward at the
         checkpoint's ``router_aux_loss_coef`` (``moe.RoutingRecord.join_aux_loss``: each pipeline stage its
-        own layers' part)."""
+        own layers' part). ``routes`` [b, T | L, sparse layers, k] (router replay, ``model.routes``): the
+        experts each sparse layer routes the micro-batch's positions to, in the order of ``x``'s positions."""
         arch = self.cfg.arch
-        coef = arch.moe.aux_loss_coef if arch.moe is not None else 0.0
-        if loss_weights is None or not coef:
+        coef = arch.moe.aux_loss_coef if arch.moe is not None and loss_weights is not None else 0.0
+        if not coef and routes is None:
             return self.model(x, **kwargs)
-        mask = None if lengths is None else torch.arange(x.shape[1], device=x.device) < lengths.to(x.device)[:, None]
-        record = RoutingRecord(aux=True, token_mask=mask, aux_weight=coef * loss_weights[i] / arch.sparse_layers())
+        aux = {}
+        if coef:
+            at = torch.arange(x.shape[1], device=x.device)
+            mask = None if lengths is None else at < lengths.to(x.device)[:, None]
+            aux = {"aux": True, "token_mask": mask, "aux_weight": coef * loss_weights[i] / arch.sparse_layers()}
+        record = (RoutingRecord(**aux) if routes is None
+                  else replay_record(routes.to(x.device), sparse_layer_ids(arch), **aux))
         return record.join_aux_loss(self.model(x, routing=record, **kwargs))
 
     # ----- training -------------------------------------------------------------------------------
@@ -238,7 +249,7 @@ class ShardedModel(ForwardOps):
             inputs = [p.pack(mb.tokens) for mb, p in pairs]
             # each micro-batch counts by its share of the batch's rows (the DP average then divides by dp)
             parts = [len(batch) / (len(mb) * self.groups.dims.dp) for mb in mbs]
-            run, shape = self._packed_stage_fn(packs, [1 / p for p in parts])
+            run, shape = self._packed_stage_fn(packs, [1 / p for p in parts], mbs)
         else:
             mbs, packs = self.micro_batches(batch), None
             inputs = [mb.tokens for mb in mbs]

@@ -45,7 +45,7 @@ def generate_with_logprobs(sm: ShardedModel, prompts: list[list[int]], params: S
     if params.slots:
         return generate_continuous(sm, prompts, params, params.slots, faults)
     run = FixedDecode(sm, prompts, params).run(faults)
-    return ReplicaRollout(run.answers(), run.stats()) if sm.groups.last_stage else None
+    return ReplicaRollout(run.answers(), run.stats(), run.route_rows()) if sm.groups.last_stage else None
 
 
 def reference_generate(model: torch.nn.Module, prompt: list[int], params: SamplingParams) -> list[int]:

@@ -30,6 +30,8 @@ from nereus.runtime.engines.answers import Answer, Carried, DecodeStats, GroupOr
 from nereus.runtime.engines.native.speculative import as_text, propose_text, verify_rows
 from nereus.runtime.engines.sampling import SamplingParams, row_limit, sample, stream_seed
 from nereus.runtime.model.decoder import KVCache, logprobs_from_logits
+from nereus.runtime.model.moe import RoutingRecord
+from nereus.runtime.model.routes import RouteLog, sparse_layer_ids
 from nereus.runtime.parallel.pp import forward_only
 from nereus.runtime.parallel.sharded import ShardedModel
 from nereus.runtime.parallel.tp import gather_vocab
@@ -70,11 +72,11 @@ class PipelineForward:
                        for i, layer in sm.model.model.layers.items()}
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, start: int,
-                 last: int = 1) -> torch.Tensor | None:
+                 last: int = 1, routing: RoutingRecord | None = None) -> torch.Tensor | None:
         sm, dev = self.sm, self.sm.groups.device
 
         def run(x: torch.Tensor, _i: int) -> torch.Tensor:
-            return sm.model(x, positions.to(dev), mask.to(dev), self.caches, start)
+            return sm.model(x, positions.to(dev), mask.to(dev), self.caches, start, routing=routing)
 
         outs = forward_only(run, sm.comm, [tokens.to(dev)], lambda _i: (*tokens.shape, sm.cfg.arch.hidden),
                             sm.dtype)
@@ -165,6 +167,11 @@ class FixedDecode:
         self.iterations = 0  # decode forwards (the prefill not counted)
         self.draft_tokens = self.accepted_tokens = self.speculative_iterations = self.verifications = 0
         self.prefill = (tokens, positions, valid)
+        # router replay: each sparse layer's experts for every position fed (one stage holds every layer)
+        layers = sparse_layer_ids(sm.cfg.arch)
+        record = params.record_routes and layers and sm.groups.dims.pp == 1
+        self.routes = RouteLog(b, layers, sm.cfg.arch.moe.top_k) if record else None
+        self.fed: tuple[RoutingRecord, tuple[int, int]] | None = None  # the last decode forward's routing
 
     # ----- the loop -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -172,7 +179,10 @@ class FixedDecode:
         """Prefill, then decode until every row finished; ``faults``' point ``generate`` is met at each decode
         iteration (the prompts prefilled, tokens being sampled)."""
         tokens, positions, valid = self.prefill
-        logits = self.step(tokens, positions, prefill_mask(valid), 0)
+        record = RoutingRecord() if self.routes is not None else None
+        logits = self.step(tokens, positions, prefill_mask(valid), 0, routing=record)
+        if self.routes is not None:
+            self.routes.keep(record, tuple(tokens.shape), valid)
         pending = self._emit(logits)
         while not self._done():
             if faults is not None:
@@ -207,12 +217,18 @@ class FixedDecode:
         mask = (self.keys[:, None, :end] & (at < first)) | ((at >= first) & (at <= upto))
         positions = self.last_pos[:, None] + 1 + torch.arange(w)
         same = bool((self.lengths == self.lengths[0]).all())
-        return self.step(chunk, positions, mask[:, None], int(self.lengths[0]) if same else self.lengths, last=w)
+        record = RoutingRecord() if self.routes is not None else None
+        self.fed = None if record is None else (record, tuple(chunk.shape))
+        return self.step(chunk, positions, mask[:, None], int(self.lengths[0]) if same else self.lengths, last=w,
+                         routing=record)
 
     def _advance(self, fed: torch.Tensor) -> None:
         """Row ``b``'s next ``fed[b]`` positions hold its tokens now (the pending one and accepted drafts);
         a finished row's cache stays as it is (what it is fed is never read)."""
         cols = torch.arange(self.keys.shape[1])[None]
+        if self.routes is not None and self.fed is not None:  # the chunk positions each row advanced by
+            record, shape = self.fed
+            self.routes.keep(record, shape, torch.arange(shape[1])[None] < fed[:, None])
         self.keys |= (cols >= self.lengths[:, None]) & (cols < (self.lengths + fed)[:, None])
         self.lengths = self.lengths + fed
         self.last_pos = self.last_pos + fed
@@ -296,6 +312,10 @@ class FixedDecode:
     def stats(self) -> DecodeStats:
         return DecodeStats(self.iterations, self.speculative_iterations, self.verifications, self.draft_tokens,
                            self.accepted_tokens)
+
+    def route_rows(self) -> list[torch.Tensor] | None:
+        """Each row's routes [positions fed, sparse layers, k] (``model.routes``), None when not recorded."""
+        return None if self.routes is None else self.routes.rows()
 
     def answers(self) -> list[Answer]:
         """Each row's (tokens, log-probs) — kept rows only with ``keep_groups``: the others None, or

@@ -54,8 +54,9 @@ def length_bucket(tokens: int) -> int:
 def decode_path(mode: str, sm: ShardedModel, params: SamplingParams) -> str:
     """Which decode the native engine runs for one fixed-batch call: ``graphed`` (static buffers, a captured
     CUDA graph), ``static`` (the same buffers, eager) or ``loop`` (``fixed_decode``). ``mode``:
-    ``run.rollout.native_decode`` (auto: graphed on a CUDA device, the loop elsewhere)."""
-    if mode == "loop" or not static_supported(sm, params):
+    ``run.rollout.native_decode`` (auto: graphed on a CUDA device, the loop elsewhere; the loop where router
+    replay records routes)."""
+    if mode == "loop" or not static_supported(sm, params) or params.record_routes:  # the loop records routes
         return "loop"
     # an MoE layer's routing sizes its expert batches on the host: no graph, the static buffers eager
     cuda = sm.groups.device.type == "cuda" and sm.cfg.arch.moe is None
