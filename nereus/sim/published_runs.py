@@ -29,6 +29,12 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
   (verl's key; an optional column, empty or absent: no): then every decode step also pays the host's
   eager dispatch (``cost.eager``) in the engine's fixed step cost (the cluster prior
   ``decode_step_overhead_s``).
+- an MoE row (``arch`` moe): its experts from ``n_experts``, ``experts_per_token``, ``moe_ffn_hidden`` and
+  ``shared_experts`` (``moe_arch_dict``; dense layers from ``params_b`` when ``ffn_hidden`` is given), its
+  EP from ``train_ep`` / ``rollout_ep`` (``expert_parallel``). Attention is what the columns say: MLA
+  (DeepSeek-V3) is priced as multi-head attention with the row's kv heads of hidden / n_heads, which
+  overstates its KV cache; Qwen3's q/k norms are left out (2 x head_dim parameters a layer). A pipeline
+  depth that does not split the layers evenly skips the row (Megatron's uneven first/last stages).
 """
 
 from __future__ import annotations
@@ -44,6 +50,9 @@ from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec, job_from_dict
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
+from nereus.spec.model import ModelArch
+from nereus.spec.moe import MoESpec
+from nereus.spec.parallel_dims import layer_problem
 
 # Published per-step values a row may carry, in table order (``e2e_runs.md``).
 STAGE_COLUMNS = ("t_gen_s", "t_old_logprob_s", "t_ref_s", "t_values_s", "t_update_actor_s",
@@ -144,18 +153,48 @@ def gpu_name(row: dict) -> str:
 
 
 def arch_dict(row: dict) -> dict:
-    arch = enum(row, "arch", ("dense", "moe"), "dense")
-    if arch == "moe":
-        raise RowSkipped("Mixture-of-Experts model: not modelled until the MoE cost model lands")
+    """The ``models`` entry of the row's architecture columns; an MoE row's (``arch`` moe) with its experts."""
+    moe = enum(row, "arch", ("dense", "moe"), "dense") == "moe"
     need = "the architecture"
     heads = count(row, "n_heads", need)
     hidden = count(row, "hidden", need)
     head_dim = count(row, "head_dim")
-    if head_dim is not None and head_dim * heads != hidden:
+    if head_dim is not None and head_dim * heads != hidden and not moe:
         raise RowSkipped(f"head_dim {head_dim} differs from hidden / n_heads ({hidden // heads}): not modelled")
-    return {"layers": count(row, "n_layers", need), "hidden": hidden, "heads": heads,
-            "kv_heads": count(row, "n_kv_heads") or heads, "ffn_hidden": count(row, "ffn_hidden", need),
-            "vocab": count(row, "vocab", need)}
+    out = {"layers": count(row, "n_layers", need), "hidden": hidden, "heads": heads,
+           "kv_heads": count(row, "n_kv_heads") or heads, "vocab": count(row, "vocab", need),
+           **({"head_dim": head_dim} if head_dim is not None else {})}
+    if not moe:
+        return {**out, "ffn_hidden": count(row, "ffn_hidden", need)}
+    return moe_arch_dict(row, out)
+
+
+def moe_arch_dict(row: dict, attention: dict) -> dict:
+    """An MoE row's architecture: ``n_experts`` routed experts of ``moe_ffn_hidden``, ``experts_per_token``
+    of them a token, ``shared_experts`` of that width every token passes through. ``ffn_hidden`` empty: every
+    layer is sparse. ``ffn_hidden`` given: the first layers are dense (DeepSeek's ``first_k_dense_replace``),
+    as many as make the model's parameters nearest ``params_b`` (the schema has no dense-layer count)."""
+    need = "an MoE row's experts"
+    experts, width = count(row, "n_experts", need), count(row, "moe_ffn_hidden", need)
+    top_k = count(row, "experts_per_token", need)
+    if top_k > experts:
+        raise RowSkipped(f"experts_per_token {top_k} exceeds n_experts {experts}")
+    shared = int(number(row, "shared_experts") or 0)
+    moe = {"experts": experts, "top_k": top_k, "expert_ffn_hidden": width,
+           **({"shared_expert_ffn_hidden": shared * width} if shared else {})}
+    dense_ffn = count(row, "ffn_hidden")
+    if dense_ffn is None:
+        return {**attention, "ffn_hidden": width, "moe": moe}
+    layers = attention["layers"]
+    total = number(row, "params_b")
+    if total is None:
+        raise RowSkipped("ffn_hidden is given (some layers dense) but params_b is empty (how many are dense)")
+    sizes = [ModelArch(**{**attention, "ffn_hidden": dense_ffn},
+                       moe=MoESpec(experts, top_k, width, shared_expert_ffn_hidden=shared * width,
+                                   dense_layers=tuple(range(k)))).params() for k in (0, 1)]
+    dense = round((total * 1e9 - sizes[0]) / (sizes[1] - sizes[0])) if sizes[1] != sizes[0] else 0
+    dense = min(max(dense, 0), layers - 1)
+    return {**attention, "ffn_hidden": dense_ffn, "moe": {**moe, "dense_layers": list(range(dense))}}
 
 
 def mean_length(row: dict, which: str) -> tuple[int, int]:
@@ -262,6 +301,9 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
     tp, pp = (count(row, "train_tp") or 1, count(row, "train_pp") or 1) if backend == "megatron" else (1, 1)
     if gpus % (tp * pp):
         raise RowSkipped(f"train_tp x train_pp ({tp} x {pp}) does not divide the {gpus} training GPUs")
+    uneven = layer_problem(job.models["actor"].layers, pp)
+    if uneven is not None:  # Megatron's uneven first/last stages (DeepSeek-V3's 61 layers at PP12)
+        raise RowSkipped(f"train_pp {pp} {uneven.reason.split(';')[0]}: an uneven pipeline split is not priced")
     dp = gpus // (tp * pp)
     wl = job.workload
     seq = wl.prompt_length + round(wl.response.mean)
@@ -270,12 +312,29 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
     update_share = max(1, share // job.algorithm.mini_batches)  # an update takes a mini-batch
     fsdp = backend == "fsdp" and dp > 1
     recompute = "none" if backend == "megatron" else "full"
-    train = Layout(tp=tp, pp=pp, dp=dp, fsdp=fsdp, zero1=not fsdp, recompute=recompute,
+    ep = expert_parallel(row, "train_ep", job, dp)
+    train = Layout(tp=tp, pp=pp, dp=dp, ep=ep, fsdp=fsdp, zero1=not fsdp, recompute=recompute,
                    micro_batch_size=balanced_micro_batch(update_share, TRAIN_BUDGET_PER_TOKEN_CAP * cap * tp * pp,
                                                           seq))
-    infer = Layout(tp=tp, pp=pp, dp=dp, fsdp=fsdp, zero1=not fsdp, recompute="none",
+    infer = Layout(tp=tp, pp=pp, dp=dp, ep=ep, fsdp=fsdp, zero1=not fsdp, recompute="none",
                    micro_batch_size=balanced_micro_batch(share, INFER_BUDGET_PER_TOKEN_CAP * cap * tp * pp, seq))
     return train, infer
+
+
+def expert_parallel(row: dict, key: str, job: JobSpec, dp: int) -> int:
+    """The row's EP degree (``train_ep`` / ``rollout_ep``) as Nereus's ``ep`` (experts split over ep of the
+    dp ranks, attention data parallel): its largest divisor that divides both dp and the expert count; 1
+    for a dense model or an empty cell. Megatron forms its expert groups over tp x dp ranks (an EP8 with
+    expert TP1 under TP8 and DP1 shards the experts across the TP ranks), which Nereus prices as experts
+    tensor parallel over tp: the same share of experts per rank, without the all-to-all. An empty
+    ``train_ep`` is a node's GPUs (``gpus_per_node``): verl's Megatron recipes for Qwen3-30B-A3B and
+    DeepSeek-V3 run EP8, one NVLink domain; an empty ``rollout_ep`` is 1 (vLLM's default, no
+    enable_expert_parallel)."""
+    moe = job.models["actor"].moe
+    if moe is None:
+        return 1
+    ep = count(row, key) or (job.cluster.gpus_per_node if key == "train_ep" else 1)
+    return math.gcd(ep, dp, moe.experts)
 
 
 def _rollout_tp(row: dict, job: JobSpec, gen_gpus: int) -> int:
@@ -296,7 +355,9 @@ def plan_of(row: dict, job: JobSpec, nominal: bool = False) -> Plan:
     train, infer = _trainer_layouts(row, job, len(train_gpus))
     if nominal:  # a weight-sync row: one sequence a replica, whatever the layouts
         train, infer = (Layout(**{**lay.to_dict(), "micro_batch_size": 1}) for lay in (train, infer))
-    placements = [Placement(ModelStage("actor", "generation"), Layout(tp=tp, dp=len(gen_gpus) // tp), gen_gpus)]
+    gen_dp = len(gen_gpus) // tp
+    placements = [Placement(ModelStage("actor", "generation"),
+                            Layout(tp=tp, dp=gen_dp, ep=expert_parallel(row, "rollout_ep", job, gen_dp)), gen_gpus)]
     for ms in job.model_stages()[1:]:
         placements.append(Placement(ms, train if ms.stage == "training" else infer, train_gpus))
     colocated = gen_gpus == train_gpus
