@@ -14,8 +14,9 @@ Both give per-model-stage and per-phase seconds; the published columns follow fr
   into the engine, wake it) before decoding (volcengine/verl, verl/trainer/ppo/ray_trainer.py and
   verl/workers/fsdp_workers.py); the one-step-off rows' notes show the gap (generate_sequences 247 s
   inside gen 321 s);
-- in a fully asynchronous row ``t_gen_s`` is the trainer's wait for samples, not the rollout: the part of
-  the rollout the trainer's own work does not hide, max(0, generation - (inference + training)). At
+- in a fully asynchronous row ``t_gen_s`` is the trainer's ``gen`` timer, not the rollout: its wait for
+  samples and their assembly into a batch, max(assembly, generation - (inference + training)), and
+  ``t_step_s`` that plus its work, the parameter sync outside it (``cost.fully_async``). At
   staleness 0 no sample may come from an older policy, so the rollout of a step's samples starts only
   after the previous step's weights arrive: rollout and trainer take turns, the wait is the rollout and
   the step is generation + inference + training + weight sync (verl's fully_async
@@ -35,6 +36,7 @@ import numpy as np
 
 from nereus.control.backend import RunToEnd
 from nereus.cost.controller import controller_time
+from nereus.cost.fully_async import queue_assembly_time, trainer_step, trainer_wait
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.sim.backend import SimBackend
@@ -91,8 +93,23 @@ def takes_turns(run: PublishedRun) -> bool:
     return run.sync_mode in ("fully_async", "partial_rollout") and run.staleness == 0
 
 
+def streams(run: PublishedRun) -> bool:
+    """A fully asynchronous run whose rollouter may run ahead of the trainer (staleness above 0)."""
+    return run.sync_mode in ("fully_async", "partial_rollout") and not takes_turns(run)
+
+
+def queue_assembly(run: PublishedRun) -> float:
+    """The fully-async trainer's unpickling and concatenation of the samples it takes from the queue
+    (``cost.fully_async.queue_assembly_time``); 0 in every other mode (their driver part is in the stages)."""
+    if streams(run):
+        return queue_assembly_time(run.job.sequences_per_step(), run.padded_tokens)
+    return 0.0
+
+
 def step_seconds(run: PublishedRun, times: StepTimes) -> float:
     p = times.phases
+    if streams(run):  # the trainer's step timer: its wait and its work, the parameter sync outside it
+        return trainer_step(p["generation"], queue_assembly(run), p["inference"] + p["training"])
     if run.sync_mode in ASYNC_MODES and not takes_turns(run):
         return max(p["generation"], p["inference"] + p["training"]) + p["weight_sync"]
     return sum(p.values())
@@ -109,8 +126,8 @@ def predicted(run: PublishedRun, device: StepTimes) -> dict[str, float]:
             out[column] = device.stages[STAGE_OF[column]]  # the worker's generate_sequences timer
         elif column == "t_gen_s" and takes_turns(run):
             out[column] = p["generation"]
-        elif column == "t_gen_s" and run.sync_mode in ("fully_async", "partial_rollout"):
-            out[column] = max(0.0, p["generation"] - p["inference"] - p["training"])
+        elif column == "t_gen_s" and streams(run):
+            out[column] = trainer_wait(p["generation"], queue_assembly(run), p["inference"] + p["training"])
         elif column == "t_gen_s" and run.plan.strategy == "colocated":
             out[column] = times.stages[STAGE_OF[column]] + p["weight_sync"]
         elif column in STAGE_OF and STAGE_OF[column] in times.stages:

@@ -9,7 +9,8 @@ from importlib import resources
 import pytest
 
 from nereus.cost.controller import CONTROLLER_S_PER_TOKEN_SLOT, controller_time
-from nereus.sim.published_predict import StepTimes, cost_times, predicted, with_controller
+from nereus.cost.fully_async import queue_assembly_time
+from nereus.sim.published_predict import StepTimes, cost_times, predicted, queue_assembly, with_controller
 from nereus.sim.published_runs import published_run
 
 
@@ -50,3 +51,19 @@ def test_one_step_off_generation_column_is_the_workers_own_timer() -> None:
 def test_published_rows_update_in_verl_recipe_mini_batches() -> None:
     run = published_run(_row("verl_fa_3"))  # 512 prompts, 32 a mini-batch in verl's DAPO recipes
     assert run.job.algorithm.mini_batches == 16
+
+
+def test_fully_async_gen_timer_is_the_wait_or_the_batch_assembly() -> None:
+    run = published_run(_row("verl_fa_4"))  # 32:32, staleness 0.5: the rollout keeps ahead of the trainer
+    assembly = queue_assembly(run)
+    assert assembly == pytest.approx(queue_assembly_time(8192, 2048 + 28672))
+    assert assembly == pytest.approx(controller_time(8192, 2048 + 28672) / 2)  # one direction of a call
+    device = cost_times(run)
+    p = with_controller(run, device).phases
+    out = predicted(run, device)
+    assert out["t_gen_s"] == pytest.approx(max(assembly, p["generation"] - p["inference"] - p["training"]))
+    assert out["t_gen_s"] > 0
+    assert out["t_step_s"] == pytest.approx(
+        max(p["generation"], assembly + p["inference"] + p["training"]))  # the sync is outside the step timer
+    assert queue_assembly(published_run(_row("verl_fa_7"))) == 0.0  # staleness 0: the trainer waits the rollout
+    assert queue_assembly(published_run(_row("verl_oso_3"))) == 0.0
