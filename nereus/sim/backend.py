@@ -63,6 +63,11 @@ def hidden_factors(seed: int, cfg: TruthConfig) -> dict[str, float]:
     factors = {f"{s}.{t}": float(math.exp(rng.normal(0, cfg.efficiency_spread))) for s in STAGES for t in TERMS}
     factors["sync"] = float(math.exp(rng.normal(0, cfg.efficiency_spread)))
     factors["transition"] = float(math.exp(rng.normal(0, cfg.transition_spread)))
+    # An MoE stage's dispatch/combine all-to-all (``cost.moe``, term ``ep_comm``): the truth's own efficiency,
+    # as routing skew and the fabric move it away from the cost model's stated EP imbalance. Drawn after
+    # every other factor, so a dense job's truth is what it was.
+    for s in STAGES:
+        factors[f"{s}.ep_comm"] = float(math.exp(rng.normal(0, cfg.efficiency_spread)))
     return factors
 
 
