@@ -32,6 +32,7 @@ from nereus.runtime.engines.sampling import SamplingParams, derive_seed
 from nereus.spec.generation import GenerationEntry
 from nereus.spec.job import JobSpec
 from nereus.spec.levers import GenerationLevers
+from nereus.spec.run_moe import router_replay_on
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,9 @@ class StepGeneration:
                                 eos_token_id=self.tok.eos_token_id, pad_token_id=self.tok.pad_token_id,
                                 seed=seed, slots=self.run.rollout_slots,
                                 stop_token_ids=self.tok.stop_token_ids,
-                                speculation=self.run.rollout_engine.live_speculation)
+                                speculation=self.run.rollout_engine.live_speculation,
+                                record_routes=router_replay_on(self.run.router_replay,
+                                                               self.job.models["actor"].moe is not None))
         prompts = [list(p.ids) for p in rows]
         fixed = (max(len(p) for p in prompts), limit) if self.run.rollout_pad_to_max else None
         return prompts, params, fixed
@@ -195,9 +198,11 @@ class StepGeneration:
         return self.tail
 
     def packed(self, prompts: list[list[int]], parts: list[ReplicaRollout], fixed: tuple[int, int] | None) -> Rollout:
-        """The replicas' answers for ``prompts`` packed into the step's rollout."""
+        """The replicas' answers for ``prompts`` packed into the step's rollout, with their routes where every
+        replica recorded them (router replay)."""
         out = [row for part in parts for row in part.rows]
-        return pack(prompts, [r for r, _ in out], [lp for _, lp in out], self.eos, fixed)
+        routes = None if any(p.routes is None for p in parts) else [r for p in parts for r in p.routes]
+        return pack(prompts, [r for r, _ in out], [lp for _, lp in out], self.eos, fixed, routes)
 
     def issue(self, step: int) -> Issued:
         """Issue step ``step``'s generation in one call without waiting for it, with the sampling parameters

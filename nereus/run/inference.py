@@ -25,6 +25,7 @@ from nereus.run.step_clock import StepClock
 from nereus.runtime.cluster.calls import Logprobs, LogprobsAndEntropy, LogprobsEntropyAndSumPiSquared, Values
 from nereus.spec.algorithms import NEEDS_SUM_PI_SQUARED
 from nereus.spec.job import JobSpec
+from nereus.spec.run_moe import router_replay_on
 
 # a stage's answer, by its timer name: log-probs, values or scores [B, T(−1)]; the actor's (log-probs, entropy)
 Answers = dict[str, torch.Tensor | tuple[torch.Tensor, ...]]
@@ -55,6 +56,8 @@ class StepInference:
     def __init__(self, job: JobSpec, keys: StageKeys, calls: Calls, clock: StepClock, tok: Tokenizer,
                  reward: RewardRouter) -> None:
         self.run, self.alg = job.run, job.algorithm
+        # router replay: the actor's old log-probs replay the experts generation routed to (spec.run_moe)
+        self.replays = router_replay_on(job.run.router_replay, job.models["actor"].moe is not None)
         self.keys, self.calls, self.clock, self.tok, self.reward = keys, calls, clock, tok, reward
         self.max_response = job.workload.response.max
 
@@ -67,7 +70,7 @@ class StepInference:
         ``algorithm.recompute_old_log_prob: false`` (the engine's log-probs are used, ``infer``). An
         estimator that reads Σ_v π(v)² (the optimal token baseline) has the same pass give it too."""
         actor = LogprobsEntropyAndSumPiSquared if self.alg.adv_estimator in NEEDS_SUM_PI_SQUARED else LogprobsAndEntropy
-        out = [InferenceStage("old_log_prob", self.keys["actor", "inference"], actor)
+        out = [InferenceStage("old_log_prob", self.keys["actor", "inference"], actor, self.replays)
                ] if self.alg.recompute_old_log_prob else []
         out += [InferenceStage("ref", self.keys["reference", "inference"], Logprobs)] if self.has("reference") else []
         out += [InferenceStage("values", self.keys["critic", "inference"], Values)] if self.has("critic") else []
@@ -95,7 +98,7 @@ class StepInference:
     def sequential(self, roll: Rollout, rows: list[Prompt]) -> tuple[Answers, torch.Tensor | None]:
         """Each stage issued once the one before answered; the stages' answers and the rule reward."""
         def run(s: InferenceStage) -> torch.Tensor | tuple[torch.Tensor, ...]:
-            call = self.calls.submit(s.timer, "infer", s.key, s.call(roll.tokens, roll.lengths))
+            call = self.calls.submit(s.timer, "infer", s.key, s.request(roll.tokens, roll.lengths, roll.routes))
             return cat_parts(self.calls.wait([call])[0])
 
         got: Answers = {}
@@ -115,8 +118,8 @@ class StepInference:
         they run. Each stage is timed by its calls' own durations."""
         calls = {}
         for s in self.stages():
-            calls[s.timer] = [c for _, c in early.rest(s, roll.tokens, roll.lengths)] if early else [
-                self.calls.submit(s.timer, "infer", s.key, s.call(roll.tokens, roll.lengths))]
+            calls[s.timer] = [c for _, c in early.rest(s, roll.tokens, roll.lengths, roll.routes)] if early else [
+                self.calls.submit(s.timer, "infer", s.key, s.request(roll.tokens, roll.lengths, roll.routes))]
         with self.clock.timer("reward"):
             rule = self.rule_scores(roll, rows)
         answers = iter(self.calls.wait([c for cs in calls.values() for c in cs]))

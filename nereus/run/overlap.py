@@ -52,6 +52,14 @@ class InferenceStage:
     timer: str
     key: str
     call: InferenceCall
+    replays: bool = False  # router replay: its request carries the rows' routes (the actor's old log-probs)
+
+    def request(self, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
+                routes: torch.Tensor | None = None) -> object:
+        """The stage's request on ``tokens``; ``routes`` where the stage replays them."""
+        if self.replays and routes is not None:
+            return self.call(tokens, lengths, routes)
+        return self.call(tokens, lengths)
 
 
 class Calls:
@@ -206,19 +214,21 @@ class EarlyInference:
         start = d * self.per
         tokens = None
         for s in self.stages:
-            if busy & set(self.calls.rt.specs[s.key].ranks) or not self.eligible(s.key):
+            # a replaying stage waits for the whole rollout: the routes are packed with it
+            if busy & set(self.calls.rt.specs[s.key].ranks) or not self.eligible(s.key) or s.replays:
                 continue
             tokens = pack_block(start, start + self.per, answer.value) if tokens is None else tokens
             self.early[s.timer][start] = self.calls.submit(s.timer, "infer", s.key, s.call(tokens))
 
-    def rest(self, stage: InferenceStage, tokens: torch.Tensor,
-             lengths: torch.Tensor | None = None) -> list[tuple[int, Call]]:
+    def rest(self, stage: InferenceStage, tokens: torch.Tensor, lengths: torch.Tensor | None = None,
+             routes: torch.Tensor | None = None) -> list[tuple[int, Call]]:
         """The stage's calls for the rows no early call took, one per run of consecutive blocks; with
-        the early ones, (block start, call) in row order. ``lengths``: the rows' real tokens."""
+        the early ones, (block start, call) in row order. ``lengths``: the rows' real tokens; ``routes``:
+        their experts (router replay)."""
         timer, key = stage.timer, stage.key
         taken = self.early[timer]
         if not taken:
-            return [(0, self.calls.submit(timer, "infer", key, stage.call(tokens, lengths)))]
+            return [(0, self.calls.submit(timer, "infer", key, stage.request(tokens, lengths, routes)))]
         out, run = list(taken.items()), []
         for start in range(0, len(tokens), self.per):
             if start not in taken:

@@ -84,7 +84,7 @@ def training_jobs(job: JobSpec, roll: Rollout, inf: Inferred, adv: dict[str, tor
         out["critic"] = TrainingJob(batch, partial(losses.critic_loss, clip=r.value_clip), r.critic_lr)
     kl_coef = r.kl_loss_coef if r.use_kl_loss and inf.ref_logp is not None else 0.0
     batch = TrainBatch(roll.tokens, roll.index, mask, old_logp=inf.old_logp, advantages=adv["adv"],
-                       ref_logp=inf.ref_logp if kl_coef else None, lengths=roll.lengths)
+                       ref_logp=inf.ref_logp if kl_coef else None, lengths=roll.lengths, routes=roll.routes)
     # verl: clip_ratio_low and clip_ratio_high each default to clip_ratio
     low = r.clip_ratio if r.clip_ratio_low is None else r.clip_ratio_low
     high = r.clip_ratio if r.clip_ratio_high is None else r.clip_ratio_high

@@ -25,6 +25,7 @@ from nereus.spec.response import ResponseLength
 from nereus.spec.rollout import check_rollout_engine
 from nereus.spec.run import RunSpec, read_run
 from nereus.spec.run_dapo import check_dapo, check_keep_rate
+from nereus.spec.run_moe import check_router_replay
 from nereus.spec.trace import load_trace
 from nereus.spec.user_algorithms import DeclaredAlgorithms, read_algorithm_modules
 from nereus.spec.user_code import check_target, resolve_target
@@ -308,6 +309,7 @@ def job_from_dict(data: object, base_dir: Path = Path(".")) -> JobSpec:
         check_rollout_engine(run.rollout_engine, {m: a.head_dim for m, a in job.models.items()}, run.layouts,
                              installed_distribution(run.rollout_engine.traits), job.models["actor"].moe is not None)
         check_old_log_prob(job.algorithm, run)
+        check_router_replay(run.router_replay, job.models["actor"].moe is not None)
         check_dapo(run, job.algorithm.samples_per_prompt, job.algorithm.models)
     check_keep_rate(job.workload.filter_keep_rate, job.run)
     root.finish()

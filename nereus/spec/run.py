@@ -16,6 +16,7 @@ from nereus.spec.packing import PackingSpec, read_packing
 from nereus.spec.rollout import PartialRolloutConfig, RolloutEngine
 from nereus.spec.run_algorithm import PolicyLossSpec, read_policy_loss
 from nereus.spec.run_dapo import FilterGroupsSpec, OverlongBufferSpec, read_filter_groups, read_overlong_buffer
+from nereus.spec.run_moe import read_router_replay
 from nereus.spec.run_rollout import MidstepSpec, ValKwargs, read_rollout_section
 
 # auto: the row's data_source picks the rule (nereus.rl.rewards, as verl's default reward manager does)
@@ -199,6 +200,7 @@ class RunSpec:
     filter_groups: FilterGroupsSpec = field(default_factory=FilterGroupsSpec)
     overlong_buffer: OverlongBufferSpec = field(default_factory=OverlongBufferSpec)
     packing: PackingSpec = field(default_factory=PackingSpec)  # run.packing: packed token-budget micro-batches
+    router_replay: bool | None = None  # run.router_replay (run_moe): None = on for an MoE actor
 
     @property
     def max_workers(self) -> int:
@@ -446,7 +448,7 @@ def read_run(f: Fields, stages: list[ModelStage], final_response: int, extra_los
         overlap=f.get("overlap", bool, False), async_mode=_async(f), val_kwargs=ro.val_kwargs,
         filter_groups=read_filter_groups(f.sub("filter_groups")),
         overlong_buffer=read_overlong_buffer(f.sub("overlong_buffer"), final_response),
-        packing=read_packing(f.sub("packing")))
+        packing=read_packing(f.sub("packing")), router_replay=read_router_replay(f))
     ckpt.finish()
     f.finish()
     _check_run(f, spec)

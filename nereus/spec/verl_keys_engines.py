@@ -80,8 +80,11 @@ ENGINE_KEYS: dict[str, VerlKey] = {
     f"{_R}.val_kwargs.top_k": refused("held-out sampling has no top-k (run.rollout.val_kwargs: n, temperature, "
                                       "top_p, do_sample)", -1, 0),
     f"{_R}.multi_turn.enable": _MULTI_TURN,
-    f"{_R}.enable_rollout_routing_replay": refused("routing replay is for MoE models; Nereus's are dense", False),
-    f"{_A}.router_replay.mode": refused("routing replay is for MoE models; Nereus's are dense", "disabled"),
+    f"{_R}.enable_rollout_routing_replay": mapped("run.router_replay", "the native engine records each token's "
+                                                                     "experts, training replays them"),
+    f"{_A}.router_replay.mode": refused("Nereus replays the rollout's routing (verl's R3) as "
+                                        f"{_R}.enable_rollout_routing_replay (run.router_replay) says; "
+                                        "to turn it off set that false", "R3"),
     **{f"{_R}.{k}": _ENGINE for k in ("layered_summon", "load_format", "multi_stage_wake_up", "skip_tokenizer_init")},
     f"{_R}.disable_log_stats": _PROFILE,
     # ----- micro-batches and token budgets: packed sequences (spec.packing) ---------------------------------

@@ -77,10 +77,11 @@ class LogprobsAndEntropy:
 
     tokens: torch.Tensor
     lengths: torch.Tensor | None = None  # [B]: each row's real tokens (a packing layout runs only those)
+    routes: torch.Tensor | None = None  # [B, T, sparse layers, k]: experts to replay (router replay), or None
     changes_state: ClassVar[bool] = False
 
     def issue(self, worker: ActorHandle, key: str) -> ObjectRef:
-        return worker.logprobs_and_entropy.remote(key, self.tokens, self.lengths)
+        return worker.logprobs_and_entropy.remote(key, self.tokens, self.lengths, self.routes)
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,11 @@ class LogprobsEntropyAndSumPiSquared:
 
     tokens: torch.Tensor
     lengths: torch.Tensor | None = None  # [B]: each row's real tokens (a packing layout runs only those)
+    routes: torch.Tensor | None = None  # [B, T, sparse layers, k]: experts to replay (router replay), or None
     changes_state: ClassVar[bool] = False
 
     def issue(self, worker: ActorHandle, key: str) -> ObjectRef:
-        return worker.logprobs_entropy_and_sum_pi_squared.remote(key, self.tokens, self.lengths)
+        return worker.logprobs_entropy_and_sum_pi_squared.remote(key, self.tokens, self.lengths, self.routes)
 
 
 @dataclass(frozen=True)
