@@ -68,10 +68,17 @@ ENGINE_RELOAD_PER_TENSOR_S = 0.75e-3
 
 def checkpoint_tensors(job: JobSpec) -> int:
     """The actor's checkpoint tensors: 9 per layer (q, k, v, o, gate, up, down, two norms; +3 QKV biases
-    for Qwen2, +2 q/k norms for Qwen3), the embedding, the final norm and an untied LM head."""
+    for Qwen2, +2 q/k norms for Qwen3), the embedding, the final norm and an untied LM head. An MoE sparse
+    layer has, instead of gate/up/down, three per routed expert (the hub's per-expert names, each mapped into
+    the engine's fused expert parameter by the loader one by one: vLLM's FusedMoE weight_loader), the router
+    and a shared expert's three and its gate."""
     a = job.models["actor"]
     per_layer = 9 + (3 if a.qkv_bias else 0) + (2 if a.qk_norm else 0)
-    return a.layers * per_layer + 2 + (0 if a.tied_embeddings else 1)
+    tensors = a.layers * per_layer + 2 + (0 if a.tied_embeddings else 1)
+    if a.moe is None:
+        return tensors
+    sparse = 3 * a.moe.experts + 1 + (4 if a.moe.shared_expert_ffn_hidden else 0) - 3
+    return tensors + a.sparse_layers() * sparse
 
 
 def engine_reload_time(hw: Hardware, job: JobSpec, gen: Layout) -> float:
