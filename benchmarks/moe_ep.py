@@ -13,7 +13,7 @@ then resumed from their step-2 checkpoints (``nereus run --resume``) to a third 
   ``AutoModelForCausalLM`` (the class it comes back as, and its logits against Nereus's own model loaded from
   the same directory).
 
-The final line is JSON with those keys and ``arch``. The issue's bar is 1e-4 (relative) on the step-1 loss and
+The final line is JSON with those keys and ``arch``. The bar is 1e-4 (relative) on the step-1 loss and
 weights.
 
     python benchmarks/moe_ep.py [--arch qwen3_moe|mixtral|qwen2_moe] [--json]
