@@ -63,9 +63,10 @@ def test_malformed_cells_skip_the_row(tmp_path: Path, capsys: pytest.CaptureFixt
     rows = [{**base, "run_id": "bad_number", "prompts_per_step": "many"},
             {**base, "run_id": "bad_mode", "sync_mode": "sometimes"},
             {**base, "run_id": "no_lengths", "max_response_len": "", "mean_response_len": ""},
+            {**base, "run_id": "no_room", "max_response_len": "4000000", "mean_response_len": "3000000"},
             {**base, "run_id": "table_row", "t_step_s": "749"}]
     out = summary(capsys, "--rows", str(write(tmp_path / "runs.csv", rows)))
     assert out["rows"] == 1 and out["cells"] == 4
     why = {s["run_id"]: s["why"] for s in out["skipped"]}
     assert "prompts_per_step" in why["bad_number"] and "sync_mode" in why["bad_mode"]
-    assert "max_response_len" in why["no_lengths"]
+    assert "max_response_len" in why["no_lengths"] and "t_gen_s" in why["no_room"]
