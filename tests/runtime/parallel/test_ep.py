@@ -1,7 +1,7 @@
 """Expert parallelism against the single-process reference (design invariant 6): an MoE model's shard boxes,
 logits, log-probs, gradients, global gradient norm and one Adam step under layouts with ``ep`` > 1, ZeRO-1
 on and off, with PP and with TP, packed into token-budget micro-batches; the shards a checkpoint keeps; and
-the all-to-all dispatcher against the local one on uneven routing."""
+the all-to-all dispatcher against the local one on uneven routing; router replay under these layouts."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from nereus.runtime.comm.groups import ParallelGroups
 from nereus.runtime.model.decoder import build_model
 from nereus.runtime.model.hf import slice_boxes
 from nereus.runtime.model.moe import LocalDispatch
+from nereus.runtime.model.routes import replay_record, sparse_layer_ids
+from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.ep import AllToAllDispatch, apply_ep, moe_blocks
 from nereus.runtime.parallel.shard_state import assemble, read_shards
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes
@@ -82,6 +84,41 @@ def _body(rank: int, world: int) -> None:
     check_layout(MOE, replace(base, pp=2))
     check_layout(MOE, replace(base, tp=2))  # TP inside each expert; the all-to-all among one TP rank's peers
     check_packed(MOE_NO_AUX, Layout(dp=4, ep=2), budgets=(12,))  # replicas pack 2, 2, 2 and 1 micro-batches: evened
+    _replay_check()
+
+
+def _replay_check() -> None:
+    """Router replay under TP, PP, DP with EP, padded and packed: random routes (each token k distinct experts)
+    replayed by the inference and training forwards give the single-process replay's log-probs of each
+    replica's rows (packed: the rows ``replica_shares`` deals it)."""
+    g = torch.Generator().manual_seed(3)
+    arch = MOE_NO_AUX.arch
+    tokens = torch.randint(0, arch.vocab, (8, 10), generator=g)
+    lengths = torch.randint(4, 11, (8,), generator=g)
+    layers = sparse_layer_ids(arch)
+    routes = torch.stack([torch.randperm(arch.moe.experts, generator=g)[:arch.moe.top_k]
+                          for _ in range(8 * 10 * len(layers))]).reshape(8, 10, len(layers), -1).short()
+    model = build_model(MOE_NO_AUX, seed=1)
+    state = model.state_dict()
+    with torch.no_grad():
+        logits = model(tokens, routing=replay_record(routes, layers))[:, :-1].float()
+    want = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    base = Layout(dp=2, ep=2, micro_batch_size=2, recompute="none", sequence_parallel=False)
+    for layout in (replace(base, tp=2), replace(base, pp=2), replace(base, dp=4, max_token_len=12)):
+        groups = ParallelGroups(layout)
+        sm = ShardedModel(MOE_NO_AUX, groups, slice_boxes(state, shard_boxes(MOE_NO_AUX, groups)))
+        batch = TrainBatch(tokens, lengths=lengths if layout.max_token_len else None, routes=routes)
+        got = sm.logprobs(tokens, batch.lengths, routes)
+        seen: list[torch.Tensor] = []
+        sm.backward(batch, lambda y, mb, seen=seen: seen.append(y.detach().clone()) or y.sum() * 0.0)
+        if sm.is_output_rank:
+            ran = (torch.cat([p.rows for _, p in sm.packed_micro_batches(batch)]) if layout.max_token_len
+                   else torch.arange(8)[sm.replica_rows(8)])
+            real = (torch.arange(9)[None] < (lengths[:, None] - 1)) if layout.max_token_len else torch.ones(8, 9) > 0
+            for rows, logp in ((ran.sort().values, got), (ran, torch.cat(seen))):
+                torch.testing.assert_close(logp[real[rows]], want[rows][real[rows]], atol=2e-5, rtol=0,
+                                           msg=layout.short())
+        groups.destroy()
 
 
 def _checkpoint_check() -> None:
