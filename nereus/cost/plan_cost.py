@@ -10,7 +10,8 @@ import numpy as np
 from nereus.cost.hardware import Hardware
 from nereus.cost.memory import BF16
 from nereus.cost.stages import StageCost, stage_cost
-from nereus.cost.weight_sync import SYNC_TIMES, engine_reload_time
+from nereus.cost.verl_weight_sync import SYNC_TIMES
+from nereus.cost.weight_sync import engine_reload_time
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import STAGES, Layout, ModelStage, Placement, Plan
@@ -150,7 +151,7 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
     if job.algorithm.name != "train":
         train = plan.placement(ModelStage("actor", "training"))
         gen = plan.placement(ModelStage("actor", "generation"))
-        # a plan run by another system's mechanism says so (nereus.cost.weight_sync; simulator baselines)
+        # a plan run by another system's mechanism says so (nereus.cost.verl_weight_sync; simulator baselines)
         mechanism = SYNC_TIMES.get(plan.weight_sync, weight_sync_time)
         sync = mechanism(hw, job, train, gen)
         if job.run is not None and job.run.rollout_engine.traits.own_weights:  # then into the engine's own copy

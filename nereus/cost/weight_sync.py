@@ -1,7 +1,8 @@
 """Per-step actor weight sync as other RL systems do it, priced with the cluster's collective and
 link times (``Hardware.all_gather_time``, ``p2p_time``, ``hbm_time``). The default, Nereus's own, is the
 bandwidth bound of a direct shard-to-shard copy (``plan_cost.sync_time``); a plan names another
-mechanism in ``Plan.weight_sync`` (the simulator's verl-like and OpenRLHF-like baselines do).
+mechanism in ``Plan.weight_sync`` (the simulator's verl-like and OpenRLHF-like baselines do); the registry of
+all of them, with verl's disaggregated ones, is ``cost.verl_weight_sync.SYNC_TIMES``.
 
 - ``hybrid-reshard`` (verl's hybrid engine; training and rollout on the same GPUs): every actor weight
   is gathered in full on every training rank (``DTensor.full_tensor()`` over the FSDP mesh) and handed
@@ -22,7 +23,7 @@ from nereus.cost.memory import BF16
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, Placement
 
-MECHANISMS = ("direct", "hybrid-reshard", "gather-broadcast")
+MECHANISMS = ("direct", "hybrid-reshard", "gather-broadcast", "tensor-broadcast", "checkpoint-engine")
 
 
 def _weight_shards(layout: Layout) -> int:
@@ -88,5 +89,3 @@ def engine_reload_time(hw: Hardware, job: JobSpec, gen: Layout) -> float:
     return (hw.hbm_time(2 * weights / gen.tp) + ENGINE_RELOAD_FIXED_S
             + ENGINE_RELOAD_PER_TENSOR_S * checkpoint_tensors(job))
 
-
-SYNC_TIMES = {"hybrid-reshard": hybrid_reshard_time, "gather-broadcast": gather_broadcast_time}

@@ -21,8 +21,10 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
 - recomputation in training as each backend runs by default in verl's recipes: FSDP and DeepSpeed with
   gradient checkpointing (``enable_gradient_checkpointing=True``, full recompute), Megatron without
   (verl/trainer/config/engine/megatron.yaml: ``recompute_granularity: null``).
-- weight sync: verl's hybrid engine (``hybrid-reshard``) when colocated, a gather and NCCL broadcast
-  (``gather-broadcast``) when the rollout has GPUs of its own (``cost.weight_sync``).
+- weight sync: verl's hybrid engine (``hybrid-reshard``) when colocated; when the rollout has GPUs of its
+  own, verl's tensor-by-tensor NCCL broadcast (``tensor-broadcast``) or, where the row's optional
+  ``checkpoint_engine`` column says yes, its checkpoint engine (``checkpoint-engine``;
+  ``cost.verl_weight_sync``).
 - a fully asynchronous trainer uses the rollout's log-probs: no old-log-prob pass (verl's fully_async
   recipe, as the rows' notes say).
 - the rollout decodes from CUDA graphs (vLLM's default) unless the row's ``enforce_eager`` says yes
@@ -348,6 +350,13 @@ def _rollout_tp(row: dict, job: JobSpec, gen_gpus: int) -> int:
     return tp
 
 
+def disaggregated_sync(row: dict) -> str:
+    """The weight-sync mechanism of a rollout on its own GPUs: verl's checkpoint engine where the row's
+    ``checkpoint_engine`` says yes (an optional column; empty or absent: no)."""
+    engine = enum(row, "checkpoint_engine", ("yes", "no"), "no") == "yes"
+    return "checkpoint-engine" if engine else "tensor-broadcast"
+
+
 def plan_of(row: dict, job: JobSpec, nominal: bool = False) -> Plan:
     total = job.cluster.num_gpus
     gen_gpus, train_gpus = _split(row, total)
@@ -362,4 +371,4 @@ def plan_of(row: dict, job: JobSpec, nominal: bool = False) -> Plan:
         placements.append(Placement(ms, train if ms.stage == "training" else infer, train_gpus))
     colocated = gen_gpus == train_gpus
     return Plan(tuple(placements), total, strategy="colocated" if colocated else "disaggregated",
-                weight_sync="hybrid-reshard" if colocated else "gather-broadcast")
+                weight_sync="hybrid-reshard" if colocated else disaggregated_sync(row))

@@ -18,8 +18,8 @@ from nereus.spec.parallel_dims import ParallelDims
 
 STAGES = ("generation", "inference", "training")
 RECOMPUTE = ("none", "selective", "full")
-# how the trained weights reach the generation engine every step (priced in ``cost.weight_sync``)
-WEIGHT_SYNCS = ("direct", "hybrid-reshard", "gather-broadcast")
+# how the trained weights reach the generation engine every step (priced in ``cost.verl_weight_sync``)
+WEIGHT_SYNCS = ("direct", "hybrid-reshard", "gather-broadcast", "tensor-broadcast", "checkpoint-engine")
 
 
 @dataclass(frozen=True, order=True)

@@ -134,7 +134,7 @@ def test_estimate_shows_the_decode_regime_and_bulk_and_tail_time():
 
 
 def test_every_weight_sync_a_plan_names_is_priced():
-    from nereus.cost.weight_sync import SYNC_TIMES
+    from nereus.cost.verl_weight_sync import SYNC_TIMES
     from nereus.spec.layout import WEIGHT_SYNCS
 
     assert set(WEIGHT_SYNCS) == {"direct", *SYNC_TIMES}  # "direct": plan_cost.sync_time, Nereus's own
