@@ -22,9 +22,9 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
   gradient checkpointing (``enable_gradient_checkpointing=True``, full recompute), Megatron without
   (verl/trainer/config/engine/megatron.yaml: ``recompute_granularity: null``).
 - weight sync: verl's hybrid engine (``hybrid-reshard``) when colocated; when the rollout has GPUs of its
-  own, verl's tensor-by-tensor NCCL broadcast (``tensor-broadcast``) or, where the row's optional
-  ``checkpoint_engine`` column says yes, its checkpoint engine (``checkpoint-engine``;
-  ``cost.verl_weight_sync``).
+  own, verl's tensor-by-tensor NCCL broadcast (``tensor-broadcast``) or its checkpoint engine
+  (``checkpoint-engine``; ``cost.verl_weight_sync``) as the row's optional ``checkpoint_engine`` column
+  says, verl's default where it is empty: on for fully-async rows, off for the others.
 - a fully asynchronous trainer uses the rollout's log-probs: no old-log-prob pass (verl's fully_async
   recipe, as the rows' notes say).
 - the rollout decodes from CUDA graphs (vLLM's default) unless the row's ``enforce_eager`` says yes
@@ -352,8 +352,11 @@ def _rollout_tp(row: dict, job: JobSpec, gen_gpus: int) -> int:
 
 def disaggregated_sync(row: dict) -> str:
     """The weight-sync mechanism of a rollout on its own GPUs: verl's checkpoint engine where the row's
-    ``checkpoint_engine`` says yes (an optional column; empty or absent: no)."""
-    engine = enum(row, "checkpoint_engine", ("yes", "no"), "no") == "yes"
+    ``checkpoint_engine`` says yes. An optional column; empty or absent, verl's default: on in its
+    fully-async recipe (fully_async_ppo_trainer.yaml, ``checkpoint_engine.enable: True``), absent from
+    the others (one-step-off broadcasts tensor by tensor)."""
+    fully_async = text(row, "sync_mode") in ("fully_async", "partial_rollout")
+    engine = enum(row, "checkpoint_engine", ("yes", "no"), "yes" if fully_async else "no") == "yes"
     return "checkpoint-engine" if engine else "tensor-broadcast"
 
 

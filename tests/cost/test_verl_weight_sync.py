@@ -36,7 +36,8 @@ def _sync(run, mechanism):
 def test_the_rows_checkpoint_engine_column_picks_the_mechanism() -> None:
     assert _run("verl_wsync_1").plan.weight_sync == "tensor-broadcast"  # checkpoint_engine no
     assert _run("verl_wsync_2").plan.weight_sync == "checkpoint-engine"  # checkpoint_engine yes
-    assert _run("verl_fa_2").plan.weight_sync == "tensor-broadcast"  # the column empty
+    assert _run("verl_fa_2").plan.weight_sync == "checkpoint-engine"  # empty: verl's fully-async default
+    assert _run("verl_oso_2").plan.weight_sync == "tensor-broadcast"  # empty: one-step-off has no engine
     assert _run("verl_fa_1").plan.weight_sync == "hybrid-reshard"  # colocated
 
 
