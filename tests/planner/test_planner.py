@@ -141,3 +141,27 @@ def test_the_planner_shards_weights_with_fsdp_where_only_that_fits(examples):
     with pytest.raises(InfeasibleError, match="actor/training"):
         search(Hardware(job.cluster), replace(job, options=without.planning_options(job.options)), None,
                constraints=Constraints(("colocated",), data_parallel, without))
+
+
+def test_the_planner_recomputes_activations_where_only_that_fits(examples):
+    # GRPO 7B with long responses (mean 6,000, up to 16,384 tokens) on 40 GB GPUs: no layout's activations fit
+    # without recomputation (45.7 GB at best), so the planner for this runtime (its capability runs
+    # selective and full recomputation) recomputes; a runtime without recomputation has no plan.
+    from dataclasses import replace
+
+    from nereus.planner.search import Constraints
+    from nereus.runtime.capability import CAPABILITY
+    from nereus.spec.response import ResponseLength
+
+    job = load_job(examples / "grpo_7b_h100.yaml").with_response(ResponseLength(6000, 16384, "lognormal", 0.8))
+    job = replace(job, cluster=replace(job.cluster, gpu=replace(job.cluster.gpu, memory_bytes=40e9)),
+                  options=replace(job.options, recompute="auto"))
+    planned = replace(job, options=CAPABILITY.planning_options(job.options))
+    plan = search(Hardware(job.cluster), planned, None, constraints=Constraints(capability=CAPABILITY)).plan
+    training = [p.layout for p in plan.placements if p.model_stage.stage == "training"]
+    assert training and all(lay.recompute != "none" for lay in training), training
+    assert estimate_plan(Hardware(job.cluster), planned, plan).feasible
+    without = replace(CAPABILITY, recompute=("none",))
+    with pytest.raises(InfeasibleError, match="actor/training"):
+        search(Hardware(job.cluster), replace(job, options=without.planning_options(job.options)), None,
+               constraints=Constraints(capability=without))
