@@ -1,5 +1,6 @@
-"""Expert parallelism as a plan dimension: the planner chooses ep per model-stage of an MoE job, within what the
-runtime runs (``spec.capability``)."""
+"""Expert parallelism as a plan dimension: the planner proposes ep where the model has experts and the runtime
+allows it (``spec.capability``), chooses it per model-stage of an MoE job, and ep > 1 where the experts do not
+fit otherwise."""
 
 from dataclasses import replace
 
@@ -7,8 +8,10 @@ from nereus.cost.hardware import Hardware
 from nereus.planner.candidates import enumerate_layouts, ep_degrees
 from nereus.planner.search import Constraints, search
 from nereus.runtime.capability import CAPABILITY
+from nereus.spec import job_from_dict
+from nereus.spec.capability import RuntimeCapability
 from nereus.spec.job import load_job
-from nereus.spec.layout import Layout
+from nereus.spec.layout import Layout, ModelStage
 from tests.conftest import EXAMPLES
 
 
@@ -24,6 +27,19 @@ def test_ep_degrees_divide_dp_and_the_experts_and_a_dense_model_has_none():
     assert ep_degrees(dense, "actor", 16) == [1]
     fixed = replace(job, options=replace(job.options, ep=4))
     assert ep_degrees(fixed, "actor", 16) == [4] and ep_degrees(fixed, "actor", 2) == [1]
+    training = ModelStage("actor", "training")
+    assert {lay.ep for lay in enumerate_layouts(job, training, 64)} == {1, 2, 4, 8, 16, 32, 64}
+    narrowed = RuntimeCapability().planning_options(job.options)  # a runtime without expert parallelism
+    assert {lay.ep for lay in enumerate_layouts(replace(job, options=narrowed), training, 64)} == {1}
+
+
+def test_training_that_needs_the_experts_split_gets_ep():
+    job = job_from_dict({"models": {"m": {"preset": "qwen3-235b-a22b"}}, "algorithm": {"name": "train"},
+                         "workload": {"global_batch": 256, "sequence_length": 4096},
+                         "cluster": {"gpu": "H100", "nodes": 16, "gpus_per_node": 8}})
+    result = search(Hardware(job.cluster), job)  # 128 H100s: the experts fit only split over ep ranks
+    layout = result.plan.placements[0].layout
+    assert result.estimate.feasible and layout.ep > 1 and layout.dp % layout.ep == 0
 
 
 def test_the_plan_of_qwen3_30b_a3b_chooses_ep_per_stage():
