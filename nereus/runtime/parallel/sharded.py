@@ -176,20 +176,15 @@ class ShardedModel(ForwardOps):
         """Tokens per packed micro-batch (the layout's ``max_token_len``); 0: padded micro-batches."""
         return self.groups.layout.max_token_len
 
-    def packed_micro_batches(self, batch: TrainBatch, balance: bool = True) -> list[tuple[TrainBatch, PackedRows]]:
+    def packed_micro_batches(self, batch: TrainBatch) -> list[tuple[TrainBatch, PackedRows]]:
         """This replica's rows of ``batch`` as packed micro-batches of at most ``token_budget`` tokens, each with
-        its packing (rows into ``batch``): dealt over DP by tokens with ``balance`` (training), else the
-        replica's consecutive rows (inference, whose answers are concatenated in replica order)."""
+        its packing (rows into ``batch``), the rows dealt over DP by tokens (``spec.packing.replica_shares``: in
+        training and inference alike; the driver restores a packed inference's batch order)."""
         lengths = row_lengths(batch.lengths, len(batch), batch.tokens.shape[1])
-        if balance:
-            rows = replica_shares(lengths, self.groups.dims.dp)[self.groups.coords.dp_rank]
-        else:
-            rows = list(range(len(batch)))[self.replica_rows(len(batch))]
+        shares = replica_shares(lengths, self.groups.dims.dp)
+        rows = shares[self.groups.coords.dp_rank]
         groups = token_budget_groups([lengths[r] for r in rows], self.token_budget)
         if self.groups.dims.ep > 1:  # every rank of an EP group runs as many MoE forwards (all-to-alls)
-            dp, n = self.groups.dims.dp, len(batch)
-            shares = replica_shares(lengths, dp) if balance else [list(range(n))[d * n // dp:(d + 1) * n // dp]
-                                                                  for d in range(dp)]
             groups = even_packing(lengths, shares, self.groups.coords.dp_rank, self.token_budget)
         out = []
         for group in groups:
