@@ -5,12 +5,10 @@ the generation's experts where the trainer's own routing switches them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from nereus.run.rollout import Rollout, pack
 from nereus.runtime.comm.groups import ParallelGroups
@@ -24,19 +22,10 @@ from nereus.runtime.parallel.batch import TrainBatch
 from nereus.runtime.parallel.sharded import ShardedModel, shard_boxes, tied_head
 from nereus.spec.layout import Layout
 from tests.runtime.common import MOE
+from tests.runtime.one_rank import world  # noqa: F401  (the fixture)
 
 PADDED = Layout(micro_batch_size=2, recompute="none", sequence_parallel=False)
 PACKED = replace(PADDED, max_token_len=40)
-
-
-@pytest.fixture(scope="module")
-def world() -> Iterator[None]:
-    """A default group of one rank in this process (a hash store: no port, no process), destroyed after."""
-    if dist.is_initialized():
-        pytest.skip("a default process group exists in this process already")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def sharded(layout: Layout, state: dict) -> ShardedModel:
@@ -70,7 +59,8 @@ def trained_logp(sm: ShardedModel, batch: TrainBatch) -> torch.Tensor:
     return out
 
 
-def test_generation_records_every_fed_position(world) -> None:
+@pytest.mark.usefixtures("world")
+def test_generation_records_every_fed_position() -> None:
     sm = sharded(PADDED, build_model(MOE, seed=1).state_dict())
     roll = rollout(sm)
     layers = sparse_layer_ids(MOE.arch)
@@ -88,7 +78,8 @@ def test_generation_records_every_fed_position(world) -> None:
 
 
 @pytest.mark.parametrize("layout", [PADDED, PACKED], ids=["padded", "packed"])
-def test_replay_gives_the_generation_logprobs(world, layout) -> None:
+@pytest.mark.usefixtures("world")
+def test_replay_gives_the_generation_logprobs(layout) -> None:
     sm = sharded(layout, build_model(MOE, seed=1).state_dict())
     roll = rollout(sm)
     lengths = roll.lengths if layout.max_token_len else None
@@ -98,7 +89,8 @@ def test_replay_gives_the_generation_logprobs(world, layout) -> None:
     torch.testing.assert_close(roll.response_frame(training), roll.gen_logp, atol=2e-5, rtol=0)
 
 
-def test_replay_keeps_the_experts_when_the_router_drifts(world) -> None:
+@pytest.mark.usefixtures("world")
+def test_replay_keeps_the_experts_when_the_router_drifts() -> None:
     state = build_model(MOE, seed=1).state_dict()
     roll = rollout(sharded(PADDED, state))
     # the trainer's router a little off the engine's (another kernel, another precision)

@@ -6,12 +6,10 @@ the path. In this process, on a world of one (no processes started)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nereus.runtime.comm.groups import ParallelGroups
@@ -33,18 +31,9 @@ from nereus.spec.layout import Layout
 from nereus.spec.levers import Speculation
 from nereus.spec.rollout import RolloutEngine
 from tests.runtime.common import GQA, MOE, QWEN3
+from tests.runtime.one_rank import world  # noqa: F401  (the fixture)
 
 LAYOUT = Layout(micro_batch_size=1, recompute="none", sequence_parallel=False)
-
-
-@pytest.fixture(scope="module")
-def world() -> Iterator[None]:
-    """A default group of one rank in this process (a hash store: no port, no process), destroyed after."""
-    if dist.is_initialized():
-        pytest.skip("a default process group exists in this process already")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def sharded(cfg, dtype: torch.dtype) -> ShardedModel:
@@ -68,13 +57,15 @@ def assert_same(sm: ShardedModel, ps: list[list[int]], sp: SamplingParams, atol:
 
 
 @pytest.mark.parametrize("cfg", [GQA, QWEN3, MOE], ids=["gqa", "qwen3", "moe"])
-def test_greedy_equals_the_loop(world, cfg) -> None:
+@pytest.mark.usefixtures("world")
+def test_greedy_equals_the_loop(cfg) -> None:
     sm = sharded(cfg, torch.float32)
     for n in (1, 3, 5):  # buckets 1, 4, 8: padding rows decode beside the real ones
         assert_same(sm, prompts(n, cfg.arch.vocab), SamplingParams(max_new_tokens=7), atol=1e-5)
 
 
-def test_eos_limits_and_sampling_equal_the_loop(world) -> None:
+@pytest.mark.usefixtures("world")
+def test_eos_limits_and_sampling_equal_the_loop() -> None:
     sm = sharded(GQA, torch.float64)  # float64: rounding cannot move a sampled token across a boundary
     ps = prompts(6, GQA.arch.vocab)
     free = FixedDecode(sm, ps, SamplingParams(max_new_tokens=9)).run().rows
@@ -84,7 +75,8 @@ def test_eos_limits_and_sampling_equal_the_loop(world) -> None:
     assert_same(sm, ps, replace(eos, temperature=0.9, top_p=0.9, top_k=20, seed=4), atol=1e-12)
 
 
-def test_packed_prefill_fills_the_caches(world) -> None:
+@pytest.mark.usefixtures("world")
+def test_packed_prefill_fills_the_caches() -> None:
     """Each prompt's keys and values land in its cache row from position 0; its last logits equal those
     of the prompt run alone without a cache."""
     sm = sharded(GQA, torch.float64)
@@ -138,7 +130,8 @@ def test_buckets() -> None:
         batch_bucket(0)
 
 
-def test_engine_option_picks_the_path(world) -> None:
+@pytest.mark.usefixtures("world")
+def test_engine_option_picks_the_path() -> None:
     sm = sharded(GQA, torch.float32)
     plain = SamplingParams(max_new_tokens=5)
     cuda = sm.groups.device.type == "cuda"  # this file runs on a GPU machine too (docs/generation.md)
