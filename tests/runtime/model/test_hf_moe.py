@@ -10,13 +10,12 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from nereus.runtime.model.decoder import CausalLM  # noqa: E402
 from nereus.runtime.model.hf import load_boxes, read_config, save_checkpoint  # noqa: E402
 from nereus.runtime.model.moe import RoutingRecord  # noqa: E402
 from nereus.spec.errors import SpecError  # noqa: E402
 from nereus.spec.hf_files import check_model_dir  # noqa: E402
-from nereus.spec.parallel_dims import ParallelDims  # noqa: E402
-from nereus.spec.sharding import model_tensors, rank_tensors  # noqa: E402
+from nereus.spec.sharding import model_tensors  # noqa: E402
+from tests.runtime.model.test_hf import _load_ours  # noqa: E402
 
 COMMON = dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               vocab_size=97, max_position_embeddings=128, num_experts_per_tok=2)
@@ -43,13 +42,6 @@ def _hf_model(kind: str):
             elif name.endswith("mlp.gate.weight"):
                 p.copy_(torch.randn_like(p))
     return model.eval()
-
-
-def _load_ours(path) -> CausalLM:
-    cfg = read_config(path)
-    ours = CausalLM(cfg)
-    ours.load_state_dict(load_boxes(path, rank_tensors(cfg.arch, ParallelDims(), 0)), strict=True)
-    return ours.eval()
 
 
 def _tokens() -> torch.Tensor:
