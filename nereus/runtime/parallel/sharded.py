@@ -183,9 +183,10 @@ class ShardedModel(ForwardOps):
         lengths = row_lengths(batch.lengths, len(batch), batch.tokens.shape[1])
         shares = replica_shares(lengths, self.groups.dims.dp)
         rows = shares[self.groups.coords.dp_rank]
-        groups = token_budget_groups([lengths[r] for r in rows], self.token_budget)
         if self.groups.dims.ep > 1:  # every rank of an EP group runs as many MoE forwards (all-to-alls)
             groups = even_packing(lengths, shares, self.groups.coords.dp_rank, self.token_budget)
+        else:
+            groups = token_budget_groups([lengths[r] for r in rows], self.token_budget)
         out = []
         for group in groups:
             idx = [rows[j] for j in group]
