@@ -12,7 +12,6 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 from nereus.spec.errors import InfeasibleError, RuntimeFailure, SpecError, cut
@@ -43,10 +42,9 @@ def _as_run(job):
     search (None for a planning-only job)."""
     if job.run is None:
         return job, None
-    from nereus.runtime.capability import capability_for
+    from nereus.runtime.capability import priced_as_run
 
-    capability = capability_for(job.run.overlap)
-    return replace(job, options=capability.planning_options(job.options)), capability
+    return priced_as_run(job)
 
 
 def _check_out(flag: str, path: str | None, folder: bool = False) -> None:

@@ -23,7 +23,6 @@ the simulator calls.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -57,13 +56,12 @@ class CurriculumSchedule:
 
 def controller_for(job: JobSpec) -> Controller:
     """The controller of an adaptive run; for a fixed run (no ``run.adapt``) the one that re-plans it onto
-    survivors. Either plans within what the runtime runs (``capability_for``: its option space and layouts, and
+    survivors. Either plans within what the runtime runs (``priced_as_run``: its option space and layouts, and
     whether the phases' stages run at once)."""
-    from nereus.runtime.capability import capability_for
+    from nereus.runtime.capability import priced_as_run
 
     a = job.run.adapt
-    capability = capability_for(job.run.overlap)
-    job = replace(job, options=capability.planning_options(job.options))
+    job, capability = priced_as_run(job)
     cfg = ControllerConfig(calibrate_with_levers=False) if a is None else ControllerConfig(
         horizon=a.horizon, margin=a.margin, min_gain=a.min_gain, cooldown=a.cooldown,
         replan_every=a.replan_every, fit_every=a.fit_every, calibrate=a.calibrate,

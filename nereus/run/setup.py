@@ -12,7 +12,7 @@ from nereus.rl.data import CharTokenizer, Prompt, load_prompts, write_rows
 from nereus.rl.rewards import RewardRouter
 from nereus.rl.task import reverse_rows, split_rows
 from nereus.rl.tokenizer import HFTokenizer, Tokenizer
-from nereus.runtime.capability import CAPABILITY, capability_for
+from nereus.runtime.capability import CAPABILITY, priced_as_run
 from nereus.runtime.engines.sampling import derive_seed
 from nereus.runtime.model.decoder import ModelConfig
 from nereus.runtime.model.hf import read_config
@@ -103,9 +103,7 @@ def _planned(job: JobSpec) -> dict[str, tuple[Layout, tuple[int, ...]]]:
     from nereus.cost.hardware import Hardware
     from nereus.planner.search import Constraints, search
 
-    capability = capability_for(job.run.overlap)
-    sized = job.with_gpus(job.run.workers)
-    sized = replace(sized, options=capability.planning_options(sized.options))
+    sized, capability = priced_as_run(job.with_gpus(job.run.workers))
     allowed = Constraints(layout_filter=lambda ms, lay: runtime_layout_ok(job, ms.stage, lay, ms.model),
                           capability=capability)
     try:
