@@ -24,12 +24,14 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
 - weight sync: verl's hybrid engine (``hybrid-reshard``) when colocated; when the rollout has GPUs of its
   own, verl's tensor-by-tensor NCCL broadcast (``tensor-broadcast``) or its checkpoint engine
   (``checkpoint-engine``; ``cost.verl_weight_sync``) as the row's optional ``checkpoint_engine`` column
-  says, verl's default where it is empty: on for fully-async rows, off for the others.
+  says, else a ``checkpoint_engine=True|False`` its notes state (``setting``), else verl's default: on for
+  fully-async rows, off for the others.
 - a fully asynchronous trainer uses the rollout's log-probs: no old-log-prob pass (verl's fully_async
   recipe, as the rows' notes say).
 - the rollout decodes from CUDA graphs (vLLM's default) unless the row's ``enforce_eager`` says yes
-  (verl's key; an optional column, empty or absent: no): then every decode step also pays the host's
-  eager dispatch (``cost.eager``) in the engine's fixed step cost (the cluster prior
+  (verl's key; an optional column, else its notes' ``enforce_eager=``, else the framework's default at the
+  version the notes give: verl before 2025-08 ran eagerly, ``decodes_eagerly``): then every decode step
+  also pays the host's eager dispatch (``cost.eager``) in the engine's fixed step cost (the cluster prior
   ``decode_step_overhead_s``).
 - an MoE row (``arch`` moe): its experts from ``n_experts``, ``experts_per_token``, ``moe_ffn_hidden`` and
   ``shared_experts`` (``moe_arch_dict``; dense layers from ``params_b`` when ``ffn_hidden`` is given), its
@@ -42,6 +44,7 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from nereus.cost.eager import eager_step_overhead_s
@@ -139,6 +142,41 @@ def enum(row: dict, key: str, choices, default: str = "") -> str:
     if value not in choices:
         raise RowSkipped(f"{key}={text(row, key)!r} is not modelled (known: {', '.join(choices)})")
     return value
+
+
+# A yes/no setting a schema without its column states in ``notes`` as ``key=True|False`` (the shared
+# verl rows: "checkpoint_engine=False, default CE config").
+NOTE_SETTING = r"\b{key}\s*=\s*(true|false|yes|no)\b"
+# The framework version a row's notes give, "version: main@~2025-07" or "main@2025-08" (year, month).
+NOTE_VERSION = re.compile(r"version:\s*\S*?@~?(\d{4})-(\d{2})")
+# verl's rollout.enforce_eager defaulted to True until verl PR #2956 ("enable vllm cuda graph in default",
+# verl/trainer/config, merged 2025-08-08): a verl run of an earlier version decodes eagerly.
+VERL_CUDA_GRAPHS_SINCE = (2025, 8)
+
+
+def setting(row: dict, key: str, default: str) -> str:
+    """An optional yes/no setting: the row's column, else a ``key=True|False`` its notes state, else
+    ``default``."""
+    if text(row, key):
+        return enum(row, key, ("yes", "no"))
+    stated = re.search(NOTE_SETTING.format(key=key), text(row, "notes"), re.IGNORECASE)
+    if stated is None:
+        return default
+    return "yes" if stated.group(1).lower() in ("true", "yes") else "no"
+
+
+def framework_version(row: dict) -> tuple[int, int] | None:
+    """(year, month) of the framework version the row's notes give, None when they give none."""
+    found = NOTE_VERSION.search(text(row, "notes"))
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def decodes_eagerly(row: dict) -> bool:
+    """The rollout runs without CUDA graphs: the row's ``enforce_eager`` (column or notes), else the
+    framework's default at its version (verl before ``VERL_CUDA_GRAPHS_SINCE``), else no (vLLM's default)."""
+    version = framework_version(row)
+    old_verl = text(row, "framework").lower() == "verl" and version is not None and version < VERL_CUDA_GRAPHS_SINCE
+    return setting(row, "enforce_eager", "yes" if old_verl else "no") == "yes"
 
 
 def published_values(row: dict) -> dict[str, float]:
@@ -259,7 +297,7 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
 def _eager_priors(row: dict, layers: int) -> dict:
     """The cluster's ``priors`` for a rollout run eagerly (``enforce_eager`` yes): the engine's fixed step
     cost plus the host's eager dispatch; nothing for a CUDA-graph rollout."""
-    if enum(row, "enforce_eager", ("yes", "no"), "no") == "no":
+    if not decodes_eagerly(row):
         return {}
     return {"priors": {"decode_step_overhead_s": Priors().decode_step_overhead_s + eager_step_overhead_s(layers)}}
 
@@ -356,7 +394,7 @@ def disaggregated_sync(row: dict) -> str:
     fully-async recipe (fully_async_ppo_trainer.yaml, ``checkpoint_engine.enable: True``), absent from
     the others (one-step-off broadcasts tensor by tensor)."""
     fully_async = text(row, "sync_mode") in ("fully_async", "partial_rollout")
-    engine = enum(row, "checkpoint_engine", ("yes", "no"), "yes" if fully_async else "no") == "yes"
+    engine = setting(row, "checkpoint_engine", "yes" if fully_async else "no") == "yes"
     return "checkpoint-engine" if engine else "tensor-broadcast"
 
 

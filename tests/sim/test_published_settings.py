@@ -1,0 +1,34 @@
+"""A row's optional yes/no settings (``sim.published_runs.setting``): column first, then the notes'
+``key=True|False``, then the framework's default at the version its notes give."""
+
+from __future__ import annotations
+
+from nereus.sim.published_runs import decodes_eagerly, disaggregated_sync, framework_version, setting
+
+
+def test_the_column_wins_over_the_notes() -> None:
+    row = {"checkpoint_engine": "no", "notes": "checkpoint_engine=True, default CE config"}
+    assert setting(row, "checkpoint_engine", "yes") == "no"
+
+
+def test_notes_state_a_setting_the_schema_has_no_column_for() -> None:
+    assert setting({"notes": "param sync, checkpoint_engine=False, default"}, "checkpoint_engine", "yes") == "no"
+    assert setting({"notes": "checkpoint_engine = true"}, "checkpoint_engine", "no") == "yes"
+    assert setting({"notes": "a checkpoint-engine micro-benchmark"}, "checkpoint_engine", "no") == "no"
+
+
+def test_checkpoint_engine_from_notes_sets_the_sync_mechanism() -> None:
+    fully_async = {"sync_mode": "fully_async"}
+    assert disaggregated_sync(fully_async) == "checkpoint-engine"  # the recipe's default
+    assert disaggregated_sync({**fully_async, "notes": "checkpoint_engine=False"}) == "tensor-broadcast"
+    assert disaggregated_sync({"sync_mode": "sync", "notes": "checkpoint_engine=True"}) == "checkpoint-engine"
+
+
+def test_verl_before_august_2025_decoded_eagerly() -> None:
+    july = {"framework": "verl", "notes": "version: main@~2025-07 (doc 'Last updated 07/17/2025')"}
+    assert framework_version(july) == (2025, 7)
+    assert decodes_eagerly(july)
+    assert not decodes_eagerly({**july, "notes": "version: main@~2025-10..12 (recipe)"})
+    assert not decodes_eagerly({**july, "enforce_eager": "no"})
+    assert not decodes_eagerly({"framework": "OpenRLHF", "notes": "version: main@2024-05"})
+    assert not decodes_eagerly({"framework": "verl", "notes": "no version given"})
