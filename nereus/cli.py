@@ -92,7 +92,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from nereus.cost.hardware import Hardware
-    from nereus.cost.plan_cost import estimate_plan
+    from nereus.cost.plan_cost import check_runnable, estimate_plan
     from nereus.planner.explain import estimate_text
     from nereus.planner.layouts import plan_from_layout, read_plan_file
 
@@ -100,6 +100,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     hw = Hardware(job.cluster)
     if args.plan:
         plan = read_plan_file(args.plan)
+        check_runnable(job, plan)  # a user's plan: what run accepts (the cost model prices more)
     elif args.layout:
         plan = plan_from_layout(hw, job, args.layout)
     else:

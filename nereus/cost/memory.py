@@ -15,12 +15,12 @@ tensors instead of two. Flash attention (Dao et al. 2022) keeps no s×s scores, 
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from nereus.cost.moe import expert_params_per_rank
 from nereus.spec.layout import Layout
 from nereus.spec.model import ModelArch
+from nereus.spec.parallel_dims import fullest_stage_layers
 
 BF16 = 2
 FP32 = 4
@@ -76,8 +76,9 @@ def layer_activation_bytes(arch: ModelArch, layout: Layout, seq: int, mbs: int, 
 
 
 def stage_layers(arch: ModelArch, pp: int) -> int:
-    """Layers on the fullest pipeline stage (uneven splits put the remainder on early stages)."""
-    return math.ceil(arch.layers / pp)
+    """Layers on the fullest pipeline stage: an uneven split as Megatron-Core lays it out, the remainder on
+    the first and last stages (``spec.parallel_dims.fullest_stage_layers``)."""
+    return fullest_stage_layers(arch.layers, pp)
 
 
 def layer_params_per_rank(arch: ModelArch, tp: int, ep: int = 1) -> float:

@@ -167,13 +167,23 @@ def estimate_plan(hw: Hardware, job: JobSpec, plan: Plan, factors: dict[str, flo
 
 
 def _cost_or_error(hw: Hardware, job: JobSpec, p: Placement, others: float = 0.0) -> StageCost:
-    ParallelDims.of(p.layout, job.models[p.model_stage.model], f"plan.{p.model_stage}.layout")
+    # priced: a published layout's uneven pipeline split too; the planner proposes and run accepts only even
+    # ones, and `nereus estimate --plan` checks a user's plan as run does (``check_runnable``)
+    ParallelDims.of(p.layout, job.models[p.model_stage.model], f"plan.{p.model_stage}.layout", priced=True)
     cost = stage_cost(hw, job, p.model_stage, p.layout, others)
     if cost is None:
         raise SpecError(f"plan.{p.model_stage}.layout",
                         f"{p.layout.short()} cannot split the {job.sequences_per_step()} sequences of a step "
                         f"(dp and micro_batch_size too large)")
     return cost
+
+
+def check_runnable(job: JobSpec, plan: Plan) -> None:
+    """``SpecError`` at the first placement whose layout the planner and runtime cannot run (an uneven
+    pipeline split among them, which ``estimate_plan`` still prices): a user's own plan file."""
+    for p in plan.placements:
+        if p.model_stage.model in job.models:
+            ParallelDims.of(p.layout, job.models[p.model_stage.model], f"plan.{p.model_stage}.layout")
 
 
 def _check_covers(job: JobSpec, plan: Plan) -> None:

@@ -37,8 +37,11 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
   ``shared_experts`` (``moe_arch_dict``; dense layers from ``params_b`` when ``ffn_hidden`` is given), its
   EP from ``train_ep`` / ``rollout_ep`` (``expert_parallel``). Attention is what the columns say: MLA
   (DeepSeek-V3) is priced as multi-head attention with the row's kv heads of hidden / n_heads, which
-  overstates its KV cache; Qwen3's q/k norms are left out (2 x head_dim parameters a layer). A pipeline
-  depth that does not split the layers evenly skips the row (Megatron's uneven first/last stages).
+  overstates its KV cache; Qwen3's q/k norms are left out (2 x head_dim parameters a layer).
+- a pipeline depth that does not split the layers evenly (DeepSeek-V3's 61 layers at PP12) is Megatron's
+  uneven split, the remainder on the first and last stages (``num_layers_in_first/last_pipeline_stage``,
+  which verl's DeepSeek-V3 script sets): priced at its fullest stage, which sets a synchronous 1F1B
+  pipeline's pace (``spec.parallel_dims.fullest_stage_layers``).
 """
 
 from __future__ import annotations
@@ -341,9 +344,9 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
     tp, pp = (count(row, "train_tp") or 1, count(row, "train_pp") or 1) if backend == "megatron" else (1, 1)
     if gpus % (tp * pp):
         raise RowSkipped(f"train_tp x train_pp ({tp} x {pp}) does not divide the {gpus} training GPUs")
-    uneven = layer_problem(job.models["actor"].layers, pp)
-    if uneven is not None:  # Megatron's uneven first/last stages (DeepSeek-V3's 61 layers at PP12)
-        raise RowSkipped(f"train_pp {pp} {uneven.reason.split(';')[0]}: an uneven pipeline split is not priced")
+    deep = layer_problem(job.models["actor"].layers, pp, priced=True)  # uneven: priced at its fullest stage
+    if deep is not None:
+        raise RowSkipped(f"train_pp {pp} {deep.reason.split(';')[0]}")
     dp = gpus // (tp * pp)
     wl = job.workload
     seq = wl.prompt_length + round(wl.response.mean)

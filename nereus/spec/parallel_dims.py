@@ -6,8 +6,11 @@ A ``Layout`` says what the user or the planner chose; ``layout.dims`` is its ``P
 
 - ``split_problem`` is the one TP/EP/CP divisibility rule (whole attention heads, whole GQA groups, whole
   experts); ``tp_splits`` is its cheap boolean for the planner's candidate enumeration;
-- ``layer_problem`` is the pipeline rule: even stages (``runnable``, what estimate, plan and run accept) or
-  at least one layer per virtual stage (what the sharding contract can place, ``elastic.emu.check_plan``).
+- ``layer_problem`` is the pipeline rule: even stages (``runnable``, what the planner proposes and run,
+  plan and a user's plan in estimate accept) or at least one layer per virtual stage (what the sharding
+  contract can place, ``elastic.emu.check_plan``); ``priced`` is what the cost model prices: any depth up to
+  the layers, an uneven one at its fullest stage (``fullest_stage_layers``), so a published layout with
+  Megatron's uneven first/last stages is priced, not refused.
 
 Rank order follows Megatron: tensor-parallel fastest, then data-parallel, then pipeline
 (``rank = (pp_rank * dp + dp_rank) * tp + tp_rank``), so TP groups sit on neighbouring GPUs. Expert
@@ -100,14 +103,33 @@ def check_split(arch: ModelArch, tp: int, where: str = "layout") -> None:
         raise SpecError(where, str(problem))
 
 
-def layer_problem(layers: int, pp: int, interleave: int = 1, runnable: bool = True) -> DegreeProblem | None:
+def fullest_stage_layers(layers: int, pp: int) -> int:
+    """Layers on the fullest stage of the most even split Megatron-Core runs: ``layers / pp`` when ``pp``
+    divides them; otherwise its ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage``
+    take what the middle ``pp - 2`` stages, split evenly (TransformerConfig requires it), leave -- e.g.
+    DeepSeek-V3's 61 layers at PP12, verl's run_deepseek671b_math_megatron_96gb.sh: 6 on the last stage, 5 on
+    the others. The fullest stage bounds a synchronous 1F1B pipeline (every stage steps at its pace)."""
+    if layers % pp == 0 or pp <= 2:
+        return -(-layers // pp)
+    middle = pp - 2
+    # k layers on each middle stage, the rest split between the two end stages (each at least one layer)
+    return min(max(k, -(-(layers - middle * k) // 2)) for k in range(1, (layers - 2) // middle + 1))
+
+
+def layer_problem(layers: int, pp: int, interleave: int = 1, runnable: bool = True,
+                  priced: bool = False) -> DegreeProblem | None:
     """The pipeline rule; None when ``pp`` (with ``interleave`` virtual stages per device) splits ``layers``.
 
     ``runnable`` (estimate, plan, run): every stage gets the same number of layers, at least one --
     Megatron-LM requires the layers to divide evenly, the planner proposes only such depths and the cost
     model prices each stage as the fullest one -- and interleaving splits each device's layers evenly again
     (``layers % (pp * interleave) == 0``, with ``pp > 1``). Otherwise (what the sharding contract places:
-    contiguous ranges, the remainder to the first stages) each virtual stage needs one layer."""
+    contiguous ranges, the remainder to the first stages) each virtual stage needs one layer. ``priced``
+    (the cost model, ``cost.plan_cost``): as ``runnable`` but a ``pp`` that does not divide the layers is
+    priced at its fullest stage (``fullest_stage_layers``), for a published run's layout; interleaving
+    still needs whole chunks."""
+    if priced and pp <= layers and layers % pp and interleave == 1:
+        return None
     if not runnable:
         if pp * interleave > layers:
             return DegreeProblem("pp", pp, f"x interleave {interleave} exceeds the {layers} layers")
@@ -142,18 +164,19 @@ class ParallelDims:
                 raise ValueError(f"ParallelDims.{key}: {value!r}; give an integer >= 1")
 
     @staticmethod
-    def of(layout: Layout, arch: ModelArch, where: str = "layout") -> ParallelDims:
-        """``layout``'s degrees, checked once against ``arch``: the layout runs the model (``check``)."""
-        return layout.dims.check(arch, layout.interleave, where)
+    def of(layout: Layout, arch: ModelArch, where: str = "layout", priced: bool = False) -> ParallelDims:
+        """``layout``'s degrees, checked once against ``arch``: the layout runs the model (``check``);
+        ``priced``: the cost model can price it (``layer_problem``)."""
+        return layout.dims.check(arch, layout.interleave, where, priced)
 
-    def problem(self, arch: ModelArch, interleave: int = 1) -> DegreeProblem | None:
+    def problem(self, arch: ModelArch, interleave: int = 1, priced: bool = False) -> DegreeProblem | None:
         """The first reason these degrees cannot run ``arch`` (layers, then heads); None when they can."""
-        return layer_problem(arch.layers, self.pp, interleave) or split_problem(arch, self.tp, self.ep, self.cp,
-                                                                                 self.dp)
+        return (layer_problem(arch.layers, self.pp, interleave, priced=priced)
+                or split_problem(arch, self.tp, self.ep, self.cp, self.dp))
 
-    def check(self, arch: ModelArch, interleave: int = 1, where: str = "layout") -> ParallelDims:
+    def check(self, arch: ModelArch, interleave: int = 1, where: str = "layout", priced: bool = False) -> ParallelDims:
         """``self`` when the degrees run ``arch``; otherwise ``SpecError`` at ``where``, naming the fix."""
-        problem = self.problem(arch, interleave)
+        problem = self.problem(arch, interleave, priced)
         if problem is not None:
             raise SpecError(where, str(problem))
         return self

@@ -275,3 +275,21 @@ def test_heads_are_split_by_the_tensors_declared_unit_as_they_were_by_name():
                     assert tp_box(t, a, tp, r) == old_tp_box(t, a, tp, r), (t.name, tp, r)
     with pytest.raises(ValueError, match=re.escape("TensorSpec.unit: 'rows'")):
         type(specs[0])("x", (2,), 0, None, unit="rows")
+
+
+def test_an_uneven_pipeline_split_is_priced_at_its_fullest_stage_but_not_runnable():
+    """Megatron-Core's uneven split (the remainder on the first/last stages): DeepSeek-V3's 61 layers at PP12
+    run 6 layers on the last stage and 5 on the others; the cost model prices it, run refuses it."""
+    from nereus.spec.parallel_dims import fullest_stage_layers
+
+    assert fullest_stage_layers(61, 12) == 6 and fullest_stage_layers(24, 4) == 6 and fullest_stage_layers(7, 2) == 4
+    for layers, pp in itertools.product(range(1, 70), range(1, 20)):
+        if pp <= layers:
+            fullest = fullest_stage_layers(layers, pp)
+            assert fullest >= -(-layers // pp) and (layers % pp or fullest == layers // pp)
+    assert layer_problem(61, 12) is not None and layer_problem(61, 12, priced=True) is None
+    assert layer_problem(61, 62, priced=True) is not None  # a stage without a layer is never priced
+    arch = ModelArch(layers=61, hidden=64, ffn_hidden=24, heads=8, kv_heads=8, vocab=37)
+    with pytest.raises(SpecError, match="does not split the 61 layers evenly"):
+        ParallelDims.of(Layout(tp=8, pp=12), arch, "run.layouts.actor/training")
+    assert ParallelDims.of(Layout(tp=8, pp=12), arch, "plan", priced=True).pp == 12
