@@ -23,6 +23,7 @@ from importlib import resources
 
 from nereus.cost.hardware import Hardware
 from nereus.cost.moe import (
+    decode_kernels_per_layer,
     expert_decode,
     expert_params_per_rank,
     imbalance,
@@ -279,7 +280,8 @@ class StepModel:
             self.comm_per_seq += self.experts.all_to_all_s(hw, a.hidden, r.tp, 1.0) - fixed
         eng = r.costs
         self.per_seq_s = eng.sequence_s
-        self.fixed_s = eng.step_s + a.layers * r.priors.kernels_per_layer * r.priors.kernel_gap_s
+        kernels = decode_kernels_per_layer(a.layers, a.sparse_layers(), r.priors.kernels_per_layer)
+        self.fixed_s = eng.step_s + a.layers * kernels * r.priors.kernel_gap_s
         self._compute: dict[int, float] = {}  # compute_s by batch (a pure function of it)
 
     def compute_s(self, b: int) -> float:

@@ -26,6 +26,7 @@ from nereus.cost.decode import DecodePriors
 EAGER_HOST_S_PER_KERNEL = 21e-6
 
 
-def eager_step_overhead_s(layers: int, kernels_per_layer: int = DecodePriors().kernels_per_layer) -> float:
-    """Host seconds an eager decode step of a ``layers``-layer model adds to the graphed step's cost."""
+def eager_step_overhead_s(layers: int, kernels_per_layer: float = DecodePriors().kernels_per_layer) -> float:
+    """Host seconds an eager decode step of a ``layers``-layer model adds to the graphed step's cost
+    (``kernels_per_layer`` on average: an MoE decoder's sparse layers launch more, ``cost.moe``)."""
     return layers * kernels_per_layer * EAGER_HOST_S_PER_KERNEL

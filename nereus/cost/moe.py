@@ -41,6 +41,21 @@ ALL_TO_ALL_CALL_S = 10e-6
 # token's hidden state into its experts' order and the un-permutation scatters it back, each a read and
 # a write of h bf16 values (Megatron-Core token_dispatcher permute/unpermute).
 PERMUTE_TRAFFIC = 4
+# Kernels a sparse layer's MLP launches per decode step beyond a dense MLP's three (gate/up GEMM, activation,
+# down GEMM). vLLM's fused-MoE path (vllm/model_executor/layers/fused_moe: ``FusedMoE.forward`` →
+# ``select_experts`` → ``fused_experts_impl``; SGLang's fused_moe_triton is the same sequence) runs the router
+# GEMM, the top-k softmax, the top-k renormalisation (sum and divide, Qwen3's norm_topk_prob), the
+# token-to-block alignment (``moe_align_block_size`` and the fill of its index buffer), the gate/up
+# grouped GEMM (Triton), the activation, the down grouped GEMM (Triton) and the sum over the k experts:
+# ten kernels for the dense MLP's three. Each costs a replayed graph's kernel gap, and run eagerly a host
+# dispatch (``cost.eager``).
+MOE_MLP_EXTRA_KERNELS = 7
+
+
+def decode_kernels_per_layer(layers: int, sparse_layers: int, dense_kernels: int) -> float:
+    """Kernels a decode step launches per layer on average over the layers: ``dense_kernels`` in a dense
+    layer, ``MOE_MLP_EXTRA_KERNELS`` more in a sparse one."""
+    return dense_kernels + MOE_MLP_EXTRA_KERNELS * sparse_layers / layers
 
 
 def imbalance(arch: ModelArch, ep: int) -> float:

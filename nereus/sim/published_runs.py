@@ -12,7 +12,8 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
 - lengths: the published mean prompt / response length; when only the cap is published, a prompt's mean
   is ``UNSTATED_PROMPT_FRACTION`` of its cap and a response's ``UNSTATED_RESPONSE_TOKENS`` (at most half
   its cap). Responses are log-normal with ``RESPONSE_SIGMA``, clipped at the cap.
-- rollout TP: the row's, else verl's example scripts' for a model of that size (``sim.recipes``).
+- rollout TP: the row's, else verl's example scripts' for a model of that size (``sim.recipes``; an MoE
+  model's from verl's MoE scripts).
 - micro-batches: verl's dynamic batching (token budget per GPU) at its recipes' budgets, for every row.
 - PPO mini-batches of ``MINI_BATCH_PROMPTS`` prompts (the schema has no mini-batch count): one optimizer
   update each, micro-batched by token budget within it, so a pipeline's bubble and FSDP's gathers are paid
@@ -30,7 +31,8 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
   recipe, as the rows' notes say).
 - the rollout decodes from CUDA graphs (vLLM's default) unless the row's ``enforce_eager`` says yes
   (verl's key; an optional column, else its notes' ``enforce_eager=``, else the framework's default at the
-  version the notes give: verl before 2025-08 ran eagerly, ``decodes_eagerly``): then every decode step
+  version the notes give: verl before 2025-08 ran eagerly, ``decodes_eagerly``; an MoE row of verl takes
+  its nearest MoE recipe's, all of which set it, ``verl_moe_recipe``): then every decode step
   also pays the host's eager dispatch (``cost.eager``) in the engine's fixed step cost (the cluster prior
   ``decode_step_overhead_s``).
 - an MoE row (``arch`` moe): its experts from ``n_experts``, ``experts_per_token``, ``moe_ffn_hidden`` and
@@ -50,9 +52,11 @@ import math
 import re
 from dataclasses import dataclass
 
+from nereus.cost.decode import DecodePriors
 from nereus.cost.eager import eager_step_overhead_s
 from nereus.cost.hardware import Priors
-from nereus.sim.recipes import system_recipe_tp
+from nereus.cost.moe import decode_kernels_per_layer
+from nereus.sim.recipes import Recipe, moe_recipe, system_recipe_tp
 from nereus.spec.cluster import gpu_presets
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.errors import SpecError
@@ -178,8 +182,20 @@ def decodes_eagerly(row: dict) -> bool:
     """The rollout runs without CUDA graphs: the row's ``enforce_eager`` (column or notes), else the
     framework's default at its version (verl before ``VERL_CUDA_GRAPHS_SINCE``), else no (vLLM's default)."""
     version = framework_version(row)
-    old_verl = text(row, "framework").lower() == "verl" and version is not None and version < VERL_CUDA_GRAPHS_SINCE
-    return setting(row, "enforce_eager", "yes" if old_verl else "no") == "yes"
+    verl = text(row, "framework").lower() == "verl"
+    old_verl = verl and version is not None and version < VERL_CUDA_GRAPHS_SINCE
+    recipe = verl_moe_recipe(row)
+    eager = old_verl or (recipe is not None and bool(recipe.enforce_eager))
+    return setting(row, "enforce_eager", "yes" if eager else "no") == "yes"
+
+
+def verl_moe_recipe(row: dict) -> Recipe | None:
+    """A verl MoE row's recipe, the nearest in size of verl's Megatron MoE scripts (``sim.recipes``):
+    what the row leaves empty of its rollout (TP, ``enforce_eager``) is what that script sets."""
+    params_b = number(row, "params_b")
+    if text(row, "framework").lower() != "verl" or text(row, "arch").lower() != "moe" or not params_b:
+        return None
+    return moe_recipe("verl", params_b)
 
 
 def published_values(row: dict) -> dict[str, float]:
@@ -289,7 +305,7 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
         "workload": {"prompts_per_step": prompts, "prompt_length": prompt,
                      "response_length": {"mean": response, "max": cap, "sigma": RESPONSE_SIGMA}},
         "cluster": {"gpu": gpu, "nodes": total // per_node, "gpus_per_node": per_node,
-                    **_eager_priors(row, arch["layers"])},
+                    **_eager_priors(row, arch)},
     }
     try:
         return job_from_dict(data)
@@ -297,12 +313,17 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
         raise RowSkipped(f"the row does not make a valid job: {err}") from None
 
 
-def _eager_priors(row: dict, layers: int) -> dict:
+def _eager_priors(row: dict, arch: dict) -> dict:
     """The cluster's ``priors`` for a rollout run eagerly (``enforce_eager`` yes): the engine's fixed step
-    cost plus the host's eager dispatch; nothing for a CUDA-graph rollout."""
+    cost plus the host's eager dispatch of every kernel of a step (an MoE layer's more, ``cost.moe``);
+    nothing for a CUDA-graph rollout."""
     if not decodes_eagerly(row):
         return {}
-    return {"priors": {"decode_step_overhead_s": Priors().decode_step_overhead_s + eager_step_overhead_s(layers)}}
+    layers = arch["layers"]
+    sparse = layers - len(arch["moe"].get("dense_layers", ())) if "moe" in arch else 0
+    kernels = decode_kernels_per_layer(layers, sparse, DecodePriors().kernels_per_layer)
+    return {"priors": {"decode_step_overhead_s": Priors().decode_step_overhead_s
+                       + eager_step_overhead_s(layers, kernels)}}
 
 
 def published_run(row: dict) -> PublishedRun:
@@ -385,7 +406,11 @@ def _rollout_tp(row: dict, job: JobSpec, gen_gpus: int) -> int:
     tp = count(row, "rollout_tp")
     if tp is None:
         params_b = job.models["actor"].params() / 1e9
-        tp = min(gen_gpus, system_recipe_tp("verl", job.algorithm.name, params_b)[0])
+        recipe = verl_moe_recipe(row)  # an MoE model: verl's MoE script of its size, not a dense one's
+        tp = recipe.rollout_tp if recipe else system_recipe_tp("verl", job.algorithm.name, params_b)[0]
+        # a script's TP the rollout GPUs (or the heads) do not split into: the largest below it that does
+        heads = job.models["actor"].heads
+        tp = max(t for t in range(1, min(gen_gpus, tp) + 1) if gen_gpus % t == 0 and heads % t == 0)
     if gen_gpus % tp:
         raise RowSkipped(f"rollout_tp {tp} does not divide the {gen_gpus} rollout GPUs")
     return tp

@@ -23,6 +23,8 @@ class Recipe:
     repo: str
     path: str
     commit: str
+    # verl's ``actor_rollout_ref.rollout.enforce_eager`` as the script sets it (None: the script leaves it)
+    enforce_eager: bool | None = None
 
     @property
     def url(self) -> str:
@@ -43,6 +45,29 @@ RECIPES: tuple[Recipe, ...] = (
     Recipe("OpenRLHF", "ppo", "Llama-3-70B-Instruct", 70.6, 2, "OpenRLHF/OpenRLHF",
            "examples/scripts/train_ppo_llama_ray_70b.sh", "77561119a2cc250a288fa73244ab888bdefea97f"),
 )
+
+
+# verl's Megatron recipes for Mixture-of-Experts models, kept apart from the dense table above so a dense
+# model's recipe TP (and the simulator's recipe baselines) never come from an MoE script. Each sets
+# ``rollout.enforce_eager=True``: the MoE rollout decodes without CUDA graphs.
+MOE_RECIPES: tuple[Recipe, ...] = (
+    Recipe("verl", "grpo", "Qwen3-30B-A3B", 30.5, 4, "volcengine/verl",
+           "examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh", "c281ea7797624601a1bcb15ac026d0e1c9dd853e",
+           enforce_eager=True),
+    Recipe("verl", "grpo", "Qwen3-235B-A22B", 235.1, 8, "volcengine/verl",
+           "examples/grpo_trainer/run_qwen3-235b_megatron_96gb.sh", "f6f910069b2b0812bcd4f20cc5f0be4999fb5440",
+           enforce_eager=True),
+    Recipe("verl", "grpo", "DeepSeek-V3", 671.0, 32, "volcengine/verl",
+           "examples/grpo_trainer/run_deepseek671b_math_megatron_96gb.sh", "bd756c15c8873e40cfbb5ef2a4d1d6cadb4ea272",
+           enforce_eager=True),
+)
+
+
+def moe_recipe(system: str, params_b: float) -> Recipe | None:
+    """``system``'s MoE recipe nearest in size (log scale) to a model of ``params_b`` billion parameters;
+    None when the system has none."""
+    pool = [r for r in MOE_RECIPES if r.system == system]
+    return min(pool, key=lambda r: _size_distance(r, params_b)) if pool else None
 
 
 def _size_distance(recipe: Recipe, params_b: float) -> float:

@@ -1,0 +1,55 @@
+"""verl's Megatron MoE recipes (``sim.recipes.MOE_RECIPES``) fill what a published MoE row leaves empty of its
+rollout, and an MoE decoder's sparse layers launch more kernels a decode step (``cost.moe``)."""
+
+from __future__ import annotations
+
+import csv
+from importlib import resources
+
+import pytest
+
+from nereus.cost.decode import DecodePriors
+from nereus.cost.eager import eager_step_overhead_s
+from nereus.cost.hardware import Hardware, Priors
+from nereus.cost.moe import MOE_MLP_EXTRA_KERNELS, decode_kernels_per_layer
+from nereus.sim.published_runs import decodes_eagerly, published_run
+from nereus.sim.recipes import MOE_RECIPES, RECIPES, fixed_recipe_tp, moe_recipe
+
+
+def rows() -> dict[str, dict]:
+    text = resources.files("nereus.cost").joinpath("e2e_runs.csv").read_text()
+    return {r["run_id"]: r for r in csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))}
+
+
+def test_moe_recipes_are_their_own_table() -> None:
+    assert moe_recipe("verl", 30.5).rollout_tp == 4
+    assert moe_recipe("verl", 671).rollout_tp == 32
+    assert moe_recipe("OpenRLHF", 30.5) is None
+    assert all(r.enforce_eager for r in MOE_RECIPES) and not set(MOE_RECIPES) & set(RECIPES)
+    assert fixed_recipe_tp(235)[0] == 2  # a dense lookup never lands on an MoE script
+
+
+def test_an_moe_row_without_rollout_settings_takes_its_recipes() -> None:
+    row = rows()["verl_fa30_1"]  # colocated, rollout TP and enforce_eager not stated
+    assert not row["rollout_tp"] and not row["enforce_eager"]
+    run = published_run(row)
+    assert run.plan.placement("actor/generation").layout.tp == 4
+    assert decodes_eagerly(row)
+    layers = run.job.models["actor"].layers
+    kernels = decode_kernels_per_layer(layers, layers, DecodePriors().kernels_per_layer)
+    assert kernels == DecodePriors().kernels_per_layer + MOE_MLP_EXTRA_KERNELS
+    step = Hardware(run.job.cluster).priors.decode_step_overhead_s
+    assert step == pytest.approx(Priors().decode_step_overhead_s + eager_step_overhead_s(layers, kernels))
+    stated = published_run({**row, "rollout_tp": "8", "enforce_eager": "no"})  # the row's own values win
+    assert stated.plan.placement("actor/generation").layout.tp == 8
+    assert Hardware(stated.job.cluster).priors.decode_step_overhead_s == Priors().decode_step_overhead_s
+
+
+def test_a_recipe_tp_the_rollout_gpus_do_not_split_into_falls_to_one_that_does() -> None:
+    run = published_run(rows()["verl_wsync_7"])  # 30 rollout GPUs, the 30B recipe's TP 4
+    assert run.plan.placement("actor/generation").layout.tp == 2
+
+
+def test_dense_layers_launch_the_dense_kernels() -> None:
+    assert decode_kernels_per_layer(28, 0, 10) == 10
+    assert decode_kernels_per_layer(61, 58, 10) == pytest.approx(10 + 7 * 58 / 61)
