@@ -39,6 +39,7 @@ from nereus.sim.carry import CarriedResponses, GenerationRound, plan_round
 from nereus.sim.dynamic_sampling import draw_batches, one_batch, scale_generation
 from nereus.sim.generation import Look, entries_of, status_at, tail_outcome, walk
 from nereus.sim.groups import Deferred, ShortRound, draw_groups, stop_round
+from nereus.sim.reality import Reality, apply_reality, gpu_slowness
 from nereus.sim.workload import batch_at
 from nereus.spec.generation import ChangeTailLayout, GenerationEntry, Outcome, SetSpeculation
 from nereus.spec.job import JobSpec, ResponseLength
@@ -56,6 +57,8 @@ class TruthConfig:
     # slots refilled and the tail drained, instead of the analytic bulk/tail form at the drawn mean and
     # longest; a step whose policy asks for a decision point inside the generation always runs this way
     sequence_level: bool = True
+    # what real runs pay that the cost model does not price: the driver's pass and stragglers (sim.reality)
+    reality: Reality = Reality()
 
 
 def hidden_factors(seed: int, cfg: TruthConfig) -> dict[str, float]:
@@ -87,6 +90,7 @@ class SimBackend:
         self._max_gpus = max([self.initial_gpus, *(n for _, n in trace.gpus)])
         self.full_job = job.with_gpus(self._max_gpus)
         self.hw = Hardware(self.full_job.cluster)
+        self.slowness = gpu_slowness(seed, self._max_gpus, self.truth.reality.straggler_sigma)
         self.last_generation: dict = {}  # the latest step's sequence-level generation (sim.step_timeline)
         self.carried = CarriedResponses.none()  # responses a partial-rollout step left to the next (sim.carry)
         self.deferred = Deferred.none()  # prompts tail batching deferred to a long round (sim.groups)
@@ -191,7 +195,11 @@ class SimBackend:
             trained = float(kept.sum() * prompt + lengths[kept].sum())
             _scale_later_stages(stage_times, phases, trained / tokens)
             tokens = trained
-        if keep_rate < 1:
+        added = apply_reality(self.truth.reality, self.slowness, plan, job, r.max, stage_times, phases)
+        if self.last_generation:  # the step's timeline: generation stretched by its slowest GPU, then the driver
+            self.last_generation.update(phases=dict(phases), stretch=added.phase_factors.get("generation", 1.0),
+                                        driver_s=added.driver_s)
+        if keep_rate < 1:  # each generation batch is a stage call of its own: scaled with its driver pass
             detail = {**detail, **self._dynamic_sampling(step, keep_rate, job, stage_times, phases)}
         lag = (1.0,) if rnd is None else rnd.policy_lag
         step_s = sum(phases.values())
@@ -201,7 +209,8 @@ class SimBackend:
             lag = (0.0, 1.0)
         idle = detail["generation"]["idle_gpu_s"] if "generation" in detail else 0.0
         busy_generation, busy_rest = busy_gpu_seconds(plan.num_gpus, rollout_gpus, phases, idle)
-        detail = {**detail, "busy_gpu_s": busy_generation + busy_rest, "busy_generation_gpu_s": busy_generation}
+        detail = {**detail, "busy_gpu_s": busy_generation + busy_rest, "busy_generation_gpu_s": busy_generation,
+                  "driver_s": added.driver_s}
         if self._tail_round is not None:  # this step was one of tail batching's rounds (the record's ``tail``)
             detail["tail"] = self._tail_round
         return StepMetrics(step, stage_times, phases, step_s, mean, longest,

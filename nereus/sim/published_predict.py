@@ -34,13 +34,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nereus.control.backend import RunToEnd
+from nereus.control.backend import RunToEnd, StepMetrics
 from nereus.cost.controller import controller_time
 from nereus.cost.fully_async import queue_assembly_time, trainer_step, trainer_wait
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
-from nereus.sim.backend import SimBackend
+from nereus.sim.backend import SimBackend, TruthConfig
 from nereus.sim.published_runs import PublishedRun
+from nereus.sim.reality import Reality
 from nereus.spec.trace import LengthPoint, Trace
 
 STAGE_OF = {"t_gen_s": "actor/generation", "t_old_logprob_s": "actor/inference", "t_ref_s": "reference/inference",
@@ -49,6 +50,7 @@ STAGE_OF = {"t_gen_s": "actor/generation", "t_old_logprob_s": "actor/inference",
 ASYNC_MODES = ("one_step_off", "fully_async", "partial_rollout")
 SOURCES = ("cost", "sim")
 SIM_STEPS = 3  # simulated steps averaged per row (each draws its own lengths and noise)
+SIM_SEEDS = 4  # simulated clusters averaged per row (each draws its own hidden efficiencies and GPU speeds)
 
 
 @dataclass(frozen=True)
@@ -64,16 +66,29 @@ def cost_times(run: PublishedRun) -> StepTimes:
     return StepTimes(dict(est.stage_times), dict(est.phase_times))
 
 
-def sim_times(run: PublishedRun, seed: int = 0, steps: int = SIM_STEPS) -> StepTimes:
-    """The simulator's ground truth for the run's plan: ``steps`` steps on a one-point trace at the
-    row's lengths, every generation run to its end, stage and phase seconds averaged."""
+def sim_times(run: PublishedRun, seeds: int = SIM_SEEDS, steps: int = SIM_STEPS) -> StepTimes:
+    """The simulator's ground truth for the run's plan, its mean over ``seeds`` clusters (a published run
+    is one draw of a real one): ``steps`` steps each on a one-point trace at the row's lengths, every
+    generation run to its end. The truth's driver pass at the row's padded width (``sim.reality``) is
+    taken out again, so both sources give device times that ``with_controller`` completes alike."""
     r = run.job.workload.response
     trace = Trace(run.run_id, "published run", steps, r.sigma, (LengthPoint(0, r.mean, r.max),))
-    backend = SimBackend(run.job, trace, seed)
-    measured = [backend.run_step(run.plan, step, RunToEnd()) for step in range(steps)]
-    stages = {k: float(np.mean([m.stage_times_s[k] for m in measured])) for k in measured[0].stage_times_s}
-    phases = {k: float(np.mean([m.phase_times_s[k] for m in measured])) for k in measured[0].phase_times_s}
+    truth = TruthConfig(reality=Reality(padded_slots=run.padded_tokens))
+    measured = [SimBackend(run.job, trace, seed, truth).run_step(run.plan, step, RunToEnd())
+                for seed in range(seeds) for step in range(steps)]
+    stages = {k: float(np.mean([without_driver(m, k) for m in measured])) for k in measured[0].stage_times_s}
+    phases = {k: float(np.mean([m.phase_times_s[k] - m.detail["driver_s"] * _calls(m, k) for m in measured]))
+              for k in measured[0].phase_times_s}
     return StepTimes(stages, phases)
+
+
+def without_driver(m: StepMetrics, name: str) -> float:
+    seconds = m.stage_times_s[name]
+    return seconds - m.detail["driver_s"] if seconds > 0 else seconds
+
+
+def _calls(m: StepMetrics, phase: str) -> int:
+    return sum(1 for name, t in m.stage_times_s.items() if t > 0 and name.split("/")[1] == phase)
 
 
 def with_controller(run: PublishedRun, times: StepTimes) -> StepTimes:

@@ -21,12 +21,13 @@ from nereus.spec.trace import load_trace
 
 COLORS = {"bulk": "#4c72b0", "speculation": "#64b5cd", "migration": "#c44e52", "tail": "#dd8452",
           "inference (overlapped)": "#55a868", "idle": "#dddddd", "inference": "#8fd19e", "training": "#8172b3",
-          "weight_sync": "#937860"}
+          "weight_sync": "#937860", "driver": "#aaaaaa"}
 
 
 def step_rows(last: dict) -> list[tuple[str, str, float, float]]:
     """(GPU group, kind, start s, end s) of the backend's last step (``SimBackend.last_generation``)."""
-    model, out, phase, noise = last["model"], last["outcome"], last["phase"], last["noise"]
+    model, out, phase = last["model"], last["outcome"], last["phase"]
+    noise = last["noise"] * last.get("stretch", 1.0)  # the slowest GPU's pace (sim.reality)
     lay, gpus = model.placement.layout, list(model.placement.gpus)
     label = {r: f"GPUs {min(model.replica_gpus(r))}-{max(model.replica_gpus(r))}" for r in range(lay.dp)}
     rows: list[tuple[str, str, float, float]] = []
@@ -53,7 +54,9 @@ def step_rows(last: dict) -> list[tuple[str, str, float, float]]:
             rows += [(label[r], "inference (overlapped)", m1, busy), (label[r], "idle", busy, end)]
         else:
             rows.append((label[r], "idle", m1, end))
-    rows += _later_stages(model.plan, last["phases"], list(label.values()), end)
+    driver = last.get("driver_s", 0.0)  # the batch's pass through the driver (sim.reality)
+    rows += [(label[r], "driver", end, end + driver) for r in range(lay.dp)]
+    rows += _later_stages(model.plan, last["phases"], list(label.values()), end + driver)
     return [row for row in rows if row[3] > row[2]]
 
 

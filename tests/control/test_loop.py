@@ -11,7 +11,8 @@ from nereus.control.controller import Controller, ControllerConfig
 from nereus.control.forecast import LengthSchedule
 from nereus.control.held import HeldPlan
 from nereus.control.loop import ControlLoop, Observer, Recovery, run_policy
-from nereus.sim.backend import SimBackend
+from nereus.sim.backend import SimBackend, TruthConfig
+from nereus.sim.reality import NO_REALITY
 from tests.control.test_controller import small_job, trace
 
 
@@ -93,7 +94,8 @@ def test_a_loss_in_a_transition_keeps_the_finished_step_and_resumes_after_it():
     the next step on the survivors' plan (nothing redone)."""
     job = small_job(16)
     grows = trace(12, gpus=[{"step": 0, "gpus": 16}, {"step": 5, "gpus": 32}])  # the controller moves onto more
-    backend = DiesInMove(job, grows, 0, initial_gpus=16, survivors=8)
+    # the move onto more GPUs pays on the cost model's own truth (no driver pass or stragglers)
+    backend = DiesInMove(job, grows, 0, truth=TruthConfig(reality=NO_REALITY), initial_gpus=16, survivors=8)
     seen = Steps()
     record = run_policy(Controller(job, ControllerConfig(), LengthSchedule(default_max=2048)), backend, 12,
                         observer=seen)

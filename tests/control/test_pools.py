@@ -22,7 +22,9 @@ from nereus.control.tail_policy import NereusLevers
 from nereus.cost.hardware import Hardware
 from nereus.cost.tail.async_split import async_step
 from nereus.planner.search import Constraints, search
+from nereus.sim.backend import TruthConfig
 from nereus.sim.baselines import make_policy
+from nereus.sim.reality import NO_REALITY
 from nereus.sim.run import simulate, simulate_with_backend
 from nereus.sim.step_timeline import step_rows
 from nereus.spec import load_job
@@ -186,10 +188,11 @@ def test_the_recheck_moves_the_pools_only_where_the_calibration_says_the_others_
 def test_a_run_moves_its_pools_on_the_recheck_and_records_why():
     """GRPO on r1_zero_growth at lag 1 under seed 3's truth (decoding's compute 1.67x the model's): the
     split chosen on the priors is re-priced every ``PoolRule.every`` steps on the calibration, and the
-    rollout moves back among the other models (then to another TP), each move predicted to pay."""
+    rollout moves back among the other models (then to another TP), each move predicted to pay. The
+    scenario is set on the cost model's own truth, without the driver pass and stragglers (sim.reality)."""
     job = _long_tail_job()
     trace = load_trace(ROOT / "traces" / "r1_zero_growth.yaml")
-    record = simulate(job, trace, "nereus", 3, 120, policy_lag=1)
+    record = simulate(job, trace, "nereus", 3, 120, truth=TruthConfig(reality=NO_REALITY), policy_lag=1)
     moves = [d for d in record.decisions if d.get("reason", "").startswith("pools on the calibrated model")]
     assert moves and all((d["step"] + 1) % PoolRule().every == 0 for d in moves)
     assert all(d["candidate_s"] < d["current_s"] * (1 - PoolRule().switch_gain) for d in moves)
