@@ -9,7 +9,11 @@ and why), cells predicted, the mean absolute error per column, and overall mean 
 
     python benchmarks/e2e_validation.py --rows nereus/cost/e2e_runs.csv [--source cost|sim] [--json]
 
-With ``--json`` only the JSON line is printed.
+Before the JSON line it also runs the simulator's verl baselines on verl's own published steps
+(``nereus.sim.published_baseline``: ``verl-like`` for a synchronous colocated row, ``verl-async-like`` for
+a one-step-off row, each choosing its own layouts for the row's job, as in every simulated comparison
+against them) and prints each step against the published one. With ``--json`` only the JSON line is
+printed.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import math
 import sys
 from pathlib import Path
 
+from nereus.sim.published_baseline import baseline_of, baseline_step
 from nereus.sim.published_predict import SOURCES, predict
 from nereus.sim.published_runs import COLUMNS, RowSkipped, published_run, text
+from nereus.spec.errors import InfeasibleError
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -74,6 +80,31 @@ def table(cells: list, skipped: list[dict]) -> str:
     return "\n".join(out)
 
 
+def baselines(rows: list[dict]) -> str:
+    """The verl baselines' simulated steps against the verl rows' published ones, and their mean error."""
+    out, errors = ["", f"{'run':<16} {'baseline':<18} {'published':>10} {'simulated':>10} {'error':>8}"], []
+    for row in rows:
+        try:
+            run = published_run(row)
+        except RowSkipped:
+            continue
+        name = baseline_of(run, text(row, "framework"))
+        if name is None:
+            continue
+        try:
+            step = baseline_step(run, name)
+        except InfeasibleError as why:
+            out.append(f"{run.run_id:<16} {name:<18} not simulated: {str(why).split(':')[0]} does not fit")
+            continue
+        errors.append(abs(step.error_pct))
+        out.append(f"{run.run_id:<16} {name:<18} {step.published_s:>10.1f} {step.simulated_s:>10.1f} "
+                   f"{step.error_pct:>+7.0f}%")
+    if errors:
+        mean = sum(errors) / len(errors)
+        out.append(f"verl baselines' step, mean absolute error: {mean:.1f}% over {len(errors)} rows")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=Path, required=True, help="a CSV in the e2e_runs.csv schema")
@@ -86,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     cells, skipped, modelled = validate(read_rows(args.rows), args.source)
     if not args.json:
         print(table(cells, skipped))
+        print(baselines(read_rows(args.rows)))
     print(json.dumps(summary(cells, skipped, modelled)))
     return 0
 
