@@ -25,6 +25,7 @@ class Recipe:
     commit: str
     # verl's ``actor_rollout_ref.rollout.enforce_eager`` as the script sets it (None: the script leaves it)
     enforce_eager: bool | None = None
+    backend: str = "fsdp"  # the training backend the script runs (verl's ``actor.strategy``)
 
     @property
     def url(self) -> str:
@@ -47,26 +48,30 @@ RECIPES: tuple[Recipe, ...] = (
 )
 
 
-# verl's Megatron recipes for Mixture-of-Experts models, kept apart from the dense table above so a dense
-# model's recipe TP (and the simulator's recipe baselines) never come from an MoE script. Each sets
-# ``rollout.enforce_eager=True``: the MoE rollout decodes without CUDA graphs.
+# verl's recipes for Mixture-of-Experts models, kept apart from the dense table above so a dense model's
+# recipe TP (and the simulator's recipe baselines) never come from an MoE script. Every Megatron one sets
+# ``rollout.enforce_eager=True`` (the rollout decodes without CUDA graphs); the FSDP one sets False.
 MOE_RECIPES: tuple[Recipe, ...] = (
     Recipe("verl", "grpo", "Qwen3-30B-A3B", 30.5, 4, "volcengine/verl",
            "examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh", "c281ea7797624601a1bcb15ac026d0e1c9dd853e",
-           enforce_eager=True),
+           enforce_eager=True, backend="megatron"),
     Recipe("verl", "grpo", "Qwen3-235B-A22B", 235.1, 8, "volcengine/verl",
            "examples/grpo_trainer/run_qwen3-235b_megatron_96gb.sh", "f6f910069b2b0812bcd4f20cc5f0be4999fb5440",
-           enforce_eager=True),
+           enforce_eager=True, backend="megatron"),
     Recipe("verl", "grpo", "DeepSeek-V3", 671.0, 32, "volcengine/verl",
            "examples/grpo_trainer/run_deepseek671b_math_megatron_96gb.sh", "bd756c15c8873e40cfbb5ef2a4d1d6cadb4ea272",
-           enforce_eager=True),
+           enforce_eager=True, backend="megatron"),
+    Recipe("verl", "dapo", "Qwen3-30B-A3B-Base", 30.5, 4, "volcengine/verl",
+           "verl/experimental/fully_async_policy/shell/dapo_30b_a3b_base_math_fsdp.sh",
+           "2bb42bae6078359c3fdc56ba6c7533e76fc05407", enforce_eager=False),
 )
 
 
-def moe_recipe(system: str, params_b: float) -> Recipe | None:
-    """``system``'s MoE recipe nearest in size (log scale) to a model of ``params_b`` billion parameters;
-    None when the system has none."""
+def moe_recipe(system: str, params_b: float, backend: str = "megatron") -> Recipe | None:
+    """``system``'s MoE recipe nearest in size (log scale) to a model of ``params_b`` billion parameters,
+    among its scripts for ``backend`` when it has any; None when the system has none."""
     pool = [r for r in MOE_RECIPES if r.system == system]
+    pool = [r for r in pool if r.backend == backend] or pool
     return min(pool, key=lambda r: _size_distance(r, params_b)) if pool else None
 
 

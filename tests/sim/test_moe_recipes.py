@@ -25,7 +25,9 @@ def test_moe_recipes_are_their_own_table() -> None:
     assert moe_recipe("verl", 30.5).rollout_tp == 4
     assert moe_recipe("verl", 671).rollout_tp == 32
     assert moe_recipe("OpenRLHF", 30.5) is None
-    assert all(r.enforce_eager for r in MOE_RECIPES) and not set(MOE_RECIPES) & set(RECIPES)
+    assert all(r.enforce_eager == (r.backend == "megatron") for r in MOE_RECIPES)
+    assert not set(MOE_RECIPES) & set(RECIPES)
+    assert moe_recipe("verl", 30.5, "fsdp").path.endswith("dapo_30b_a3b_base_math_fsdp.sh")
     assert fixed_recipe_tp(235)[0] == 2  # a dense lookup never lands on an MoE script
 
 
@@ -40,6 +42,7 @@ def test_an_moe_row_without_rollout_settings_takes_its_recipes() -> None:
     assert kernels == DecodePriors().kernels_per_layer + MOE_MLP_EXTRA_KERNELS
     step = Hardware(run.job.cluster).priors.decode_step_overhead_s
     assert step == pytest.approx(Priors().decode_step_overhead_s + eager_step_overhead_s(layers, kernels))
+    assert not decodes_eagerly({**row, "train_backend": "fsdp"})  # verl's FSDP MoE script runs CUDA graphs
     stated = published_run({**row, "rollout_tp": "8", "enforce_eager": "no"})  # the row's own values win
     assert stated.plan.placement("actor/generation").layout.tp == 8
     assert Hardware(stated.job.cluster).priors.decode_step_overhead_s == Priors().decode_step_overhead_s
