@@ -1,24 +1,38 @@
 """verl's trainer-to-rollout weight sync when the rollout has GPUs of its own (one-step-off and fully-async
 recipes), with and without its checkpoint engine (``async_training.checkpoint_engine.enable``), priced from
-the links the bytes cross. ``SYNC_TIMES`` is the registry of every mechanism a plan may name
-(``Plan.weight_sync``): Nereus's own direct copy is the default outside it.
+what the code does per tensor and per byte. ``SYNC_TIMES`` is the registry of every mechanism a plan may
+name (``Plan.weight_sync``): Nereus's own direct copy is the default outside it.
 
-- ``tensor-broadcast`` (no checkpoint engine): one NCCL group spans the trainer's and the rollouter's
-  ranks; parameter by parameter the trainer assembles the full tensor, its rank 0 broadcasts it to every
-  rank and each rollout rank hands it to the engine's ``load_weights`` (volcengine/verl,
-  verl/experimental/fully_async_policy/base_detach_sync.py, ``_sync_vllm_weights``). The whole model
-  leaves through the sender's link (a pipelined broadcast, Thakur et al. 2005), each tensor pays the
-  broadcast's hops of latency, and each pays one collective call and one engine load call on the host:
-  the per-tensor reload cost Nereus measured for vLLM's in-place load (``ENGINE_RELOAD_PER_TENSOR_S``).
-  A Mixture-of-Experts checkpoint holds three tensors per expert per layer, so its sync is dominated by
-  those calls.
-- ``checkpoint-engine``: every trainer rank keeps a share of the weights in pinned host buckets of
-  ``device_buffer_size_M`` (4,096 MB by default); per round each rank copies its next bucket to its GPU
-  (in parallel over the ranks, over PCIe), then the ranks broadcast their buckets in turn and the rollout
-  ranks load each bucket in one call (verl/experimental/fully_async_policy/checkpoint_engine.py,
-  ``update_checkpoint``, after MoonshotAI/checkpoint-engine). The bytes cross the sender's link once, the
-  host copies add ``W / (ranks · PCIe)``, and the calls are per bucket, not per tensor: the engine's
-  reload set-up is paid once (``ENGINE_RELOAD_FIXED_S``).
+Both run over one NCCL group of every trainer and rollout rank (verl/experimental/fully_async_policy,
+``param_sync.ParameterSynchronizer``); the timed sync is the whole worker call. Host loops are priced in
+``cost.sync_host_costs`` (the trainer's export of full checkpoint tensors, the engine's ``load_weights``);
+bytes on the links. A broadcast leaves a node through one NIC (``Hardware.p2p_time``): NCCL runs a
+broadcast as a ring whose data enters every node once, and broadcasts over many nodes measure at one NIC's
+rate or below (NVIDIA/nccl issue 590: 9-15 GB/s over 16 nodes of 8 NICs; verl's checkpoint_engine README:
+8.25 GB/s over 4 nodes of 400 Gb/s ConnectX-7). Each broadcast call also pays NCCL's fixed ring latency
+plus one hop (NVIDIA/nccl src/graph/tuning.cc: ``baseLat`` 8.4 µs, ``hwLat`` 3.4 µs NVLink, 14 µs network,
+Simple protocol).
+
+- ``tensor-broadcast`` (no checkpoint engine; ``base_detach_sync._sync_vllm_weights`` and the Megatron
+  worker's ``sync_rollout_weights``): tensor by tensor, the trainer exports the full tensor, its rank 0
+  broadcasts it, and every rollout rank calls the engine's ``load_weights`` with that one tensor, so each
+  tensor pays a whole call (its parameter-dict walk grows with the model's layers). The trainer's and the
+  engine's host loops run side by side, the slower one sets the pace; the bytes do not hide under them:
+  the exporter's object collectives copy their result to the host, which waits for the default stream,
+  and Ray's NCCL stream is the default stream itself or a blocking stream it waits for, so the loop and
+  the link take turns (ray.util.collective ``StreamPool._init_once``, ``NCCLGroup._sync_streams``).
+- ``checkpoint-engine`` (``checkpoint_engine.CheckpointEngine``, after MoonshotAI/checkpoint-engine), in
+  order: every trainer rank runs the same export and keeps every n-th tensor, copied to host memory
+  (device to host over PCIe); packs its share into pinned buckets of ``device_buffer_size_M`` (4,096 MB
+  by default; a host memory copy); then per round each trainer rank copies its next bucket to its GPU
+  (rank-parallel, over PCIe) and the ranks broadcast their buckets in turn, the rollout ranks loading each
+  bucket with one ``load_weights`` call after its broadcast (``overlap_broadcast_and_consume`` is off by
+  default). The bytes cross the links once, the engine's calls are per bucket, its per-tensor work stays.
+
+A published sync below what the bytes alone take is not reachable by this model: verl's fully-async
+ablation prints 0.02 s for Qwen2.5-7B with the checkpoint engine, while each rollout GPU must receive the
+15 GB over NVLink (450 GB/s one way: 34 ms) and each of the four trainer GPUs copies its 3.8 GB share to
+host memory and back over PCIe 5.0 (2 x 60 ms).
 """
 
 from __future__ import annotations
@@ -27,9 +41,13 @@ import math
 
 from nereus.cost.hardware import Hardware
 from nereus.cost.memory import BF16
+from nereus.cost.sync_host_costs import (
+    NCCL_CALL_S,
+    checkpoint_tensors,
+    engine_load_time,
+    export_time,
+)
 from nereus.cost.weight_sync import (
-    ENGINE_RELOAD_FIXED_S,
-    ENGINE_RELOAD_PER_TENSOR_S,
     gather_broadcast_time,
     hybrid_reshard_time,
 )
@@ -43,6 +61,14 @@ BUCKET_BYTES = 4096 * 2**20
 # specifications; NVIDIA A100 and H100 datasheets, "PCIe Gen4" / "PCIe Gen5").
 PCIE_BYTES_PER_S = 63e9
 PCIE_GEN4_GPUS = ("A100", "A800")
+# A GPU node's host memory bandwidth: two sockets of eight DDR5-4800 channels, 8 bytes wide (307 GB/s a
+# socket; Intel 4th-gen Xeon Scalable, the host of HGX H100/H20 boards). A copy reads and writes each
+# byte, and the node's trainer ranks pack at once, so each copies at 614 / 2 / (its node's trainer ranks).
+HOST_MEMORY_BYTES_PER_S = 614e9
+# NCCL's extra latency per broadcast call beyond ``NCCL_CALL_S``: one ring hop (tuning.cc ``hwLat``,
+# Simple protocol; a broadcast over channels that repeat the same ring adds one hop).
+NCCL_HOP_NVLINK_S = 3.4e-6
+NCCL_HOP_NET_S = 14e-6
 
 
 def pcie_bytes_per_s(hw: Hardware) -> float:
@@ -50,21 +76,17 @@ def pcie_bytes_per_s(hw: Hardware) -> float:
     return PCIE_BYTES_PER_S / 2 if gen4 else PCIE_BYTES_PER_S
 
 
+def host_copy_bytes_per_s(hw: Hardware, train: Placement) -> float:
+    """One trainer rank's share of its node's host memory bandwidth while all of the node's ranks copy."""
+    per_node: dict[int, int] = {}
+    for g in train.gpus:
+        per_node[hw.cluster.node_of(g)] = per_node.get(hw.cluster.node_of(g), 0) + 1
+    return HOST_MEMORY_BYTES_PER_S / 2 / max(per_node.values())
+
+
 def checkpoint_tensors_with_experts(job: JobSpec) -> int:
-    """The actor's checkpoint tensors as a Hugging Face checkpoint names them: per layer attention (q, k,
-    v, o; +3 QKV biases, +2 q/k norms) and two norms, then a dense MLP's three or, in a sparse layer, three
-    per routed expert, the router, and a shared expert's three and its gate; the embedding, the final norm
-    and an untied LM head."""
-    a = job.models["actor"]
-    attention = 6 + (3 if a.qkv_bias else 0) + (2 if a.qk_norm else 0)
-    total = 2 + (0 if a.tied_embeddings else 1)
-    for layer in range(a.layers):
-        if a.moe is not None and a.moe.sparse(layer):
-            shared = 4 if a.moe.shared_expert_ffn_hidden else 0
-            total += attention + 3 * a.moe.experts + 1 + shared
-        else:
-            total += attention + 3
-    return total
+    """The actor's checkpoint tensors, routed experts' included (``sync_host_costs.checkpoint_tensors``)."""
+    return checkpoint_tensors(job)
 
 
 def _crosses_nodes(hw: Hardware, train: Placement, gen: Placement) -> bool:
@@ -72,32 +94,33 @@ def _crosses_nodes(hw: Hardware, train: Placement, gen: Placement) -> bool:
     return len(nodes) > 1
 
 
-def _broadcast_hops(hw: Hardware, train: Placement, gen: Placement) -> float:
-    """Latency of one pipelined broadcast over the sync group: one hop per further rank."""
-    ranks = len(train.gpus) + len(gen.gpus)
-    lat = hw.priors.inter_latency_s if _crosses_nodes(hw, train, gen) else hw.priors.intra_latency_s
-    return (ranks - 1) * lat
+def broadcast_time(hw: Hardware, job: JobSpec, train: Placement, gen: Placement, calls: int) -> float:
+    """The whole model broadcast over the sync group in ``calls`` NCCL calls: bytes through one NIC (or
+    NVLink inside a node), each call NCCL's fixed latency and one hop."""
+    cross = _crosses_nodes(hw, train, gen)
+    hop = NCCL_HOP_NET_S if cross else NCCL_HOP_NVLINK_S
+    return hw.p2p_time(job.models["actor"].params() * BF16, cross) + calls * (NCCL_CALL_S + hop)
 
 
 def tensor_broadcast_time(hw: Hardware, job: JobSpec, train: Placement, gen: Placement) -> float:
-    """verl without the checkpoint engine: gather, broadcast and load tensor by tensor."""
-    weights = job.models["actor"].params() * BF16
-    tensors = checkpoint_tensors_with_experts(job)
-    shards = train.layout.tp * train.layout.pp * (train.layout.dp if train.layout.fsdp else 1)
-    gather = hw.all_gather_time(weights, shards)
-    move = hw.p2p_time(weights, _crosses_nodes(hw, train, gen))
-    return gather + move + tensors * (_broadcast_hops(hw, train, gen) + ENGINE_RELOAD_PER_TENSOR_S)
+    """verl without the checkpoint engine: export, broadcast and load tensor by tensor, a load call each."""
+    tensors = checkpoint_tensors(job)
+    loops = max(export_time(hw, job, train.layout), engine_load_time(job, calls=tensors))
+    return loops + broadcast_time(hw, job, train, gen, calls=tensors)
 
 
 def checkpoint_engine_time(hw: Hardware, job: JobSpec, train: Placement, gen: Placement) -> float:
-    """verl's checkpoint engine: host buckets copied to the GPUs rank-parallel, broadcast bucket by bucket,
-    loaded a bucket a call."""
+    """verl's checkpoint engine: export, host copies of each rank's share, bucket rounds over PCIe, the
+    buckets broadcast in turn and loaded a bucket a call."""
     weights = job.models["actor"].params() * BF16
     senders = len(train.gpus)
-    buckets = max(senders, math.ceil(weights / BUCKET_BYTES))
-    host_copy = weights / (senders * pcie_bytes_per_s(hw))
-    move = hw.p2p_time(weights, _crosses_nodes(hw, train, gen))
-    return host_copy + move + buckets * _broadcast_hops(hw, train, gen) + ENGINE_RELOAD_FIXED_S
+    share = weights / senders
+    rounds = math.ceil(share / BUCKET_BYTES)
+    host = share / pcie_bytes_per_s(hw) + share / host_copy_bytes_per_s(hw, train)  # to host, then packed
+    to_device = rounds * min(share, BUCKET_BYTES) / pcie_bytes_per_s(hw)
+    buckets = senders * rounds
+    return (export_time(hw, job, train.layout) + host + to_device
+            + broadcast_time(hw, job, train, gen, calls=buckets) + engine_load_time(job, calls=buckets))
 
 
 SYNC_TIMES = {"hybrid-reshard": hybrid_reshard_time, "gather-broadcast": gather_broadcast_time,
