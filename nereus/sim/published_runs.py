@@ -56,21 +56,9 @@ from nereus.cost.decode import DecodePriors
 from nereus.cost.eager import eager_step_overhead_s
 from nereus.cost.hardware import Priors
 from nereus.cost.moe import decode_kernels_per_layer
-from nereus.cost.offload import OFFLOADS
-from nereus.cost.stage_tokens import padded_width
-from nereus.sim.published_frameworks import (
-    call_sequences,
-    default_pools,
-    framework_of,
-    offload_of,
-    priced_as_framework,
-    rollout_engine_name,
-    with_calls,
-    with_reward_model,
-)
 from nereus.sim.recipes import Recipe, moe_recipe, system_recipe_tp
 from nereus.spec.cluster import gpu_presets
-from nereus.spec.engines import ENGINE_TRAITS
+from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec, job_from_dict
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
@@ -300,17 +288,13 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
     sync_mode = enum(row, "sync_mode", SYNC_MODES, "sync")
     arch = arch_dict(row)
     models = {"actor": arch, **({"critic": arch} if critic else {}), **({"reference": arch} if reference else {})}
-    models = with_reward_model(row, models, "ppo" if critic else "grpo")  # a framework's learned reward model
-    framework = framework_of(row)
     if weight_sync_only(published):  # nominal batch, a sequence a GPU: the weight transfer does not depend on it
         prompts, samples, (prompt, _), (response, cap) = total, 2, (1, 1), (1, 1)
     else:
         prompts = count(row, "prompts_per_step", "the batch")
         samples = count(row, "samples_per_prompt") or 1
-        (prompt, prompt_cap), (response, cap) = mean_length(row, "prompt"), mean_length(row, "response")
-        prompt = prompt_cap if framework.prompt_at_cap else prompt  # DeepSpeed-Chat pads prompts to the cap
-    per_update = framework.mini_batch_prompts
-    mini_batches = prompts // per_update if prompts % per_update == 0 else 1
+        (prompt, _), (response, cap) = mean_length(row, "prompt"), mean_length(row, "response")
+    mini_batches = prompts // MINI_BATCH_PROMPTS if prompts % MINI_BATCH_PROMPTS == 0 else 1
     data = {
         "name": text(row, "run_id"),
         "models": models,
@@ -324,15 +308,8 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
         "cluster": {"gpu": gpu, "nodes": total // per_node, "gpus_per_node": per_node,
                     **_eager_priors(row, arch)},
     }
-    engine = rollout_engine_name(row)
-    if engine is None:
-        raise RowSkipped(f"rollout_engine={text(row, 'rollout_engine')!r} of framework {text(row, 'framework')!r} is "
-                         f"not modelled (known: {', '.join(ENGINE_TRAITS)}; 'other' of DeepSpeed-Chat)")
-    offload = offload_of(row)
-    if offload is None:
-        raise RowSkipped(f"offload={text(row, 'offload')!r} is not modelled (known: {', '.join(OFFLOADS)})")
     try:
-        return priced_as_framework(row, job_from_dict(data), engine, offload)
+        return job_from_dict(data)
     except SpecError as err:
         raise RowSkipped(f"the row does not make a valid job: {err}") from None
 
@@ -358,30 +335,20 @@ def published_run(row: dict) -> PublishedRun:
         raise RowSkipped("no published time or throughput")
     job = job_of(row, published)
     padded = (count(row, "max_prompt_len") or job.workload.prompt_length) + job.workload.response.max
-    plan = plan_of(row, job, weight_sync_only(published))
-    actor, gen = plan.placement("actor/training").layout, plan.placement("actor/generation").layout
-    calls = call_sequences(row, job.models["actor"].params() / 1e9, job.algorithm.samples_per_prompt, actor.dp, gen.dp)
-    return PublishedRun(run_id, with_calls(job, calls), plan, text(row, "sync_mode") or "sync",
+    return PublishedRun(run_id, job, plan_of(row, job, weight_sync_only(published)), text(row, "sync_mode") or "sync",
                         published, number(row, "staleness"), padded)
 
 
-def _split(row: dict, job: JobSpec) -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
-    """GPUs of the rollout and of each model: all of them colocated, else the rollout's first, the trainer's
-    after them; a disaggregated row without pool sizes by its framework's documented split, each model on
-    a group of its own (``published_frameworks.default_pools``)."""
-    total, models = job.cluster.num_gpus, job.models
+def _split(row: dict, total: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """GPUs of the rollout and of everything else: all of them colocated, else the rollout's first."""
     if enum(row, "placement", PLACEMENTS, "colocated") == "colocated":
         every = tuple(range(total))
-        return every, dict.fromkeys(models, every)
-    stated = text(row, "gen_gpus") or text(row, "train_gpus")
-    pools = None if stated else default_pools(row, total, tuple(models))
-    if pools is not None:
-        return pools["generation"], {m: pools[m] for m in models}
+        return every, every
     why = "a disaggregated run's pool sizes"
     gen, train = count(row, "gen_gpus", why), count(row, "train_gpus", why)
     if gen + train > total:
         raise RowSkipped(f"gen_gpus + train_gpus ({gen} + {train}) exceed gpus_total {total}")
-    return tuple(range(gen)), dict.fromkeys(models, tuple(range(gen, gen + train)))
+    return tuple(range(gen)), tuple(range(gen, gen + train))
 
 
 def balanced_micro_batch(share: int, budget: float, seq: int) -> int:
@@ -404,8 +371,7 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
         raise RowSkipped(f"train_pp {pp} {deep.reason.split(';')[0]}")
     dp = gpus // (tp * pp)
     wl = job.workload
-    # a row's tokens in a micro-batch: its own length, or the step's longest where the framework pads
-    seq = padded_width(job) if job.options.padded_batches else wl.prompt_length + round(wl.response.mean)
+    seq = wl.prompt_length + round(wl.response.mean)
     cap = (count(row, "max_prompt_len") or wl.prompt_length) + wl.response.max
     share = max(1, job.sequences_per_step() // dp)  # an inference pass takes the whole batch
     update_share = max(1, share // job.algorithm.mini_batches)  # an update takes a mini-batch
@@ -437,6 +403,7 @@ def expert_parallel(row: dict, key: str, job: JobSpec, dp: int) -> int:
 
 
 def _rollout_tp(row: dict, job: JobSpec, gen_gpus: int) -> int:
+    enum(row, "rollout_engine", tuple(ENGINE_TRAITS), PRICING_ENGINE)  # an engine Nereus declares traits of
     tp = count(row, "rollout_tp")
     if tp is None:
         params_b = job.models["actor"].params() / 1e9
@@ -462,19 +429,16 @@ def disaggregated_sync(row: dict) -> str:
 
 def plan_of(row: dict, job: JobSpec, nominal: bool = False) -> Plan:
     total = job.cluster.num_gpus
-    gen_gpus, groups = _split(row, job)
+    gen_gpus, train_gpus = _split(row, total)
     tp = _rollout_tp(row, job, len(gen_gpus))
-    layouts = {n: _trainer_layouts(row, job, n) for n in {len(g) for g in groups.values()}}  # (train, infer)
+    train, infer = _trainer_layouts(row, job, len(train_gpus))
     if nominal:  # a weight-sync row: one sequence a replica, whatever the layouts
-        layouts = {n: tuple(Layout(**{**lay.to_dict(), "micro_batch_size": 1}) for lay in pair)
-                   for n, pair in layouts.items()}
+        train, infer = (Layout(**{**lay.to_dict(), "micro_batch_size": 1}) for lay in (train, infer))
     gen_dp = len(gen_gpus) // tp
     placements = [Placement(ModelStage("actor", "generation"),
                             Layout(tp=tp, dp=gen_dp, ep=expert_parallel(row, "rollout_ep", job, gen_dp)), gen_gpus)]
     for ms in job.model_stages()[1:]:
-        gpus = groups[ms.model]
-        placements.append(Placement(ms, layouts[len(gpus)][0 if ms.stage == "training" else 1], gpus))
-    colocated = gen_gpus == groups["actor"]
-    framework = framework_of(row)
-    sync = framework.colocated_sync if colocated else (framework.disaggregated_sync or disaggregated_sync(row))
-    return Plan(tuple(placements), total, strategy="colocated" if colocated else "disaggregated", weight_sync=sync)
+        placements.append(Placement(ms, train if ms.stage == "training" else infer, train_gpus))
+    colocated = gen_gpus == train_gpus
+    return Plan(tuple(placements), total, strategy="colocated" if colocated else "disaggregated",
+                weight_sync="hybrid-reshard" if colocated else disaggregated_sync(row))
