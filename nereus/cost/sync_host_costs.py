@@ -15,7 +15,8 @@ rerun it to see a machine's own figures):
   shard slice, narrow to its tensor-parallel part, copy). A sync that calls it once per tensor pays the
   walk per tensor (sgl-project/sglang issue 30848 measures the same loop at ~60 s a pass of
   Qwen3-30B-A3B);
-- a Megatron trainer (verl/utils/megatron_utils.py, ``per_tensor_generator``) exchanges, for every
+- a Megatron trainer (ISEEKYAN/mbridge ``Bridge.export_weights``, verl's default with
+  ``megatron.use_mbridge``; verl/utils/megatron_utils.py ``per_tensor_generator`` without) exchanges, for every
   parameter of its model chunk, the name and the tensor spec over the pipeline group with three
   ``torch.distributed`` object collectives (pickled, gathered, unpickled), broadcasts the tensor over the
   pipeline group, all-gathers an expert's weights over the expert-parallel group and splits each into
@@ -50,9 +51,9 @@ LOADER_OPS_PER_TENSOR = 4
 # Megatron-to-checkpoint conversion per tensor: the split of a fused weight (qkv, fc1) and its rename
 # (verl's default_tp_concat_fn and McoreToHFWeightConverter.convert_param).
 CONVERT_OPS_PER_TENSOR = 2
-# Megatron-LM's per-parameter object collectives in verl's exporter: the name's all_gather_object and
-# broadcast_object_list (broadcast_str_from_megatron_pp), the spec's all_gather_object
-# (broadcast_from_megatron_pp).
+# The per-parameter object collectives of both Megatron exporters: the name's all_gather_object and
+# broadcast_object_list (``broadcast_str_from_megatron_pp``), the spec's all_gather_object
+# (``broadcast_from_megatron_pp``; mbridge/core/util.py and verl's megatron_utils alike).
 OBJECT_COLLECTIVES_PER_PARAMETER = 3
 # One NCCL collective call's fixed latency, ring, Simple protocol (NVIDIA/nccl src/graph/tuning.cc,
 # ``baseLat``): paid by every tensor broadcast and gather a loop issues.
