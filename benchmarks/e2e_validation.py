@@ -71,6 +71,26 @@ def summary(cells: list, skipped: list[dict], modelled: int) -> dict:
             "overall_max_abs_pct": round(max(every), 1) if every else None}
 
 
+def source_name(row: dict) -> str:
+    """A row's source as the README's table names it: its framework and the document's file name."""
+    path = text(row, "source").split("#")[0].rstrip("/").split("/")
+    # a GitHub file's path inside its repository (after blob/<commit>/), else the last part of the address
+    document = "/".join(path[path.index("blob") + 2:]) if "blob" in path[:-2] else path[-1]
+    return f"{text(row, 'framework') or '?'} {document}"
+
+
+def by_source(cells: list, rows: list[dict]) -> str:
+    """Mean absolute error per source document and column (cells, error %), the README's table."""
+    names = {text(row, "run_id"): source_name(row) for row in rows}
+    errors: dict[tuple[str, str], list[float]] = {}
+    for run_id, column, published, guess in cells:
+        errors.setdefault((names.get(run_id, "?"), column), []).append(abs(100 * (guess / published - 1)))
+    out = ["", f"{'source':<48} {'column':<18} {'cells':>5} {'mean |error|':>12}"]
+    for (name, column), errs in sorted(errors.items(), key=lambda kv: (kv[0][0], COLUMNS.index(kv[0][1]))):
+        out.append(f"{name:<48} {column:<18} {len(errs):>5} {sum(errs) / len(errs):>11.1f}%")
+    return "\n".join(out)
+
+
 def table(cells: list, skipped: list[dict]) -> str:
     out = [f"{'run':<16} {'column':<18} {'published':>10} {'predicted':>10} {'error':>8}"]
     for run_id, column, published, guess in cells:
@@ -116,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cells, skipped, modelled = validate(read_rows(args.rows), args.source)
     if not args.json:
+        rows = read_rows(args.rows)
         print(table(cells, skipped))
-        print(baselines(read_rows(args.rows)))
+        print(by_source(cells, rows))
+        print(baselines(rows))
     print(json.dumps(summary(cells, skipped, modelled)))
     return 0
 

@@ -70,3 +70,13 @@ def test_malformed_cells_skip_the_row(tmp_path: Path, capsys: pytest.CaptureFixt
     why = {s["run_id"]: s["why"] for s in out["skipped"]}
     assert "prompts_per_step" in why["bad_number"] and "sync_mode" in why["bad_mode"]
     assert "max_response_len" in why["no_lengths"] and "t_gen_s" in why["no_room"]
+
+
+def test_sources_are_named_by_framework_and_document() -> None:
+    verl = {"framework": "verl", "source": "https://github.com/volcengine/verl/blob/abc/docs/advance/fully_async.md"}
+    assert e2e_validation.source_name(verl) == "verl docs/advance/fully_async.md"
+    other = {"framework": "slime", "source": "https://example.org/blog/post#table-2"}
+    assert e2e_validation.source_name(other) == "slime post"
+    cells = [("a", "t_step_s", 100.0, 110.0), ("b", "t_step_s", 100.0, 80.0)]
+    text = e2e_validation.by_source(cells, [{**verl, "run_id": "a"}, {**verl, "run_id": "b"}])
+    assert "verl docs/advance/fully_async.md" in text and "15.0%" in text
