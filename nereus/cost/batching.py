@@ -19,6 +19,7 @@ import numpy as np
 from nereus.cost.decode import StepModel, prefill_time
 from nereus.cost.hardware import Hardware
 from nereus.cost.stages import ENGINE_MAX_SEQUENCES, generation_replica
+from nereus.spec.engines import PRICING_ENGINE
 from nereus.spec.model import ModelArch
 
 
@@ -44,8 +45,9 @@ class Factors:
 class StepTable:
     """A replica's decode-step cost as arrays over the live batch (``StepModel`` worked out per batch)."""
 
-    def __init__(self, hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, bmax: int) -> None:
-        self.replica = generation_replica(hw, arch, tp, weight_bytes)
+    def __init__(self, hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, bmax: int,
+                 engine: str = PRICING_ENGINE) -> None:
+        self.replica = generation_replica(hw, arch, tp, weight_bytes, engine=engine)
         m = StepModel(self.replica)
         self.model = m
         self.weights_s, self.kv_s = m.weights_s, max(m.kv_s_per_token, m.attn_s_per_token)
@@ -71,8 +73,8 @@ class StepTable:
 
 
 @lru_cache(maxsize=64)
-def step_table(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int) -> StepTable:
-    return StepTable(hw, arch, tp, weight_bytes, ENGINE_MAX_SEQUENCES)
+def step_table(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, engine: str = PRICING_ENGINE) -> StepTable:
+    return StepTable(hw, arch, tp, weight_bytes, ENGINE_MAX_SEQUENCES, engine)
 
 
 @dataclass
@@ -103,11 +105,24 @@ def _list_schedule(cols: np.ndarray, slots: int) -> np.ndarray:
     return start
 
 
+def _static_schedule(cols: np.ndarray, slots: int) -> np.ndarray:
+    """The start column of each sequence in static batches of ``slots`` (``cost.static_decode``): a batch
+    starts when the previous one's longest ends."""
+    start, at = np.zeros(len(cols), np.int64), 0
+    for lo in range(0, len(cols), slots):
+        start[lo:lo + slots] = at
+        at += int(cols[lo:lo + slots].max())
+    return start
+
+
 def run_replicas(table: StepTable, work: list[tuple[np.ndarray, np.ndarray, float, float]], slots: int,
-                 bucket: int, f: Factors) -> list[ReplicaRun]:
+                 bucket: int, f: Factors, static: bool = False) -> list[ReplicaRun]:
     """Each replica decodes its ``remaining`` tokens per sequence (arrival order) after ``context`` tokens,
-    ``slots`` in flight, a freed slot refilled at once, after a prefill of (tokens, context); columns of
-    ``bucket`` decode steps. All replicas in one array pass (a row each; sequences concatenated by row)."""
+    ``slots`` in flight, a freed slot refilled at once (``static``: batches of ``slots``, each waiting for
+    the last one's longest), after a prefill of (tokens, context); columns of ``bucket`` decode steps. All
+    replicas in one array pass (a row each; sequences concatenated by row). A static batch's finished rows
+    keep stepping with it in the engine; here they stop counting toward the live batch, which a
+    memory-bound step barely feels."""
     rows = len(work)
     if not rows:
         return []
@@ -115,8 +130,8 @@ def run_replicas(table: StepTable, work: list[tuple[np.ndarray, np.ndarray, floa
     cols = np.maximum(1, np.ceil(np.concatenate([np.asarray(w[0]) for w in work]) / bucket)).astype(np.int64)
     st = np.zeros(len(cols), np.int64)
     for lo, hi in pairwise(bounds):
-        if hi - lo > slots:  # queued sequences: list scheduling on this replica
-            st[lo:hi] = _list_schedule(cols[lo:hi], slots)
+        if hi - lo > slots:  # queued sequences: list scheduling on this replica (or static batches)
+            st[lo:hi] = (_static_schedule if static else _list_schedule)(cols[lo:hi], slots)
     en = st + cols
     width = (int(en.max()) if len(en) else 0) + 1
     row = np.repeat(np.arange(rows), np.diff(bounds))

@@ -28,6 +28,7 @@ from nereus.cost.batching import Factors, ReplicaRun, StepTable, run_replicas, s
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import PlanEstimate, resident_per_device
 from nereus.cost.stages import ENGINE_MAX_SEQUENCES
+from nereus.spec.engines import engine_traits
 from nereus.spec.generation import TailPhase
 from nereus.spec.job import JobSpec, ResponseLength
 from nereus.spec.layout import ModelStage, Placement, Plan
@@ -65,7 +66,14 @@ class GenModel:
         return self.job.models["actor"]
 
     def table(self, tp: int) -> StepTable:
-        return step_table(self.hw, self.arch, tp, self.job.options.weight_bytes)
+        return step_table(self.hw, self.arch, tp, self.job.options.weight_bytes, self.job.options.rollout_engine)
+
+    @property
+    def static(self) -> bool:
+        """Static batches: an engine without a paged KV cache, or generate calls each waited for
+        (``cost.static_decode``)."""
+        opts = self.job.options
+        return bool(opts.rollout_call_sequences) or not engine_traits(opts.rollout_engine).paged_kv
 
     def replica_gpus(self, replica: int) -> list[int]:
         dims = self.placement.layout.dims
@@ -123,7 +131,7 @@ def run_bulk(model: GenModel, lengths: np.ndarray, f: Factors, contexts: np.ndar
     start, finish, start_col = np.zeros(n), np.zeros(n), np.zeros(n, np.int64)
     groups = [np.arange(r, n, dp) for r in range(dp)]  # flatnonzero(replica == r)
     work = [(lengths[i], ctx[i], float(ctx[i].sum()), float(ctx[i].mean()) if len(i) else prompt) for i in groups]
-    runs = run_replicas(table, work, model.slots, bucket, f)
+    runs = run_replicas(table, work, model.slots, bucket, f, model.static)
     for idx, run in zip(groups, runs, strict=True):
         start[idx], finish[idx], start_col[idx] = run.start_s, run.finish_s, run.start_col
     return BulkRun(lengths, replica, start, finish, runs, bucket, start_col)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from nereus.cost.decode import DecodePhases, EngineCosts, Precision, Replica, decode_phases
+from nereus.cost.eager import eager_step_overhead_s
 from nereus.cost.hardware import Hardware
 from nereus.cost.memory import (
     BF16,
@@ -24,7 +25,15 @@ from nereus.cost.memory import (
     training_state_bytes,
 )
 from nereus.cost.moe import ParamPart, moe_micro_batch_terms, param_parts
+from nereus.cost.offload import (
+    host_update_time,
+    offloads_optimizer,
+    offloads_params,
+    param_load_time,
+    updates_on_host,
+)
 from nereus.cost.stage_tokens import micro_batches
+from nereus.cost.static_decode import static_batch_phases
 from nereus.spec.algorithms import NEEDS_GREEDY_BASELINE
 from nereus.spec.engines import PRICING_ENGINE, engine_traits
 from nereus.spec.job import JobSpec, ResponseLength
@@ -192,11 +201,34 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
             state[k] = state.get(k, 0.0) + b
     acts = _training_activation_bytes(arch, layout, seq, mbs, m, opts.attention)
     logits = logits_bytes(arch, tokens, layout.tp, value_head, with_grad=True)
-    memory = {**state, "activations": acts, "logits": logits}
+    on_host = _offloaded_training(hw, layout, parts, state, updates, opts.offload, terms)
+    held = {k: 0.0 if k in on_host else b for k, b in state.items()}  # on the GPU between stages
+    loaded = on_host.get("weights", 0.0) + on_host.get("gradients", 0.0)  # on it only while the stage runs
+    memory = {**held, "activations": acts + loaded, "logits": logits}
     terms = _shared_host(hw, layout, terms)
-    return StageCost(ms, layout, terms, sum(state.values()), acts + logits, memory,
+    return StageCost(ms, layout, terms, sum(held.values()), acts + loaded + logits, memory,
                      {"micro_batches": m, "bubble_fraction": bubble / m, "updates": updates,
                       "micro_batch_tokens": tokens})
+
+
+def _offloaded_training(hw: Hardware, layout: Layout, parts: tuple[ParamPart, ...], state: dict[str, float],
+                        updates: int, offload: str, terms: dict[str, float]) -> dict[str, float]:
+    """The training state ``offload`` keeps on the host (``cost.offload``), its time added to ``terms``: a
+    host optimizer replaces the GPU's Adam with PCIe transfers and CPU-Adam per update; offloaded weights
+    and gradients are loaded and put back once a step."""
+    on_host: dict[str, float] = {}
+    if offloads_optimizer(offload):
+        on_host["optimizer"] = state.get("optimizer", 0.0)
+        shard = [q.params / (q.layout.dp if (q.layout.fsdp or q.layout.zero1) else 1) for q in parts]
+        if updates_on_host(offload):
+            terms["optimizer"] = updates * sum(host_update_time(hw, n, layout.world) for n in shard)
+        else:  # swapped in for the GPU's updates and out again, once a step
+            terms["optimizer"] += param_load_time(hw, 2 * on_host["optimizer"])
+    if offloads_params(offload):
+        on_host.update(weights=state.get("weights", 0.0), gradients=state.get("gradients", 0.0))
+        terms["overhead"] = terms.get("overhead", 0.0) + param_load_time(hw, 2 * on_host["weights"]
+                                                                         + on_host["gradients"])
+    return on_host
 
 
 def _grad_sync_time(hw: Hardware, layout: Layout, params: float, grad_bytes: int, micro_batches: int,
@@ -256,9 +288,13 @@ def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -
         acts += 2 * arch.layer_params() / layout.tp * BF16
         weights /= layout.dp
     logits = logits_bytes(arch, tokens, layout.tp, value_head, with_grad=True)  # logits + log-softmax
+    resident = weights
+    if offloads_params(job.options.offload):  # loaded for the stage only (``cost.offload``)
+        terms["overhead"] += param_load_time(hw, weights)
+        resident, acts = 0.0, acts + weights
     terms = _shared_host(hw, layout, terms)
-    return StageCost(ms, layout, terms, weights, acts + logits,
-                     {"weights": weights, "activations": acts, "logits": logits},
+    return StageCost(ms, layout, terms, resident, acts + logits,
+                     {"weights": resident, "activations": acts, "logits": logits},
                      {"micro_batches": m, "micro_batch_tokens": tokens})
 
 
@@ -301,10 +337,17 @@ def generation_cost(
         need = min_kv / hw.priors.kv_memory_fraction
         return StageCost(ms, layout, {"memory": math.inf}, weights, need, {"weights": weights, "kv_cache": need},
                          {"infeasible": 1.0})
-    resp = wl.response
-    slots = int(min(ENGINE_MAX_SEQUENCES, budget // (kv_token * (wl.prompt_length + resp.mean))))
-    phases = _decode_phases(hw, arch, tp, job.options.weight_bytes, wl.prompt_length, b, max(1, min(slots, b)), resp,
-                            resp.longest(total), layout.ep)
+    resp, engine, calls = wl.response, job.options.rollout_engine, job.options.rollout_call_sequences
+    paged = engine_traits(engine).paged_kv
+    if calls or not paged:  # static batches: an engine without paging, or calls each waited for to the end
+        held = resp.mean if paged else resp.max  # without paging every row's cache is held at the full length
+        slots = min(int(budget // (kv_token * (wl.prompt_length + held))), calls or b)
+        phases = static_batch_phases(generation_replica(hw, arch, tp, job.options.weight_bytes, layout.ep, engine),
+                                     wl.prompt_length, b, max(1, min(slots, b)), resp)
+    else:
+        slots = int(min(ENGINE_MAX_SEQUENCES, budget // (kv_token * (wl.prompt_length + resp.mean))))
+        phases = _decode_phases(hw, arch, tp, job.options.weight_bytes, wl.prompt_length, b, max(1, min(slots, b)),
+                                resp, resp.longest(total), layout.ep)
     terms = {**dict.fromkeys(("compute", "memory", "tp_comm", "pp_comm", "overhead"), 0.0), **phases.terms}
     greedy = math.ceil(greedy_responses(job) / layout.dp)
     if greedy:  # ReMax's greedy response per prompt: a generation pass of its own after the step's, with its own tail
@@ -315,7 +358,8 @@ def generation_cost(
         bulk_p2p = hw.p2p_time(phases.batch * arch.hidden * BF16 / tp, cross_node=False)
         terms["pp_comm"] = p * (phases.bulk_steps * bulk_p2p
                                 + phases.tail_steps * hw.p2p_time(arch.hidden * BF16 / tp, cross_node=False))
-    kv_used = min(budget, phases.batch * kv_token * (wl.prompt_length + resp.mean))
+    held = resp.mean if engine_traits(engine).paged_kv else resp.max  # a static batch reserves the full length
+    kv_used = min(budget, phases.batch * kv_token * (wl.prompt_length + held))
     terms = {k: v * generation_batches(job) for k, v in terms.items()}  # dynamic sampling's further batches
     terms = _shared_host(hw, layout, terms)
     detail = {"batch_per_replica": b, "concurrent": phases.batch, "longest": resp.longest(total),
@@ -342,12 +386,21 @@ def _decode_phases(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, pr
     return decode_phases(replica, prompt, sequences, slots, resp.quantiles(16), resp.mean, longest)
 
 
-def generation_replica(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, ep: int = 1) -> Replica:
+def generation_replica(hw: Hardware, arch: ModelArch, tp: int, weight_bytes: int, ep: int = 1,
+                       engine: str = PRICING_ENGINE) -> Replica:
     """The rollout engine's replica as the planner prices it (also the intra-step model's, cost.generation);
-    ``ep``: replicas whose experts are split over that many of them (attention data parallel)."""
+    ``ep``: replicas whose experts are split over that many of them (attention data parallel). The pricing
+    engine's fixed step cost is the cluster's prior (a measured profile overrides it); another engine
+    (``Options.rollout_engine``) brings its declared host costs, plus the host's eager dispatch of every
+    kernel when it launches them from Python (``EngineTraits.eager``, ``cost.eager``)."""
     precision = Precision.of("bf16") if weight_bytes <= 2 else Precision("fp32", weight_bytes, weight_bytes)
-    engine = EngineCosts(hw.priors.decode_step_overhead_s, engine_traits(PRICING_ENGINE).host.sequence_s)
-    return Replica(hw, arch, tp, precision, PRICING_ENGINE, engine_costs=engine, ep=ep)
+    traits = engine_traits(engine)
+    if engine == PRICING_ENGINE:
+        costs = EngineCosts(hw.priors.decode_step_overhead_s, traits.host.sequence_s)
+    else:
+        eager = eager_step_overhead_s(arch.layers) if traits.eager else 0.0
+        costs = EngineCosts(traits.host.step_s + eager, traits.host.sequence_s)
+    return Replica(hw, arch, tp, precision, engine, engine_costs=costs, ep=ep)
 
 
 def stage_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout,

@@ -50,6 +50,7 @@ from nereus.cost.sync_host_costs import (
 from nereus.cost.weight_sync import (
     gather_broadcast_time,
     hybrid_reshard_time,
+    zero3_gather_time,
 )
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Placement
@@ -124,4 +125,5 @@ def checkpoint_engine_time(hw: Hardware, job: JobSpec, train: Placement, gen: Pl
 
 
 SYNC_TIMES = {"hybrid-reshard": hybrid_reshard_time, "gather-broadcast": gather_broadcast_time,
-              "tensor-broadcast": tensor_broadcast_time, "checkpoint-engine": checkpoint_engine_time}
+              "tensor-broadcast": tensor_broadcast_time, "checkpoint-engine": checkpoint_engine_time,
+              "zero3-gather": zero3_gather_time}

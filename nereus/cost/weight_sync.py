@@ -9,6 +9,8 @@ all of them, with verl's disaggregated ones, is ``cost.verl_weight_sync.SYNC_TIM
   to the colocated inference engine, which copies its TP shard in place
   (volcengine/verl, verl/workers/sharding_manager/fsdp_vllm.py, ``FSDPVLLMShardingManager.__enter__`` and
   ``update_params``).
+- ``zero3-gather`` (DeepSpeed-Chat's Hybrid Engine; training and rollout on the same GPUs): the ZeRO-3
+  partitions all-gathered into the inference kernels, which decode from them (``zero3_gather_time``).
 - ``gather-broadcast`` (OpenRLHF; rollout engines on their own GPUs): parameter by parameter the ZeRO-3
   shards are gathered on the actor's ranks (``deepspeed.zero.GatheredParameters``) and rank 0 broadcasts
   the full tensor to every vLLM worker over one NCCL group (OpenRLHF/OpenRLHF,
@@ -23,7 +25,7 @@ from nereus.cost.memory import BF16
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, Placement
 
-MECHANISMS = ("direct", "hybrid-reshard", "gather-broadcast", "tensor-broadcast", "checkpoint-engine")
+MECHANISMS = ("direct", "hybrid-reshard", "gather-broadcast", "tensor-broadcast", "checkpoint-engine", "zero3-gather")
 
 
 def _weight_shards(layout: Layout) -> int:
@@ -55,6 +57,14 @@ def gather_broadcast_time(hw: Hardware, job: JobSpec, train: Placement, gen: Pla
     receivers = len(gen.gpus)
     latency = hw.priors.inter_latency_s if cross else hw.priors.intra_latency_s
     return _gather_full(hw, weights, train.layout) + hw.p2p_time(weights, cross) + (receivers - 1) * latency
+
+
+def zero3_gather_time(hw: Hardware, job: JobSpec, train: Placement, gen: Placement) -> float:
+    """DeepSpeed-Chat's Hybrid Engine (rollout on the trainer's GPUs): the actor's ZeRO-3 partitions are
+    all-gathered into the inference kernels' containers, which then decode from them in place (DeepSpeed,
+    deepspeed/runtime/hybrid_engine.py, ``generate``: ``GatheredParameters`` over the layers; Yao et al. 2023,
+    arXiv:2308.01320, Sec. 5): one all-gather of the model over its shards, no copy of its own."""
+    return _gather_full(hw, job.models["actor"].params() * BF16, train.layout)
 
 
 # vLLM's in-place reload (runtime.engines.vllm.server): its loader maps each checkpoint tensor to the

@@ -14,7 +14,12 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
   its cap). Responses are log-normal with ``RESPONSE_SIGMA``, clipped at the cap.
 - rollout TP: the row's, else verl's example scripts' for a model of that size (``sim.recipes``; an MoE
   model's from verl's MoE scripts).
-- micro-batches: verl's dynamic batching (token budget per GPU) at its recipes' budgets, for every row.
+- the framework's own defaults where the schema has no column (``sim.published_frameworks``; verl's for
+  a framework it does not list): a learned reward model, padded micro-batches, DeepSpeed-Chat's prompts at
+  their cap, its Hybrid Engine for ``rollout_engine`` other, OpenRLHF's GPU groups and generate calls,
+  mini-batch sizes, the weight-sync mechanism, and the ``offload`` column's host state.
+- micro-batches: verl's dynamic batching (token budget per GPU) at its recipes' budgets, for every row
+  (a framework that pads: rows as wide as the step's longest).
 - PPO mini-batches of ``MINI_BATCH_PROMPTS`` prompts (the schema has no mini-batch count): one optimizer
   update each, micro-batched by token budget within it, so a pipeline's bubble and FSDP's gathers are paid
   per mini-batch; one update a step when the prompts do not split into them.
@@ -56,9 +61,22 @@ from nereus.cost.decode import DecodePriors
 from nereus.cost.eager import eager_step_overhead_s
 from nereus.cost.hardware import Priors
 from nereus.cost.moe import decode_kernels_per_layer
+from nereus.cost.offload import OFFLOADS
+from nereus.cost.stage_tokens import padded_width
+from nereus.sim.published_frameworks import (
+    VERL,
+    call_sequences,
+    default_pools,
+    framework_of,
+    offload_of,
+    priced_as_framework,
+    rollout_engine_name,
+    with_calls,
+    with_reward_model,
+)
 from nereus.sim.recipes import Recipe, moe_recipe, system_recipe_tp
 from nereus.spec.cluster import gpu_presets
-from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
+from nereus.spec.engines import ENGINE_TRAITS
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec, job_from_dict
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
@@ -87,7 +105,7 @@ FITTED_ON = ("verl_oso_1", "verl_oso_3", "verl_fa_2")
 # Prompts per PPO mini-batch (one optimizer update): train_prompt_mini_bsz=32 in every DAPO recipe script
 # behind these rows (verl/experimental/one_step_off_policy/shell/dapo_7b_math_*.sh and
 # fully_async_policy/shell/dapo_7b_math_fsdp2_*.sh); verl's key is actor.ppo_mini_batch_size.
-MINI_BATCH_PROMPTS = 32
+MINI_BATCH_PROMPTS = VERL.mini_batch_prompts  # 32; another framework's: ``published_frameworks``
 # Spread of log response lengths: the DAPO trace's (traces/long_tail_dapo.yaml), Seer and TLT's long tails
 # (docs/sources/rl_length_dynamics.md).
 RESPONSE_SIGMA = 1.0
@@ -288,13 +306,17 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
     sync_mode = enum(row, "sync_mode", SYNC_MODES, "sync")
     arch = arch_dict(row)
     models = {"actor": arch, **({"critic": arch} if critic else {}), **({"reference": arch} if reference else {})}
+    models = with_reward_model(row, models, "ppo" if critic else "grpo")  # a framework's learned reward model
+    framework = framework_of(row)
     if weight_sync_only(published):  # nominal batch, a sequence a GPU: the weight transfer does not depend on it
         prompts, samples, (prompt, _), (response, cap) = total, 2, (1, 1), (1, 1)
     else:
         prompts = count(row, "prompts_per_step", "the batch")
         samples = count(row, "samples_per_prompt") or 1
-        (prompt, _), (response, cap) = mean_length(row, "prompt"), mean_length(row, "response")
-    mini_batches = prompts // MINI_BATCH_PROMPTS if prompts % MINI_BATCH_PROMPTS == 0 else 1
+        (prompt, prompt_cap), (response, cap) = mean_length(row, "prompt"), mean_length(row, "response")
+        prompt = prompt_cap if framework.prompt_at_cap else prompt  # DeepSpeed-Chat pads prompts to the cap
+    per_update = framework.mini_batch_prompts
+    mini_batches = prompts // per_update if prompts % per_update == 0 else 1
     data = {
         "name": text(row, "run_id"),
         "models": models,
@@ -308,8 +330,15 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
         "cluster": {"gpu": gpu, "nodes": total // per_node, "gpus_per_node": per_node,
                     **_eager_priors(row, arch)},
     }
+    engine = rollout_engine_name(row)
+    if engine is None:
+        raise RowSkipped(f"rollout_engine={text(row, 'rollout_engine')!r} of framework {text(row, 'framework')!r} is "
+                         f"not modelled (known: {', '.join(ENGINE_TRAITS)}; 'other' of DeepSpeed-Chat)")
+    offload = offload_of(row)
+    if offload is None:
+        raise RowSkipped(f"offload={text(row, 'offload')!r} is not modelled (known: {', '.join(OFFLOADS)})")
     try:
-        return job_from_dict(data)
+        return priced_as_framework(row, job_from_dict(data), engine, offload)
     except SpecError as err:
         raise RowSkipped(f"the row does not make a valid job: {err}") from None
 
@@ -335,20 +364,30 @@ def published_run(row: dict) -> PublishedRun:
         raise RowSkipped("no published time or throughput")
     job = job_of(row, published)
     padded = (count(row, "max_prompt_len") or job.workload.prompt_length) + job.workload.response.max
-    return PublishedRun(run_id, job, plan_of(row, job, weight_sync_only(published)), text(row, "sync_mode") or "sync",
+    plan = plan_of(row, job, weight_sync_only(published))
+    actor, gen = plan.placement("actor/training").layout, plan.placement("actor/generation").layout
+    calls = call_sequences(row, job.models["actor"].params() / 1e9, job.algorithm.samples_per_prompt, actor.dp, gen.dp)
+    return PublishedRun(run_id, with_calls(job, calls), plan, text(row, "sync_mode") or "sync",
                         published, number(row, "staleness"), padded)
 
 
-def _split(row: dict, total: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """GPUs of the rollout and of everything else: all of them colocated, else the rollout's first."""
+def _split(row: dict, job: JobSpec) -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
+    """GPUs of the rollout and of each model: all of them colocated, else the rollout's first, the trainer's
+    after them; a disaggregated row without pool sizes by its framework's documented split, each model on
+    a group of its own (``published_frameworks.default_pools``)."""
+    total, models = job.cluster.num_gpus, job.models
     if enum(row, "placement", PLACEMENTS, "colocated") == "colocated":
         every = tuple(range(total))
-        return every, every
+        return every, dict.fromkeys(models, every)
+    stated = text(row, "gen_gpus") or text(row, "train_gpus")
+    pools = None if stated else default_pools(row, total, tuple(models))
+    if pools is not None:
+        return pools["generation"], {m: pools[m] for m in models}
     why = "a disaggregated run's pool sizes"
     gen, train = count(row, "gen_gpus", why), count(row, "train_gpus", why)
     if gen + train > total:
         raise RowSkipped(f"gen_gpus + train_gpus ({gen} + {train}) exceed gpus_total {total}")
-    return tuple(range(gen)), tuple(range(gen, gen + train))
+    return tuple(range(gen)), dict.fromkeys(models, tuple(range(gen, gen + train)))
 
 
 def balanced_micro_batch(share: int, budget: float, seq: int) -> int:
@@ -371,7 +410,8 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
         raise RowSkipped(f"train_pp {pp} {deep.reason.split(';')[0]}")
     dp = gpus // (tp * pp)
     wl = job.workload
-    seq = wl.prompt_length + round(wl.response.mean)
+    # a row's tokens in a micro-batch: its own length, or the step's longest where the framework pads
+    seq = padded_width(job) if job.options.padded_batches else wl.prompt_length + round(wl.response.mean)
     cap = (count(row, "max_prompt_len") or wl.prompt_length) + wl.response.max
     share = max(1, job.sequences_per_step() // dp)  # an inference pass takes the whole batch
     update_share = max(1, share // job.algorithm.mini_batches)  # an update takes a mini-batch
@@ -403,7 +443,6 @@ def expert_parallel(row: dict, key: str, job: JobSpec, dp: int) -> int:
 
 
 def _rollout_tp(row: dict, job: JobSpec, gen_gpus: int) -> int:
-    enum(row, "rollout_engine", tuple(ENGINE_TRAITS), PRICING_ENGINE)  # an engine Nereus declares traits of
     tp = count(row, "rollout_tp")
     if tp is None:
         params_b = job.models["actor"].params() / 1e9
@@ -429,16 +468,19 @@ def disaggregated_sync(row: dict) -> str:
 
 def plan_of(row: dict, job: JobSpec, nominal: bool = False) -> Plan:
     total = job.cluster.num_gpus
-    gen_gpus, train_gpus = _split(row, total)
+    gen_gpus, groups = _split(row, job)
     tp = _rollout_tp(row, job, len(gen_gpus))
-    train, infer = _trainer_layouts(row, job, len(train_gpus))
+    layouts = {n: _trainer_layouts(row, job, n) for n in {len(g) for g in groups.values()}}  # (train, infer)
     if nominal:  # a weight-sync row: one sequence a replica, whatever the layouts
-        train, infer = (Layout(**{**lay.to_dict(), "micro_batch_size": 1}) for lay in (train, infer))
+        layouts = {n: tuple(Layout(**{**lay.to_dict(), "micro_batch_size": 1}) for lay in pair)
+                   for n, pair in layouts.items()}
     gen_dp = len(gen_gpus) // tp
     placements = [Placement(ModelStage("actor", "generation"),
                             Layout(tp=tp, dp=gen_dp, ep=expert_parallel(row, "rollout_ep", job, gen_dp)), gen_gpus)]
     for ms in job.model_stages()[1:]:
-        placements.append(Placement(ms, train if ms.stage == "training" else infer, train_gpus))
-    colocated = gen_gpus == train_gpus
-    return Plan(tuple(placements), total, strategy="colocated" if colocated else "disaggregated",
-                weight_sync="hybrid-reshard" if colocated else disaggregated_sync(row))
+        gpus = groups[ms.model]
+        placements.append(Placement(ms, layouts[len(gpus)][0 if ms.stage == "training" else 1], gpus))
+    colocated = gen_gpus == groups["actor"]
+    framework = framework_of(row)
+    sync = framework.colocated_sync if colocated else (framework.disaggregated_sync or disaggregated_sync(row))
+    return Plan(tuple(placements), total, strategy="colocated" if colocated else "disaggregated", weight_sync=sync)

@@ -73,6 +73,12 @@ class EngineTraits:
     # takes a Mixture-of-Experts model's weights from the trainer in place (vLLM's fused-expert layers keep
     # the router weights they loaded at start-up through Nereus's in-place reload: log-probs then differ)
     syncs_moe: bool = True
+    # a paged KV cache admits sequences as they end (continuous batching); False: a static batch whose rows
+    # each hold a cache for the full length and step until the batch's longest ends (HF-style generate)
+    paged_kv: bool = True
+    # launches every kernel of a decode step from Python (no CUDA graph): the step also pays the host's
+    # eager dispatch (``cost.eager``)
+    eager: bool = False
 
     def __post_init__(self) -> None:
         if self.migration not in MIGRATIONS or self.speculation not in SPECULATIONS:
@@ -113,9 +119,21 @@ _TRTLLM = EngineTraits("trtllm", "TensorRT-LLM", host=EngineCosts(step_s=0.3e-3,
                                 "TensorRT-LLM (gptSessionBenchmark, static batch)"))
 _SGLANG = EngineTraits("sglang", "SGLang", host=EngineCosts(step_s=0.0, sequence_s=0.0))
 _GRAPH = EngineTraits("graph", "CUDA-graph decode loop", host=EngineCosts(step_s=0.0, sequence_s=0.0))
+# DeepSpeed-Chat's generation through DeepSpeed's Hybrid Engine (Yao et al. 2023, arXiv:2308.01320, Sec. 5;
+# DeepSpeed docs, "DeepSpeed Hybrid Engine" and the ``hybrid_engine`` config block): for each generate call
+# the actor's ZeRO-3 partitions are gathered into DeepSpeed-Inference's kernels, so the engine keeps no
+# weights of its own, and Hugging Face's ``generate`` loop decodes a static batch, each row's KV cache
+# allocated for the full length, every row stepping until the batch's longest ends (DeepSpeed-Chat's
+# ppo_trainer.py ``_generate_sequence``: ``generate(max_length=prompt + max_answer_seq_len)``). Its loop is
+# Python's and launches eagerly (no CUDA graph in the hybrid_engine config); per step a fixed host cost of
+# vLLM's order (transformers' per-token logits processing and stopping checks), no per-sequence one (the
+# batch is one tensor).
+_DS_HYBRID = EngineTraits("deepspeed-he", "DeepSpeed Hybrid Engine", host=EngineCosts(step_s=1.0e-3, sequence_s=0.0),
+                          aliases=("DeepSpeed HE", "DeepSpeed-Chat Hybrid Engine"), own_weights=False,
+                          default_slots=0, paged_kv=False, eager=True)
 
 ENGINE_TRAITS: Mapping[str, EngineTraits] = MappingProxyType(
-    {t.name: t for t in (_NATIVE, _VLLM, _TRTLLM, _SGLANG, _GRAPH)})
+    {t.name: t for t in (_NATIVE, _VLLM, _TRTLLM, _SGLANG, _GRAPH, _DS_HYBRID)})
 DEFAULT_ENGINE = _NATIVE.name  # run.rollout.engine when the job names none
 # The engines ``run.rollout.engine`` may name: those the runtime implements.
 RUNNABLE = tuple(name for name, t in ENGINE_TRAITS.items() if t.runs)

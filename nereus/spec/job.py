@@ -14,7 +14,7 @@ from nereus.spec.algorithms import (
 )
 from nereus.spec.cluster import ClusterSpec, read_cluster
 from nereus.spec.effective import EffectiveConfig, effective_config
-from nereus.spec.engines import installed_distribution
+from nereus.spec.engines import PRICING_ENGINE, installed_distribution
 from nereus.spec.errors import SpecError
 from nereus.spec.fields import MAX_SEQUENCES, MAX_STEPS, MAX_TOKENS, Fields
 from nereus.spec.files import read_yaml_file
@@ -84,6 +84,15 @@ class Options:
     # runtime does (set from its capability, ``RuntimeCapability.planning_options``); False: rows at their
     # own length, micro_batch_size of them (verl's use_remove_padding); priced in ``cost.stage_tokens``
     padded_batches: bool = False
+    # the engine whose traits price the rollout (``spec.engines``; not a job-file key): the planner's vLLM-like
+    # pricing engine, or a published run's own (``sim.published_runs``: DeepSpeed-Chat's Hybrid Engine)
+    rollout_engine: str = PRICING_ENGINE
+    # training state kept in host memory (``cost.offload``: none, param, optimizer, param+optimizer; not a
+    # job-file key): a published run's, as verl's param_offload / optimizer_offload and DeepSpeed's offload set it
+    offload: str = "none"
+    # sequences an engine replica is handed per generate call, each call waited for before the next (0: its
+    # whole share in one call); a published run's framework's (``sim.published_frameworks``; not a job-file key)
+    rollout_call_sequences: int = 0
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from nereus.spec.parallel_dims import ParallelDims
 STAGES = ("generation", "inference", "training")
 RECOMPUTE = ("none", "selective", "full")
 # how the trained weights reach the generation engine every step (priced in ``cost.verl_weight_sync``)
-WEIGHT_SYNCS = ("direct", "hybrid-reshard", "gather-broadcast", "tensor-broadcast", "checkpoint-engine")
+WEIGHT_SYNCS = ("direct", "hybrid-reshard", "gather-broadcast", "tensor-broadcast", "checkpoint-engine",
+                "zero3-gather")
 
 
 @dataclass(frozen=True, order=True)

@@ -1,0 +1,59 @@
+"""Training state kept in host memory (``Options.offload``: the e2e schema's ``offload`` column, verl's
+``param_offload`` / ``optimizer_offload``, DeepSpeed's ``offload_optimizer``), priced from the links and the
+host's memory.
+
+- ``optimizer``: the fp32 master weights and Adam moments live on the host, and the update runs there
+  (ZeRO-Offload, Ren et al. 2021, USENIX ATC, Sec. 4: gradients to the CPU, CPU-Adam, bf16 weights back; verl's
+  Megatron ``optimizer_cpu_offload`` the same). Per update each rank sends its gradient shard down and takes
+  its weight shard back over PCIe (2 bytes a parameter each way), and the host's Adam streams every
+  parameter's fp32 weight, gradient and two moments in and the weight and moments out (28 bytes a parameter,
+  memory-bound: DeepSpeed's CPU-Adam is vectorised), for all the ranks of a node through one host's memory.
+- ``optimizer-swap``: the optimizer state lives on the host between steps but the update runs on the GPU:
+  it is loaded before the update and put back after, once a step (verl's FSDP workers,
+  ``load_fsdp_optimizer`` / ``offload_fsdp_optimizer`` around ``update_actor``; docs/cost-model.md).
+- ``param``: the model's weights (and gradients) leave the GPU between its stages (verl's
+  ``offload_fsdp_model_to_cpu`` / ``offload_megatron_model_to_cpu`` around the rollout): they are held only
+  while the stage runs, and each stage loads them over PCIe and a training stage puts them back.
+
+Neither is resident on the GPU beside the rollout's KV cache, which is what lets a colocated run of a model
+whose training state exceeds a GPU generate at all.
+"""
+
+from __future__ import annotations
+
+from nereus.cost.hardware import Hardware
+from nereus.cost.verl_weight_sync import pcie_bytes_per_s
+
+OFFLOADS = ("none", "param", "optimizer", "param+optimizer", "optimizer-swap", "param+optimizer-swap")
+# Host memory bandwidth of a two-socket HGX/DGX host: 2 x 8 channels of DDR4-3200, 25.6 GB/s each (NVIDIA
+# DGX A100 datasheet: 2 x AMD EPYC 7742; AMD EPYC 7742 specification, 8 DDR4-3200 channels). The peak: CPU-Adam
+# streams its arrays, as a STREAM-like kernel does.
+HOST_MEMORY_BYTES_PER_S = 2 * 8 * 25.6e9
+CPU_ADAM_BYTES_PER_PARAM = 28  # read fp32 weight, gradient, two moments; write weight and moments
+PCIE_BYTES_PER_PARAM = 2 + 2  # bf16 gradient down, bf16 weight back
+
+
+def offloads_optimizer(offload: str) -> bool:
+    return "optimizer" in offload
+
+
+def updates_on_host(offload: str) -> bool:
+    """The optimizer steps on the host (ZeRO-Offload's CPU-Adam), not swapped in for a GPU update."""
+    return offloads_optimizer(offload) and not offload.endswith("-swap")
+
+
+def offloads_params(offload: str) -> bool:
+    return "param" in offload
+
+
+def host_update_time(hw: Hardware, params_per_rank: float, ranks: int) -> float:
+    """One optimizer update on the host: each rank's PCIe transfers (ranks in parallel, a link each), then
+    CPU-Adam over the parameters of a node's ranks through its host memory."""
+    per_node = min(ranks, hw.cluster.gpus_per_node)
+    transfer = params_per_rank * PCIE_BYTES_PER_PARAM / pcie_bytes_per_s(hw)
+    return transfer + per_node * params_per_rank * CPU_ADAM_BYTES_PER_PARAM / HOST_MEMORY_BYTES_PER_S
+
+
+def param_load_time(hw: Hardware, nbytes: float) -> float:
+    """A stage's weights (or gradients) over PCIe, each rank on its own link."""
+    return nbytes / pcie_bytes_per_s(hw)

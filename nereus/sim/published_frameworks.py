@@ -1,0 +1,171 @@
+"""What a published run's framework does that the ``e2e_runs.csv`` schema has no column for: one set of
+defaults per framework (``FRAMEWORKS``), the same for every row of it, each from the framework's own code,
+scripts or README of the rows' era (cited below). ``sim.published_runs`` asks these when it turns a row into a
+job and plan; a framework not listed here takes verl's (``VERL``), as every row did before.
+
+Rules (docs/cost-model.md, "End-to-end RL runs"):
+
+- reward model: a PPO row of OpenRLHF or DeepSpeed-Chat scores its responses with a learned reward model
+  of the actor's architecture (OpenRLHF's ``train_ppo_ray --reward_pretrain``, its benchmark notes: "init
+  reward model from actor model with same model size"; DeepSpeed-Chat's step 3 loads the step-2 reward
+  model), run for every response (an inference stage of its own); verl's rows score by rule (math answers).
+- batching: the row's ``dynamic_bsz``, else the framework's default: verl packs micro-batches by token
+  budget (its recipes' ``use_dynamic_bsz``); OpenRLHF of the rows' era (~v0.2-0.3, before
+  ``--packing_samples``) and DeepSpeed-Chat pad every micro-batch to its longest row
+  (``Options.padded_batches``: rows as wide as the step's longest).
+- prompts: DeepSpeed-Chat pads every prompt to ``max_prompt_seq_len`` (its ``DataCollatorRLHF``), so a
+  row's prompt is its cap in every stage; the others pad to the batch's longest (the stated mean rule).
+- rollout engine ``other``: DeepSpeed-Chat's is DeepSpeed's Hybrid Engine (``deepspeed-he``,
+  ``spec.engines``: static batches, no paged KV cache, eager launches); elsewhere ``other`` is not priced.
+- weight sync: colocated, verl's hybrid engine (``hybrid-reshard``) or DeepSpeed-Chat's ZeRO-3 gather
+  (``zero3-gather``); on separate GPUs, OpenRLHF's gather-and-broadcast (``gather-broadcast``), verl's own
+  rule otherwise (``published_runs.disaggregated_sync``).
+- PPO mini-batches: verl's recipes' 32 prompts; OpenRLHF's benchmark settings' train_batch_size 128, which
+  its DeepSpeed-Chat comparison shared.
+- offload: the row's ``offload`` column (``Options.offload``, priced in ``cost.offload``): the state it
+  names lives on the host, not beside the rollout's KV cache, and costs its transfers; an offloaded
+  optimizer steps on the host (DeepSpeed, Megatron) or, in verl's FSDP workers, is swapped in for the GPU.
+- GPU pools of a disaggregated row that leaves ``gen_gpus`` / ``train_gpus`` empty: OpenRLHF's example
+  scripts and benchmark notes of the table's commit put the reference, reward model, critic, actor and
+  vLLM engines on GPU groups of their own in the ratio 1:1:2:2:2 (``OPENRLHF_POOLS``); each model's stages
+  are placed on its group. verl and DeepSpeed-Chat publish no such default: their rows are skipped.
+- generate calls: OpenRLHF's actor ranks each hand their engine ``--micro_rollout_batch_size`` prompts per
+  call and wait for it before the next (``OPENRLHF_CALL_PROMPTS``), so an engine decodes static batches of
+  the calls in flight (``Options.rollout_call_sequences``, ``cost.static_decode``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from nereus.cost.offload import OFFLOADS
+from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
+from nereus.spec.job import JobSpec
+
+
+@dataclass(frozen=True)
+class FrameworkDefaults:
+    """A framework's answers to what the schema leaves out (module docstring, one line each)."""
+
+    name: str
+    learned_reward: bool = False  # PPO scores with a reward model of the actor's architecture
+    dynamic_batch: bool = True  # micro-batches packed by token budget; False: padded to the longest row
+    prompt_at_cap: bool = False  # every prompt padded to the prompt cap
+    other_engine: str = ""  # what rollout_engine 'other' means ("": not priced)
+    colocated_sync: str = "hybrid-reshard"
+    disaggregated_sync: str = ""  # "": verl's rule (published_runs.disaggregated_sync)
+    # shares of the GPUs of the rollout ("generation") and of each model when a disaggregated row gives no pools
+    pools: tuple[tuple[str, float], ...] = ()
+    # prompts each actor rank hands the rollout per generate call, waiting for it, by the model size (billion
+    # parameters) of the framework's example scripts: (size, prompts) pairs, the nearest size's; () = no calls
+    call_prompts: tuple[tuple[float, int], ...] = ()
+    # prompts per PPO mini-batch (one optimizer update; the schema has no column for it)
+    mini_batch_prompts: int = 32
+
+
+# verl: train_prompt_mini_bsz=32 in every DAPO recipe script behind its rows (verl/experimental/
+# one_step_off_policy/shell/dapo_7b_math_*.sh, fully_async_policy/shell/dapo_7b_math_fsdp2_*.sh).
+VERL = FrameworkDefaults("verl")
+# OpenRLHF's benchmark settings, which its comparison with DeepSpeed-Chat used for both: rollout_batch_size
+# 1024, train_batch_size 128 (OpenRLHF/OpenRLHF docs, "OpenRLHF Benchmark", Hyperparameter).
+OPENRLHF_TRAIN_BATCH = 128
+# OpenRLHF's GPU groups at the table's commit (391e1de4, 2024-05-18): examples/scripts/train_ppo_llama_ray_70b.sh
+# gives the reference 2, the reward model 2, the critic 4, the actor 4 GPUs and the vLLM engines 2 x TP2, and its
+# benchmark notes (docs, "OpenRLHF Benchmark") list ray+vllm runs at ref:reward:critic:actor:vllm = 1:1:2:2:2.
+OPENRLHF_POOLS = (("generation", 0.25), ("actor", 0.25), ("critic", 0.25), ("reference", 0.125), ("reward", 0.125))
+# --micro_rollout_batch_size of the same commit's scripts: 16 in train_ppo_llama_ray.sh (Llama-2-7B), 2 in
+# train_ppo_llama_ray_70b.sh. Each actor rank generates that many prompts per call to its vLLM engine
+# (openrlhf/trainer/ppo_utils/experience_maker.py, RemoteExperienceMaker: ``ray.get(llm.generate.remote(...))``,
+# then the experience's forward passes, then the next micro-batch).
+OPENRLHF_CALL_PROMPTS = ((6.74, 16), (69.0, 2))
+FRAMEWORKS = {f.name.lower(): f for f in (
+    VERL,
+    FrameworkDefaults("OpenRLHF", learned_reward=True, dynamic_batch=False, disaggregated_sync="gather-broadcast",
+                      pools=OPENRLHF_POOLS, call_prompts=OPENRLHF_CALL_PROMPTS,
+                      mini_batch_prompts=OPENRLHF_TRAIN_BATCH),
+    FrameworkDefaults("DeepSpeed-Chat", learned_reward=True, dynamic_batch=False, prompt_at_cap=True,
+                      other_engine="deepspeed-he", colocated_sync="zero3-gather",
+                      mini_batch_prompts=OPENRLHF_TRAIN_BATCH),
+)}
+
+
+def framework_of(row: dict) -> FrameworkDefaults:
+    return FRAMEWORKS.get((row.get("framework") or "").strip().lower(), VERL)
+
+
+def rollout_engine_name(row: dict) -> str | None:
+    """The engine whose traits price the row's rollout (``spec.engines``): the row's, ``other`` as its
+    framework runs it; None when Nereus declares no such engine."""
+    named = (row.get("rollout_engine") or "").strip().lower() or PRICING_ENGINE
+    if named == "other":
+        return framework_of(row).other_engine or None
+    return named if named in ENGINE_TRAITS else None
+
+
+def with_reward_model(row: dict, models: dict, algorithm: str) -> dict:
+    """``models`` with the learned reward model a PPO row of the framework runs (the actor's architecture)."""
+    if algorithm == "ppo" and framework_of(row).learned_reward:
+        return {**models, "reward": models["actor"]}
+    return models
+
+
+def padded(row: dict) -> bool:
+    """Micro-batches padded to the longest row: the row's ``dynamic_bsz`` no, else its framework's default."""
+    stated = (row.get("dynamic_bsz") or "").strip().lower()
+    if stated in ("yes", "no"):
+        return stated == "no"
+    return not framework_of(row).dynamic_batch
+
+
+def offload_of(row: dict) -> str | None:
+    """The row's ``offload`` (``cost.offload.OFFLOADS``; empty: none), None when it is not one of them. An
+    offloaded optimizer steps on the host (DeepSpeed's ZeRO-Offload, Megatron's CPU optimizer) except in
+    verl's FSDP workers, which swap its state in for the GPU's update (``optimizer-swap``)."""
+    value = (row.get("offload") or "").strip().lower() or "none"
+    if value not in ("none", "param", "optimizer", "param+optimizer"):
+        return None
+    fsdp = (row.get("train_backend") or "fsdp").strip().lower() in ("fsdp", "fsdp2")
+    if framework_of(row) is VERL and fsdp and "optimizer" in value:
+        value += "-swap"
+    return value if value in OFFLOADS else None
+
+
+def with_calls(job: JobSpec, sequences: int) -> JobSpec:
+    """The job with the rollout's generate calls (``call_sequences``) in the options the cost model reads."""
+    return replace(job, options=replace(job.options, rollout_call_sequences=sequences))
+
+
+def priced_as_framework(row: dict, job: JobSpec, engine: str, offload: str) -> JobSpec:
+    """The job with its framework's batching, its rollout engine and its offload in the options the cost
+    model reads."""
+    return replace(job, options=replace(job.options, padded_batches=padded(row), rollout_engine=engine,
+                                        offload=offload))
+
+
+def default_pools(row: dict, total: int, models: tuple[str, ...]) -> dict[str, tuple[int, ...]] | None:
+    """The GPUs of the rollout ("generation") and of each model of a disaggregated row without pool sizes, by
+    its framework's documented split: each its share of ``total`` (the shares of the models the row runs,
+    rescaled to all of them), consecutive, the last taking the rest; None when the framework documents none
+    or a group would get no GPU."""
+    shares = [(name, share) for name, share in framework_of(row).pools if name == "generation" or name in models]
+    if not shares or any(m not in dict(shares) for m in models):
+        return None
+    scale = sum(share for _, share in shares)
+    out, start = {}, 0
+    for i, (name, share) in enumerate(shares):
+        size = total - start if i == len(shares) - 1 else round(total * share / scale)
+        if size < 1:
+            return None
+        out[name], start = tuple(range(start, start + size)), start + size
+    return out
+
+
+def call_sequences(row: dict, params_b: float, samples: int, actor_ranks: int, engines: int) -> int:
+    """Sequences an engine replica is handed per generate call (0: all at once): each actor rank's prompts
+    per call (the framework's scripts' value for the nearest model size) times their samples, and the calls
+    of the actor ranks that share an engine together."""
+    table = framework_of(row).call_prompts
+    if not table:
+        return 0
+    prompts = min(table, key=lambda pair: abs(pair[0] - params_b))[1]
+    return prompts * samples * max(1, actor_ranks // max(1, engines))

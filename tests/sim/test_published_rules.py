@@ -1,0 +1,64 @@
+"""Framework rules of the published-runs schema (``nereus.sim.published_frameworks``): what an OpenRLHF or
+DeepSpeed-Chat row leaves unsaid (GPU groups, reward model, padding, the Hybrid Engine, generate calls,
+offload) follows one stated rule per framework; the rows are priced, with finite predictions."""
+
+from __future__ import annotations
+
+import csv
+import math
+from importlib import resources
+
+import pytest
+
+from nereus.sim.published_predict import predict
+from nereus.sim.published_runs import RowSkipped, published_run
+
+
+def rows() -> dict[str, dict]:
+    text = resources.files("nereus.cost").joinpath("e2e_runs.csv").read_text()
+    return {r["run_id"]: r for r in csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))}
+
+
+def test_openrlhf_places_each_model_on_its_own_gpus_by_its_scripts_split() -> None:
+    run = published_run(rows()["openrlhf_7B"])  # 16 GPUs, pools empty
+    gpus = {str(p.model_stage): set(p.gpus) for p in run.plan.placements}
+    sizes = {ms: len(g) for ms, g in gpus.items()}
+    assert sizes == {"actor/generation": 4, "actor/inference": 4, "actor/training": 4, "critic/inference": 4,
+                     "critic/training": 4, "reference/inference": 2, "reward/inference": 2}  # 2:2:2:1:1
+    groups = [gpus["actor/generation"], gpus["actor/training"], gpus["critic/training"],
+              gpus["reference/inference"], gpus["reward/inference"]]
+    assert sum(len(g) for g in groups) == 16 and len(set().union(*groups)) == 16  # disjoint
+    assert run.plan.strategy == "disaggregated" and run.plan.weight_sync == "gather-broadcast"
+    opts = run.job.options
+    assert "reward" in run.job.models and opts.padded_batches and opts.rollout_engine == "vllm"
+    engines = run.plan.placement("actor/generation").layout.dp
+    assert opts.rollout_call_sequences == 16 * max(1, 4 // engines)  # 16 prompts a call per actor rank
+    assert opts.offload == "optimizer" and run.job.algorithm.mini_batches == 1024 // 128
+
+
+def test_a_verl_row_without_pool_sizes_is_still_skipped() -> None:
+    row = {**rows()["verl_oso_2"], "gen_gpus": "", "train_gpus": ""}
+    with pytest.raises(RowSkipped, match="gen_gpus is empty"):
+        published_run(row)
+
+
+def test_deepspeed_chat_generates_with_the_hybrid_engine() -> None:
+    run = published_run(rows()["dschat_7B"])
+    opts = run.job.options
+    assert opts.rollout_engine == "deepspeed-he" and opts.rollout_call_sequences == 0
+    assert run.plan.strategy == "colocated" and run.plan.weight_sync == "zero3-gather"
+    assert run.job.workload.prompt_length == 1024  # prompts padded to max_prompt_seq_len
+    with pytest.raises(RowSkipped, match="rollout_engine='other'"):
+        published_run({**rows()["verl_oso_3"], "rollout_engine": "other"})  # 'other' means nothing for verl
+
+
+@pytest.mark.parametrize("run_id", ["openrlhf_7B", "openrlhf_13B", "openrlhf_70B", "dschat_7B", "dschat_13B",
+                                    "dschat_70B", "verl_dsv3_1"])
+def test_the_rows_are_priced(run_id: str) -> None:
+    guess = predict(published_run(rows()[run_id]), "cost")
+    assert guess and all(math.isfinite(v) and v > 0 for v in guess.values())
+
+
+def test_an_unknown_offload_kind_skips_the_row() -> None:
+    with pytest.raises(RowSkipped, match="offload='disk'"):
+        published_run({**rows()["openrlhf_7B"], "offload": "disk"})
