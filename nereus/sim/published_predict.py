@@ -57,13 +57,15 @@ SIM_SEEDS = 4  # simulated clusters averaged per row (each draws its own hidden 
 class StepTimes:
     stages: dict[str, float]  # model-stage -> seconds
     phases: dict[str, float]  # generation, inference, training, weight_sync -> seconds
+    tail_s: float = 0.0  # of the generation, the drain once no queued sequence is left to start
 
 
 def cost_times(run: PublishedRun) -> StepTimes:
     """The cost model's times of the run's plan (``nereus estimate``); memory is not checked here: the
     runs fit through offload and sequence parallelism the memory model may not price."""
     est = estimate_plan(Hardware(run.job.cluster), run.job, run.plan)
-    return StepTimes(dict(est.stage_times), dict(est.phase_times))
+    decode = est.costs["actor/generation"].decode
+    return StepTimes(dict(est.stage_times), dict(est.phase_times), decode.tail_s if decode is not None else 0.0)
 
 
 def sim_times(run: PublishedRun, seeds: int = SIM_SEEDS, steps: int = SIM_STEPS) -> StepTimes:
@@ -79,7 +81,8 @@ def sim_times(run: PublishedRun, seeds: int = SIM_SEEDS, steps: int = SIM_STEPS)
     stages = {k: float(np.mean([without_driver(m, k) for m in measured])) for k in measured[0].stage_times_s}
     phases = {k: float(np.mean([m.phase_times_s[k] - m.detail["driver_s"] * _calls(m, k) for m in measured]))
               for k in measured[0].phase_times_s}
-    return StepTimes(stages, phases)
+    tail = float(np.mean([m.detail.get("generation", {}).get("tail_s", 0.0) for m in measured]))
+    return StepTimes(stages, phases, tail)
 
 
 def without_driver(m: StepMetrics, name: str) -> float:
@@ -100,7 +103,7 @@ def with_controller(run: PublishedRun, times: StepTimes) -> StepTimes:
         if seconds > 0:
             stages[name] = seconds + moved
             phases[name.split("/")[1]] += moved
-    return StepTimes(stages, phases)
+    return StepTimes(stages, phases, times.tail_s)
 
 
 def takes_turns(run: PublishedRun) -> bool:
@@ -121,10 +124,19 @@ def queue_assembly(run: PublishedRun) -> float:
     return 0.0
 
 
+def rollout_production(run: PublishedRun, times: StepTimes) -> float:
+    """Seconds a streaming rollouter takes to produce one parameter version's samples. It keeps starting
+    queued prompts while earlier ones decode, so only a sync can make it wait for its in-flight samples to
+    end; with partial rollout it pauses them there and resumes them after instead (verl's fully_async
+    "async stream pipeline with partial rollout", docs/advance/fully_async.md), so no drain tail."""
+    generation = times.phases["generation"]
+    return generation - times.tail_s if run.partial_rollout else generation
+
+
 def step_seconds(run: PublishedRun, times: StepTimes) -> float:
     p = times.phases
     if streams(run):  # the trainer's step timer: its wait and its work, the parameter sync outside it
-        return trainer_step(p["generation"], queue_assembly(run), p["inference"] + p["training"])
+        return trainer_step(rollout_production(run, times), queue_assembly(run), p["inference"] + p["training"])
     if run.sync_mode in ASYNC_MODES and not takes_turns(run):
         return max(p["generation"], p["inference"] + p["training"]) + p["weight_sync"]
     return sum(p.values())
@@ -142,7 +154,8 @@ def predicted(run: PublishedRun, device: StepTimes) -> dict[str, float]:
         elif column == "t_gen_s" and takes_turns(run):
             out[column] = p["generation"]
         elif column == "t_gen_s" and streams(run):
-            out[column] = trainer_wait(p["generation"], queue_assembly(run), p["inference"] + p["training"])
+            out[column] = trainer_wait(rollout_production(run, times), queue_assembly(run),
+                                       p["inference"] + p["training"])
         elif column == "t_gen_s" and run.plan.strategy == "colocated":
             out[column] = times.stages[STAGE_OF[column]] + p["weight_sync"]
         elif column in STAGE_OF and STAGE_OF[column] in times.stages:

@@ -130,6 +130,9 @@ class PublishedRun:
     published: dict[str, float]  # column -> published value (only the columns the row has)
     staleness: float | None = None  # verl fully_async staleness_threshold, when the row gives it
     padded_tokens: int = 0  # token slots of every sequence as the batch travels: max prompt + max response
+    # the rollouter pauses its in-flight samples at a parameter sync and resumes them after (verl's
+    # async_training.partial_rollout), instead of waiting for them to end
+    partial_rollout: bool = False
 
 
 def text(row: dict, key: str) -> str:
@@ -368,7 +371,18 @@ def published_run(row: dict) -> PublishedRun:
     actor, gen = plan.placement("actor/training").layout, plan.placement("actor/generation").layout
     calls = call_sequences(row, job.models["actor"].params() / 1e9, job.algorithm.samples_per_prompt, actor.dp, gen.dp)
     return PublishedRun(run_id, with_calls(job, calls), plan, text(row, "sync_mode") or "sync",
-                        published, number(row, "staleness"), padded)
+                        published, number(row, "staleness"), padded, pauses_in_flight(row))
+
+
+def pauses_in_flight(row: dict) -> bool:
+    """Partial rollout: the ``partial_rollout`` sync mode, or a fully-async row whose notes do not turn
+    verl's ``async_training.partial_rollout`` off (True in fully_async_ppo_trainer.yaml and its
+    Megatron twin). verl applies it only at a staleness threshold above 0 (docs/advance/fully_async.md)."""
+    mode = text(row, "sync_mode")
+    if mode == "partial_rollout":
+        return True
+    stale = (number(row, "staleness") or 0) > 0
+    return mode == "fully_async" and stale and setting(row, "partial_rollout", "yes") == "yes"
 
 
 def _split(row: dict, job: JobSpec) -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:

@@ -32,3 +32,14 @@ def test_verl_before_august_2025_decoded_eagerly() -> None:
     assert not decodes_eagerly({**july, "enforce_eager": "no"})
     assert not decodes_eagerly({"framework": "OpenRLHF", "notes": "version: main@2024-05"})
     assert not decodes_eagerly({"framework": "verl", "notes": "no version given"})
+
+
+def test_a_streaming_rollouter_pauses_in_flight_samples_by_default() -> None:
+    from nereus.sim.published_runs import pauses_in_flight
+
+    row = {"sync_mode": "fully_async", "staleness": "0.5"}
+    assert pauses_in_flight(row)  # verl's fully-async default: partial_rollout True
+    assert not pauses_in_flight({**row, "notes": "partial_rollout=False"})
+    assert not pauses_in_flight({**row, "staleness": "0"})  # verl applies it only above staleness 0
+    assert pauses_in_flight({"sync_mode": "partial_rollout"})
+    assert not pauses_in_flight({"sync_mode": "one_step_off"})
