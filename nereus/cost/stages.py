@@ -338,12 +338,14 @@ def generation_cost(
         return StageCost(ms, layout, {"memory": math.inf}, weights, need, {"weights": weights, "kv_cache": need},
                          {"infeasible": 1.0})
     resp, engine, calls = wl.response, job.options.rollout_engine, job.options.rollout_call_sequences
-    paged = engine_traits(engine).paged_kv
+    traits = engine_traits(engine)
+    paged = traits.paged_kv
     if calls or not paged:  # static batches: an engine without paging, or calls each waited for to the end
         held = resp.mean if paged else resp.max  # without paging every row's cache is held at the full length
         slots = min(int(budget // (kv_token * (wl.prompt_length + held))), calls or b)
         phases = static_batch_phases(generation_replica(hw, arch, tp, job.options.weight_bytes, layout.ep, engine),
-                                     wl.prompt_length, b, max(1, min(slots, b)), resp)
+                                     wl.prompt_length, b, max(1, min(slots, b)), resp,
+                                     layout.dp if traits.lockstep else 1)
     else:
         slots = int(min(ENGINE_MAX_SEQUENCES, budget // (kv_token * (wl.prompt_length + resp.mean))))
         phases = _decode_phases(hw, arch, tp, job.options.weight_bytes, wl.prompt_length, b, max(1, min(slots, b)),

@@ -20,12 +20,15 @@ from nereus.cost.decode import DecodePhases, Replica, prefill_time, step_model
 from nereus.spec.response import ResponseLength
 
 
-def static_batch_phases(r: Replica, prompt: float, sequences: int, batch: int, resp: ResponseLength) -> DecodePhases:
-    """``sequences`` responses generated in batches of at most ``batch`` rows, one batch after another."""
+def static_batch_phases(r: Replica, prompt: float, sequences: int, batch: int, resp: ResponseLength,
+                        lockstep: int = 1) -> DecodePhases:
+    """``sequences`` responses generated in batches of at most ``batch`` rows, one batch after another;
+    ``lockstep`` replicas step together, each batch until the longest row of all of theirs ends (an engine
+    whose ranks stay in step, ``EngineTraits.lockstep``)."""
     n = max(1, sequences)
     b = max(1, min(batch, n))
     batches = math.ceil(n / b)
-    steps = resp.longest(b)  # a batch runs until its longest row ends
+    steps = resp.longest(b * max(1, lockstep))  # a batch runs until its (or its peers') longest row ends
     step = step_model(r).step(b, prompt + steps / 2)
     decode_steps = batches * steps
     terms = dict.fromkeys(("compute", "memory", "tp_comm", "overhead"), 0.0)

@@ -16,7 +16,10 @@ Rules (docs/cost-model.md, "End-to-end RL runs"):
 - prompts: DeepSpeed-Chat pads every prompt to ``max_prompt_seq_len`` (its ``DataCollatorRLHF``), so a
   row's prompt is its cap in every stage; the others pad to the batch's longest (the stated mean rule).
 - rollout engine ``other``: DeepSpeed-Chat's is DeepSpeed's Hybrid Engine (``deepspeed-he``,
-  ``spec.engines``: static batches, no paged KV cache, eager launches); elsewhere ``other`` is not priced.
+  ``spec.engines``: static batches, no paged KV cache, ranks in lockstep); elsewhere ``other`` is not
+  priced. Its generation batch per GPU is the OpenRLHF authors' DeepSpeed-Chat setting
+  (``DSCHAT_CALL_PROMPTS``), its TP the hybrid engine's default 1, doubled while the gathered weights
+  take more than half a GPU (``framework_rollout_tp``).
 - weight sync: colocated, verl's hybrid engine (``hybrid-reshard``) or DeepSpeed-Chat's ZeRO-3 gather
   (``zero3-gather``); on separate GPUs, OpenRLHF's gather-and-broadcast (``gather-broadcast``), verl's own
   rule otherwise (``published_runs.disaggregated_sync``).
@@ -61,6 +64,9 @@ class FrameworkDefaults:
     call_prompts: tuple[tuple[float, int], ...] = ()
     # prompts per PPO mini-batch (one optimizer update; the schema has no column for it)
     mini_batch_prompts: int = 32
+    # rollout TP a row without one starts from (0: verl's recipes', ``sim.recipes``), doubled while the
+    # gathered bf16 weights take more than half a GPU's memory (``framework_rollout_tp``)
+    rollout_tp: int = 0
 
 
 # verl: train_prompt_mini_bsz=32 in every DAPO recipe script behind its rows (verl/experimental/
@@ -78,14 +84,18 @@ OPENRLHF_POOLS = (("generation", 0.25), ("actor", 0.25), ("critic", 0.25), ("ref
 # (openrlhf/trainer/ppo_utils/experience_maker.py, RemoteExperienceMaker: ``ray.get(llm.generate.remote(...))``,
 # then the experience's forward passes, then the next micro-batch).
 OPENRLHF_CALL_PROMPTS = ((6.74, 16), (69.0, 2))
+# DeepSpeed-Chat's generation batch per GPU in the OpenRLHF authors' runs of it (the benchmark notes above:
+# 8 for Llama-2-7B, 2 for 13B); its Hybrid Engine gathers a TP group's prompts into one batch. Its TP starts
+# at the hybrid engine's default inference_tp_size, 1 (DeepSpeed config ``hybrid_engine``).
+DSCHAT_CALL_PROMPTS = ((6.74, 8), (13.0, 2))
 FRAMEWORKS = {f.name.lower(): f for f in (
     VERL,
     FrameworkDefaults("OpenRLHF", learned_reward=True, dynamic_batch=False, disaggregated_sync="gather-broadcast",
                       pools=OPENRLHF_POOLS, call_prompts=OPENRLHF_CALL_PROMPTS,
                       mini_batch_prompts=OPENRLHF_TRAIN_BATCH),
     FrameworkDefaults("DeepSpeed-Chat", learned_reward=True, dynamic_batch=False, prompt_at_cap=True,
-                      other_engine="deepspeed-he", colocated_sync="zero3-gather",
-                      mini_batch_prompts=OPENRLHF_TRAIN_BATCH),
+                      other_engine="deepspeed-he", colocated_sync="zero3-gather", call_prompts=DSCHAT_CALL_PROMPTS,
+                      mini_batch_prompts=OPENRLHF_TRAIN_BATCH, rollout_tp=1),
 )}
 
 
@@ -130,16 +140,37 @@ def offload_of(row: dict) -> str | None:
     return value if value in OFFLOADS else None
 
 
+def framework_rollout_tp(row: dict, weight_bytes: float, gpu_bytes: float, gpus: int, heads: int) -> int:
+    """The framework's rollout TP for a row without one (0: none of its own): its default, doubled while the
+    gathered weights would take more than half a GPU (the rest holds the trainer's shards and the caches) and
+    the doubled degree still divides the rollout's GPUs and the heads."""
+    tp = framework_of(row).rollout_tp
+    while tp and weight_bytes / tp > gpu_bytes / 2 and gpus % (2 * tp) == 0 and heads % (2 * tp) == 0:
+        tp *= 2
+    return tp
+
+
 def with_calls(job: JobSpec, sequences: int) -> JobSpec:
     """The job with the rollout's generate calls (``call_sequences``) in the options the cost model reads."""
     return replace(job, options=replace(job.options, rollout_call_sequences=sequences))
 
 
-def priced_as_framework(row: dict, job: JobSpec, engine: str, offload: str) -> JobSpec:
+def unmodelled(row: dict) -> str:
+    """Why the row's rollout engine or offload kind cannot be priced ("" when both can)."""
+    if rollout_engine_name(row) is None:
+        return (f"rollout_engine={row.get('rollout_engine', '')!r} of framework {row.get('framework', '')!r} is not "
+                f"modelled (known: {', '.join(ENGINE_TRAITS)}; 'other' of DeepSpeed-Chat)")
+    if offload_of(row) is None:
+        return f"offload={row.get('offload', '')!r} is not modelled (known: none, param, optimizer, param+optimizer)"
+    return ""
+
+
+def priced_as_framework(row: dict, job: JobSpec) -> JobSpec:
     """The job with its framework's batching, its rollout engine and its offload in the options the cost
-    model reads."""
-    return replace(job, options=replace(job.options, padded_batches=padded(row), rollout_engine=engine,
-                                        offload=offload))
+    model reads (a row ``unmodelled`` passes)."""
+    options = replace(job.options, padded_batches=padded(row), rollout_engine=rollout_engine_name(row),
+                      offload=offload_of(row))
+    return replace(job, options=options)
 
 
 def default_pools(row: dict, total: int, models: tuple[str, ...]) -> dict[str, tuple[int, ...]] | None:

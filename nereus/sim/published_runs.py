@@ -61,22 +61,20 @@ from nereus.cost.decode import DecodePriors
 from nereus.cost.eager import eager_step_overhead_s
 from nereus.cost.hardware import Priors
 from nereus.cost.moe import decode_kernels_per_layer
-from nereus.cost.offload import OFFLOADS
 from nereus.cost.stage_tokens import padded_width
 from nereus.sim.published_frameworks import (
     VERL,
     call_sequences,
     default_pools,
     framework_of,
-    offload_of,
+    framework_rollout_tp,
     priced_as_framework,
-    rollout_engine_name,
+    unmodelled,
     with_calls,
     with_reward_model,
 )
 from nereus.sim.recipes import Recipe, moe_recipe, system_recipe_tp
 from nereus.spec.cluster import gpu_presets
-from nereus.spec.engines import ENGINE_TRAITS
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec, job_from_dict
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
@@ -333,15 +331,10 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
         "cluster": {"gpu": gpu, "nodes": total // per_node, "gpus_per_node": per_node,
                     **_eager_priors(row, arch)},
     }
-    engine = rollout_engine_name(row)
-    if engine is None:
-        raise RowSkipped(f"rollout_engine={text(row, 'rollout_engine')!r} of framework {text(row, 'framework')!r} is "
-                         f"not modelled (known: {', '.join(ENGINE_TRAITS)}; 'other' of DeepSpeed-Chat)")
-    offload = offload_of(row)
-    if offload is None:
-        raise RowSkipped(f"offload={text(row, 'offload')!r} is not modelled (known: {', '.join(OFFLOADS)})")
+    if unmodelled(row):  # an engine or offload kind Nereus does not price
+        raise RowSkipped(unmodelled(row))
     try:
-        return priced_as_framework(row, job_from_dict(data), engine, offload)
+        return priced_as_framework(row, job_from_dict(data))
     except SpecError as err:
         raise RowSkipped(f"the row does not make a valid job: {err}") from None
 
@@ -457,7 +450,9 @@ def expert_parallel(row: dict, key: str, job: JobSpec, dp: int) -> int:
 
 
 def _rollout_tp(row: dict, job: JobSpec, gen_gpus: int) -> int:
-    tp = count(row, "rollout_tp")
+    arch = job.models["actor"]
+    tp = count(row, "rollout_tp") or framework_rollout_tp(row, arch.params() * job.options.weight_bytes,
+                                                          job.cluster.gpu.memory_bytes, gen_gpus, arch.heads) or None
     if tp is None:
         params_b = job.models["actor"].params() / 1e9
         recipe = verl_moe_recipe(row)  # an MoE model: verl's MoE script of its size, not a dense one's

@@ -79,6 +79,10 @@ class EngineTraits:
     # launches every kernel of a decode step from Python (no CUDA graph): the step also pays the host's
     # eager dispatch (``cost.eager``)
     eager: bool = False
+    # every replica steps until the last replica's batch has ended (transformers' ``synced_gpus`` under
+    # ZeRO-3: each forward gathers partitions from all ranks), so a static batch runs to the longest row
+    # of all the replicas' batches
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         if self.migration not in MIGRATIONS or self.speculation not in SPECULATIONS:
@@ -124,13 +128,16 @@ _GRAPH = EngineTraits("graph", "CUDA-graph decode loop", host=EngineCosts(step_s
 # the actor's ZeRO-3 partitions are gathered into DeepSpeed-Inference's kernels, so the engine keeps no
 # weights of its own, and Hugging Face's ``generate`` loop decodes a static batch, each row's KV cache
 # allocated for the full length, every row stepping until the batch's longest ends (DeepSpeed-Chat's
-# ppo_trainer.py ``_generate_sequence``: ``generate(max_length=prompt + max_answer_seq_len)``). Its loop is
-# Python's and launches eagerly (no CUDA graph in the hybrid_engine config); per step a fixed host cost of
-# vLLM's order (transformers' per-token logits processing and stopping checks), no per-sequence one (the
-# batch is one tensor).
-_DS_HYBRID = EngineTraits("deepspeed-he", "DeepSpeed Hybrid Engine", host=EngineCosts(step_s=1.0e-3, sequence_s=0.0),
+# ppo_trainer.py ``_generate_sequence``: ``generate(max_length=prompt + max_answer_seq_len,
+# synced_gpus=<ZeRO-3>)``, so every rank steps until all ranks' batches end). Its loop is Python's, launched
+# eagerly. Its host time a step, 26 ms, is derived from two named values that are not validated cells: the
+# OpenRLHF benchmark notes' DeepSpeed-Chat generation latencies on 8 A800s, 1,024 prompts, 1,024-token
+# caps (OpenRLHF/OpenRLHF docs, "OpenRLHF Benchmark": Llama-2-7B at generation micro-batch 8, 697 s, 42.6 ms
+# a step; 13B at micro-batch 2, 2,591 s, 39.5 ms), less the decode model's GPU step at those batches (12.1
+# and 17.3 ms): 30.5 and 22.2 ms, their mean; no per-sequence cost (the batch is one tensor).
+_DS_HYBRID = EngineTraits("deepspeed-he", "DeepSpeed Hybrid Engine", host=EngineCosts(step_s=26e-3, sequence_s=0.0),
                           aliases=("DeepSpeed HE", "DeepSpeed-Chat Hybrid Engine"), own_weights=False,
-                          default_slots=0, paged_kv=False, eager=True)
+                          default_slots=0, paged_kv=False, lockstep=True)
 
 ENGINE_TRAITS: Mapping[str, EngineTraits] = MappingProxyType(
     {t.name: t for t in (_NATIVE, _VLLM, _TRTLLM, _SGLANG, _GRAPH, _DS_HYBRID)})

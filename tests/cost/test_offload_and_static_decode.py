@@ -39,6 +39,8 @@ def test_static_batches_wait_for_their_longest_row() -> None:
     continuous = decode_phases(replica, 512, 256, 32, resp.quantiles(16), resp.mean, resp.longest(256))
     assert static.bulk_steps == 8 * resp.longest(32) and static.total_s > continuous.total_s
     assert list(_static_schedule(np.array([3, 5, 2, 4, 1]), 2)) == [0, 0, 5, 5, 9]
+    lockstep = static_batch_phases(replica, 512, 256, 2, resp, lockstep=8)  # runs to its peers' longest too
+    assert lockstep.bulk_steps == 128 * resp.longest(16) > 128 * resp.longest(2)
 
 
 def test_the_hybrid_engine_holds_full_length_caches_and_pays_eager_launches() -> None:

@@ -45,7 +45,10 @@ def test_a_verl_row_without_pool_sizes_is_still_skipped() -> None:
 def test_deepspeed_chat_generates_with_the_hybrid_engine() -> None:
     run = published_run(rows()["dschat_7B"])
     opts = run.job.options
-    assert opts.rollout_engine == "deepspeed-he" and opts.rollout_call_sequences == 0
+    assert opts.rollout_engine == "deepspeed-he" and opts.rollout_call_sequences == 8  # 8 prompts a GPU a call
+    assert run.plan.placement("actor/generation").layout.tp == 1  # the hybrid engine's inference_tp_size
+    big = published_run(rows()["dschat_70B"]).plan.placement("actor/generation").layout
+    assert big.tp == 4  # 138 GB of bf16 weights: doubled until they take at most half an 80 GB GPU
     assert run.plan.strategy == "colocated" and run.plan.weight_sync == "zero3-gather"
     assert run.job.workload.prompt_length == 1024  # prompts padded to max_prompt_seq_len
     with pytest.raises(RowSkipped, match="rollout_engine='other'"):
