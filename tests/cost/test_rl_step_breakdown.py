@@ -19,16 +19,17 @@ rollout TP, so one set of assumptions, fixed here and not fitted, serves every r
   every GPU (colocated). Not modelled: Ulysses sequence parallelism 4 (same FLOPs per GPU), FSDP
   shards of 2 GPUs (fsdp_size=2) and parameter/optimizer offload to CPU (both add transfers).
 
-A stage counts when the prediction is within 25% of the published time. Stages the model
-misses are strict xfails that carry the measured error; docs/cost-model.md says why.
+The stage-by-stage comparison with these runs is ``benchmarks/e2e_validation.py``'s (rows verl_fa_1,
+verl_fa_3 and verl_fa_5 of nereus/cost/e2e_runs.csv, built by the one rule every published row follows,
+their figures in the README's validation table). This file keeps the fixed-assumption table of
+docs/cost-model.md (``python tests/cost/test_rl_step_breakdown.py``) and checks what it rests on: the
+rows are the documented runs, and rows 1-2 train faster than the H20's peak allows at the assumed length.
 """
 
 from __future__ import annotations
 
 import csv
 from importlib import resources
-
-import pytest
 
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
@@ -93,35 +94,6 @@ def predicted(row_id: str) -> dict[str, float]:
 
 def relative_error(row_id: str, column: str) -> float:
     return predicted(row_id)[column] / float(published()[row_id][column]) - 1
-
-
-# Measured with the assumptions above (the table in docs/cost-model.md). Published times do not scale
-# with the GPU count as any per-stage model does: generation is 357 s on 32 GPUs but 151 s on 64 and
-# 178 s on 128; old_log_prob falls only from 108 to 54 s from 32 to 128 GPUs (a fixed ~35 s per step plus
-# 73/36/18 s that halve with the GPUs would fit all three); rows 1-2's update_actor is below the H20's
-# roofline (test below). The source notes that response lengths differed between its runs and drove
-# their times, and publishes none of them.
-MISSES = {
-    ("1", "update_actor_s"): "+67%",
-    ("2", "gen_s"): "+47%",
-    ("2", "update_actor_s"): "+70%",
-    ("3", "old_log_prob_s"): "-45%",
-}
-
-
-def _cases() -> list:
-    out = []
-    for row in ROWS:
-        for column in STAGES:
-            miss = MISSES.get((row, column))
-            marks = [pytest.mark.xfail(strict=True, reason=f"measured {miss}")] if miss else []
-            out.append(pytest.param(row, column, marks=marks, id=f"row{row}-{column}"))
-    return out
-
-
-@pytest.mark.parametrize(("row_id", "column"), _cases())
-def test_stage_time_within_a_quarter_of_the_published_one(row_id: str, column: str) -> None:
-    assert abs(relative_error(row_id, column)) <= 0.25
 
 
 def test_the_rows_are_the_documented_runs() -> None:
