@@ -8,7 +8,7 @@ Both run over one NCCL group of every trainer and rollout rank (verl/experimenta
 ``cost.sync_host_costs`` (the trainer's export of full checkpoint tensors, the engine's ``load_weights``);
 bytes on the links. A broadcast leaves a node through one NIC (``Hardware.p2p_time``): NCCL runs a
 broadcast as a ring whose data enters every node once, and broadcasts over many nodes measure at one NIC's
-rate or below (NVIDIA/nccl issue 590: 9-15 GB/s over 16 nodes of 8 NICs; verl's checkpoint_engine README:
+rate or below (github.com/NVIDIA/nccl/issues/590: 9-15 GB/s over 16 nodes of 8 NICs; verl's checkpoint_engine README:
 8.25 GB/s over 4 nodes of 400 Gb/s ConnectX-7). Each broadcast call also pays NCCL's fixed ring latency
 plus one hop (NVIDIA/nccl src/graph/tuning.cc: ``baseLat`` 8.4 µs, ``hwLat`` 3.4 µs NVLink, 14 µs network,
 Simple protocol).
