@@ -28,13 +28,18 @@ from pathlib import Path
 from nereus.sim.published_baseline import baseline_of, baseline_step
 from nereus.sim.published_predict import SOURCES, predict
 from nereus.sim.published_runs import COLUMNS, RowSkipped, published_run, text
-from nereus.spec.errors import InfeasibleError
+from nereus.spec.errors import InfeasibleError, SpecError
 
 
 def read_rows(path: Path) -> list[dict]:
-    """The CSV's rows; lines starting with '#' are comments (the packaged copy's header)."""
-    lines = path.read_text(encoding="utf-8-sig").splitlines()
-    return list(csv.DictReader(line for line in lines if line.strip() and not line.startswith("#")))
+    """The CSV's rows; lines starting with '#' are comments (the packaged copy's header). Column names are
+    read without surrounding blanks; bytes that are not UTF-8 read as U+FFFD (a cell they make unreadable
+    skips its row with the reason)."""
+    lines = path.read_text(encoding="utf-8-sig", errors="replace").splitlines()
+    reader = csv.DictReader(line for line in lines if line.strip() and not line.startswith("#"))
+    if reader.fieldnames is not None:
+        reader.fieldnames = [(name or "").strip() for name in reader.fieldnames]
+    return list(reader)
 
 
 def validate(rows: list[dict], source: str) -> tuple[list[tuple[str, str, float, float]], list[dict], int]:
@@ -53,10 +58,14 @@ def validate(rows: list[dict], source: str) -> tuple[list[tuple[str, str, float,
             skipped.append({"run_id": run_id, "why": f"predicted {', '.join(endless)} not finite (the row's job "
                                                      "does not fit the GPUs' memory as modelled)"})
             continue
+        mine = [(run_id, c, v, guess[c]) for c, v in run.published.items()
+                if c in guess and v > 0]  # a published 0 has no relative error
+        if not mine:  # modelled, yet nothing to compare: say so rather than count it
+            skipped.append({"run_id": run_id, "why": f"none of its published {', '.join(run.published)} is "
+                                                     "predicted (a stage its job does not run, or a published 0)"})
+            continue
         modelled += 1
-        for column, value in run.published.items():
-            if column in guess and value > 0:  # a published 0 has no relative error
-                cells.append((run_id, column, value, guess[column]))
+        cells += mine
     return cells, skipped, modelled
 
 
@@ -115,6 +124,9 @@ def baselines(rows: list[dict]) -> str:
             step = baseline_step(run, name)
         except InfeasibleError as why:
             out.append(f"{run.run_id:<16} {name:<18} not simulated: {str(why).split(':')[0]} does not fit")
+            continue
+        except SpecError as why:  # the baseline's own plan for the row's job is not one it can run
+            out.append(f"{run.run_id:<16} {name:<18} not simulated: {why}")
             continue
         errors.append(abs(step.error_pct))
         out.append(f"{run.run_id:<16} {name:<18} {step.published_s:>10.1f} {step.simulated_s:>10.1f} "

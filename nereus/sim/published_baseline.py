@@ -40,8 +40,8 @@ class BaselineStep:
 
 def baseline_of(run: PublishedRun, framework: str) -> str | None:
     """The baseline standing for the row's system, None when none does (another framework or mode, a
-    synchronous row whose rollout has GPUs of its own, no published step)."""
-    if framework.lower() != "verl" or "t_step_s" not in run.published:
+    synchronous row whose rollout has GPUs of its own, no published step or a published 0)."""
+    if framework.lower() != "verl" or run.published.get("t_step_s", 0) <= 0:
         return None
     if run.sync_mode == "sync" and run.plan.strategy != "colocated":
         return None

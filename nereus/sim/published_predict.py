@@ -40,8 +40,9 @@ from nereus.cost.fully_async import queue_assembly_time, trainer_step, trainer_w
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.sim.backend import SimBackend, TruthConfig
-from nereus.sim.published_runs import PublishedRun
+from nereus.sim.published_runs import PublishedRun, RowSkipped
 from nereus.sim.reality import Reality
+from nereus.spec.errors import SpecError
 from nereus.spec.trace import LengthPoint, Trace
 
 STAGE_OF = {"t_gen_s": "actor/generation", "t_old_logprob_s": "actor/inference", "t_ref_s": "reference/inference",
@@ -172,5 +173,10 @@ def predicted(run: PublishedRun, device: StepTimes) -> dict[str, float]:
 
 
 def predict(run: PublishedRun, source: str) -> dict[str, float]:
-    times = cost_times(run) if source == "cost" else sim_times(run)
+    """The row's predicted columns; ``RowSkipped`` when its plan is one the cost model rejects (a degree
+    that does not split the model, a batch that leaves a rank no sequence), with the model's reason."""
+    try:
+        times = cost_times(run) if source == "cost" else sim_times(run)
+    except SpecError as err:
+        raise RowSkipped(f"its plan cannot be priced: {err}") from None
     return predicted(run, times)

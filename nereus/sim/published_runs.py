@@ -80,7 +80,7 @@ from nereus.spec.job import JobSpec, job_from_dict
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
 from nereus.spec.model import ModelArch
 from nereus.spec.moe import MoESpec
-from nereus.spec.parallel_dims import layer_problem
+from nereus.spec.parallel_dims import layer_problem, tp_splits
 
 # Published per-step values a row may carry, in table order (``e2e_runs.md``).
 STAGE_COLUMNS = ("t_gen_s", "t_old_logprob_s", "t_ref_s", "t_values_s", "t_update_actor_s",
@@ -300,7 +300,8 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
     total = count(row, "gpus_total", "the GPU count")
     per_node = count(row, "gpus_per_node") or min(total, GPUS_PER_NODE)
     if total % per_node:
-        raise RowSkipped(f"gpus_total {total} is not a multiple of gpus_per_node {per_node}")
+        stated = "" if text(row, "gpus_per_node") else f" (empty: {GPUS_PER_NODE}, an HGX node's)"
+        raise RowSkipped(f"gpus_total {total} is not a multiple of gpus_per_node {per_node}{stated}")
     enum(row, "algorithm", ALGORITHMS, "other")
     critic = enum(row, "critic", ("yes", "no"), "no") == "yes"
     reference = enum(row, "reference", ("yes", "no"), "no") == "yes"
@@ -309,14 +310,15 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
     models = {"actor": arch, **({"critic": arch} if critic else {}), **({"reference": arch} if reference else {})}
     models = with_reward_model(row, models, "ppo" if critic else "grpo")  # a framework's learned reward model
     framework = framework_of(row)
+    per_update = framework.mini_batch_prompts
     if weight_sync_only(published):  # nominal batch, a sequence a GPU: the weight transfer does not depend on it
         prompts, samples, (prompt, _), (response, cap) = total, 2, (1, 1), (1, 1)
+        per_update = prompts  # in one update, which then also has a sequence for every GPU
     else:
         prompts = count(row, "prompts_per_step", "the batch")
         samples = count(row, "samples_per_prompt") or 1
         (prompt, prompt_cap), (response, cap) = mean_length(row, "prompt"), mean_length(row, "response")
         prompt = prompt_cap if framework.prompt_at_cap else prompt  # DeepSpeed-Chat pads prompts to the cap
-    per_update = framework.mini_batch_prompts
     mini_batches = prompts // per_update if prompts % per_update == 0 else 1
     data = {
         "name": text(row, "run_id"),
@@ -420,6 +422,10 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
     # a row's tokens in a micro-batch: its own length, or the step's longest where the framework pads
     seq = padded_width(job) if job.options.padded_batches else wl.prompt_length + round(wl.response.mean)
     cap = (count(row, "max_prompt_len") or wl.prompt_length) + wl.response.max
+    per_update = job.sequences_per_step() // job.algorithm.mini_batches  # verl asserts one a rank at least
+    if per_update < dp:
+        raise RowSkipped(f"a mini-batch of {per_update} sequences ({framework_of(row).mini_batch_prompts} prompts "
+                         f"or the step's) leaves some of the {dp} training ranks none")
     share = max(1, job.sequences_per_step() // dp)  # an inference pass takes the whole batch
     update_share = max(1, share // job.algorithm.mini_batches)  # an update takes a mini-batch
     fsdp = backend == "fsdp" and dp > 1
@@ -457,9 +463,8 @@ def _rollout_tp(row: dict, job: JobSpec, gen_gpus: int) -> int:
         params_b = job.models["actor"].params() / 1e9
         recipe = verl_moe_recipe(row)  # an MoE model: verl's MoE script of its size, not a dense one's
         tp = recipe.rollout_tp if recipe else system_recipe_tp("verl", job.algorithm.name, params_b)[0]
-        # a script's TP the rollout GPUs (or the heads) do not split into: the largest below it that does
-        heads = job.models["actor"].heads
-        tp = max(t for t in range(1, min(gen_gpus, tp) + 1) if gen_gpus % t == 0 and heads % t == 0)
+        # a script's TP the rollout GPUs (or heads, KV heads too) do not split into: the largest below it that does
+        tp = max(t for t in range(1, min(gen_gpus, tp) + 1) if gen_gpus % t == 0 and tp_splits(arch, t))
     if gen_gpus % tp:
         raise RowSkipped(f"rollout_tp {tp} does not divide the {gen_gpus} rollout GPUs")
     return tp

@@ -69,7 +69,8 @@ def split_problem(arch: ModelArch, tp: int, ep: int = 1, cp: int = 1, dp: int = 
     """The one TP/EP/CP divisibility rule; None when the degrees split ``arch``:
 
     - TP splits whole attention heads and gives every rank the KV heads its query heads read (whole GQA
-      groups: ``tp`` divides ``kv_heads``, or is a multiple of it, KV heads then replicated);
+      groups: ``tp`` divides ``kv_heads``, or is a multiple of it, KV heads then replicated) and leaves
+      every rank columns of each expert (``tp`` at most the experts' FFN width);
     - EP splits whole experts over data-parallel ranks: ``ep`` divides ``dp`` and the expert count;
     - CP is not laid out yet: ``cp`` is 1."""
     heads, kv = arch.heads, arch.kv_heads
@@ -78,6 +79,8 @@ def split_problem(arch: ModelArch, tp: int, ep: int = 1, cp: int = 1, dp: int = 
     if kv % tp and tp % kv:
         return DegreeProblem("tp", tp, f"splits the {kv} KV heads unevenly: give a tp that divides {kv} or is a "
                                        f"multiple of it (and divides {heads})")
+    if arch.moe is not None and arch.moe.expert_ffn_hidden < tp:  # a rank would hold no column of an expert
+        return DegreeProblem("tp", tp, f"exceeds the experts' FFN width {arch.moe.expert_ffn_hidden}")
     if ep > 1:
         experts = expert_count(arch)
         if not experts:

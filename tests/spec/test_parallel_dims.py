@@ -13,6 +13,7 @@ import pytest
 from nereus.spec.errors import SpecError
 from nereus.spec.layout import Layout
 from nereus.spec.model import PRESETS, ModelArch
+from nereus.spec.moe import MoESpec
 from nereus.spec.parallel_dims import (
     Coord,
     ParallelDims,
@@ -293,3 +294,12 @@ def test_an_uneven_pipeline_split_is_priced_at_its_fullest_stage_but_not_runnabl
     with pytest.raises(SpecError, match="does not split the 61 layers evenly"):
         ParallelDims.of(Layout(tp=8, pp=12), arch, "run.layouts.actor/training")
     assert ParallelDims.of(Layout(tp=8, pp=12), arch, "plan", priced=True).pp == 12
+
+
+def test_a_tp_wider_than_the_experts_ffn_is_refused():
+    """A rank of a TP above the experts' FFN width would hold no column of an expert (priced, it divided by
+    zero): the degree is refused with its reason; at the width itself it splits."""
+    arch = ModelArch(layers=2, hidden=64, ffn_hidden=8, heads=8, kv_heads=8, vocab=37, moe=MoESpec(4, 2, 4))
+    assert tp_splits(arch, 4)
+    problem = split_problem(arch, 8)
+    assert problem is not None and str(problem) == "tp=8 exceeds the experts' FFN width 4"

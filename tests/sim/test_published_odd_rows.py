@@ -1,0 +1,64 @@
+"""Rows of the published-runs schema the packaged data set does not have (``nereus.sim.published_runs``,
+``published_predict``, ``published_baseline``): a rollout TP derived for heads it must split, a weight-sync
+row at hundreds of GPUs, a mini-batch too small for the training ranks, a plan the cost model rejects, a
+published step of 0. Each is modelled or skipped with its reason, never a crash."""
+
+from __future__ import annotations
+
+import csv
+import math
+from importlib import resources
+
+import pytest
+
+from nereus.sim.published_baseline import baseline_of
+from nereus.sim.published_predict import predict
+from nereus.sim.published_runs import RowSkipped, published_run
+
+
+def rows() -> dict[str, dict]:
+    text = resources.files("nereus.cost").joinpath("e2e_runs.csv").read_text()
+    return {r["run_id"]: r for r in csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))}
+
+
+def test_a_derived_rollout_tp_splits_the_kv_heads_too() -> None:
+    """verl's MoE script of 235B runs TP8; on 14 rollout GPUs the largest TP below it dividing them and the 28
+    heads is 7, which splits 4 KV heads unevenly (the plan was rejected): TP 2 splits both."""
+    row = {**rows()["verl_fa30_2"], "rollout_tp": "", "params_b": "235", "hidden": "3584", "n_heads": "28",
+           "n_kv_heads": "4", "gpus_total": "30", "gpus_per_node": "2", "gen_gpus": "14", "train_gpus": "16"}
+    run = published_run(row)
+    assert run.plan.placement("actor/generation").layout.tp == 2
+    assert all(math.isfinite(v) for v in predict(run, "cost").values())
+
+
+def test_a_weight_sync_row_is_priced_at_hundreds_of_gpus() -> None:
+    """Its nominal batch is one update: mini-batches of 32 prompts left 128 training ranks without a sequence."""
+    row = {**rows()["verl_wsync_1"], "gpus_total": "256", "gen_gpus": "128", "train_gpus": "128"}
+    run = published_run(row)
+    assert run.job.algorithm.mini_batches == 1
+    assert set(predict(run, "cost")) == {"t_weight_sync_s"}
+
+
+def test_a_mini_batch_smaller_than_the_training_ranks_skips_the_row() -> None:
+    row = {**rows()["verl_fa_7"], "samples_per_prompt": "1"}  # 32 sequences a mini-batch, 64 training ranks
+    with pytest.raises(RowSkipped, match="mini-batch of 32 sequences .* 64 training ranks"):
+        published_run(row)
+
+
+def test_gpus_per_node_left_empty_is_named_in_the_reason() -> None:
+    row = {**rows()["verl_oso_2"], "gpus_per_node": "", "gpus_total": "12", "gen_gpus": "4", "train_gpus": "8"}
+    with pytest.raises(RowSkipped, match=r"gpus_per_node 8 \(empty: 8"):
+        published_run(row)
+
+
+def test_a_plan_the_cost_model_rejects_skips_the_row_with_its_reason() -> None:
+    run = published_run({**rows()["verl_oso_3"], "n_kv_heads": "7"})  # the row's rollout TP 2 splits 7 KV heads
+    for source in ("cost", "sim"):
+        with pytest.raises(RowSkipped, match="cannot be priced: .*7 KV heads"):
+            predict(run, source)
+
+
+def test_a_published_step_of_zero_has_no_baseline() -> None:
+    run = published_run({**rows()["verl_oso_3"], "t_step_s": "0"})
+    assert baseline_of(run, "verl") is None
+    assert baseline_of(published_run(rows()["verl_oso_3"]), "verl") == "verl-like"
