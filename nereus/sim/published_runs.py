@@ -223,11 +223,13 @@ def published_values(row: dict) -> dict[str, float]:
 
 
 def gpu_name(row: dict) -> str:
-    """The preset of the row's GPU kind: 'H20-96G' is the H20 family's preset."""
-    kind = text(row, "gpu")
-    family = kind.split("-")[0].upper()
-    if not kind or family == "OTHER" or family not in gpu_presets():
+    """The preset of the row's GPU kind ('H20-96G': H20's), unless its memory differs ('A100-40G')."""
+    kind, presets = text(row, "gpu"), gpu_presets()
+    family, memory = kind.split("-")[0].upper(), re.fullmatch(r".*-(\d+)GB?", kind.upper())
+    if not kind or family == "OTHER" or family not in presets:
         raise RowSkipped(f"gpu={kind!r} is not in the GPU catalogue (nereus/spec/hardware.csv)")
+    if memory and f"{family}-{memory.group(1)}GB" not in presets:
+        raise RowSkipped(f"gpu={kind!r}: the catalogue's {family} is {presets[family].name} (nereus/spec/hardware.csv)")
     return family
 
 
@@ -300,8 +302,8 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
     total = count(row, "gpus_total", "the GPU count")
     per_node = count(row, "gpus_per_node") or min(total, GPUS_PER_NODE)
     if total % per_node:
-        stated = "" if text(row, "gpus_per_node") else f" (empty: {GPUS_PER_NODE}, an HGX node's)"
-        raise RowSkipped(f"gpus_total {total} is not a multiple of gpus_per_node {per_node}{stated}")
+        raise RowSkipped(f"gpus_total {total} is not a multiple of gpus_per_node {per_node}"
+                         + ("" if text(row, "gpus_per_node") else f" (empty: {GPUS_PER_NODE}, an HGX node's)"))
     enum(row, "algorithm", ALGORITHMS, "other")
     critic = enum(row, "critic", ("yes", "no"), "no") == "yes"
     reference = enum(row, "reference", ("yes", "no"), "no") == "yes"
@@ -312,8 +314,7 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
     framework = framework_of(row)
     per_update = framework.mini_batch_prompts
     if weight_sync_only(published):  # nominal batch, a sequence a GPU: the weight transfer does not depend on it
-        prompts, samples, (prompt, _), (response, cap) = total, 2, (1, 1), (1, 1)
-        per_update = prompts  # in one update, which then also has a sequence for every GPU
+        prompts, samples, (prompt, _), (response, cap), per_update = total, 2, (1, 1), (1, 1), total  # 1 update
     else:
         prompts = count(row, "prompts_per_step", "the batch")
         samples = count(row, "samples_per_prompt") or 1
@@ -424,8 +425,7 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
     cap = (count(row, "max_prompt_len") or wl.prompt_length) + wl.response.max
     per_update = job.sequences_per_step() // job.algorithm.mini_batches  # verl asserts one a rank at least
     if per_update < dp:
-        raise RowSkipped(f"a mini-batch of {per_update} sequences ({framework_of(row).mini_batch_prompts} prompts "
-                         f"or the step's) leaves some of the {dp} training ranks none")
+        raise RowSkipped(f"a mini-batch's {per_update} sequences leave some of the {dp} training ranks none")
     share = max(1, job.sequences_per_step() // dp)  # an inference pass takes the whole batch
     update_share = max(1, share // job.algorithm.mini_batches)  # an update takes a mini-batch
     fsdp = backend == "fsdp" and dp > 1

@@ -198,6 +198,7 @@ def test_every_variant_is_modelled_or_skipped_by_the_cost_model() -> None:
                    "throughput_only", "derived_tp_kv_heads", "tiny_dense", "blank_padded"):
         assert run_id not in why, why[run_id]
     assert "gpu" in why["verl_oso_3.gpu.9"] and "gpu" in why["verl_oso_3.gpu.13"]  # other, MI300X
+    assert "catalogue's A100" in why["verl_oso_3.gpu.4"]  # A100-40G
     assert "not modelled" in why["verl_oso_3.rollout_engine.4"]  # lmdeploy
     assert "gpus_per_node" in why["no_gpus_per_node_12"]
     assert "no published" in why["nothing_published"] and "predicted" in why["all_zero"]

@@ -14,6 +14,7 @@ import pytest
 from nereus.sim.published_baseline import baseline_of
 from nereus.sim.published_predict import predict
 from nereus.sim.published_runs import RowSkipped, published_run
+from nereus.spec.cluster import gpu_presets
 
 
 def rows() -> dict[str, dict]:
@@ -41,7 +42,7 @@ def test_a_weight_sync_row_is_priced_at_hundreds_of_gpus() -> None:
 
 def test_a_mini_batch_smaller_than_the_training_ranks_skips_the_row() -> None:
     row = {**rows()["verl_fa_7"], "samples_per_prompt": "1"}  # 32 sequences a mini-batch, 64 training ranks
-    with pytest.raises(RowSkipped, match="mini-batch of 32 sequences .* 64 training ranks"):
+    with pytest.raises(RowSkipped, match="mini-batch's 32 sequences leave some of the 64 training ranks"):
         published_run(row)
 
 
@@ -62,3 +63,15 @@ def test_a_published_step_of_zero_has_no_baseline() -> None:
     run = published_run({**rows()["verl_oso_3"], "t_step_s": "0"})
     assert baseline_of(run, "verl") is None
     assert baseline_of(published_run(rows()["verl_oso_3"]), "verl") == "verl-like"
+
+
+@pytest.mark.parametrize(("gpu", "preset"), [("A100-80G", "A100"), ("h100-80gb", "H100"), ("GB200", "GB200"),
+                                             ("H20-96G", "H20"), ("A100-40G", None), ("H100-94G", None)])
+def test_a_gpu_kind_is_its_familys_preset_only_at_the_presets_memory(gpu: str, preset: str | None) -> None:
+    """An A100-40G is not the catalogue's A100 (80 GB, 2.0 TB/s): skipped, not priced as the other GPU."""
+    row = {**rows()["verl_oso_3"], "gpu": gpu}
+    if preset is None:
+        with pytest.raises(RowSkipped, match=f"gpu='{gpu}': the catalogue's"):
+            published_run(row)
+    else:
+        assert published_run(row).job.cluster.gpu == gpu_presets()[preset]
