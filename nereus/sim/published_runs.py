@@ -366,7 +366,7 @@ def published_run(row: dict) -> PublishedRun:
     plan = plan_of(row, job, weight_sync_only(published))
     actor, gen = plan.placement("actor/training").layout, plan.placement("actor/generation").layout
     calls = call_sequences(row, job.models["actor"].params() / 1e9, job.algorithm.samples_per_prompt, actor.dp, gen.dp)
-    return PublishedRun(run_id, with_calls(job, calls), plan, text(row, "sync_mode") or "sync",
+    return PublishedRun(run_id, with_calls(job, calls), plan, enum(row, "sync_mode", SYNC_MODES, "sync"),
                         published, number(row, "staleness"), padded, pauses_in_flight(row))
 
 
@@ -374,7 +374,7 @@ def pauses_in_flight(row: dict) -> bool:
     """Partial rollout: the ``partial_rollout`` sync mode, or a fully-async row whose notes do not turn
     verl's ``async_training.partial_rollout`` off (True in fully_async_ppo_trainer.yaml and its
     Megatron twin). verl applies it only at a staleness threshold above 0 (docs/advance/fully_async.md)."""
-    mode = text(row, "sync_mode")
+    mode = text(row, "sync_mode").lower()  # as ``enum`` reads it
     if mode == "partial_rollout":
         return True
     stale = (number(row, "staleness") or 0) > 0
@@ -475,7 +475,7 @@ def disaggregated_sync(row: dict) -> str:
     ``checkpoint_engine`` says yes. An optional column; empty or absent, verl's default: on in its
     fully-async recipe (fully_async_ppo_trainer.yaml, ``checkpoint_engine.enable: True``), absent from
     the others (one-step-off broadcasts tensor by tensor)."""
-    fully_async = text(row, "sync_mode") in ("fully_async", "partial_rollout")
+    fully_async = text(row, "sync_mode").lower() in ("fully_async", "partial_rollout")
     engine = setting(row, "checkpoint_engine", "yes" if fully_async else "no") == "yes"
     return "checkpoint-engine" if engine else "tensor-broadcast"
 

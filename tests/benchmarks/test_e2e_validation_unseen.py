@@ -247,3 +247,16 @@ def test_bytes_that_are_not_utf8_skip_their_row(tmp_path: Path, capsys: pytest.C
     path.write_bytes(path.read_bytes().replace(b",16,", b",1\xe96,", 1))
     out = summary(capsys, "--rows", str(path), "--json")
     assert out["rows"] == 0 and "not a number" in out["skipped"][0]["why"]
+
+
+ENUMS = ("framework", "algorithm", "critic", "reference", "arch", "gpu", "placement", "rollout_engine",
+         "enforce_eager", "checkpoint_engine", "train_backend", "offload", "dynamic_bsz", "sync_mode")
+
+
+def test_an_enum_cell_in_capitals_or_with_blanks_is_read_as_written_plainly() -> None:
+    """'FULLY_ASYNC' was priced as a synchronous step (the mode compared as written)."""
+    rows = packaged_rows()
+    pairs = [(base, column) for base in BASES for column in ENUMS]
+    plain = [{**rows[base], "run_id": f"{base}.{column}"} for base, column in pairs]
+    loud = [{**row, column: f" {row[column].upper()} "} for row, (_, column) in zip(plain, pairs, strict=True)]
+    assert e2e_validation.validate(loud, "cost") == e2e_validation.validate(plain, "cost")
