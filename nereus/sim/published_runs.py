@@ -239,9 +239,7 @@ def arch_dict(row: dict) -> dict:
     need = "the architecture"
     heads = count(row, "n_heads", need)
     hidden = count(row, "hidden", need)
-    head_dim = count(row, "head_dim")
-    if head_dim is not None and head_dim * heads != hidden and not moe:
-        raise RowSkipped(f"head_dim {head_dim} differs from hidden / n_heads ({hidden // heads}): not modelled")
+    head_dim = count(row, "head_dim")  # as written where it differs from hidden / heads (Qwen3-4B, -32B)
     out = {"layers": count(row, "n_layers", need), "hidden": hidden, "heads": heads,
            "kv_heads": count(row, "n_kv_heads") or heads, "vocab": count(row, "vocab", need),
            **({"head_dim": head_dim} if head_dim is not None else {})}

@@ -75,3 +75,13 @@ def test_a_gpu_kind_is_its_familys_preset_only_at_the_presets_memory(gpu: str, p
             published_run(row)
     else:
         assert published_run(row).job.cluster.gpu == gpu_presets()[preset]
+
+
+def test_a_dense_row_whose_head_dim_is_not_hidden_over_heads_is_priced_with_it() -> None:
+    """Qwen3-32B: 64 heads of 128 over hidden 5120 (its public config); it was skipped, as MoE rows were not."""
+    row = {**rows()["verl_oso_3"], "params_b": "32.8", "n_layers": "64", "hidden": "5120", "n_heads": "64",
+           "n_kv_heads": "8", "head_dim": "128", "ffn_hidden": "25600", "vocab": "151936", "rollout_tp": "4"}
+    run = published_run(row)
+    actor = run.job.models["actor"]
+    assert actor.head_dim == 128 and abs(actor.params() / 32.8e9 - 1) < 0.01
+    assert all(math.isfinite(v) and v > 0 for v in predict(run, "cost").values())
