@@ -146,9 +146,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.rows.is_file():
         print(f"--rows: {args.rows} is not a file; give a CSV in the e2e_runs.csv schema", file=sys.stderr)
         return 2
-    cells, skipped, modelled = validate(read_rows(args.rows), args.source)
-    if not args.json:
+    try:
         rows = read_rows(args.rows)
+    except (OSError, csv.Error) as why:  # unreadable, or not CSV (a cell over the csv module's size limit)
+        print(f"--rows: {args.rows} cannot be read as CSV ({why}); give a CSV in the e2e_runs.csv schema",
+              file=sys.stderr)
+        return 2
+    cells, skipped, modelled = validate(rows, args.source)
+    if not args.json:
         print(table(cells, skipped))
         print(by_source(cells, rows))
         print(baselines(rows))

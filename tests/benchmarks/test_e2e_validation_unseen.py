@@ -260,3 +260,11 @@ def test_an_enum_cell_in_capitals_or_with_blanks_is_read_as_written_plainly() ->
     plain = [{**rows[base], "run_id": f"{base}.{column}"} for base, column in pairs]
     loud = [{**row, column: f" {row[column].upper()} "} for row, (_, column) in zip(plain, pairs, strict=True)]
     assert e2e_validation.validate(loud, "cost") == e2e_validation.validate(plain, "cost")
+
+
+def test_a_file_the_csv_module_cannot_read_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "runs.csv"
+    path.write_text("run_id,notes\nx," + "a" * 200_000 + "\n")  # a cell over csv.field_size_limit()
+    assert e2e_validation.main(["--rows", str(path), "--json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("--rows:") and "cannot be read as CSV" in err and "\n" not in err
