@@ -30,6 +30,7 @@ Both give per-model-stage and per-phase seconds; the published columns follow fr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,9 +175,13 @@ def predicted(run: PublishedRun, device: StepTimes) -> dict[str, float]:
 
 def predict(run: PublishedRun, source: str) -> dict[str, float]:
     """The row's predicted columns; ``RowSkipped`` when its plan is one the cost model rejects (a degree
-    that does not split the model, a batch that leaves a rank no sequence), with the model's reason."""
+    that does not split the model, a batch that leaves a rank no sequence), with the model's reason. A
+    generation the cost model finds no memory for (its time infinite) is the cost model's on both sources:
+    the simulator's truth checks no memory of its own, and no real run decodes without its weights."""
     try:
-        times = cost_times(run) if source == "cost" else sim_times(run)
+        times = cost_times(run)
+        if source == "sim" and all(math.isfinite(t) for t in times.stages.values()):
+            times = sim_times(run)
     except SpecError as err:
         raise RowSkipped(f"its plan cannot be priced: {err}") from None
     return predicted(run, times)

@@ -206,11 +206,13 @@ def test_every_variant_is_modelled_or_skipped_by_the_cost_model() -> None:
     assert "training ranks" in why["mini_batch_under_dp"]
     assert "FFN width" in why["moe_tp_beyond_expert"]
     assert "not a number" in why["comma_number"]
+    assert "does not fit" in why["huge_dense"]
     assert modelled > len(rows) // 2
 
 
 def test_every_variant_is_modelled_or_skipped_by_the_simulator() -> None:
-    check_every_row(variants(small=True), "sim")
+    _, skipped, _ = check_every_row(variants(small=True), "sim")
+    assert "does not fit" in {s["run_id"]: s["why"] for s in skipped}["huge_dense"]  # the truth has no memory
 
 
 @pytest.mark.parametrize("source", ["cost", "sim"])
