@@ -113,10 +113,15 @@ def dates(text: str) -> list[str]:
 
 
 def results_rows(readme: str) -> list[list[str]]:
-    """The cells of the rows of README's "Results" table (header and rule left out)."""
+    """The cells of the rows of README's "Results" tables (each table's header and rule left out)."""
     section = readme.partition("\n## Results\n")[2].partition("\n## ")[0]
-    rows = [line for line in section.splitlines() if line.startswith("|")]
-    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
+    tables: list[list[str]] = [[]]
+    for line in section.splitlines():
+        if line.startswith("|"):
+            tables[-1].append(line)
+        elif tables[-1]:
+            tables.append([])
+    return [[cell.strip() for cell in row.strip("|").split("|")] for table in tables for row in table[2:]]
 
 
 def readme_problems(readme: str, root: Path = ROOT) -> list[str]:

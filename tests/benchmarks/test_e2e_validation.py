@@ -80,3 +80,16 @@ def test_sources_are_named_by_framework_and_document() -> None:
     cells = [("a", "t_step_s", 100.0, 110.0), ("b", "t_step_s", 100.0, 80.0)]
     text = e2e_validation.by_source(cells, [{**verl, "run_id": "a"}, {**verl, "run_id": "b"}])
     assert "verl docs/advance/fully_async.md" in text and "15.0%" in text
+
+
+def test_the_readme_quotes_what_the_validation_prints(capsys: pytest.CaptureFixture) -> None:
+    """The README's validation table (its "all" row: cost / simulator per stage) is what the script gives
+    on the packaged rows now: a model change that moves a figure must move the README with it."""
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| **all**"))
+    quoted = [cell.strip() for cell in row.strip("|").split("|")][3:]
+    rows = str(ROOT / "nereus" / "cost" / "e2e_runs.csv")
+    cost, sim = (summary(capsys, "--rows", rows, "--source", source, "--json") for source in ("cost", "sim"))
+    columns = ("t_gen_s", "t_old_logprob_s", "t_ref_s", "t_update_actor_s", "t_weight_sync_s", "t_step_s")
+    printed = [f"{cost['mean_abs_pct'][c]:.0f} / {sim['mean_abs_pct'][c]:.0f}" for c in columns]
+    assert quoted == printed
