@@ -103,6 +103,22 @@ def framework_of(row: dict) -> FrameworkDefaults:
     return FRAMEWORKS.get((row.get("framework") or "").strip().lower(), VERL)
 
 
+def update_prompts(row: dict, total: int, samples: int) -> int:
+    """Prompts per optimizer update: the framework's default, or more where that would leave a data-parallel
+    training rank without a sequence. verl asserts that a mini-batch covers every DP rank, so a run that ran
+    had at least that many (DP: the trainer's GPUs, ``train_gpus`` or all, over a Megatron row's
+    ``train_tp`` x ``train_pp``)."""
+
+    def whole(key: str, default: int) -> int:
+        value = (row.get(key) or "").strip()
+        return int(value) if value.isdigit() and int(value) > 0 else default
+
+    megatron = (row.get("train_backend") or "").strip().lower() == "megatron"
+    model_parallel = whole("train_tp", 1) * whole("train_pp", 1) if megatron else 1
+    ranks = max(1, whole("train_gpus", total) // model_parallel)
+    return max(framework_of(row).mini_batch_prompts, -(-ranks // max(1, samples)))
+
+
 def rollout_engine_name(row: dict) -> str | None:
     """The engine whose traits price the row's rollout (``spec.engines``): the row's, ``other`` as its
     framework runs it; None when Nereus declares no such engine."""

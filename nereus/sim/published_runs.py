@@ -22,7 +22,8 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
   (a framework that pads: rows as wide as the step's longest).
 - PPO mini-batches of ``MINI_BATCH_PROMPTS`` prompts (the schema has no mini-batch count): one optimizer
   update each, micro-batched by token budget within it, so a pipeline's bubble and FSDP's gathers are paid
-  per mini-batch; one update a step when the prompts do not split into them.
+  per mini-batch; more prompts where those would leave a training rank none (``update_prompts``); one update
+  a step when the prompts do not split into them.
 - the batch through verl's driver padded to the length caps (``padded_tokens``, ``cost.controller``).
 - recomputation in training as each backend runs by default in verl's recipes: FSDP and DeepSpeed with
   gradient checkpointing (``enable_gradient_checkpointing=True``, full recompute), Megatron without
@@ -70,6 +71,7 @@ from nereus.sim.published_frameworks import (
     framework_rollout_tp,
     priced_as_framework,
     unmodelled,
+    update_prompts,
     with_calls,
     with_reward_model,
 )
@@ -310,13 +312,13 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
     models = {"actor": arch, **({"critic": arch} if critic else {}), **({"reference": arch} if reference else {})}
     models = with_reward_model(row, models, "ppo" if critic else "grpo")  # a framework's learned reward model
     framework = framework_of(row)
-    per_update = framework.mini_batch_prompts
     if weight_sync_only(published):  # nominal batch, a sequence a GPU: the weight transfer does not depend on it
         prompts, samples, (prompt, _), (response, cap), per_update = total, 2, (1, 1), (1, 1), total  # 1 update
     else:
         prompts = count(row, "prompts_per_step", "the batch")
         samples = count(row, "samples_per_prompt") or 1
         (prompt, prompt_cap), (response, cap) = mean_length(row, "prompt"), mean_length(row, "response")
+        per_update = update_prompts(row, total, samples)  # every training rank a sequence, at the least
         prompt = prompt_cap if framework.prompt_at_cap else prompt  # DeepSpeed-Chat pads prompts to the cap
     mini_batches = prompts // per_update if prompts % per_update == 0 else 1
     data = {

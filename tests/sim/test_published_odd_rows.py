@@ -40,10 +40,14 @@ def test_a_weight_sync_row_is_priced_at_hundreds_of_gpus() -> None:
     assert set(predict(run, "cost")) == {"t_weight_sync_s"}
 
 
-def test_a_mini_batch_smaller_than_the_training_ranks_skips_the_row() -> None:
-    row = {**rows()["verl_fa_7"], "samples_per_prompt": "1"}  # 32 sequences a mini-batch, 64 training ranks
-    with pytest.raises(RowSkipped, match="mini-batch's 32 sequences leave some of the 64 training ranks"):
-        published_run(row)
+def test_a_mini_batch_covers_every_training_rank() -> None:
+    """verl's default 32 prompts a mini-batch would leave 32 of the 64 training ranks without a sequence at
+    one sample a prompt; a run that ran had at least 64 prompts a mini-batch (8 updates of 512)."""
+    row = {**rows()["verl_fa_7"], "samples_per_prompt": "1"}
+    run = published_run(row)
+    assert run.job.algorithm.mini_batches == 512 // 64
+    assert all(math.isfinite(v) for v in predict(run, "cost").values())
+    assert published_run(rows()["verl_fa_7"]).job.algorithm.mini_batches == 512 // 32  # 16 samples: the default
 
 
 def test_gpus_per_node_left_empty_is_named_in_the_reason() -> None:
