@@ -16,12 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from nereus.control.backend import RunToEnd
-from nereus.sim.backend import SimBackend, TruthConfig
+from nereus.sim.backend import SimBackend
 from nereus.sim.baselines import make_policy
-from nereus.sim.published_predict import SIM_SEEDS, SIM_STEPS
+from nereus.sim.published_predict import SIM_SEEDS, SIM_STEPS, one_point, truth_of
 from nereus.sim.published_runs import PublishedRun
-from nereus.sim.reality import Reality
-from nereus.spec.trace import LengthPoint, Trace
 
 BASELINE_OF = {"sync": "verl-like", "one_step_off": "verl-async-like"}
 
@@ -50,9 +48,7 @@ def baseline_of(run: PublishedRun, framework: str) -> str | None:
 
 def baseline_step(run: PublishedRun, baseline: str, seeds: int = SIM_SEEDS, steps: int = SIM_STEPS) -> BaselineStep:
     """The baseline's own plan for the row's job, run on the truth: its mean step time."""
-    r = run.job.workload.response
-    trace = Trace(run.run_id, "published run", steps, r.sigma, (LengthPoint(0, r.mean, r.max),))
-    truth = TruthConfig(reality=Reality(padded_slots=run.padded_tokens))
+    trace, truth = one_point(run, steps), truth_of(run)
     policy = make_policy(baseline, run.job)
     plan = policy.initial_plan(run.job.cluster.num_gpus)
     times = [SimBackend(run.job, trace, seed, truth).run_step(plan, step, RunToEnd()).step_time_s

@@ -75,9 +75,7 @@ def sim_times(run: PublishedRun, seeds: int = SIM_SEEDS, steps: int = SIM_STEPS)
     is one draw of a real one): ``steps`` steps each on a one-point trace at the row's lengths, every
     generation run to its end. The truth's driver pass at the row's padded width (``sim.reality``) is
     taken out again, so both sources give device times that ``with_controller`` completes alike."""
-    r = run.job.workload.response
-    trace = Trace(run.run_id, "published run", steps, r.sigma, (LengthPoint(0, r.mean, r.max),))
-    truth = TruthConfig(reality=Reality(padded_slots=run.padded_tokens))
+    trace, truth = one_point(run, steps), truth_of(run)
     measured = [SimBackend(run.job, trace, seed, truth).run_step(run.plan, step, RunToEnd())
                 for seed in range(seeds) for step in range(steps)]
     stages = {k: float(np.mean([without_driver(m, k) for m in measured])) for k in measured[0].stage_times_s}
@@ -85,6 +83,17 @@ def sim_times(run: PublishedRun, seeds: int = SIM_SEEDS, steps: int = SIM_STEPS)
               for k in measured[0].phase_times_s}
     tail = float(np.mean([m.detail.get("generation", {}).get("tail_s", 0.0) for m in measured]))
     return StepTimes(stages, phases, tail)
+
+
+def one_point(run: PublishedRun, steps: int) -> Trace:
+    """A trace of ``steps`` steps at the row's response lengths."""
+    r = run.job.workload.response
+    return Trace(run.run_id, "published run", steps, r.sigma, (LengthPoint(0, r.mean, r.max),))
+
+
+def truth_of(run: PublishedRun) -> TruthConfig:
+    """The simulator's truth, its driver's pass at the row's padded width."""
+    return TruthConfig(reality=Reality(padded_slots=run.padded_tokens))
 
 
 def without_driver(m: StepMetrics, name: str) -> float:
