@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from nereus.cost.hardware import Hardware
 from nereus.cost.memory import BF16
+from nereus.cost.weight_sync import checkpoint_tensors
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout
 
@@ -60,23 +61,6 @@ OBJECT_COLLECTIVES_PER_PARAMETER = 3
 NCCL_CALL_S = 8.4e-6
 
 
-def checkpoint_tensors(job: JobSpec) -> int:
-    """The actor's checkpoint tensors as a Hugging Face checkpoint names them: per layer attention (q, k,
-    v, o; +3 QKV biases, +2 q/k norms) and two norms, then a dense MLP's three or, in a sparse layer, three
-    per routed expert, the router, and a shared expert's three and its gate; the embedding, the final norm
-    and an untied LM head."""
-    a = job.models["actor"]
-    attention = 6 + (3 if a.qkv_bias else 0) + (2 if a.qk_norm else 0)
-    total = 2 + (0 if a.tied_embeddings else 1)
-    for layer in range(a.layers):
-        if a.moe is not None and a.moe.sparse(layer):
-            shared = 4 if a.moe.shared_expert_ffn_hidden else 0
-            total += attention + 3 * a.moe.experts + 1 + shared
-        else:
-            total += attention + 3
-    return total
-
-
 def expert_tensors(job: JobSpec) -> int:
     """Checkpoint tensors that are routed experts' (gate, up, down of each expert of each sparse layer)."""
     a = job.models["actor"]
@@ -106,14 +90,11 @@ def megatron_parameters(job: JobSpec, layout: Layout) -> int:
     per expert; experts / ep of them) and a shared expert's three; the embedding, final norm, output layer."""
     a = job.models["actor"]
     attention = 3 + (1 if a.qkv_bias else 0) + (2 if a.qk_norm else 0)
-    total = 2 + (0 if a.tied_embeddings else 1)
-    for layer in range(a.layers):
-        if a.moe is not None and a.moe.sparse(layer):
-            shared = 3 if a.moe.shared_expert_ffn_hidden else 0
-            total += attention + 2 + 2 * (a.moe.experts // max(1, layout.ep)) + shared
-        else:
-            total += attention + 3
-    return total
+    sparse = a.sparse_layers()
+    sparse_mlp = 0 if a.moe is None else 2 + 2 * (a.moe.experts // max(1, layout.ep)) + (
+        3 if a.moe.shared_expert_ffn_hidden else 0)
+    outside = 2 + (0 if a.tied_embeddings else 1)
+    return outside + a.layers * attention + (a.layers - sparse) * 3 + sparse * sparse_mlp
 
 
 def export_gather_time(hw: Hardware, job: JobSpec, layout: Layout) -> float:

@@ -43,11 +43,11 @@ from nereus.cost.hardware import Hardware
 from nereus.cost.memory import BF16
 from nereus.cost.sync_host_costs import (
     NCCL_CALL_S,
-    checkpoint_tensors,
     engine_load_time,
     export_time,
 )
 from nereus.cost.weight_sync import (
+    checkpoint_tensors,
     gather_broadcast_time,
     hybrid_reshard_time,
     zero3_gather_time,
@@ -83,11 +83,6 @@ def host_copy_bytes_per_s(hw: Hardware, train: Placement) -> float:
     for g in train.gpus:
         per_node[hw.cluster.node_of(g)] = per_node.get(hw.cluster.node_of(g), 0) + 1
     return HOST_MEMORY_BYTES_PER_S / 2 / max(per_node.values())
-
-
-def checkpoint_tensors_with_experts(job: JobSpec) -> int:
-    """The actor's checkpoint tensors, routed experts' included (``sync_host_costs.checkpoint_tensors``)."""
-    return checkpoint_tensors(job)
 
 
 def _crosses_nodes(hw: Hardware, train: Placement, gen: Placement) -> bool:

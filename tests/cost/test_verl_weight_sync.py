@@ -19,11 +19,11 @@ from nereus.cost.sync_host_costs import (
 from nereus.cost.verl_weight_sync import (
     broadcast_time,
     checkpoint_engine_time,
-    checkpoint_tensors_with_experts,
     host_copy_bytes_per_s,
     pcie_bytes_per_s,
     tensor_broadcast_time,
 )
+from nereus.cost.weight_sync import checkpoint_tensors
 from nereus.sim.published_runs import published_run
 from nereus.spec.layout import Layout, ModelStage, Placement
 
@@ -51,7 +51,7 @@ def test_the_rows_checkpoint_engine_column_picks_the_mechanism() -> None:
 
 def test_a_dense_checkpoint_counts_nine_tensors_a_layer() -> None:
     job = _run("verl_wsync_1").job  # 28 layers (the schema carries no QKV biases), embedding, norm, head
-    assert checkpoint_tensors_with_experts(job) == 28 * 9 + 3
+    assert checkpoint_tensors(job) == 28 * 9 + 3
 
 
 def _placements(run):
@@ -62,7 +62,7 @@ def _placements(run):
 def test_each_load_call_walks_the_whole_engine_model() -> None:
     dense, moe, large = (_run(r).job for r in ("verl_wsync_1", "verl_wsync_3", "verl_wsync_5"))
     assert engine_call_time(dense) < engine_call_time(moe) < engine_call_time(large)  # layers, expert table
-    tensors = checkpoint_tensors_with_experts(moe)
+    tensors = checkpoint_tensors(moe)
     per_tensor, per_bucket = engine_load_time(moe, calls=tensors), engine_load_time(moe, calls=16)
     assert per_tensor - per_bucket == pytest.approx((tensors - 16) * engine_call_time(moe))
     assert 0 < per_bucket < per_tensor / 10  # the loader's per-tensor work stays when the calls go
@@ -71,7 +71,7 @@ def test_each_load_call_walks_the_whole_engine_model() -> None:
 def test_the_per_tensor_sync_adds_the_link_to_the_slower_host_loop() -> None:
     run = _run("verl_wsync_3")
     hw, (train, gen) = Hardware(run.job.cluster), _placements(run)
-    tensors = checkpoint_tensors_with_experts(run.job)
+    tensors = checkpoint_tensors(run.job)
     loops = max(export_time(hw, run.job, train.layout), engine_load_time(run.job, calls=tensors))
     link = broadcast_time(hw, run.job, train, gen, calls=tensors)
     assert tensor_broadcast_time(hw, run.job, train, gen) == pytest.approx(loops + link)
@@ -111,7 +111,7 @@ def test_megatron_exports_its_local_experts_and_fsdp_gathers_every_tensor() -> N
     assert megatron_parameters(run.job, no_ep) > megatron_parameters(run.job, layout)  # experts / ep a rank
     assert export_time(hw, run.job, no_ep) > export_time(hw, run.job, layout)  # more object collectives
     fsdp = Layout(**{**layout.to_dict(), "ep": 1, "fsdp": True, "zero1": False})
-    tensors = checkpoint_tensors_with_experts(run.job)
+    tensors = checkpoint_tensors(run.job)
     assert export_time(hw, run.job, fsdp) > tensors * DTENSOR_GATHER_S  # one DTensor gather a tensor
 
 
