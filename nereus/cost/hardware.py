@@ -11,6 +11,11 @@ from dataclasses import dataclass, field, replace
 from nereus.spec.cluster import ClusterSpec
 
 GIB = 1024**3
+# Host-to-device copy rate from pinned memory, one direction of a PCIe x16 link: 5.0 (32 GT/s a lane,
+# 128b/130b: 63 GB/s) on Hopper and Blackwell boards, 4.0 (31.5 GB/s) on A100/A800 (PCI-SIG base
+# specifications; NVIDIA A100 and H100 datasheets, "PCIe Gen4" / "PCIe Gen5").
+PCIE_BYTES_PER_S = 63e9
+PCIE_GEN4_GPUS = ("A100", "A800")
 
 
 @dataclass(frozen=True)
@@ -123,3 +128,9 @@ class Hardware:
 
     def with_priors(self, **changes: float) -> Hardware:
         return replace(self, priors=replace(self.priors, **changes))
+
+
+def pcie_bytes_per_s(hw: Hardware) -> float:
+    """One GPU's PCIe link to its host, one direction."""
+    gen4 = any(hw.cluster.gpu.name.startswith(name) for name in PCIE_GEN4_GPUS)
+    return PCIE_BYTES_PER_S / 2 if gen4 else PCIE_BYTES_PER_S

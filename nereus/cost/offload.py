@@ -21,8 +21,7 @@ whose training state exceeds a GPU generate at all.
 
 from __future__ import annotations
 
-from nereus.cost.hardware import Hardware
-from nereus.cost.verl_weight_sync import pcie_bytes_per_s
+from nereus.cost.hardware import Hardware, pcie_bytes_per_s
 
 OFFLOADS = ("none", "param", "optimizer", "param+optimizer", "optimizer-swap", "param+optimizer-swap")
 # Host memory bandwidth of a two-socket HGX/DGX host: 2 x 8 channels of DDR4-3200, 25.6 GB/s each (NVIDIA

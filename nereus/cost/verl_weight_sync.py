@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 
-from nereus.cost.hardware import Hardware
+from nereus.cost.hardware import Hardware, pcie_bytes_per_s
 from nereus.cost.memory import BF16
 from nereus.cost.sync_host_costs import (
     NCCL_CALL_S,
@@ -57,11 +57,6 @@ from nereus.spec.layout import Placement
 
 # verl's default checkpoint-engine bucket (fully_async_ppo_trainer.yaml, ``device_buffer_size_M: 4096``).
 BUCKET_BYTES = 4096 * 2**20
-# Host-to-device copy rate from pinned memory, one direction of a PCIe x16 link: 5.0 (32 GT/s a lane,
-# 128b/130b: 63 GB/s) on Hopper and Blackwell boards, 4.0 (31.5 GB/s) on A100/A800 (PCI-SIG base
-# specifications; NVIDIA A100 and H100 datasheets, "PCIe Gen4" / "PCIe Gen5").
-PCIE_BYTES_PER_S = 63e9
-PCIE_GEN4_GPUS = ("A100", "A800")
 # A GPU node's host memory bandwidth: two sockets of eight DDR5-4800 channels, 8 bytes wide (307 GB/s a
 # socket; Intel 4th-gen Xeon Scalable, the host of HGX H100/H20 boards). A copy reads and writes each
 # byte, and the node's trainer ranks pack at once, so each copies at 614 / 2 / (its node's trainer ranks).
@@ -70,11 +65,6 @@ HOST_MEMORY_BYTES_PER_S = 614e9
 # Simple protocol; a broadcast over channels that repeat the same ring adds one hop).
 NCCL_HOP_NVLINK_S = 3.4e-6
 NCCL_HOP_NET_S = 14e-6
-
-
-def pcie_bytes_per_s(hw: Hardware) -> float:
-    gen4 = any(hw.cluster.gpu.name.startswith(name) for name in PCIE_GEN4_GPUS)
-    return PCIE_BYTES_PER_S / 2 if gen4 else PCIE_BYTES_PER_S
 
 
 def host_copy_bytes_per_s(hw: Hardware, train: Placement) -> float:

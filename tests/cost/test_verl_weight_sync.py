@@ -7,7 +7,7 @@ from importlib import resources
 
 import pytest
 
-from nereus.cost.hardware import Hardware
+from nereus.cost.hardware import Hardware, pcie_bytes_per_s
 from nereus.cost.memory import BF16
 from nereus.cost.sync_host_costs import (
     DTENSOR_GATHER_S,
@@ -20,7 +20,6 @@ from nereus.cost.verl_weight_sync import (
     broadcast_time,
     checkpoint_engine_time,
     host_copy_bytes_per_s,
-    pcie_bytes_per_s,
     tensor_broadcast_time,
 )
 from nereus.cost.weight_sync import checkpoint_tensors
