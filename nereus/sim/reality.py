@@ -68,9 +68,10 @@ def driver_seconds(reality: Reality, job: JobSpec, response_cap: int) -> float:
 
 
 def straggler_factor(slowness: np.ndarray, gpus: tuple[int, ...]) -> float:
-    """A synchronous stage's time factor: its slowest GPU's."""
-    on = [g for g in gpus if 0 <= g < len(slowness)]
-    return float(max(slowness[on])) if on else 1.0
+    """A synchronous stage's time factor: its slowest GPU's (vectorised: it runs per stage every step)."""
+    at = np.fromiter(gpus, np.int64, len(gpus))
+    at = at[(at >= 0) & (at < len(slowness))]
+    return float(slowness[at].max()) if len(at) else 1.0
 
 
 @dataclass(frozen=True)
