@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from nereus.sim.published_baseline import baseline_of, baseline_step
-from nereus.sim.published_predict import SOURCES, predict
+from nereus.sim.published_predict import SOURCES, floors, predict
 from nereus.sim.published_runs import COLUMNS, RowSkipped, published_run, text
 from nereus.spec.errors import InfeasibleError, SpecError
 
@@ -42,9 +42,10 @@ def read_rows(path: Path) -> list[dict]:
     return list(reader)
 
 
-def validate(rows: list[dict], source: str) -> tuple[list[tuple[str, str, float, float]], list[dict], int]:
-    """(run id, column, published, predicted) per cell, the skipped rows, and the rows modelled."""
-    cells, skipped, modelled = [], [], 0
+def validate(rows: list[dict], source: str) -> tuple[list[tuple[str, str, float, float]], list[dict], int, list[str]]:
+    """(run id, column, published, predicted) per cell, the skipped rows, the rows modelled, and why each
+    published value of a modelled row below its floor (``below_floor``) is not compared."""
+    cells, skipped, modelled, uncompared = [], [], 0, []
     for i, row in enumerate(rows):
         run_id = text(row, "run_id") or f"(row {i + 1})"
         try:
@@ -58,15 +59,28 @@ def validate(rows: list[dict], source: str) -> tuple[list[tuple[str, str, float,
             skipped.append({"run_id": run_id, "why": f"predicted {', '.join(endless)} not finite (the row's job "
                                                      "does not fit the GPUs' memory as modelled)"})
             continue
+        unreachable = below_floor(run)
         mine = [(run_id, c, v, guess[c]) for c, v in run.published.items()
-                if c in guess and v > 0]  # a published 0 has no relative error
+                if c in guess and v > 0 and c not in unreachable]  # a published 0 has no relative error
+        if not mine and unreachable:
+            skipped.append({"run_id": run_id, "why": "; ".join(unreachable.values())})
+            continue
         if not mine:  # modelled, yet nothing to compare: say so rather than count it
             skipped.append({"run_id": run_id, "why": f"none of its published {', '.join(run.published)} is "
                                                      "predicted (a stage its job does not run, or a published 0)"})
             continue
         modelled += 1
         cells += mine
-    return cells, skipped, modelled
+        uncompared += [f"{run_id}: {why}" for why in unreachable.values()]
+    return cells, skipped, modelled, uncompared
+
+
+def below_floor(run) -> dict[str, str]:
+    """The row's published values below the least any run of its plan takes (``floors``), each with why:
+    they timed something other than their column, so they are reported, not compared."""
+    return {c: f"{c} published {run.published[c]:g} s is below {floor:.3f} s, the least any run of its "
+               "mechanism takes (its bytes into each receiver at the links' peak): not compared"
+            for c, floor in floors(run).items() if run.published[c] < floor}
 
 
 def summary(cells: list, skipped: list[dict], modelled: int) -> dict:
@@ -100,11 +114,12 @@ def by_source(cells: list, rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def table(cells: list, skipped: list[dict]) -> str:
+def table(cells: list, skipped: list[dict], uncompared: list[str]) -> str:
     out = [f"{'run':<16} {'column':<18} {'published':>10} {'predicted':>10} {'error':>8}"]
     for run_id, column, published, guess in cells:
         error = 100 * (guess / published - 1)
         out.append(f"{run_id:<16} {column:<18} {published:>10.2f} {guess:>10.2f} {error:>+7.0f}%")
+    out += [f"not compared {line}" for line in uncompared]
     out += [f"skipped {s['run_id']}: {s['why']}" for s in skipped]
     return "\n".join(out)
 
@@ -152,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--rows: {args.rows} cannot be read as CSV ({why}); give a CSV in the e2e_runs.csv schema",
               file=sys.stderr)
         return 2
-    cells, skipped, modelled = validate(rows, args.source)
+    cells, skipped, modelled, uncompared = validate(rows, args.source)
     if not args.json:
-        print(table(cells, skipped))
+        print(table(cells, skipped, uncompared))
         print(by_source(cells, rows))
         print(baselines(rows))
     print(json.dumps(summary(cells, skipped, modelled)))

@@ -29,10 +29,12 @@ Simple protocol).
   bucket with one ``load_weights`` call after its broadcast (``overlap_broadcast_and_consume`` is off by
   default). The bytes cross the links once, the engine's calls are per bucket, its per-tensor work stays.
 
-A published sync below what the bytes alone take is not reachable by this model: verl's fully-async
-ablation prints 0.02 s for Qwen2.5-7B with the checkpoint engine, while each rollout GPU must receive the
-15 GB over NVLink (450 GB/s one way: 34 ms) and each of the four trainer GPUs copies its 3.8 GB share to
-host memory and back over PCIe 5.0 (2 x 60 ms).
+Both broadcast every byte to every rank of the group, so no run of either is faster than the whole model
+entering one receiver at its links' peak (``broadcast_floor``, ``SYNC_FLOORS``): a published sync below it
+timed something else, and the validation does not compare it. verl's fully-async ablation prints 0.02 s for
+Qwen2.5-7B with the checkpoint engine, while each rollout GPU must receive the 15 GB over NVLink (450 GB/s
+one way: 34 ms) and each of the four trainer GPUs copies its 3.8 GB share to host memory and back over
+PCIe 5.0 (2 x 60 ms).
 """
 
 from __future__ import annotations
@@ -109,6 +111,16 @@ def checkpoint_engine_time(hw: Hardware, job: JobSpec, train: Placement, gen: Pl
             + broadcast_time(hw, job, train, gen, calls=buckets) + engine_load_time(job, calls=buckets))
 
 
+def broadcast_floor(hw: Hardware, job: JobSpec, train: Placement, gen: Placement) -> float:
+    """The least time a broadcast of the whole model over the sync group can take: every byte enters every
+    receiver, at best through all of its links at once (NVLink and its NIC) at their datasheet peaks, with
+    nothing else to do. A bound, not an estimate: no placement or protocol is assumed."""
+    gpu = hw.cluster.gpu
+    return job.models["actor"].params() * BF16 / (gpu.intra_node_bytes_per_s + gpu.inter_node_bytes_per_s)
+
+
 SYNC_TIMES = {"hybrid-reshard": hybrid_reshard_time, "gather-broadcast": gather_broadcast_time,
               "tensor-broadcast": tensor_broadcast_time, "checkpoint-engine": checkpoint_engine_time,
               "zero3-gather": zero3_gather_time}
+# The mechanisms whose every run takes at least a floor (seconds), by the bytes they move into each receiver.
+SYNC_FLOORS = {"tensor-broadcast": broadcast_floor, "checkpoint-engine": broadcast_floor}

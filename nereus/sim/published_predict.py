@@ -40,10 +40,12 @@ from nereus.cost.controller import controller_time
 from nereus.cost.fully_async import queue_assembly_time, trainer_step, trainer_wait
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
+from nereus.cost.verl_weight_sync import SYNC_FLOORS
 from nereus.sim.backend import SimBackend, TruthConfig
 from nereus.sim.published_runs import PublishedRun, RowSkipped
 from nereus.sim.reality import Reality
 from nereus.spec.errors import SpecError
+from nereus.spec.layout import ModelStage
 from nereus.spec.trace import LengthPoint, Trace
 
 STAGE_OF = {"t_gen_s": "actor/generation", "t_old_logprob_s": "actor/inference", "t_ref_s": "reference/inference",
@@ -194,3 +196,15 @@ def predict(run: PublishedRun, source: str) -> dict[str, float]:
     except SpecError as err:
         raise RowSkipped(f"its plan cannot be priced: {err}") from None
     return predicted(run, times)
+
+
+def floors(run: PublishedRun) -> dict[str, float]:
+    """The least seconds any run of the row's plan takes in a column, where physics bounds it: a weight
+    sync that broadcasts the whole model to every receiver (``cost.verl_weight_sync.SYNC_FLOORS``). A
+    published value below its floor timed something other than its column, so it is not compared."""
+    floor = SYNC_FLOORS.get(run.plan.weight_sync)
+    if floor is None or "t_weight_sync_s" not in run.published:
+        return {}
+    train = run.plan.placement(ModelStage("actor", "training"))
+    gen = run.plan.placement(ModelStage("actor", "generation"))
+    return {"t_weight_sync_s": floor(Hardware(run.job.cluster), run.job, train, gen)}

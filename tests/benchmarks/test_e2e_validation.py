@@ -93,3 +93,18 @@ def test_the_readme_quotes_what_the_validation_prints(capsys: pytest.CaptureFixt
     columns = ("t_gen_s", "t_old_logprob_s", "t_ref_s", "t_update_actor_s", "t_weight_sync_s", "t_step_s")
     printed = [f"{cost['mean_abs_pct'][c]:.0f} / {sim['mean_abs_pct'][c]:.0f}" for c in columns]
     assert quoted == printed
+
+
+def test_a_sync_below_its_floor_is_not_compared(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rows = packaged_rows()
+    impossible = {**rows["verl_oso_2"], "run_id": "fast_sync", "t_weight_sync_s": "0.001"}
+    only_sync = {**rows["verl_wsync_1"], "run_id": "fast_sync_only", "t_weight_sync_s": "0.001"}
+    path = write(tmp_path / "runs.csv", [rows["verl_oso_2"], impossible, only_sync])
+    assert e2e_validation.main(["--rows", str(path)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    out = json.loads(printed[-1])
+    assert out["rows"] == 2 and out["cells"] == 8  # both rows' four stage times; neither sync
+    assert "t_weight_sync_s" not in out["mean_abs_pct"]
+    assert [s["run_id"] for s in out["skipped"]] == ["fast_sync_only"]  # no value left to compare
+    assert out["skipped"][0]["why"].startswith("t_weight_sync_s published 0.001 s is below")
+    assert any(line.startswith("not compared fast_sync: t_weight_sync_s published 0.001 s") for line in printed)

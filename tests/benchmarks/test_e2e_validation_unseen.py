@@ -176,7 +176,7 @@ def summary(capsys: pytest.CaptureFixture, *args: str) -> dict:
 
 def check_every_row(rows: list[dict], source: str) -> tuple[list, list[dict], int]:
     """Each row modelled with finite cells or skipped with a one-line reason, never both, never neither."""
-    cells, skipped, modelled = e2e_validation.validate(rows, source)
+    cells, skipped, modelled, _ = e2e_validation.validate(rows, source)
     ids = [row["run_id"] or f"(row {i + 1})" for i, row in enumerate(rows)]
     with_cells = {run_id for run_id, *_ in cells}
     why = {s["run_id"]: s["why"] for s in skipped}

@@ -17,6 +17,9 @@ from nereus.cost.sync_host_costs import (
     megatron_parameters,
 )
 from nereus.cost.verl_weight_sync import (
+    SYNC_FLOORS,
+    SYNC_TIMES,
+    broadcast_floor,
     broadcast_time,
     checkpoint_engine_time,
     host_copy_bytes_per_s,
@@ -117,3 +120,21 @@ def test_megatron_exports_its_local_experts_and_fsdp_gathers_every_tensor() -> N
 def test_a_hopper_board_copies_over_pcie_5() -> None:
     hw = Hardware(_run("verl_wsync_1").job.cluster)
     assert pcie_bytes_per_s(hw) == pytest.approx(63e9)  # H20: PCIe 5.0 x16
+
+
+@pytest.mark.parametrize("run_id", ["verl_wsync_1", "verl_wsync_3", "verl_wsync_5", "verl_wsync_7"])
+def test_no_broadcast_is_priced_below_its_floor(run_id: str) -> None:
+    run = _run(run_id)
+    floor, hw = _sync(run, broadcast_floor)
+    gpu = hw.cluster.gpu
+    assert floor == pytest.approx(run.job.models["actor"].params() * BF16
+                                  / (gpu.intra_node_bytes_per_s + gpu.inter_node_bytes_per_s))
+    for mechanism in (tensor_broadcast_time, checkpoint_engine_time):
+        assert _sync(run, mechanism)[0] > floor
+    assert set(SYNC_FLOORS) <= set(SYNC_TIMES)
+
+
+def test_the_seven_b_checkpoint_engine_row_is_below_the_floor() -> None:
+    run = _run("verl_wsync_2")  # 15.2 GB into each H20 receiver: 30 ms at 450 + 50 GB/s, published 20 ms
+    floor, _ = _sync(run, SYNC_FLOORS[run.plan.weight_sync])
+    assert run.published["t_weight_sync_s"] < floor < 0.035
