@@ -28,6 +28,8 @@ Rules (docs/cost-model.md, "End-to-end RL runs"):
 - offload: the row's ``offload`` column (``Options.offload``, priced in ``cost.offload``): the state it
   names lives on the host, not beside the rollout's KV cache, and costs its transfers; an offloaded
   optimizer steps on the host (DeepSpeed, Megatron) or, in verl's FSDP workers, is swapped in for the GPU.
+  A verl MoE row that leaves it empty takes its recipe's (``sim.recipes``: every Megatron one offloads
+  parameters, gradients and the optimizer, which steps on the host).
 - GPU pools of a disaggregated row that leaves ``gen_gpus`` / ``train_gpus`` empty: OpenRLHF's example
   scripts and benchmark notes of the table's commit put the reference, reward model, critic, actor and
   vLLM engines on GPU groups of their own in the ratio 1:1:2:2:2 (``OPENRLHF_POOLS``); each model's stages
@@ -39,9 +41,11 @@ Rules (docs/cost-model.md, "End-to-end RL runs"):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from nereus.cost.offload import OFFLOADS
+from nereus.sim.recipes import Recipe, moe_recipe
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.job import JobSpec
 
@@ -143,11 +147,27 @@ def padded(row: dict) -> bool:
     return not framework_of(row).dynamic_batch
 
 
+def verl_moe_recipe(row: dict) -> Recipe | None:
+    """A verl MoE row's recipe, the nearest in size of verl's MoE scripts for the row's training backend
+    (``sim.recipes``): what the row leaves empty of its rollout (TP, ``enforce_eager``) and of its offload
+    is what that script sets. None for any other row (or one whose ``params_b`` is not a size)."""
+    try:
+        params_b = float((row.get("params_b") or "").strip())
+    except ValueError:
+        return None
+    verl = (row.get("framework") or "").strip().lower() == "verl"
+    if not verl or (row.get("arch") or "").strip().lower() != "moe" or not math.isfinite(params_b) or params_b <= 0:
+        return None
+    megatron = (row.get("train_backend") or "").strip().lower() == "megatron"
+    return moe_recipe("verl", params_b, "megatron" if megatron else "fsdp")
+
+
 def offload_of(row: dict) -> str | None:
-    """The row's ``offload`` (``cost.offload.OFFLOADS``; empty: none), None when it is not one of them. An
-    offloaded optimizer steps on the host (DeepSpeed's ZeRO-Offload, Megatron's CPU optimizer) except in
-    verl's FSDP workers, which swap its state in for the GPU's update (``optimizer-swap``)."""
-    value = (row.get("offload") or "").strip().lower() or "none"
+    """The row's ``offload`` (``cost.offload.OFFLOADS``; empty: its verl MoE recipe's, else none), None when it
+    is not one of them. An offloaded optimizer steps on the host (DeepSpeed's ZeRO-Offload, Megatron's CPU
+    optimizer) except in verl's FSDP workers, which swap its state in for the GPU's update (``optimizer-swap``)."""
+    recipe = verl_moe_recipe(row)
+    value = (row.get("offload") or "").strip().lower() or (recipe.offload if recipe else "none")
     if value not in ("none", "param", "optimizer", "param+optimizer"):
         return None
     fsdp = (row.get("train_backend") or "fsdp").strip().lower() in ("fsdp", "fsdp2")

@@ -72,10 +72,11 @@ from nereus.sim.published_frameworks import (
     priced_as_framework,
     unmodelled,
     update_prompts,
+    verl_moe_recipe,
     with_calls,
     with_reward_model,
 )
-from nereus.sim.recipes import Recipe, moe_recipe, system_recipe_tp
+from nereus.sim.recipes import system_recipe_tp
 from nereus.spec.cluster import gpu_presets
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec, job_from_dict
@@ -208,16 +209,6 @@ def decodes_eagerly(row: dict) -> bool:
     recipe = verl_moe_recipe(row)
     eager = old_verl or (recipe is not None and bool(recipe.enforce_eager))
     return setting(row, "enforce_eager", "yes" if eager else "no") == "yes"
-
-
-def verl_moe_recipe(row: dict) -> Recipe | None:
-    """A verl MoE row's recipe, the nearest in size of verl's MoE scripts for the row's training backend
-    (``sim.recipes``): what the row leaves empty of its rollout (TP, ``enforce_eager``) is what that script
-    sets."""
-    params_b = number(row, "params_b")
-    if text(row, "framework").lower() != "verl" or text(row, "arch").lower() != "moe" or not params_b:
-        return None
-    return moe_recipe("verl", params_b, BACKENDS.get(text(row, "train_backend").lower() or "fsdp", "fsdp"))
 
 
 def published_values(row: dict) -> dict[str, float]:

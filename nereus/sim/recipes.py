@@ -26,6 +26,8 @@ class Recipe:
     # verl's ``actor_rollout_ref.rollout.enforce_eager`` as the script sets it (None: the script leaves it)
     enforce_eager: bool | None = None
     backend: str = "fsdp"  # the training backend the script runs (verl's ``actor.strategy``)
+    # the actor's training state the script keeps on the host (``cost.offload.OFFLOADS``)
+    offload: str = "none"
 
     @property
     def url(self) -> str:
@@ -50,17 +52,20 @@ RECIPES: tuple[Recipe, ...] = (
 
 # verl's recipes for Mixture-of-Experts models, kept apart from the dense table above so a dense model's
 # recipe TP (and the simulator's recipe baselines) never come from an MoE script. Every Megatron one sets
-# ``rollout.enforce_eager=True`` (the rollout decodes without CUDA graphs); the FSDP one sets False.
+# ``rollout.enforce_eager=True`` (the rollout decodes without CUDA graphs) and ``offload=True`` for the
+# actor's ``megatron.param_offload``, ``grad_offload`` and ``optimizer_offload`` with
+# ``optimizer_cpu_offload=True`` at ``optimizer_offload_fraction`` 1 (the update steps on the host); the FSDP
+# one sets False and keeps the actor on the GPU (``actor_offload=False``).
 MOE_RECIPES: tuple[Recipe, ...] = (
     Recipe("verl", "grpo", "Qwen3-30B-A3B", 30.5, 4, "volcengine/verl",
            "examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh", "c281ea7797624601a1bcb15ac026d0e1c9dd853e",
-           enforce_eager=True, backend="megatron"),
+           enforce_eager=True, backend="megatron", offload="param+optimizer"),
     Recipe("verl", "grpo", "Qwen3-235B-A22B", 235.1, 8, "volcengine/verl",
            "examples/grpo_trainer/run_qwen3-235b_megatron_96gb.sh", "f6f910069b2b0812bcd4f20cc5f0be4999fb5440",
-           enforce_eager=True, backend="megatron"),
+           enforce_eager=True, backend="megatron", offload="param+optimizer"),
     Recipe("verl", "grpo", "DeepSeek-V3", 671.0, 32, "volcengine/verl",
            "examples/grpo_trainer/run_deepseek671b_math_megatron_96gb.sh", "bd756c15c8873e40cfbb5ef2a4d1d6cadb4ea272",
-           enforce_eager=True, backend="megatron"),
+           enforce_eager=True, backend="megatron", offload="param+optimizer"),
     Recipe("verl", "dapo", "Qwen3-30B-A3B-Base", 30.5, 4, "volcengine/verl",
            "verl/experimental/fully_async_policy/shell/dapo_30b_a3b_base_math_fsdp.sh",
            "2bb42bae6078359c3fdc56ba6c7533e76fc05407", enforce_eager=False),

@@ -56,3 +56,14 @@ def test_a_recipe_tp_the_rollout_gpus_do_not_split_into_falls_to_one_that_does()
 def test_dense_layers_launch_the_dense_kernels() -> None:
     assert decode_kernels_per_layer(28, 0, 10) == 10
     assert decode_kernels_per_layer(61, 58, 10) == pytest.approx(10 + 7 * 58 / 61)
+
+
+def test_an_moe_row_without_offload_takes_its_recipes() -> None:
+    row = rows()["verl_fa30_2"]  # Megatron, offload not stated: its script offloads and steps on the host
+    assert not row["offload"]
+    assert all(r.offload == ("param+optimizer" if r.backend == "megatron" else "none") for r in MOE_RECIPES)
+    assert published_run(row).job.options.offload == "param+optimizer"
+    assert published_run({**row, "offload": "none"}).job.options.offload == "none"  # the row's own value wins
+    assert published_run({**row, "train_backend": "fsdp2"}).job.options.offload == "none"  # the FSDP script's
+    dense = rows()["verl_oso_3"]  # a dense verl row without offload has no recipe to take it from
+    assert not dense["offload"] and published_run(dense).job.options.offload == "none"
