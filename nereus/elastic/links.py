@@ -6,12 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nereus.cost.hardware import Hardware
-
-# PCIe x16 per direction: 4.0 = 16 GT/s/lane, 5.0 = 32 GT/s/lane, 128b/130b encoding (PCI-SIG base specs):
-# 31.5 and 63 GB/s. A100 SXM hosts attach over PCIe 4.0, H100/H200 SXM over PCIe 5.0 (NVIDIA datasheets).
-PCIE_BYTES_PER_S = {"A100": 31.5e9, "H100": 63e9, "H200": 63e9}
-PCIE_DEFAULT = 31.5e9
+from nereus.cost.hardware import Hardware, pcie_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -28,9 +23,9 @@ class Links:
     @staticmethod
     def of(hw: Hardware) -> Links:
         gpu, p = hw.cluster.gpu, hw.priors
-        pcie = PCIE_BYTES_PER_S.get(gpu.name.split("-")[0], PCIE_DEFAULT)
-        # Host↔device copies reach ~80% of PCIe (as NCCL reaches ~80% of NVLink/IB: one efficiency prior).
+        # Host↔device copies reach ~80% of PCIe (as NCCL reaches ~80% of NVLink/IB: one efficiency prior);
+        # the link's rate by PCIe generation is the cost model's (``cost.hardware.pcie_bytes_per_s``).
         return Links(gpu.intra_node_bytes_per_s * p.intra_link_efficiency,
                      gpu.inter_node_bytes_per_s * p.inter_link_efficiency,
-                     pcie * p.intra_link_efficiency, gpu.hbm_bytes_per_s * p.hbm_efficiency,
+                     pcie_bytes_per_s(hw) * p.intra_link_efficiency, gpu.hbm_bytes_per_s * p.hbm_efficiency,
                      p.intra_latency_s, p.inter_latency_s)

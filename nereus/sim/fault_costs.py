@@ -15,15 +15,13 @@ from __future__ import annotations
 from nereus.control.loop import Recovery
 from nereus.control.record import RunRecord
 from nereus.control.transition_cost import TransitionCoster
-from nereus.cost.hardware import Hardware
+from nereus.cost.hardware import Hardware, pcie_bytes_per_s
 from nereus.cost.memory import BF16, OPTIMIZER_BYTES_PER_PARAM, stage_params
 from nereus.cost.transition import state_bytes_per_device
 from nereus.sim.fault_replay import LiveRecovery, RestartRecovery, StepTimeline
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Plan
 
-# NVIDIA H100 SXM datasheet: PCIe Gen5, 128 GB/s over both directions; a snapshot copies one way
-PCIE_BYTES_PER_S = 64e9
 PHASE_ORDER = ("generation", "inference", "training", "weight_sync")
 
 
@@ -76,7 +74,8 @@ def live_recovery(job: JobSpec, plan: Plan, survivors: Plan, coster: TransitionC
     return LiveRecovery(**{
         "reshard_s": coster(hw, job, plan, survivors),
         "regrow_s": coster(hw, job, survivors, plan),
-        "snapshot_s": max(snapshot_bytes_by_gpu(job, plan).values()) / PCIE_BYTES_PER_S,
+        # a snapshot copies one way over each GPU's PCIe link (``cost.hardware.pcie_bytes_per_s``)
+        "snapshot_s": max(snapshot_bytes_by_gpu(job, plan).values()) / pcie_bytes_per_s(hw),
         "checkpoint_s": max(by_node(job, snapshot_bytes_by_gpu(job, plan)).values()) / storage_bytes_per_s,
         **measured,
     })
