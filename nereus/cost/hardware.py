@@ -16,6 +16,13 @@ GIB = 1024**3
 # specifications; NVIDIA A100 and H100 datasheets, "PCIe Gen4" / "PCIe Gen5").
 PCIE_BYTES_PER_S = 63e9
 PCIE_GEN4_GPUS = ("A100", "A800")
+# A GPU node's host memory bandwidth, two sockets, by the board's host generation (the peak: host copies and
+# CPU-Adam stream their arrays, as a STREAM-like kernel does). PCIe 4.0 boards: 2 x 8 channels of DDR4-3200,
+# 25.6 GB/s each (NVIDIA DGX A100 datasheet: 2 x AMD EPYC 7742, 8 DDR4-3200 channels a socket); PCIe 5.0
+# boards: 2 x 8 channels of DDR5-4800, 38.4 GB/s each (NVIDIA DGX H100 datasheet: 2 x Intel Xeon Platinum
+# 8480C, 8 DDR5-4800 channels a socket).
+HOST_MEMORY_DDR4_BYTES_PER_S = 2 * 8 * 25.6e9
+HOST_MEMORY_DDR5_BYTES_PER_S = 2 * 8 * 38.4e9
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,15 @@ class Hardware:
         return replace(self, priors=replace(self.priors, **changes))
 
 
+def _pcie_gen4(hw: Hardware) -> bool:
+    return any(hw.cluster.gpu.name.startswith(name) for name in PCIE_GEN4_GPUS)
+
+
 def pcie_bytes_per_s(hw: Hardware) -> float:
     """One GPU's PCIe link to its host, one direction."""
-    gen4 = any(hw.cluster.gpu.name.startswith(name) for name in PCIE_GEN4_GPUS)
-    return PCIE_BYTES_PER_S / 2 if gen4 else PCIE_BYTES_PER_S
+    return PCIE_BYTES_PER_S / 2 if _pcie_gen4(hw) else PCIE_BYTES_PER_S
+
+
+def host_memory_bytes_per_s(hw: Hardware) -> float:
+    """One node's host memory bandwidth (all its sockets), by the host generation its PCIe link implies."""
+    return HOST_MEMORY_DDR4_BYTES_PER_S if _pcie_gen4(hw) else HOST_MEMORY_DDR5_BYTES_PER_S

@@ -21,13 +21,9 @@ whose training state exceeds a GPU generate at all.
 
 from __future__ import annotations
 
-from nereus.cost.hardware import Hardware, pcie_bytes_per_s
+from nereus.cost.hardware import Hardware, host_memory_bytes_per_s, pcie_bytes_per_s
 
 OFFLOADS = ("none", "param", "optimizer", "param+optimizer", "optimizer-swap", "param+optimizer-swap")
-# Host memory bandwidth of a two-socket HGX/DGX host: 2 x 8 channels of DDR4-3200, 25.6 GB/s each (NVIDIA
-# DGX A100 datasheet: 2 x AMD EPYC 7742; AMD EPYC 7742 specification, 8 DDR4-3200 channels). The peak: CPU-Adam
-# streams its arrays, as a STREAM-like kernel does.
-HOST_MEMORY_BYTES_PER_S = 2 * 8 * 25.6e9
 CPU_ADAM_BYTES_PER_PARAM = 28  # read fp32 weight, gradient, two moments; write weight and moments
 PCIE_BYTES_PER_PARAM = 2 + 2  # bf16 gradient down, bf16 weight back
 
@@ -50,7 +46,7 @@ def host_update_time(hw: Hardware, params_per_rank: float, ranks: int) -> float:
     CPU-Adam over the parameters of a node's ranks through its host memory."""
     per_node = min(ranks, hw.cluster.gpus_per_node)
     transfer = params_per_rank * PCIE_BYTES_PER_PARAM / pcie_bytes_per_s(hw)
-    return transfer + per_node * params_per_rank * CPU_ADAM_BYTES_PER_PARAM / HOST_MEMORY_BYTES_PER_S
+    return transfer + per_node * params_per_rank * CPU_ADAM_BYTES_PER_PARAM / host_memory_bytes_per_s(hw)
 
 
 def param_load_time(hw: Hardware, nbytes: float) -> float:

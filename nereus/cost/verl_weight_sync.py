@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 
-from nereus.cost.hardware import Hardware, pcie_bytes_per_s
+from nereus.cost.hardware import Hardware, host_memory_bytes_per_s, pcie_bytes_per_s
 from nereus.cost.memory import BF16
 from nereus.cost.sync_host_costs import (
     NCCL_CALL_S,
@@ -59,10 +59,6 @@ from nereus.spec.layout import Placement
 
 # verl's default checkpoint-engine bucket (fully_async_ppo_trainer.yaml, ``device_buffer_size_M: 4096``).
 BUCKET_BYTES = 4096 * 2**20
-# A GPU node's host memory bandwidth: two sockets of eight DDR5-4800 channels, 8 bytes wide (307 GB/s a
-# socket; Intel 4th-gen Xeon Scalable, the host of HGX H100/H20 boards). A copy reads and writes each
-# byte, and the node's trainer ranks pack at once, so each copies at 614 / 2 / (its node's trainer ranks).
-HOST_MEMORY_BYTES_PER_S = 614e9
 # NCCL's extra latency per broadcast call beyond ``NCCL_CALL_S``: one ring hop (tuning.cc ``hwLat``,
 # Simple protocol; a broadcast over channels that repeat the same ring adds one hop).
 NCCL_HOP_NVLINK_S = 3.4e-6
@@ -70,11 +66,13 @@ NCCL_HOP_NET_S = 14e-6
 
 
 def host_copy_bytes_per_s(hw: Hardware, train: Placement) -> float:
-    """One trainer rank's share of its node's host memory bandwidth while all of the node's ranks copy."""
+    """One trainer rank's share of its node's host memory bandwidth (``cost.hardware``) while all of the
+    node's ranks copy: a copy reads and writes each byte, so each copies at half the bandwidth over its
+    node's trainer ranks."""
     per_node: dict[int, int] = {}
     for g in train.gpus:
         per_node[hw.cluster.node_of(g)] = per_node.get(hw.cluster.node_of(g), 0) + 1
-    return HOST_MEMORY_BYTES_PER_S / 2 / max(per_node.values())
+    return host_memory_bytes_per_s(hw) / 2 / max(per_node.values())
 
 
 def _crosses_nodes(hw: Hardware, train: Placement, gen: Placement) -> bool:
