@@ -8,6 +8,12 @@ prints published, predicted and error per stage, then one JSON line: rows modell
 and why), cells predicted, the mean absolute error per column, and overall mean and largest.
 
     python benchmarks/e2e_validation.py --rows nereus/cost/e2e_runs.csv [--source cost|sim] [--json]
+        [--plot docs/img/e2e_validation.png]
+
+A published value below the least any run of its plan can take (a weight sync faster than its mechanism's
+bytes at the links' peak, ``published_predict.floors``) timed something other than its column: it is
+printed as not compared, and a row left with nothing to compare is skipped with that reason. ``--plot``
+also draws predicted against published seconds, cell by cell.
 
 Before the JSON line it also runs the simulator's verl baselines on verl's own published steps
 (``nereus.sim.published_baseline``: ``verl-like`` for a synchronous colocated row, ``verl-async-like`` for
@@ -152,11 +158,44 @@ def baselines(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def plot(path: Path, cells: list, rows: list[dict], source: str) -> None:
+    """Predicted against published seconds, one point per cell (log-log), a marker per column and a colour
+    per source document, with the line of no error and the ±20% band the targets allow a stage."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = {text(row, "run_id"): source_name(row) for row in rows}
+    documents = sorted({names.get(run_id, "?") for run_id, *_ in cells})
+    colours = {d: plt.get_cmap("tab10")(i % 10) for i, d in enumerate(documents)}
+    markers = dict(zip(COLUMNS, "o^sDv<P>X", strict=False))
+    fig, ax = plt.subplots(figsize=(7.5, 6.5))
+    seconds = [v for _, c, published, guess in cells if c != "tok_per_s_per_gpu" for v in (published, guess)]
+    low, high = min(seconds) / 2, max(seconds) * 2
+    ax.plot([low, high], [low, high], color="0.3", lw=1, label="no error")
+    ax.fill_between([low, high], [low * 0.8, high * 0.8], [low * 1.2, high * 1.2], color="0.9", label="±20%")
+    for run_id, column, published, guess in cells:
+        if column != "tok_per_s_per_gpu":
+            ax.scatter(published, guess, color=colours[names.get(run_id, "?")], marker=markers[column], s=28)
+    for d in documents:
+        ax.scatter([], [], color=colours[d], marker="o", label=d)
+    for column in sorted({c for _, c, *_ in cells} - {"tok_per_s_per_gpu"}, key=COLUMNS.index):
+        ax.scatter([], [], color="0.4", marker=markers[column], label=column)
+    ax.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="published seconds",
+           ylabel=f"predicted seconds ({source})", title=f"published RL runs, {len(cells)} cells")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=Path, required=True, help="a CSV in the e2e_runs.csv schema")
     ap.add_argument("--source", choices=SOURCES, default="cost", help="cost model (default) or simulator truth")
     ap.add_argument("--json", action="store_true", help="print only the JSON summary line")
+    ap.add_argument("--plot", type=Path, help="also write predicted against published seconds to this PNG")
     args = ap.parse_args(argv)
     if not args.rows.is_file():
         print(f"--rows: {args.rows} is not a file; give a CSV in the e2e_runs.csv schema", file=sys.stderr)
@@ -172,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(cells, skipped, uncompared))
         print(by_source(cells, rows))
         print(baselines(rows))
+    if args.plot and cells:
+        plot(args.plot, cells, rows, args.source)
     print(json.dumps(summary(cells, skipped, modelled)))
     return 0
 

@@ -108,3 +108,11 @@ def test_a_sync_below_its_floor_is_not_compared(tmp_path: Path, capsys: pytest.C
     assert [s["run_id"] for s in out["skipped"]] == ["fast_sync_only"]  # no value left to compare
     assert out["skipped"][0]["why"].startswith("t_weight_sync_s published 0.001 s is below")
     assert any(line.startswith("not compared fast_sync: t_weight_sync_s published 0.001 s") for line in printed)
+
+
+def test_the_plot_is_written(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rows = packaged_rows()
+    path = write(tmp_path / "runs.csv", [rows["verl_oso_3"], rows["verl_wsync_1"]])
+    out = summary(capsys, "--rows", str(path), "--json", "--plot", str(tmp_path / "cells.png"))
+    assert out["cells"] == 5
+    assert (tmp_path / "cells.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
