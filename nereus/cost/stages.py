@@ -155,6 +155,8 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
     """One step of mini-batch updates; None when the layout cannot split the batch."""
     arch, value_head = job.models[ms.model], job.has_value_head(ms.model)
     alg, opts = job.algorithm, job.options
+    if opts.training_efficiency:  # a framework whose training was measured below the prior (Options)
+        hw = hw.with_priors(gemm_efficiency=opts.training_efficiency)
     batches = micro_batches(job, layout, job.sequences_per_step() // alg.mini_batches)
     if batches is None:
         return None

@@ -34,6 +34,10 @@ Rules (docs/cost-model.md, "End-to-end RL runs"):
   scripts and benchmark notes of the table's commit put the reference, reward model, critic, actor and
   vLLM engines on GPU groups of their own in the ratio 1:1:2:2:2 (``OPENRLHF_POOLS``); each model's stages
   are placed on its group. verl and DeepSpeed-Chat publish no such default: their rows are skipped.
+- training throughput: OpenRLHF's and DeepSpeed-Chat's training stages run Hugging Face models under
+  DeepSpeed ZeRO-2/3 with gradient checkpointing and Adam offload, measured by the OpenRLHF authors on A800s
+  at a fraction of the GPU's peak (``TRAINING_EFFICIENCY``), which prices their GEMMs in place of the
+  ``gemm_efficiency`` prior (``Options.training_efficiency``); verl's rows keep the prior.
 - generate calls: OpenRLHF's actor ranks each hand their engine ``--micro_rollout_batch_size`` prompts per
   call and wait for it before the next (``OPENRLHF_CALL_PROMPTS``), so an engine decodes static batches of
   the calls in flight (``Options.rollout_call_sequences``, ``cost.static_decode``).
@@ -71,6 +75,8 @@ class FrameworkDefaults:
     # rollout TP a row without one starts from (0: verl's recipes', ``sim.recipes``), doubled while the
     # gathered bf16 weights take more than half a GPU's memory (``framework_rollout_tp``)
     rollout_tp: int = 0
+    # fraction of the GPU's peak its training stages' GEMMs reach (0: the cost model's prior), measured
+    training_efficiency: float = 0.0
 
 
 # verl: train_prompt_mini_bsz=32 in every DAPO recipe script behind its rows (verl/experimental/
@@ -92,14 +98,29 @@ OPENRLHF_CALL_PROMPTS = ((6.74, 16), (69.0, 2))
 # 8 for Llama-2-7B, 2 for 13B); its Hybrid Engine gathers a TP group's prompts into one batch. Its TP starts
 # at the hybrid engine's default inference_tp_size, 1 (DeepSpeed config ``hybrid_engine``).
 DSCHAT_CALL_PROMPTS = ((6.74, 8), (13.0, 2))
+# Measured training throughput, a fraction of the A800's 312 TFLOP/s dense bf16 peak (nereus/spec/hardware.csv),
+# from the OpenRLHF benchmark notes (OpenRLHF/OpenRLHF, benchmark/README.md, last at commit dbdd43b0: 8-16
+# A800-SXM-80GB, Llama-2, 1,024 prompts, 1,024 + 1,024-token caps, train_batch_size 128, ZeRO with Adam offload
+# and gradient checkpointing, deepspeed 0.13.2). Its "Training TFLOPs" is openrlhf/utils/perf.py's
+# print_throughput_step3: actor + critic FLOPs by Megatron's formula with the recompute forward (factor 4), every
+# sequence at the caps, over the measured training latency times every GPU of the run. Divided here by the GPUs
+# that train instead and pooled over the framework's runs (their FLOPs over their training GPU-seconds):
+# - OpenRLHF (ray+vllm; actor and critic train at once on 2 + 2 of 8 GPUs, 4 + 4 of 16 for 70B): 7B 403.29 s,
+#   13B 967.15 s, 70B 2,699.97 s: 2.37e17 + 4.54e17 + 2.26e18 FLOPs over 27,082 GPU-seconds, 109 TFLOP/s: 0.349
+#   (each run alone 0.47, 0.38, 0.34);
+# - DeepSpeed-Chat (hybrid engine off; actor ZeRO-2, critic ZeRO-3, --offload; all 8 GPUs train both): 7B
+#   492.01 s, 13B 1,218.76 s (60.34 and 46.61 TFLOP/s as printed): 0.162. Its run without offload reached
+#   142.01 TFLOP/s (0.455): most of the gap is DeepSpeed's host Adam step, which this figure carries.
+TRAINING_EFFICIENCY = {"OpenRLHF": 0.349, "DeepSpeed-Chat": 0.162}
 FRAMEWORKS = {f.name.lower(): f for f in (
     VERL,
     FrameworkDefaults("OpenRLHF", learned_reward=True, dynamic_batch=False, disaggregated_sync="gather-broadcast",
                       pools=OPENRLHF_POOLS, call_prompts=OPENRLHF_CALL_PROMPTS,
-                      mini_batch_prompts=OPENRLHF_TRAIN_BATCH),
+                      mini_batch_prompts=OPENRLHF_TRAIN_BATCH, training_efficiency=TRAINING_EFFICIENCY["OpenRLHF"]),
     FrameworkDefaults("DeepSpeed-Chat", learned_reward=True, dynamic_batch=False, prompt_at_cap=True,
                       other_engine="deepspeed-he", colocated_sync="zero3-gather", call_prompts=DSCHAT_CALL_PROMPTS,
-                      mini_batch_prompts=OPENRLHF_TRAIN_BATCH, rollout_tp=1),
+                      mini_batch_prompts=OPENRLHF_TRAIN_BATCH, rollout_tp=1,
+                      training_efficiency=TRAINING_EFFICIENCY["DeepSpeed-Chat"]),
 )}
 
 
@@ -205,7 +226,7 @@ def priced_as_framework(row: dict, job: JobSpec) -> JobSpec:
     """The job with its framework's batching, its rollout engine and its offload in the options the cost
     model reads (a row ``unmodelled`` passes)."""
     options = replace(job.options, padded_batches=padded(row), rollout_engine=rollout_engine_name(row),
-                      offload=offload_of(row))
+                      offload=offload_of(row), training_efficiency=framework_of(row).training_efficiency)
     return replace(job, options=options)
 
 

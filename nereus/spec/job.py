@@ -93,6 +93,10 @@ class Options:
     # sequences an engine replica is handed per generate call, each call waited for before the next (0: its
     # whole share in one call); a published run's framework's (``sim.published_frameworks``; not a job-file key)
     rollout_call_sequences: int = 0
+    # fraction of its datasheet peak a training stage's GEMMs reach (0: the ``gemm_efficiency`` prior,
+    # ``cost.hardware``): a published run's framework's measured training throughput
+    # (``sim.published_frameworks``; not a job-file key)
+    training_efficiency: float = 0.0
 
 
 @dataclass(frozen=True)
