@@ -99,8 +99,8 @@ OPENRLHF_CALL_PROMPTS = ((6.74, 16), (69.0, 2))
 # at the hybrid engine's default inference_tp_size, 1 (DeepSpeed config ``hybrid_engine``).
 DSCHAT_CALL_PROMPTS = ((6.74, 8), (13.0, 2))
 # Measured training throughput, a fraction of the A800's 312 TFLOP/s dense bf16 peak (nereus/spec/hardware.csv),
-# from the OpenRLHF benchmark notes (OpenRLHF/OpenRLHF, benchmark/README.md, last at commit dbdd43b0: 8-16
-# A800-SXM-80GB, Llama-2, 1,024 prompts, 1,024 + 1,024-token caps, train_batch_size 128, ZeRO with Adam offload
+# from the OpenRLHF benchmark notes (https://github.com/OpenRLHF/OpenRLHF/blob/dbdd43b0899b069a276fbc8813c6769011975806/benchmark/README.md:
+# 8-16 A800-SXM-80GB, Llama-2, 1,024 prompts, 1,024 + 1,024-token caps, train_batch_size 128, ZeRO with Adam offload
 # and gradient checkpointing, deepspeed 0.13.2). Its "Training TFLOPs" is openrlhf/utils/perf.py's
 # print_throughput_step3: actor + critic FLOPs by Megatron's formula with the recompute forward (factor 4), every
 # sequence at the caps, over the measured training latency times every GPU of the run. Divided here by the GPUs
