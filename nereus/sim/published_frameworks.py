@@ -29,7 +29,8 @@ Rules (docs/cost-model.md, "End-to-end RL runs"):
   names lives on the host, not beside the rollout's KV cache, and costs its transfers; an offloaded
   optimizer steps on the host (DeepSpeed, Megatron) or, in verl's FSDP workers, is swapped in for the GPU.
   A verl MoE row that leaves it empty takes its recipe's (``sim.recipes``: every Megatron one offloads
-  parameters, gradients and the optimizer, which steps on the host).
+  parameters, gradients and the optimizer, which steps on the host), and its PPO mini-batch is its
+  recipe's.
 - GPU pools of a disaggregated row that leaves ``gen_gpus`` / ``train_gpus`` empty: OpenRLHF's example
   scripts and benchmark notes of the table's commit put the reference, reward model, critic, actor and
   vLLM engines on GPU groups of their own in the ratio 1:1:2:2:2 (``OPENRLHF_POOLS``); each model's stages
@@ -129,10 +130,10 @@ def framework_of(row: dict) -> FrameworkDefaults:
 
 
 def update_prompts(row: dict, total: int, samples: int) -> int:
-    """Prompts per optimizer update: the framework's default, or more where that would leave a data-parallel
-    training rank without a sequence. verl asserts that a mini-batch covers every DP rank, so a run that ran
-    had at least that many (DP: the trainer's GPUs, ``train_gpus`` or all, over a Megatron row's
-    ``train_tp`` x ``train_pp``)."""
+    """Prompts per optimizer update: a verl MoE row's recipe's (``verl_moe_recipe``), else the framework's
+    default, or more where that would leave a data-parallel training rank without a sequence. verl asserts
+    that a mini-batch covers every DP rank, so a run that ran had at least that many (DP: the trainer's
+    GPUs, ``train_gpus`` or all, over a Megatron row's ``train_tp`` x ``train_pp``)."""
 
     def whole(key: str, default: int) -> int:
         value = (row.get(key) or "").strip()
@@ -141,7 +142,9 @@ def update_prompts(row: dict, total: int, samples: int) -> int:
     megatron = (row.get("train_backend") or "").strip().lower() == "megatron"
     model_parallel = whole("train_tp", 1) * whole("train_pp", 1) if megatron else 1
     ranks = max(1, whole("train_gpus", total) // model_parallel)
-    return max(framework_of(row).mini_batch_prompts, -(-ranks // max(1, samples)))
+    recipe = verl_moe_recipe(row)
+    prompts = recipe.mini_batch_prompts if recipe else framework_of(row).mini_batch_prompts
+    return max(prompts, -(-ranks // max(1, samples)))
 
 
 def rollout_engine_name(row: dict) -> str | None:

@@ -28,6 +28,8 @@ class Recipe:
     backend: str = "fsdp"  # the training backend the script runs (verl's ``actor.strategy``)
     # the actor's training state the script keeps on the host (``cost.offload.OFFLOADS``)
     offload: str = "none"
+    # prompts per PPO mini-batch, one optimizer update (verl's ``actor.ppo_mini_batch_size``)
+    mini_batch_prompts: int = 32
 
     @property
     def url(self) -> str:
@@ -55,14 +57,15 @@ RECIPES: tuple[Recipe, ...] = (
 # ``rollout.enforce_eager=True`` (the rollout decodes without CUDA graphs) and ``offload=True`` for the
 # actor's ``megatron.param_offload``, ``grad_offload`` and ``optimizer_offload`` with
 # ``optimizer_cpu_offload=True`` at ``optimizer_offload_fraction`` 1 (the update steps on the host); the FSDP
-# one sets False and keeps the actor on the GPU (``actor_offload=False``).
+# one sets False and keeps the actor on the GPU (``actor_offload=False``). Their ``train_prompt_mini_bsz``:
+# 128, 16, 32 and 32 prompts.
 MOE_RECIPES: tuple[Recipe, ...] = (
     Recipe("verl", "grpo", "Qwen3-30B-A3B", 30.5, 4, "volcengine/verl",
            "examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh", "c281ea7797624601a1bcb15ac026d0e1c9dd853e",
-           enforce_eager=True, backend="megatron", offload="param+optimizer"),
+           enforce_eager=True, backend="megatron", offload="param+optimizer", mini_batch_prompts=128),
     Recipe("verl", "grpo", "Qwen3-235B-A22B", 235.1, 8, "volcengine/verl",
            "examples/grpo_trainer/run_qwen3-235b_megatron_96gb.sh", "f6f910069b2b0812bcd4f20cc5f0be4999fb5440",
-           enforce_eager=True, backend="megatron", offload="param+optimizer"),
+           enforce_eager=True, backend="megatron", offload="param+optimizer", mini_batch_prompts=16),
     Recipe("verl", "grpo", "DeepSeek-V3", 671.0, 32, "volcengine/verl",
            "examples/grpo_trainer/run_deepseek671b_math_megatron_96gb.sh", "bd756c15c8873e40cfbb5ef2a4d1d6cadb4ea272",
            enforce_eager=True, backend="megatron", offload="param+optimizer"),

@@ -67,3 +67,11 @@ def test_an_moe_row_without_offload_takes_its_recipes() -> None:
     assert published_run({**row, "train_backend": "fsdp2"}).job.options.offload == "none"  # the FSDP script's
     dense = rows()["verl_oso_3"]  # a dense verl row without offload has no recipe to take it from
     assert not dense["offload"] and published_run(dense).job.options.offload == "none"
+
+
+def test_an_moe_row_updates_in_its_recipes_mini_batches() -> None:
+    row = rows()["verl_fa30_1"]  # 512 prompts a step; its notes: ppo_mini_batch_size=128, the 30B script's
+    assert moe_recipe("verl", 30.5).mini_batch_prompts == 128
+    assert published_run(row).job.algorithm.mini_batches == 4
+    assert published_run({**row, "arch": "dense", "n_experts": "", "experts_per_token": "", "moe_ffn_hidden": "",
+                          "ffn_hidden": "6144"}).job.algorithm.mini_batches == 16  # verl's dense recipes' 32
