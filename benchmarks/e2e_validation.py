@@ -33,7 +33,7 @@ from pathlib import Path
 
 from nereus.sim.published_baseline import baseline_of, baseline_step
 from nereus.sim.published_predict import SOURCES, floors, predict
-from nereus.sim.published_runs import COLUMNS, RowSkipped, published_run, text
+from nereus.sim.published_runs import COLUMNS, PublishedRun, RowSkipped, published_run, text
 from nereus.spec.errors import InfeasibleError, SpecError
 
 
@@ -81,7 +81,7 @@ def validate(rows: list[dict], source: str) -> tuple[list[tuple[str, str, float,
     return cells, skipped, modelled, uncompared
 
 
-def below_floor(run) -> dict[str, str]:
+def below_floor(run: PublishedRun) -> dict[str, str]:
     """The row's published values below the least any run of its plan takes (``floors``), each with why:
     they timed something other than their column, so they are reported, not compared."""
     return {c: f"{c} published {run.published[c]:g} s is below {floor:.3f} s, the least any run of its "

@@ -173,8 +173,9 @@ def padded(row: dict) -> bool:
 
 def verl_moe_recipe(row: dict) -> Recipe | None:
     """A verl MoE row's recipe, the nearest in size of verl's MoE scripts for the row's training backend
-    (``sim.recipes``): what the row leaves empty of its rollout (TP, ``enforce_eager``) and of its offload
-    is what that script sets. None for any other row (or one whose ``params_b`` is not a size)."""
+    (``sim.recipes``): what the row leaves empty of its rollout (TP, ``enforce_eager``) and of its offload,
+    and its PPO mini-batch, are what that script sets. None for any other row (or one whose ``params_b`` is
+    not a size)."""
     try:
         params_b = float((row.get("params_b") or "").strip())
     except ValueError:

@@ -20,7 +20,7 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
   mini-batch sizes, the weight-sync mechanism, and the ``offload`` column's host state.
 - micro-batches: verl's dynamic batching (token budget per GPU) at its recipes' budgets, for every row
   (a framework that pads: rows as wide as the step's longest).
-- PPO mini-batches of ``MINI_BATCH_PROMPTS`` prompts, a verl MoE row's its recipe's (the schema has no
+- PPO mini-batches of ``MINI_BATCH_PROMPTS`` prompts, a verl MoE row's recipe's for it (the schema has no
   mini-batch count): one optimizer
   update each, micro-batched by token budget within it, so a pipeline's bubble and FSDP's gathers are paid
   per mini-batch; more prompts where those would leave a training rank none (``update_prompts``); one update
