@@ -28,7 +28,7 @@ from nereus.cost.batching import Factors, ReplicaRun, StepTable, run_replicas, s
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import PlanEstimate, resident_per_device
 from nereus.cost.stages import ENGINE_MAX_SEQUENCES
-from nereus.spec.engines import engine_traits
+from nereus.cost.static_decode import decodes_static
 from nereus.spec.generation import TailPhase
 from nereus.spec.job import JobSpec, ResponseLength
 from nereus.spec.layout import ModelStage, Placement, Plan
@@ -72,8 +72,7 @@ class GenModel:
     def static(self) -> bool:
         """Static batches: an engine without a paged KV cache, or generate calls each waited for
         (``cost.static_decode``)."""
-        opts = self.job.options
-        return bool(opts.rollout_call_sequences) or not engine_traits(opts.rollout_engine).paged_kv
+        return decodes_static(self.job.options)
 
     def replica_gpus(self, replica: int) -> list[int]:
         dims = self.placement.layout.dims

@@ -33,7 +33,7 @@ from nereus.cost.offload import (
     updates_on_host,
 )
 from nereus.cost.stage_tokens import micro_batches
-from nereus.cost.static_decode import static_batch_phases
+from nereus.cost.static_decode import decodes_static, static_batch_phases
 from nereus.spec.algorithms import NEEDS_GREEDY_BASELINE
 from nereus.spec.engines import PRICING_ENGINE, engine_traits
 from nereus.spec.job import JobSpec, ResponseLength
@@ -341,15 +341,14 @@ def generation_cost(
                          {"infeasible": 1.0})
     resp, engine, calls = wl.response, job.options.rollout_engine, job.options.rollout_call_sequences
     traits = engine_traits(engine)
-    paged = traits.paged_kv
-    if calls or not paged:  # static batches: an engine without paging, or calls each waited for to the end
-        held = resp.mean if paged else resp.max  # without paging every row's cache is held at the full length
+    held = resp.mean if traits.paged_kv else resp.max  # without paging every row's cache is held at full length
+    if decodes_static(job.options):  # an engine without paging, or calls each waited for to the end
         slots = min(int(budget // (kv_token * (wl.prompt_length + held))), calls or b)
         phases = static_batch_phases(generation_replica(hw, arch, tp, job.options.weight_bytes, layout.ep, engine),
                                      wl.prompt_length, b, max(1, min(slots, b)), resp,
                                      layout.dp if traits.lockstep else 1)
     else:
-        slots = int(min(ENGINE_MAX_SEQUENCES, budget // (kv_token * (wl.prompt_length + resp.mean))))
+        slots = int(min(ENGINE_MAX_SEQUENCES, budget // (kv_token * (wl.prompt_length + held))))
         phases = _decode_phases(hw, arch, tp, job.options.weight_bytes, wl.prompt_length, b, max(1, min(slots, b)),
                                 resp, resp.longest(total), layout.ep)
     terms = {**dict.fromkeys(("compute", "memory", "tp_comm", "pp_comm", "overhead"), 0.0), **phases.terms}
@@ -362,7 +361,6 @@ def generation_cost(
         bulk_p2p = hw.p2p_time(phases.batch * arch.hidden * BF16 / tp, cross_node=False)
         terms["pp_comm"] = p * (phases.bulk_steps * bulk_p2p
                                 + phases.tail_steps * hw.p2p_time(arch.hidden * BF16 / tp, cross_node=False))
-    held = resp.mean if engine_traits(engine).paged_kv else resp.max  # a static batch reserves the full length
     kv_used = min(budget, phases.batch * kv_token * (wl.prompt_length + held))
     terms = {k: v * generation_batches(job) for k, v in terms.items()}  # dynamic sampling's further batches
     terms = _shared_host(hw, layout, terms)

@@ -17,7 +17,15 @@ from __future__ import annotations
 import math
 
 from nereus.cost.decode import DecodePhases, Replica, prefill_time, step_model
+from nereus.spec.engines import engine_traits
+from nereus.spec.job import Options
 from nereus.spec.response import ResponseLength
+
+
+def decodes_static(options: Options) -> bool:
+    """The rollout decodes static batches: its engine has no paged KV cache, or each generate call is
+    waited for to its end before the next (``Options.rollout_call_sequences``)."""
+    return bool(options.rollout_call_sequences) or not engine_traits(options.rollout_engine).paged_kv
 
 
 def static_batch_phases(r: Replica, prompt: float, sequences: int, batch: int, resp: ResponseLength,
