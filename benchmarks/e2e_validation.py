@@ -48,14 +48,31 @@ def read_rows(path: Path) -> list[dict]:
     return list(reader)
 
 
-def validate(rows: list[dict], source: str) -> tuple[list[tuple[str, str, float, float]], list[dict], int, list[str]]:
-    """(run id, column, published, predicted) per cell, the skipped rows, the rows modelled, and why each
-    published value of a modelled row below its floor (``below_floor``) is not compared."""
-    cells, skipped, modelled, uncompared = [], [], 0, []
+Parsed = list[tuple[str, dict, PublishedRun | RowSkipped]]
+
+
+def parse_rows(rows: list[dict]) -> Parsed:
+    """Each row's run id (or its position), the row, and its job and plan or why it has none."""
+    out: Parsed = []
     for i, row in enumerate(rows):
         run_id = text(row, "run_id") or f"(row {i + 1})"
         try:
-            run = published_run(row)
+            out.append((run_id, row, published_run(row)))
+        except RowSkipped as why:
+            out.append((run_id, row, why))
+    return out
+
+
+def validate(rows: list[dict], source: str, parsed: Parsed | None = None,
+             ) -> tuple[list[tuple[str, str, float, float]], list[dict], int, list[str]]:
+    """(run id, column, published, predicted) per cell, the skipped rows, the rows modelled, and why each
+    published value of a modelled row below its floor (``below_floor``) is not compared; ``parsed``: the
+    rows already parsed (``parse_rows``)."""
+    cells, skipped, modelled, uncompared = [], [], 0, []
+    for run_id, _, run in parsed if parsed is not None else parse_rows(rows):
+        try:
+            if isinstance(run, RowSkipped):  # skipped while parsing: reported as a pricing skip is
+                raise run
             guess = predict(run, source)
         except RowSkipped as why:
             skipped.append({"run_id": run_id, "why": str(why)})
@@ -130,13 +147,11 @@ def table(cells: list, skipped: list[dict], uncompared: list[str]) -> str:
     return "\n".join(out)
 
 
-def baselines(rows: list[dict]) -> str:
+def baselines(parsed: Parsed) -> str:
     """The verl baselines' simulated steps against the verl rows' published ones, and their mean error."""
     out, errors = ["", f"{'run':<16} {'baseline':<18} {'published':>10} {'simulated':>10} {'error':>8}"], []
-    for row in rows:
-        try:
-            run = published_run(row)
-        except RowSkipped:
+    for _, row, run in parsed:
+        if isinstance(run, RowSkipped):
             continue
         name = baseline_of(run, text(row, "framework"))
         if name is None:
@@ -206,11 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--rows: {args.rows} cannot be read as CSV ({why}); give a CSV in the e2e_runs.csv schema",
               file=sys.stderr)
         return 2
-    cells, skipped, modelled, uncompared = validate(rows, args.source)
+    parsed = parse_rows(rows)
+    cells, skipped, modelled, uncompared = validate(rows, args.source, parsed)
     if not args.json:
         print(table(cells, skipped, uncompared))
         print(by_source(cells, rows))
-        print(baselines(rows))
+        print(baselines(parsed))
     if args.plot and cells:
         plot(args.plot, cells, rows, args.source)
     print(json.dumps(summary(cells, skipped, modelled)))
