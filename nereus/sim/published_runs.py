@@ -20,8 +20,8 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
   mini-batch sizes, the weight-sync mechanism, and the ``offload`` column's host state.
 - micro-batches: verl's dynamic batching (token budget per GPU) at its recipes' budgets, for every row
   (a framework that pads: rows as wide as the step's longest).
-- PPO mini-batches of ``MINI_BATCH_PROMPTS`` prompts, a verl MoE row's recipe's for it (the schema has no
-  mini-batch count): one optimizer
+- PPO mini-batches of the framework's prompts (``FrameworkDefaults.mini_batch_prompts``; verl's DAPO
+  scripts' 32), a verl MoE row's recipe's (the schema has no mini-batch count): one optimizer
   update each, micro-batched by token budget within it, so a pipeline's bubble and FSDP's gathers are paid
   per mini-batch; more prompts where those would leave a training rank none (``update_prompts``); one update
   a step when the prompts do not split into them.
@@ -65,7 +65,6 @@ from nereus.cost.hardware import Priors
 from nereus.cost.moe import decode_kernels_per_layer
 from nereus.cost.stage_tokens import padded_width
 from nereus.sim.published_frameworks import (
-    VERL,
     call_sequences,
     default_pools,
     framework_of,
@@ -104,10 +103,6 @@ UNSTATED_PROMPT_FRACTION = 1 / 8
 # "End-to-end RL runs").
 UNSTATED_RESPONSE_TOKENS = 750
 FITTED_ON = ("verl_oso_1", "verl_oso_3", "verl_fa_2")
-# Prompts per PPO mini-batch (one optimizer update): train_prompt_mini_bsz=32 in every DAPO recipe script
-# behind these rows (verl/experimental/one_step_off_policy/shell/dapo_7b_math_*.sh and
-# fully_async_policy/shell/dapo_7b_math_fsdp2_*.sh); verl's key is actor.ppo_mini_batch_size.
-MINI_BATCH_PROMPTS = VERL.mini_batch_prompts  # 32; another framework's: ``published_frameworks``
 # Spread of log response lengths: the DAPO trace's (traces/long_tail_dapo.yaml), Seer and TLT's long tails
 # (docs/sources/rl_length_dynamics.md).
 RESPONSE_SIGMA = 1.0
