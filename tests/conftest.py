@@ -22,7 +22,9 @@ def ray_runtime():
         pytest.fail("Ray was started before the session's runtime: a test that calls Ray needs `ray_runtime`")
 
     (ROOT / ".tmp").mkdir(exist_ok=True)
-    runtime = Runtime(4, temp_dir=ROOT / ".tmp" / "ray", timeout_s=60)
+    # a temp folder of its own: the benchmarks' smoke tests run beside it on ``.tmp/ray`` (``beside_ray``),
+    # and each Ray worker makes its instance's temp folder world-writable as it starts (``make_private``)
+    runtime = Runtime(4, temp_dir=ROOT / ".tmp" / "ray-session", timeout_s=60)
     yield runtime
     runtime.shutdown()
     ray.shutdown()
@@ -74,9 +76,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             groups[item.nodeid] = "ray"
         if item.nodeid in groups:
             item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
-    # stable: each group keeps its order, but for the vLLM tests, first on the session's Ray
+    # stable: each group keeps its order, but for the vLLM tests, first on the session's Ray, the engine's
+    # own tests first among them
     items[:] = sorted(items, key=lambda item: (QUEUE_RANK[groups.get(item.nodeid)], _uses_session_ray(item),
-                                               item.get_closest_marker("vllm") is None))
+                                               item.get_closest_marker("vllm") is None, _after_the_engine_tests(item)))
+
+
+def _after_the_engine_tests(item: pytest.Item) -> bool:
+    """False for the tests of the engines themselves (``tests/runtime/engines``), which start the most
+    engines of the suite (three vLLM engines, five engine processes): queued before the RL jobs on vLLM,
+    they run while the other worker runs single-process tests. Beside the 4-rank gloo worlds that follow
+    those, their module took twice as long as beside the single-process tests (222 s against 107 s; 70 s
+    alone): each engine process gets one process's share of the two cores."""
+    return "tests/runtime/engines/" not in item.nodeid
 
 
 # Where a test goes in pytest-xdist's queue (``pytest_configure`` keeps the collection's order), by its
