@@ -76,19 +76,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             groups[item.nodeid] = "ray"
         if item.nodeid in groups:
             item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
-    # stable: each group keeps its order, but for the vLLM tests, first on the session's Ray, the engine's
-    # own tests first among them
+    # stable: each group keeps its order, but for the vLLM tests, first on the session's Ray
     items[:] = sorted(items, key=lambda item: (QUEUE_RANK[groups.get(item.nodeid)], _uses_session_ray(item),
-                                               item.get_closest_marker("vllm") is None, _after_the_engine_tests(item)))
-
-
-def _after_the_engine_tests(item: pytest.Item) -> bool:
-    """False for the tests of the engines themselves (``tests/runtime/engines``), which start the most
-    engines of the suite (three vLLM engines, five engine processes): queued before the RL jobs on vLLM,
-    they run while the other worker runs single-process tests. Beside the 4-rank gloo worlds that follow
-    those, their module took twice as long as beside the single-process tests (222 s against 107 s; 70 s
-    alone): each engine process gets one process's share of the two cores."""
-    return "tests/runtime/engines/" not in item.nodeid
+                                               item.get_closest_marker("vllm") is None))
 
 
 # Where a test goes in pytest-xdist's queue (``pytest_configure`` keeps the collection's order), by its
