@@ -16,6 +16,7 @@ from nereus.runtime.engines.native.fixed_batch import SamplingParams, reference_
 from nereus.runtime.engines.vllm.server import EngineConfig, engine_layout, server_actor
 from nereus.runtime.hosts.waits import WaitTimeout, get_within
 from nereus.runtime.model.decoder import ModelConfig, build_model
+from nereus.spec.levers import Speculation
 from nereus.spec.model import ModelArch
 from nereus.spec.rollout import RolloutEngine
 
@@ -71,20 +72,35 @@ def model_logprobs(state: dict[str, torch.Tensor], prompt: list[int], tokens: li
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
+def ngram_config() -> EngineConfig:
+    """An engine drafting with vLLM's own n-gram proposer (``run.rollout.speculative``)."""
+    spec = Speculation("ngram", 3, 2**31, prompt_lookup_max=3, prompt_lookup_min=1)
+    return EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625, speculative=spec))
+
+
 @pytest.fixture(scope="module")
-def engines(ray_runtime):
-    """Two engines in their own processes (as the workers run them): ``a`` (TP 1) loaded with weights 1,
-    then updated to weights 2 by the tests; ``fresh`` loaded once with weights 2, of TP size 2 (its own
-    two worker processes, weights packed through ``vllm.weights.WeightReceiver``)."""
+def servers(ray_runtime):
+    """Three engines in their own processes (as the workers run them), started together so that their
+    start-ups overlap: ``a`` (TP 1) loaded with weights 1, then updated to weights 2 by the tests; ``fresh``
+    loaded once with weights 2, of TP size 2 (its own two worker processes, weights packed through
+    ``vllm.weights.WeightReceiver``); ``ngram`` (TP 1, n-gram speculation) loaded with weights 1."""
     import ray
 
     config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625))
-    a, fresh = server_actor(config), server_actor(replace(config, tp=2))
-    get_all([a.load_weights.remote(weights(1)), fresh.load_weights.remote(weights(2))], "two engines start and load",
+    started = {"a": server_actor(config), "fresh": server_actor(replace(config, tp=2)),
+               "ngram": server_actor(ngram_config())}
+    loads = {"a": weights(1), "fresh": weights(2), "ngram": weights(1)}
+    get_all([s.load_weights.remote(loads[name]) for name, s in started.items()], "three engines start and load",
             START_S)
-    yield a, fresh
-    ray.kill(a)
-    ray.kill(fresh)
+    yield started
+    for server in started.values():
+        ray.kill(server)
+
+
+@pytest.fixture(scope="module")
+def engines(servers):
+    """``a`` and ``fresh`` (``servers``)."""
+    return servers["a"], servers["fresh"]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -135,29 +151,17 @@ def kept_tensors_equal(tensors: dict[str, torch.Tensor], state: dict[str, torch.
     return compared
 
 
-def test_ngram_speculation_runs_in_the_cpu_build_and_keeps_greedy_tokens(ray_runtime):
+def test_ngram_speculation_runs_in_the_cpu_build_and_keeps_greedy_tokens(servers):
     """vLLM's own n-gram proposer and rejection sampler (``run.rollout.speculative``) on repetitive
     prompts: greedy tokens equal the model's, as without speculation."""
-    import ray
-
-    from nereus.spec.levers import Speculation
-
-    spec = Speculation("ngram", 3, 2**31, prompt_lookup_max=3, prompt_lookup_min=1)
-    config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625,
-                                                               speculative=spec))
-    server = server_actor(config)
-    try:
-        state = weights(1)
-        get(server.load_weights.remote(state), "engine start and load", START_S)
-        repetitive = [(p[:6] * 4)[:24] for p in prompts()]
-        out = get(server.generate.remote(repetitive, 0, GREEDY), "engine call")
-        model = build_model(CFG)
-        model.load_state_dict(state)
-        for p, (tokens, logps) in zip(repetitive, out, strict=True):
-            assert tokens == reference_generate(model, p, GREEDY)
-            assert (model_logprobs(state, p, tokens) - torch.tensor(logps, dtype=torch.float64)).abs().max() < 1e-4
-    finally:
-        ray.kill(server)
+    state = weights(1)  # what ``servers`` loaded into the n-gram engine
+    repetitive = [(p[:6] * 4)[:24] for p in prompts()]
+    out = get(servers["ngram"].generate.remote(repetitive, 0, GREEDY), "engine call")
+    model = build_model(CFG)
+    model.load_state_dict(state)
+    for p, (tokens, logps) in zip(repetitive, out, strict=True):
+        assert tokens == reference_generate(model, p, GREEDY)
+        assert (model_logprobs(state, p, tokens) - torch.tensor(logps, dtype=torch.float64)).abs().max() < 1e-4
 
 
 def test_a_round_keeps_the_first_whole_groups_and_aborts_the_rest(engines):
