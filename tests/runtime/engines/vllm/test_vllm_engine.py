@@ -72,10 +72,8 @@ def model_logprobs(state: dict[str, torch.Tensor], prompt: list[int], tokens: li
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-def ngram_config() -> EngineConfig:
-    """An engine drafting with vLLM's own n-gram proposer (``run.rollout.speculative``)."""
-    spec = Speculation("ngram", 3, 2**31, prompt_lookup_max=3, prompt_lookup_min=1)
-    return EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625, speculative=spec))
+# vLLM's own n-gram proposer (``run.rollout.speculative``), the n-gram engine's only difference from ``a``
+NGRAM = Speculation("ngram", 3, 2**31, prompt_lookup_max=3, prompt_lookup_min=1)
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +86,9 @@ def servers(ray_runtime):
 
     config = EngineConfig(CFG, MAX_LEN, settings=RolloutEngine(engine="vllm", cpu_kv_cache_gib=0.0625))
     started = {"a": server_actor(config), "fresh": server_actor(replace(config, tp=2)),
-               "ngram": server_actor(ngram_config())}
-    loads = {"a": weights(1), "fresh": weights(2), "ngram": weights(1)}
+               "ngram": server_actor(replace(config, settings=replace(config.settings, speculative=NGRAM)))}
+    first, second = weights(1), weights(2)
+    loads = {"a": first, "fresh": second, "ngram": first}
     get_all([s.load_weights.remote(loads[name]) for name, s in started.items()], "three engines start and load",
             START_S)
     yield started
