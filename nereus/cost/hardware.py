@@ -95,8 +95,8 @@ class Hardware:
     def hbm_time(self, nbytes: float) -> float:
         return nbytes / (self.cluster.gpu.hbm_bytes_per_s * self.priors.hbm_efficiency)
 
-    def group_bandwidth(self, size: int, stride: int) -> tuple[float, float]:
-        """Bus bandwidth (bytes/s) and per-step latency of a group of ``size`` ranks ``stride`` GPUs apart.
+    def group_bandwidth(self, size: int, stride: int) -> float:
+        """Bus bandwidth (bytes/s) of a group of ``size`` ranks ``stride`` GPUs apart.
 
         Inside one node the group uses NVLink. Across nodes NCCL runs one ring per NIC, so a node's
         members of the group together drive ``members_per_node`` NICs: bus bandwidth is that many
@@ -105,27 +105,44 @@ class Hardware:
         gpn = self.cluster.gpus_per_node
         p = self.priors
         intra = self.cluster.gpu.intra_node_bytes_per_s * p.intra_link_efficiency
-        span = size * stride
-        if span <= gpn:
-            return intra, p.intra_latency_s
+        if size * stride <= gpn:
+            return intra
         members_per_node = max(1, gpn // stride) if stride < gpn else 1
-        inter = self.cluster.gpu.inter_node_bytes_per_s * p.inter_link_efficiency * members_per_node
-        return min(intra, inter), p.inter_latency_s
+        return min(intra, self.cluster.gpu.inter_node_bytes_per_s * p.inter_link_efficiency * members_per_node)
+
+    def nodes_spanned(self, size: int, stride: int) -> int:
+        """Nodes a group of ``size`` ranks ``stride`` GPUs apart lies on."""
+        gpn = self.cluster.gpus_per_node
+        if size * stride <= gpn:
+            return 1
+        per_node = max(1, gpn // stride) if stride < gpn else 1
+        return -(-size // per_node)
+
+    def ring_latency(self, steps: int, crossings: int) -> float:
+        """Latency of a ring collective of ``steps`` steps of which ``crossings`` cross a node boundary:
+        those pay the network's latency, the others NVLink's (NCCL's own latency model, NVIDIA/nccl
+        src/graph/tuning.cc: ``(nsteps-nInterSteps)*intraLat + nInterSteps*interLat``)."""
+        p = self.priors
+        return (steps - crossings) * p.intra_latency_s + crossings * p.inter_latency_s
 
     def all_reduce_time(self, nbytes: float, size: int, stride: int = 1) -> float:
         """Ring all-reduce: 2(n−1)/n · bytes over the bus bandwidth, plus 2(n−1) latency steps
-        (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH")."""
+        (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH"),
+        2(k−1) of them between the k nodes the ring spans (NCCL's ``nInterSteps`` of an all-reduce)."""
         if size <= 1:
             return 0.0
-        bw, lat = self.group_bandwidth(size, stride)
-        return 2 * (size - 1) / size * nbytes / bw + 2 * (size - 1) * lat
+        crossings = 2 * (self.nodes_spanned(size, stride) - 1)
+        return (2 * (size - 1) / size * nbytes / self.group_bandwidth(size, stride)
+                + self.ring_latency(2 * (size - 1), crossings))
 
     def all_gather_time(self, nbytes: float, size: int, stride: int = 1) -> float:
-        """Ring all-gather (or reduce-scatter) of a ``nbytes`` total: (n−1)/n · bytes, n−1 latency steps."""
+        """Ring all-gather (or reduce-scatter) of a ``nbytes`` total: (n−1)/n · bytes, n−1 latency steps,
+        k−1 of them between the k nodes the ring spans."""
         if size <= 1:
             return 0.0
-        bw, lat = self.group_bandwidth(size, stride)
-        return (size - 1) / size * nbytes / bw + (size - 1) * lat
+        crossings = self.nodes_spanned(size, stride) - 1
+        return ((size - 1) / size * nbytes / self.group_bandwidth(size, stride)
+                + self.ring_latency(size - 1, crossings))
 
     def p2p_time(self, nbytes: float, cross_node: bool) -> float:
         gpu, p = self.cluster.gpu, self.priors

@@ -31,7 +31,7 @@ Both give per-model-stage and per-phase seconds; the published columns follow fr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -190,12 +190,24 @@ def predict(run: PublishedRun, source: str) -> dict[str, float]:
     generation the cost model finds no memory for (its time infinite) is the cost model's on both sources:
     the simulator's truth checks no memory of its own, and no real run decodes without its weights."""
     try:
+        run = with_room_for_the_rollout(run)
         times = cost_times(run)
         if source == "sim" and all(math.isfinite(t) for t in times.stages.values()):
             times = sim_times(run)
     except SpecError as err:
         raise RowSkipped(f"its plan cannot be priced: {err}") from None
     return predicted(run, times)
+
+
+def with_room_for_the_rollout(run: PublishedRun) -> PublishedRun:
+    """The run, or, where it is colocated, leaves its host state unstated and its rollout finds no memory
+    beside the trainer's resident state, the run with that state offloaded between stages and the
+    optimizer swapped in for the update (``sim.published_runs``: the run ran, so the state was off the GPU)."""
+    if run.offload_stated or run.plan.strategy != "colocated" or run.job.options.offload != "none":
+        return run
+    if math.isfinite(cost_times(run).stages.get(STAGE_OF["t_gen_s"], 0.0)):
+        return run
+    return replace(run, job=replace(run.job, options=replace(run.job.options, offload="param+optimizer-swap")))
 
 
 def floors(run: PublishedRun) -> dict[str, float]:

@@ -34,6 +34,11 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
   (``checkpoint-engine``; ``cost.verl_weight_sync``) as the row's optional ``checkpoint_engine`` column
   says, else a ``checkpoint_engine=True|False`` its notes state (``setting``), else verl's default: on for
   fully-async rows, off for the others.
+- a colocated row that leaves ``offload`` empty and whose rollout finds no memory beside the trainer's
+  resident state (``published_predict.with_room_for_the_rollout``): the run ran, so its trainer's state was
+  off the GPU during the rollout; priced as parameters offloaded between stages and the optimizer swapped
+  in for the update (``param+optimizer-swap``), as NeMo RL's Megatron worker does on every colocated run
+  (``offload_after_refit``, ``prepare_for_training``) and verl's ``param_offload`` / ``optimizer_offload`` do.
 - a fully asynchronous trainer uses the rollout's log-probs: no old-log-prob pass (verl's fully_async
   recipe, as the rows' notes say).
 - the rollout decodes from CUDA graphs (vLLM's default) unless the row's ``enforce_eager`` says yes
@@ -130,6 +135,8 @@ class PublishedRun:
     # the rollouter pauses its in-flight samples at a parameter sync and resumes them after (verl's
     # async_training.partial_rollout), instead of waiting for them to end
     partial_rollout: bool = False
+    # the trainer's host state is the row's (its ``offload`` cell or its verl MoE recipe's), not the default
+    offload_stated: bool = True
 
 
 def text(row: dict, key: str) -> str:
@@ -354,7 +361,8 @@ def published_run(row: dict) -> PublishedRun:
     actor, gen = plan.placement("actor/training").layout, plan.placement("actor/generation").layout
     calls = call_sequences(row, job.models["actor"].params() / 1e9, job.algorithm.samples_per_prompt, actor.dp, gen.dp)
     return PublishedRun(run_id, with_calls(job, calls), plan, enum(row, "sync_mode", SYNC_MODES, "sync"),
-                        published, number(row, "staleness"), padded, pauses_in_flight(row))
+                        published, number(row, "staleness"), padded, pauses_in_flight(row),
+                        bool(text(row, "offload")) or verl_moe_recipe(row) is not None)
 
 
 def pauses_in_flight(row: dict) -> bool:

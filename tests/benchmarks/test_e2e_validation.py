@@ -116,3 +116,19 @@ def test_the_plot_is_written(tmp_path: Path, capsys: pytest.CaptureFixture) -> N
     out = summary(capsys, "--rows", str(path), "--json", "--plot", str(tmp_path / "cells.png"))
     assert out["cells"] == 5
     assert (tmp_path / "cells.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_held_out_row_is_modelled_and_the_readme_quotes_its_figures(capsys: pytest.CaptureFixture) -> None:
+    """NeMo RL's published runs (``nereus/cost/e2e_runs_nemo_rl.csv``, rows that set no constant): none is
+    skipped, and the README's held-out row (step and tokens/s/GPU, cost / simulator) is what the script
+    gives on them now."""
+    rows = str(ROOT / "nereus" / "cost" / "e2e_runs_nemo_rl.csv")
+    cost, sim = (summary(capsys, "--rows", rows, "--source", source, "--json") for source in ("cost", "sim"))
+    assert cost["skipped"] == [] and sim["skipped"] == [] and cost["rows"] == sim["rows"] == 20
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| NeMo RL performance summary"))
+    quoted = [cell.strip() for cell in row.strip("|").split("|")][2:]
+    columns = ("t_step_s", "tok_per_s_per_gpu")
+    printed = [f"{cost['rows']} ({len(cost['skipped'])})", str(cost["cells"]),
+               *(f"{cost['mean_abs_pct'][c]:.0f} / {sim['mean_abs_pct'][c]:.0f}" for c in columns)]
+    assert quoted == printed
