@@ -109,6 +109,27 @@ def checkpoint_engine_time(hw: Hardware, job: JobSpec, train: Placement, gen: Pl
             + broadcast_time(hw, job, train, gen, calls=buckets) + engine_load_time(job, calls=buckets))
 
 
+# NeMo RL's refit bucket (nemo_rl/utils/packed_tensor.py, v0.6.0: ``NRL_REFIT_BUFFER_MEMORY_RATIO`` 0.02 of the
+# GPU's memory, at most 5 GiB; two buffers on their own streams).
+PACKED_BUCKET_FRACTION = 0.02
+PACKED_BUCKET_MAX_BYTES = 5 * 2**30
+
+
+def packed_broadcast_time(hw: Hardware, job: JobSpec, train: Placement, gen: Placement) -> float:
+    """NeMo RL's refit of a rollout on GPUs of its own (``packed_broadcast_producer`` / ``_consumer``): the
+    trainer's export packs tensors into GPU buckets, each bucket is one NCCL broadcast, and each rollout
+    rank unpacks it and loads it with one ``load_weights`` call. Two buffers on their own streams overlap
+    the three, so the slowest sets the pace, plus one bucket's broadcast and load to fill the pipeline. The
+    export is priced as verl's exporter of the same backend (``export_time``: an assumption, NeMo RL's
+    Megatron bridge walks the same parameters)."""
+    weights = job.models["actor"].params() * BF16
+    bucket = min(PACKED_BUCKET_FRACTION * hw.cluster.gpu.memory_bytes, PACKED_BUCKET_MAX_BYTES)
+    buckets = max(1, math.ceil(weights / bucket))
+    link = broadcast_time(hw, job, train, gen, calls=buckets)
+    load = engine_load_time(job, calls=buckets)
+    return max(export_time(hw, job, train.layout), link, load) + (link + load) / buckets
+
+
 def broadcast_floor(hw: Hardware, job: JobSpec, train: Placement, gen: Placement) -> float:
     """The least time a broadcast of the whole model over the sync group can take: every byte enters every
     receiver, at best through all of its links at once (NVLink and its NIC) at their datasheet peaks, with
@@ -119,6 +140,7 @@ def broadcast_floor(hw: Hardware, job: JobSpec, train: Placement, gen: Placement
 
 SYNC_TIMES = {"hybrid-reshard": hybrid_reshard_time, "gather-broadcast": gather_broadcast_time,
               "tensor-broadcast": tensor_broadcast_time, "checkpoint-engine": checkpoint_engine_time,
-              "zero3-gather": zero3_gather_time}
+              "packed-broadcast": packed_broadcast_time, "zero3-gather": zero3_gather_time}
 # The mechanisms whose every run takes at least a floor (seconds), by the bytes they move into each receiver.
-SYNC_FLOORS = {"tensor-broadcast": broadcast_floor, "checkpoint-engine": broadcast_floor}
+SYNC_FLOORS = {"tensor-broadcast": broadcast_floor, "checkpoint-engine": broadcast_floor,
+               "packed-broadcast": broadcast_floor}

@@ -25,7 +25,8 @@ from nereus.cost.memory import BF16
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, Placement
 
-MECHANISMS = ("direct", "hybrid-reshard", "gather-broadcast", "tensor-broadcast", "checkpoint-engine", "zero3-gather")
+MECHANISMS = ("direct", "hybrid-reshard", "gather-broadcast", "tensor-broadcast", "checkpoint-engine",
+              "packed-broadcast", "zero3-gather")
 
 
 def _weight_shards(layout: Layout) -> int:

@@ -21,7 +21,8 @@ Rules (docs/cost-model.md, "End-to-end RL runs"):
   (``DSCHAT_CALL_PROMPTS``), its TP the hybrid engine's default 1, doubled while the gathered weights
   take more than half a GPU (``framework_rollout_tp``).
 - weight sync: colocated, verl's hybrid engine (``hybrid-reshard``) or DeepSpeed-Chat's ZeRO-3 gather
-  (``zero3-gather``); on separate GPUs, OpenRLHF's gather-and-broadcast (``gather-broadcast``), verl's own
+  (``zero3-gather``); on separate GPUs, OpenRLHF's gather-and-broadcast (``gather-broadcast``), NeMo RL's
+  bucketed broadcast (``packed-broadcast``, ``cost.verl_weight_sync.packed_broadcast_time``), verl's own
   rule otherwise (``published_runs.disaggregated_sync``).
 - PPO mini-batches: verl's recipes' 32 prompts; OpenRLHF's benchmark settings' train_batch_size 128, which
   its DeepSpeed-Chat comparison shared.
@@ -30,7 +31,9 @@ Rules (docs/cost-model.md, "End-to-end RL runs"):
   optimizer steps on the host (DeepSpeed, Megatron) or, in verl's FSDP workers, is swapped in for the GPU.
   A verl MoE row that leaves it empty takes its recipe's (``sim.recipes``: every Megatron one offloads
   parameters, gradients and the optimizer, which steps on the host), and its PPO mini-batch is its
-  recipe's.
+  recipe's. A colocated NeMo RL row that leaves it empty takes what NeMo RL's Megatron worker does on
+  every colocated run (``NEMO_RL_COLOCATED_OFFLOAD``): parameters offloaded between stages, the optimizer
+  swapped in for the update.
 - GPU pools of a disaggregated row that leaves ``gen_gpus`` / ``train_gpus`` empty: OpenRLHF's example
   scripts and benchmark notes of the table's commit put the reference, reward model, critic, actor and
   vLLM engines on GPU groups of their own in the ratio 1:1:2:2:2 (``OPENRLHF_POOLS``); each model's stages
@@ -78,6 +81,8 @@ class FrameworkDefaults:
     rollout_tp: int = 0
     # fraction of the GPU's peak its training stages' GEMMs reach (0: the cost model's prior), measured
     training_efficiency: float = 0.0
+    # the trainer's host state of a colocated row that leaves ``offload`` empty ("": none)
+    colocated_offload: str = ""
 
 
 # verl: train_prompt_mini_bsz=32 in every DAPO recipe script behind its rows (verl/experimental/
@@ -113,6 +118,12 @@ DSCHAT_CALL_PROMPTS = ((6.74, 8), (13.0, 2))
 #   492.01 s, 13B 1,218.76 s (60.34 and 46.61 TFLOP/s as printed): 0.162. Its run without offload reached
 #   142.01 TFLOP/s (0.455): most of the gap is DeepSpeed's host Adam step, which this figure carries.
 TRAINING_EFFICIENCY = {"OpenRLHF": 0.349, "DeepSpeed-Chat": 0.162}
+# NeMo RL's Megatron policy worker on a colocated run (nemo_rl/models/policy/workers/megatron_policy_worker.py,
+# v0.6.0): after the refit it moves the model, its gradient buffers and the optimizer to the host
+# (``offload_after_refit``), loads the model back for log-probs (``prepare_for_lp_inference``) and the model and
+# optimizer for training (``prepare_for_training``): parameters offloaded between stages, the optimizer swapped
+# in for the update on the GPU.
+NEMO_RL_COLOCATED_OFFLOAD = "param+optimizer-swap"
 FRAMEWORKS = {f.name.lower(): f for f in (
     VERL,
     FrameworkDefaults("OpenRLHF", learned_reward=True, dynamic_batch=False, disaggregated_sync="gather-broadcast",
@@ -122,11 +133,18 @@ FRAMEWORKS = {f.name.lower(): f for f in (
                       other_engine="deepspeed-he", colocated_sync="zero3-gather", call_prompts=DSCHAT_CALL_PROMPTS,
                       mini_batch_prompts=OPENRLHF_TRAIN_BATCH, rollout_tp=1,
                       training_efficiency=TRAINING_EFFICIENCY["DeepSpeed-Chat"]),
+    FrameworkDefaults("NeMo-RL", colocated_offload=NEMO_RL_COLOCATED_OFFLOAD, disaggregated_sync="packed-broadcast"),
 )}
 
 
+def _key(name: str) -> str:
+    """A framework's name as looked up: case, blanks, hyphens and underscores ignored ('NeMo RL', 'nemo_rl')."""
+    return "".join(c for c in name.lower() if c.isalnum())
+
+
 def framework_of(row: dict) -> FrameworkDefaults:
-    return FRAMEWORKS.get((row.get("framework") or "").strip().lower(), VERL)
+    wanted = _key(row.get("framework") or "")
+    return next((f for f in FRAMEWORKS.values() if _key(f.name) == wanted), VERL)
 
 
 def update_prompts(row: dict, total: int, samples: int) -> int:
@@ -192,7 +210,11 @@ def offload_of(row: dict) -> str | None:
     is not one of them. An offloaded optimizer steps on the host (DeepSpeed's ZeRO-Offload, Megatron's CPU
     optimizer) except in verl's FSDP workers, which swap its state in for the GPU's update (``optimizer-swap``)."""
     recipe = verl_moe_recipe(row)
-    value = (row.get("offload") or "").strip().lower() or (recipe.offload if recipe else "none")
+    stated = (row.get("offload") or "").strip().lower()
+    colocated = (row.get("placement") or "colocated").strip().lower() == "colocated"
+    if not stated and recipe is None and colocated and framework_of(row).colocated_offload:
+        return framework_of(row).colocated_offload
+    value = stated or (recipe.offload if recipe else "none")
     if value not in ("none", "param", "optimizer", "param+optimizer"):
         return None
     fsdp = (row.get("train_backend") or "fsdp").strip().lower() in ("fsdp", "fsdp2")

@@ -362,7 +362,7 @@ def published_run(row: dict) -> PublishedRun:
     calls = call_sequences(row, job.models["actor"].params() / 1e9, job.algorithm.samples_per_prompt, actor.dp, gen.dp)
     return PublishedRun(run_id, with_calls(job, calls), plan, enum(row, "sync_mode", SYNC_MODES, "sync"),
                         published, number(row, "staleness"), padded, pauses_in_flight(row),
-                        bool(text(row, "offload")) or verl_moe_recipe(row) is not None)
+                        job.options.offload != "none" or bool(text(row, "offload")))
 
 
 def pauses_in_flight(row: dict) -> bool:

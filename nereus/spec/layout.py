@@ -20,7 +20,7 @@ STAGES = ("generation", "inference", "training")
 RECOMPUTE = ("none", "selective", "full")
 # how the trained weights reach the generation engine every step (priced in ``cost.verl_weight_sync``)
 WEIGHT_SYNCS = ("direct", "hybrid-reshard", "gather-broadcast", "tensor-broadcast", "checkpoint-engine",
-                "zero3-gather")
+                "packed-broadcast", "zero3-gather")
 
 
 @dataclass(frozen=True, order=True)

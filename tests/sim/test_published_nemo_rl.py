@@ -1,0 +1,68 @@
+"""NeMo RL's defaults (``published_frameworks``): its name in any spelling, a colocated row's trainer state
+off the GPU during the rollout (the Megatron worker's ``offload_after_refit``), a rollout on GPUs of its own
+refitted by a bucketed broadcast (``cost.verl_weight_sync.packed_broadcast_time``), and a colocated row
+of any framework that leaves ``offload`` empty yet finds no room for its rollout priced with its state off."""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import replace
+from importlib import resources
+
+import pytest
+
+from nereus.cost.hardware import Hardware
+from nereus.cost.memory import BF16
+from nereus.cost.sync_host_costs import engine_load_time, export_time
+from nereus.cost.verl_weight_sync import (
+    PACKED_BUCKET_FRACTION,
+    broadcast_time,
+    packed_broadcast_time,
+    tensor_broadcast_time,
+)
+from nereus.sim.published_frameworks import framework_of
+from nereus.sim.published_predict import cost_times, with_room_for_the_rollout
+from nereus.sim.published_runs import published_run
+from nereus.spec.layout import ModelStage
+
+
+def rows() -> dict[str, dict]:
+    text = resources.files("nereus.cost").joinpath("e2e_runs_nemo_rl.csv").read_text()
+    return {r["run_id"]: r for r in csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))}
+
+
+@pytest.mark.parametrize("name", ["NeMo-RL", "NeMo RL", "nemo_rl", " nemo-rl "])
+def test_every_spelling_of_the_name_finds_its_defaults(name: str) -> None:
+    assert framework_of({"framework": name}).name == "NeMo-RL"
+
+
+def test_a_colocated_row_keeps_no_trainer_state_beside_the_rollout_a_disaggregated_one_keeps_its_own() -> None:
+    on, off = published_run(rows()["nemorl_q235_128"]), published_run(rows()["nemorl_q235_256_1off"])
+    assert on.plan.strategy == "colocated" and on.job.options.offload == "param+optimizer-swap"
+    assert off.plan.strategy == "disaggregated" and off.job.options.offload == "none"
+    assert off.plan.weight_sync == "packed-broadcast"
+
+
+def test_the_packed_broadcast_runs_at_its_slowest_part_plus_one_bucket() -> None:
+    run = published_run(rows()["nemorl_dsv3_512_1off"])
+    hw = Hardware(run.job.cluster)
+    train, gen = (run.plan.placement(ModelStage("actor", s)) for s in ("training", "generation"))
+    bucket = PACKED_BUCKET_FRACTION * hw.cluster.gpu.memory_bytes  # 1.6 GB on an H100, under the 5 GiB cap
+    buckets = math.ceil(run.job.models["actor"].params() * BF16 / bucket)
+    link, load = broadcast_time(hw, run.job, train, gen, buckets), engine_load_time(run.job, buckets)
+    want = max(export_time(hw, run.job, train.layout), link, load) + (link + load) / buckets
+    assert packed_broadcast_time(hw, run.job, train, gen) == pytest.approx(want)
+    assert packed_broadcast_time(hw, run.job, train, gen) < tensor_broadcast_time(hw, run.job, train, gen) / 2
+
+
+def test_a_colocated_row_without_room_for_its_rollout_is_priced_with_its_state_off_the_gpu() -> None:
+    row = {**rows()["nemorl_dsv3_256"], "framework": "other-framework"}  # no colocated default of its own
+    run = published_run(row)
+    assert run.job.options.offload == "none" and not run.offload_stated
+    assert not math.isfinite(cost_times(run).stages["actor/generation"])
+    roomy = with_room_for_the_rollout(run)
+    assert roomy.job.options.offload == "param+optimizer-swap"
+    assert math.isfinite(cost_times(roomy).stages["actor/generation"])
+    stated = replace(run, offload_stated=True)  # a row that says "none" is priced as it says
+    assert with_room_for_the_rollout(stated) is stated
