@@ -188,7 +188,8 @@ def predict(run: PublishedRun, source: str) -> dict[str, float]:
     """The row's predicted columns; ``RowSkipped`` when its plan is one the cost model rejects (a degree
     that does not split the model, a batch that leaves a rank no sequence), with the model's reason. A
     generation the cost model finds no memory for (its time infinite) is the cost model's on both sources:
-    the simulator's truth checks no memory of its own, and no real run decodes without its weights."""
+    the simulator's truth checks no memory of its own, and no real run decodes without its weights. A
+    colocated row that leaves its host state unstated gets the room first (``with_room_for_the_rollout``)."""
     try:
         run = with_room_for_the_rollout(run)
         times = cost_times(run)
