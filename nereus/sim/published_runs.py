@@ -219,14 +219,15 @@ def published_values(row: dict) -> dict[str, float]:
 
 
 def gpu_name(row: dict) -> str:
-    """The preset of the row's GPU kind ('H20-96G': H20's), unless its memory differs ('A100-40G')."""
+    """The preset of the row's GPU kind and memory ('H20-96G': H20's 96 GB, 'A100-40G': A100's 40 GB one);
+    skipped where the catalogue has no such memory ('H100-94G')."""
     kind, presets = text(row, "gpu"), gpu_presets()
     family, memory = kind.split("-")[0].upper(), re.fullmatch(r".*-(\d+)GB?", kind.upper())
     if not kind or family == "OTHER" or family not in presets:
         raise RowSkipped(f"gpu={kind!r} is not in the GPU catalogue (nereus/spec/hardware.csv)")
     if memory and f"{family}-{memory.group(1)}GB" not in presets:
         raise RowSkipped(f"gpu={kind!r}: the catalogue's {family} is {presets[family].name} (nereus/spec/hardware.csv)")
-    return family
+    return f"{family}-{memory.group(1)}GB" if memory else family
 
 
 def arch_dict(row: dict) -> dict:

@@ -70,9 +70,10 @@ def test_a_published_step_of_zero_has_no_baseline() -> None:
 
 
 @pytest.mark.parametrize(("gpu", "preset"), [("A100-80G", "A100"), ("h100-80gb", "H100"), ("GB200", "GB200"),
-                                             ("H20-96G", "H20"), ("A100-40G", None), ("H100-94G", None)])
+                                             ("H20-96G", "H20"), ("A100-40G", "A100-SXM-40GB"), ("H100-94G", None)])
 def test_a_gpu_kind_is_its_familys_preset_only_at_the_presets_memory(gpu: str, preset: str | None) -> None:
-    """An A100-40G is not the catalogue's A100 (80 GB, 2.0 TB/s): skipped, not priced as the other GPU."""
+    """An A100-40G is the catalogue's 40 GB A100 (1.6 TB/s), not its 80 GB one; a memory the catalogue has
+    no preset of (an H100 of 94 GB) is skipped, not priced as another GPU."""
     row = {**rows()["verl_oso_3"], "gpu": gpu}
     if preset is None:
         with pytest.raises(RowSkipped, match=f"gpu='{gpu}': the catalogue's"):
