@@ -9,6 +9,7 @@ and why), cells predicted, the mean absolute error per column, and overall mean 
 
     python benchmarks/e2e_validation.py --rows nereus/cost/e2e_runs.csv [--source cost|sim] [--json]
         [--plot docs/img/e2e_validation.png]
+    python benchmarks/e2e_validation.py --rows nereus/cost/e2e_runs_nemo_rl.csv   # held out: NeMo RL's runs
 
 A published value below the least any run of its plan can take (a weight sync faster than its mechanism's
 bytes at the links' peak, ``published_predict.floors``) timed something other than its column: it is
