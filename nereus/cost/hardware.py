@@ -102,21 +102,23 @@ class Hardware:
         members of the group together drive ``members_per_node`` NICs: bus bandwidth is that many
         times one NIC's rate, capped by NVLink (NCCL's ring/tree algorithms; nccl-tests' busbw).
         """
-        gpn = self.cluster.gpus_per_node
         p = self.priors
         intra = self.cluster.gpu.intra_node_bytes_per_s * p.intra_link_efficiency
-        if size * stride <= gpn:
+        if size * stride <= self.cluster.gpus_per_node:
             return intra
-        members_per_node = max(1, gpn // stride) if stride < gpn else 1
-        return min(intra, self.cluster.gpu.inter_node_bytes_per_s * p.inter_link_efficiency * members_per_node)
+        inter = self.cluster.gpu.inter_node_bytes_per_s * p.inter_link_efficiency * self._members_per_node(stride)
+        return min(intra, inter)
+
+    def _members_per_node(self, stride: int) -> int:
+        """Members of a group ``stride`` GPUs apart that one node holds, when the group spans nodes."""
+        gpn = self.cluster.gpus_per_node
+        return max(1, gpn // stride) if stride < gpn else 1
 
     def nodes_spanned(self, size: int, stride: int) -> int:
         """Nodes a group of ``size`` ranks ``stride`` GPUs apart lies on."""
-        gpn = self.cluster.gpus_per_node
-        if size * stride <= gpn:
+        if size * stride <= self.cluster.gpus_per_node:
             return 1
-        per_node = max(1, gpn // stride) if stride < gpn else 1
-        return -(-size // per_node)
+        return -(-size // self._members_per_node(stride))
 
     def ring_latency(self, steps: int, crossings: int) -> float:
         """Latency of a ring collective of ``steps`` steps of which ``crossings`` cross a node boundary:

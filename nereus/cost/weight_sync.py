@@ -25,9 +25,6 @@ from nereus.cost.memory import BF16
 from nereus.spec.job import JobSpec
 from nereus.spec.layout import Layout, Placement
 
-MECHANISMS = ("direct", "hybrid-reshard", "gather-broadcast", "tensor-broadcast", "checkpoint-engine",
-              "packed-broadcast", "zero3-gather")
-
 
 def _weight_shards(layout: Layout) -> int:
     """Ranks one copy of the weights is split over in training: TP × PP, times DP under FSDP/ZeRO-3."""

@@ -124,7 +124,14 @@ TRAINING_EFFICIENCY = {"OpenRLHF": 0.349, "DeepSpeed-Chat": 0.162}
 # optimizer for training (``prepare_for_training``): parameters offloaded between stages, the optimizer swapped
 # in for the update on the GPU.
 NEMO_RL_COLOCATED_OFFLOAD = "param+optimizer-swap"
-FRAMEWORKS = {f.name.lower(): f for f in (
+
+
+def _key(name: str) -> str:
+    """A framework's name as looked up: case, blanks, hyphens and underscores ignored ('NeMo RL', 'nemo_rl')."""
+    return "".join(c for c in name.lower() if c.isalnum())
+
+
+FRAMEWORKS = {_key(f.name): f for f in (
     VERL,
     FrameworkDefaults("OpenRLHF", learned_reward=True, dynamic_batch=False, disaggregated_sync="gather-broadcast",
                       pools=OPENRLHF_POOLS, call_prompts=OPENRLHF_CALL_PROMPTS,
@@ -137,14 +144,8 @@ FRAMEWORKS = {f.name.lower(): f for f in (
 )}
 
 
-def _key(name: str) -> str:
-    """A framework's name as looked up: case, blanks, hyphens and underscores ignored ('NeMo RL', 'nemo_rl')."""
-    return "".join(c for c in name.lower() if c.isalnum())
-
-
 def framework_of(row: dict) -> FrameworkDefaults:
-    wanted = _key(row.get("framework") or "")
-    return next((f for f in FRAMEWORKS.values() if _key(f.name) == wanted), VERL)
+    return FRAMEWORKS.get(_key(row.get("framework") or ""), VERL)
 
 
 def update_prompts(row: dict, total: int, samples: int) -> int:
@@ -209,11 +210,11 @@ def offload_of(row: dict) -> str | None:
     """The row's ``offload`` (``cost.offload.OFFLOADS``; empty: its verl MoE recipe's, else none), None when it
     is not one of them. An offloaded optimizer steps on the host (DeepSpeed's ZeRO-Offload, Megatron's CPU
     optimizer) except in verl's FSDP workers, which swap its state in for the GPU's update (``optimizer-swap``)."""
-    recipe = verl_moe_recipe(row)
+    recipe, framework = verl_moe_recipe(row), framework_of(row)
     stated = (row.get("offload") or "").strip().lower()
     colocated = (row.get("placement") or "colocated").strip().lower() == "colocated"
-    if not stated and recipe is None and colocated and framework_of(row).colocated_offload:
-        return framework_of(row).colocated_offload
+    if not stated and recipe is None and colocated and framework.colocated_offload:
+        return framework.colocated_offload
     value = stated or (recipe.offload if recipe else "none")
     if value not in ("none", "param", "optimizer", "param+optimizer"):
         return None

@@ -191,8 +191,10 @@ def predict(run: PublishedRun, source: str) -> dict[str, float]:
     the simulator's truth checks no memory of its own, and no real run decodes without its weights. A
     colocated row that leaves its host state unstated gets the room first (``with_room_for_the_rollout``)."""
     try:
-        run = with_room_for_the_rollout(run)
         times = cost_times(run)
+        roomy = with_room_for_the_rollout(run, times)
+        if roomy is not run:
+            run, times = roomy, cost_times(roomy)
         if source == "sim" and all(math.isfinite(t) for t in times.stages.values()):
             times = sim_times(run)
     except SpecError as err:
@@ -200,13 +202,14 @@ def predict(run: PublishedRun, source: str) -> dict[str, float]:
     return predicted(run, times)
 
 
-def with_room_for_the_rollout(run: PublishedRun) -> PublishedRun:
+def with_room_for_the_rollout(run: PublishedRun, times: StepTimes | None = None) -> PublishedRun:
     """The run, or, where it is colocated, leaves its host state unstated and its rollout finds no memory
     beside the trainer's resident state, the run with that state offloaded between stages and the
-    optimizer swapped in for the update (``sim.published_runs``: the run ran, so the state was off the GPU)."""
+    optimizer swapped in for the update (``sim.published_runs``: the run ran, so the state was off the GPU).
+    ``times``: the run's cost-model times, where already priced."""
     if run.offload_stated or run.plan.strategy != "colocated" or run.job.options.offload != "none":
         return run
-    if math.isfinite(cost_times(run).stages.get(STAGE_OF["t_gen_s"], 0.0)):
+    if math.isfinite((times or cost_times(run)).stages.get(STAGE_OF["t_gen_s"], 0.0)):
         return run
     return replace(run, job=replace(run.job, options=replace(run.job.options, offload="param+optimizer-swap")))
 

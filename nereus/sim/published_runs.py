@@ -135,7 +135,7 @@ class PublishedRun:
     # the rollouter pauses its in-flight samples at a parameter sync and resumes them after (verl's
     # async_training.partial_rollout), instead of waiting for them to end
     partial_rollout: bool = False
-    # the trainer's host state is the row's (its ``offload`` cell or its verl MoE recipe's), not the default
+    # the row's ``offload`` cell is filled (its trainer's host state is the row's, not a default)
     offload_stated: bool = True
 
 
@@ -363,7 +363,7 @@ def published_run(row: dict) -> PublishedRun:
     calls = call_sequences(row, job.models["actor"].params() / 1e9, job.algorithm.samples_per_prompt, actor.dp, gen.dp)
     return PublishedRun(run_id, with_calls(job, calls), plan, enum(row, "sync_mode", SYNC_MODES, "sync"),
                         published, number(row, "staleness"), padded, pauses_in_flight(row),
-                        job.options.offload != "none" or bool(text(row, "offload")))
+                        bool(text(row, "offload")))
 
 
 def pauses_in_flight(row: dict) -> bool:
