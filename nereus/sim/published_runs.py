@@ -425,13 +425,15 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
     share = max(1, job.sequences_per_step() // dp)  # an inference pass takes the whole batch
     update_share = max(1, share // job.algorithm.mini_batches)  # an update takes a mini-batch
     fsdp = backend == "fsdp" and dp > 1
-    recompute = "none" if backend == "megatron" else "full"
+    recipe = verl_moe_recipe(row)  # a verl MoE row runs its script's budgets and recompute
+    recompute = (recipe and recipe.recompute) or ("none" if backend == "megatron" else "full")
+    train_budget, infer_budget = ((recipe.budget_per_cap,) * 2 if recipe and recipe.budget_per_cap
+                                  else (TRAIN_BUDGET_PER_TOKEN_CAP, INFER_BUDGET_PER_TOKEN_CAP))
     ep = expert_parallel(row, "train_ep", job, dp)
     train = Layout(tp=tp, pp=pp, dp=dp, ep=ep, fsdp=fsdp, zero1=not fsdp, recompute=recompute,
-                   micro_batch_size=balanced_micro_batch(update_share, TRAIN_BUDGET_PER_TOKEN_CAP * cap * tp * pp,
-                                                          seq))
+                   micro_batch_size=balanced_micro_batch(update_share, train_budget * cap * tp * pp, seq))
     infer = Layout(tp=tp, pp=pp, dp=dp, ep=ep, fsdp=fsdp, zero1=not fsdp, recompute="none",
-                   micro_batch_size=balanced_micro_batch(share, INFER_BUDGET_PER_TOKEN_CAP * cap * tp * pp, seq))
+                   micro_batch_size=balanced_micro_batch(share, infer_budget * cap * tp * pp, seq))
     return train, infer
 
 

@@ -12,7 +12,7 @@ from nereus.cost.decode import DecodePriors
 from nereus.cost.eager import eager_step_overhead_s
 from nereus.cost.hardware import Hardware, Priors
 from nereus.cost.moe import MOE_MLP_EXTRA_KERNELS, decode_kernels_per_layer
-from nereus.sim.published_runs import decodes_eagerly, published_run
+from nereus.sim.published_runs import balanced_micro_batch, decodes_eagerly, published_run
 from nereus.sim.recipes import MOE_RECIPES, RECIPES, fixed_recipe_tp, moe_recipe
 
 
@@ -75,3 +75,21 @@ def test_an_moe_row_updates_in_its_recipes_mini_batches() -> None:
     assert published_run(row).job.algorithm.mini_batches == 4
     assert published_run({**row, "arch": "dense", "n_experts": "", "experts_per_token": "", "moe_ffn_hidden": "",
                           "ffn_hidden": "6144"}).job.algorithm.mini_batches == 16  # verl's dense recipes' 32
+
+
+def test_an_moe_row_micro_batches_at_its_recipes_token_budget_and_recompute() -> None:
+    """verl's MoE scripts budget a dynamic micro-batch at one cap (dense DAPO recipes: 2 for training, 3 for
+    log-probs), and the DeepSeek-V3 one recomputes every layer: a verl MoE row runs those."""
+    assert all(r.budget_per_cap == 1 for r in MOE_RECIPES) and all(r.budget_per_cap == 0 for r in RECIPES)
+    assert [r.recompute for r in MOE_RECIPES if r.recompute] == ["full"] and moe_recipe("verl", 671).recompute
+    row = rows()["verl_fa30_1"]  # 128 GPUs, 512 x 16 sequences, 4 updates: 16 a rank per update, 64 per pass
+    run = published_run(row)
+    train, infer = (run.plan.placement(f"actor/{s}").layout for s in ("training", "inference"))
+    wl = run.job.workload
+    cap, seq = int(row["max_prompt_len"]) + wl.response.max, wl.prompt_length + round(wl.response.mean)
+    assert (train.micro_batch_size, infer.micro_batch_size) == (balanced_micro_batch(16, cap, seq),
+                                                                balanced_micro_batch(64, cap, seq))
+    assert balanced_micro_batch(16, cap, seq) < balanced_micro_batch(16, 2 * cap, seq)  # the budget tells
+    assert train.recompute == "none"  # Megatron's default where the script sets none
+    deepseek = published_run(rows()["verl_dsv3_1"])
+    assert deepseek.plan.placement("actor/training").layout.recompute == "full"
