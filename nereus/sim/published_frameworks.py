@@ -83,6 +83,9 @@ class FrameworkDefaults:
     training_efficiency: float = 0.0
     # the trainer's host state of a colocated row that leaves ``offload`` empty ("": none)
     colocated_offload: str = ""
+    # the training's activation recompute by the model size of the framework's recipes: (size, "full" |
+    # "none") pairs, the nearest size's; () = the backend's default (``sim.published_runs``)
+    recompute: tuple[tuple[float, str], ...] = ()
 
 
 # verl: train_prompt_mini_bsz=32 in every DAPO recipe script behind its rows (verl/experimental/
@@ -124,6 +127,12 @@ TRAINING_EFFICIENCY = {"OpenRLHF": 0.349, "DeepSpeed-Chat": 0.162}
 # optimizer for training (``prepare_for_training``): parameters offloaded between stages, the optimizer swapped
 # in for the update on the GPU.
 NEMO_RL_COLOCATED_OFFLOAD = "param+optimizer-swap"
+# Activation recompute of NeMo RL's performance recipes, which its performance summary names as the runs' configs
+# (examples/configs/recipes/llm/performance/, v0.6.0 and later): ``megatron_cfg.activation_checkpointing: true``
+# (full recompute) for DeepSeek-V3 (grpo-deepseek-v3-32n8g.yaml, and every DeepSeek-V3 recipe from it),
+# Qwen3-235B-A22B (grpo-qwen3-235b-16n8g.yaml) and Llama-3.1-8B (grpo-llama3.1-8b-instruct-2n8g.yaml, 2n4g);
+# the defaults' false (examples/configs/grpo_math_1B.yaml) for Qwen3-30B-A3B and Qwen3-32B.
+NEMO_RL_RECOMPUTE = ((8.0, "full"), (30.5, "none"), (32.8, "none"), (235.0, "full"), (671.0, "full"))
 
 
 def _key(name: str) -> str:
@@ -140,7 +149,8 @@ FRAMEWORKS = {_key(f.name): f for f in (
                       other_engine="deepspeed-he", colocated_sync="zero3-gather", call_prompts=DSCHAT_CALL_PROMPTS,
                       mini_batch_prompts=OPENRLHF_TRAIN_BATCH, rollout_tp=1,
                       training_efficiency=TRAINING_EFFICIENCY["DeepSpeed-Chat"]),
-    FrameworkDefaults("NeMo-RL", colocated_offload=NEMO_RL_COLOCATED_OFFLOAD, disaggregated_sync="packed-broadcast"),
+    FrameworkDefaults("NeMo-RL", colocated_offload=NEMO_RL_COLOCATED_OFFLOAD, disaggregated_sync="packed-broadcast",
+                      recompute=NEMO_RL_RECOMPUTE),
 )}
 
 
@@ -164,6 +174,19 @@ def update_prompts(row: dict, total: int, samples: int) -> int:
     recipe = verl_moe_recipe(row)
     prompts = recipe.mini_batch_prompts if recipe else framework_of(row).mini_batch_prompts
     return max(prompts, -(-ranks // max(1, samples)))
+
+
+def framework_recompute(row: dict) -> str:
+    """The training's activation recompute the row's framework runs for a model of its size ("" where it
+    publishes none: the backend's default)."""
+    table = framework_of(row).recompute
+    try:
+        params_b = float((row.get("params_b") or "").strip())
+    except ValueError:
+        return ""
+    if not table or not math.isfinite(params_b) or params_b <= 0:
+        return ""
+    return min(table, key=lambda pair: abs(math.log(pair[0] / params_b)))[1]
 
 
 def rollout_engine_name(row: dict) -> str | None:

@@ -73,6 +73,7 @@ from nereus.sim.published_frameworks import (
     call_sequences,
     default_pools,
     framework_of,
+    framework_recompute,
     framework_rollout_tp,
     priced_as_framework,
     unmodelled,
@@ -426,14 +427,15 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
     update_share = max(1, share // job.algorithm.mini_batches)  # an update takes a mini-batch
     fsdp = backend == "fsdp" and dp > 1
     recipe = verl_moe_recipe(row)  # a verl MoE row runs its script's budgets and recompute
-    recompute = (recipe and recipe.recompute) or ("none" if backend == "megatron" else "full")
+    recompute = ((recipe and recipe.recompute) or framework_recompute(row)
+                 or ("none" if backend == "megatron" else "full"))
     train_budget, infer_budget = ((recipe.budget_per_cap,) * 2 if recipe and recipe.budget_per_cap
                                   else (TRAIN_BUDGET_PER_TOKEN_CAP, INFER_BUDGET_PER_TOKEN_CAP))
     ep = expert_parallel(row, "train_ep", job, dp)
     train = Layout(tp=tp, pp=pp, dp=dp, ep=ep, fsdp=fsdp, zero1=not fsdp, recompute=recompute,
-                   micro_batch_size=balanced_micro_batch(update_share, train_budget * cap * tp * pp, seq))
+                   micro_batch_size=balanced_micro_batch(update_share, train_budget * cap, seq))
     infer = Layout(tp=tp, pp=pp, dp=dp, ep=ep, fsdp=fsdp, zero1=not fsdp, recompute="none",
-                   micro_batch_size=balanced_micro_batch(share, infer_budget * cap * tp * pp, seq))
+                   micro_batch_size=balanced_micro_batch(share, infer_budget * cap, seq))
     return train, infer
 
 

@@ -21,7 +21,7 @@ from nereus.cost.verl_weight_sync import (
     packed_broadcast_time,
     tensor_broadcast_time,
 )
-from nereus.sim.published_frameworks import framework_of
+from nereus.sim.published_frameworks import framework_of, framework_recompute
 from nereus.sim.published_predict import cost_times, with_room_for_the_rollout
 from nereus.sim.published_runs import published_run
 from nereus.spec.layout import ModelStage
@@ -66,3 +66,19 @@ def test_a_colocated_row_without_room_for_its_rollout_is_priced_with_its_state_o
     assert math.isfinite(cost_times(roomy).stages["actor/generation"])
     stated = replace(run, offload_stated=True)  # a row that says "none" is priced as it says
     assert with_room_for_the_rollout(stated) is stated
+
+
+@pytest.mark.parametrize(("run_id", "recompute"), [
+    ("nemorl_llama8b_16", "full"), ("nemorl_dsv3_512", "full"), ("nemorl_q235_gb_64", "full"),
+    ("nemorl_q30_32", "none"), ("nemorl_q32_32", "none")])
+def test_training_recomputes_where_the_models_performance_recipe_does(run_id: str, recompute: str) -> None:
+    """NeMo RL's performance recipes turn on activation checkpointing for DeepSeek-V3, Qwen3-235B-A22B and
+    Llama-3.1-8B and leave it off for Qwen3-30B-A3B and Qwen3-32B; a dense verl Megatron row keeps Megatron's
+    none."""
+    row = rows()[run_id]
+    assert framework_recompute(row) == recompute
+    assert published_run(row).plan.placement("actor/training").layout.recompute == recompute
+    assert framework_recompute({**row, "framework": "verl"}) == ""  # verl publishes no per-size table
+    if row["arch"] == "dense":  # (an MoE row as verl's would take its verl MoE script's)
+        verl = published_run({**row, "framework": "verl"})
+        assert verl.plan.placement("actor/training").layout.recompute == "none"

@@ -11,7 +11,12 @@ from importlib import resources
 import pytest
 
 from nereus.sim.published_predict import predict
-from nereus.sim.published_runs import RowSkipped, published_run
+from nereus.sim.published_runs import (
+    TRAIN_BUDGET_PER_TOKEN_CAP,
+    RowSkipped,
+    balanced_micro_batch,
+    published_run,
+)
 
 
 def rows() -> dict[str, dict]:
@@ -65,3 +70,17 @@ def test_the_rows_are_priced(run_id: str) -> None:
 def test_an_unknown_offload_kind_skips_the_row() -> None:
     with pytest.raises(RowSkipped, match="offload='disk'"):
         published_run({**rows()["openrlhf_7B"], "offload": "disk"})
+
+
+def test_a_megatron_micro_batch_holds_the_per_gpu_budget_whatever_its_tp_and_pp() -> None:
+    """verl's Megatron actor packs a micro-batch up to ``ppo_max_token_len_per_gpu`` (times CP only): a TP 2,
+    PP 2 row micro-batches as its FSDP twin does, so its pipeline runs several micro-batches an update."""
+    row = rows()["verl_oso_3"]  # Megatron TP 2 PP 2 on 16 GPUs: DP 4, 512 x 16 sequences, 16 updates
+    run = published_run(row)
+    train = run.plan.placement("actor/training").layout
+    assert (train.tp, train.pp, train.dp) == (2, 2, 4)
+    wl = run.job.workload
+    cap, seq = int(row["max_prompt_len"]) + wl.response.max, wl.prompt_length + round(wl.response.mean)
+    update_share = run.job.sequences_per_step() // train.dp // run.job.algorithm.mini_batches
+    assert train.micro_batch_size == balanced_micro_batch(update_share, TRAIN_BUDGET_PER_TOKEN_CAP * cap, seq)
+    assert update_share / train.micro_batch_size > train.pp  # more micro-batches than stages: a small bubble
