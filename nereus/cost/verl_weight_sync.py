@@ -51,7 +51,6 @@ from nereus.cost.sync_host_costs import (
 from nereus.cost.weight_sync import (
     checkpoint_tensors,
     gather_broadcast_time,
-    hybrid_reshard_time,
     zero3_gather_time,
 )
 from nereus.spec.job import JobSpec
@@ -107,6 +106,26 @@ def checkpoint_engine_time(hw: Hardware, job: JobSpec, train: Placement, gen: Pl
     buckets = senders * rounds
     return (export_time(hw, job, train.layout) + host + to_device
             + broadcast_time(hw, job, train, gen, calls=buckets) + engine_load_time(job, calls=buckets))
+
+
+# verl's colocated refit bucket (rollout.update_weights_bucket_megabytes, 2048 by default:
+# verl/workers/config/rollout.py).
+COLOCATED_BUCKET_BYTES = 2048 * 2**20
+
+
+def hybrid_reshard_time(hw: Hardware, job: JobSpec, train: Placement, gen: Placement) -> float:
+    """verl's hybrid engine, the rollout on the trainer's GPUs (``hybrid-reshard``): the trainer exports every
+    checkpoint tensor (``export_time``: its host loop and the gathers that assemble full tensors), each rank
+    copies them into a CUDA-IPC bucket that its co-located engine rank clones and loads with one
+    ``load_weights`` call a bucket, the loader copying the rank's TP shard in place (verl/workers/rollout/
+    vllm_rollout: ``vLLMAsyncRollout.update_weights`` and ``update_weights_from_ipc``; before its buckets, one
+    call over a generator of the same tensors, fsdp_vllm.py's ``update_params``). The trainer waits for each
+    bucket's load before it fills the next, so export, loads and copies add up. The host loops are what a
+    Mixture-of-Experts checkpoint's tens of thousands of tensors pay, as on separate GPUs."""
+    weights = job.models["actor"].params() * BF16
+    buckets = max(1, math.ceil(weights / COLOCATED_BUCKET_BYTES))
+    copies = hw.hbm_time(2 * weights) + hw.hbm_time(2 * weights / gen.layout.tp)  # bucket fill and clone; shard
+    return export_time(hw, job, train.layout) + engine_load_time(job, calls=buckets) + copies
 
 
 # NeMo RL's refit bucket (nemo_rl/utils/packed_tensor.py, v0.6.0: ``NRL_REFIT_BUFFER_MEMORY_RATIO`` 0.02 of the

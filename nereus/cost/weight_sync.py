@@ -5,10 +5,9 @@ mechanism in ``Plan.weight_sync`` (the simulator's verl-like and OpenRLHF-like b
 all of them, with verl's disaggregated ones, is ``cost.verl_weight_sync.SYNC_TIMES``.
 
 - ``hybrid-reshard`` (verl's hybrid engine; training and rollout on the same GPUs): every actor weight
-  is gathered in full on every training rank (``DTensor.full_tensor()`` over the FSDP mesh) and handed
-  to the colocated inference engine, which copies its TP shard in place
-  (volcengine/verl, verl/workers/sharding_manager/fsdp_vllm.py, ``FSDPVLLMShardingManager.__enter__`` and
-  ``update_params``).
+  is exported in full on every training rank and handed to the colocated inference engine, which copies
+  its TP shard in place; priced with verl's other mechanisms, host loops included
+  (``cost.verl_weight_sync.hybrid_reshard_time``).
 - ``zero3-gather`` (DeepSpeed-Chat's Hybrid Engine; training and rollout on the same GPUs): the ZeRO-3
   partitions all-gathered into the inference kernels, which decode from them (``zero3_gather_time``).
 - ``gather-broadcast`` (OpenRLHF; rollout engines on their own GPUs): parameter by parameter the ZeRO-3
@@ -34,13 +33,6 @@ def _weight_shards(layout: Layout) -> int:
 def _gather_full(hw: Hardware, weights: float, train: Layout) -> float:
     """Every training rank assembles the full weights: a ring all-gather of the model over its shards."""
     return hw.all_gather_time(weights, _weight_shards(train))
-
-
-def hybrid_reshard_time(hw: Hardware, job: JobSpec, train: Placement, gen: Placement) -> float:
-    """verl: gather the full weights on every rank, then each engine rank copies its TP shard (read and
-    write W/tp of HBM)."""
-    weights = job.models["actor"].params() * BF16
-    return _gather_full(hw, weights, train.layout) + hw.hbm_time(2 * weights / gen.layout.tp)
 
 
 def gather_broadcast_time(hw: Hardware, job: JobSpec, train: Placement, gen: Placement) -> float:

@@ -11,7 +11,7 @@ simulator (and later the runtime) runs them the same way.
 - ``verl-like``: a colocated hybrid engine — every model-stage on all GPUs, time-sharing them; training
   and inference with FSDP (no TP/PP: verl's default backend); the rollout TP of verl's example script for
   the model size; every step the actor's weights are gathered and resharded into the engine
-  (``hybrid-reshard`` in ``nereus.cost.weight_sync``; Sheng et al. 2024, "HybridFlow").
+  (``hybrid-reshard`` in ``nereus.cost.verl_weight_sync``; Sheng et al. 2024, "HybridFlow").
 - ``openrlhf-like``: disaggregated placement — the rollout engine, actor, critic, reference and reward
   each on their own GPUs — with ZeRO-3 training and inference (no TP/PP), the rollout TP of OpenRLHF's
   example script, and every step the full weights gathered to one rank and broadcast to the engines

@@ -1,4 +1,5 @@
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -6,7 +7,9 @@ import pytest
 from nereus.cli import main
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
-from nereus.cost.weight_sync import gather_broadcast_time, hybrid_reshard_time
+from nereus.cost.sync_host_costs import engine_load_time, export_time
+from nereus.cost.verl_weight_sync import COLOCATED_BUCKET_BYTES, hybrid_reshard_time
+from nereus.cost.weight_sync import gather_broadcast_time
 from nereus.sim.baselines import POLICIES, make_policy
 from nereus.sim.recipes import RECIPES, fixed_recipe_tp, system_recipe_tp
 from nereus.sim.report import write_report
@@ -76,8 +79,11 @@ def test_weight_sync_mechanisms_cost_what_they_move():
     assert estimate_plan(hw, job, orl).phase_times["weight_sync"] > 1.5 * direct
     verl = make_policy("verl-like", job).initial_plan(64)
     train, gen = verl.placement("actor/training"), verl.placement("actor/generation")
+    copies = hw.hbm_time(2 * weights) + hw.hbm_time(2 * weights / gen.layout.tp)
+    buckets = math.ceil(weights / COLOCATED_BUCKET_BYTES)
     assert hybrid_reshard_time(hw, job, train, gen) == pytest.approx(
-        hw.all_gather_time(weights, train.layout.dp) + hw.hbm_time(2 * weights / gen.layout.tp))
+        export_time(hw, job, train.layout) + engine_load_time(job, calls=buckets) + copies)
+    assert export_time(hw, job, train.layout) > hw.all_gather_time(weights, train.layout.dp)  # bytes and loop
     assert estimate_plan(hw, job, verl).phase_times["weight_sync"] == pytest.approx(
         hybrid_reshard_time(hw, job, train, gen))
 
