@@ -114,7 +114,10 @@ FITTED_ON = ("verl_oso_1", "verl_oso_3", "verl_fa_2")
 RESPONSE_SIGMA = 1.0
 # verl's dynamic batching packs a GPU's share into micro-batches of at most this many tokens: its DAPO
 # recipes set actor.ppo_max_token_len_per_gpu = 2 x (max prompt + max response) and the log-prob budgets
-# 3 x (recipe/dapo and recipe/fully_async_policy scripts); ppo_max_token_len_per_gpu is verl's key.
+# 3 x (recipe/dapo and recipe/fully_async_policy scripts); ppo_max_token_len_per_gpu is verl's key. A Megatron
+# micro-batch holds the same budget whatever its TP and PP: verl's Megatron actor multiplies it by the
+# context-parallel size only (verl/workers/actor/megatron_actor.py), which the validation prices as data
+# parallelism, so the budget stands alone.
 TRAIN_BUDGET_PER_TOKEN_CAP = 2
 INFER_BUDGET_PER_TOKEN_CAP = 3
 GPUS_PER_NODE = 8  # HGX/DGX nodes, when a row leaves gpus_per_node empty
