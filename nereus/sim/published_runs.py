@@ -114,12 +114,11 @@ FITTED_ON = ("verl_oso_1", "verl_oso_3", "verl_fa_2")
 RESPONSE_SIGMA = 1.0
 # verl's dynamic batching packs a GPU's share into micro-batches of at most this many tokens: its DAPO
 # recipes set actor.ppo_max_token_len_per_gpu = 2 x (max prompt + max response) and the log-prob budgets
-# 3 x (recipe/dapo and recipe/fully_async_policy scripts); ppo_max_token_len_per_gpu is verl's key. A Megatron
-# micro-batch holds the same budget whatever its TP and PP: verl's Megatron actor multiplies it by the
-# context-parallel size only (verl/workers/actor/megatron_actor.py), which the validation prices as data
-# parallelism, so the budget stands alone.
+# 3 x (recipe/dapo and recipe/fully_async_policy scripts); verl's key, per GPU whatever the TP and PP (its
+# megatron_actor.py scales it by CP only, which the validation prices as DP).
 TRAIN_BUDGET_PER_TOKEN_CAP = 2
 INFER_BUDGET_PER_TOKEN_CAP = 3
+BUDGETS = (TRAIN_BUDGET_PER_TOKEN_CAP, INFER_BUDGET_PER_TOKEN_CAP)
 GPUS_PER_NODE = 8  # HGX/DGX nodes, when a row leaves gpus_per_node empty
 
 
@@ -428,12 +427,10 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
         raise RowSkipped(f"a mini-batch's {per_update} sequences leave some of the {dp} training ranks none")
     share = max(1, job.sequences_per_step() // dp)  # an inference pass takes the whole batch
     update_share = max(1, share // job.algorithm.mini_batches)  # an update takes a mini-batch
-    fsdp = backend == "fsdp" and dp > 1
+    fsdp, megatron = backend == "fsdp" and dp > 1, backend == "megatron"
     recipe = verl_moe_recipe(row)  # a verl MoE row runs its script's budgets and recompute
-    recompute = ((recipe and recipe.recompute) or framework_recompute(row)
-                 or ("none" if backend == "megatron" else "full"))
-    train_budget, infer_budget = ((recipe.budget_per_cap,) * 2 if recipe and recipe.budget_per_cap
-                                  else (TRAIN_BUDGET_PER_TOKEN_CAP, INFER_BUDGET_PER_TOKEN_CAP))
+    recompute = (recipe and recipe.recompute) or framework_recompute(row) or ("none" if megatron else "full")
+    train_budget, infer_budget = (recipe.budget_per_cap,) * 2 if recipe and recipe.budget_per_cap else BUDGETS
     ep = expert_parallel(row, "train_ep", job, dp)
     train = Layout(tp=tp, pp=pp, dp=dp, ep=ep, fsdp=fsdp, zero1=not fsdp, recompute=recompute,
                    micro_batch_size=balanced_micro_batch(update_share, train_budget * cap, seq))
