@@ -8,7 +8,6 @@ import csv
 import io
 import json
 import sys
-from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import e2e_validation  # noqa: E402
 
+from tests.helpers import published_rows as packaged_rows  # noqa: E402
+
 KEYS = {"rows", "skipped", "cells", "mean_abs_pct", "overall_mean_abs_pct", "overall_max_abs_pct"}
 
-
-def packaged_rows() -> dict[str, dict]:
-    text = resources.files("nereus.cost").joinpath("e2e_runs.csv").read_text()
-    rows = csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))
-    return {row["run_id"]: row for row in rows}
 
 
 def write(path: Path, rows: list[dict]) -> Path:

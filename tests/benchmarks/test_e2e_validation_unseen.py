@@ -13,7 +13,6 @@ import io
 import json
 import math
 import sys
-from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import e2e_validation  # noqa: E402
+
+from tests.helpers import published_rows as packaged_rows  # noqa: E402
 
 KEYS = {"rows", "skipped", "cells", "mean_abs_pct", "overall_mean_abs_pct", "overall_max_abs_pct"}
 # A batch the simulator runs in milliseconds: the sim source draws every sequence of every step.
@@ -131,11 +132,6 @@ SCENARIOS = {
     "no_run_id": ("verl_oso_3", {"run_id": ""}),
 }
 
-
-def packaged_rows() -> dict[str, dict]:
-    text = resources.files("nereus.cost").joinpath("e2e_runs.csv").read_text()
-    rows = csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))
-    return {row["run_id"]: row for row in rows}
 
 
 def variants(small: bool) -> list[dict]:

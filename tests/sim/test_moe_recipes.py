@@ -3,9 +3,6 @@ rollout, and an MoE decoder's sparse layers launch more kernels a decode step (`
 
 from __future__ import annotations
 
-import csv
-from importlib import resources
-
 import pytest
 
 from nereus.cost.decode import DecodePriors
@@ -14,11 +11,7 @@ from nereus.cost.hardware import Hardware, Priors
 from nereus.cost.moe import MOE_MLP_EXTRA_KERNELS, decode_kernels_per_layer
 from nereus.sim.published_runs import balanced_micro_batch, decodes_eagerly, published_run
 from nereus.sim.recipes import MOE_RECIPES, RECIPES, fixed_recipe_tp, moe_recipe
-
-
-def rows() -> dict[str, dict]:
-    text = resources.files("nereus.cost").joinpath("e2e_runs.csv").read_text()
-    return {r["run_id"]: r for r in csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))}
+from tests.helpers import published_rows as rows
 
 
 def test_moe_recipes_are_their_own_table() -> None:

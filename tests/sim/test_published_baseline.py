@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import csv
 import math
-from importlib import resources
 
 from nereus.sim.published_baseline import baseline_of, baseline_step
 from nereus.sim.published_runs import published_run
-
-
-def _rows() -> dict[str, dict]:
-    text = resources.files("nereus.cost").joinpath("e2e_runs.csv").read_text()
-    return {r["run_id"]: r for r in csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))}
+from tests.helpers import published_rows as _rows
 
 
 def test_each_verl_mode_has_its_baseline() -> None:

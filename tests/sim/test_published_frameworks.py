@@ -4,9 +4,7 @@ verl's rows keep the cost model's prior, and no other stage changes."""
 
 from __future__ import annotations
 
-import csv
 from dataclasses import replace
-from importlib import resources
 
 import pytest
 
@@ -14,11 +12,7 @@ from nereus.cost.hardware import Hardware, Priors
 from nereus.cost.stages import stage_cost
 from nereus.sim.published_frameworks import TRAINING_EFFICIENCY
 from nereus.sim.published_runs import published_run
-
-
-def rows() -> dict[str, dict]:
-    text = resources.files("nereus.cost").joinpath("e2e_runs.csv").read_text()
-    return {r["run_id"]: r for r in csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))}
+from tests.helpers import published_rows as rows
 
 
 @pytest.mark.parametrize("run_id", ["openrlhf_7B", "openrlhf_70B", "dschat_7B", "dschat_70B"])

@@ -3,18 +3,11 @@ shared experts and dense layers from the row's columns, the EP degree on the tra
 
 from __future__ import annotations
 
-import csv
-from importlib import resources
-
 import pytest
 
 from nereus.sim.published_runs import RowSkipped, moe_arch_dict, published_run
 from nereus.spec.model import PRESETS
-
-
-def rows() -> dict[str, dict]:
-    text = resources.files("nereus.cost").joinpath("e2e_runs.csv").read_text()
-    return {r["run_id"]: r for r in csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))}
+from tests.helpers import published_rows as rows
 
 
 def test_qwen3_30b_a3b_row_is_the_preset_and_trains_at_the_rows_ep() -> None:

@@ -5,10 +5,8 @@ of any framework that leaves ``offload`` empty yet finds no room for its rollout
 
 from __future__ import annotations
 
-import csv
 import math
 from dataclasses import replace
-from importlib import resources
 
 import pytest
 
@@ -25,11 +23,11 @@ from nereus.sim.published_frameworks import framework_of, framework_recompute
 from nereus.sim.published_predict import cost_times, with_room_for_the_rollout
 from nereus.sim.published_runs import published_run
 from nereus.spec.layout import ModelStage
+from tests.helpers import published_rows
 
 
 def rows() -> dict[str, dict]:
-    text = resources.files("nereus.cost").joinpath("e2e_runs_nemo_rl.csv").read_text()
-    return {r["run_id"]: r for r in csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))}
+    return published_rows("e2e_runs_nemo_rl.csv")
 
 
 @pytest.mark.parametrize("name", ["NeMo-RL", "NeMo RL", "nemo_rl", " nemo-rl "])

@@ -5,9 +5,7 @@ published step of 0. Each is modelled or skipped with its reason, never a crash.
 
 from __future__ import annotations
 
-import csv
 import math
-from importlib import resources
 
 import pytest
 
@@ -15,11 +13,7 @@ from nereus.sim.published_baseline import baseline_of
 from nereus.sim.published_predict import predict
 from nereus.sim.published_runs import RowSkipped, published_run
 from nereus.spec.cluster import gpu_presets
-
-
-def rows() -> dict[str, dict]:
-    text = resources.files("nereus.cost").joinpath("e2e_runs.csv").read_text()
-    return {r["run_id"]: r for r in csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))}
+from tests.helpers import published_rows as rows
 
 
 def test_a_derived_rollout_tp_splits_the_kv_heads_too() -> None:

@@ -4,9 +4,7 @@ offload) follows one stated rule per framework; the rows are priced, with finite
 
 from __future__ import annotations
 
-import csv
 import math
-from importlib import resources
 
 import pytest
 
@@ -17,11 +15,7 @@ from nereus.sim.published_runs import (
     balanced_micro_batch,
     published_run,
 )
-
-
-def rows() -> dict[str, dict]:
-    text = resources.files("nereus.cost").joinpath("e2e_runs.csv").read_text()
-    return {r["run_id"]: r for r in csv.DictReader(line for line in text.splitlines() if not line.startswith("#"))}
+from tests.helpers import published_rows as rows
 
 
 def test_openrlhf_places_each_model_on_its_own_gpus_by_its_scripts_split() -> None:
