@@ -176,15 +176,20 @@ def update_prompts(row: dict, total: int, samples: int) -> int:
     return max(prompts, -(-ranks // max(1, samples)))
 
 
-def framework_recompute(row: dict) -> str:
-    """The training's activation recompute the row's framework runs for a model of its size ("" where it
-    publishes none: the backend's default)."""
-    table = framework_of(row).recompute
+def stated_size_b(row: dict) -> float | None:
+    """The row's ``params_b`` (billions of parameters), None where it is not a positive number."""
     try:
         params_b = float((row.get("params_b") or "").strip())
     except ValueError:
-        return ""
-    if not table or not math.isfinite(params_b) or params_b <= 0:
+        return None
+    return params_b if math.isfinite(params_b) and params_b > 0 else None
+
+
+def framework_recompute(row: dict) -> str:
+    """The training's activation recompute the row's framework runs for a model of its size ("" where it
+    publishes none: the backend's default)."""
+    table, params_b = framework_of(row).recompute, stated_size_b(row)
+    if not table or params_b is None:
         return ""
     return min(table, key=lambda pair: abs(math.log(pair[0] / params_b)))[1]
 
@@ -218,12 +223,9 @@ def verl_moe_recipe(row: dict) -> Recipe | None:
     (``sim.recipes``): what the row leaves empty of its rollout (TP, ``enforce_eager``) and of its offload,
     and its PPO mini-batch, are what that script sets. None for any other row (or one whose ``params_b`` is
     not a size)."""
-    try:
-        params_b = float((row.get("params_b") or "").strip())
-    except ValueError:
-        return None
+    params_b = stated_size_b(row)
     verl = (row.get("framework") or "").strip().lower() == "verl"
-    if not verl or (row.get("arch") or "").strip().lower() != "moe" or not math.isfinite(params_b) or params_b <= 0:
+    if not verl or (row.get("arch") or "").strip().lower() != "moe" or params_b is None:
         return None
     megatron = (row.get("train_backend") or "").strip().lower() == "megatron"
     return moe_recipe("verl", params_b, "megatron" if megatron else "fsdp")
