@@ -125,8 +125,7 @@ class SimBackend:
         if rho > 0 and g > 1:
             z = rng.standard_normal(n // g)
             return draw_groups(rng, r, z, g, rho), z
-        mu = math.log(r.mean) - r.sigma**2 / 2
-        return np.minimum(rng.lognormal(mu, r.sigma, size=n), r.max), np.zeros(0)
+        return np.minimum(rng.lognormal(r.mu, r.sigma, size=n), r.max), np.zeros(0)
 
     def _tail_batching(self, plan: Plan, step: int, lengths: np.ndarray, z: np.ndarray) -> tuple[np.ndarray, bool]:
         """Tail batching's round (``sim.groups``): a long round of ``P`` deferred prompts once as many wait

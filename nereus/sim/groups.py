@@ -3,7 +3,7 @@
 A step draws its responses per prompt group: with the trace's sibling correlation ρ of log lengths
 (``length_correlation.siblings``) a group of G responses shares its prompt's difficulty,
 
-    log L = μ + σ (√ρ · Z_prompt + √(1 − ρ) · Z_response),   μ = log(mean) − σ²/2,
+    log L = μ + σ (√ρ · Z_prompt + √(1 − ρ) · Z_response),   μ the trace's (``ResponseLength.mu``),
 
 so one response's marginal is the trace's log-normal for every ρ (``cost.tail.lengths`` prices the same
 law). With ρ = 0 or G = 1 the draw is the independent one of ``SimBackend.draw_lengths``.
@@ -28,7 +28,7 @@ from nereus.spec.response import ResponseLength
 def draw_groups(rng: np.random.Generator, resp: ResponseLength, z_prompt: np.ndarray, group_size: int,
                 siblings: float) -> np.ndarray:
     """``len(z_prompt)`` groups of ``group_size`` lengths (group j: indices j·G .. j·G + G − 1)."""
-    mu = math.log(resp.mean) - resp.sigma**2 / 2
+    mu = resp.mu
     z_response = rng.standard_normal(len(z_prompt) * group_size)
     z = math.sqrt(siblings) * np.repeat(z_prompt, group_size) + math.sqrt(1 - siblings) * z_response
     return np.minimum(np.exp(mu + resp.sigma * z), resp.max)

@@ -4,7 +4,7 @@ GRPO samples G responses per prompt; their lengths share the prompt's difficulty
 "requests sharing the same prompt exhibit strong similarities in output lengths"). With the trace's
 log-normal (``ResponseLength``: mean, sigma, clipped at max) and a sibling correlation ρ of log lengths,
 
-    log L = μ + σ (√ρ · Z_prompt + √(1 − ρ) · Z_response),   μ = log(mean) − σ²/2,
+    log L = μ + σ (√ρ · Z_prompt + √(1 − ρ) · Z_response),   μ the trace's (``spec.response.lognormal_mu``),
 
 so the marginal of one response is the trace's log-normal for every ρ, and a group finishes with its
 longest response. Expectations over Z_prompt use equally weighted normal quantiles (deterministic).
@@ -21,7 +21,7 @@ from statistics import NormalDist
 import numpy as np
 
 from nereus.cost.decode import DecodePhases, Replica, decode_phases
-from nereus.spec.response import ResponseLength
+from nereus.spec.response import ResponseLength, lognormal_mu
 
 _NORMAL = NormalDist()
 _SQRT2 = math.sqrt(2.0)  # as statistics.NormalDist.cdf divides by it: the fast paths below give its very bits
@@ -64,7 +64,7 @@ class GroupLengths:
 
     @cached_property
     def mu(self) -> float:
-        return math.log(self.mean) - self.sigma**2 / 2
+        return lognormal_mu(self.mean, self.sigma, self.max)
 
     @cached_property
     def prompt_z(self) -> tuple[float, ...]:
