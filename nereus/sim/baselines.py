@@ -138,12 +138,23 @@ class StaticPolicy:
         return d
 
     def _search(self, target: JobSpec) -> SearchResult:
+        """The best plan for ``target`` at its pinned TP/PP; when those no longer fit, an operator picks new
+        layouts the system's recipe allows, and when none of those fits (a grown job's longer responses),
+        any layout its strategies and runtime allow, as after the first out-of-memory error."""
+        hw, base = Hardware(target.cluster), self.base_constraints
         try:
-            return search(Hardware(target.cluster), target, None, constraints=self._constraints())
-        except InfeasibleError:  # the pinned TP/PP no longer fits: an operator picks new layouts
-            result = search(Hardware(target.cluster), target, None, constraints=self.base_constraints)
+            return search(hw, target, None, constraints=self._constraints())
+        except InfeasibleError as err:
+            refused = err
+        for relaxed in (base, Constraints(base.strategies, None, base.capability)):
+            try:
+                result = search(hw, target, None, constraints=relaxed)
+            except InfeasibleError as err:
+                refused = err
+                continue
             self.pinned = {p.model_stage: (p.layout.tp, p.layout.pp) for p in result.plan.placements}
             return result
+        raise refused
 
     def transition_done(self, old: Plan, new: Plan, tm: TransitionMetrics) -> None:
         self.inner.transition_done(old, new, tm)

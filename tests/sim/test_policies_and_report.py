@@ -175,3 +175,32 @@ def test_verl_like_finds_a_layout_at_the_longest_responses_of_the_long_tail_trac
         training = [p.layout for p in plan.placements if p.model_stage.stage == "training"]
         assert training and all(t.recompute == "full" and t.fsdp for t in training)
         assert estimate_plan(Hardware(step_job.cluster), step_job, plan).feasible
+
+
+def test_a_baseline_whose_recipe_fits_no_layout_after_growing_takes_any_layout_that_fits(monkeypatch):
+    """A grown job none of the recipe's layouts fits (memory at its longer responses) gets the best layout
+    its strategies allow, as an operator's fix after the out-of-memory error, not a crashed comparison."""
+    import nereus.sim.baselines as baselines
+    from nereus.planner.search import Constraints
+    from nereus.sim.baselines import StaticPolicy
+    from nereus.spec.errors import InfeasibleError
+
+    job = small_job(32)
+    policy = StaticPolicy("pinned", job, Constraints(("colocated",), lambda ms, layout: layout.tp == 1), True)
+    policy.initial_plan(16)
+    real, asked = baselines.search, []
+
+    def recipe_never_fits(hw, target, forecast, constraints):
+        asked.append(constraints)
+        if constraints.layout_filter is not None:
+            raise InfeasibleError("actor/training", 81e9, 80e9)
+        return real(hw, target, forecast, constraints=constraints)
+
+    monkeypatch.setattr(baselines, "search", recipe_never_fits)
+    result = policy._search(job)
+    assert len(asked) == 3 and asked[-1].strategies == ("colocated",) and asked[-1].layout_filter is None
+    assert result.plan.strategy == "colocated"
+    assert policy.pinned == {p.model_stage: (p.layout.tp, p.layout.pp) for p in result.plan.placements}
+    monkeypatch.setattr(baselines, "search", lambda *a, **k: (_ for _ in ()).throw(InfeasibleError("x", 2, 1)))
+    with pytest.raises(InfeasibleError):  # nothing fits at all: the comparison cannot go on
+        policy._search(job)
