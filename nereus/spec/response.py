@@ -18,10 +18,11 @@ def lognormal_mu(mean: float, sigma: float, cap: float) -> float:
     E[min(X, c)] = e^(mu + sigma^2/2) Phi((ln c - mu - sigma^2)/sigma) + c (1 - Phi((ln c - mu)/sigma)) (the
     log-normal's partial expectation) grows with mu from the unclipped mean's mu, ln(mean) - sigma^2/2, where
     it is below ``mean``; bisection finds it. A mean at the cap puts (nearly) every length there."""
-    unclipped = math.log(mean) - sigma**2 / 2
-    if sigma == 0 or mean >= cap:
-        return unclipped if sigma == 0 or mean < cap else math.log(cap) + 8 * sigma
-    normal, log_cap = NormalDist(), math.log(cap)
+    if sigma == 0:
+        return math.log(mean)
+    if mean >= cap:
+        return math.log(cap) + 8 * sigma
+    unclipped, normal, log_cap = math.log(mean) - sigma**2 / 2, NormalDist(), math.log(cap)
 
     def clipped_mean(mu: float) -> float:
         return (math.exp(mu + sigma**2 / 2) * normal.cdf((log_cap - mu - sigma**2) / sigma)
