@@ -69,6 +69,7 @@ from nereus.cost.eager import eager_step_overhead_s
 from nereus.cost.hardware import Priors
 from nereus.cost.moe import decode_kernels_per_layer
 from nereus.cost.stage_tokens import padded_width
+from nereus.sim.published_cells import RowSkipped, count, enum, layer_count, number, setting, text
 from nereus.sim.published_frameworks import (
     call_sequences,
     default_pools,
@@ -122,10 +123,6 @@ BUDGETS = (TRAIN_BUDGET_PER_TOKEN_CAP, INFER_BUDGET_PER_TOKEN_CAP)
 GPUS_PER_NODE = 8  # HGX/DGX nodes, when a row leaves gpus_per_node empty
 
 
-class RowSkipped(Exception):
-    """A row the model cannot price; the message is the reason the validation prints."""
-
-
 @dataclass(frozen=True)
 class PublishedRun:
     run_id: str
@@ -142,62 +139,11 @@ class PublishedRun:
     offload_stated: bool = True
 
 
-def text(row: dict, key: str) -> str:
-    return (row.get(key) or "").strip()
-
-
-def number(row: dict, key: str) -> float | None:
-    """A numeric cell: None when empty; a cell that is not a number skips the row."""
-    value = text(row, key)
-    if not value:
-        return None
-    try:
-        out = float(value)
-    except ValueError:
-        raise RowSkipped(f"{key}={value!r} is not a number") from None
-    if not math.isfinite(out) or out < 0:
-        raise RowSkipped(f"{key}={value!r} is not a finite non-negative number")
-    return out
-
-
-def count(row: dict, key: str, required: str = "") -> int | None:
-    """A positive whole number; with ``required`` (why it is needed) an empty cell skips the row."""
-    value = number(row, key)
-    if value is None:
-        if required:
-            raise RowSkipped(f"{key} is empty ({required})")
-        return None
-    if value < 1 or value != int(value):
-        raise RowSkipped(f"{key}={text(row, key)!r} is not a positive whole number")
-    return int(value)
-
-
-def enum(row: dict, key: str, choices, default: str = "") -> str:
-    value = text(row, key).lower() or default
-    if value not in choices:
-        raise RowSkipped(f"{key}={text(row, key)!r} is not modelled (known: {', '.join(choices)})")
-    return value
-
-
-# A yes/no setting a schema without its column states in ``notes`` as ``key=True|False`` (the shared
-# verl rows: "checkpoint_engine=False, default CE config").
-NOTE_SETTING = r"\b{key}\s*=\s*(true|false|yes|no)\b"
 # The framework version a row's notes give, "version: main@~2025-07" or "main@2025-08" (year, month).
 NOTE_VERSION = re.compile(r"version:\s*\S*?@~?(\d{4})-(\d{2})")
 # verl's rollout.enforce_eager defaulted to True until verl PR #2956 ("enable vllm cuda graph in default",
 # verl/trainer/config, merged 2025-08-08): a verl run of an earlier version decodes eagerly.
 VERL_CUDA_GRAPHS_SINCE = (2025, 8)
-
-
-def setting(row: dict, key: str, default: str) -> str:
-    """An optional yes/no setting: the row's column, else a ``key=True|False`` its notes state, else
-    ``default``."""
-    if text(row, key):
-        return enum(row, key, ("yes", "no"))
-    stated = re.search(NOTE_SETTING.format(key=key), text(row, "notes"), re.IGNORECASE)
-    if stated is None:
-        return default
-    return "yes" if stated.group(1).lower() in ("true", "yes") else "no"
 
 
 def framework_version(row: dict) -> tuple[int, int] | None:
@@ -240,7 +186,7 @@ def arch_dict(row: dict) -> dict:
     heads = count(row, "n_heads", need)
     hidden = count(row, "hidden", need)
     head_dim = count(row, "head_dim")  # as written where it differs from hidden / heads (Qwen3-4B, -32B)
-    out = {"layers": count(row, "n_layers", need), "hidden": hidden, "heads": heads,
+    out = {"layers": layer_count(row), "hidden": hidden, "heads": heads,
            "kv_heads": count(row, "n_kv_heads") or heads, "vocab": count(row, "vocab", need),
            **({"head_dim": head_dim} if head_dim is not None else {})}
     if not moe:

@@ -50,6 +50,16 @@ def test_gpus_per_node_left_empty_is_named_in_the_reason() -> None:
         published_run(row)
 
 
+@pytest.mark.parametrize(("column", "value"), [("n_layers", "1e30"), ("n_layers", "2000000000"),
+                                               ("gpus_total", "1e12"), ("prompts_per_step", "1e30")])
+def test_a_count_beyond_any_run_skips_the_row_naming_its_column(column: str, value: str) -> None:
+    """A typo's count is not built layer by layer or GPU by GPU (the MoE rows once overflowed, and a layer
+    count of 2e9 stalled the validation): the row is skipped with the column's name."""
+    for run_id in ("verl_dsv3_1", "verl_oso_3"):
+        with pytest.raises(RowSkipped, match=rf"{column}='{value}' is larger than any run's"):
+            published_run({**rows()[run_id], column: value})
+
+
 def test_a_plan_the_cost_model_rejects_skips_the_row_with_its_reason() -> None:
     run = published_run({**rows()["verl_oso_3"], "n_kv_heads": "7"})  # the row's rollout TP 2 splits 7 KV heads
     for source in ("cost", "sim"):
