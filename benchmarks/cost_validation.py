@@ -3,8 +3,8 @@
     python benchmarks/cost_validation.py
 """
 
-from nereus.cost.published import HELD_OUT, narayanan_rows
-from nereus.planner.published import held_out_prediction, row_tflops
+from nereus.cost.published import HELD_OUT, MOE_PRETRAINING, narayanan_rows
+from nereus.planner.published import held_out_prediction, moe_pretraining_tokens, row_tflops
 
 
 def main() -> None:
@@ -24,6 +24,13 @@ def main() -> None:
         scale = 100 if metric == "MFU" else 1
         print(f"  {case['name']:<48} {metric} predicted {scale * predicted:6.1f}, published {scale * published:6.1f}"
               f"  ({100 * (predicted / published - 1):+5.1f}%)  [{case['source']}]")
+    print("Held out, Mixture-of-Experts pre-training (Megatron-Bridge performance summary, 25.11, BF16):")
+    for case in MOE_PRETRAINING:
+        published, hosts = case["tokens_per_s_per_gpu"], moe_pretraining_tokens(case, gpus_per_node=4)
+        predicted = moe_pretraining_tokens(case)
+        print(f"  {case['name']:<48} tokens/s/GPU predicted {predicted:6.0f}, published {published:5.0f}"
+              f"  ({100 * (predicted / published - 1):+5.1f}%); NVLink as 4-GPU trays: {hosts:5.0f}"
+              f" ({100 * (hosts / published - 1):+5.1f}%)")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,41 @@ HELD_OUT = [
 ]
 
 
+# Held-out Mixture-of-Experts pre-training in BF16: Megatron-Bridge's performance summary, 25.11 NeMo container,
+# DGX-GB200 (https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/067f987df03b8355b03192d88d70f1709fedf51a/docs/
+# performance-summary-archive.md, "25.11 NeMo Container", "System: DGX-GB200"; the recipes: scripts/performance/
+# configs/{qwen,deepseek}/*_workload_base_configs.py, https://github.com/NVIDIA-NeMo/Megatron-Bridge/tree/
+# 7fca53411a86fe14f974fbc0b725e54821d98a0d). Sequences of 4,096 tokens, micro-batch 1, routing force-balanced and
+# token-dropless (its notes); tokens/s per GPU as published. Architectures as their Hugging Face configs;
+# DeepSeek-V3's MLA is priced as multi-head attention of hidden / heads wide heads (``sim.published_runs``), which
+# understates its attention FLOPs. Both recipes' uneven pipeline split (94 and 61 layers) is priced at its fullest
+# stage, without the interleaving (VP 3 and 4) the model needs even chunks for; DeepSeek-V3 recomputes only its MLA
+# up-projection, priced as no recompute. The 256 GPUs are 64 trays of 4 in NVL72 racks, whose NVLink joins 72: four
+# domains of 64 (``sim.published_runs.nvlink_node``), the reach of the recipes' NVLink-domain all-to-all ("hybridep").
+QWEN3_235B = {"layers": 94, "hidden": 4096, "heads": 64, "kv_heads": 4, "head_dim": 128, "vocab": 151936,
+              "ffn_hidden": 1536, "moe": {"experts": 128, "top_k": 8, "expert_ffn_hidden": 1536}}
+DEEPSEEK_V3 = {"layers": 61, "hidden": 7168, "heads": 128, "kv_heads": 128, "vocab": 129280, "ffn_hidden": 18432,
+               "moe": {"experts": 256, "top_k": 8, "expert_ffn_hidden": 2048, "shared_expert_ffn_hidden": 2048,
+                       "dense_layers": [0, 1, 2]}}
+MOE_PRETRAINING = [
+    {"name": "Qwen3-235B-A22B, 256 GB200, BF16", "arch": QWEN3_235B, "gpus": 256, "nvlink_domain": 64,
+     "batch": 8192, "seq": 4096, "tp": 1, "pp": 8, "ep": 32, "tokens_per_s_per_gpu": 4916},
+    {"name": "DeepSeek-V3 (w/o MTP), 256 GB200, BF16", "arch": DEEPSEEK_V3, "gpus": 256, "nvlink_domain": 64,
+     "batch": 4096, "seq": 4096, "tp": 1, "pp": 4, "ep": 64, "tokens_per_s_per_gpu": 3139},
+]
+
+
+def moe_pretraining_job(case: dict, gpus_per_node: int | None = None) -> JobSpec:
+    """A Megatron pre-training job of one ``MOE_PRETRAINING`` case on GB200s, nodes of ``gpus_per_node``
+    (default: the case's NVLink domain)."""
+    per_node = gpus_per_node or case["nvlink_domain"]
+    return job_from_dict({
+        "name": case["name"], "models": {"moe": case["arch"]}, "algorithm": {"name": "train"},
+        "workload": {"global_batch": case["batch"], "sequence_length": case["seq"]},
+        "cluster": {"gpu": "GB200", "nodes": case["gpus"] // per_node, "gpus_per_node": per_node},
+    })
+
+
 def gpt_training_job(layers: int, hidden: int, heads: int, global_batch: int, gpus: int, **options) -> JobSpec:
     """A Megatron-LM GPT training job as in Narayanan et al. 2021: GeLU 4h MLP, tied embeddings,
     V = 51,200, s = 2048, full recomputation, no sequence parallelism or distributed optimizer, and

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
-from nereus.cost.published import gpt_training_job, hardware_flops, model_flops, row_job
+from nereus.cost.published import gpt_training_job, hardware_flops, model_flops, moe_pretraining_job, row_job
+from nereus.cost.stages import stage_cost
 from nereus.planner.layouts import plan_from_layout
 from nereus.spec.job import JobSpec
+from nereus.spec.layout import Layout
 
 
 def predicted_step_time(job: JobSpec, layout: str) -> float:
@@ -38,3 +40,16 @@ def held_out_prediction(case: dict) -> tuple[str, float, float]:
         return "MFU", mfu, case["mfu"]
     tflops = hardware_flops(case["layers"], case["hidden"], case["batch"]) / t / case["gpus"] / 1e12
     return "TFLOP/s", tflops, case["tflops"]
+
+
+def moe_pretraining_tokens(case: dict, gpus_per_node: int | None = None) -> float:
+    """Predicted tokens/s per GPU of one ``MOE_PRETRAINING`` case at its published layout (micro-batch 1,
+    the distributed optimizer, no recompute), its GPUs in nodes of ``gpus_per_node`` (default: its NVLink
+    domain)."""
+    job = moe_pretraining_job(case, gpus_per_node)
+    layout = Layout(tp=case["tp"], pp=case["pp"], dp=case["gpus"] // (case["tp"] * case["pp"]), ep=case["ep"],
+                    micro_batch_size=1, recompute="none", sequence_parallel=case["tp"] > 1, zero1=True)
+    cost = stage_cost(Hardware(job.cluster), job, job.model_stages()[0], layout)
+    if cost is None:
+        raise ValueError(f"{case['name']}: the layout cannot split the batch")
+    return case["batch"] * case["seq"] / cost.time() / case["gpus"]

@@ -179,6 +179,17 @@ def gpu_name(row: dict) -> str:
     return f"{family}-{memory.group(1)}GB" if memory else family
 
 
+def nvlink_node(domain: int, total: int, per_node: int) -> int:
+    """The GPUs of the cost model's node, the NVLink domain its collectives stay within, for a row whose
+    ``gpus_per_node`` counts its hosts' GPUs: a GB200 NVL72 tray holds 4, but NVLink joins the rack's 72
+    (``GpuSpec.nvlink_domain``; NeMo RL's GB200 runs are written as 4-GPU nodes). The largest multiple of
+    the row's node that divides the run's GPUs and fits in one domain (a 128-GPU run: two domains of 64,
+    where the racks hold 72 and 56)."""
+    if domain <= per_node:
+        return per_node
+    return max(k * per_node for k in range(1, domain // per_node + 1) if total % (k * per_node) == 0)
+
+
 def arch_dict(row: dict) -> dict:
     """The ``models`` entry of the row's architecture columns; an MoE row's (``arch`` moe) with its experts."""
     moe = enum(row, "arch", ("dense", "moe"), "dense") == "moe"
@@ -248,6 +259,7 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
     if total % per_node:
         raise RowSkipped(f"gpus_total {total} is not a multiple of gpus_per_node {per_node}"
                          + ("" if text(row, "gpus_per_node") else f" (empty: {GPUS_PER_NODE}, an HGX node's)"))
+    per_node = nvlink_node(gpu_presets()[gpu].nvlink_domain, total, per_node)
     enum(row, "algorithm", ALGORITHMS, "other")
     critic = enum(row, "critic", ("yes", "no"), "no") == "yes"
     reference = enum(row, "reference", ("yes", "no"), "no") == "yes"

@@ -52,6 +52,7 @@ class GpuSpec:
     memory_bytes: float
     intra_node_bytes_per_s: float  # NVLink, per device, one direction (half the bidirectional total)
     inter_node_bytes_per_s: float  # one NIC per device, one direction
+    nvlink_domain: int = 8  # GPUs one NVLink switch fabric joins (an HGX board 8, a GB200 NVL72 rack 72)
 
 
 @lru_cache(maxsize=1)
@@ -68,6 +69,7 @@ def gpu_presets() -> dict[str, GpuSpec]:
             memory_bytes=float(row["hbm_gb"]) * GB,
             intra_node_bytes_per_s=float(row["nvlink_gb_per_s_bidir"]) * GB / 2,
             inter_node_bytes_per_s=float(row["ib_gbit_per_s_per_gpu"]) * GB / 8,
+            nvlink_domain=int(row["nvlink_domain_gpus"]),
         )
         presets[gpu.name] = gpu
         family = gpu.name.split("-")[0]  # "A100", "H100", "H200"

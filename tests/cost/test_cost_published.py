@@ -7,8 +7,8 @@ papers, so the estimate chooses them as the authors tuned theirs (the fastest th
 import pytest
 
 from nereus.cost.hardware import Hardware
-from nereus.cost.published import HELD_OUT, SEQ, VOCAB, narayanan_rows, row_job
-from nereus.planner.published import held_out_prediction, predicted_step_time, row_tflops
+from nereus.cost.published import HELD_OUT, MOE_PRETRAINING, SEQ, VOCAB, narayanan_rows, row_job
+from nereus.planner.published import held_out_prediction, moe_pretraining_tokens, predicted_step_time, row_tflops
 from nereus.planner.search import search
 
 
@@ -60,3 +60,16 @@ def test_held_out_korthikanti2022_selective_recompute_and_sequence_parallelism()
     assert full == pytest.approx(full_pub, rel=0.15)
     assert sel == pytest.approx(sel_pub, rel=0.15)
     assert sel / full == pytest.approx(sel_pub / full_pub, rel=0.10)
+
+
+@pytest.mark.parametrize("case", MOE_PRETRAINING, ids=lambda c: c["name"])
+def test_held_out_moe_pretraining_on_gb200_prices_its_racks_nvlink(case: dict) -> None:
+    """Megatron-Bridge's BF16 MoE pre-training on 256 GB200s (25.11): within 25% of the published tokens/s
+    per GPU when the NVL72 rack's NVLink carries the expert all-to-all (DeepSeek-V3's MLA is priced as
+    multi-head attention, which understates its attention); taken as 4-GPU nodes joined by InfiniBand, the
+    same model is slower by more than half, as NeMo RL's GB200 rows once were priced."""
+    published = case["tokens_per_s_per_gpu"]
+    predicted, trays = moe_pretraining_tokens(case), moe_pretraining_tokens(case, gpus_per_node=4)
+    print(f"{case['name']}: {predicted:.0f} tokens/s/GPU (published {published}), as 4-GPU nodes {trays:.0f}")
+    assert predicted == pytest.approx(published, rel=0.25)
+    assert trays < 0.5 * published

@@ -21,7 +21,7 @@ from nereus.cost.verl_weight_sync import (
 )
 from nereus.sim.published_frameworks import framework_of, framework_recompute
 from nereus.sim.published_predict import cost_times, with_room_for_the_rollout
-from nereus.sim.published_runs import published_run
+from nereus.sim.published_runs import nvlink_node, published_run
 from nereus.spec.layout import ModelStage
 from tests.helpers import published_rows
 
@@ -80,3 +80,21 @@ def test_training_recomputes_where_the_models_performance_recipe_does(run_id: st
     if row["arch"] == "dense":  # (an MoE row as verl's would take its verl MoE script's)
         verl = published_run({**row, "framework": "verl"})
         assert verl.plan.placement("actor/training").layout.recompute == "none"
+
+
+@pytest.mark.parametrize(("total", "per_node", "domain", "node"), [(128, 4, 72, 64), (256, 4, 72, 64), (16, 4, 72, 16),
+                                                                   (36, 4, 72, 36), (64, 8, 8, 8), (12, 4, 8, 4)])
+def test_the_cost_models_node_is_the_nvlink_domain_a_rows_hosts_fit_in(total: int, per_node: int, domain: int,
+                                                                       node: int) -> None:
+    assert nvlink_node(domain, total, per_node) == node
+
+
+def test_a_gb200_row_written_as_4_gpu_hosts_is_priced_on_its_racks_nvlink() -> None:
+    """NeMo RL's GB200 runs are 4-GPU trays of NVL72 racks: NVLink joins the rack, so the training's EP16
+    all-to-all and the rollout's TP stay on NVLink, as a row that gives the domain itself prices them."""
+    hosts = published_run(rows()["nemorl_dsv3_gb_128"])
+    assert hosts.job.cluster.gpus_per_node == 64
+    domain = published_run({**rows()["nemorl_dsv3_gb_128"], "gpus_per_node": "64"})
+    assert cost_times(hosts) == cost_times(domain)
+    h100 = published_run(rows()["nemorl_dsv3_256"])
+    assert h100.job.cluster.gpus_per_node == 8  # an HGX board is its own domain
