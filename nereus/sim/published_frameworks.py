@@ -41,7 +41,9 @@ Rules (docs/cost-model.md, "End-to-end RL runs"):
 - training throughput: OpenRLHF's and DeepSpeed-Chat's training stages run Hugging Face models under
   DeepSpeed ZeRO-2/3 with gradient checkpointing and Adam offload, measured by the OpenRLHF authors on A800s
   at a fraction of the GPU's peak (``TRAINING_EFFICIENCY``), which prices their GEMMs in place of the
-  ``gemm_efficiency`` prior (``Options.training_efficiency``); verl's rows keep the prior.
+  ``gemm_efficiency`` prior (``Options.training_efficiency``). verl's Megatron training of an MoE model
+  runs at the fraction its own published MFU gives (``VERL_MEGATRON_MOE_TRAINING_EFFICIENCY``); verl's other
+  rows keep the prior.
 - generate calls: OpenRLHF's actor ranks each hand their engine ``--micro_rollout_batch_size`` prompts per
   call and wait for it before the next (``OPENRLHF_CALL_PROMPTS``), so an engine decodes static batches of
   the calls in flight (``Options.rollout_call_sequences``, ``cost.static_decode``).
@@ -81,6 +83,8 @@ class FrameworkDefaults:
     rollout_tp: int = 0
     # fraction of the GPU's peak its training stages' GEMMs reach (0: the cost model's prior), measured
     training_efficiency: float = 0.0
+    # the same for its Megatron training of a Mixture-of-Experts model (0: ``training_efficiency``)
+    megatron_moe_training_efficiency: float = 0.0
     # the trainer's host state of a colocated row that leaves ``offload`` empty ("": none)
     colocated_offload: str = ""
     # the training's activation recompute by the model size of the framework's recipes: (size, "full" |
@@ -88,9 +92,6 @@ class FrameworkDefaults:
     recompute: tuple[tuple[float, str], ...] = ()
 
 
-# verl: train_prompt_mini_bsz=32 in every DAPO recipe script behind its rows (verl/experimental/
-# one_step_off_policy/shell/dapo_7b_math_*.sh, fully_async_policy/shell/dapo_7b_math_fsdp2_*.sh).
-VERL = FrameworkDefaults("verl")
 # OpenRLHF's benchmark settings, which its comparison with DeepSpeed-Chat used for both: rollout_batch_size
 # 1024, train_batch_size 128 (OpenRLHF/OpenRLHF docs, "OpenRLHF Benchmark", Hyperparameter).
 OPENRLHF_TRAIN_BATCH = 128
@@ -121,6 +122,19 @@ DSCHAT_CALL_PROMPTS = ((6.74, 8), (13.0, 2))
 #   492.01 s, 13B 1,218.76 s (60.34 and 46.61 TFLOP/s as printed): 0.162. Its run without offload reached
 #   142.01 TFLOP/s (0.455): most of the gap is DeepSpeed's host Adam step, which this figure carries.
 TRAINING_EFFICIENCY = {"OpenRLHF": 0.349, "DeepSpeed-Chat": 0.162}
+# verl's Megatron training of MoE models, measured by verl itself: its "Qwen3-30B-A3B MOE" table
+# (https://github.com/volcengine/verl/blob/b178a3cd56f58b2d502255daba591e92833930a7/docs/perf/dpsk.md) gives the MFU
+# of examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh (TP1 EP8, parameters and optimizer offloaded, the
+# optimizer stepping on the host) on 8, 16 and 32 96 GB GPUs: 0.40, 0.37, 0.31, 0.356 pooled over their GPU-seconds.
+# verl's MFU is its flops counter's FLOPs of the update (verl/utils/flops_counter.py) over the update policy's
+# seconds, the GPUs and H20's 148 TFLOP/s. This is the GEMM efficiency at which the cost model's update of those
+# three runs gives that pooled MFU; the prior's 0.75 gives 0.60 at every size. Fitted on these three rows only, and
+# reproduced with the held-out check by ``python benchmarks/verl_moe_mfu.py``: DeepSeek-V3 on 96 H20s (the same
+# doc's benchmark, MFU 0.19) is priced at 0.180 with it, 0.287 at the prior.
+VERL_MEGATRON_MOE_TRAINING_EFFICIENCY = 0.43
+# verl: train_prompt_mini_bsz=32 in every DAPO recipe script behind its rows (verl/experimental/
+# one_step_off_policy/shell/dapo_7b_math_*.sh, fully_async_policy/shell/dapo_7b_math_fsdp2_*.sh).
+VERL = FrameworkDefaults("verl", megatron_moe_training_efficiency=VERL_MEGATRON_MOE_TRAINING_EFFICIENCY)
 # NeMo RL's Megatron policy worker on a colocated run (nemo_rl/models/policy/workers/megatron_policy_worker.py,
 # v0.6.0): after the refit it moves the model, its gradient buffers and the optimizer to the host
 # (``offload_after_refit``), loads the model back for log-probs (``prepare_for_lp_inference``) and the model and
@@ -278,8 +292,18 @@ def priced_as_framework(row: dict, job: JobSpec) -> JobSpec:
     """The job with its framework's batching, its rollout engine and its offload in the options the cost
     model reads (a row ``unmodelled`` passes)."""
     options = replace(job.options, padded_batches=padded(row), rollout_engine=rollout_engine_name(row),
-                      offload=offload_of(row), training_efficiency=framework_of(row).training_efficiency)
+                      offload=offload_of(row), training_efficiency=training_efficiency(row, job))
     return replace(job, options=options)
+
+
+def training_efficiency(row: dict, job: JobSpec) -> float:
+    """The fraction of peak the row's training GEMMs run at: its framework's Megatron MoE figure for a
+    Megatron-trained MoE actor where it has one, else its framework's (0: the cost model's prior)."""
+    framework = framework_of(row)
+    megatron = (row.get("train_backend") or "").strip().lower() == "megatron"
+    if megatron and job.models["actor"].moe is not None and framework.megatron_moe_training_efficiency:
+        return framework.megatron_moe_training_efficiency
+    return framework.training_efficiency
 
 
 def default_pools(row: dict, total: int, models: tuple[str, ...]) -> dict[str, tuple[int, ...]] | None:
