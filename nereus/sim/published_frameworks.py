@@ -128,9 +128,9 @@ TRAINING_EFFICIENCY = {"OpenRLHF": 0.349, "DeepSpeed-Chat": 0.162}
 # optimizer stepping on the host) on 8, 16 and 32 96 GB GPUs: 0.40, 0.37, 0.31, 0.356 pooled over their GPU-seconds.
 # verl's MFU is its flops counter's FLOPs of the update (verl/utils/flops_counter.py) over the update policy's
 # seconds, the GPUs and H20's 148 TFLOP/s. This is the GEMM efficiency at which the cost model's update of those
-# three runs gives that pooled MFU; the prior's 0.75 gives 0.60 at every size. Fitted on these three rows only, and
-# reproduced with the held-out check by ``python benchmarks/verl_moe_mfu.py``: DeepSeek-V3 on 96 H20s (the same
-# doc's benchmark, MFU 0.19) is priced at 0.180 with it, 0.287 at the prior.
+# three runs gives that pooled MFU (0.428); the prior's 0.75 gives 0.59, 0.59, 0.54. Fitted on these three rows
+# only, and reproduced with the held-out check by ``python benchmarks/verl_moe_mfu.py``: DeepSeek-V3 on 96 H20s
+# (the same doc's benchmark, MFU 0.19) is priced at 0.181 with it, 0.290 at the prior.
 VERL_MEGATRON_MOE_TRAINING_EFFICIENCY = 0.43
 # verl: train_prompt_mini_bsz=32 in every DAPO recipe script behind its rows (verl/experimental/
 # one_step_off_policy/shell/dapo_7b_math_*.sh, fully_async_policy/shell/dapo_7b_math_fsdp2_*.sh).
