@@ -10,8 +10,9 @@ the cost model, then each lever's pricing applied to it: speculative decoding at
 per live batch (suffix drafts and a draft head at the trace's acceptance), tail batching at the best
 over-launch factor (the trace's sibling correlation), partial rollout and one-step asynchrony at one step
 of policy lag (the best per-step budget; the best split of the GPUs, training scaled linearly with its
-GPUs). Gains are step-time ratios of the cost model; "x verl-like" multiplies the measured nereus ratio
-of part 1 by the gain (an estimate: nereus's own inside-the-step gains are not re-priced).
+GPUs). Gains are step-time ratios of the cost model; "x verl-like" multiplies the measured ratio of part 1's
+``fixed-oracle`` (the best fixed layout, no lever) by the gain, an estimate of the lever alone on that
+layout. ``nereus`` chooses levers itself, so its measured ratio already holds theirs and is not multiplied.
 
     python benchmarks/tail_levers.py [--sim] [--steps 0] [--jobs ppo_8b_h100 grpo_7b_h100] [--traces ...]
 """
@@ -69,7 +70,7 @@ def run_sim(job: JobSpec, trace: Trace, policy: str, seed: int, steps: int) -> S
 
 
 def sim_part(job: JobSpec, trace: Trace, seed: int, steps: int) -> float | None:
-    """Runs every policy on the trace; prints the table; returns nereus / verl-like throughput."""
+    """Runs every policy on the trace; prints the table; returns fixed-oracle / verl-like throughput."""
     n = min(steps or trace.steps, trace.steps)
     res = {p: run_sim(job, trace, p, seed, n) for p in POLICIES}
     common = min(len(r.steps) for r in res.values())
@@ -83,8 +84,8 @@ def sim_part(job: JobSpec, trace: Trace, seed: int, steps: int) -> float | None:
         ratio_c = tps_c / verl_common[1] if verl_common[1] else math.nan
         print(f"  {p:<14}{len(r.steps):>6}{mean:>10.1f}s{tps:>11.0f}{ratio:>8.2f}{ratio_c:>17.2f}  {r.wall_s:.0f}s"
               + (f"  STOPPED: {r.error[:160]}" if r.error else ""))
-    n_tps, v_tps = res["nereus"].over(common)[1], verl_common[1]
-    return n_tps / v_tps if v_tps else None
+    f_tps, v_tps = res["fixed-oracle"].over(common)[1], verl_common[1]
+    return f_tps / v_tps if v_tps else None
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ def _async(job: JobSpec, replica: Replica, tp: int, lengths: GroupLengths, rest:
 
 
 def lever_part(job: JobSpec, trace: Trace, ratio_now: float | None) -> None:
+    """Prints each lever's gain at sample steps and, given the lever-free ratio to verl-like, its estimate."""
     samples = sorted({0, trace.steps // 2, trace.steps - 1})
     priced = [price_step(job, trace, s) for s in samples]
     print(f"  cost model at steps {samples}: step {', '.join(f'{p.step_s:.0f}' for p in priced)} s, "
