@@ -280,7 +280,8 @@ class StepModel:
             self.comm_per_seq += self.experts.all_to_all_s(hw, a.hidden, r.tp, 1.0) - fixed
         eng = r.costs
         self.per_seq_s = eng.sequence_s
-        kernels = decode_kernels_per_layer(a.layers, a.sparse_layers(), r.priors.kernels_per_layer)
+        shared = a.moe is not None and a.moe.shared_expert_ffn_hidden > 0
+        kernels = decode_kernels_per_layer(a.layers, a.sparse_layers(), r.priors.kernels_per_layer, shared)
         self.fixed_s = eng.step_s + a.layers * kernels * r.priors.kernel_gap_s
         self._compute: dict[int, float] = {}  # compute_s by batch (a pure function of it)
 

@@ -50,12 +50,18 @@ PERMUTE_TRAFFIC = 4
 # ten kernels for the dense MLP's three. Each costs a replayed graph's kernel gap, and run eagerly a host
 # dispatch (``cost.eager``).
 MOE_MLP_EXTRA_KERNELS = 7
+# Kernels a sparse layer's shared expert adds to a decode step: its gate/up GEMM, the activation, its down GEMM
+# and the add of its output to the routed experts' (vLLM's DeepseekV2MoE and Qwen2MoeSparseMoeBlock run the
+# shared expert as a dense MLP of its own beside the fused-MoE call).
+SHARED_EXPERT_KERNELS = 4
 
 
-def decode_kernels_per_layer(layers: int, sparse_layers: int, dense_kernels: int) -> float:
+def decode_kernels_per_layer(layers: int, sparse_layers: int, dense_kernels: int, shared_expert: bool = False) -> float:
     """Kernels a decode step launches per layer on average over the layers: ``dense_kernels`` in a dense
-    layer, ``MOE_MLP_EXTRA_KERNELS`` more in a sparse one."""
-    return dense_kernels + MOE_MLP_EXTRA_KERNELS * sparse_layers / layers
+    layer, ``MOE_MLP_EXTRA_KERNELS`` more in a sparse one, and ``SHARED_EXPERT_KERNELS`` more where a sparse
+    layer has a shared expert."""
+    extra = MOE_MLP_EXTRA_KERNELS + (SHARED_EXPERT_KERNELS if shared_expert else 0)
+    return dense_kernels + extra * sparse_layers / layers
 
 
 def imbalance(arch: ModelArch, ep: int) -> float:

@@ -306,7 +306,8 @@ def _eager_priors(row: dict, arch: dict) -> dict:
         return {}
     layers = arch["layers"]
     sparse = layers - len(arch["moe"].get("dense_layers", ())) if "moe" in arch else 0
-    kernels = decode_kernels_per_layer(layers, sparse, DecodePriors().kernels_per_layer)
+    shared = "moe" in arch and arch["moe"].get("shared_expert_ffn_hidden", 0) > 0
+    kernels = decode_kernels_per_layer(layers, sparse, DecodePriors().kernels_per_layer, shared)
     return {"priors": {"decode_step_overhead_s": Priors().decode_step_overhead_s
                        + eager_step_overhead_s(layers, kernels)}}
 

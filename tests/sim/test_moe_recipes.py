@@ -8,7 +8,7 @@ import pytest
 from nereus.cost.decode import DecodePriors
 from nereus.cost.eager import eager_step_overhead_s
 from nereus.cost.hardware import Hardware, Priors
-from nereus.cost.moe import MOE_MLP_EXTRA_KERNELS, decode_kernels_per_layer
+from nereus.cost.moe import MOE_MLP_EXTRA_KERNELS, SHARED_EXPERT_KERNELS, decode_kernels_per_layer
 from nereus.sim.published_runs import balanced_micro_batch, decodes_eagerly, published_run
 from nereus.sim.recipes import MOE_RECIPES, RECIPES, fixed_recipe_tp, moe_recipe
 from tests.helpers import published_rows as rows
@@ -49,6 +49,17 @@ def test_a_recipe_tp_the_rollout_gpus_do_not_split_into_falls_to_one_that_does()
 def test_dense_layers_launch_the_dense_kernels() -> None:
     assert decode_kernels_per_layer(28, 0, 10) == 10
     assert decode_kernels_per_layer(61, 58, 10) == pytest.approx(10 + 7 * 58 / 61)
+
+
+def test_a_shared_expert_launches_its_own_mlp_in_every_sparse_layer() -> None:
+    """DeepSeek-V3's one shared expert per sparse layer is a dense MLP beside the fused-MoE call: its eager
+    decode step dispatches those kernels too (``SHARED_EXPERT_KERNELS``), Qwen3-30B-A3B's has none."""
+    assert decode_kernels_per_layer(61, 58, 10, shared_expert=True) == pytest.approx(
+        10 + (MOE_MLP_EXTRA_KERNELS + SHARED_EXPERT_KERNELS) * 58 / 61)
+    run = published_run(rows()["verl_dsv3_1"])  # eager, as verl's DeepSeek-V3 script runs
+    kernels = decode_kernels_per_layer(61, 58, DecodePriors().kernels_per_layer, shared_expert=True)
+    step = Hardware(run.job.cluster).priors.decode_step_overhead_s
+    assert step == pytest.approx(Priors().decode_step_overhead_s + eager_step_overhead_s(61, kernels))
 
 
 def test_an_moe_row_without_offload_takes_its_recipes() -> None:
