@@ -99,11 +99,11 @@ OPENRLHF_TRAIN_BATCH = 128
 # gives the reference 2, the reward model 2, the critic 4, the actor 4 GPUs and the vLLM engines 2 x TP2, and its
 # benchmark notes (docs, "OpenRLHF Benchmark") list ray+vllm runs at ref:reward:critic:actor:vllm = 1:1:2:2:2.
 OPENRLHF_POOLS = (("generation", 0.25), ("actor", 0.25), ("critic", 0.25), ("reference", 0.125), ("reward", 0.125))
-# --micro_rollout_batch_size of the same commit's scripts: 16 in train_ppo_llama_ray.sh (Llama-2-7B), 2 in
-# train_ppo_llama_ray_70b.sh. Each actor rank generates that many prompts per call to its vLLM engine
-# (openrlhf/trainer/ppo_utils/experience_maker.py, RemoteExperienceMaker: ``ray.get(llm.generate.remote(...))``,
-# then the experience's forward passes, then the next micro-batch).
-OPENRLHF_CALL_PROMPTS = ((6.74, 16), (69.0, 2))
+# --micro_rollout_batch_size of the same commit's scripts: 16 in train_ppo_llama_ray.sh (Llama-2-7B), 8 in
+# train_ppo_llama_ray_slurm.sh (Llama-2-13B), 2 in train_ppo_llama_ray_70b.sh. Each actor rank generates that many
+# prompts per call to its vLLM engine (openrlhf/trainer/ppo_utils/experience_maker.py, RemoteExperienceMaker:
+# ``ray.get(llm.generate.remote(...))``, then the experience's forward passes, then the next micro-batch).
+OPENRLHF_CALL_PROMPTS = ((6.74, 16), (13.0, 8), (69.0, 2))
 # DeepSpeed-Chat's generation batch per GPU in the OpenRLHF authors' runs of it (the benchmark notes above:
 # 8 for Llama-2-7B, 2 for 13B); its Hybrid Engine gathers a TP group's prompts into one batch. Its TP starts
 # at the hybrid engine's default inference_tp_size, 1 (DeepSpeed config ``hybrid_engine``).

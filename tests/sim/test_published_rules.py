@@ -33,6 +33,10 @@ def test_openrlhf_places_each_model_on_its_own_gpus_by_its_scripts_split() -> No
     engines = run.plan.placement("actor/generation").layout.dp
     assert opts.rollout_call_sequences == 16 * max(1, 4 // engines)  # 16 prompts a call per actor rank
     assert opts.offload == "optimizer" and run.job.algorithm.mini_batches == 1024 // 128
+    run13 = published_run(rows()["openrlhf_13B"])  # its script at the table's commit: train_ppo_llama_ray_slurm.sh
+    engines = run13.plan.placement("actor/generation").layout.dp
+    actor_ranks = run13.plan.placement("actor/training").layout.dp
+    assert run13.job.options.rollout_call_sequences == 8 * max(1, actor_ranks // engines)  # 8 prompts a call
 
 
 def test_a_verl_row_without_pool_sizes_is_still_skipped() -> None:
