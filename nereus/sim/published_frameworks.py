@@ -81,6 +81,9 @@ class FrameworkDefaults:
     # rollout TP a row without one starts from (0: verl's recipes', ``sim.recipes``), doubled while the
     # gathered bf16 weights take more than half a GPU's memory (``framework_rollout_tp``)
     rollout_tp: int = 0
+    # rollout TP of the framework's own scripts by model size (billion parameters): (size, TP) pairs, the
+    # nearest size's; () = none (``rollout_tp``, else verl's recipes)
+    script_rollout_tp: tuple[tuple[float, int], ...] = ()
     # fraction of the GPU's peak its training stages' GEMMs reach (0: the cost model's prior), measured
     training_efficiency: float = 0.0
     # the same for its Megatron training of a Mixture-of-Experts model (0: ``training_efficiency``)
@@ -104,6 +107,9 @@ OPENRLHF_POOLS = (("generation", 0.25), ("actor", 0.25), ("critic", 0.25), ("ref
 # prompts per call to its vLLM engine (openrlhf/trainer/ppo_utils/experience_maker.py, RemoteExperienceMaker:
 # ``ray.get(llm.generate.remote(...))``, then the experience's forward passes, then the next micro-batch).
 OPENRLHF_CALL_PROMPTS = ((6.74, 16), (13.0, 8), (69.0, 2))
+# The vLLM engines' TP of the same scripts: train_ppo_llama_ray_70b.sh sets --vllm_tensor_parallel_size 2; the 7B
+# and 13B scripts set none, so they take examples/train_ppo_ray.py's default, 1.
+OPENRLHF_ROLLOUT_TP = ((6.74, 1), (13.0, 1), (69.0, 2))
 # DeepSpeed-Chat's generation batch per GPU in the OpenRLHF authors' runs of it (the benchmark notes above:
 # 8 for Llama-2-7B, 2 for 13B); its Hybrid Engine gathers a TP group's prompts into one batch. Its TP starts
 # at the hybrid engine's default inference_tp_size, 1 (DeepSpeed config ``hybrid_engine``).
@@ -157,7 +163,7 @@ def _key(name: str) -> str:
 FRAMEWORKS = {_key(f.name): f for f in (
     VERL,
     FrameworkDefaults("OpenRLHF", learned_reward=True, dynamic_batch=False, disaggregated_sync="gather-broadcast",
-                      pools=OPENRLHF_POOLS, call_prompts=OPENRLHF_CALL_PROMPTS,
+                      pools=OPENRLHF_POOLS, call_prompts=OPENRLHF_CALL_PROMPTS, script_rollout_tp=OPENRLHF_ROLLOUT_TP,
                       mini_batch_prompts=OPENRLHF_TRAIN_BATCH, training_efficiency=TRAINING_EFFICIENCY["OpenRLHF"]),
     FrameworkDefaults("DeepSpeed-Chat", learned_reward=True, dynamic_batch=False, prompt_at_cap=True,
                       other_engine="deepspeed-he", colocated_sync="zero3-gather", call_prompts=DSCHAT_CALL_PROMPTS,
@@ -264,10 +270,14 @@ def offload_of(row: dict) -> str | None:
 
 
 def framework_rollout_tp(row: dict, weight_bytes: float, gpu_bytes: float, gpus: int, heads: int) -> int:
-    """The framework's rollout TP for a row without one (0: none of its own): its default, doubled while the
-    gathered weights would take more than half a GPU (the rest holds the trainer's shards and the caches) and
-    the doubled degree still divides the rollout's GPUs and the heads."""
-    tp = framework_of(row).rollout_tp
+    """The framework's rollout TP for a row without one (0: none of its own): its scripts' for the nearest
+    model size where it lists them, else its default, doubled while the gathered weights would take more than
+    half a GPU (the rest holds the trainer's shards and the caches) and the doubled degree still divides the
+    rollout's GPUs and the heads."""
+    framework, params_b = framework_of(row), stated_size_b(row)
+    if framework.script_rollout_tp and params_b is not None:
+        return min(framework.script_rollout_tp, key=lambda pair: abs(pair[0] - params_b))[1]
+    tp = framework.rollout_tp
     while tp and weight_bytes / tp > gpu_bytes / 2 and gpus % (2 * tp) == 0 and heads % (2 * tp) == 0:
         tp *= 2
     return tp

@@ -33,6 +33,9 @@ def test_openrlhf_places_each_model_on_its_own_gpus_by_its_scripts_split() -> No
     engines = run.plan.placement("actor/generation").layout.dp
     assert opts.rollout_call_sequences == 16 * max(1, 4 // engines)  # 16 prompts a call per actor rank
     assert opts.offload == "optimizer" and run.job.algorithm.mini_batches == 1024 // 128
+    gen_tp = {run_id: published_run(rows()[run_id]).plan.placement("actor/generation").layout.tp
+              for run_id in ("openrlhf_7B", "openrlhf_13B", "openrlhf_70B")}
+    assert gen_tp == {"openrlhf_7B": 1, "openrlhf_13B": 1, "openrlhf_70B": 2}  # the scripts' vLLM TP (default 1)
     run13 = published_run(rows()["openrlhf_13B"])  # its script at the table's commit: train_ppo_llama_ray_slurm.sh
     engines = run13.plan.placement("actor/generation").layout.dp
     actor_ranks = run13.plan.placement("actor/training").layout.dp
