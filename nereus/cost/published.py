@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 from importlib import resources
 
+from nereus.spec.cluster import gpu_presets, nvlink_node
 from nereus.spec.job import JobSpec, job_from_dict
 
 SEQ, VOCAB = 2048, 51200
@@ -39,24 +40,24 @@ HELD_OUT = [
 # understates its attention FLOPs. Both recipes' uneven pipeline split (94 and 61 layers) is priced at its fullest
 # stage, without the interleaving (VP 3 and 4) the model needs even chunks for; DeepSeek-V3 recomputes only its MLA
 # up-projection, priced as no recompute. The 256 GPUs are 64 trays of 4 in NVL72 racks, whose NVLink joins 72: four
-# domains of 64 (``sim.published_runs.nvlink_node``), the reach of the recipes' NVLink-domain all-to-all ("hybridep").
+# domains of 64 (``spec.cluster.nvlink_node``), the reach of the recipes' NVLink-domain all-to-all ("hybridep").
 QWEN3_235B = {"layers": 94, "hidden": 4096, "heads": 64, "kv_heads": 4, "head_dim": 128, "vocab": 151936,
               "ffn_hidden": 1536, "moe": {"experts": 128, "top_k": 8, "expert_ffn_hidden": 1536}}
 DEEPSEEK_V3 = {"layers": 61, "hidden": 7168, "heads": 128, "kv_heads": 128, "vocab": 129280, "ffn_hidden": 18432,
                "moe": {"experts": 256, "top_k": 8, "expert_ffn_hidden": 2048, "shared_expert_ffn_hidden": 2048,
                        "dense_layers": [0, 1, 2]}}
 MOE_PRETRAINING = [
-    {"name": "Qwen3-235B-A22B, 256 GB200, BF16", "arch": QWEN3_235B, "gpus": 256, "nvlink_domain": 64,
+    {"name": "Qwen3-235B-A22B, 256 GB200, BF16", "arch": QWEN3_235B, "gpus": 256, "gpus_per_host": 4,
      "batch": 8192, "seq": 4096, "tp": 1, "pp": 8, "ep": 32, "tokens_per_s_per_gpu": 4916},
-    {"name": "DeepSeek-V3 (w/o MTP), 256 GB200, BF16", "arch": DEEPSEEK_V3, "gpus": 256, "nvlink_domain": 64,
+    {"name": "DeepSeek-V3 (w/o MTP), 256 GB200, BF16", "arch": DEEPSEEK_V3, "gpus": 256, "gpus_per_host": 4,
      "batch": 4096, "seq": 4096, "tp": 1, "pp": 4, "ep": 64, "tokens_per_s_per_gpu": 3139},
 ]
 
 
 def moe_pretraining_job(case: dict, gpus_per_node: int | None = None) -> JobSpec:
     """A Megatron pre-training job of one ``MOE_PRETRAINING`` case on GB200s, nodes of ``gpus_per_node``
-    (default: the case's NVLink domain)."""
-    per_node = gpus_per_node or case["nvlink_domain"]
+    (default: the NVLink domain its hosts sit in, ``spec.cluster.nvlink_node``)."""
+    per_node = gpus_per_node or nvlink_node(gpu_presets()["GB200"].nvlink_domain, case["gpus"], case["gpus_per_host"])
     return job_from_dict({
         "name": case["name"], "models": {"moe": case["arch"]}, "algorithm": {"name": "train"},
         "workload": {"global_batch": case["batch"], "sequence_length": case["seq"]},

@@ -188,8 +188,7 @@ def update_prompts(row: dict, total: int, samples: int) -> int:
         value = (row.get(key) or "").strip()
         return int(value) if value.isdigit() and int(value) > 0 else default
 
-    megatron = (row.get("train_backend") or "").strip().lower() == "megatron"
-    model_parallel = whole("train_tp", 1) * whole("train_pp", 1) if megatron else 1
+    model_parallel = whole("train_tp", 1) * whole("train_pp", 1) if trains_with_megatron(row) else 1
     ranks = max(1, whole("train_gpus", total) // model_parallel)
     recipe = verl_moe_recipe(row)
     prompts = recipe.mini_batch_prompts if recipe else framework_of(row).mini_batch_prompts
@@ -203,6 +202,15 @@ def stated_size_b(row: dict) -> float | None:
     except ValueError:
         return None
     return params_b if math.isfinite(params_b) and params_b > 0 else None
+
+
+def trains_with_megatron(row: dict) -> bool:
+    return (row.get("train_backend") or "").strip().lower() == "megatron"
+
+
+def nearest_size(table: tuple[tuple[float, int], ...], params_b: float) -> int:
+    """The value of a (model size in billions, value) table for the size nearest ``params_b``."""
+    return min(table, key=lambda pair: abs(pair[0] - params_b))[1]
 
 
 def framework_recompute(row: dict) -> str:
@@ -247,8 +255,7 @@ def verl_moe_recipe(row: dict) -> Recipe | None:
     verl = (row.get("framework") or "").strip().lower() == "verl"
     if not verl or (row.get("arch") or "").strip().lower() != "moe" or params_b is None:
         return None
-    megatron = (row.get("train_backend") or "").strip().lower() == "megatron"
-    return moe_recipe("verl", params_b, "megatron" if megatron else "fsdp")
+    return moe_recipe("verl", params_b, "megatron" if trains_with_megatron(row) else "fsdp")
 
 
 def offload_of(row: dict) -> str | None:
@@ -276,7 +283,7 @@ def framework_rollout_tp(row: dict, weight_bytes: float, gpu_bytes: float, gpus:
     rollout's GPUs and the heads."""
     framework, params_b = framework_of(row), stated_size_b(row)
     if framework.script_rollout_tp and params_b is not None:
-        return min(framework.script_rollout_tp, key=lambda pair: abs(pair[0] - params_b))[1]
+        return nearest_size(framework.script_rollout_tp, params_b)
     tp = framework.rollout_tp
     while tp and weight_bytes / tp > gpu_bytes / 2 and gpus % (2 * tp) == 0 and heads % (2 * tp) == 0:
         tp *= 2
@@ -310,8 +317,7 @@ def training_efficiency(row: dict, job: JobSpec) -> float:
     """The fraction of peak the row's training GEMMs run at: its framework's Megatron MoE figure for a
     Megatron-trained MoE actor where it has one, else its framework's (0: the cost model's prior)."""
     framework = framework_of(row)
-    megatron = (row.get("train_backend") or "").strip().lower() == "megatron"
-    if megatron and job.models["actor"].moe is not None and framework.megatron_moe_training_efficiency:
+    if trains_with_megatron(row) and job.models["actor"].moe is not None and framework.megatron_moe_training_efficiency:
         return framework.megatron_moe_training_efficiency
     return framework.training_efficiency
 
@@ -341,5 +347,5 @@ def call_sequences(row: dict, params_b: float, samples: int, actor_ranks: int, e
     table = framework_of(row).call_prompts
     if not table:
         return 0
-    prompts = min(table, key=lambda pair: abs(pair[0] - params_b))[1]
+    prompts = nearest_size(table, params_b)
     return prompts * samples * max(1, actor_ranks // max(1, engines))

@@ -84,7 +84,7 @@ from nereus.sim.published_frameworks import (
     with_reward_model,
 )
 from nereus.sim.recipes import system_recipe_tp
-from nereus.spec.cluster import gpu_presets
+from nereus.spec.cluster import gpu_presets, nvlink_node
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec, job_from_dict
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
@@ -177,17 +177,6 @@ def gpu_name(row: dict) -> str:
     if memory and f"{family}-{memory.group(1)}GB" not in presets:
         raise RowSkipped(f"gpu={kind!r}: the catalogue's {family} is {presets[family].name} (nereus/spec/hardware.csv)")
     return f"{family}-{memory.group(1)}GB" if memory else family
-
-
-def nvlink_node(domain: int, total: int, per_node: int) -> int:
-    """The GPUs of the cost model's node, the NVLink domain its collectives stay within, for a row whose
-    ``gpus_per_node`` counts its hosts' GPUs: a GB200 NVL72 tray holds 4, but NVLink joins the rack's 72
-    (``GpuSpec.nvlink_domain``; NeMo RL's GB200 runs are written as 4-GPU nodes). The largest multiple of
-    the row's node that divides the run's GPUs and fits in one domain (a 128-GPU run: two domains of 64,
-    where the racks hold 72 and 56)."""
-    if domain <= per_node:
-        return per_node
-    return max(k * per_node for k in range(1, domain // per_node + 1) if total % (k * per_node) == 0)
 
 
 def arch_dict(row: dict) -> dict:

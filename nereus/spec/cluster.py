@@ -78,6 +78,17 @@ def gpu_presets() -> dict[str, GpuSpec]:
     return presets
 
 
+def nvlink_node(domain: int, total: int, per_node: int) -> int:
+    """The GPUs of a node as the cost model takes it, the NVLink domain its collectives stay within, for
+    ``total`` GPUs on hosts of ``per_node``: a GB200 NVL72 tray holds 4, but NVLink joins the rack's 72
+    (``GpuSpec.nvlink_domain``; NeMo RL's and Megatron-Bridge's GB200 runs are written as 4-GPU nodes). The
+    largest multiple of the host's GPUs that divides the run's GPUs and fits in one domain (a 128-GPU run:
+    two domains of 64, where the racks hold 72 and 56)."""
+    if domain <= per_node:
+        return per_node
+    return max(k * per_node for k in range(1, domain // per_node + 1) if total % (k * per_node) == 0)
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     gpu: GpuSpec

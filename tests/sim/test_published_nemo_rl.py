@@ -21,7 +21,8 @@ from nereus.cost.verl_weight_sync import (
 )
 from nereus.sim.published_frameworks import framework_of, framework_recompute
 from nereus.sim.published_predict import cost_times, with_room_for_the_rollout
-from nereus.sim.published_runs import nvlink_node, published_run
+from nereus.sim.published_runs import published_run
+from nereus.spec.cluster import nvlink_node
 from nereus.spec.layout import ModelStage
 from tests.helpers import published_rows
 
