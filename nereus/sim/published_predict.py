@@ -37,6 +37,7 @@ import numpy as np
 
 from nereus.control.backend import RunToEnd, StepMetrics
 from nereus.cost.controller import controller_time
+from nereus.cost.decode import DecodePhases
 from nereus.cost.fully_async import queue_assembly_time, trainer_step, trainer_wait
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
@@ -62,6 +63,7 @@ class StepTimes:
     stages: dict[str, float]  # model-stage -> seconds
     phases: dict[str, float]  # generation, inference, training, weight_sync -> seconds
     tail_s: float = 0.0  # of the generation, the drain once no queued sequence is left to start
+    tail_work_s: float = 0.0  # the drain's tokens at the pace of full slots (``drain_work``)
 
 
 def cost_times(run: PublishedRun) -> StepTimes:
@@ -69,7 +71,19 @@ def cost_times(run: PublishedRun) -> StepTimes:
     runs fit through offload and sequence parallelism the memory model may not price."""
     est = estimate_plan(Hardware(run.job.cluster), run.job, run.plan)
     decode = est.costs["actor/generation"].decode
-    return StepTimes(dict(est.stage_times), dict(est.phase_times), decode.tail_s if decode is not None else 0.0)
+    if decode is None:
+        return StepTimes(dict(est.stage_times), dict(est.phase_times))
+    return StepTimes(dict(est.stage_times), dict(est.phase_times), decode.tail_s,
+                     drain_work(decode, run.job.workload.response.mean))
+
+
+def drain_work(decode: DecodePhases, mean_response: float) -> float:
+    """Seconds the tokens decoded in a replica's drain take at the pace of its full slots: its sequences'
+    tokens less those the bulk decoded with every slot live, each step ``batch`` tokens in ``bulk_step_s``."""
+    if decode.batch <= 0:
+        return 0.0
+    drained = max(0.0, decode.sequences * mean_response - decode.batch * decode.bulk_steps)
+    return drained * decode.bulk_step_s / decode.batch
 
 
 def sim_times(run: PublishedRun, seeds: int = SIM_SEEDS, steps: int = SIM_STEPS) -> StepTimes:
@@ -85,6 +99,14 @@ def sim_times(run: PublishedRun, seeds: int = SIM_SEEDS, steps: int = SIM_STEPS)
               for k in measured[0].phase_times_s}
     tail = float(np.mean([m.detail.get("generation", {}).get("tail_s", 0.0) for m in measured]))
     return StepTimes(stages, phases, tail)
+
+
+def with_drain_work(sim: StepTimes, cost: StepTimes) -> StepTimes:
+    """The simulator's times with the cost model's drain work (``drain_work``), scaled as the simulator's
+    generation is to the cost model's: its truth decodes every token at its own pace."""
+    priced = cost.phases.get("generation", 0.0)
+    scale = sim.phases.get("generation", 0.0) / priced if priced > 0 else 1.0
+    return replace(sim, tail_work_s=cost.tail_work_s * scale)
 
 
 def one_point(run: PublishedRun, steps: int) -> Trace:
@@ -116,7 +138,7 @@ def with_controller(run: PublishedRun, times: StepTimes) -> StepTimes:
         if seconds > 0:
             stages[name] = seconds + moved
             phases[name.split("/")[1]] += moved
-    return StepTimes(stages, phases, times.tail_s)
+    return replace(times, stages=stages, phases=phases)
 
 
 def takes_turns(run: PublishedRun) -> bool:
@@ -141,9 +163,11 @@ def rollout_production(run: PublishedRun, times: StepTimes) -> float:
     """Seconds a streaming rollouter takes to produce one parameter version's samples. It keeps starting
     queued prompts while earlier ones decode, so only a sync can make it wait for its in-flight samples to
     end; with partial rollout it pauses them there and resumes them after instead (verl's fully_async
-    "async stream pipeline with partial rollout", docs/advance/fully_async.md), so no drain tail."""
+    "async stream pipeline with partial rollout", docs/advance/fully_async.md), so it never drains: the
+    tokens the drain would decode with its slots emptying are decoded with every slot busy
+    (``StepTimes.tail_work_s``), not left out."""
     generation = times.phases["generation"]
-    return generation - times.tail_s if run.partial_rollout else generation
+    return generation - times.tail_s + times.tail_work_s if run.partial_rollout else generation
 
 
 def step_seconds(run: PublishedRun, times: StepTimes) -> float:
@@ -196,7 +220,7 @@ def predict(run: PublishedRun, source: str) -> dict[str, float]:
         if roomy is not run:
             run, times = roomy, cost_times(roomy)
         if source == "sim" and all(math.isfinite(t) for t in times.stages.values()):
-            times = sim_times(run)
+            times = with_drain_work(sim_times(run), times)
     except SpecError as err:
         raise RowSkipped(f"its plan cannot be priced: {err}") from None
     return predicted(run, times)

@@ -1,0 +1,51 @@
+"""A fully-asynchronous rollouter that pauses its in-flight samples at a sync (verl's partial rollout) never
+drains, but it still decodes every token of a version's samples: its production time
+(``published_predict.rollout_production``) is at least those tokens at the pace of its full slots, and a
+trainer it cannot keep fed waits for the difference (``cost.fully_async.trainer_wait``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereus.cost.hardware import Hardware
+from nereus.cost.plan_cost import estimate_plan
+from nereus.sim.published_predict import (
+    cost_times,
+    drain_work,
+    predicted,
+    queue_assembly,
+    rollout_production,
+    with_controller,
+)
+from nereus.sim.published_runs import published_run
+from tests.helpers import published_rows as rows
+
+
+def _split(gen_gpus: int) -> dict:
+    """verl's 128-GPU 7B fully-async row (staleness 0.5, partial rollout) with ``gen_gpus`` rollout GPUs."""
+    row = rows()["verl_fa_6"]
+    return {**row, "gen_gpus": str(gen_gpus), "train_gpus": str(int(row["gpus_total"]) - gen_gpus)}
+
+
+@pytest.mark.parametrize("gen_gpus", [64, 16, 8])
+def test_a_version_takes_at_least_its_tokens_at_full_slots(gen_gpus: int) -> None:
+    run = published_run(_split(gen_gpus))
+    assert run.partial_rollout
+    decode = estimate_plan(Hardware(run.job.cluster), run.job, run.plan).costs["actor/generation"].decode
+    tokens = decode.sequences * run.job.workload.response.mean  # one replica's share of the version
+    floor = tokens * decode.bulk_step_s / decode.batch
+    times = cost_times(run)  # the rollout's own seconds, without the driver's pass
+    assert rollout_production(run, times) >= floor
+    assert times.tail_work_s == pytest.approx(drain_work(decode, run.job.workload.response.mean))
+    assert 0 < times.tail_work_s < times.tail_s  # the drain's tokens go faster with every slot busy
+
+
+def test_a_trainer_the_rollouter_cannot_feed_waits_for_it() -> None:
+    fed, starved = published_run(_split(64)), published_run(_split(8))
+    for run in (fed, starved):
+        times = with_controller(run, cost_times(run))
+        work = times.phases["inference"] + times.phases["training"]
+        wait = predicted(run, cost_times(run))["t_gen_s"]
+        assert wait == pytest.approx(max(queue_assembly(run), rollout_production(run, times) - work))
+    assert predicted(fed, cost_times(fed))["t_gen_s"] == pytest.approx(queue_assembly(fed))  # trainer-bound
+    assert predicted(starved, cost_times(starved))["t_gen_s"] > 2 * queue_assembly(starved)  # rollout-bound
