@@ -17,7 +17,12 @@ interpreter and torch. Each figure is the fastest of many repeats (the least-dis
 - ``dtensor_gather_s``: ``full_tensor()`` of a row-sharded DTensor on a one-rank gloo mesh: the host part
   (DTensor dispatch, redistribution planning) of the gather an FSDP trainer runs per parameter to export it;
 - ``eager_op_s``: one eager torch op on a small CPU tensor (a ``narrow`` then ``copy_``, per op): the host
-  dispatch cost every kernel launch of a weight loader pays before the device runs it.
+  dispatch cost every kernel launch of a weight loader pays before the device runs it;
+- ``new_page_copy_s_per_byte``: one thread copying into a freshly allocated (never touched) pageable host
+  tensor, per byte: the host side of ``Tensor.to("cpu")`` from a GPU, whose driver lands each chunk of the
+  transfer in a pinned staging buffer and copies it into the new tensor, faulting its pages in;
+- ``pageable_copy_s_per_byte``: the same copy between host tensors already touched, per byte: the host side
+  of ``Tensor.to("cuda")`` from a pageable tensor (copied into staging, then sent).
 """
 
 from __future__ import annotations
@@ -117,10 +122,31 @@ def eager_op_s() -> float:
     return _fastest(lambda: [dst.narrow(0, 2, 2).copy_(src) for _ in range(BATCH)]) / (2 * BATCH)
 
 
+COPY_BYTES = 256 * 2**20  # above glibc's largest mmap threshold (32 MiB): every allocation maps new pages
+COPY_REPEATS = 7
+
+
+def new_page_copy_s_per_byte() -> float:
+    src = torch.ones(COPY_BYTES, dtype=torch.uint8)
+    return _fastest(lambda: torch.empty(COPY_BYTES, dtype=torch.uint8).copy_(src), COPY_REPEATS) / COPY_BYTES
+
+
+def pageable_copy_s_per_byte() -> float:
+    src, dst = torch.ones(COPY_BYTES, dtype=torch.uint8), torch.zeros(COPY_BYTES, dtype=torch.uint8)
+    return _fastest(lambda: dst.copy_(src), COPY_REPEATS) / COPY_BYTES
+
+
 def measure() -> dict[str, float]:
-    return {"module_walk_s": module_walk_s(), "mapping_entry_s": mapping_entry_s(),
-            "name_compare_s": name_compare_s(), "object_collective_s": object_collective_s(),
-            "dtensor_gather_s": dtensor_gather_s(), "eager_op_s": eager_op_s()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one rank's process copies on one thread
+    try:
+        return {"module_walk_s": module_walk_s(), "mapping_entry_s": mapping_entry_s(),
+                "name_compare_s": name_compare_s(), "object_collective_s": object_collective_s(),
+                "dtensor_gather_s": dtensor_gather_s(), "eager_op_s": eager_op_s(),
+                "new_page_copy_s_per_byte": new_page_copy_s_per_byte(),
+                "pageable_copy_s_per_byte": pageable_copy_s_per_byte()}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def main() -> None:
@@ -132,7 +158,10 @@ def main() -> None:
         print(json.dumps(costs))
         return
     for name, seconds in costs.items():
-        print(f"{name:22s} {seconds * 1e6:9.3f} us")
+        if name.endswith("_per_byte"):
+            print(f"{name:26s} {seconds * 1e9:9.3f} s/GB ({1e-9 / seconds:.2f} GB/s)")
+        else:
+            print(f"{name:26s} {seconds * 1e6:9.3f} us")
 
 
 if __name__ == "__main__":

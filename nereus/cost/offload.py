@@ -11,6 +11,11 @@ host's memory.
 - ``optimizer-swap``: the optimizer state lives on the host between steps but the update runs on the GPU:
   it is loaded before the update and put back after, once a step (verl's FSDP workers,
   ``load_fsdp_optimizer`` / ``offload_fsdp_optimizer`` around ``update_actor``; docs/cost-model.md).
+- ``optimizer-swap-pageable``: swapped as above, but through pageable host memory, as NeMo RL's Megatron
+  worker moves it (nemo_rl/models/policy/workers/megatron_policy_worker.py, v0.6.0, ``move_optimizer``:
+  ``state[k] = v.to("cpu")`` before the refit, ``v.to("cuda")`` before training, every step): out into newly
+  allocated host pages, which the copy faults in, and back from them; each copy runs at one host thread's
+  rate (``NEW_PAGE_COPY_S_PER_BYTE``, ``PAGEABLE_COPY_S_PER_BYTE``), not the link's.
 - ``param``: the model's weights (and gradients) leave the GPU between its stages (verl's
   ``offload_fsdp_model_to_cpu`` / ``offload_megatron_model_to_cpu`` around the rollout): they are held only
   while the stage runs, and each stage loads them over PCIe and a training stage puts them back.
@@ -23,7 +28,15 @@ from __future__ import annotations
 
 from nereus.cost.hardware import Hardware, host_memory_bytes_per_s, pcie_bytes_per_s
 
-OFFLOADS = ("none", "param", "optimizer", "param+optimizer", "optimizer-swap", "param+optimizer-swap")
+OFFLOADS = ("none", "param", "optimizer", "param+optimizer", "optimizer-swap", "param+optimizer-swap",
+            "optimizer-swap-pageable", "param+optimizer-swap-pageable")
+# One host thread copying into never-touched pageable memory (the pages faulted in as it writes) and between
+# pageable buffers already touched, per byte: ``python benchmarks/host_call_costs.py`` on an AMD EPYC core
+# (torch 2.13, one thread, 256 MiB copies, fastest of 7): 2.1 GB/s and 11-13 GB/s. A GPU's copy to or
+# from pageable memory goes through the driver's pinned staging buffers and one host copy, so it runs at
+# the slower of that copy and the link.
+NEW_PAGE_COPY_S_PER_BYTE = 0.47e-9
+PAGEABLE_COPY_S_PER_BYTE = 0.085e-9
 CPU_ADAM_BYTES_PER_PARAM = 28  # read fp32 weight, gradient, two moments; write weight and moments
 PCIE_BYTES_PER_PARAM = 2 + 2  # bf16 gradient down, bf16 weight back
 
@@ -34,7 +47,16 @@ def offloads_optimizer(offload: str) -> bool:
 
 def updates_on_host(offload: str) -> bool:
     """The optimizer steps on the host (ZeRO-Offload's CPU-Adam), not swapped in for a GPU update."""
-    return offloads_optimizer(offload) and not offload.endswith("-swap")
+    return offloads_optimizer(offload) and "-swap" not in offload
+
+
+def optimizer_swap_time(hw: Hardware, nbytes: float, offload: str) -> float:
+    """The optimizer state's ``nbytes`` out to the host and back, once a step: over PCIe between pinned
+    buffers, or through pageable memory (``-pageable``): out into new pages, back from them."""
+    link = 1 / pcie_bytes_per_s(hw)
+    if not offload.endswith("-pageable"):
+        return 2 * nbytes * link
+    return nbytes * (max(NEW_PAGE_COPY_S_PER_BYTE, link) + max(PAGEABLE_COPY_S_PER_BYTE, link))
 
 
 def offloads_params(offload: str) -> bool:

@@ -29,6 +29,7 @@ from nereus.cost.offload import (
     host_update_time,
     offloads_optimizer,
     offloads_params,
+    optimizer_swap_time,
     param_load_time,
     updates_on_host,
 )
@@ -225,7 +226,7 @@ def _offloaded_training(hw: Hardware, layout: Layout, parts: tuple[ParamPart, ..
         if updates_on_host(offload):
             terms["optimizer"] = updates * sum(host_update_time(hw, n, layout.world) for n in shard)
         else:  # swapped in for the GPU's updates and out again, once a step
-            terms["optimizer"] += param_load_time(hw, 2 * on_host["optimizer"])
+            terms["optimizer"] += optimizer_swap_time(hw, on_host["optimizer"], offload)
     if offloads_params(offload):
         on_host.update(weights=state.get("weights", 0.0), gradients=state.get("gradients", 0.0))
         terms["overhead"] = terms.get("overhead", 0.0) + param_load_time(hw, 2 * on_host["weights"]

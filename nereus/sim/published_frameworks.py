@@ -145,8 +145,9 @@ VERL = FrameworkDefaults("verl", megatron_moe_training_efficiency=VERL_MEGATRON_
 # v0.6.0): after the refit it moves the model, its gradient buffers and the optimizer to the host
 # (``offload_after_refit``), loads the model back for log-probs (``prepare_for_lp_inference``) and the model and
 # optimizer for training (``prepare_for_training``): parameters offloaded between stages, the optimizer swapped
-# in for the update on the GPU.
-NEMO_RL_COLOCATED_OFFLOAD = "param+optimizer-swap"
+# in for the update on the GPU, through pageable host memory (``move_optimizer``: ``v.to("cpu")``, ``v.to("cuda")``;
+# ``cost.offload``).
+NEMO_RL_COLOCATED_OFFLOAD = "param+optimizer-swap-pageable"
 # Activation recompute of NeMo RL's performance recipes, which its performance summary names as the runs' configs
 # (examples/configs/recipes/llm/performance/, v0.6.0 and later): ``megatron_cfg.activation_checkpointing: true``
 # (full recompute) for DeepSeek-V3 (grpo-deepseek-v3-32n8g.yaml, and every DeepSeek-V3 recipe from it),

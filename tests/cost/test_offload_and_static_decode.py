@@ -7,10 +7,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from nereus.cost.batching import _static_schedule
 from nereus.cost.decode import decode_phases
-from nereus.cost.hardware import Hardware
+from nereus.cost.hardware import Hardware, pcie_bytes_per_s
+from nereus.cost.offload import (
+    NEW_PAGE_COPY_S_PER_BYTE,
+    PAGEABLE_COPY_S_PER_BYTE,
+    optimizer_swap_time,
+    updates_on_host,
+)
 from nereus.cost.stages import generation_cost, generation_replica, training_cost
 from nereus.cost.static_decode import static_batch_phases
 from nereus.spec.layout import Layout, ModelStage
@@ -29,6 +36,19 @@ def test_optimizer_offload_leaves_the_gpu_and_costs_a_host_update() -> None:
     assert on_host.terms["optimizer"] > on_gpu.terms["optimizer"]  # PCIe and CPU-Adam, not the GPU's Adam
     params = training_cost(hw, _with(job, offload="param+optimizer"), ms, layout)
     assert params.resident_bytes == 0 and params.transient_bytes > on_gpu.transient_bytes  # loaded for the stage
+
+
+def test_a_swap_through_pageable_memory_runs_at_the_host_copies_not_the_link() -> None:
+    job = ppo_job(gpus=8)
+    hw, ms, layout = Hardware(job.cluster), ModelStage("actor", "training"), Layout(dp=8, fsdp=True, zero1=False)
+    state = training_cost(hw, job, ms, layout).memory["optimizer"]
+    pinned, pageable = (training_cost(hw, _with(job, offload=kind), ms, layout)
+                        for kind in ("optimizer-swap", "optimizer-swap-pageable"))
+    assert pageable.resident_bytes == pinned.resident_bytes  # the same state leaves the GPU
+    assert optimizer_swap_time(hw, state, "optimizer-swap") == pytest.approx(2 * state / pcie_bytes_per_s(hw))
+    extra = state * (NEW_PAGE_COPY_S_PER_BYTE + PAGEABLE_COPY_S_PER_BYTE) - 2 * state / pcie_bytes_per_s(hw)
+    assert pageable.terms["optimizer"] - pinned.terms["optimizer"] == pytest.approx(extra)
+    assert not updates_on_host("param+optimizer-swap-pageable")  # the update still runs on the GPU
 
 
 def test_static_batches_wait_for_their_longest_row() -> None:
