@@ -107,6 +107,12 @@ def stage_params(arch: ModelArch, layout: Layout, value_head: bool) -> float:
     return layers + ends + arch.hidden
 
 
+def trainer_weight_bytes(arch: ModelArch, layout: Layout, weight_bytes: int = BF16) -> float:
+    """The weights a training layout's fullest device holds (FSDP's share of them)."""
+    held = stage_params(arch, layout, value_head=False) * weight_bytes
+    return held / layout.dp if layout.fsdp else held
+
+
 def training_state_bytes(params: float, layout: Layout, grad_bytes: int, weight_bytes: int = BF16) -> dict[str, float]:
     """Weights (bf16), gradient buffers and Adam state per device; ZeRO-1 shards the optimizer over DP
     (Rajbhandari et al. 2020, Sec. 5.1: P_os); FSDP / ZeRO-3 shards all three (P_os+g+p)."""

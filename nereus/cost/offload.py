@@ -11,25 +11,34 @@ host's memory.
 - ``optimizer-swap``: the optimizer state lives on the host between steps but the update runs on the GPU:
   it is loaded before the update and put back after, once a step (verl's FSDP workers,
   ``load_fsdp_optimizer`` / ``offload_fsdp_optimizer`` around ``update_actor``; docs/cost-model.md).
-- ``optimizer-swap-pageable``: swapped as above, but through pageable host memory, as NeMo RL's Megatron
-  worker moves it (nemo_rl/models/policy/workers/megatron_policy_worker.py, v0.6.0, ``move_optimizer``:
-  ``state[k] = v.to("cpu")`` before the refit, ``v.to("cuda")`` before training, every step): out into newly
-  allocated host pages, which the copy faults in, and back from them; each copy runs at one host thread's
-  rate (``NEW_PAGE_COPY_S_PER_BYTE``, ``PAGEABLE_COPY_S_PER_BYTE``), not the link's.
 - ``param``: the model's weights (and gradients) leave the GPU between its stages (verl's
   ``offload_fsdp_model_to_cpu`` / ``offload_megatron_model_to_cpu`` around the rollout): they are held only
   while the stage runs, and each stage loads them over PCIe and a training stage puts them back.
 
 Neither is resident on the GPU beside the rollout's KV cache, which is what lets a colocated run of a model
 whose training state exceeds a GPU generate at all.
+
+How the state moves is a second choice (``Options.pageable_offload``, the same four kinds): between pinned
+host buffers at the link's rate, or out into newly allocated pageable memory, which one host thread faults in
+as it copies, at that thread's rate (``NEW_PAGE_COPY_S_PER_BYTE``), and back from pageable memory through the
+driver's staging copy (``PAGEABLE_COPY_S_PER_BYTE``). Frameworks that do the second each time:
+
+- NeMo RL's Megatron worker, the optimizer (nemo_rl/models/policy/workers/megatron_policy_worker.py, v0.6.0,
+  ``move_optimizer``: ``state[k] = v.to("cpu")`` before the refit, ``v.to("cuda")`` before training); its
+  model's buffers go through Megatron-Core's own pinned copy (``_ParamAndGradBuffer.offload_to_cpu``);
+- verl's Megatron workers, a trained model's weights (verl/utils/megatron_utils.py,
+  ``offload_megatron_model_to_cpu``: ``buffer.param_data.data.cpu().pin_memory()`` at every offload of a
+  DDP-wrapped module, the actor's and the critic's; the reference, not DDP-wrapped, moves with
+  ``to("cpu", non_blocking=True)``, which PyTorch lands in pinned memory) and verl's FSDP2 workers
+  (verl/utils/fsdp_utils.py, ``offload_fsdp2_model_to_cpu``: ``model.cpu()``).
 """
 
 from __future__ import annotations
 
 from nereus.cost.hardware import Hardware, host_memory_bytes_per_s, pcie_bytes_per_s
 
-OFFLOADS = ("none", "param", "optimizer", "param+optimizer", "optimizer-swap", "param+optimizer-swap",
-            "optimizer-swap-pageable", "param+optimizer-swap-pageable")
+OFFLOADS = ("none", "param", "optimizer", "param+optimizer", "optimizer-swap", "param+optimizer-swap")
+PAGEABLE_KINDS = ("none", "param", "optimizer", "param+optimizer")  # ``Options.pageable_offload``
 # One host thread copying into never-touched pageable memory (the pages faulted in as it writes) and between
 # pageable buffers already touched, per byte: ``python benchmarks/host_call_costs.py`` on an AMD EPYC core
 # (torch 2.13, one thread, 256 MiB copies, fastest of 7): 2.1 GB/s and 11-13 GB/s. A GPU's copy to or
@@ -47,16 +56,25 @@ def offloads_optimizer(offload: str) -> bool:
 
 def updates_on_host(offload: str) -> bool:
     """The optimizer steps on the host (ZeRO-Offload's CPU-Adam), not swapped in for a GPU update."""
-    return offloads_optimizer(offload) and "-swap" not in offload
+    return offloads_optimizer(offload) and not offload.endswith("-swap")
 
 
-def optimizer_swap_time(hw: Hardware, nbytes: float, offload: str) -> float:
-    """The optimizer state's ``nbytes`` out to the host and back, once a step: over PCIe between pinned
-    buffers, or through pageable memory (``-pageable``): out into new pages, back from them."""
+def optimizer_swap_time(hw: Hardware, nbytes: float, pageable: bool) -> float:
+    """The optimizer state's ``nbytes`` out to the host and back, once a step: over the link between pinned
+    buffers, or out into new pageable pages and back from them (``pageable``)."""
     link = 1 / pcie_bytes_per_s(hw)
-    if not offload.endswith("-pageable"):
+    if not pageable:
         return 2 * nbytes * link
     return nbytes * (max(NEW_PAGE_COPY_S_PER_BYTE, link) + max(PAGEABLE_COPY_S_PER_BYTE, link))
+
+
+def param_put_back_time(hw: Hardware, nbytes: float, pageable: bool) -> float:
+    """A stage's weights back to the host after it: over the link into pinned memory, or (``pageable``) into
+    new pageable pages, then copied into a pinned buffer for the next load (verl's ``.cpu().pin_memory()``)."""
+    link = 1 / pcie_bytes_per_s(hw)
+    if not pageable:
+        return nbytes * link
+    return nbytes * (max(NEW_PAGE_COPY_S_PER_BYTE, link) + PAGEABLE_COPY_S_PER_BYTE)
 
 
 def offloads_params(offload: str) -> bool:

@@ -31,13 +31,14 @@ from nereus.cost.offload import (
     offloads_params,
     optimizer_swap_time,
     param_load_time,
+    param_put_back_time,
     updates_on_host,
 )
 from nereus.cost.stage_tokens import micro_batches
 from nereus.cost.static_decode import decodes_static, static_batch_phases
 from nereus.spec.algorithms import NEEDS_GREEDY_BASELINE
 from nereus.spec.engines import PRICING_ENGINE, engine_traits
-from nereus.spec.job import JobSpec, ResponseLength
+from nereus.spec.job import JobSpec, Options, ResponseLength
 from nereus.spec.layout import Layout, ModelStage
 from nereus.spec.model import ModelArch
 
@@ -204,7 +205,7 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
             state[k] = state.get(k, 0.0) + b
     acts = _training_activation_bytes(arch, layout, seq, mbs, m, opts.attention)
     logits = logits_bytes(arch, tokens, layout.tp, value_head, with_grad=True)
-    on_host = _offloaded_training(hw, layout, parts, state, updates, opts.offload, terms)
+    on_host = _offloaded_training(hw, layout, parts, state, updates, opts, terms)
     held = {k: 0.0 if k in on_host else b for k, b in state.items()}  # on the GPU between stages
     loaded = on_host.get("weights", 0.0) + on_host.get("gradients", 0.0)  # on it only while the stage runs
     memory = {**held, "activations": acts + loaded, "logits": logits}
@@ -215,22 +216,24 @@ def training_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) ->
 
 
 def _offloaded_training(hw: Hardware, layout: Layout, parts: tuple[ParamPart, ...], state: dict[str, float],
-                        updates: int, offload: str, terms: dict[str, float]) -> dict[str, float]:
-    """The training state ``offload`` keeps on the host (``cost.offload``), its time added to ``terms``: a
-    host optimizer replaces the GPU's Adam with PCIe transfers and CPU-Adam per update; offloaded weights
-    and gradients are loaded and put back once a step."""
-    on_host: dict[str, float] = {}
+                        updates: int, opts: Options, terms: dict[str, float]) -> dict[str, float]:
+    """The training state ``opts.offload`` keeps on the host (``cost.offload``), its time added to ``terms``:
+    a host optimizer replaces the GPU's Adam with PCIe transfers and CPU-Adam per update; offloaded weights
+    and gradients are loaded and the weights put back once a step, each as ``opts.pageable_offload`` says."""
+    offload, on_host = opts.offload, {}
     if offloads_optimizer(offload):
         on_host["optimizer"] = state.get("optimizer", 0.0)
         shard = [q.params / (q.layout.dp if (q.layout.fsdp or q.layout.zero1) else 1) for q in parts]
         if updates_on_host(offload):
             terms["optimizer"] = updates * sum(host_update_time(hw, n, layout.world) for n in shard)
         else:  # swapped in for the GPU's updates and out again, once a step
-            terms["optimizer"] += optimizer_swap_time(hw, on_host["optimizer"], offload)
+            pageable = offloads_optimizer(opts.pageable_offload)
+            terms["optimizer"] += optimizer_swap_time(hw, on_host["optimizer"], pageable)
     if offloads_params(offload):
         on_host.update(weights=state.get("weights", 0.0), gradients=state.get("gradients", 0.0))
-        terms["overhead"] = terms.get("overhead", 0.0) + param_load_time(hw, 2 * on_host["weights"]
-                                                                         + on_host["gradients"])
+        moved = (param_load_time(hw, on_host["weights"] + on_host["gradients"])
+                 + param_put_back_time(hw, on_host["weights"], offloads_params(opts.pageable_offload)))
+        terms["overhead"] = terms.get("overhead", 0.0) + moved
     return on_host
 
 
@@ -260,6 +263,11 @@ def _optimizer_time(hw: Hardware, part: ParamPart) -> float:
     if layout.fsdp:  # every state is sharded, so the update touches 1/dp of everything
         params /= layout.dp
     return hw.hbm_time(params * (FP32 + BF16 + 6 * FP32 / shard))
+
+
+def _trains(job: JobSpec, model: str) -> bool:
+    """The model has a training stage (its weights are the trainer's, not a frozen copy's)."""
+    return ModelStage(model, "training") in job.model_stages()
 
 
 def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -> StageCost | None:
@@ -292,8 +300,9 @@ def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -
         weights /= layout.dp
     logits = logits_bytes(arch, tokens, layout.tp, value_head, with_grad=True)  # logits + log-softmax
     resident = weights
-    if offloads_params(job.options.offload):  # loaded for the stage only (``cost.offload``)
-        terms["overhead"] += param_load_time(hw, weights)
+    if offloads_params(job.options.offload):  # loaded for the stage only, put back after (``cost.offload``)
+        pageable = offloads_params(job.options.pageable_offload) and _trains(job, ms.model)
+        terms["overhead"] += param_load_time(hw, weights) + param_put_back_time(hw, weights, pageable)
         resident, acts = 0.0, acts + weights
     terms = _shared_host(hw, layout, terms)
     return StageCost(ms, layout, terms, resident, acts + logits,

@@ -42,7 +42,8 @@ from __future__ import annotations
 import math
 
 from nereus.cost.hardware import Hardware, host_memory_bytes_per_s, pcie_bytes_per_s
-from nereus.cost.memory import BF16
+from nereus.cost.memory import BF16, trainer_weight_bytes
+from nereus.cost.offload import offloads_params, param_load_time, param_put_back_time
 from nereus.cost.sync_host_costs import (
     NCCL_CALL_S,
     engine_load_time,
@@ -121,11 +122,17 @@ def hybrid_reshard_time(hw: Hardware, job: JobSpec, train: Placement, gen: Place
     vllm_rollout: ``vLLMAsyncRollout.update_weights`` and ``update_weights_from_ipc``; before its buckets, one
     call over a generator of the same tensors, fsdp_vllm.py's ``update_params``). The trainer waits for each
     bucket's load before it fills the next, so export, loads and copies add up. The host loops are what a
-    Mixture-of-Experts checkpoint's tens of thousands of tensors pay, as on separate GPUs."""
+    Mixture-of-Experts checkpoint's tens of thousands of tensors pay, as on separate GPUs. A trainer whose
+    weights live on the host loads them for the export and puts them back after (verl's ``rollout_mode``),
+    as its framework moves them (``cost.offload``)."""
     weights = job.models["actor"].params() * BF16
     buckets = max(1, math.ceil(weights / COLOCATED_BUCKET_BYTES))
     copies = hw.hbm_time(2 * weights) + hw.hbm_time(2 * weights / gen.layout.tp)  # bucket fill and clone; shard
-    return export_time(hw, job, train.layout) + engine_load_time(job, calls=buckets) + copies
+    held = 0.0
+    if offloads_params(job.options.offload):
+        own = trainer_weight_bytes(job.models["actor"], train.layout, job.options.weight_bytes)
+        held = param_load_time(hw, own) + param_put_back_time(hw, own, offloads_params(job.options.pageable_offload))
+    return export_time(hw, job, train.layout) + engine_load_time(job, calls=buckets) + copies + held
 
 
 # NeMo RL's refit bucket (nemo_rl/utils/packed_tensor.py, v0.6.0: ``NRL_REFIT_BUFFER_MEMORY_RATIO`` 0.02 of the

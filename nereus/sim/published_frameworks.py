@@ -90,6 +90,9 @@ class FrameworkDefaults:
     megatron_moe_training_efficiency: float = 0.0
     # the trainer's host state of a colocated row that leaves ``offload`` empty ("": none)
     colocated_offload: str = ""
+    # what of its host state the framework moves through newly allocated pageable memory, by the row's
+    # ``train_backend`` as written: (backend, kind) pairs (``Options.pageable_offload``; () = none of it)
+    pageable_offload: tuple[tuple[str, str], ...] = ()
     # the training's activation recompute by the model size of the framework's recipes: (size, "full" |
     # "none") pairs, the nearest size's; () = the backend's default (``sim.published_runs``)
     recompute: tuple[tuple[float, str], ...] = ()
@@ -140,14 +143,19 @@ TRAINING_EFFICIENCY = {"OpenRLHF": 0.349, "DeepSpeed-Chat": 0.162}
 VERL_MEGATRON_MOE_TRAINING_EFFICIENCY = 0.43
 # verl: train_prompt_mini_bsz=32 in every DAPO recipe script behind its rows (verl/experimental/
 # one_step_off_policy/shell/dapo_7b_math_*.sh, fully_async_policy/shell/dapo_7b_math_fsdp2_*.sh).
-VERL = FrameworkDefaults("verl", megatron_moe_training_efficiency=VERL_MEGATRON_MOE_TRAINING_EFFICIENCY)
+# verl's offload of a trained model's weights goes through new pageable pages at every offload
+# (``cost.offload``: verl/utils/megatron_utils.py ``offload_megatron_model_to_cpu``, ``.cpu().pin_memory()`` of a
+# DDP-wrapped module's buffers; verl/utils/fsdp_utils.py ``offload_fsdp2_model_to_cpu``, ``model.cpu()``); FSDP1's
+# ``flat_param_to(cpu, non_blocking=True)`` lands in pinned memory.
+VERL_PAGEABLE_OFFLOAD = (("megatron", "param"), ("fsdp2", "param"))
+VERL = FrameworkDefaults("verl", megatron_moe_training_efficiency=VERL_MEGATRON_MOE_TRAINING_EFFICIENCY,
+                         pageable_offload=VERL_PAGEABLE_OFFLOAD)
 # NeMo RL's Megatron policy worker on a colocated run (nemo_rl/models/policy/workers/megatron_policy_worker.py,
 # v0.6.0): after the refit it moves the model, its gradient buffers and the optimizer to the host
 # (``offload_after_refit``), loads the model back for log-probs (``prepare_for_lp_inference``) and the model and
 # optimizer for training (``prepare_for_training``): parameters offloaded between stages, the optimizer swapped
-# in for the update on the GPU, through pageable host memory (``move_optimizer``: ``v.to("cpu")``, ``v.to("cuda")``;
-# ``cost.offload``).
-NEMO_RL_COLOCATED_OFFLOAD = "param+optimizer-swap-pageable"
+# in for the update on the GPU.
+NEMO_RL_COLOCATED_OFFLOAD = "param+optimizer-swap"
 # Activation recompute of NeMo RL's performance recipes, which its performance summary names as the runs' configs
 # (examples/configs/recipes/llm/performance/, v0.6.0 and later): ``megatron_cfg.activation_checkpointing: true``
 # (full recompute) for DeepSeek-V3 (grpo-deepseek-v3-32n8g.yaml, and every DeepSeek-V3 recipe from it),
@@ -171,6 +179,7 @@ FRAMEWORKS = {_key(f.name): f for f in (
                       mini_batch_prompts=OPENRLHF_TRAIN_BATCH, rollout_tp=1,
                       training_efficiency=TRAINING_EFFICIENCY["DeepSpeed-Chat"]),
     FrameworkDefaults("NeMo-RL", colocated_offload=NEMO_RL_COLOCATED_OFFLOAD, disaggregated_sync="packed-broadcast",
+                      pageable_offload=(("megatron", "optimizer"),),
                       recompute=NEMO_RL_RECOMPUTE),
 )}
 
@@ -309,8 +318,11 @@ def unmodelled(row: dict) -> str:
 def priced_as_framework(row: dict, job: JobSpec) -> JobSpec:
     """The job with its framework's batching, its rollout engine and its offload in the options the cost
     model reads (a row ``unmodelled`` passes)."""
+    backend = (row.get("train_backend") or "").strip().lower()
+    pageable = dict(framework_of(row).pageable_offload).get(backend, "none")
     options = replace(job.options, padded_batches=padded(row), rollout_engine=rollout_engine_name(row),
-                      offload=offload_of(row), training_efficiency=training_efficiency(row, job))
+                      offload=offload_of(row), pageable_offload=pageable,
+                      training_efficiency=training_efficiency(row, job))
     return replace(job, options=options)
 
 

@@ -90,6 +90,10 @@ class Options:
     # training state kept in host memory (``cost.offload``: none, param, optimizer, param+optimizer; not a
     # job-file key): a published run's, as verl's param_offload / optimizer_offload and DeepSpeed's offload set it
     offload: str = "none"
+    # of that state, what its framework moves through newly allocated pageable host memory each time
+    # (``cost.offload.PAGEABLE_KINDS``; "param": a trained model's weights): a published run's framework's
+    # (``sim.published_frameworks``; not a job-file key)
+    pageable_offload: str = "none"
     # sequences an engine replica is handed per generate call, each call waited for before the next (0: its
     # whole share in one call); a published run's framework's (``sim.published_frameworks``; not a job-file key)
     rollout_call_sequences: int = 0

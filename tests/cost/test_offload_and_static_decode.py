@@ -12,13 +12,15 @@ import pytest
 from nereus.cost.batching import _static_schedule
 from nereus.cost.decode import decode_phases
 from nereus.cost.hardware import Hardware, pcie_bytes_per_s
+from nereus.cost.memory import trainer_weight_bytes
 from nereus.cost.offload import (
     NEW_PAGE_COPY_S_PER_BYTE,
     PAGEABLE_COPY_S_PER_BYTE,
     optimizer_swap_time,
+    param_put_back_time,
     updates_on_host,
 )
-from nereus.cost.stages import generation_cost, generation_replica, training_cost
+from nereus.cost.stages import generation_cost, generation_replica, inference_cost, training_cost
 from nereus.cost.static_decode import static_batch_phases
 from nereus.spec.layout import Layout, ModelStage
 from tests.helpers import ppo_job
@@ -39,16 +41,35 @@ def test_optimizer_offload_leaves_the_gpu_and_costs_a_host_update() -> None:
 
 
 def test_a_swap_through_pageable_memory_runs_at_the_host_copies_not_the_link() -> None:
-    job = ppo_job(gpus=8)
+    job = _with(ppo_job(gpus=8), offload="optimizer-swap")
     hw, ms, layout = Hardware(job.cluster), ModelStage("actor", "training"), Layout(dp=8, fsdp=True, zero1=False)
-    state = training_cost(hw, job, ms, layout).memory["optimizer"]
-    pinned, pageable = (training_cost(hw, _with(job, offload=kind), ms, layout)
-                        for kind in ("optimizer-swap", "optimizer-swap-pageable"))
+    pinned = training_cost(hw, job, ms, layout)
+    pageable = training_cost(hw, _with(job, pageable_offload="optimizer"), ms, layout)
+    state = training_cost(hw, _with(job, offload="none"), ms, layout).memory["optimizer"]
     assert pageable.resident_bytes == pinned.resident_bytes  # the same state leaves the GPU
-    assert optimizer_swap_time(hw, state, "optimizer-swap") == pytest.approx(2 * state / pcie_bytes_per_s(hw))
+    assert optimizer_swap_time(hw, state, pageable=False) == pytest.approx(2 * state / pcie_bytes_per_s(hw))
     extra = state * (NEW_PAGE_COPY_S_PER_BYTE + PAGEABLE_COPY_S_PER_BYTE) - 2 * state / pcie_bytes_per_s(hw)
     assert pageable.terms["optimizer"] - pinned.terms["optimizer"] == pytest.approx(extra)
-    assert not updates_on_host("param+optimizer-swap-pageable")  # the update still runs on the GPU
+    assert not updates_on_host("param+optimizer-swap")  # the update still runs on the GPU
+
+
+def test_a_trained_models_weights_put_back_through_new_pages_a_frozen_ones_pinned() -> None:
+    job = _with(ppo_job(gpus=8), offload="param")
+    hw, layout = Hardware(job.cluster), Layout(tp=2, dp=4)
+    verl = _with(job, pageable_offload="param")  # verl's .cpu().pin_memory() of a DDP-wrapped module
+    weights = trainer_weight_bytes(job.models["actor"], layout)
+    new_pages = weights * (NEW_PAGE_COPY_S_PER_BYTE + PAGEABLE_COPY_S_PER_BYTE) - weights / pcie_bytes_per_s(hw)
+    for ms in (ModelStage("actor", "inference"), ModelStage("actor", "training")):
+        gap = inference_or_training(hw, verl, ms, layout) - inference_or_training(hw, job, ms, layout)
+        assert gap == pytest.approx(new_pages, rel=1e-6)
+    frozen = ModelStage("reference", "inference")  # not trained: moved with a non-blocking, pinned copy
+    assert inference_or_training(hw, verl, frozen, layout) == inference_or_training(hw, job, frozen, layout)
+    assert param_put_back_time(hw, weights, pageable=False) == pytest.approx(weights / pcie_bytes_per_s(hw))
+
+
+def inference_or_training(hw, job, ms, layout) -> float:
+    cost = (training_cost if ms.stage == "training" else inference_cost)(hw, job, ms, layout)
+    return cost.terms["overhead"]
 
 
 def test_static_batches_wait_for_their_longest_row() -> None:

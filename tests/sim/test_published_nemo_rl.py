@@ -38,7 +38,8 @@ def test_every_spelling_of_the_name_finds_its_defaults(name: str) -> None:
 
 def test_a_colocated_row_keeps_no_trainer_state_beside_the_rollout_a_disaggregated_one_keeps_its_own() -> None:
     on, off = published_run(rows()["nemorl_q235_128"]), published_run(rows()["nemorl_q235_256_1off"])
-    assert on.plan.strategy == "colocated" and on.job.options.offload == "param+optimizer-swap-pageable"
+    assert on.plan.strategy == "colocated" and on.job.options.offload == "param+optimizer-swap"
+    assert on.job.options.pageable_offload == "optimizer"  # move_optimizer's Tensor.to, every step
     assert off.plan.strategy == "disaggregated" and off.job.options.offload == "none"
     assert off.plan.weight_sync == "packed-broadcast"
 

@@ -43,3 +43,19 @@ def test_a_streaming_rollouter_pauses_in_flight_samples_by_default() -> None:
     assert not pauses_in_flight({**row, "staleness": "0"})  # verl applies it only above staleness 0
     assert pauses_in_flight({"sync_mode": "partial_rollout"})
     assert not pauses_in_flight({"sync_mode": "one_step_off"})
+
+
+def test_verl_moves_a_trained_models_weights_through_new_pages_by_its_backend() -> None:
+    """verl's Megatron offload (``.cpu().pin_memory()``) and FSDP2's ``model.cpu()`` go through new pageable
+    pages; FSDP1's non-blocking copy lands in pinned memory. The actor's log-prob pass pays it, the frozen
+    reference's does not: verl's Qwen3-30B-A3B colocated row publishes old_log_prob 7.9 s over ref."""
+    from nereus.sim.published_predict import cost_times
+    from nereus.sim.published_runs import published_run
+    from tests.helpers import published_rows
+
+    row = published_rows()["verl_fa30_1"]
+    for backend, kind in (("megatron", "param"), ("fsdp2", "param"), ("fsdp", "none")):
+        assert published_run({**row, "train_backend": backend}).job.options.pageable_offload == kind
+    stages = cost_times(published_run(row)).stages
+    assert stages["actor/inference"] - stages["reference/inference"] > 5.0  # 5.6 s of new pages
+    assert float(row["t_old_logprob_s"]) - float(row["t_ref_s"]) > 5.0
