@@ -59,3 +59,11 @@ def test_verl_moves_a_trained_models_weights_through_new_pages_by_its_backend() 
     stages = cost_times(published_run(row)).stages
     assert stages["actor/inference"] - stages["reference/inference"] > 5.0  # 5.6 s of new pages
     assert float(row["t_old_logprob_s"]) - float(row["t_ref_s"]) > 5.0
+
+
+def test_every_frameworks_pageable_state_is_a_kind_the_cost_model_prices() -> None:
+    from nereus.cost.offload import PAGEABLE_KINDS
+    from nereus.sim.published_frameworks import FRAMEWORKS
+
+    for framework in FRAMEWORKS.values():
+        assert all(kind in PAGEABLE_KINDS and kind != "none" for _, kind in framework.pageable_offload)
