@@ -97,16 +97,17 @@ def sim_times(run: PublishedRun, seeds: int = SIM_SEEDS, steps: int = SIM_STEPS)
     stages = {k: float(np.mean([without_driver(m, k) for m in measured])) for k in measured[0].stage_times_s}
     phases = {k: float(np.mean([m.phase_times_s[k] - m.detail["driver_s"] * _calls(m, k) for m in measured]))
               for k in measured[0].phase_times_s}
-    tail = float(np.mean([m.detail.get("generation", {}).get("tail_s", 0.0) for m in measured]))
-    return StepTimes(stages, phases, tail)
+    return StepTimes(stages, phases)
 
 
-def with_drain_work(sim: StepTimes, cost: StepTimes) -> StepTimes:
-    """The simulator's times with the cost model's drain work (``drain_work``), scaled as the simulator's
-    generation is to the cost model's: its truth decodes every token at its own pace."""
+def with_cost_drain(sim: StepTimes, cost: StepTimes) -> StepTimes:
+    """The simulator's times with the cost model's drain (``StepTimes.tail_s``, ``tail_work_s``), scaled as
+    the simulator's generation is to the cost model's. The simulator reports no drain of that kind: its
+    generation's ``tail_s`` is the phase after a tail lever's switch point, which a run to the end barely has,
+    and a production taken from it kept nearly the whole rollout."""
     priced = cost.phases.get("generation", 0.0)
     scale = sim.phases.get("generation", 0.0) / priced if priced > 0 else 1.0
-    return replace(sim, tail_work_s=cost.tail_work_s * scale)
+    return replace(sim, tail_s=cost.tail_s * scale, tail_work_s=cost.tail_work_s * scale)
 
 
 def one_point(run: PublishedRun, steps: int) -> Trace:
@@ -220,7 +221,7 @@ def predict(run: PublishedRun, source: str) -> dict[str, float]:
         if roomy is not run:
             run, times = roomy, cost_times(roomy)
         if source == "sim" and all(math.isfinite(t) for t in times.stages.values()):
-            times = with_drain_work(sim_times(run), times)
+            times = with_cost_drain(sim_times(run), times)
     except SpecError as err:
         raise RowSkipped(f"its plan cannot be priced: {err}") from None
     return predicted(run, times)

@@ -12,6 +12,7 @@ from nereus.cost.plan_cost import estimate_plan
 from nereus.sim.published_predict import (
     cost_times,
     drain_work,
+    predict,
     predicted,
     queue_assembly,
     rollout_production,
@@ -49,3 +50,12 @@ def test_a_trainer_the_rollouter_cannot_feed_waits_for_it() -> None:
         assert wait == pytest.approx(max(queue_assembly(run), rollout_production(run, times) - work))
     assert predicted(fed, cost_times(fed))["t_gen_s"] == pytest.approx(queue_assembly(fed))  # trainer-bound
     assert predicted(starved, cost_times(starved))["t_gen_s"] > 2 * queue_assembly(starved)  # rollout-bound
+
+
+def test_the_simulator_takes_the_cost_models_drain_scaled_to_its_own_rollout() -> None:
+    """The simulator reports no drain of its own (its generation's ``tail_s`` is a tail lever's phase), so a
+    streaming row's production on it is the cost model's, scaled as its rollout is: the two sources agree on
+    a rollout-bound split (within 20%; 33% apart when the simulator's own tail set its production)."""
+    run = published_run(_split(8))
+    cost, sim = predict(run, "cost")["t_gen_s"], predict(run, "sim")["t_gen_s"]
+    assert sim == pytest.approx(cost, rel=0.2)
