@@ -59,22 +59,31 @@ def updates_on_host(offload: str) -> bool:
     return offloads_optimizer(offload) and not offload.endswith("-swap")
 
 
+def _out_to_new_pages_s(hw: Hardware, nbytes: float) -> float:
+    """``nbytes`` from the GPU into newly allocated pageable host memory: the host thread's copy that faults
+    the pages in, or the link where that is slower."""
+    return nbytes * max(NEW_PAGE_COPY_S_PER_BYTE, 1 / pcie_bytes_per_s(hw))
+
+
 def optimizer_swap_time(hw: Hardware, nbytes: float, pageable: bool) -> float:
     """The optimizer state's ``nbytes`` out to the host and back, once a step: over the link between pinned
     buffers, or out into new pageable pages and back from them (``pageable``)."""
-    link = 1 / pcie_bytes_per_s(hw)
     if not pageable:
-        return 2 * nbytes * link
-    return nbytes * (max(NEW_PAGE_COPY_S_PER_BYTE, link) + max(PAGEABLE_COPY_S_PER_BYTE, link))
+        return 2 * param_load_time(hw, nbytes)
+    return _out_to_new_pages_s(hw, nbytes) + nbytes * max(PAGEABLE_COPY_S_PER_BYTE, 1 / pcie_bytes_per_s(hw))
 
 
 def param_put_back_time(hw: Hardware, nbytes: float, pageable: bool) -> float:
     """A stage's weights back to the host after it: over the link into pinned memory, or (``pageable``) into
     new pageable pages, then copied into a pinned buffer for the next load (verl's ``.cpu().pin_memory()``)."""
-    link = 1 / pcie_bytes_per_s(hw)
     if not pageable:
-        return nbytes * link
-    return nbytes * (max(NEW_PAGE_COPY_S_PER_BYTE, link) + PAGEABLE_COPY_S_PER_BYTE)
+        return param_load_time(hw, nbytes)
+    return _out_to_new_pages_s(hw, nbytes) + nbytes * PAGEABLE_COPY_S_PER_BYTE
+
+
+def param_round_trip_time(hw: Hardware, nbytes: float, pageable: bool) -> float:
+    """A stage's weights loaded for it and put back after (``param_put_back_time``)."""
+    return param_load_time(hw, nbytes) + param_put_back_time(hw, nbytes, pageable)
 
 
 def offloads_params(offload: str) -> bool:

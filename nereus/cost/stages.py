@@ -32,6 +32,7 @@ from nereus.cost.offload import (
     optimizer_swap_time,
     param_load_time,
     param_put_back_time,
+    param_round_trip_time,
     updates_on_host,
 )
 from nereus.cost.stage_tokens import micro_batches
@@ -302,7 +303,7 @@ def inference_cost(hw: Hardware, job: JobSpec, ms: ModelStage, layout: Layout) -
     resident = weights
     if offloads_params(job.options.offload):  # loaded for the stage only, put back after (``cost.offload``)
         pageable = offloads_params(job.options.pageable_offload) and _trains(job, ms.model)
-        terms["overhead"] += param_load_time(hw, weights) + param_put_back_time(hw, weights, pageable)
+        terms["overhead"] += param_round_trip_time(hw, weights, pageable)
         resident, acts = 0.0, acts + weights
     terms = _shared_host(hw, layout, terms)
     return StageCost(ms, layout, terms, resident, acts + logits,

@@ -43,7 +43,7 @@ import math
 
 from nereus.cost.hardware import Hardware, host_memory_bytes_per_s, pcie_bytes_per_s
 from nereus.cost.memory import BF16, trainer_weight_bytes
-from nereus.cost.offload import offloads_params, param_load_time, param_put_back_time
+from nereus.cost.offload import offloads_params, param_round_trip_time
 from nereus.cost.sync_host_costs import (
     NCCL_CALL_S,
     engine_load_time,
@@ -131,7 +131,7 @@ def hybrid_reshard_time(hw: Hardware, job: JobSpec, train: Placement, gen: Place
     held = 0.0
     if offloads_params(job.options.offload):
         own = trainer_weight_bytes(job.models["actor"], train.layout, job.options.weight_bytes)
-        held = param_load_time(hw, own) + param_put_back_time(hw, own, offloads_params(job.options.pageable_offload))
+        held = param_round_trip_time(hw, own, offloads_params(job.options.pageable_offload))
     return export_time(hw, job, train.layout) + engine_load_time(job, calls=buckets) + copies + held
 
 

@@ -214,8 +214,13 @@ def stated_size_b(row: dict) -> float | None:
     return params_b if math.isfinite(params_b) and params_b > 0 else None
 
 
+def train_backend(row: dict) -> str:
+    """The row's ``train_backend`` as written, lower-case ("" when empty)."""
+    return (row.get("train_backend") or "").strip().lower()
+
+
 def trains_with_megatron(row: dict) -> bool:
-    return (row.get("train_backend") or "").strip().lower() == "megatron"
+    return train_backend(row) == "megatron"
 
 
 def nearest_size(table: tuple[tuple[float, int], ...], params_b: float) -> int:
@@ -280,7 +285,7 @@ def offload_of(row: dict) -> str | None:
     value = stated or (recipe.offload if recipe else "none")
     if value not in ("none", "param", "optimizer", "param+optimizer"):
         return None
-    fsdp = (row.get("train_backend") or "fsdp").strip().lower() in ("fsdp", "fsdp2")
+    fsdp = (train_backend(row) or "fsdp") in ("fsdp", "fsdp2")
     if framework_of(row) is VERL and fsdp and "optimizer" in value:
         value += "-swap"
     return value if value in OFFLOADS else None
@@ -318,8 +323,7 @@ def unmodelled(row: dict) -> str:
 def priced_as_framework(row: dict, job: JobSpec) -> JobSpec:
     """The job with its framework's batching, its rollout engine and its offload in the options the cost
     model reads (a row ``unmodelled`` passes)."""
-    backend = (row.get("train_backend") or "").strip().lower()
-    pageable = dict(framework_of(row).pageable_offload).get(backend, "none")
+    pageable = dict(framework_of(row).pageable_offload).get(train_backend(row), "none")
     options = replace(job.options, padded_batches=padded(row), rollout_engine=rollout_engine_name(row),
                       offload=offload_of(row), pageable_offload=pageable,
                       training_efficiency=training_efficiency(row, job))
