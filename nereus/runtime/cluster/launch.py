@@ -34,6 +34,9 @@ def _entry(rank: int, fn: Callable, world: int, port: int, timeout_s: float, arg
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     try:
         fn(rank, world, *args)
+        # no rank closes its sockets while a peer still handshakes on them (gloo's connectFullMesh reads
+        # "closed by peer" otherwise); a rank that raised skips it and join() ends the others
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -23,6 +23,7 @@ def _sorting_torch_body(rank: int, world: int) -> None:
     groups_module._new_group_keeps_order = lambda: False  # this forked rank's torch "cannot" keep order
     tp = ParallelGroups(Layout(tp=2, recompute="none", sequence_parallel=False), [0, 1])
     assert dist.get_rank(tp.tp_group) == rank  # coordinate order equals the sorted order here
+    dist.barrier(tp.tp_group)
     tp.destroy()
     with pytest.raises(RuntimeError, match=r"process group \[1, 0\].*torch >= 2\.13"):
         new_group_in_order([1, 0], TIMEOUT)
@@ -31,6 +32,7 @@ def _sorting_torch_body(rank: int, world: int) -> None:
 def _ordered_body(rank: int, world: int) -> None:
     group = new_group_in_order([1, 0], TIMEOUT)  # this torch keeps the order: rank 1 is the group's first
     assert dist.get_rank(group) == 1 - rank
+    dist.barrier(group)  # both ranks finished connecting before either closes the group's pairs
     dist.destroy_process_group(group)
 
 
