@@ -30,6 +30,7 @@ import csv
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from nereus.sim.published_baseline import baseline_of, baseline_step
@@ -148,6 +149,41 @@ def table(cells: list, skipped: list[dict], uncompared: list[str]) -> str:
     return "\n".join(out)
 
 
+def best_single_value(values: list[float]) -> float:
+    """The least mean absolute relative error any one prediction makes on ``values``: the sum of
+    |p/y - 1| is piecewise linear in p with its corners at the values, so one of them is the best."""
+    return min(sum(abs(p / y - 1) for y in values) / len(values) for p in values)
+
+
+def same_inputs(parsed: Parsed, cells: list) -> str:
+    """Rows the model cannot tell apart: the same job, plan and mode from their fields (their run id, job name and
+    published values aside). Whatever a model of these inputs predicts, it predicts once for all of them,
+    so the spread of their published values is error no such model removes: per column, the best single
+    value's mean absolute error over the rows' cells, and those cells' share of the overall mean."""
+    groups: dict[str, list[str]] = {}
+    for run_id, _, run in parsed:
+        if not isinstance(run, RowSkipped):
+            inputs = replace(run, run_id="", published={}, job=replace(run.job, name=""))
+            groups.setdefault(repr(inputs), []).append(run_id)
+    by_cell = {(run_id, column): published for run_id, column, published, _ in cells}
+    out, floors = [], []
+    for members in (g for g in groups.values() if len(g) > 1):
+        parts = []
+        for column in COLUMNS:
+            values = [by_cell[(m, column)] for m in members if (m, column) in by_cell]
+            if len(values) > 1:
+                floor = best_single_value(values)
+                floors += [floor] * len(values)
+                parts.append(f"{column} {100 * floor:.1f}%")
+        if parts:
+            out.append(f"same inputs: {', '.join(members)}: the best single value misses by {', '.join(parts)}")
+    if floors and cells:
+        out.append(f"{len(floors)} cells of rows with the same inputs: {100 * sum(floors) / len(floors):.1f}% "
+                   f"mean for any model of these inputs, {100 * sum(floors) / len(cells):.1f} points of the "
+                   "overall mean")
+    return "\n".join(["", *out]) if out else ""
+
+
 def baselines(parsed: Parsed) -> str:
     """The verl baselines' simulated steps against the verl rows' published ones, and their mean error."""
     out, errors = ["", f"{'run':<16} {'baseline':<18} {'published':>10} {'simulated':>10} {'error':>8}"], []
@@ -227,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print(table(cells, skipped, uncompared))
         print(by_source(cells, rows))
+        spread = same_inputs(parsed, cells)
+        if spread:
+            print(spread)
         print(baselines(parsed))
     if args.plot and cells:
         plot(args.plot, cells, rows, args.source)

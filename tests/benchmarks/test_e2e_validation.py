@@ -128,3 +128,25 @@ def test_every_held_out_row_is_modelled_and_the_readme_quotes_its_figures(capsys
     printed = [f"{cost['rows']} ({len(cost['skipped'])})", str(cost["cells"]),
                *(f"{cost['mean_abs_pct'][c]:.0f} / {sim['mean_abs_pct'][c]:.0f}" for c in columns)]
     assert quoted == printed
+
+
+def test_the_best_single_value_is_one_of_the_values() -> None:
+    assert e2e_validation.best_single_value([1.0, 2.0]) == pytest.approx(0.25)  # 1 misses 2 by half
+    assert e2e_validation.best_single_value([5.0, 5.0, 5.0]) == 0.0
+    # any other prediction does no better: the corners of a piecewise linear sum
+    values = [113.16, 181.08, 128.08, 95.06]
+    best = e2e_validation.best_single_value(values)
+    for p in (90.0, 100.0, 120.0, 150.0, 190.0):
+        assert sum(abs(p / y - 1) for y in values) / len(values) >= best
+
+
+def test_rows_with_the_same_inputs_report_their_spread(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    base = packaged_rows()["verl_oso_3"]
+    twin = {**base, "run_id": "twin", "source_locator": "another table", "t_gen_s": "414", "t_step_s": "699"}
+    other = {**base, "run_id": "other", "prompts_per_step": "256"}  # an input apart: not grouped
+    assert e2e_validation.main(["--rows", str(write(tmp_path / "runs.csv", [base, twin, other]))]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "same inputs" in line]
+    assert lines[0].startswith("same inputs: verl_oso_3, twin: ") and "other" not in lines[0]
+    # gen 207 and 414: the best single value misses by 25%; the step is the same in both
+    assert "t_gen_s 25.0%" in lines[0] and "t_step_s 0.0%" in lines[0]
+    assert lines[1].startswith("8 cells of rows with the same inputs: 6.2% mean")
