@@ -12,7 +12,9 @@ Rules (docs/cost-model.md, "End-to-end RL runs"):
 - batching: the row's ``dynamic_bsz``, else the framework's default: verl packs micro-batches by token
   budget (its recipes' ``use_dynamic_bsz``); OpenRLHF of the rows' era (~v0.2-0.3, before
   ``--packing_samples``) and DeepSpeed-Chat pad every micro-batch to its longest row
-  (``Options.padded_batches``: rows as wide as the step's longest).
+  (``Options.padded_batches``: rows as wide as the step's longest). Without dynamic batching verl still
+  removes the padding (``removes_padding``) and takes a fixed count of rows a micro-batch
+  (``FIXED_MICRO_BATCH``).
 - prompts: DeepSpeed-Chat pads every prompt to ``max_prompt_seq_len`` (its ``DataCollatorRLHF``), so a
   row's prompt is its cap in every stage; the others pad to the batch's longest (the stated mean rule).
 - rollout engine ``other``: DeepSpeed-Chat's is DeepSpeed's Hybrid Engine (``deepspeed-he``,
@@ -66,7 +68,9 @@ class FrameworkDefaults:
 
     name: str
     learned_reward: bool = False  # PPO scores with a reward model of the actor's architecture
-    dynamic_batch: bool = True  # micro-batches packed by token budget; False: padded to the longest row
+    dynamic_batch: bool = True  # micro-batches packed by token budget; False: a fixed count of rows each
+    # rows at their own length in a micro-batch that is not packed by token budget; False: padded to the longest
+    removes_padding: bool = False
     prompt_at_cap: bool = False  # every prompt padded to the prompt cap
     other_engine: str = ""  # what rollout_engine 'other' means ("": not priced)
     colocated_sync: str = "hybrid-reshard"
@@ -148,8 +152,18 @@ VERL_MEGATRON_MOE_TRAINING_EFFICIENCY = 0.43
 # DDP-wrapped module's buffers; verl/utils/fsdp_utils.py ``offload_fsdp2_model_to_cpu``, ``model.cpu()``); FSDP1's
 # ``flat_param_to(cpu, non_blocking=True)`` lands in pinned memory.
 VERL_PAGEABLE_OFFLOAD = (("megatron", "param"), ("fsdp2", "param"))
-VERL = FrameworkDefaults("verl", megatron_moe_training_efficiency=VERL_MEGATRON_MOE_TRAINING_EFFICIENCY,
+# verl's actors run rows at their own length whether or not they batch by token budget: its Megatron
+# backend packs a micro-batch's rows into one THD sequence (``megatron.use_remove_padding: true`` by default,
+# verl/trainer/config/_generated_ppo_megatron_trainer.yaml; megatron_actor.py ``data_format="thd"``) and its
+# recipe scripts set ``actor_rollout_ref.model.use_remove_padding=True`` for FSDP. Without
+# ``use_dynamic_bsz`` a micro-batch is ``ppo_micro_batch_size_per_gpu`` rows (update) and
+# ``log_prob_micro_batch_size_per_gpu`` (inference): 2 and 4 in the one-step-off Megatron recipe, whose
+# dynamic batching is commented out ("TODO: support dynamic_bsz for megatron",
+# recipe/one_step_off_policy/dapo_7b_math_megatron_colocate.sh of verl PR #2231).
+VERL = FrameworkDefaults("verl", removes_padding=True,
+                         megatron_moe_training_efficiency=VERL_MEGATRON_MOE_TRAINING_EFFICIENCY,
                          pageable_offload=VERL_PAGEABLE_OFFLOAD)
+FIXED_MICRO_BATCH = (2, 4)  # rows a micro-batch without dynamic batching: (update, inference), verl's recipe
 # NeMo RL's Megatron policy worker on a colocated run (nemo_rl/models/policy/workers/megatron_policy_worker.py,
 # v0.6.0): after the refit it moves the model, its gradient buffers and the optimizer to the host
 # (``offload_after_refit``), loads the model back for log-probs (``prepare_for_lp_inference``) and the model and
@@ -253,12 +267,18 @@ def with_reward_model(row: dict, models: dict, algorithm: str) -> dict:
     return models
 
 
-def padded(row: dict) -> bool:
-    """Micro-batches padded to the longest row: the row's ``dynamic_bsz`` no, else its framework's default."""
+def dynamic_batch(row: dict) -> bool:
+    """Micro-batches packed by token budget: the row's ``dynamic_bsz``, else its framework's default."""
     stated = (row.get("dynamic_bsz") or "").strip().lower()
     if stated in ("yes", "no"):
-        return stated == "no"
-    return not framework_of(row).dynamic_batch
+        return stated == "yes"
+    return framework_of(row).dynamic_batch
+
+
+def padded(row: dict) -> bool:
+    """Micro-batches padded to the longest row: not packed by token budget, by a framework that keeps the
+    padding (``FrameworkDefaults.removes_padding``)."""
+    return not dynamic_batch(row) and not framework_of(row).removes_padding
 
 
 def verl_moe_recipe(row: dict) -> Recipe | None:

@@ -71,8 +71,10 @@ from nereus.cost.moe import decode_kernels_per_layer
 from nereus.cost.stage_tokens import padded_width
 from nereus.sim.published_cells import RowSkipped, count, enum, layer_count, number, setting, text
 from nereus.sim.published_frameworks import (
+    FIXED_MICRO_BATCH,
     call_sequences,
     default_pools,
+    dynamic_batch,
     framework_of,
     framework_recompute,
     framework_rollout_tp,
@@ -380,10 +382,16 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
     recompute = (recipe and recipe.recompute) or framework_recompute(row) or ("none" if megatron else "full")
     train_budget, infer_budget = (recipe.budget_per_cap,) * 2 if recipe and recipe.budget_per_cap else BUDGETS
     ep = expert_parallel(row, "train_ep", job, dp)
+    if dynamic_batch(row) or job.options.padded_batches:
+        train_rows = balanced_micro_batch(update_share, train_budget * cap, seq)
+        infer_rows = balanced_micro_batch(share, infer_budget * cap, seq)
+    else:  # rows at their own length, a fixed count of them (the framework's micro-batch settings)
+        train_rows, infer_rows = (min(n, part) for n, part in zip(FIXED_MICRO_BATCH, (update_share, share),
+                                                                   strict=True))
     train = Layout(tp=tp, pp=pp, dp=dp, ep=ep, fsdp=fsdp, zero1=not fsdp, recompute=recompute,
-                   micro_batch_size=balanced_micro_batch(update_share, train_budget * cap, seq))
+                   micro_batch_size=train_rows)
     infer = Layout(tp=tp, pp=pp, dp=dp, ep=ep, fsdp=fsdp, zero1=not fsdp, recompute="none",
-                   micro_batch_size=balanced_micro_batch(share, infer_budget * cap, seq))
+                   micro_batch_size=infer_rows)
     return train, infer
 
 

@@ -85,3 +85,21 @@ def test_a_megatron_micro_batch_holds_the_per_gpu_budget_whatever_its_tp_and_pp(
     update_share = run.job.sequences_per_step() // train.dp // run.job.algorithm.mini_batches
     assert train.micro_batch_size == balanced_micro_batch(update_share, TRAIN_BUDGET_PER_TOKEN_CAP * cap, seq)
     assert update_share / train.micro_batch_size > train.pp  # more micro-batches than stages: a small bubble
+
+
+def test_verl_without_dynamic_batching_keeps_rows_at_their_own_length() -> None:
+    """verl removes the padding whether or not it batches by token budget (Megatron's THD packing, its
+    scripts' use_remove_padding): a verl row that says dynamic_bsz no takes its recipe's fixed 2 (update)
+    and 4 (inference) rows a micro-batch at their own length, not rows padded to the caps; an OpenRLHF
+    row of the era still pads."""
+    packed = rows()["verl_oso_3"]  # Megatron TP2 PP2, 8,192 sequences at a 10K-token cap
+    fixed = {**packed, "run_id": "fixed", "dynamic_bsz": "no"}
+    run = published_run(fixed)
+    assert not run.job.options.padded_batches
+    assert run.plan.placement("actor/training").layout.micro_batch_size == 2
+    assert run.plan.placement("actor/inference").layout.micro_batch_size == 4
+    by_budget, by_count = predict(published_run(packed), "cost"), predict(run, "cost")
+    for column in ("t_old_logprob_s", "t_update_actor_s"):  # the same tokens, in more micro-batches
+        assert 0.7 < by_count[column] / by_budget[column] < 1.3
+    openrlhf = published_run({**rows()["openrlhf_7B"], "dynamic_bsz": "no"})
+    assert openrlhf.job.options.padded_batches
