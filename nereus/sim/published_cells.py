@@ -18,6 +18,41 @@ LARGEST_LAYERS = 10_000
 NOTE_SETTING = r"\b{key}\s*=\s*(true|false|yes|no)\b"
 
 
+# Spellings of an enumerated column's value that mean one of the schema's values (e2e_runs.md), after case,
+# blanks and hyphens are set aside: verl's own word for a placement ("colocate"), the words papers use for a
+# mode ("on-policy", "1-step-off"), Megatron's other names, and GSPO, which runs GRPO's stages (no critic, a
+# group of samples a prompt) with a sequence-level ratio in its loss (Zheng et al. 2025, arXiv:2507.18071).
+SYNONYMS = {
+    "placement": {"colocate": "colocated", "hybrid_engine": "colocated", "separate": "disaggregated",
+                  "disaggregate": "disaggregated"},
+    "sync_mode": {"on_policy": "sync", "synchronous": "sync", "1_step_off": "one_step_off",
+                  "one_step_off_async": "one_step_off", "fully_asynchronous": "fully_async"},
+    "train_backend": {"megatron_core": "megatron", "mcore": "megatron", "megatron_lm": "megatron"},
+    "algorithm": {"gspo": "grpo", "reinforce++": "reinforce_pp"},
+}
+# Columns whose words are joined by underscores in the schema ("one_step_off"); ``offload`` joins by "+".
+UNDERSCORED = ("placement", "sync_mode", "train_backend", "algorithm")
+
+
+def canonical(row: dict) -> dict:
+    """The row with its enumerated cells as the schema spells them: lower case, hyphens and blanks as
+    underscores (blanks dropped around ``offload``'s "+"), and the ``SYNONYMS`` mapped. What is still not
+    a known word skips the row where the column is read, naming the cell as the row wrote it."""
+    out, written = dict(row), {}
+    for key in UNDERSCORED:
+        if text(row, key):
+            word = re.sub(r"[\s-]+", "_", text(row, key).lower())
+            out[key], written[key] = SYNONYMS.get(key, {}).get(word, word), text(row, key)
+    if text(row, "offload"):
+        out["offload"], written["offload"] = re.sub(r"\s+", "", text(row, "offload").lower()), text(row, "offload")
+    out[WRITTEN] = {**row.get(WRITTEN, {}), **written}
+    return out
+
+
+# Where ``canonical`` keeps the cells as the row wrote them, for the reasons a row is skipped.
+WRITTEN = "_as_written"
+
+
 class RowSkipped(Exception):
     """A row the model cannot price; the message is the reason the validation prints."""
 
@@ -65,7 +100,8 @@ def layer_count(row: dict) -> int:
 def enum(row: dict, key: str, choices, default: str = "") -> str:
     value = text(row, key).lower() or default
     if value not in choices:
-        raise RowSkipped(f"{key}={text(row, key)!r} is not modelled (known: {', '.join(choices)})")
+        as_written = row.get(WRITTEN, {}).get(key, text(row, key))
+        raise RowSkipped(f"{key}={as_written!r} is not modelled (known: {', '.join(choices)})")
     return value
 
 

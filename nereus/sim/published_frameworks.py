@@ -57,6 +57,7 @@ import math
 from dataclasses import dataclass, replace
 
 from nereus.cost.offload import OFFLOADS
+from nereus.sim.published_cells import WRITTEN
 from nereus.sim.recipes import Recipe, moe_recipe
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.job import JobSpec
@@ -336,7 +337,8 @@ def unmodelled(row: dict) -> str:
         return (f"rollout_engine={row.get('rollout_engine', '')!r} of framework {row.get('framework', '')!r} is not "
                 f"modelled (known: {', '.join(ENGINE_TRAITS)}; 'other' of DeepSpeed-Chat)")
     if offload_of(row) is None:
-        return f"offload={row.get('offload', '')!r} is not modelled (known: none, param, optimizer, param+optimizer)"
+        written = row.get(WRITTEN, {}).get("offload", row.get("offload", ""))
+        return f"offload={written!r} is not modelled (known: none, param, optimizer, param+optimizer)"
     return ""
 
 

@@ -69,7 +69,7 @@ from nereus.cost.eager import eager_step_overhead_s
 from nereus.cost.hardware import Priors
 from nereus.cost.moe import decode_kernels_per_layer
 from nereus.cost.stage_tokens import padded_width
-from nereus.sim.published_cells import RowSkipped, count, enum, layer_count, number, setting, text
+from nereus.sim.published_cells import RowSkipped, canonical, count, enum, layer_count, number, setting, text
 from nereus.sim.published_frameworks import (
     FIXED_MICRO_BATCH,
     call_sequences,
@@ -169,16 +169,30 @@ def published_values(row: dict) -> dict[str, float]:
     return {c: v for c in COLUMNS if (v := number(row, c)) is not None}
 
 
+# Words a GPU's name may carry besides its kind and memory that do not make it another product: the vendor,
+# the SXM form factor every catalogue entry is, its memory's type, the board or rack it sits in (a GB200's
+# "NVL72" is the rack the catalogue's GB200 describes). Any other word ("PCIe", "NVL") names a product the
+# catalogue does not hold, and the row is skipped.
+GPU_NAME_NOISE = {"NVIDIA", "SXM", "SXM4", "SXM5", "SXM6", "HBM", "HBM2", "HBM2E", "HBM3", "HBM3E", "GPU", "GPUS",
+                  "HGX", "DGX", "NVL72", "TENSOR", "CORE"}
+
+
 def gpu_name(row: dict) -> str:
-    """The preset of the row's GPU kind and memory ('H20-96G': H20's 96 GB, 'A100-40G': A100's 40 GB one);
-    skipped where the catalogue has no such memory ('H100-94G')."""
+    """The preset of the row's GPU kind and memory ('H20-96G': H20's 96 GB, 'A100-40G': A100's 40 GB one,
+    'NVIDIA H100 80GB HBM3' and 'H100 SXM' the catalogue's H100); skipped where the catalogue has no such
+    memory ('H100-94G') or the name holds a word of another product ('H100 PCIe')."""
     kind, presets = text(row, "gpu"), gpu_presets()
-    family, memory = kind.split("-")[0].upper(), re.fullmatch(r".*-(\d+)GB?", kind.upper())
-    if not kind or family == "OTHER" or family not in presets:
+    spaced = re.sub(r"(\d+)\s+(GB?)\b", r"\1\2", kind.upper())  # "96 GB" as "96GB"
+    words = [w for w in re.split(r"[^0-9A-Z]+", spaced) if w and w not in GPU_NAME_NOISE]
+    families = [w for w in words if w in presets and w != "OTHER"]
+    sizes = [m.group(1) for w in words if (m := re.fullmatch(r"(\d+)GB?", w))]
+    other = [w for w in words if w not in families and not re.fullmatch(r"\d+GB?|GB?", w)]
+    if len(families) != 1 or len(sizes) > 1 or other:
         raise RowSkipped(f"gpu={kind!r} is not in the GPU catalogue (nereus/spec/hardware.csv)")
-    if memory and f"{family}-{memory.group(1)}GB" not in presets:
+    family = families[0]
+    if sizes and f"{family}-{sizes[0]}GB" not in presets:
         raise RowSkipped(f"gpu={kind!r}: the catalogue's {family} is {presets[family].name} (nereus/spec/hardware.csv)")
-    return f"{family}-{memory.group(1)}GB" if memory else family
+    return f"{family}-{sizes[0]}GB" if sizes else family
 
 
 def arch_dict(row: dict) -> dict:
@@ -305,6 +319,7 @@ def _eager_priors(row: dict, arch: dict) -> dict:
 
 def published_run(row: dict) -> PublishedRun:
     """The row as a job and plan; ``RowSkipped`` says why a row cannot be priced."""
+    row = canonical(row)
     run_id = text(row, "run_id") or "(no run_id)"
     published = published_values(row)
     if not published:

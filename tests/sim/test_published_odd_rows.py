@@ -6,6 +6,7 @@ published step of 0. Each is modelled or skipped with its reason, never a crash.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -94,3 +95,37 @@ def test_a_dense_row_whose_head_dim_is_not_hidden_over_heads_is_priced_with_it()
     actor = run.job.models["actor"]
     assert actor.head_dim == 128 and abs(actor.params() / 32.8e9 - 1) < 0.01
     assert all(math.isfinite(v) and v > 0 for v in predict(run, "cost").values())
+
+
+@pytest.mark.parametrize(("gpu", "preset"), [("H100 SXM", "H100"), ("NVIDIA H100 80GB HBM3", "H100"),
+                                             ("A100-SXM4-40GB", "A100-SXM-40GB"), ("H20 96 GB", "H20"),
+                                             ("GB200 NVL72", "GB200"), ("H100 PCIe", None), ("H100 NVL", None),
+                                             ("H100/A100", None), ("L40S", None)])
+def test_a_gpu_named_as_datasheets_name_it_is_its_preset(gpu: str, preset: str | None) -> None:
+    """Vendor, SXM form factor, memory type and the NVL72 rack are not another product; a PCIe or NVL H100
+    (other clocks, memory and links) or two kinds at once are not in the catalogue and skip the row."""
+    row = {**rows()["verl_oso_3"], "gpu": gpu}
+    if preset is None:
+        with pytest.raises(RowSkipped, match="is not in the GPU catalogue"):
+            published_run(row)
+    else:
+        assert published_run(row).job.cluster.gpu == gpu_presets()[preset]
+
+
+@pytest.mark.parametrize(("run_id", "column", "written"), [
+    ("verl_oso_3", "placement", "colocate"), ("verl_oso_2", "placement", "Separate"),
+    ("verl_oso_2", "sync_mode", "1-step-off"), ("verl_oso_2", "sync_mode", "One-Step-Off"),
+    ("verl_oso_3", "sync_mode", "on-policy"), ("verl_oso_3", "train_backend", "Megatron-Core"),
+    ("verl_oso_3", "algorithm", "GSPO"), ("verl_oso_1", "offload", "param + optimizer")])
+def test_a_cell_spelled_otherwise_is_read_as_the_schemas_word(run_id: str, column: str, written: str) -> None:
+    """Case, blanks, hyphens and a few other names of a value (verl's "colocate", "on-policy", Megatron-Core,
+    GSPO's GRPO stages) price the row as the schema's own word does."""
+    row = rows()[run_id]
+    assert predict(published_run({**row, column: written}), "cost") == predict(published_run(row), "cost")
+
+
+@pytest.mark.parametrize(("column", "written"), [("sync_mode", "Fully Async X"), ("offload", "param + grad"),
+                                                 ("placement", "Hybrid")])
+def test_an_unknown_word_skips_the_row_naming_the_cell_as_written(column: str, written: str) -> None:
+    with pytest.raises(RowSkipped, match=re.escape(f"{column}={written!r} is not modelled")):
+        published_run({**rows()["verl_oso_3"], column: written})
