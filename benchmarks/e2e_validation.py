@@ -34,6 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from nereus.sim.published_baseline import baseline_of, baseline_step
+from nereus.sim.published_cells import is_bound
 from nereus.sim.published_predict import SOURCES, floors, predict
 from nereus.sim.published_runs import COLUMNS, PublishedRun, RowSkipped, published_run, text
 from nereus.spec.errors import InfeasibleError, SpecError
@@ -71,7 +72,7 @@ def validate(rows: list[dict], source: str, parsed: Parsed | None = None,
     published value of a modelled row below its floor (``below_floor``) is not compared; ``parsed``: the
     rows already parsed (``parse_rows``)."""
     cells, skipped, modelled, uncompared = [], [], 0, []
-    for run_id, _, run in parsed if parsed is not None else parse_rows(rows):
+    for run_id, row, run in parsed if parsed is not None else parse_rows(rows):
         try:
             if isinstance(run, RowSkipped):  # skipped while parsing: reported as a pricing skip is
                 raise run
@@ -97,6 +98,8 @@ def validate(rows: list[dict], source: str, parsed: Parsed | None = None,
         modelled += 1
         cells += mine
         uncompared += [f"{run_id}: {why}" for why in unreachable.values()]
+        uncompared += [f"{run_id}: {c} published {text(row, c)!r} is a bound, not a value: not compared"
+                       for c in COLUMNS if is_bound(row, c)]
     return cells, skipped, modelled, uncompared
 
 

@@ -61,13 +61,26 @@ def text(row: dict, key: str) -> str:
     return (row.get(key) or "").strip()
 
 
+# A published figure given as a bound ("<0.3": verl's "most of time under 300ms") is not a value to compare.
+BOUND_MARKS = ("<", ">", "≤", "≥")
+# Marks of an approximate figure ("~7", "≈ 7"): the figure is read as it is printed.
+APPROXIMATE_MARKS = ("~", "≈")
+
+
+def is_bound(row: dict, key: str) -> bool:
+    """The cell gives a bound, not a value ("<0.3")."""
+    return text(row, key).startswith(BOUND_MARKS)
+
+
 def number(row: dict, key: str) -> float | None:
-    """A numeric cell: None when empty; a cell that is not a number skips the row."""
+    """A numeric cell: None when empty; thousands separators ("1,024") and a mark of an approximate figure
+    ("~7") are read past; a cell that is not a number skips the row."""
     value = text(row, key)
     if not value:
         return None
+    digits = re.sub(r"(?<=\d)[,_](?=\d{3}\b)", "", value.lstrip("".join(APPROXIMATE_MARKS)).strip())
     try:
-        out = float(value)
+        out = float(digits)
     except ValueError:
         raise RowSkipped(f"{key}={value!r} is not a number") from None
     if not math.isfinite(out) or out < 0:

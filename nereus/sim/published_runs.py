@@ -69,7 +69,17 @@ from nereus.cost.eager import eager_step_overhead_s
 from nereus.cost.hardware import Priors
 from nereus.cost.moe import decode_kernels_per_layer
 from nereus.cost.stage_tokens import padded_width
-from nereus.sim.published_cells import RowSkipped, canonical, count, enum, layer_count, number, setting, text
+from nereus.sim.published_cells import (
+    RowSkipped,
+    canonical,
+    count,
+    enum,
+    is_bound,
+    layer_count,
+    number,
+    setting,
+    text,
+)
 from nereus.sim.published_frameworks import (
     FIXED_MICRO_BATCH,
     call_sequences,
@@ -166,7 +176,8 @@ def decodes_eagerly(row: dict) -> bool:
 
 
 def published_values(row: dict) -> dict[str, float]:
-    return {c: v for c in COLUMNS if (v := number(row, c)) is not None}
+    """The row's published figures; one given as a bound ("<0.3") is not a value and is left out."""
+    return {c: v for c in COLUMNS if not is_bound(row, c) and (v := number(row, c)) is not None}
 
 
 # Words a GPU's name may carry besides its kind and memory that do not make it another product: the vendor,
@@ -323,7 +334,9 @@ def published_run(row: dict) -> PublishedRun:
     run_id = text(row, "run_id") or "(no run_id)"
     published = published_values(row)
     if not published:
-        raise RowSkipped("no published time or throughput")
+        bounds = [f"{c} published {text(row, c)!r}" for c in COLUMNS if is_bound(row, c)]
+        raise RowSkipped(f"{', '.join(bounds)}: a bound, not a value, and nothing else to compare" if bounds
+                         else "no published time or throughput")
     job = job_of(row, published)
     padded = (count(row, "max_prompt_len") or job.workload.prompt_length) + job.workload.response.max
     plan = plan_of(row, job, weight_sync_only(published))

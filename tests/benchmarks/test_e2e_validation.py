@@ -150,3 +150,21 @@ def test_rows_with_the_same_inputs_report_their_spread(tmp_path: Path, capsys: p
     # gen 207 and 414: the best single value misses by 25%; the step is the same in both
     assert "t_gen_s 25.0%" in lines[0] and "t_step_s 0.0%" in lines[0]
     assert lines[1].startswith("8 cells of rows with the same inputs: 6.2% mean")
+
+
+def test_a_bound_is_not_compared_and_an_approximate_figure_is(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """verl prints its one-step-off weight sync as "most of time under 300ms": written "<0.3" it is reported,
+    not compared; "~520" and "1,024" read as 520 and 1024; a row with nothing but a bound is skipped saying so."""
+    rows = packaged_rows()
+    bounded = {**rows["verl_oso_2"], "run_id": "bounded", "t_weight_sync_s": "<0.3", "t_step_s": "~520",
+               "prompts_per_step": "512", "max_response_len": "20,480"}
+    only_bound = {**rows["verl_wsync_3"], "run_id": "only_bound", "t_weight_sync_s": "<20"}
+    assert e2e_validation.main(["--rows", str(write(tmp_path / "runs.csv", [bounded, only_bound]))]) == 0
+    out = capsys.readouterr().out
+    summary_line = json.loads(out.strip().splitlines()[-1])
+    assert summary_line["rows"] == 1 and summary_line["cells"] == 4  # gen, old_log_prob, update, step
+    assert "bounded: t_weight_sync_s published '<0.3' is a bound, not a value: not compared" in out
+    assert [s["run_id"] for s in summary_line["skipped"]] == ["only_bound"]
+    assert "a bound, not a value" in summary_line["skipped"][0]["why"]
+    step = next(line for line in out.splitlines() if line.startswith("bounded") and "t_step_s" in line)
+    assert " 520.00 " in step
