@@ -128,7 +128,8 @@ SCENARIOS = {
     "moe_tp_beyond_expert": ("verl_fa30_2", {"moe_ffn_hidden": "2", "rollout_tp": "4"}),
     "mini_batch_under_dp": ("verl_fa_7", {"samples_per_prompt": "1"}),
     "blank_padded": ("verl_oso_3", {"gpu": " H100-80G ", "gpus_total": " 16 ", "sync_mode": " sync "}),
-    "comma_number": ("verl_oso_3", {"prompts_per_step": "1,024"}),
+    "comma_number": ("verl_oso_3", {"prompts_per_step": "1,024"}),  # thousands separator: 1024
+    "decimal_comma": ("verl_oso_3", {"prompts_per_step": "1,5"}),
     "no_run_id": ("verl_oso_3", {"run_id": ""}),
 }
 
@@ -192,6 +193,7 @@ def test_every_variant_is_modelled_or_skipped_by_the_cost_model() -> None:
     for run_id in ("nemo_sync", "slime_one_step_off", "areal_fully_async", "roll_moe_b200", "wsync_256",
                    "moe_shared_dense_gb200", "no_gpus_per_node", "critic_stages_only", "step_only",
                    "throughput_only", "derived_tp_kv_heads", "tiny_dense", "blank_padded",
+                   "comma_number",
                    "mini_batch_under_dp"):  # a mini-batch takes every training rank a sequence at the least
         assert run_id not in why, why[run_id]
     assert "gpu" in why["verl_oso_3.gpu.9"] and "gpu" in why["verl_oso_3.gpu.13"]  # other, MI300X
@@ -201,7 +203,7 @@ def test_every_variant_is_modelled_or_skipped_by_the_cost_model() -> None:
     assert "no published" in why["nothing_published"] and "predicted" in why["all_zero"]
     assert "predicted" in why["critic_stages_no_critic"]
     assert "FFN width" in why["moe_tp_beyond_expert"]
-    assert "not a number" in why["comma_number"]
+    assert "not a number" in why["decimal_comma"]
     assert "does not fit" in why["huge_dense"]
     assert modelled > len(rows) // 2
 
