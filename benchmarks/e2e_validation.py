@@ -169,20 +169,20 @@ def same_inputs(parsed: Parsed, cells: list) -> str:
             inputs = replace(run, run_id="", published={}, job=replace(run.job, name=""))
             groups.setdefault(repr(inputs), []).append(run_id)
     by_cell = {(run_id, column): published for run_id, column, published, _ in cells}
-    out, floors = [], []
+    out, spreads = [], []
     for members in (g for g in groups.values() if len(g) > 1):
         parts = []
         for column in COLUMNS:
             values = [by_cell[(m, column)] for m in members if (m, column) in by_cell]
             if len(values) > 1:
-                floor = best_single_value(values)
-                floors += [floor] * len(values)
-                parts.append(f"{column} {100 * floor:.1f}%")
+                spread = best_single_value(values)
+                spreads += [spread] * len(values)
+                parts.append(f"{column} {100 * spread:.1f}%")
         if parts:
             out.append(f"same inputs: {', '.join(members)}: the best single value misses by {', '.join(parts)}")
-    if floors and cells:
-        out.append(f"{len(floors)} cells of rows with the same inputs: {100 * sum(floors) / len(floors):.1f}% "
-                   f"mean for any model of these inputs, {100 * sum(floors) / len(cells):.1f} points of the "
+    if spreads and cells:
+        out.append(f"{len(spreads)} cells of rows with the same inputs: {100 * sum(spreads) / len(spreads):.1f}% "
+                   f"mean for any model of these inputs, {100 * sum(spreads) / len(cells):.1f} points of the "
                    "overall mean")
     return "\n".join(["", *out]) if out else ""
 

@@ -32,6 +32,8 @@ SYNONYMS = {
 }
 # Columns whose words are joined by underscores in the schema ("one_step_off"); ``offload`` joins by "+".
 UNDERSCORED = ("placement", "sync_mode", "train_backend", "algorithm")
+# Where ``canonical`` keeps the cells as the row wrote them, for the reasons a row is skipped.
+WRITTEN = "_as_written"
 
 
 def canonical(row: dict) -> dict:
@@ -48,9 +50,6 @@ def canonical(row: dict) -> dict:
     out[WRITTEN] = {**row.get(WRITTEN, {}), **written}
     return out
 
-
-# Where ``canonical`` keeps the cells as the row wrote them, for the reasons a row is skipped.
-WRITTEN = "_as_written"
 
 
 class RowSkipped(Exception):
