@@ -34,9 +34,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from nereus.sim.published_baseline import baseline_of, baseline_step
-from nereus.sim.published_cells import is_bound
 from nereus.sim.published_predict import SOURCES, floors, predict
-from nereus.sim.published_runs import COLUMNS, PublishedRun, RowSkipped, published_run, text
+from nereus.sim.published_runs import COLUMNS, PublishedRun, RowSkipped, published_bounds, published_run, text
 from nereus.spec.errors import InfeasibleError, SpecError
 
 
@@ -98,8 +97,8 @@ def validate(rows: list[dict], source: str, parsed: Parsed | None = None,
         modelled += 1
         cells += mine
         uncompared += [f"{run_id}: {why}" for why in unreachable.values()]
-        uncompared += [f"{run_id}: {c} published {text(row, c)!r} is a bound, not a value: not compared"
-                       for c in COLUMNS if is_bound(row, c)]
+        uncompared += [f"{run_id}: {c} published {written!r} is a bound, not a value: not compared"
+                       for c, written in published_bounds(row).items()]
     return cells, skipped, modelled, uncompared
 
 

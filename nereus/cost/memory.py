@@ -108,9 +108,8 @@ def stage_params(arch: ModelArch, layout: Layout, value_head: bool) -> float:
 
 
 def trainer_weight_bytes(arch: ModelArch, layout: Layout, weight_bytes: int = BF16) -> float:
-    """The weights a training layout's fullest device holds (FSDP's share of them)."""
-    held = stage_params(arch, layout, value_head=False) * weight_bytes
-    return held / layout.dp if layout.fsdp else held
+    """The weights a training layout's fullest device holds (FSDP's share of them: ``training_state_bytes``)."""
+    return training_state_bytes(stage_params(arch, layout, value_head=False), layout, 0, weight_bytes)["weights"]
 
 
 def training_state_bytes(params: float, layout: Layout, grad_bytes: int, weight_bytes: int = BF16) -> dict[str, float]:

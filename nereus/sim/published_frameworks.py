@@ -158,9 +158,9 @@ VERL_PAGEABLE_OFFLOAD = (("megatron", "param"), ("fsdp2", "param"))
 # verl/trainer/config/_generated_ppo_megatron_trainer.yaml; megatron_actor.py ``data_format="thd"``) and its
 # recipe scripts set ``actor_rollout_ref.model.use_remove_padding=True`` for FSDP. Without
 # ``use_dynamic_bsz`` a micro-batch is ``ppo_micro_batch_size_per_gpu`` rows (update) and
-# ``log_prob_micro_batch_size_per_gpu`` (inference): 2 and 4 in the one-step-off Megatron recipe, whose
-# dynamic batching is commented out ("TODO: support dynamic_bsz for megatron",
-# recipe/one_step_off_policy/dapo_7b_math_megatron_colocate.sh of verl PR #2231).
+# ``log_prob_micro_batch_size_per_gpu`` (inference): 2 and 4 in the one-step-off Megatron recipe, which
+# leaves its dynamic-batching overrides commented out, marked as not yet supported for Megatron
+# (recipe/one_step_off_policy/dapo_7b_math_megatron_colocate.sh of verl PR #2231).
 VERL = FrameworkDefaults("verl", removes_padding=True,
                          megatron_moe_training_efficiency=VERL_MEGATRON_MOE_TRAINING_EFFICIENCY,
                          pageable_offload=VERL_PAGEABLE_OFFLOAD)

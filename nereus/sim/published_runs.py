@@ -175,9 +175,15 @@ def decodes_eagerly(row: dict) -> bool:
     return setting(row, "enforce_eager", "yes" if eager else "no") == "yes"
 
 
+def published_bounds(row: dict) -> dict[str, str]:
+    """The row's published figures given as bounds ("<0.3"), as written: not values, never compared."""
+    return {c: text(row, c) for c in COLUMNS if is_bound(row, c)}
+
+
 def published_values(row: dict) -> dict[str, float]:
-    """The row's published figures; one given as a bound ("<0.3") is not a value and is left out."""
-    return {c: v for c in COLUMNS if not is_bound(row, c) and (v := number(row, c)) is not None}
+    """The row's published figures; one given as a bound (``published_bounds``) is left out."""
+    bounds = published_bounds(row)
+    return {c: v for c in COLUMNS if c not in bounds and (v := number(row, c)) is not None}
 
 
 # Words a GPU's name may carry besides its kind and memory that do not make it another product: the vendor,
@@ -334,7 +340,7 @@ def published_run(row: dict) -> PublishedRun:
     run_id = text(row, "run_id") or "(no run_id)"
     published = published_values(row)
     if not published:
-        bounds = [f"{c} published {text(row, c)!r}" for c in COLUMNS if is_bound(row, c)]
+        bounds = [f"{c} published {written!r}" for c, written in published_bounds(row).items()]
         raise RowSkipped(f"{', '.join(bounds)}: a bound, not a value, and nothing else to compare" if bounds
                          else "no published time or throughput")
     job = job_of(row, published)
