@@ -21,6 +21,12 @@ Before the JSON line it also runs the simulator's verl baselines on verl's own p
 a one-step-off row, each choosing its own layouts for the row's job, as in every simulated comparison
 against them) and prints each step against the published one. With ``--json`` only the JSON line is
 printed.
+
+``--explain RUN_ID`` prints instead what that row's prediction is made of (``nereus.sim.published_explain``:
+the cells read and the empty ones a rule filled, the plan, each stage's device seconds and largest cost
+terms, each column's formula with its terms' seconds), then the JSON line of that row alone:
+
+    python benchmarks/e2e_validation.py --rows nereus/cost/e2e_runs.csv --explain verl_fa_1
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from nereus.sim.published_baseline import baseline_of, baseline_step
+from nereus.sim.published_explain import explain
 from nereus.sim.published_predict import SOURCES, floors, predict
 from nereus.sim.published_runs import COLUMNS, PublishedRun, RowSkipped, published_bounds, published_run, text
 from nereus.spec.errors import InfeasibleError, SpecError
@@ -244,12 +251,31 @@ def plot(path: Path, cells: list, rows: list[dict], source: str) -> None:
     plt.close(fig)
 
 
+def explain_row(parsed: Parsed, run_id: str, source: str, path: Path) -> int:
+    """``--explain``: the row's explanation (or why it is skipped), then its own JSON summary line."""
+    chosen = [entry for entry in parsed if entry[0] == run_id]
+    if not chosen:
+        known = ", ".join(entry[0] for entry in parsed[:12]) + (", ..." if len(parsed) > 12 else "")
+        print(f"--explain: no row of {path} has run_id {run_id!r}; its run ids: {known}", file=sys.stderr)
+        return 2
+    _, row, run = chosen[0]
+    try:
+        if isinstance(run, RowSkipped):
+            raise run
+        print(explain(row, run, source))
+    except RowSkipped as why:
+        print(f"{run_id} is skipped: {why}")
+    print(json.dumps(summary(*validate([row], source, chosen)[:3])))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=Path, required=True, help="a CSV in the e2e_runs.csv schema")
     ap.add_argument("--source", choices=SOURCES, default="cost", help="cost model (default) or simulator truth")
     ap.add_argument("--json", action="store_true", help="print only the JSON summary line")
     ap.add_argument("--plot", type=Path, help="also write predicted against published seconds to this PNG")
+    ap.add_argument("--explain", metavar="RUN_ID", help="print what this row's prediction is made of, not the table")
     args = ap.parse_args(argv)
     if not args.rows.is_file():
         print(f"--rows: {args.rows} is not a file; give a CSV in the e2e_runs.csv schema", file=sys.stderr)
@@ -261,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     parsed = parse_rows(rows)
+    if args.explain is not None:
+        return explain_row(parsed, args.explain, args.source, args.rows)
     cells, skipped, modelled, uncompared = validate(rows, args.source, parsed)
     if not args.json:
         print(table(cells, skipped, uncompared))

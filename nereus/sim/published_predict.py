@@ -180,41 +180,94 @@ def step_seconds(run: PublishedRun, times: StepTimes) -> float:
     return sum(p.values())
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """One predicted column: its value and how it was made, the terms' seconds written out
+    (``benchmarks/e2e_validation.py --explain``)."""
+
+    value: float
+    how: str
+
+
+def driver_seconds(run: PublishedRun) -> float:
+    """One stage call's pass of the padded batch through verl's driver (``cost.controller``)."""
+    return controller_time(run.job.sequences_per_step(), run.padded_tokens)
+
+
 def predicted(run: PublishedRun, device: StepTimes) -> dict[str, float]:
     """Predicted values of the columns the row publishes that the job has (a stage of a model the row
     does not run is left out); ``device`` are the stages' times without the driver's part."""
-    times = with_controller(run, device)
-    p, step = times.phases, step_seconds(run, times)
+    return {c: p.value for c, p in predicted_parts(run, device).items()}
+
+
+def predicted_parts(run: PublishedRun, device: StepTimes) -> dict[str, Prediction]:
+    """``predicted``, each value with its formula."""
+    times, moved = with_controller(run, device), driver_seconds(run)
+    p, step = times.phases, step_part(run, times)
     out = {}
     for column in run.published:
-        if column == "t_gen_s" and run.sync_mode == "one_step_off":
-            out[column] = device.stages[STAGE_OF[column]]  # the worker's generate_sequences timer
-        elif column == "t_gen_s" and takes_turns(run):
-            out[column] = p["generation"]
-        elif column == "t_gen_s" and streams(run):
-            out[column] = trainer_wait(rollout_production(run, times), queue_assembly(run),
-                                       p["inference"] + p["training"])
-        elif column == "t_gen_s" and run.plan.strategy == "colocated":
-            out[column] = times.stages[STAGE_OF[column]] + p["weight_sync"]
-        elif column in STAGE_OF and STAGE_OF[column] in times.stages:
-            out[column] = times.stages[STAGE_OF[column]]
+        stage = STAGE_OF.get(column)
+        if column == "t_gen_s":
+            out[column] = generation_part(run, device, times, moved)
+        elif stage in times.stages:
+            out[column] = Prediction(times.stages[stage], f"{stage} {device.stages[stage]:.2f} + driver {moved:.2f}")
         elif column == "t_weight_sync_s":
-            out[column] = p["weight_sync"]
+            out[column] = Prediction(p["weight_sync"], f"{run.plan.weight_sync} {p['weight_sync']:.2f}")
         elif column == "t_step_s":
             out[column] = step
         elif column == "tok_per_s_per_gpu":
-            wl = run.job.workload
+            wl, gpus = run.job.workload, run.job.cluster.num_gpus
             tokens = run.job.sequences_per_step() * (wl.prompt_length + wl.response.mean)
-            out[column] = tokens / (step * run.job.cluster.num_gpus)
+            out[column] = Prediction(tokens / (step.value * gpus), f"{tokens:,.0f} tokens / ({step.value:.2f} s step "
+                                                                   f"x {gpus} GPUs)")
     return out
+
+
+def generation_part(run: PublishedRun, device: StepTimes, times: StepTimes, moved: float) -> Prediction:
+    """``t_gen_s``: what the row's timer wraps in its mode and placement."""
+    gen, p = device.stages[STAGE_OF["t_gen_s"]], times.phases
+    if run.sync_mode == "one_step_off":
+        return Prediction(gen, f"generation {gen:.2f}; the rollout worker's own generate_sequences timer")
+    if takes_turns(run):
+        return Prediction(p["generation"], f"generation {gen:.2f} + driver {moved:.2f}; staleness 0: the "
+                                           "trainer waits for the whole rollout")
+    if streams(run):
+        production, assembly, work = rollout_production(run, times), queue_assembly(run), p["inference"] + p["training"]
+        return Prediction(trainer_wait(production, assembly, work),
+                          f"max(queue assembly {assembly:.2f}, rollout production {production:.2f} - trainer work "
+                          f"{work:.2f})")
+    if run.plan.strategy == "colocated":
+        return Prediction(gen + moved + p["weight_sync"], f"generation {gen:.2f} + driver {moved:.2f} + weight sync "
+                                                          f"{p['weight_sync']:.2f}; the gen timer holds the reshard")
+    return Prediction(gen + moved, f"generation {gen:.2f} + driver {moved:.2f}")
+
+
+def step_part(run: PublishedRun, times: StepTimes) -> Prediction:
+    """``t_step_s`` (``step_seconds``) with its formula; ``times`` include the driver's part."""
+    p = times.phases
+    if streams(run):
+        production, assembly, work = rollout_production(run, times), queue_assembly(run), p["inference"] + p["training"]
+        wait = trainer_wait(production, assembly, work)
+        return Prediction(step_seconds(run, times), f"trainer wait {wait:.2f} + inference {p['inference']:.2f} + "
+                                                    f"training {p['training']:.2f}; the weight sync outside it")
+    if run.sync_mode in ASYNC_MODES and not takes_turns(run):
+        return Prediction(step_seconds(run, times), f"max(generation {p['generation']:.2f}, inference and training "
+                                                    f"{p['inference'] + p['training']:.2f}) + weight sync "
+                                                    f"{p['weight_sync']:.2f}")
+    return Prediction(step_seconds(run, times), " + ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in p.items()))
 
 
 def predict(run: PublishedRun, source: str) -> dict[str, float]:
     """The row's predicted columns; ``RowSkipped`` when its plan is one the cost model rejects (a degree
-    that does not split the model, a batch that leaves a rank no sequence), with the model's reason. A
-    generation the cost model finds no memory for (its time infinite) is the cost model's on both sources:
-    the simulator's truth checks no memory of its own, and no real run decodes without its weights. A
-    colocated row that leaves its host state unstated gets the room first (``with_room_for_the_rollout``)."""
+    that does not split the model, a batch that leaves a rank no sequence), with the model's reason."""
+    return predicted(*priced(run, source))
+
+
+def priced(run: PublishedRun, source: str) -> tuple[PublishedRun, StepTimes]:
+    """The run as priced and its stages' device times from ``source``. A generation the cost model finds no
+    memory for (its time infinite) is the cost model's on both sources: the simulator's truth checks no
+    memory of its own, and no real run decodes without its weights. A colocated row that leaves its host
+    state unstated gets the room first (``with_room_for_the_rollout``)."""
     try:
         times = cost_times(run)
         roomy = with_room_for_the_rollout(run, times)
@@ -224,7 +277,7 @@ def predict(run: PublishedRun, source: str) -> dict[str, float]:
             times = with_cost_drain(sim_times(run), times)
     except SpecError as err:
         raise RowSkipped(f"its plan cannot be priced: {err}") from None
-    return predicted(run, times)
+    return run, times
 
 
 def with_room_for_the_rollout(run: PublishedRun, times: StepTimes | None = None) -> PublishedRun:
