@@ -113,3 +113,10 @@ def test_the_command_explains_one_row(tmp_path: Path, capsys: pytest.CaptureFixt
     assert e2e_validation.main(["--rows", csv_path, "--explain", "no_such_run"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("--explain: no row of ") and "'no_such_run'" in err and len(err.splitlines()) == 1
+
+
+def test_the_simulator_source_is_explained_too() -> None:
+    row = rows()["verl_oso_2"]
+    text = explain(row, published_run(row), "sim")
+    assert "device seconds (simulator truth; terms: the cost model's)" in text
+    assert "the rollout worker's own generate_sequences timer" in text  # a one-step-off row's t_gen_s
