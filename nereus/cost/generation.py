@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from nereus.cost.batching import Factors, ReplicaRun, StepTable, run_replicas, step_table
-from nereus.cost.hardware import Hardware
+from nereus.cost.hardware import Hardware, kv_cache_budget
 from nereus.cost.plan_cost import PlanEstimate, resident_per_device
 from nereus.cost.stages import ENGINE_MAX_SEQUENCES
 from nereus.cost.static_decode import decodes_static
@@ -83,7 +83,7 @@ class GenModel:
         arch, wl = self.arch, self.job.workload
         weights = arch.params() * self.job.options.weight_bytes / tp
         others = max(self.resident[g] for g in self.placement.gpus) - self.placement_weights()
-        budget = (self.hw.usable_bytes() - weights - others) * self.hw.priors.kv_memory_fraction
+        budget = kv_cache_budget(self.hw, weights, others, self.job.options.gpu_memory_utilization)
         per_seq = arch.kv_bytes_per_token() / min(tp, arch.kv_heads) * (wl.prompt_length + wl.response.max)
         return int(max(0, min(ENGINE_MAX_SEQUENCES, budget // per_seq)))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from nereus.spec.cluster import ClusterSpec
+from nereus.spec.cluster import GB, ClusterSpec
 
 GIB = 1024**3
 # Host-to-device copy rate from pinned memory, one direction of a PCIe x16 link: 5.0 (32 GT/s a lane,
@@ -154,6 +154,27 @@ class Hardware:
 
     def with_priors(self, **changes: float) -> Hardware:
         return replace(self, priors=replace(self.priors, **changes))
+
+
+def device_memory_bytes(hw: Hardware) -> float:
+    """The GPU's memory as its driver reports it, of which an engine takes a share. A datasheet's memory
+    figure ("80GB" for an H100, ``hardware.csv``'s ``hbm_gb``) counts binary gigabytes: HBM stacks come in
+    GiB, and ``torch.cuda.mem_get_info`` reports 79.1-79.6 GiB on an H100 80GB. The rest of the memory model
+    reads the figure as decimal gigabytes, 7% less, a margin it keeps."""
+    return hw.cluster.gpu.memory_bytes * GIB / GB
+
+
+def kv_cache_budget(hw: Hardware, weights: float, others: float, utilization: float = 0.0) -> float:
+    """Bytes of KV cache on one rank of a rollout replica holding ``weights`` beside ``others`` (memory of
+    colocated models it cannot use). Without an engine setting, the ``kv_memory_fraction`` prior of what is
+    free. With one, as vLLM sizes it (``gpu_memory_utilization``: vllm/v1/worker/gpu_worker.py,
+    ``determine_available_memory``): that share of the device's memory less everything else the engine
+    holds, its weights and its profiled activations and non-torch memory (``reserved_bytes``); never more
+    than is free beside the others."""
+    free = (hw.usable_bytes() - weights - others) * hw.priors.kv_memory_fraction
+    if not utilization:
+        return free
+    return min(free, utilization * device_memory_bytes(hw) - weights - hw.priors.reserved_bytes)
 
 
 def _pcie_gen4(hw: Hardware) -> bool:

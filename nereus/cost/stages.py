@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from nereus.cost.decode import DecodePhases, EngineCosts, Precision, Replica, decode_phases
 from nereus.cost.eager import eager_step_overhead_s
-from nereus.cost.hardware import Hardware
+from nereus.cost.hardware import Hardware, kv_cache_budget
 from nereus.cost.memory import (
     BF16,
     FP32,
@@ -344,7 +344,7 @@ def generation_cost(
     weights = stage_params(arch, layout, False) * job.options.weight_bytes
     kv_split = p * min(tp, arch.kv_heads)  # KV heads beyond TP are replicated
     kv_token = arch.kv_bytes_per_token() / kv_split
-    budget = (hw.usable_bytes() - weights - others_resident) * hw.priors.kv_memory_fraction
+    budget = kv_cache_budget(hw, weights, others_resident, job.options.gpu_memory_utilization)
     min_kv = kv_token * (wl.prompt_length + wl.response.max)  # one sequence at full length must fit
     if budget < min_kv:
         need = min_kv / hw.priors.kv_memory_fraction

@@ -26,7 +26,7 @@ from nereus.spec.layout import Layout
 # framework defaults of sim.published_frameworks): an explanation names the ones this row left empty.
 RULED_CELLS = ("mean_prompt_len", "mean_response_len", "samples_per_prompt", "gpus_per_node", "gen_gpus",
                "train_gpus", "rollout_tp", "rollout_ep", "train_tp", "train_pp", "train_cp", "train_ep", "offload",
-               "dynamic_bsz", "sync_mode", "staleness")
+               "dynamic_bsz", "gpu_memory_utilization", "sync_mode", "staleness")
 TERMS_SHOWN = 4  # a stage's largest cost terms printed beside its seconds
 
 
@@ -78,7 +78,8 @@ def header(row: dict, run: PublishedRun) -> list[str]:
 
 def plan_lines(run: PublishedRun) -> list[str]:
     o = run.job.options
-    lines = [f"plan: weight sync {run.plan.weight_sync}, offload {o.offload}, rollout engine {o.rollout_engine}"]
+    share = f" at {o.gpu_memory_utilization:g} of each GPU's memory" if o.gpu_memory_utilization else ""
+    lines = [f"plan: weight sync {run.plan.weight_sync}, offload {o.offload}, rollout engine {o.rollout_engine}{share}"]
     for pl in run.plan.placements:
         shown = layout_text(pl.layout, pl.model_stage.stage)
         lines.append(f"  {str(pl.model_stage):<22} {shown} on {len(pl.gpus)} GPUs")

@@ -46,6 +46,10 @@ Rules (docs/cost-model.md, "End-to-end RL runs"):
   ``gemm_efficiency`` prior (``Options.training_efficiency``). verl's Megatron training of an MoE model
   runs at the fraction its own published MFU gives (``VERL_MEGATRON_MOE_TRAINING_EFFICIENCY``); verl's other
   rows keep the prior.
+- rollout memory: the row's ``gpu_memory_utilization`` (vLLM's and verl's key: the share of each rollout
+  GPU's memory the engine takes for its weights, activations and KV cache, ``cost.hardware.kv_cache_budget``),
+  else a verl MoE row's recipe's (``sim.recipes``), else its framework's for the row's placement
+  (``NEMO_RL_MEMORY_UTILIZATION``), else the cost model's prior (0.9 of what is free).
 - generate calls: OpenRLHF's actor ranks each hand their engine ``--micro_rollout_batch_size`` prompts per
   call and wait for it before the next (``OPENRLHF_CALL_PROMPTS``), so an engine decodes static batches of
   the calls in flight (``Options.rollout_call_sequences``, ``cost.static_decode``).
@@ -57,7 +61,7 @@ import math
 from dataclasses import dataclass, replace
 
 from nereus.cost.offload import OFFLOADS
-from nereus.sim.published_cells import WRITTEN
+from nereus.sim.published_cells import WRITTEN, number
 from nereus.sim.recipes import Recipe, moe_recipe
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.job import JobSpec
@@ -101,6 +105,9 @@ class FrameworkDefaults:
     # the training's activation recompute by the model size of the framework's recipes: (size, "full" |
     # "none") pairs, the nearest size's; () = the backend's default (``sim.published_runs``)
     recompute: tuple[tuple[float, str], ...] = ()
+    # the rollout engine's ``gpu_memory_utilization`` by the row's placement: (placement, share) pairs, where
+    # the framework's own configs set one for every run of that placement; () = the cost model's prior
+    memory_utilization: tuple[tuple[str, float], ...] = ()
 
 
 # OpenRLHF's benchmark settings, which its comparison with DeepSpeed-Chat used for both: rollout_batch_size
@@ -179,6 +186,14 @@ NEMO_RL_COLOCATED_OFFLOAD = "param+optimizer-swap"
 NEMO_RL_RECOMPUTE = ((8.0, "full"), (30.5, "none"), (32.8, "none"), (235.0, "full"), (671.0, "full"))
 
 
+# NeMo RL's rollout memory (examples/configs/grpo_math_1B.yaml, v0.4.0 and v0.6.0: ``vllm_cfg.
+# gpu_memory_utilization: 0.6``), which every colocated performance recipe inherits but the GB200 DeepSeek-V3
+# (0.3, grpo-deepseek-v3-32n4g.yaml) and Qwen3-235B-A22B 16-node (0.4, grpo-qwen3-235b-16n4g.yaml) ones, whose
+# held-out rows state theirs; every async-1off recipe, its rollout on GPUs of its own, sets 0.8
+# (examples/configs/recipes/llm/performance/*-async-1off.yaml).
+NEMO_RL_MEMORY_UTILIZATION = (("colocated", 0.6), ("disaggregated", 0.8))
+
+
 def _key(name: str) -> str:
     """A framework's name as looked up: case, blanks, hyphens and underscores ignored ('NeMo RL', 'nemo_rl')."""
     return "".join(c for c in name.lower() if c.isalnum())
@@ -195,7 +210,7 @@ FRAMEWORKS = {_key(f.name): f for f in (
                       training_efficiency=TRAINING_EFFICIENCY["DeepSpeed-Chat"]),
     FrameworkDefaults("NeMo-RL", colocated_offload=NEMO_RL_COLOCATED_OFFLOAD, disaggregated_sync="packed-broadcast",
                       pageable_offload=(("megatron", "optimizer"),),
-                      recompute=NEMO_RL_RECOMPUTE),
+                      recompute=NEMO_RL_RECOMPUTE, memory_utilization=NEMO_RL_MEMORY_UTILIZATION),
 )}
 
 
@@ -339,7 +354,25 @@ def unmodelled(row: dict) -> str:
     if offload_of(row) is None:
         written = row.get(WRITTEN, {}).get("offload", row.get("offload", ""))
         return f"offload={written!r} is not modelled (known: none, param, optimizer, param+optimizer)"
+    share = memory_utilization(row)
+    if share is not None and not 0 < share <= 1:
+        return (f"gpu_memory_utilization={row.get('gpu_memory_utilization', '')!r} is not a share of the GPU's "
+                "memory: give a number above 0 and at most 1, or leave it empty")
     return ""
+
+
+def memory_utilization(row: dict) -> float | None:
+    """The share of each rollout GPU's memory the row's engine takes (``Options.gpu_memory_utilization``):
+    the row's ``gpu_memory_utilization``, else a verl MoE row's recipe's, else its framework's for the row's
+    placement; None where none says (the cost model's prior sizes the KV cache)."""
+    stated = number(row, "gpu_memory_utilization")
+    if stated is not None:
+        return stated
+    recipe = verl_moe_recipe(row)
+    if recipe is not None and recipe.gpu_memory_utilization:
+        return recipe.gpu_memory_utilization
+    placement = (row.get("placement") or "").strip().lower()
+    return dict(framework_of(row).memory_utilization).get(placement)
 
 
 def priced_as_framework(row: dict, job: JobSpec) -> JobSpec:
@@ -348,7 +381,8 @@ def priced_as_framework(row: dict, job: JobSpec) -> JobSpec:
     pageable = dict(framework_of(row).pageable_offload).get(train_backend(row), "none")
     options = replace(job.options, padded_batches=padded(row), rollout_engine=rollout_engine_name(row),
                       offload=offload_of(row), pageable_offload=pageable,
-                      training_efficiency=training_efficiency(row, job))
+                      training_efficiency=training_efficiency(row, job),
+                      gpu_memory_utilization=memory_utilization(row) or 0.0)
     return replace(job, options=options)
 
 

@@ -37,6 +37,9 @@ class Recipe:
     # Megatron's activation recompute as the script sets it (``override_transformer_config.recompute_granularity``;
     # "": none set)
     recompute: str = ""
+    # the share of each rollout GPU's memory the engine may take (``actor_rollout_ref.rollout.
+    # gpu_memory_utilization``; 0: the script leaves it)
+    gpu_memory_utilization: float = 0.0
 
     @property
     def url(self) -> str:
@@ -68,20 +71,25 @@ RECIPES: tuple[Recipe, ...] = (
 # 128, 16, 32 and 32 prompts. All four budget a dynamic micro-batch at one cap (``actor_ppo_max_token_len`` =
 # ``infer_ppo_max_token_len`` = max prompt + max response, where verl's dense DAPO recipes take 2 and 3), and
 # the DeepSeek-V3 one recomputes every layer in the backward pass (``recompute_granularity=full``,
-# ``recompute_method=uniform``, ``recompute_num_layers=1``).
+# ``recompute_method=uniform``, ``recompute_num_layers=1``). Their rollouts take 0.7, 0.85, 0.6 and 0.5 of each
+# GPU's memory (``rollout.gpu_memory_utilization``).
 MOE_RECIPES: tuple[Recipe, ...] = (
     Recipe("verl", "grpo", "Qwen3-30B-A3B", 30.5, 4, "volcengine/verl",
            "examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh", "c281ea7797624601a1bcb15ac026d0e1c9dd853e",
-           enforce_eager=True, backend="megatron", offload="param+optimizer", mini_batch_prompts=128, budget_per_cap=1),
+           enforce_eager=True, backend="megatron", offload="param+optimizer", mini_batch_prompts=128, budget_per_cap=1,
+           gpu_memory_utilization=0.7),
     Recipe("verl", "grpo", "Qwen3-235B-A22B", 235.1, 8, "volcengine/verl",
            "examples/grpo_trainer/run_qwen3-235b_megatron_96gb.sh", "f6f910069b2b0812bcd4f20cc5f0be4999fb5440",
-           enforce_eager=True, backend="megatron", offload="param+optimizer", mini_batch_prompts=16, budget_per_cap=1),
+           enforce_eager=True, backend="megatron", offload="param+optimizer", mini_batch_prompts=16, budget_per_cap=1,
+           gpu_memory_utilization=0.85),
     Recipe("verl", "grpo", "DeepSeek-V3", 671.0, 32, "volcengine/verl",
            "examples/grpo_trainer/run_deepseek671b_math_megatron_96gb.sh", "bd756c15c8873e40cfbb5ef2a4d1d6cadb4ea272",
-           enforce_eager=True, backend="megatron", offload="param+optimizer", budget_per_cap=1, recompute="full"),
+           enforce_eager=True, backend="megatron", offload="param+optimizer", budget_per_cap=1, recompute="full",
+           gpu_memory_utilization=0.6),
     Recipe("verl", "dapo", "Qwen3-30B-A3B-Base", 30.5, 4, "volcengine/verl",
            "verl/experimental/fully_async_policy/shell/dapo_30b_a3b_base_math_fsdp.sh",
-           "2bb42bae6078359c3fdc56ba6c7533e76fc05407", enforce_eager=False, budget_per_cap=1),
+           "2bb42bae6078359c3fdc56ba6c7533e76fc05407", enforce_eager=False, budget_per_cap=1,
+           gpu_memory_utilization=0.5),
 )
 
 

@@ -101,6 +101,11 @@ class Options:
     # ``cost.hardware``): a published run's framework's measured training throughput
     # (``sim.published_frameworks``; not a job-file key)
     training_efficiency: float = 0.0
+    # the share of each rollout GPU's memory its engine may take, weights, activations and KV cache together
+    # (vLLM's and verl's ``gpu_memory_utilization``; 0: the ``kv_memory_fraction`` prior of what is free,
+    # ``cost.hardware.kv_cache_budget``): a published run's, as its row or framework sets it
+    # (``sim.published_frameworks``; not a job-file key)
+    gpu_memory_utilization: float = 0.0
 
 
 @dataclass(frozen=True)

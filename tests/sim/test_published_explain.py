@@ -80,6 +80,8 @@ def test_the_explanation_names_the_rules_and_the_plan() -> None:
     assert "mean_response_len empty: 750 tokens" in text
     assert "empty cells a stated rule filled: mean_prompt_len, mean_response_len" in text
     assert "weight sync checkpoint-engine" in text
+    nemo = rows("e2e_runs_nemo_rl.csv")["nemorl_q30_32"]
+    assert "at 0.6 of each GPU's memory" in explain(nemo, published_run(nemo), "cost")  # its framework's share
     assert "actor/generation       TP4 PP1 DP16 on 64 GPUs" in text
     assert "max(queue assembly" in text  # a streaming trainer's wait
     stated = {**row, "mean_response_len": "1500"}
