@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
+from nereus.sim.published_frameworks import framework_of
 from nereus.sim.published_predict import StepTimes, driver_seconds, predicted_parts, priced
 from nereus.sim.published_runs import (
     UNSTATED_PROMPT_FRACTION,
@@ -49,6 +50,8 @@ def length_text(row: dict, run: PublishedRun) -> str:
         return "none read: the row times the weight sync alone, which moves the model whatever the batch"
     prompt_rule = "" if number(row, "mean_prompt_len") is not None else \
         f" (mean_prompt_len empty: {UNSTATED_PROMPT_FRACTION:.3g} of the cap)"
+    if framework_of(row).prompt_at_cap:
+        prompt_rule = f" (its cap: {framework_of(row).name} pads every prompt to it)"
     response_rule = "" if number(row, "mean_response_len") is not None else \
         f" (mean_response_len empty: {UNSTATED_RESPONSE_TOKENS} tokens, at most half the cap)"
     return (f"{wl.prompts_per_step} prompts x {run.job.algorithm.samples_per_prompt} samples; prompt mean "
