@@ -181,7 +181,7 @@ def step_seconds(run: PublishedRun, times: StepTimes) -> float:
 
 
 @dataclass(frozen=True)
-class Prediction:
+class ColumnPrediction:
     """One predicted column: its value and how it was made, the terms' seconds written out
     (``benchmarks/e2e_validation.py --explain``)."""
 
@@ -200,7 +200,7 @@ def predicted(run: PublishedRun, device: StepTimes) -> dict[str, float]:
     return {c: p.value for c, p in predicted_parts(run, device).items()}
 
 
-def predicted_parts(run: PublishedRun, device: StepTimes) -> dict[str, Prediction]:
+def predicted_parts(run: PublishedRun, device: StepTimes) -> dict[str, ColumnPrediction]:
     """``predicted``, each value with its formula."""
     times, moved = with_controller(run, device), driver_seconds(run)
     p, step = times.phases, step_part(run, times)
@@ -210,51 +210,55 @@ def predicted_parts(run: PublishedRun, device: StepTimes) -> dict[str, Predictio
         if column == "t_gen_s":
             out[column] = generation_part(run, device, times, moved)
         elif stage in times.stages:
-            out[column] = Prediction(times.stages[stage], f"{stage} {device.stages[stage]:.2f} + driver {moved:.2f}")
+            how = f"{stage} {device.stages[stage]:.2f} + driver {moved:.2f}"
+            out[column] = ColumnPrediction(times.stages[stage], how)
         elif column == "t_weight_sync_s":
-            out[column] = Prediction(p["weight_sync"], f"{run.plan.weight_sync} {p['weight_sync']:.2f}")
+            out[column] = ColumnPrediction(p["weight_sync"], f"{run.plan.weight_sync} {p['weight_sync']:.2f}")
         elif column == "t_step_s":
             out[column] = step
         elif column == "tok_per_s_per_gpu":
             wl, gpus = run.job.workload, run.job.cluster.num_gpus
             tokens = run.job.sequences_per_step() * (wl.prompt_length + wl.response.mean)
-            out[column] = Prediction(tokens / (step.value * gpus), f"{tokens:,.0f} tokens / ({step.value:.2f} s step "
-                                                                   f"x {gpus} GPUs)")
+            how = f"{tokens:,.0f} tokens / ({step.value:.2f} s step x {gpus} GPUs)"
+            out[column] = ColumnPrediction(tokens / (step.value * gpus), how)
     return out
 
 
-def generation_part(run: PublishedRun, device: StepTimes, times: StepTimes, moved: float) -> Prediction:
+def generation_part(run: PublishedRun, device: StepTimes, times: StepTimes, moved: float) -> ColumnPrediction:
     """``t_gen_s``: what the row's timer wraps in its mode and placement."""
     gen, p = device.stages[STAGE_OF["t_gen_s"]], times.phases
     if run.sync_mode == "one_step_off":
-        return Prediction(gen, f"generation {gen:.2f}; the rollout worker's own generate_sequences timer")
+        return ColumnPrediction(gen, f"generation {gen:.2f}; the rollout worker's own generate_sequences timer")
     if takes_turns(run):
-        return Prediction(p["generation"], f"generation {gen:.2f} + driver {moved:.2f}; staleness 0: the "
-                                           "trainer waits for the whole rollout")
+        how = f"generation {gen:.2f} + driver {moved:.2f}; staleness 0: the trainer waits for the whole rollout"
+        return ColumnPrediction(p["generation"], how)
     if streams(run):
         production, assembly, work = rollout_production(run, times), queue_assembly(run), p["inference"] + p["training"]
-        return Prediction(trainer_wait(production, assembly, work),
-                          f"max(queue assembly {assembly:.2f}, rollout production {production:.2f} - trainer work "
-                          f"{work:.2f})")
+        how = (f"max(queue assembly {assembly:.2f}, rollout production {production:.2f} - trainer work "
+               f"{work:.2f})")
+        return ColumnPrediction(trainer_wait(production, assembly, work), how)
     if run.plan.strategy == "colocated":
-        return Prediction(gen + moved + p["weight_sync"], f"generation {gen:.2f} + driver {moved:.2f} + weight sync "
-                                                          f"{p['weight_sync']:.2f}; the gen timer holds the reshard")
-    return Prediction(gen + moved, f"generation {gen:.2f} + driver {moved:.2f}")
+        how = (f"generation {gen:.2f} + driver {moved:.2f} + weight sync {p['weight_sync']:.2f}; the gen timer "
+               "holds the reshard")
+        return ColumnPrediction(gen + moved + p["weight_sync"], how)
+    return ColumnPrediction(gen + moved, f"generation {gen:.2f} + driver {moved:.2f}")
 
 
-def step_part(run: PublishedRun, times: StepTimes) -> Prediction:
+def step_part(run: PublishedRun, times: StepTimes) -> ColumnPrediction:
     """``t_step_s`` (``step_seconds``) with its formula; ``times`` include the driver's part."""
     p = times.phases
     if streams(run):
         production, assembly, work = rollout_production(run, times), queue_assembly(run), p["inference"] + p["training"]
         wait = trainer_wait(production, assembly, work)
-        return Prediction(step_seconds(run, times), f"trainer wait {wait:.2f} + inference {p['inference']:.2f} + "
-                                                    f"training {p['training']:.2f}; the weight sync outside it")
+        how = (f"trainer wait {wait:.2f} + inference {p['inference']:.2f} + training {p['training']:.2f}; the "
+               "weight sync outside it")
+        return ColumnPrediction(step_seconds(run, times), how)
     if run.sync_mode in ASYNC_MODES and not takes_turns(run):
-        return Prediction(step_seconds(run, times), f"max(generation {p['generation']:.2f}, inference and training "
-                                                    f"{p['inference'] + p['training']:.2f}) + weight sync "
-                                                    f"{p['weight_sync']:.2f}")
-    return Prediction(step_seconds(run, times), " + ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in p.items()))
+        how = (f"max(generation {p['generation']:.2f}, inference and training {p['inference'] + p['training']:.2f}) "
+               f"+ weight sync {p['weight_sync']:.2f}")
+        return ColumnPrediction(step_seconds(run, times), how)
+    how = " + ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in p.items())
+    return ColumnPrediction(step_seconds(run, times), how)
 
 
 def predict(run: PublishedRun, source: str) -> dict[str, float]:
