@@ -51,7 +51,6 @@ def canonical(row: dict) -> dict:
     return out
 
 
-
 class RowSkipped(Exception):
     """A row the model cannot price; the message is the reason the validation prints."""
 

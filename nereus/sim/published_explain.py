@@ -48,10 +48,11 @@ def length_text(row: dict, run: PublishedRun) -> str:
     wl = run.job.workload
     if weight_sync_only(run.published):
         return "none read: the row times the weight sync alone, which moves the model whatever the batch"
+    framework = framework_of(row)
     prompt_rule = "" if number(row, "mean_prompt_len") is not None else \
         f" (mean_prompt_len empty: {UNSTATED_PROMPT_FRACTION:.3g} of the cap)"
-    if framework_of(row).prompt_at_cap:
-        prompt_rule = f" (its cap: {framework_of(row).name} pads every prompt to it)"
+    if framework.prompt_at_cap:
+        prompt_rule = f" (its cap: {framework.name} pads every prompt to it)"
     response_rule = "" if number(row, "mean_response_len") is not None else \
         f" (mean_response_len empty: {UNSTATED_RESPONSE_TOKENS} tokens, at most half the cap)"
     return (f"{wl.prompts_per_step} prompts x {run.job.algorithm.samples_per_prompt} samples; prompt mean "

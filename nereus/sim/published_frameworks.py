@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass, replace
 
 from nereus.cost.offload import OFFLOADS
-from nereus.sim.published_cells import WRITTEN, number
+from nereus.sim.published_cells import WRITTEN, number, text
 from nereus.sim.recipes import Recipe, moe_recipe
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.job import JobSpec
@@ -246,7 +246,7 @@ def stated_size_b(row: dict) -> float | None:
 
 def train_backend(row: dict) -> str:
     """The row's ``train_backend`` as written, lower-case ("" when empty)."""
-    return (row.get("train_backend") or "").strip().lower()
+    return text(row, "train_backend").lower()
 
 
 def trains_with_megatron(row: dict) -> bool:
@@ -371,8 +371,7 @@ def memory_utilization(row: dict) -> float | None:
     recipe = verl_moe_recipe(row)
     if recipe is not None and recipe.gpu_memory_utilization:
         return recipe.gpu_memory_utilization
-    placement = (row.get("placement") or "").strip().lower()
-    return dict(framework_of(row).memory_utilization).get(placement)
+    return dict(framework_of(row).memory_utilization).get(text(row, "placement").lower())
 
 
 def priced_as_framework(row: dict, job: JobSpec) -> JobSpec:

@@ -133,7 +133,7 @@ def _calls(m: StepMetrics, phase: str) -> int:
 def with_controller(run: PublishedRun, times: StepTimes) -> StepTimes:
     """The times with each stage call's pass through the driver (``cost.controller``) added: to every
     model-stage that runs, and to its phase once per model-stage."""
-    moved = controller_time(run.job.sequences_per_step(), run.padded_tokens)
+    moved = driver_seconds(run)
     stages, phases = dict(times.stages), dict(times.phases)
     for name, seconds in times.stages.items():
         if seconds > 0:
@@ -233,10 +233,7 @@ def generation_part(run: PublishedRun, device: StepTimes, times: StepTimes, move
         how = f"generation {gen:.2f} + driver {moved:.2f}; staleness 0: the trainer waits for the whole rollout"
         return ColumnPrediction(p["generation"], how)
     if streams(run):
-        production, assembly, work = rollout_production(run, times), queue_assembly(run), p["inference"] + p["training"]
-        how = (f"max(queue assembly {assembly:.2f}, rollout production {production:.2f} - trainer work "
-               f"{work:.2f})")
-        return ColumnPrediction(trainer_wait(production, assembly, work), how)
+        return wait_part(run, times)
     if run.plan.strategy == "colocated":
         how = (f"generation {gen:.2f} + driver {moved:.2f} + weight sync {p['weight_sync']:.2f}; the gen timer "
                "holds the reshard")
@@ -244,14 +241,21 @@ def generation_part(run: PublishedRun, device: StepTimes, times: StepTimes, move
     return ColumnPrediction(gen + moved, f"generation {gen:.2f} + driver {moved:.2f}")
 
 
+def wait_part(run: PublishedRun, times: StepTimes) -> ColumnPrediction:
+    """A streaming trainer's wait for a version's samples (``cost.fully_async.trainer_wait``); ``times``
+    include the driver's part."""
+    p = times.phases
+    production, assembly, work = rollout_production(run, times), queue_assembly(run), p["inference"] + p["training"]
+    how = f"max(queue assembly {assembly:.2f}, rollout production {production:.2f} - trainer work {work:.2f})"
+    return ColumnPrediction(trainer_wait(production, assembly, work), how)
+
+
 def step_part(run: PublishedRun, times: StepTimes) -> ColumnPrediction:
     """``t_step_s`` (``step_seconds``) with its formula; ``times`` include the driver's part."""
     p = times.phases
     if streams(run):
-        production, assembly, work = rollout_production(run, times), queue_assembly(run), p["inference"] + p["training"]
-        wait = trainer_wait(production, assembly, work)
-        how = (f"trainer wait {wait:.2f} + inference {p['inference']:.2f} + training {p['training']:.2f}; the "
-               "weight sync outside it")
+        how = (f"trainer wait {wait_part(run, times).value:.2f} + inference {p['inference']:.2f} + training "
+               f"{p['training']:.2f}; the weight sync outside it")
         return ColumnPrediction(step_seconds(run, times), how)
     if run.sync_mode in ASYNC_MODES and not takes_turns(run):
         how = (f"max(generation {p['generation']:.2f}, inference and training {p['inference'] + p['training']:.2f}) "
