@@ -49,12 +49,23 @@ def gather_broadcast_time(hw: Hardware, job: JobSpec, train: Placement, gen: Pla
     return _gather_full(hw, weights, train.layout) + hw.p2p_time(weights, cross) + (receivers - 1) * latency
 
 
+def generate_calls(job: JobSpec, gen: Layout) -> int:
+    """``generate`` calls one rollout replica makes a step: its share of the step's sequences in calls of
+    ``Options.rollout_call_sequences`` (one call when the framework hands its whole share at once)."""
+    per_call = job.options.rollout_call_sequences
+    share = -(-job.sequences_per_step() // gen.dp)
+    return -(-share // per_call) if per_call else 1
+
+
 def zero3_gather_time(hw: Hardware, job: JobSpec, train: Placement, gen: Placement) -> float:
     """DeepSpeed-Chat's Hybrid Engine (rollout on the trainer's GPUs): the actor's ZeRO-3 partitions are
-    all-gathered into the inference kernels' containers, which then decode from them in place (DeepSpeed,
-    deepspeed/runtime/hybrid_engine.py, ``generate``: ``GatheredParameters`` over the layers; Yao et al. 2023,
-    arXiv:2308.01320, Sec. 5): one all-gather of the model over its shards, no copy of its own."""
-    return _gather_full(hw, job.models["actor"].params() * BF16, train.layout)
+    all-gathered into the inference kernels' containers, which then decode from them in place (Yao et al.
+    2023, arXiv:2308.01320, Sec. 5): one all-gather of the model over its shards, no copy of its own, at
+    every ``generate`` call. The engine's ``generate`` gathers the layers inside each call and releases its
+    containers at the call's end (deepspeed/runtime/hybrid_engine.py, ``generate``: ``GatheredParameters``
+    with ``pin_parameters``, then ``release_memory``), and DeepSpeed-Chat calls it once per generation
+    micro-batch (``generate_calls``)."""
+    return generate_calls(job, gen.layout) * _gather_full(hw, job.models["actor"].params() * BF16, train.layout)
 
 
 # vLLM's in-place reload (runtime.engines.vllm.server): its loader maps each checkpoint tensor to the
