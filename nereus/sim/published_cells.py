@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import re
 
+from nereus.spec.engines import ENGINE_TRAITS
+
 # The largest whole number a row's count may hold (GPUs, tokens, sequences): the largest published runs
 # count ~10^5 GPUs or 10^6 tokens a sequence, so a cell beyond 2^31 - 1 is a typo.
 LARGEST_COUNT = 2**31 - 1
@@ -49,6 +51,25 @@ def canonical(row: dict) -> dict:
         out["offload"], written["offload"] = re.sub(r"\s+", "", text(row, "offload").lower()), text(row, "offload")
     out[WRITTEN] = {**row.get(WRITTEN, {}), **written}
     return out
+
+
+# A version after an engine's name ("vLLM 0.8.5", "SGLang v0.4.6.post1"): the engine is the name before it.
+ENGINE_VERSION = re.compile(r"[\s_-]*\(?v?\d+(\.\w+)*\)?$", re.IGNORECASE)
+
+
+def _squashed(word: str) -> str:
+    return "".join(c for c in word.lower() if c.isalnum())
+
+
+def engine_named(written: str) -> str | None:
+    """The rollout engine (``spec.engines`` key) a cell names: the key or one of the engine's ``aliases``
+    (how published tables name it: "TensorRT-LLM", "vLLM") in any case, with hyphens, blanks or underscores
+    anywhere ("trt-llm"), or followed by a version ("vLLM 0.8.5"); None when no engine is so named."""
+    names = {_squashed(n): key for key, t in ENGINE_TRAITS.items() for n in (key, *t.aliases)}
+    for word in (written, ENGINE_VERSION.sub("", written)):
+        if word.strip() and _squashed(word) in names:
+            return names[_squashed(word)]
+    return None
 
 
 class RowSkipped(Exception):

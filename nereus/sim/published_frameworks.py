@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass, replace
 
 from nereus.cost.offload import OFFLOADS
-from nereus.sim.published_cells import WRITTEN, number, text
+from nereus.sim.published_cells import WRITTEN, engine_named, number, text
 from nereus.sim.recipes import Recipe, moe_recipe
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.job import JobSpec
@@ -270,10 +270,12 @@ def framework_recompute(row: dict) -> str:
 def rollout_engine_name(row: dict) -> str | None:
     """The engine whose traits price the row's rollout (``spec.engines``): the row's, ``other`` as its
     framework runs it; None when Nereus declares no such engine."""
-    named = (row.get("rollout_engine") or "").strip().lower() or PRICING_ENGINE
-    if named == "other":
+    written = text(row, "rollout_engine")
+    if not written:
+        return PRICING_ENGINE
+    if written.lower() == "other":
         return framework_of(row).other_engine or None
-    return named if named in ENGINE_TRAITS else None
+    return engine_named(written)
 
 
 def with_reward_model(row: dict, models: dict, algorithm: str) -> dict:

@@ -129,3 +129,22 @@ def test_a_cell_spelled_otherwise_is_read_as_the_schemas_word(run_id: str, colum
 def test_an_unknown_word_skips_the_row_naming_the_cell_as_written(column: str, written: str) -> None:
     with pytest.raises(RowSkipped, match=re.escape(f"{column}={written!r} is not modelled")):
         published_run({**rows()["verl_oso_3"], column: written})
+
+
+@pytest.mark.parametrize(("written", "engine"), [
+    ("vLLM", "vllm"), ("vLLM 0.8.5", "vllm"), ("vllm (V1)", "vllm"), ("SGLang", "sglang"),
+    ("SGLang v0.4.6.post1", "sglang"), ("TensorRT-LLM", "trtllm"), ("trt_llm", "trtllm"), ("TRT-LLM", "trtllm"),
+    ("vllm-v0", "vllm")])
+def test_a_rollout_engine_as_published_tables_name_it_is_its_engine(written: str, engine: str) -> None:
+    """An engine's key or one of its aliases (``spec.engines``) in any case, with hyphens, blanks or
+    underscores, or followed by its version, prices the row as the engine's key does."""
+    row = rows()["verl_oso_4"]
+    assert published_run({**row, "rollout_engine": written}).job.options.rollout_engine == engine
+    assert (predict(published_run({**row, "rollout_engine": written}), "cost")
+            == predict(published_run({**row, "rollout_engine": engine}), "cost"))
+
+
+@pytest.mark.parametrize("written", ["HF generate", "lmdeploy", "0.8.5"])
+def test_an_engine_nereus_does_not_declare_skips_the_row_naming_it(written: str) -> None:
+    with pytest.raises(RowSkipped, match=re.escape(f"rollout_engine={written!r}")):
+        published_run({**rows()["verl_oso_4"], "rollout_engine": written})
