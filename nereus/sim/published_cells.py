@@ -22,18 +22,32 @@ NOTE_SETTING = r"\b{key}\s*=\s*(true|false|yes|no)\b"
 
 # Spellings of an enumerated column's value that mean one of the schema's values (e2e_runs.md), after case,
 # blanks and hyphens are set aside: verl's own word for a placement ("colocate"), the words papers use for a
-# mode ("on-policy", "1-step-off"), Megatron's other names, and GSPO, which runs GRPO's stages (no critic, a
-# group of samples a prompt) with a sequence-level ratio in its loss (Zheng et al. 2025, arXiv:2507.18071).
+# placement or mode ("co-located", "decoupled", "on-policy", "1-step-off"), Megatron's and PyTorch FSDP's
+# other names (NeMo RL's "DTensor" backend is FSDP2's ``fully_shard`` over DTensors), DeepSpeed named by its
+# ZeRO-3 stage, yes/no as true/false, and algorithms that run another's stages with a different loss: GSPO
+# and Dr. GRPO run GRPO's (no critic, a group of samples a prompt; Zheng et al. 2025, arXiv:2507.18071; Liu
+# et al. 2025, arXiv:2503.20783), REINFORCE++ with a group baseline runs REINFORCE++'s.
+YES_NO = {"true": "yes", "false": "no", "y": "yes", "n": "no"}
 SYNONYMS = {
-    "placement": {"colocate": "colocated", "hybrid_engine": "colocated", "separate": "disaggregated",
-                  "disaggregate": "disaggregated"},
+    "placement": {"colocate": "colocated", "hybrid_engine": "colocated", "co_located": "colocated",
+                  "separate": "disaggregated", "separated": "disaggregated", "disaggregate": "disaggregated",
+                  "disagg": "disaggregated", "decoupled": "disaggregated"},
     "sync_mode": {"on_policy": "sync", "synchronous": "sync", "1_step_off": "one_step_off",
                   "one_step_off_async": "one_step_off", "fully_asynchronous": "fully_async"},
-    "train_backend": {"megatron_core": "megatron", "mcore": "megatron", "megatron_lm": "megatron"},
-    "algorithm": {"gspo": "grpo", "reinforce++": "reinforce_pp"},
+    "train_backend": {"megatron_core": "megatron", "mcore": "megatron", "megatron_lm": "megatron",
+                      "fsdp1": "fsdp", "torch_fsdp": "fsdp", "pytorch_fsdp": "fsdp", "dtensor": "fsdp2",
+                      "deepspeed_zero3": "deepspeed", "deepspeed_zero_3": "deepspeed", "zero3": "deepspeed",
+                      "zero_3": "deepspeed"},
+    "algorithm": {"gspo": "grpo", "dr_grpo": "grpo", "dr._grpo": "grpo", "reinforce++": "reinforce_pp",
+                  "reinforce++_baseline": "reinforce_pp"},
+    "critic": YES_NO,
+    "reference": YES_NO,
 }
+# The ``offload`` column's other spellings (blanks removed): the parts in either order, "params", "no".
+OFFLOAD_SYNONYMS = {"params": "param", "params+optimizer": "param+optimizer", "optimizer+param": "param+optimizer",
+                    "optimizer+params": "param+optimizer", "no": "none", "false": "none"}
 # Columns whose words are joined by underscores in the schema ("one_step_off"); ``offload`` joins by "+".
-UNDERSCORED = ("placement", "sync_mode", "train_backend", "algorithm")
+UNDERSCORED = ("placement", "sync_mode", "train_backend", "algorithm", "critic", "reference")
 # Where ``canonical`` keeps the cells as the row wrote them, for the reasons a row is skipped.
 WRITTEN = "_as_written"
 
@@ -48,7 +62,8 @@ def canonical(row: dict) -> dict:
             word = re.sub(r"[\s-]+", "_", text(row, key).lower())
             out[key], written[key] = SYNONYMS.get(key, {}).get(word, word), text(row, key)
     if text(row, "offload"):
-        out["offload"], written["offload"] = re.sub(r"\s+", "", text(row, "offload").lower()), text(row, "offload")
+        word = re.sub(r"\s+", "", text(row, "offload").lower())
+        out["offload"], written["offload"] = OFFLOAD_SYNONYMS.get(word, word), text(row, "offload")
     out[WRITTEN] = {**row.get(WRITTEN, {}), **written}
     return out
 

@@ -116,12 +116,29 @@ def test_a_gpu_named_as_datasheets_name_it_is_its_preset(gpu: str, preset: str |
     ("verl_oso_3", "placement", "colocate"), ("verl_oso_2", "placement", "Separate"),
     ("verl_oso_2", "sync_mode", "1-step-off"), ("verl_oso_2", "sync_mode", "One-Step-Off"),
     ("verl_oso_3", "sync_mode", "on-policy"), ("verl_oso_3", "train_backend", "Megatron-Core"),
-    ("verl_oso_3", "algorithm", "GSPO"), ("verl_oso_1", "offload", "param + optimizer")])
+    ("verl_oso_3", "algorithm", "GSPO"), ("verl_oso_1", "offload", "param + optimizer"),
+    ("verl_oso_3", "placement", "co-located"), ("verl_oso_2", "placement", "decoupled"),
+    ("verl_oso_1", "train_backend", "DTensor"),
+    ("dschat_7B", "train_backend", "DeepSpeed ZeRO-3"), ("verl_oso_3", "algorithm", "Dr. GRPO"),
+    ("verl_oso_1", "offload", "optimizer + params"), ("verl_oso_4", "offload", "no"),
+    ("openrlhf_7B", "critic", "TRUE"), ("verl_oso_3", "reference", "false")])
 def test_a_cell_spelled_otherwise_is_read_as_the_schemas_word(run_id: str, column: str, written: str) -> None:
     """Case, blanks, hyphens and a few other names of a value (verl's "colocate", "on-policy", Megatron-Core,
-    GSPO's GRPO stages) price the row as the schema's own word does."""
+    NeMo RL's DTensor backend as FSDP2, GSPO's and Dr. GRPO's GRPO stages, true/false for yes/no, an offload's
+    parts in either order) price the row as the schema's own word does."""
     row = rows()[run_id]
     assert predict(published_run({**row, column: written}), "cost") == predict(published_run(row), "cost")
+
+
+@pytest.mark.parametrize(("column", "written", "word"), [
+    ("train_backend", "torch FSDP", "fsdp"), ("train_backend", "FSDP1", "fsdp"),
+    ("train_backend", "ZeRO-3", "deepspeed"),
+    ("algorithm", "REINFORCE++-baseline", "reinforce_pp"), ("algorithm", "Dr-GRPO", "grpo"),
+    ("offload", "params", "param")])
+def test_another_name_of_a_value_prices_the_row_as_the_schemas_word(column: str, written: str, word: str) -> None:
+    row = rows()["verl_oso_1"]
+    assert (predict(published_run({**row, column: written}), "cost")
+            == predict(published_run({**row, column: word}), "cost"))
 
 
 @pytest.mark.parametrize(("column", "written"), [("sync_mode", "Fully Async X"), ("offload", "param + grad"),
