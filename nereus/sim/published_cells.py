@@ -106,15 +106,38 @@ def is_bound(row: dict, key: str) -> bool:
     return text(row, key).startswith(BOUND_MARKS)
 
 
+# A unit after a number that is the column's own (e2e_runs.md): seconds after a time, tokens after a length,
+# GPUs after a count of them ("365.28 s", "8192 tokens", "64 GPUs").
+UNIT_WORDS = (("_s", ("s", "sec", "secs", "second", "seconds")), ("_len", ("token", "tokens", "tok")),
+              ("gpus", ("gpu", "gpus")), ("gpus_total", ("gpu", "gpus")), ("gpus_per_node", ("gpu", "gpus")))
+# A length cap written in thousands ("28K"): RL configs give caps in multiples of 1,024 (verl's scripts'
+# ``max_response_length=$((1024 * 28))``, which its fully-async doc writes "28K tokens", 28,672 in this data
+# set), so K is 1,024 there and a cap's K is read so; elsewhere a K is not read.
+CAP_COLUMNS = ("max_prompt_len", "max_response_len")
+
+
+def _without_unit(key: str, value: str) -> tuple[str, float]:
+    """The cell's number text without the column's unit word, and the multiplier its K stands for."""
+    words = next((w for end, w in UNIT_WORDS if key.endswith(end)), ())
+    unit = re.match(r"^(.*?\d)\s*([a-z]+)$", value, re.IGNORECASE)
+    if unit and unit.group(2).lower() in words:
+        value = unit.group(1)
+    if key in CAP_COLUMNS and re.fullmatch(r"\d+\s*[kK]", value):
+        return value[:-1].strip(), 1024.0
+    return value, 1.0
+
+
 def number(row: dict, key: str) -> float | None:
-    """A numeric cell: None when empty; thousands separators ("1,024") and a mark of an approximate figure
-    ("~7") are read past; a cell that is not a number skips the row."""
+    """A numeric cell: None when empty; thousands separators ("1,024"), a mark of an approximate figure
+    ("~7"), the column's unit ("365.28 s") and a length cap's K ("28K", 28,672) are read past; a cell that is
+    not a number skips the row."""
     value = text(row, key)
     if not value:
         return None
-    digits = re.sub(r"(?<=\d)[,_](?=\d{3}\b)", "", value.lstrip("".join(APPROXIMATE_MARKS)).strip())
+    digits, scale = _without_unit(key, value.lstrip("".join(APPROXIMATE_MARKS)).strip())
+    digits = re.sub(r"(?<=\d)[,_](?=\d{3}\b)", "", digits)
     try:
-        out = float(digits)
+        out = float(digits) * scale
     except ValueError:
         raise RowSkipped(f"{key}={value!r} is not a number") from None
     if not math.isfinite(out) or out < 0:

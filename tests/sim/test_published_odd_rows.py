@@ -165,3 +165,24 @@ def test_a_rollout_engine_as_published_tables_name_it_is_its_engine(written: str
 def test_an_engine_nereus_does_not_declare_skips_the_row_naming_it(written: str) -> None:
     with pytest.raises(RowSkipped, match=re.escape(f"rollout_engine={written!r}")):
         published_run({**rows()["verl_oso_4"], "rollout_engine": written})
+
+
+@pytest.mark.parametrize(("column", "written", "plain"), [
+    ("t_step_s", "365.28 s", "365.28"), ("t_gen_s", "150.72 seconds", "150.72"), ("gpus_total", "64 GPUs", "64"),
+    ("gpus_per_node", "8 gpus", "8"), ("max_response_len", "28672 tokens", "28672"),
+    ("max_response_len", "28K", "28672"), ("max_prompt_len", "2k", "2048"),
+    ("mean_response_len", "1,200 tokens", "1200")])
+def test_a_number_with_its_columns_unit_or_a_caps_k_is_read_as_the_number(column: str, written: str,
+                                                                         plain: str) -> None:
+    """A unit that is the column's own is read past, and a length cap's K is 1,024 (RL configs' caps are
+    multiples of it: verl's "28K tokens" is 28,672)."""
+    row = rows()["verl_fa_3"]
+    assert (predict(published_run({**row, column: written}), "cost")
+            == predict(published_run({**row, column: plain}), "cost"))
+
+
+@pytest.mark.parametrize(("column", "written"), [("mean_response_len", "1.2k"), ("max_response_len", "2.5K"),
+                                                 ("prompts_per_step", "512 s"), ("t_step_s", "365 ms")])
+def test_another_unit_or_a_k_outside_a_cap_skips_the_row(column: str, written: str) -> None:
+    with pytest.raises(RowSkipped, match=re.escape(f"{column}={written!r} is not a number")):
+        published_run({**rows()["verl_fa_3"], column: written})
