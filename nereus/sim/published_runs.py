@@ -11,7 +11,8 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
 
 - lengths: the published mean prompt / response length; when only the cap is published, a prompt's mean
   is ``UNSTATED_PROMPT_FRACTION`` of its cap and a response's ``UNSTATED_RESPONSE_TOKENS`` (at most half
-  its cap). Responses are log-normal with ``RESPONSE_SIGMA``, clipped at the cap.
+  its cap). Responses are log-normal with ``RESPONSE_SIGMA``, clipped at the cap; a mean longer than its
+  cap skips the row.
 - rollout TP: the row's, else verl's example scripts' for a model of that size (``sim.recipes``; an MoE
   model's from verl's MoE scripts).
 - the framework's own defaults where the schema has no column (``sim.published_frameworks``; verl's for
@@ -265,7 +266,9 @@ def mean_length(row: dict, which: str) -> tuple[int, int]:
         raise RowSkipped(f"max_{which}_len is empty (the longest response sets the rollout's tail)")
     if mean is None:
         mean = cap * UNSTATED_PROMPT_FRACTION if which == "prompt" else min(UNSTATED_RESPONSE_TOKENS, cap / 2)
-    mean = min(mean, cap)
+    if mean > cap:  # a typo or a mean of something else (prompt + response): not a length this cap allows
+        raise RowSkipped(f"mean_{which}_len {text(row, f'mean_{which}_len')} exceeds max_{which}_len "
+                         f"{text(row, f'max_{which}_len')} (no {which} is longer than its cap)")
     return max(1, round(mean)), cap
 
 

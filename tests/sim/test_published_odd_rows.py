@@ -186,3 +186,11 @@ def test_a_number_with_its_columns_unit_or_a_caps_k_is_read_as_the_number(column
 def test_another_unit_or_a_k_outside_a_cap_skips_the_row(column: str, written: str) -> None:
     with pytest.raises(RowSkipped, match=re.escape(f"{column}={written!r} is not a number")):
         published_run({**rows()["verl_fa_3"], column: written})
+
+
+@pytest.mark.parametrize(("column", "written", "cap"), [("mean_response_len", "40000", "max_response_len"),
+                                                      ("mean_prompt_len", "3000", "max_prompt_len")])
+def test_a_mean_longer_than_its_cap_skips_the_row_naming_both(column: str, written: str, cap: str) -> None:
+    row = rows()["verl_fa_3"]
+    with pytest.raises(RowSkipped, match=re.escape(f"{column} {written} exceeds {cap} {row[cap]}")):
+        published_run({**row, column: written})
