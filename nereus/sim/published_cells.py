@@ -72,18 +72,23 @@ def canonical(row: dict) -> dict:
 ENGINE_VERSION = re.compile(r"[\s_-]*\(?v?\d+(\.\w+)*\)?$", re.IGNORECASE)
 
 
-def _squashed(word: str) -> str:
-    return "".join(c for c in word.lower() if c.isalnum())
+def squashed(name: str) -> str:
+    """A name as looked up: case, blanks, hyphens, underscores and punctuation set aside ('NeMo RL' and
+    'nemo_rl', 'TensorRT-LLM' and 'tensorrt llm' are one name)."""
+    return "".join(c for c in name.lower() if c.isalnum())
+
+
+# Every name of every engine the catalogue declares, squashed: its key and its ``aliases``.
+ENGINE_NAMES = {squashed(n): key for key, t in ENGINE_TRAITS.items() for n in (key, *t.aliases)}
 
 
 def engine_named(written: str) -> str | None:
     """The rollout engine (``spec.engines`` key) a cell names: the key or one of the engine's ``aliases``
     (how published tables name it: "TensorRT-LLM", "vLLM") in any case, with hyphens, blanks or underscores
     anywhere ("trt-llm"), or followed by a version ("vLLM 0.8.5"); None when no engine is so named."""
-    names = {_squashed(n): key for key, t in ENGINE_TRAITS.items() for n in (key, *t.aliases)}
     for word in (written, ENGINE_VERSION.sub("", written)):
-        if word.strip() and _squashed(word) in names:
-            return names[_squashed(word)]
+        if word.strip() and squashed(word) in ENGINE_NAMES:
+            return ENGINE_NAMES[squashed(word)]
     return None
 
 

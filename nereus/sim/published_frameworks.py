@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass, replace
 
 from nereus.cost.offload import OFFLOADS
-from nereus.sim.published_cells import WRITTEN, engine_named, number, text
+from nereus.sim.published_cells import WRITTEN, engine_named, number, squashed, text
 from nereus.sim.recipes import Recipe, moe_recipe
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.job import JobSpec
@@ -194,12 +194,7 @@ NEMO_RL_RECOMPUTE = ((8.0, "full"), (30.5, "none"), (32.8, "none"), (235.0, "ful
 NEMO_RL_MEMORY_UTILIZATION = (("colocated", 0.6), ("disaggregated", 0.8))
 
 
-def _key(name: str) -> str:
-    """A framework's name as looked up: case, blanks, hyphens and underscores ignored ('NeMo RL', 'nemo_rl')."""
-    return "".join(c for c in name.lower() if c.isalnum())
-
-
-FRAMEWORKS = {_key(f.name): f for f in (
+FRAMEWORKS = {squashed(f.name): f for f in (
     VERL,
     FrameworkDefaults("OpenRLHF", learned_reward=True, dynamic_batch=False, disaggregated_sync="gather-broadcast",
                       pools=OPENRLHF_POOLS, call_prompts=OPENRLHF_CALL_PROMPTS, script_rollout_tp=OPENRLHF_ROLLOUT_TP,
@@ -215,7 +210,7 @@ FRAMEWORKS = {_key(f.name): f for f in (
 
 
 def framework_of(row: dict) -> FrameworkDefaults:
-    return FRAMEWORKS.get(_key(row.get("framework") or ""), VERL)
+    return FRAMEWORKS.get(squashed(row.get("framework") or ""), VERL)
 
 
 def update_prompts(row: dict, total: int, samples: int) -> int:
