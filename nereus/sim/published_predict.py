@@ -15,12 +15,10 @@ Both give per-model-stage and per-phase seconds; the published columns follow fr
   verl/workers/fsdp_workers.py); the one-step-off rows' notes show the gap (generate_sequences 247 s
   inside gen 321 s);
 - in a fully asynchronous row ``t_gen_s`` is the trainer's ``gen`` timer, not the rollout: its wait for
-  samples and their assembly into a batch, max(assembly, generation - (inference + training)), and
-  ``t_step_s`` that plus its work, the parameter sync outside it (``cost.fully_async``). At
-  staleness 0 no sample may come from an older policy, so the rollout of a step's samples starts only
-  after the previous step's weights arrive: rollout and trainer take turns, the wait is the rollout and
-  the step is generation + inference + training + weight sync (verl's fully_async
-  ``staleness_threshold``; the streaming of mini-batches to the trainer within a step is not modelled);
+  samples and their assembly into a batch, with what the staleness threshold keeps them short by when the
+  trainer is the bottleneck, else generation - (inference + training); ``t_step_s`` is that plus its work,
+  the parameter sync outside it (``cost.fully_async``: a version's local steps stream its samples, at
+  staleness 0 too; an empty ``staleness`` is verl's default threshold);
 - ``tok_per_s_per_gpu``: the step's prompt and response tokens over the step and every GPU of the run;
 - every stage call also moves the step's batch, padded to the length caps, through verl's single driver
   (``cost.controller``): its timers ``gen``, ``old_log_prob``, ``ref``, ``values`` and ``update_*`` hold
@@ -38,7 +36,14 @@ import numpy as np
 from nereus.control.backend import RunToEnd, StepMetrics
 from nereus.cost.controller import controller_time
 from nereus.cost.decode import DecodePhases
-from nereus.cost.fully_async import queue_assembly_time, trainer_step, trainer_wait
+from nereus.cost.fully_async import (
+    LOCAL_STEPS_PER_VERSION,
+    STALENESS_THRESHOLD,
+    queue_assembly_time,
+    sample_shortfall,
+    trainer_step,
+    trainer_wait,
+)
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.cost.verl_weight_sync import SYNC_FLOORS
@@ -142,14 +147,15 @@ def with_controller(run: PublishedRun, times: StepTimes) -> StepTimes:
     return replace(times, stages=stages, phases=phases)
 
 
-def takes_turns(run: PublishedRun) -> bool:
-    """A fully asynchronous run at staleness 0: its rollout waits for each step's weights."""
-    return run.sync_mode in ("fully_async", "partial_rollout") and run.staleness == 0
-
-
 def streams(run: PublishedRun) -> bool:
-    """A fully asynchronous run whose rollouter may run ahead of the trainer (staleness above 0)."""
-    return run.sync_mode in ("fully_async", "partial_rollout") and not takes_turns(run)
+    """A fully asynchronous run: its rollouter streams samples to a trainer that takes them a local step at
+    a time (at staleness 0 too: the threshold bounds how far ahead the rollouter may run, not the stream)."""
+    return run.sync_mode in ("fully_async", "partial_rollout")
+
+
+def staleness(run: PublishedRun) -> float:
+    """The row's staleness threshold, else verl's default (``cost.fully_async.STALENESS_THRESHOLD``)."""
+    return STALENESS_THRESHOLD if run.staleness is None else run.staleness
 
 
 def queue_assembly(run: PublishedRun) -> float:
@@ -174,8 +180,9 @@ def rollout_production(run: PublishedRun, times: StepTimes) -> float:
 def step_seconds(run: PublishedRun, times: StepTimes) -> float:
     p = times.phases
     if streams(run):  # the trainer's step timer: its wait and its work, the parameter sync outside it
-        return trainer_step(rollout_production(run, times), queue_assembly(run), p["inference"] + p["training"])
-    if run.sync_mode in ASYNC_MODES and not takes_turns(run):
+        return trainer_step(rollout_production(run, times), queue_assembly(run), p["inference"] + p["training"],
+                            staleness(run))
+    if run.sync_mode in ASYNC_MODES:
         return max(p["generation"], p["inference"] + p["training"]) + p["weight_sync"]
     return sum(p.values())
 
@@ -229,9 +236,6 @@ def generation_part(run: PublishedRun, device: StepTimes, times: StepTimes, move
     gen, p = device.stages[STAGE_OF["t_gen_s"]], times.phases
     if run.sync_mode == "one_step_off":
         return ColumnPrediction(gen, f"generation {gen:.2f}; the rollout worker's own generate_sequences timer")
-    if takes_turns(run):
-        how = f"generation {gen:.2f} + driver {moved:.2f}; staleness 0: the trainer waits for the whole rollout"
-        return ColumnPrediction(p["generation"], how)
     if streams(run):
         return wait_part(run, times)
     if run.plan.strategy == "colocated":
@@ -246,8 +250,12 @@ def wait_part(run: PublishedRun, times: StepTimes) -> ColumnPrediction:
     include the driver's part."""
     p = times.phases
     production, assembly, work = rollout_production(run, times), queue_assembly(run), p["inference"] + p["training"]
-    how = f"max(queue assembly {assembly:.2f}, rollout production {production:.2f} - trainer work {work:.2f})"
-    return ColumnPrediction(trainer_wait(production, assembly, work), how)
+    stale = staleness(run)
+    shortfall = sample_shortfall(production, work, stale)
+    how = (f"max(queue assembly {assembly:.2f} + samples short {shortfall:.2f}, rollout production "
+           f"{production:.2f} - trainer work {work:.2f}); staleness threshold {stale:g}, "
+           f"{LOCAL_STEPS_PER_VERSION} local steps a version")
+    return ColumnPrediction(trainer_wait(production, assembly, work, stale), how)
 
 
 def step_part(run: PublishedRun, times: StepTimes) -> ColumnPrediction:
@@ -257,7 +265,7 @@ def step_part(run: PublishedRun, times: StepTimes) -> ColumnPrediction:
         how = (f"trainer wait {wait_part(run, times).value:.2f} + inference {p['inference']:.2f} + training "
                f"{p['training']:.2f}; the weight sync outside it")
         return ColumnPrediction(step_seconds(run, times), how)
-    if run.sync_mode in ASYNC_MODES and not takes_turns(run):
+    if run.sync_mode in ASYNC_MODES:
         how = (f"max(generation {p['generation']:.2f}, inference and training {p['inference'] + p['training']:.2f}) "
                f"+ weight sync {p['weight_sync']:.2f}")
         return ColumnPrediction(step_seconds(run, times), how)
