@@ -67,6 +67,7 @@ from dataclasses import dataclass
 
 from nereus.cost.decode import DecodePriors
 from nereus.cost.eager import eager_step_overhead_s
+from nereus.cost.fully_async import STALENESS_THRESHOLD
 from nereus.cost.hardware import Priors
 from nereus.cost.moe import decode_kernels_per_layer
 from nereus.cost.stage_tokens import padded_width
@@ -359,11 +360,13 @@ def published_run(row: dict) -> PublishedRun:
 def pauses_in_flight(row: dict) -> bool:
     """Partial rollout: the ``partial_rollout`` sync mode, or a fully-async row whose notes do not turn
     verl's ``async_training.partial_rollout`` off (True in fully_async_ppo_trainer.yaml and its
-    Megatron twin). verl applies it only at a staleness threshold above 0 (docs/advance/fully_async.md)."""
+    Megatron twin). verl applies it only at a staleness threshold above 0 (docs/advance/fully_async.md); an
+    empty one is its default (``cost.fully_async.STALENESS_THRESHOLD``)."""
     mode = text(row, "sync_mode").lower()  # as ``enum`` reads it
     if mode == "partial_rollout":
         return True
-    stale = (number(row, "staleness") or 0) > 0
+    threshold = number(row, "staleness")
+    stale = (STALENESS_THRESHOLD if threshold is None else threshold) > 0
     return mode == "fully_async" and stale and setting(row, "partial_rollout", "yes") == "yes"
 
 

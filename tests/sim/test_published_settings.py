@@ -43,6 +43,7 @@ def test_a_streaming_rollouter_pauses_in_flight_samples_by_default() -> None:
     assert not pauses_in_flight({**row, "staleness": "0"})  # verl applies it only above staleness 0
     assert pauses_in_flight({"sync_mode": "partial_rollout"})
     assert not pauses_in_flight({"sync_mode": "one_step_off"})
+    assert pauses_in_flight({"sync_mode": "fully_async", "staleness": ""})  # verl's default threshold, 0.1
 
 
 def test_verl_moves_a_trained_models_weights_through_new_pages_by_its_backend() -> None:

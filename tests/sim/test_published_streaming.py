@@ -88,3 +88,13 @@ def test_a_staleness_below_one_local_step_waits_for_the_first_steps_samples() ->
     production = rollout_production(run, times)
     wait = predicted(run, cost_times(run))["t_gen_s"]
     assert wait == pytest.approx(queue_assembly(run) + 0.15 * production)
+
+
+def test_an_empty_staleness_is_verls_default_threshold() -> None:
+    """A fully-async row that leaves ``staleness`` empty runs at verl's default 0.1 (fully_async_ppo_trainer.yaml),
+    partial rollout included: priced as the row that says 0.1."""
+    stated = rows()["verl_fa_8"]
+    assert stated["staleness"] == "0.1"
+    empty = published_run({**stated, "staleness": ""})
+    assert empty.partial_rollout
+    assert predict(empty, "cost") == pytest.approx(predict(published_run(stated), "cost"))
