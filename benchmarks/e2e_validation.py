@@ -35,6 +35,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -304,4 +305,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # the reader stopped early (``| head``): say nothing more, as a shell tool would
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush would fail again
+        sys.exit(1)

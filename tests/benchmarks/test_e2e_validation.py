@@ -168,3 +168,17 @@ def test_a_bound_is_not_compared_and_an_approximate_figure_is(tmp_path: Path, ca
     assert "a bound, not a value" in summary_line["skipped"][0]["why"]
     step = next(line for line in out.splitlines() if line.startswith("bounded") and "t_step_s" in line)
     assert " 520.00 " in step
+
+
+def test_a_reader_that_stops_early_gets_no_traceback() -> None:
+    """``e2e_validation.py --explain RUN | head -4``: once the reader has gone the command stops quietly."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "benchmarks/e2e_validation.py", "--rows", "nereus/cost/e2e_runs.csv",
+               "--explain", "verl_fa_6"]
+    proc = subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline().startswith(b"verl_fa_6")
+    proc.stdout.close()  # the reader leaves before the rest is written
+    _, err = proc.communicate(timeout=120)
+    assert b"Traceback" not in err, err.decode()
