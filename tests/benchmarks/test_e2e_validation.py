@@ -170,6 +170,8 @@ def test_a_bound_is_not_compared_and_an_approximate_figure_is(tmp_path: Path, ca
     assert " 520.00 " in step
 
 
+@pytest.mark.slow  # starts a process (the fast tier starts none)
+@pytest.mark.rayless
 def test_a_reader_that_stops_early_gets_no_traceback() -> None:
     """``e2e_validation.py --explain RUN | head -4``: once the reader has gone the command stops quietly."""
     import subprocess
