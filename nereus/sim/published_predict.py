@@ -38,7 +38,6 @@ from nereus.cost.controller import controller_time
 from nereus.cost.decode import DecodePhases
 from nereus.cost.fully_async import (
     LOCAL_STEPS_PER_VERSION,
-    STALENESS_THRESHOLD,
     queue_assembly_time,
     sample_shortfall,
     trainer_step,
@@ -153,11 +152,6 @@ def streams(run: PublishedRun) -> bool:
     return run.sync_mode in ("fully_async", "partial_rollout")
 
 
-def staleness(run: PublishedRun) -> float:
-    """The row's staleness threshold, else verl's default (``cost.fully_async.STALENESS_THRESHOLD``)."""
-    return STALENESS_THRESHOLD if run.staleness is None else run.staleness
-
-
 def queue_assembly(run: PublishedRun) -> float:
     """The fully-async trainer's unpickling and concatenation of the samples it takes from the queue
     (``cost.fully_async.queue_assembly_time``); 0 in every other mode (their driver part is in the stages)."""
@@ -181,7 +175,7 @@ def step_seconds(run: PublishedRun, times: StepTimes) -> float:
     p = times.phases
     if streams(run):  # the trainer's step timer: its wait and its work, the parameter sync outside it
         return trainer_step(rollout_production(run, times), queue_assembly(run), p["inference"] + p["training"],
-                            staleness(run))
+                            run.staleness)
     if run.sync_mode in ASYNC_MODES:
         return max(p["generation"], p["inference"] + p["training"]) + p["weight_sync"]
     return sum(p.values())
@@ -250,12 +244,11 @@ def wait_part(run: PublishedRun, times: StepTimes) -> ColumnPrediction:
     include the driver's part."""
     p = times.phases
     production, assembly, work = rollout_production(run, times), queue_assembly(run), p["inference"] + p["training"]
-    stale = staleness(run)
-    shortfall = sample_shortfall(production, work, stale)
+    shortfall = sample_shortfall(production, work, run.staleness)
     how = (f"max(queue assembly {assembly:.2f} + samples short {shortfall:.2f}, rollout production "
-           f"{production:.2f} - trainer work {work:.2f}); staleness threshold {stale:g}, "
+           f"{production:.2f} - trainer work {work:.2f}); staleness threshold {run.staleness:g}, "
            f"{LOCAL_STEPS_PER_VERSION} local steps a version")
-    return ColumnPrediction(trainer_wait(production, assembly, work, stale), how)
+    return ColumnPrediction(trainer_wait(production, assembly, work, run.staleness), how)
 
 
 def step_part(run: PublishedRun, times: StepTimes) -> ColumnPrediction:

@@ -144,7 +144,7 @@ class PublishedRun:
     plan: Plan
     sync_mode: str
     published: dict[str, float]  # column -> published value (only the columns the row has)
-    staleness: float | None = None  # verl fully_async staleness_threshold, when the row gives it
+    staleness: float = STALENESS_THRESHOLD  # verl fully_async's threshold (``staleness_threshold``)
     padded_tokens: int = 0  # token slots of every sequence as the batch travels: max prompt + max response
     # the rollouter pauses its in-flight samples at a parameter sync and resumes them after (verl's
     # async_training.partial_rollout), instead of waiting for them to end
@@ -353,21 +353,24 @@ def published_run(row: dict) -> PublishedRun:
     actor, gen = plan.placement("actor/training").layout, plan.placement("actor/generation").layout
     calls = call_sequences(row, job.models["actor"].params() / 1e9, job.algorithm.samples_per_prompt, actor.dp, gen.dp)
     return PublishedRun(run_id, with_calls(job, calls), plan, enum(row, "sync_mode", SYNC_MODES, "sync"),
-                        published, number(row, "staleness"), padded, pauses_in_flight(row),
+                        published, staleness_threshold(row), padded, pauses_in_flight(row),
                         bool(text(row, "offload")))
+
+
+def staleness_threshold(row: dict) -> float:
+    """The row's ``staleness``, else verl's default (``cost.fully_async.STALENESS_THRESHOLD``)."""
+    stated = number(row, "staleness")
+    return STALENESS_THRESHOLD if stated is None else stated
 
 
 def pauses_in_flight(row: dict) -> bool:
     """Partial rollout: the ``partial_rollout`` sync mode, or a fully-async row whose notes do not turn
     verl's ``async_training.partial_rollout`` off (True in fully_async_ppo_trainer.yaml and its
-    Megatron twin). verl applies it only at a staleness threshold above 0 (docs/advance/fully_async.md); an
-    empty one is its default (``cost.fully_async.STALENESS_THRESHOLD``)."""
+    Megatron twin). verl applies it only at a staleness threshold above 0 (docs/advance/fully_async.md)."""
     mode = text(row, "sync_mode").lower()  # as ``enum`` reads it
     if mode == "partial_rollout":
         return True
-    threshold = number(row, "staleness")
-    stale = (STALENESS_THRESHOLD if threshold is None else threshold) > 0
-    return mode == "fully_async" and stale and setting(row, "partial_rollout", "yes") == "yes"
+    return mode == "fully_async" and staleness_threshold(row) > 0 and setting(row, "partial_rollout", "yes") == "yes"
 
 
 def _split(row: dict, job: JobSpec) -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
