@@ -61,6 +61,13 @@ def read_rows(path: Path) -> list[dict]:
 Parsed = list[tuple[str, dict, PublishedRun | RowSkipped]]
 
 
+def progress(done: int, total: int, what: str) -> None:
+    """The rows priced so far, on one line of a terminal's stderr (a long CSV on the simulator takes a
+    while); nothing when stderr is a file or a pipe, so what a caller captures stays the table and the JSON."""
+    if sys.stderr.isatty():
+        print(f"\r{what}: row {done} of {total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+
 def parse_rows(rows: list[dict]) -> Parsed:
     """Each row's run id (or its position), the row, and its job and plan or why it has none."""
     out: Parsed = []
@@ -79,7 +86,9 @@ def validate(rows: list[dict], source: str, parsed: Parsed | None = None,
     published value of a modelled row below its floor (``below_floor``) is not compared; ``parsed``: the
     rows already parsed (``parse_rows``)."""
     cells, skipped, modelled, uncompared = [], [], 0, []
-    for run_id, row, run in parsed if parsed is not None else parse_rows(rows):
+    parsed = parsed if parsed is not None else parse_rows(rows)
+    for i, (run_id, row, run) in enumerate(parsed):
+        progress(i + 1, len(parsed), f"--source {source}")
         try:
             if isinstance(run, RowSkipped):  # skipped while parsing: reported as a pricing skip is
                 raise run
@@ -197,7 +206,8 @@ def same_inputs(parsed: Parsed, cells: list) -> str:
 def baselines(parsed: Parsed) -> str:
     """The verl baselines' simulated steps against the verl rows' published ones, and their mean error."""
     out, errors = ["", f"{'run':<16} {'baseline':<18} {'published':>10} {'simulated':>10} {'error':>8}"], []
-    for _, row, run in parsed:
+    for i, (_, row, run) in enumerate(parsed):
+        progress(i + 1, len(parsed), "verl baselines")
         if isinstance(run, RowSkipped):
             continue
         name = baseline_of(run, text(row, "framework"))

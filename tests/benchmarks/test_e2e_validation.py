@@ -184,3 +184,26 @@ def test_a_reader_that_stops_early_gets_no_traceback() -> None:
     proc.stdout.close()  # the reader leaves before the rest is written
     _, err = proc.communicate(timeout=120)
     assert b"Traceback" not in err, err.decode()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_goes_to_a_terminals_stderr_only(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                   monkeypatch: pytest.MonkeyPatch, terminal: bool) -> None:
+    """A long CSV shows the rows priced so far on a terminal; piped or captured, stderr stays empty and
+    stdout is the table and the JSON line alone."""
+    rows = packaged_rows()
+    path = write(tmp_path / "runs.csv", [rows["verl_oso_3"], rows["verl_wsync_1"]])
+    err = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    out = summary(capsys, "--rows", str(path))
+    assert out["rows"] == 2
+    shown = err.getvalue()
+    if terminal:
+        assert "--source cost: row 2 of 2\n" in shown and "verl baselines: row 2 of 2\n" in shown
+    else:
+        assert shown == ""
