@@ -20,7 +20,7 @@ Before the JSON line it also runs the simulator's verl baselines on verl's own p
 (``nereus.sim.published_baseline``: ``verl-like`` for a synchronous colocated row, ``verl-async-like`` for
 a one-step-off row, each choosing its own layouts for the row's job, as in every simulated comparison
 against them) and prints each step against the published one. With ``--json`` only the JSON line is
-printed.
+printed. On a terminal, stderr shows the rows priced so far.
 
 ``--explain RUN_ID`` prints instead what that row's prediction is made of (``nereus.sim.published_explain``:
 the cells read and the empty ones a rule filled, the plan, each stage's device seconds and largest cost
