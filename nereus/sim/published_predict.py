@@ -61,8 +61,8 @@ SOURCES = ("cost", "sim")
 # The truth's mean for a row is estimated over simulated clusters, each drawing its own hidden efficiencies
 # (log-normal, sigma ``sim.backend.TruthConfig.efficiency_spread`` = 0.25), GPU speeds, lengths and noise. Every
 # row uses the same seeds, so a factor's sampling error is shared by all rows: over n clusters it is about
-# 0.25/sqrt(n), 4.4% at 32 (12.5% at 4, which moved a column's mean by several points from one seed set to
-# another). One step a cluster: the steps of one cluster share its factors, so more of them add little.
+# 0.25/sqrt(n), 4.4% at 32 (12.5% at 4: the data set's reference log-prob column read 16.0% there, 21.9% at
+# 32; docs/cost-model.md). One step a cluster: its steps share its factors, so more of them add little.
 SIM_STEPS = 1  # simulated steps averaged per cluster
 SIM_SEEDS = 32  # simulated clusters averaged per row
 
