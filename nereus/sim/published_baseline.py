@@ -18,6 +18,7 @@ import numpy as np
 from nereus.control.backend import RunToEnd
 from nereus.sim.backend import SimBackend
 from nereus.sim.baselines import make_policy
+from nereus.sim.published_frameworks import VERL, named_framework
 from nereus.sim.published_predict import SIM_SEEDS, SIM_STEPS, one_point, truth_of
 from nereus.sim.published_runs import PublishedRun
 
@@ -39,7 +40,7 @@ class BaselineStep:
 def baseline_of(run: PublishedRun, framework: str) -> str | None:
     """The baseline standing for the row's system, None when none does (another framework or mode, a
     synchronous row whose rollout has GPUs of its own, no published step or a published 0)."""
-    if framework.lower() != "verl" or run.published.get("t_step_s", 0) <= 0:
+    if named_framework(framework) is not VERL or run.published.get("t_step_s", 0) <= 0:
         return None
     if run.sync_mode == "sync" and run.plan.strategy != "colocated":
         return None

@@ -42,12 +42,17 @@ SYNONYMS = {
                   "reinforce++_baseline": "reinforce_pp"},
     "critic": YES_NO,
     "reference": YES_NO,
+    "dynamic_bsz": YES_NO,
+    "enforce_eager": YES_NO,
+    "partial_rollout": YES_NO,
+    "checkpoint_engine": YES_NO,
 }
 # The ``offload`` column's other spellings (blanks removed): the parts in either order, "params", "no".
 OFFLOAD_SYNONYMS = {"params": "param", "params+optimizer": "param+optimizer", "optimizer+param": "param+optimizer",
                     "optimizer+params": "param+optimizer", "no": "none", "false": "none"}
 # Columns whose words are joined by underscores in the schema ("one_step_off"); ``offload`` joins by "+".
-UNDERSCORED = ("placement", "sync_mode", "train_backend", "algorithm", "critic", "reference")
+UNDERSCORED = ("placement", "sync_mode", "train_backend", "algorithm", "critic", "reference", "dynamic_bsz",
+               "enforce_eager", "partial_rollout", "checkpoint_engine")
 # Where ``canonical`` keeps the cells as the row wrote them, for the reasons a row is skipped.
 WRITTEN = "_as_written"
 
@@ -68,8 +73,8 @@ def canonical(row: dict) -> dict:
     return out
 
 
-# A version after an engine's name ("vLLM 0.8.5", "SGLang v0.4.6.post1"): the engine is the name before it.
-ENGINE_VERSION = re.compile(r"[\s_-]*\(?v?\d+(\.\w+)*\)?$", re.IGNORECASE)
+# A version after a name ("vLLM 0.8.5", "SGLang v0.4.6.post1", "verl v0.5"): the name is what comes before it.
+TRAILING_VERSION = re.compile(r"[\s_-]*\(?v?\d+(\.\w+)*\)?$", re.IGNORECASE)
 
 
 def squashed(name: str) -> str:
@@ -86,7 +91,7 @@ def engine_named(written: str) -> str | None:
     """The rollout engine (``spec.engines`` key) a cell names: the key or one of the engine's ``aliases``
     (how published tables name it: "TensorRT-LLM", "vLLM") in any case, with hyphens, blanks or underscores
     anywhere ("trt-llm"), or followed by a version ("vLLM 0.8.5"); None when no engine is so named."""
-    for word in (written, ENGINE_VERSION.sub("", written)):
+    for word in (written, TRAILING_VERSION.sub("", written)):
         if word.strip() and squashed(word) in ENGINE_NAMES:
             return ENGINE_NAMES[squashed(word)]
     return None

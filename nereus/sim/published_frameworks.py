@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass, replace
 
 from nereus.cost.offload import OFFLOADS
-from nereus.sim.published_cells import WRITTEN, engine_named, number, squashed, text
+from nereus.sim.published_cells import TRAILING_VERSION, WRITTEN, engine_named, enum, number, squashed, text
 from nereus.sim.recipes import Recipe, moe_recipe
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.job import JobSpec
@@ -209,8 +209,23 @@ FRAMEWORKS = {squashed(f.name): f for f in (
 )}
 
 
+def named_framework(written: str) -> FrameworkDefaults | None:
+    """The framework a ``framework`` cell names: a listed one's name in any case or spacing ('NeMo RL',
+    'nemo_rl'), or followed by a version ('verl v0.5', 'OpenRLHF 0.3.1'); None for one not listed."""
+    for word in (written, TRAILING_VERSION.sub("", written)):
+        if word.strip() and squashed(word) in FRAMEWORKS:
+            return FRAMEWORKS[squashed(word)]
+    return None
+
+
 def framework_of(row: dict) -> FrameworkDefaults:
-    return FRAMEWORKS.get(squashed(row.get("framework") or ""), VERL)
+    """The row's framework's defaults; verl's for a framework not listed."""
+    return named_framework(text(row, "framework")) or VERL
+
+
+def is_verl(row: dict) -> bool:
+    """The row names verl (in any spelling ``named_framework`` reads), not a framework priced as verl."""
+    return named_framework(text(row, "framework")) is VERL
 
 
 def update_prompts(row: dict, total: int, samples: int) -> int:
@@ -282,9 +297,8 @@ def with_reward_model(row: dict, models: dict, algorithm: str) -> dict:
 
 def dynamic_batch(row: dict) -> bool:
     """Micro-batches packed by token budget: the row's ``dynamic_bsz``, else its framework's default."""
-    stated = (row.get("dynamic_bsz") or "").strip().lower()
-    if stated in ("yes", "no"):
-        return stated == "yes"
+    if text(row, "dynamic_bsz"):
+        return enum(row, "dynamic_bsz", ("yes", "no")) == "yes"
     return framework_of(row).dynamic_batch
 
 
@@ -300,8 +314,7 @@ def verl_moe_recipe(row: dict) -> Recipe | None:
     and its PPO mini-batch, are what that script sets. None for any other row (or one whose ``params_b`` is
     not a size)."""
     params_b = stated_size_b(row)
-    verl = (row.get("framework") or "").strip().lower() == "verl"
-    if not verl or (row.get("arch") or "").strip().lower() != "moe" or params_b is None:
+    if not is_verl(row) or (row.get("arch") or "").strip().lower() != "moe" or params_b is None:
         return None
     return moe_recipe("verl", params_b, "megatron" if trains_with_megatron(row) else "fsdp")
 

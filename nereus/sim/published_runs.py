@@ -90,6 +90,7 @@ from nereus.sim.published_frameworks import (
     framework_of,
     framework_recompute,
     framework_rollout_tp,
+    is_verl,
     priced_as_framework,
     unmodelled,
     update_prompts,
@@ -170,8 +171,7 @@ def decodes_eagerly(row: dict) -> bool:
     """The rollout runs without CUDA graphs: the row's ``enforce_eager`` (column or notes), else the
     framework's default at its version (verl before ``VERL_CUDA_GRAPHS_SINCE``), else no (vLLM's default)."""
     version = framework_version(row)
-    verl = text(row, "framework").lower() == "verl"
-    old_verl = verl and version is not None and version < VERL_CUDA_GRAPHS_SINCE
+    old_verl = is_verl(row) and version is not None and version < VERL_CUDA_GRAPHS_SINCE
     recipe = verl_moe_recipe(row)
     eager = old_verl or (recipe is not None and bool(recipe.enforce_eager))
     return setting(row, "enforce_eager", "yes" if eager else "no") == "yes"

@@ -142,10 +142,36 @@ def test_another_name_of_a_value_prices_the_row_as_the_schemas_word(column: str,
 
 
 @pytest.mark.parametrize(("column", "written"), [("sync_mode", "Fully Async X"), ("offload", "param + grad"),
-                                                 ("placement", "Hybrid")])
+                                                 ("placement", "Hybrid"), ("dynamic_bsz", "maybe")])
 def test_an_unknown_word_skips_the_row_naming_the_cell_as_written(column: str, written: str) -> None:
     with pytest.raises(RowSkipped, match=re.escape(f"{column}={written!r} is not modelled")):
         published_run({**rows()["verl_oso_3"], column: written})
+
+
+@pytest.mark.parametrize(("run_id", "column", "written", "word"), [
+    ("verl_oso_1", "dynamic_bsz", "false", "no"), ("verl_oso_1", "dynamic_bsz", "TRUE", "yes"),
+    ("verl_fa_3", "enforce_eager", "true", "yes"), ("verl_fa_6", "partial_rollout", "False", "no"),
+    ("verl_fa_6", "checkpoint_engine", "TRUE", "yes")])
+def test_true_and_false_in_a_yes_no_column_are_yes_and_no(run_id: str, column: str, written: str, word: str) -> None:
+    """true/false read as yes/no in every yes/no column, dynamic batching's and the optional settings' too:
+    a ``dynamic_bsz`` of 'false' is no, not the framework's default."""
+    row = rows()[run_id]
+    assert (predict(published_run({**row, column: written}), "cost")
+            == predict(published_run({**row, column: word}), "cost"))
+
+
+@pytest.mark.parametrize(("run_id", "written", "word"), [
+    ("verl_oso_3", "verl v0.5", "verl"), ("verl_oso_3", "VERL", "verl"), ("verl_fa30_1", "verl 0.4.1", "verl"),
+    ("verl_oso_1", "verl (v0.5)", "verl"), ("openrlhf_7B", "OpenRLHF v0.3.1", "OpenRLHF"),
+    ("dschat_7B", "deepspeed chat", "DeepSpeed-Chat")])
+def test_a_framework_followed_by_its_version_is_that_framework(run_id: str, written: str, word: str) -> None:
+    """A listed framework's name in any case or spacing, or followed by a version, prices the row as its
+    name does: verl's rules by version (eager decoding before August 2025), its MoE recipes and its
+    baselines, and OpenRLHF's and DeepSpeed-Chat's own defaults."""
+    row = rows()[run_id]
+    run = published_run({**row, "framework": written})
+    assert predict(run, "cost") == predict(published_run({**row, "framework": word}), "cost")
+    assert baseline_of(run, written) == baseline_of(run, word)
 
 
 @pytest.mark.parametrize(("written", "engine"), [
