@@ -47,9 +47,11 @@ SYNONYMS = {
     "partial_rollout": YES_NO,
     "checkpoint_engine": YES_NO,
 }
-# The ``offload`` column's other spellings (blanks removed): the parts in either order, "params", "no".
+# The ``offload`` column's other spellings (blanks removed): the parts in either order, "params", "no"; "yes"
+# is offload on without its kind, which the schema writes as an empty cell (e2e_runs.md).
 OFFLOAD_SYNONYMS = {"params": "param", "params+optimizer": "param+optimizer", "optimizer+param": "param+optimizer",
-                    "optimizer+params": "param+optimizer", "no": "none", "false": "none"}
+                    "optimizer+params": "param+optimizer", "no": "none", "false": "none", "yes": "", "true": "",
+                    "on": ""}
 # Columns whose words are joined by underscores in the schema ("one_step_off"); ``offload`` joins by "+".
 UNDERSCORED = ("placement", "sync_mode", "train_backend", "algorithm", "critic", "reference", "dynamic_bsz",
                "enforce_eager", "partial_rollout", "checkpoint_engine")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
+from nereus.sim.published_cells import canonical
 from nereus.sim.published_frameworks import framework_of
 from nereus.sim.published_predict import StepTimes, driver_seconds, predicted_parts, priced
 from nereus.sim.published_runs import (
@@ -72,7 +73,7 @@ def relevant(cell: str, run: PublishedRun) -> bool:
 def header(row: dict, run: PublishedRun) -> list[str]:
     c = run.job.cluster
     source = text(row, "source").rstrip("/").rsplit("/", 1)[-1] or "no source given"
-    empty = [k for k in RULED_CELLS if not text(row, k) and relevant(k, run)]
+    empty = [k for k in RULED_CELLS if not text(canonical(row), k) and relevant(k, run)]
     algorithm = text(row, "algorithm") or run.job.algorithm.name
     return [f"{run.run_id} ({source}): {text(row, 'framework') or 'verl'} {algorithm}, {run.sync_mode}, "
             f"{run.plan.strategy}, {c.num_gpus} x {c.gpu.name} in {c.nodes} node(s) of {c.gpus_per_node}",

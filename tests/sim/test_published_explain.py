@@ -88,6 +88,12 @@ def test_the_explanation_names_the_rules_and_the_plan() -> None:
     assert "mean_response_len empty" not in explain(stated, published_run(stated), "cost")
 
 
+def test_offload_written_yes_is_named_with_the_empty_cells_its_rule_fills() -> None:
+    row = {**rows()["verl_oso_1"], "offload": "yes"}
+    filled = explain(row, published_run(row), "cost").splitlines()[2]
+    assert filled.startswith("empty cells a stated rule filled:") and "offload" in filled
+
+
 def test_a_weight_sync_row_reads_no_lengths() -> None:
     row = rows()["verl_wsync_3"]
     text = explain(row, published_run(row), "cost")

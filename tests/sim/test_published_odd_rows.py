@@ -160,6 +160,15 @@ def test_true_and_false_in_a_yes_no_column_are_yes_and_no(run_id: str, column: s
             == predict(published_run({**row, column: word}), "cost"))
 
 
+@pytest.mark.parametrize(("run_id", "written"), [("verl_oso_1", "yes"), ("verl_fa30_1", "True"), ("verl_oso_3", "on")])
+def test_offload_on_without_its_kind_is_read_as_the_schema_writes_it_empty(run_id: str, written: str) -> None:
+    """e2e_runs.md leaves ``offload`` empty when a source says offload is on without saying what: a row that
+    writes "yes" instead takes the empty cell's rules (its recipe's offload, room for its rollout)."""
+    row = rows()[run_id]
+    assert (predict(published_run({**row, "offload": written}), "cost")
+            == predict(published_run({**row, "offload": ""}), "cost"))
+
+
 @pytest.mark.parametrize(("run_id", "written", "word"), [
     ("verl_oso_3", "verl v0.5", "verl"), ("verl_oso_3", "VERL", "verl"), ("verl_fa30_1", "verl 0.4.1", "verl"),
     ("verl_oso_1", "verl (v0.5)", "verl"), ("openrlhf_7B", "OpenRLHF v0.3.1", "OpenRLHF"),
