@@ -57,20 +57,26 @@ UNDERSCORED = ("placement", "sync_mode", "train_backend", "algorithm", "critic",
                "enforce_eager", "partial_rollout", "checkpoint_engine")
 # Where ``canonical`` keeps the cells as the row wrote them, for the reasons a row is skipped.
 WRITTEN = "_as_written"
+# A cell that says its value is not stated, as tables write that ("N/A", "-"): the schema's empty cell.
+NOT_STATED = {"n/a", "na", "-", "\u2013", "\u2014", "?", "unknown", "not stated", "tbd"}
 
 
 def canonical(row: dict) -> dict:
     """The row with its enumerated cells as the schema spells them: lower case, hyphens and blanks as
-    underscores (blanks dropped around ``offload``'s "+"), and the ``SYNONYMS`` mapped. What is still not
-    a known word skips the row where the column is read, naming the cell as the row wrote it."""
+    underscores (blanks dropped around ``offload``'s "+"), and the ``SYNONYMS`` mapped; a cell that says its
+    value is not stated (``NOT_STATED``) empty. What is still not a known word skips the row where the
+    column is read, naming the cell as the row wrote it."""
     out, written = dict(row), {}
+    for key, value in row.items():
+        if key != WRITTEN and isinstance(value, str) and value.strip().lower() in NOT_STATED:
+            out[key], written[key] = "", value.strip()
     for key in UNDERSCORED:
-        if text(row, key):
-            word = re.sub(r"[\s-]+", "_", text(row, key).lower())
-            out[key], written[key] = SYNONYMS.get(key, {}).get(word, word), text(row, key)
-    if text(row, "offload"):
-        word = re.sub(r"\s+", "", text(row, "offload").lower())
-        out["offload"], written["offload"] = OFFLOAD_SYNONYMS.get(word, word), text(row, "offload")
+        if text(out, key):
+            word = re.sub(r"[\s-]+", "_", text(out, key).lower())
+            out[key], written[key] = SYNONYMS.get(key, {}).get(word, word), text(out, key)
+    if text(out, "offload"):
+        word = re.sub(r"\s+", "", text(out, "offload").lower())
+        out["offload"], written["offload"] = OFFLOAD_SYNONYMS.get(word, word), text(out, "offload")
     out[WRITTEN] = {**row.get(WRITTEN, {}), **written}
     return out
 
@@ -179,11 +185,15 @@ def layer_count(row: dict) -> int:
     return layers
 
 
+def as_written(row: dict, key: str) -> str:
+    """The cell as the row wrote it, before ``canonical`` read it: what a reason to skip the row names."""
+    return row.get(WRITTEN, {}).get(key, text(row, key))
+
+
 def enum(row: dict, key: str, choices, default: str = "") -> str:
     value = text(row, key).lower() or default
     if value not in choices:
-        as_written = row.get(WRITTEN, {}).get(key, text(row, key))
-        raise RowSkipped(f"{key}={as_written!r} is not modelled (known: {', '.join(choices)})")
+        raise RowSkipped(f"{key}={as_written(row, key)!r} is not modelled (known: {', '.join(choices)})")
     return value
 
 

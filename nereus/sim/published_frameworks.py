@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass, replace
 
 from nereus.cost.offload import OFFLOADS
-from nereus.sim.published_cells import TRAILING_VERSION, WRITTEN, engine_named, enum, number, squashed, text
+from nereus.sim.published_cells import TRAILING_VERSION, as_written, engine_named, enum, number, squashed, text
 from nereus.sim.recipes import Recipe, moe_recipe
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.job import JobSpec
@@ -362,8 +362,8 @@ def unmodelled(row: dict) -> str:
         return (f"rollout_engine={row.get('rollout_engine', '')!r} of framework {row.get('framework', '')!r} is not "
                 f"modelled (known: {', '.join(ENGINE_TRAITS)}; 'other' of DeepSpeed-Chat)")
     if offload_of(row) is None:
-        written = row.get(WRITTEN, {}).get("offload", row.get("offload", ""))
-        return f"offload={written!r} is not modelled (known: none, param, optimizer, param+optimizer)"
+        return (f"offload={as_written(row, 'offload')!r} is not modelled "
+                "(known: none, param, optimizer, param+optimizer)")
     share = memory_utilization(row)
     if share is not None and not 0 < share <= 1:
         return (f"gpu_memory_utilization={row.get('gpu_memory_utilization', '')!r} is not a share of the GPU's "

@@ -73,6 +73,7 @@ from nereus.cost.moe import decode_kernels_per_layer
 from nereus.cost.stage_tokens import padded_width
 from nereus.sim.published_cells import (
     RowSkipped,
+    as_written,
     canonical,
     count,
     enum,
@@ -172,8 +173,7 @@ def decodes_eagerly(row: dict) -> bool:
     framework's default at its version (verl before ``VERL_CUDA_GRAPHS_SINCE``), else no (vLLM's default)."""
     version = framework_version(row)
     old_verl = is_verl(row) and version is not None and version < VERL_CUDA_GRAPHS_SINCE
-    recipe = verl_moe_recipe(row)
-    eager = old_verl or (recipe is not None and bool(recipe.enforce_eager))
+    eager = old_verl or bool((recipe := verl_moe_recipe(row)) is not None and recipe.enforce_eager)
     return setting(row, "enforce_eager", "yes" if eager else "no") == "yes"
 
 
@@ -200,7 +200,7 @@ def gpu_name(row: dict) -> str:
     """The preset of the row's GPU kind and memory ('H20-96G': H20's 96 GB, 'A100-40G': A100's 40 GB one,
     'NVIDIA H100 80GB HBM3' and 'H100 SXM' the catalogue's H100); skipped where the catalogue has no such
     memory ('H100-94G') or the name holds a word of another product ('H100 PCIe')."""
-    kind, presets = text(row, "gpu"), gpu_presets()
+    kind, presets = as_written(row, "gpu"), gpu_presets()
     spaced = re.sub(r"(\d+)\s+(GB?)\b", r"\1\2", kind.upper())  # "96 GB" as "96GB"
     words = [w for w in re.split(r"[^0-9A-Z]+", spaced) if w and w not in GPU_NAME_NOISE]
     families = [w for w in words if w in presets and w != "OTHER"]

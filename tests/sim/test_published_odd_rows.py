@@ -160,6 +160,25 @@ def test_true_and_false_in_a_yes_no_column_are_yes_and_no(run_id: str, column: s
             == predict(published_run({**row, column: word}), "cost"))
 
 
+@pytest.mark.parametrize(("column", "written"), [
+    ("t_step_s", "N/A"), ("t_gen_s", "-"), ("t_update_actor_s", "\u2014"), ("mean_response_len", "n/a"),
+    ("rollout_tp", "?"), ("offload", "unknown"), ("dynamic_bsz", "TBD")])
+def test_a_cell_that_says_not_stated_is_an_empty_cell(column: str, written: str) -> None:
+    """"N/A", "-" and the like are how tables leave a value out: the row keeps its other cells and prices as
+    with the cell empty, instead of being skipped as a number or word it cannot read."""
+    row = rows()["verl_oso_3"]
+    run = published_run({**row, column: written})
+    assert column not in run.published
+    assert predict(run, "cost") == predict(published_run({**row, column: ""}), "cost")
+
+
+def test_a_required_cell_that_says_not_stated_skips_naming_it_as_written() -> None:
+    with pytest.raises(RowSkipped, match=re.escape("gpu='N/A' is not in the GPU catalogue")):
+        published_run({**rows()["verl_oso_3"], "gpu": "N/A"})
+    with pytest.raises(RowSkipped, match=re.escape("n_layers is empty (the architecture)")):
+        published_run({**rows()["verl_oso_3"], "n_layers": "-"})
+
+
 @pytest.mark.parametrize(("run_id", "written"), [("verl_oso_1", "yes"), ("verl_fa30_1", "True"), ("verl_oso_3", "on")])
 def test_offload_on_without_its_kind_is_read_as_the_schema_writes_it_empty(run_id: str, written: str) -> None:
     """e2e_runs.md leaves ``offload`` empty when a source says offload is on without saying what: a row that
