@@ -49,12 +49,12 @@ from nereus.spec.errors import InfeasibleError, SpecError
 
 def read_rows(path: Path) -> list[dict]:
     """The CSV's rows; lines starting with '#' are comments (the packaged copy's header). Column names are
-    read without surrounding blanks; bytes that are not UTF-8 read as U+FFFD (a cell they make unreadable
-    skips its row with the reason)."""
+    read without surrounding blanks and in lower case, as the schema writes every one; bytes that are not
+    UTF-8 read as U+FFFD (a cell they make unreadable skips its row with the reason)."""
     lines = path.read_text(encoding="utf-8-sig", errors="replace").splitlines()
     reader = csv.DictReader(line for line in lines if line.strip() and not line.startswith("#"))
     if reader.fieldnames is not None:
-        reader.fieldnames = [(name or "").strip() for name in reader.fieldnames]
+        reader.fieldnames = [(name or "").strip().lower() for name in reader.fieldnames]
     return list(reader)
 
 

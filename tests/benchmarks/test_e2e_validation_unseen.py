@@ -233,6 +233,16 @@ def test_odd_file_prints_its_table_baselines_and_json(tmp_path: Path, capsys: py
     assert {s["run_id"] for s in out["skipped"]} == {"kv_7", "verl_short"}
 
 
+def test_column_names_in_capitals_are_the_schemas(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rows = packaged_rows()
+    plain = write(tmp_path / "plain.csv", [{**rows["verl_oso_3"], **SMALL}])
+    header, rest = plain.read_text().split("\n", 1)
+    capitals = tmp_path / "capitals.csv"
+    capitals.write_text(header.upper().replace("RUN_ID", "Run_Id") + "\n" + rest)
+    out = summary(capsys, "--rows", str(capitals), "--json")
+    assert out["rows"] == 1 and out == summary(capsys, "--rows", str(plain), "--json")
+
+
 def test_empty_and_header_only_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for text in ("", "run_id,gpu\n"):
         path = tmp_path / "runs.csv"
