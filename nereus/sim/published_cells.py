@@ -95,14 +95,20 @@ def squashed(name: str) -> str:
 ENGINE_NAMES = {squashed(n): key for key, t in ENGINE_TRAITS.items() for n in (key, *t.aliases)}
 
 
+def named_in(written: str, names: dict):
+    """The entry of ``names`` (keyed by squashed names) a cell names: as written, or without a version
+    after the name ("vLLM 0.8.5", "verl v0.5"); None when it names none."""
+    for word in (written, TRAILING_VERSION.sub("", written)):
+        if word.strip() and squashed(word) in names:
+            return names[squashed(word)]
+    return None
+
+
 def engine_named(written: str) -> str | None:
     """The rollout engine (``spec.engines`` key) a cell names: the key or one of the engine's ``aliases``
     (how published tables name it: "TensorRT-LLM", "vLLM") in any case, with hyphens, blanks or underscores
     anywhere ("trt-llm"), or followed by a version ("vLLM 0.8.5"); None when no engine is so named."""
-    for word in (written, TRAILING_VERSION.sub("", written)):
-        if word.strip() and squashed(word) in ENGINE_NAMES:
-            return ENGINE_NAMES[squashed(word)]
-    return None
+    return named_in(written, ENGINE_NAMES)
 
 
 class RowSkipped(Exception):

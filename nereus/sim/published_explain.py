@@ -73,7 +73,8 @@ def relevant(cell: str, run: PublishedRun) -> bool:
 def header(row: dict, run: PublishedRun) -> list[str]:
     c = run.job.cluster
     source = text(row, "source").rstrip("/").rsplit("/", 1)[-1] or "no source given"
-    empty = [k for k in RULED_CELLS if not text(canonical(row), k) and relevant(k, run)]
+    read = canonical(row)  # cells written "N/A" or an offload written "yes" are read as empty
+    empty = [k for k in RULED_CELLS if not text(read, k) and relevant(k, run)]
     algorithm = text(row, "algorithm") or run.job.algorithm.name
     return [f"{run.run_id} ({source}): {text(row, 'framework') or 'verl'} {algorithm}, {run.sync_mode}, "
             f"{run.plan.strategy}, {c.num_gpus} x {c.gpu.name} in {c.nodes} node(s) of {c.gpus_per_node}",

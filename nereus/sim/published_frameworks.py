@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass, replace
 
 from nereus.cost.offload import OFFLOADS
-from nereus.sim.published_cells import TRAILING_VERSION, as_written, engine_named, enum, number, squashed, text
+from nereus.sim.published_cells import as_written, engine_named, enum, named_in, number, squashed, text
 from nereus.sim.recipes import Recipe, moe_recipe
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.job import JobSpec
@@ -212,10 +212,7 @@ FRAMEWORKS = {squashed(f.name): f for f in (
 def named_framework(written: str) -> FrameworkDefaults | None:
     """The framework a ``framework`` cell names: a listed one's name in any case or spacing ('NeMo RL',
     'nemo_rl'), or followed by a version ('verl v0.5', 'OpenRLHF 0.3.1'); None for one not listed."""
-    for word in (written, TRAILING_VERSION.sub("", written)):
-        if word.strip() and squashed(word) in FRAMEWORKS:
-            return FRAMEWORKS[squashed(word)]
-    return None
+    return named_in(written, FRAMEWORKS)
 
 
 def framework_of(row: dict) -> FrameworkDefaults:
