@@ -12,7 +12,7 @@ from __future__ import annotations
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
 from nereus.sim.published_cells import canonical
-from nereus.sim.published_frameworks import framework_of
+from nereus.sim.published_frameworks import framework_of, named_framework
 from nereus.sim.published_predict import StepTimes, driver_seconds, predicted_parts, priced
 from nereus.sim.published_runs import (
     UNSTATED_PROMPT_FRACTION,
@@ -26,9 +26,13 @@ from nereus.spec.layout import Layout
 
 # Cells a stated rule fills when a row leaves them empty (sim.published_runs' module docstring, and the
 # framework defaults of sim.published_frameworks): an explanation names the ones this row left empty.
-RULED_CELLS = ("mean_prompt_len", "mean_response_len", "samples_per_prompt", "gpus_per_node", "gen_gpus",
-               "train_gpus", "rollout_tp", "rollout_ep", "train_tp", "train_pp", "train_cp", "train_ep", "offload",
-               "dynamic_bsz", "gpu_memory_utilization", "sync_mode", "staleness")
+RULED_CELLS = ("framework", "algorithm", "critic", "reference", "n_kv_heads", "head_dim", "placement",
+               "mean_prompt_len", "mean_response_len", "samples_per_prompt", "gpus_per_node", "gen_gpus",
+               "train_gpus", "rollout_engine", "rollout_tp", "rollout_ep", "train_backend", "train_tp", "train_pp",
+               "train_cp", "train_ep", "offload", "dynamic_bsz", "gpu_memory_utilization", "sync_mode", "staleness")
+# Cells that shape the batch and the trainer's work, which a row timing the weight sync alone does not read
+BATCH_CELLS = ("algorithm", "critic", "reference", "mean_prompt_len", "mean_response_len", "samples_per_prompt",
+               "dynamic_bsz")
 TERMS_SHOWN = 4  # a stage's largest cost terms printed beside its seconds
 
 
@@ -67,7 +71,15 @@ def relevant(cell: str, run: PublishedRun) -> bool:
         return run.job.models["actor"].moe is not None
     if cell == "staleness":
         return run.sync_mode in ("fully_async", "partial_rollout")
-    return True
+    return not (cell in BATCH_CELLS and weight_sync_only(run.published))
+
+
+def framework_text(row: dict) -> str:
+    """The framework as the row names it, and whose defaults price a framework the rules do not list."""
+    written = text(row, "framework")
+    if not written:
+        return "verl (framework empty: verl's defaults)"
+    return written if named_framework(written) else f"{written} (not listed: verl's defaults)"
 
 
 def header(row: dict, run: PublishedRun) -> list[str]:
@@ -76,7 +88,7 @@ def header(row: dict, run: PublishedRun) -> list[str]:
     read = canonical(row)  # cells written "N/A" or an offload written "yes" are read as empty
     empty = [k for k in RULED_CELLS if not text(read, k) and relevant(k, run)]
     algorithm = text(row, "algorithm") or run.job.algorithm.name
-    return [f"{run.run_id} ({source}): {text(row, 'framework') or 'verl'} {algorithm}, {run.sync_mode}, "
+    return [f"{run.run_id} ({source}): {framework_text(row)} {algorithm}, {run.sync_mode}, "
             f"{run.plan.strategy}, {c.num_gpus} x {c.gpu.name} in {c.nodes} node(s) of {c.gpus_per_node}",
             f"lengths: {length_text(row, run)}",
             "empty cells a stated rule filled: " + (", ".join(empty) if empty else "none")]

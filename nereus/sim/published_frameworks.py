@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass, replace
 
 from nereus.cost.offload import OFFLOADS
-from nereus.sim.published_cells import as_written, engine_named, enum, named_in, number, squashed, text
+from nereus.sim.published_cells import as_written, engine_named, enum, named_in, number, placement, squashed, text
 from nereus.sim.recipes import Recipe, moe_recipe
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.job import JobSpec
@@ -322,7 +322,7 @@ def offload_of(row: dict) -> str | None:
     optimizer) except in verl's FSDP workers, which swap its state in for the GPU's update (``optimizer-swap``)."""
     recipe, framework = verl_moe_recipe(row), framework_of(row)
     stated = (row.get("offload") or "").strip().lower()
-    colocated = (row.get("placement") or "colocated").strip().lower() == "colocated"
+    colocated = placement(row) == "colocated"
     if not stated and recipe is None and colocated and framework.colocated_offload:
         return framework.colocated_offload
     value = stated or (recipe.offload if recipe else "none")
@@ -378,7 +378,7 @@ def memory_utilization(row: dict) -> float | None:
     recipe = verl_moe_recipe(row)
     if recipe is not None and recipe.gpu_memory_utilization:
         return recipe.gpu_memory_utilization
-    return dict(framework_of(row).memory_utilization).get(text(row, "placement").lower())
+    return dict(framework_of(row).memory_utilization).get(placement(row))
 
 
 def priced_as_framework(row: dict, job: JobSpec) -> JobSpec:

@@ -80,6 +80,7 @@ from nereus.sim.published_cells import (
     is_bound,
     layer_count,
     number,
+    placement,
     setting,
     text,
 )
@@ -113,7 +114,6 @@ STAGE_COLUMNS = ("t_gen_s", "t_old_logprob_s", "t_ref_s", "t_values_s", "t_updat
                  "t_update_critic_s", "t_weight_sync_s", "t_step_s")
 COLUMNS = (*STAGE_COLUMNS, "tok_per_s_per_gpu")
 SYNC_MODES = ("sync", "one_step_off", "fully_async", "partial_rollout")
-PLACEMENTS = ("colocated", "disaggregated")
 BACKENDS = {"fsdp": "fsdp", "fsdp2": "fsdp", "deepspeed": "fsdp", "megatron": "megatron"}
 ALGORITHMS = ("ppo", "grpo", "dapo", "reinforce_pp", "rloo", "other")
 # A mean prompt length a row does not publish, as a fraction of its cap: DAPO-Math-17k prompts in DAPO's
@@ -287,7 +287,7 @@ def job_of(row: dict, published: dict[str, float]) -> JobSpec:
                          + ("" if text(row, "gpus_per_node") else f" (empty: {GPUS_PER_NODE}, an HGX node's)"))
     per_node = nvlink_node(gpu_presets()[gpu].nvlink_domain, total, per_node)
     enum(row, "algorithm", ALGORITHMS, "other")
-    critic = enum(row, "critic", ("yes", "no"), "no") == "yes"
+    critic = enum(row, "critic", ("yes", "no"), "yes" if text(row, "algorithm") == "ppo" else "no") == "yes"
     reference = enum(row, "reference", ("yes", "no"), "no") == "yes"
     sync_mode = enum(row, "sync_mode", SYNC_MODES, "sync")
     arch = arch_dict(row)
@@ -378,7 +378,7 @@ def _split(row: dict, job: JobSpec) -> tuple[tuple[int, ...], dict[str, tuple[in
     after them; a disaggregated row without pool sizes by its framework's documented split, each model on
     a group of its own (``published_frameworks.default_pools``)."""
     total, models = job.cluster.num_gpus, job.models
-    if enum(row, "placement", PLACEMENTS, "colocated") == "colocated":
+    if placement(row) == "colocated":
         every = tuple(range(total))
         return every, dict.fromkeys(models, every)
     stated = text(row, "gen_gpus") or text(row, "train_gpus")

@@ -78,7 +78,8 @@ def test_the_explanation_names_the_rules_and_the_plan() -> None:
     row = rows()["verl_fa_6"]
     text = explain(row, published_run(row), "cost")
     assert "mean_response_len empty: 750 tokens" in text
-    assert "empty cells a stated rule filled: mean_prompt_len, mean_response_len" in text
+    filled = text.splitlines()[2].split("empty cells a stated rule filled: ")[1].split(", ")
+    assert {"mean_prompt_len", "mean_response_len", "reference"} <= set(filled)
     assert "weight sync checkpoint-engine" in text
     nemo = rows("e2e_runs_nemo_rl.csv")["nemorl_q30_32"]
     assert "at 0.6 of each GPU's memory" in explain(nemo, published_run(nemo), "cost")  # its framework's share
@@ -128,3 +129,31 @@ def test_the_simulator_source_is_explained_too() -> None:
     text = explain(row, published_run(row), "sim")
     assert "device seconds (simulator truth; terms: the cost model's)" in text
     assert "the rollout worker's own generate_sequences timer" in text  # a one-step-off row's t_gen_s
+
+
+@pytest.mark.parametrize(("written", "shown"), [("", "verl (framework empty: verl's defaults)"),
+                                                ("slime", "slime (not listed: verl's defaults)"),
+                                                ("verl v0.5", "verl v0.5 dapo")])
+def test_a_framework_the_rules_do_not_list_is_named_as_priced_with_verls_defaults(written: str, shown: str) -> None:
+    row = {**rows()["verl_fa_3"], "framework": written}
+    header = explain(row, published_run(row), "cost").splitlines()[0]
+    assert shown in header
+    filled = explain(row, published_run(row), "cost").splitlines()[2]
+    assert ("framework" in filled.split(": ", 1)[1].split(", ")) == (written == "")
+
+
+@pytest.mark.parametrize("cell", ["algorithm", "critic", "placement", "rollout_engine", "train_backend",
+                                  "n_kv_heads", "head_dim"])
+def test_every_empty_cell_a_rule_fills_is_named(cell: str) -> None:
+    """Leaving one of these empty prices the row by a stated rule (verl's defaults, the pools, a Hugging Face
+    config's): the explanation says so rather than guessing silently."""
+    row = {**rows()["verl_oso_4"], cell: ""}
+    filled = explain(row, published_run(row), "cost").splitlines()[2]
+    assert cell in filled.split(": ", 1)[1].split(", ")
+
+
+def test_a_weight_sync_row_names_no_batch_cells_among_those_filled() -> None:
+    row = rows()["verl_wsync_7"]
+    filled = explain(row, published_run(row), "cost").splitlines()[2].split(": ", 1)[1].split(", ")
+    assert "rollout_engine" in filled and "sync_mode" in filled
+    assert not {"algorithm", "critic", "mean_prompt_len", "mean_response_len", "dynamic_bsz"} & set(filled)

@@ -248,3 +248,26 @@ def test_a_mean_longer_than_its_cap_skips_the_row_naming_both(column: str, writt
     row = rows()["verl_fa_3"]
     with pytest.raises(RowSkipped, match=re.escape(f"{column} {written} exceeds {cap} {row[cap]}")):
         published_run({**row, column: written})
+
+
+@pytest.mark.parametrize(("run_id", "placement"), [("verl_oso_4", "disaggregated"), ("verl_fa_7", "disaggregated"),
+                                                   ("verl_fa_3", "colocated"), ("verl_oso_1", "colocated")])
+def test_an_empty_placement_is_read_from_the_pools_the_row_states(run_id: str, placement: str) -> None:
+    """A rollout pool and a trainer pool each smaller than the run (verl_oso_4's 4 + 12 of 16 GPUs) are
+    separate GPUs: the row is priced as disaggregated, not every model on every GPU; no pool, or pools of
+    every GPU, is colocated."""
+    row = rows()[run_id]
+    run = published_run({**row, "placement": ""})
+    assert run.plan.strategy == placement == row["placement"]
+    assert predict(run, "cost") == predict(published_run(row), "cost")
+
+
+@pytest.mark.parametrize("run_id", ["openrlhf_7B", "dschat_13B"])
+def test_ppo_with_an_empty_critic_runs_its_critic(run_id: str) -> None:
+    """PPO's advantages come from a value model (GAE): an empty ``critic`` on a PPO row is yes, not a
+    critic-free GRPO step."""
+    row = rows()[run_id]
+    run = published_run({**row, "critic": ""})
+    assert "critic" in run.job.models
+    assert predict(run, "cost") == predict(published_run(row), "cost")
+    assert "critic" not in published_run({**row, "critic": "", "algorithm": "grpo"}).job.models
