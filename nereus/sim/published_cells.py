@@ -131,9 +131,11 @@ def is_bound(row: dict, key: str) -> bool:
 
 
 # A unit after a number that is the column's own (e2e_runs.md): seconds after a time, tokens after a length,
-# GPUs after a count of them ("365.28 s", "8192 tokens", "64 GPUs").
+# GPUs after a count of them, B after a count of parameters in billions ("365.28 s", "8192 tokens", "64 GPUs",
+# "7.6B").
 UNIT_WORDS = (("_s", ("s", "sec", "secs", "second", "seconds")), ("_len", ("token", "tokens", "tok")),
-              ("gpus", ("gpu", "gpus")), ("gpus_total", ("gpu", "gpus")), ("gpus_per_node", ("gpu", "gpus")))
+              ("gpus", ("gpu", "gpus")), ("gpus_total", ("gpu", "gpus")), ("gpus_per_node", ("gpu", "gpus")),
+              ("params_b", ("b",)))
 # A length cap written in thousands ("28K"): RL configs give caps in multiples of 1,024 (verl's scripts'
 # ``max_response_length=$((1024 * 28))``, which its fully-async doc writes "28K tokens", 28,672 in this data
 # set), so K is 1,024 there and a cap's K is read so; elsewhere a K is not read.

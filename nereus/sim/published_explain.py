@@ -26,10 +26,11 @@ from nereus.spec.layout import Layout
 
 # Cells a stated rule fills when a row leaves them empty (sim.published_runs' module docstring, and the
 # framework defaults of sim.published_frameworks): an explanation names the ones this row left empty.
-RULED_CELLS = ("framework", "algorithm", "critic", "reference", "n_kv_heads", "head_dim", "placement",
-               "mean_prompt_len", "mean_response_len", "samples_per_prompt", "gpus_per_node", "gen_gpus",
-               "train_gpus", "rollout_engine", "rollout_tp", "rollout_ep", "train_backend", "train_tp", "train_pp",
-               "train_cp", "train_ep", "offload", "dynamic_bsz", "gpu_memory_utilization", "sync_mode", "staleness")
+RULED_CELLS = ("framework", "algorithm", "critic", "reference", "arch", "params_b", "n_kv_heads", "head_dim",
+               "shared_experts", "placement", "mean_prompt_len", "mean_response_len", "samples_per_prompt",
+               "gpus_per_node", "gen_gpus", "train_gpus", "rollout_engine", "rollout_tp", "rollout_ep",
+               "train_backend", "train_tp", "train_pp", "train_cp", "train_ep", "offload", "dynamic_bsz",
+               "gpu_memory_utilization", "sync_mode", "staleness")
 # Cells that shape the batch and the trainer's work, which a row timing the weight sync alone does not read
 BATCH_CELLS = ("algorithm", "critic", "reference", "mean_prompt_len", "mean_response_len", "samples_per_prompt",
                "dynamic_bsz")
@@ -67,7 +68,7 @@ def length_text(row: dict, run: PublishedRun) -> str:
 
 def relevant(cell: str, run: PublishedRun) -> bool:
     """The cell bears on the run: expert parallelism on an MoE model, the staleness on a streaming one."""
-    if cell in ("rollout_ep", "train_ep"):
+    if cell in ("rollout_ep", "train_ep", "shared_experts"):
         return run.job.models["actor"].moe is not None
     if cell == "staleness":
         return run.sync_mode in ("fully_async", "partial_rollout")

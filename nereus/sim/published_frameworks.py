@@ -61,6 +61,7 @@ import math
 from dataclasses import dataclass, replace
 
 from nereus.cost.offload import OFFLOADS
+from nereus.sim.published_arch import is_moe, model_size_b
 from nereus.sim.published_cells import as_written, engine_named, enum, named_in, number, placement, squashed, text
 from nereus.sim.recipes import Recipe, moe_recipe
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
@@ -242,15 +243,6 @@ def update_prompts(row: dict, total: int, samples: int) -> int:
     return max(prompts, -(-ranks // max(1, samples)))
 
 
-def stated_size_b(row: dict) -> float | None:
-    """The row's ``params_b`` (billions of parameters), None where it is not a positive number."""
-    try:
-        params_b = float((row.get("params_b") or "").strip())
-    except ValueError:
-        return None
-    return params_b if math.isfinite(params_b) and params_b > 0 else None
-
-
 def train_backend(row: dict) -> str:
     """The row's ``train_backend`` as written, lower-case ("" when empty)."""
     return text(row, "train_backend").lower()
@@ -268,7 +260,7 @@ def nearest_size(table: tuple[tuple[float, int], ...], params_b: float) -> int:
 def framework_recompute(row: dict) -> str:
     """The training's activation recompute the row's framework runs for a model of its size ("" where it
     publishes none: the backend's default)."""
-    table, params_b = framework_of(row).recompute, stated_size_b(row)
+    table, params_b = framework_of(row).recompute, model_size_b(row)
     if not table or params_b is None:
         return ""
     return min(table, key=lambda pair: abs(math.log(pair[0] / params_b)))[1]
@@ -310,8 +302,8 @@ def verl_moe_recipe(row: dict) -> Recipe | None:
     (``sim.recipes``): what the row leaves empty of its rollout (TP, ``enforce_eager``) and of its offload,
     and its PPO mini-batch, are what that script sets. None for any other row (or one whose ``params_b`` is
     not a size)."""
-    params_b = stated_size_b(row)
-    if not is_verl(row) or (row.get("arch") or "").strip().lower() != "moe" or params_b is None:
+    params_b = model_size_b(row)
+    if not is_verl(row) or not is_moe(row) or params_b is None:
         return None
     return moe_recipe("verl", params_b, "megatron" if trains_with_megatron(row) else "fsdp")
 
@@ -339,7 +331,7 @@ def framework_rollout_tp(row: dict, weight_bytes: float, gpu_bytes: float, gpus:
     model size where it lists them, else its default, doubled while the gathered weights would take more than
     half a GPU (the rest holds the trainer's shards and the caches) and the doubled degree still divides the
     rollout's GPUs and the heads."""
-    framework, params_b = framework_of(row), stated_size_b(row)
+    framework, params_b = framework_of(row), model_size_b(row)
     if framework.script_rollout_tp and params_b is not None:
         return nearest_size(framework.script_rollout_tp, params_b)
     tp = framework.rollout_tp

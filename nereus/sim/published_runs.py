@@ -49,7 +49,7 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
   also pays the host's eager dispatch (``cost.eager``) in the engine's fixed step cost (the cluster prior
   ``decode_step_overhead_s``).
 - an MoE row (``arch`` moe): its experts from ``n_experts``, ``experts_per_token``, ``moe_ffn_hidden`` and
-  ``shared_experts`` (``moe_arch_dict``; dense layers from ``params_b`` when ``ffn_hidden`` is given), its
+  ``shared_experts`` (``sim.published_arch``; dense layers from ``params_b`` when ``ffn_hidden`` is given), its
   EP from ``train_ep`` / ``rollout_ep`` (``expert_parallel``). Attention is what the columns say: MLA
   (DeepSeek-V3) is priced as multi-head attention with the row's kv heads of hidden / n_heads, which
   overstates its KV cache; Qwen3's q/k norms are left out (2 x head_dim parameters a layer).
@@ -71,6 +71,7 @@ from nereus.cost.fully_async import STALENESS_THRESHOLD
 from nereus.cost.hardware import Priors
 from nereus.cost.moe import decode_kernels_per_layer
 from nereus.cost.stage_tokens import padded_width
+from nereus.sim.published_arch import arch_dict
 from nereus.sim.published_cells import (
     RowSkipped,
     as_written,
@@ -78,7 +79,6 @@ from nereus.sim.published_cells import (
     count,
     enum,
     is_bound,
-    layer_count,
     number,
     placement,
     setting,
@@ -105,8 +105,6 @@ from nereus.spec.cluster import gpu_presets, nvlink_node
 from nereus.spec.errors import SpecError
 from nereus.spec.job import JobSpec, job_from_dict
 from nereus.spec.layout import Layout, ModelStage, Placement, Plan
-from nereus.spec.model import ModelArch
-from nereus.spec.moe import MoESpec
 from nereus.spec.parallel_dims import layer_problem, tp_splits
 
 # Published per-step values a row may carry, in table order (``e2e_runs.md``).
@@ -212,49 +210,6 @@ def gpu_name(row: dict) -> str:
     if sizes and f"{family}-{sizes[0]}GB" not in presets:
         raise RowSkipped(f"gpu={kind!r}: the catalogue's {family} is {presets[family].name} (nereus/spec/hardware.csv)")
     return f"{family}-{sizes[0]}GB" if sizes else family
-
-
-def arch_dict(row: dict) -> dict:
-    """The ``models`` entry of the row's architecture columns; an MoE row's (``arch`` moe) with its experts."""
-    moe = enum(row, "arch", ("dense", "moe"), "dense") == "moe"
-    need = "the architecture"
-    heads = count(row, "n_heads", need)
-    hidden = count(row, "hidden", need)
-    head_dim = count(row, "head_dim")  # as written where it differs from hidden / heads (Qwen3-4B, -32B)
-    out = {"layers": layer_count(row), "hidden": hidden, "heads": heads,
-           "kv_heads": count(row, "n_kv_heads") or heads, "vocab": count(row, "vocab", need),
-           **({"head_dim": head_dim} if head_dim is not None else {})}
-    if not moe:
-        return {**out, "ffn_hidden": count(row, "ffn_hidden", need)}
-    return moe_arch_dict(row, out)
-
-
-def moe_arch_dict(row: dict, attention: dict) -> dict:
-    """An MoE row's architecture: ``n_experts`` routed experts of ``moe_ffn_hidden``, ``experts_per_token``
-    of them a token, ``shared_experts`` of that width every token passes through. ``ffn_hidden`` empty: every
-    layer is sparse. ``ffn_hidden`` given: the first layers are dense (DeepSeek's ``first_k_dense_replace``),
-    as many as make the model's parameters nearest ``params_b`` (the schema has no dense-layer count)."""
-    need = "an MoE row's experts"
-    experts, width = count(row, "n_experts", need), count(row, "moe_ffn_hidden", need)
-    top_k = count(row, "experts_per_token", need)
-    if top_k > experts:
-        raise RowSkipped(f"experts_per_token {top_k} exceeds n_experts {experts}")
-    shared = int(number(row, "shared_experts") or 0)
-    moe = {"experts": experts, "top_k": top_k, "expert_ffn_hidden": width,
-           **({"shared_expert_ffn_hidden": shared * width} if shared else {})}
-    dense_ffn = count(row, "ffn_hidden")
-    if dense_ffn is None:
-        return {**attention, "ffn_hidden": width, "moe": moe}
-    layers = attention["layers"]
-    total = number(row, "params_b")
-    if total is None:
-        raise RowSkipped("ffn_hidden is given (some layers dense) but params_b is empty (how many are dense)")
-    sizes = [ModelArch(**{**attention, "ffn_hidden": dense_ffn},
-                       moe=MoESpec(experts, top_k, width, shared_expert_ffn_hidden=shared * width,
-                                   dense_layers=tuple(range(k)))).params() for k in (0, 1)]
-    dense = round((total * 1e9 - sizes[0]) / (sizes[1] - sizes[0])) if sizes[1] != sizes[0] else 0
-    dense = min(max(dense, 0), layers - 1)
-    return {**attention, "ffn_hidden": dense_ffn, "moe": {**moe, "dense_layers": list(range(dense))}}
 
 
 def mean_length(row: dict, which: str) -> tuple[int, int]:

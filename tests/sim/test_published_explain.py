@@ -143,7 +143,7 @@ def test_a_framework_the_rules_do_not_list_is_named_as_priced_with_verls_default
 
 
 @pytest.mark.parametrize("cell", ["algorithm", "critic", "placement", "rollout_engine", "train_backend",
-                                  "n_kv_heads", "head_dim"])
+                                  "n_kv_heads", "head_dim", "arch", "params_b"])
 def test_every_empty_cell_a_rule_fills_is_named(cell: str) -> None:
     """Leaving one of these empty prices the row by a stated rule (verl's defaults, the pools, a Hugging Face
     config's): the explanation says so rather than guessing silently."""

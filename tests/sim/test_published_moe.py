@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from nereus.sim.published_runs import RowSkipped, moe_arch_dict, published_run
+from nereus.sim.published_arch import moe_arch_dict
+from nereus.sim.published_runs import RowSkipped, published_run
 from nereus.spec.model import PRESETS
 from tests.helpers import published_rows as rows
 

@@ -271,3 +271,32 @@ def test_ppo_with_an_empty_critic_runs_its_critic(run_id: str) -> None:
     assert "critic" in run.job.models
     assert predict(run, "cost") == predict(published_run(row), "cost")
     assert "critic" not in published_run({**row, "critic": "", "algorithm": "grpo"}).job.models
+
+
+def test_an_empty_arch_with_routed_experts_is_moe() -> None:
+    """The experts a row states make it an MoE model: an empty ``arch`` had read as dense and skipped the row
+    for its empty dense ``ffn_hidden``."""
+    row = rows()["verl_fa30_2"]
+    run = published_run({**row, "arch": ""})
+    assert run.job.models["actor"].moe is not None
+    assert predict(run, "cost") == predict(published_run(row), "cost")
+    assert published_run({**rows()["verl_oso_2"], "arch": ""}).job.models["actor"].moe is None
+
+
+@pytest.mark.parametrize("run_id", ["openrlhf_13B", "verl_fa30_1", "verl_dsv3_1"])
+def test_an_empty_params_b_is_the_architectures_count(run_id: str) -> None:
+    """The rules that go by a model's size (OpenRLHF's rollout TP by script, verl's MoE recipe of the
+    nearest size) read the architecture's own count where ``params_b`` is empty: the row is priced as with
+    its published size, not without those rules."""
+    row = rows()[run_id]
+    if row["ffn_hidden"] and row["arch"] == "moe":  # dense layers counted from params_b: it must be stated
+        with pytest.raises(RowSkipped, match="params_b is empty"):
+            published_run({**row, "params_b": ""})
+        return
+    assert predict(published_run({**row, "params_b": ""}), "cost") == predict(published_run(row), "cost")
+
+
+def test_params_b_with_its_unit_is_the_number() -> None:
+    row = rows()["verl_fa30_1"]
+    assert predict(published_run({**row, "params_b": f"{row['params_b']}B"}), "cost") == \
+        predict(published_run(row), "cost")
