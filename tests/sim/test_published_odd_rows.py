@@ -300,3 +300,11 @@ def test_params_b_with_its_unit_is_the_number() -> None:
     row = rows()["verl_fa30_1"]
     assert predict(published_run({**row, "params_b": f"{row['params_b']}B"}), "cost") == \
         predict(published_run(row), "cost")
+
+
+@pytest.mark.parametrize(("column", "why"), [("max_prompt_len", "batches are padded to it"),
+                                             ("max_response_len", "the longest response sets the rollout's tail")])
+def test_a_cap_left_empty_beside_its_mean_skips_with_its_own_reason(column: str, why: str) -> None:
+    row = {**rows()["verl_oso_2"], "mean_prompt_len": "300", "mean_response_len": "2000", column: ""}
+    with pytest.raises(RowSkipped, match=rf"^{column} is empty \({why}\)$"):
+        published_run(row)
