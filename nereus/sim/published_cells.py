@@ -47,11 +47,15 @@ SYNONYMS = {
     "partial_rollout": YES_NO,
     "checkpoint_engine": YES_NO,
 }
-# The ``offload`` column's other spellings (blanks removed): the parts in either order, "params", "no"; "yes"
-# is offload on without its kind, which the schema writes as an empty cell (e2e_runs.md).
-OFFLOAD_SYNONYMS = {"params": "param", "params+optimizer": "param+optimizer", "optimizer+param": "param+optimizer",
-                    "optimizer+params": "param+optimizer", "no": "none", "false": "none", "yes": "", "true": "",
-                    "on": ""}
+# The ``offload`` column's other spellings: "no" as none; "yes" is offload on without its kind, which the
+# schema writes as an empty cell (e2e_runs.md). Otherwise its parts, in either order, joined by "+", ",",
+# "&", "/" or "and", each named as configs and papers name it (verl's ``param_offload`` /
+# ``optimizer_offload``, "optimizer states", "weights").
+OFFLOAD_SYNONYMS = {"no": "none", "false": "none", "off": "none", "yes": "", "true": "", "on": ""}
+OFFLOAD_PARTS = {"param": "param", "params": "param", "parameter": "param", "parameters": "param",
+                 "weights": "param", "param_offload": "param", "optimizer": "optimizer", "optim": "optimizer",
+                 "optimizer_state": "optimizer", "optimizer_states": "optimizer", "optimizer_offload": "optimizer"}
+OFFLOAD_JOINS = r"\s*(?:\+|,|&|/|\band\b)\s*"
 # Columns whose words are joined by underscores in the schema ("one_step_off"); ``offload`` joins by "+".
 UNDERSCORED = ("placement", "sync_mode", "train_backend", "algorithm", "critic", "reference", "dynamic_bsz",
                "enforce_eager", "partial_rollout", "checkpoint_engine")
@@ -75,10 +79,23 @@ def canonical(row: dict) -> dict:
             word = re.sub(r"[\s-]+", "_", text(out, key).lower())
             out[key], written[key] = SYNONYMS.get(key, {}).get(word, word), text(out, key)
     if text(out, "offload"):
-        word = re.sub(r"\s+", "", text(out, "offload").lower())
-        out["offload"], written["offload"] = OFFLOAD_SYNONYMS.get(word, word), text(out, "offload")
+        out["offload"], written["offload"] = offload_word(text(out, "offload")), text(out, "offload")
     out[WRITTEN] = {**row.get(WRITTEN, {}), **written}
     return out
+
+
+def offload_word(written: str) -> str:
+    """An ``offload`` cell as the schema spells it (``OFFLOAD_SYNONYMS``, ``OFFLOAD_PARTS``): "param",
+    "optimizer" or "param+optimizer", "none", empty for offload on without its kind; a cell with a part that
+    is not one of those is kept as written, lower case, and skips the row where it is read."""
+    word = written.strip().lower()
+    if word in OFFLOAD_SYNONYMS or word == "none":
+        return OFFLOAD_SYNONYMS.get(word, word)
+    parts = [re.sub(r"\s+", "_", part) for part in re.split(OFFLOAD_JOINS, word)]
+    if not all(part in OFFLOAD_PARTS for part in parts):
+        return word
+    kinds = {OFFLOAD_PARTS[part] for part in parts}
+    return "+".join(k for k in ("param", "optimizer") if k in kinds)
 
 
 # A version after a name ("vLLM 0.8.5", "SGLang v0.4.6.post1", "verl v0.5"): the name is what comes before it.

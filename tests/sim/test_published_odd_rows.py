@@ -134,7 +134,9 @@ def test_a_cell_spelled_otherwise_is_read_as_the_schemas_word(run_id: str, colum
     ("train_backend", "torch FSDP", "fsdp"), ("train_backend", "FSDP1", "fsdp"),
     ("train_backend", "ZeRO-3", "deepspeed"),
     ("algorithm", "REINFORCE++-baseline", "reinforce_pp"), ("algorithm", "Dr-GRPO", "grpo"),
-    ("offload", "params", "param")])
+    ("offload", "params", "param"), ("offload", "param, optimizer", "param+optimizer"),
+    ("offload", "Parameters & Optimizer States", "param+optimizer"), ("offload", "params and optim", "param+optimizer"),
+    ("offload", "optimizer/param", "param+optimizer"), ("offload", "weights", "param"), ("offload", "off", "none")])
 def test_another_name_of_a_value_prices_the_row_as_the_schemas_word(column: str, written: str, word: str) -> None:
     row = rows()["verl_oso_1"]
     assert (predict(published_run({**row, column: written}), "cost")
