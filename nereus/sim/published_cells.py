@@ -21,7 +21,9 @@ NOTE_SETTING = r"\b{key}\s*=\s*(true|false|yes|no)\b"
 
 
 # Spellings of an enumerated column's value that mean one of the schema's values (e2e_runs.md), after case,
-# blanks and hyphens are set aside: verl's own word for a placement ("colocate"), the words papers use for a
+# blanks and hyphens are set aside: verl's own words for a placement ("colocate"; "standalone", its rollout
+# mode on GPUs of its own, verl/workers/rollout/replica.py ``RolloutMode``) and its recipes' names for a mode
+# ("one_step_off_policy", "fully_async_policy", verl/experimental), the words papers use for a
 # placement or mode ("co-located", "decoupled", "on-policy", "1-step-off"), Megatron's and PyTorch FSDP's
 # other names (NeMo RL's "DTensor" backend is FSDP2's ``fully_shard`` over DTensors), DeepSpeed named by its
 # ZeRO-3 stage, yes/no as true/false, and algorithms that run another's stages with a different loss: GSPO
@@ -31,9 +33,10 @@ YES_NO = {"true": "yes", "false": "no", "y": "yes", "n": "no"}
 SYNONYMS = {
     "placement": {"colocate": "colocated", "hybrid_engine": "colocated", "co_located": "colocated",
                   "separate": "disaggregated", "separated": "disaggregated", "disaggregate": "disaggregated",
-                  "disagg": "disaggregated", "decoupled": "disaggregated"},
+                  "disagg": "disaggregated", "decoupled": "disaggregated", "standalone": "disaggregated"},
     "sync_mode": {"on_policy": "sync", "synchronous": "sync", "1_step_off": "one_step_off",
-                  "one_step_off_async": "one_step_off", "fully_asynchronous": "fully_async"},
+                  "one_step_off_async": "one_step_off", "one_step_off_policy": "one_step_off",
+                  "fully_asynchronous": "fully_async", "fully_async_policy": "fully_async"},
     "train_backend": {"megatron_core": "megatron", "mcore": "megatron", "megatron_lm": "megatron",
                       "fsdp1": "fsdp", "torch_fsdp": "fsdp", "pytorch_fsdp": "fsdp", "dtensor": "fsdp2",
                       "deepspeed_zero3": "deepspeed", "deepspeed_zero_3": "deepspeed", "zero3": "deepspeed",

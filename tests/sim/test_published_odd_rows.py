@@ -118,7 +118,8 @@ def test_a_gpu_named_as_datasheets_name_it_is_its_preset(gpu: str, preset: str |
     ("verl_oso_3", "sync_mode", "on-policy"), ("verl_oso_3", "train_backend", "Megatron-Core"),
     ("verl_oso_3", "algorithm", "GSPO"), ("verl_oso_1", "offload", "param + optimizer"),
     ("verl_oso_3", "placement", "co-located"), ("verl_oso_2", "placement", "decoupled"),
-    ("verl_oso_1", "train_backend", "DTensor"),
+    ("verl_oso_1", "train_backend", "DTensor"), ("verl_oso_2", "placement", "standalone"),
+    ("verl_oso_2", "sync_mode", "one_step_off_policy"), ("verl_fa_6", "sync_mode", "fully-async-policy"),
     ("dschat_7B", "train_backend", "DeepSpeed ZeRO-3"), ("verl_oso_3", "algorithm", "Dr. GRPO"),
     ("verl_oso_1", "offload", "optimizer + params"), ("verl_oso_4", "offload", "no"),
     ("openrlhf_7B", "critic", "TRUE"), ("verl_oso_3", "reference", "false")])
