@@ -160,16 +160,20 @@ UNIT_WORDS = (("_s", ("s", "sec", "secs", "second", "seconds")), ("_len", ("toke
 # ``max_response_length=$((1024 * 28))``, which its fully-async doc writes "28K tokens", 28,672 in this data
 # set), so K is 1,024 there and a cap's K is read so; elsewhere a K is not read.
 CAP_COLUMNS = ("max_prompt_len", "max_response_len")
+# Columns holding a share of a whole, which tables also write in percent ("50%": 0.5).
+SHARE_COLUMNS = ("staleness", "gpu_memory_utilization")
 
 
 def _without_unit(key: str, value: str) -> tuple[str, float]:
-    """The cell's number text without the column's unit word, and the multiplier its K stands for."""
+    """The cell's number text without the column's unit word, and the multiplier its K or % stands for."""
     words = next((w for end, w in UNIT_WORDS if key.endswith(end)), ())
-    unit = re.match(r"^(.*?\d)\s*([a-z]+)$", value, re.IGNORECASE)
+    unit = re.match(r"^(.*?[\dkK])\s*([a-z]+)$", value, re.IGNORECASE)  # "8K tokens": a cap's K, then its unit
     if unit and unit.group(2).lower() in words:
         value = unit.group(1)
     if key in CAP_COLUMNS and re.fullmatch(r"\d+\s*[kK]", value):
         return value[:-1].strip(), 1024.0
+    if key in SHARE_COLUMNS and value.endswith("%"):
+        return value[:-1].strip(), 0.01
     return value, 1.0
 
 

@@ -228,7 +228,8 @@ def test_an_engine_nereus_does_not_declare_skips_the_row_naming_it(written: str)
     ("t_step_s", "365.28 s", "365.28"), ("t_gen_s", "150.72 seconds", "150.72"), ("gpus_total", "64 GPUs", "64"),
     ("gpus_per_node", "8 gpus", "8"), ("max_response_len", "28672 tokens", "28672"),
     ("max_response_len", "28K", "28672"), ("max_prompt_len", "2k", "2048"),
-    ("mean_response_len", "1,200 tokens", "1200")])
+    ("mean_response_len", "1,200 tokens", "1200"), ("max_response_len", "28K tokens", "28672"),
+    ("gpu_memory_utilization", "70%", "0.7")])
 def test_a_number_with_its_columns_unit_or_a_caps_k_is_read_as_the_number(column: str, written: str,
                                                                          plain: str) -> None:
     """A unit that is the column's own is read past, and a length cap's K is 1,024 (RL configs' caps are
@@ -238,8 +239,14 @@ def test_a_number_with_its_columns_unit_or_a_caps_k_is_read_as_the_number(column
             == predict(published_run({**row, column: plain}), "cost"))
 
 
+def test_a_staleness_in_percent_is_its_share() -> None:
+    row = rows()["verl_fa_6"]
+    assert published_run({**row, "staleness": "50%"}).staleness == 0.5 == float(row["staleness"])
+
+
 @pytest.mark.parametrize(("column", "written"), [("mean_response_len", "1.2k"), ("max_response_len", "2.5K"),
-                                                 ("prompts_per_step", "512 s"), ("t_step_s", "365 ms")])
+                                                 ("prompts_per_step", "512 s"), ("t_step_s", "365 ms"),
+                                                 ("t_gen_s", "5%")])
 def test_another_unit_or_a_k_outside_a_cap_skips_the_row(column: str, written: str) -> None:
     with pytest.raises(RowSkipped, match=re.escape(f"{column}={written!r} is not a number")):
         published_run({**rows()["verl_fa_3"], column: written})
