@@ -222,19 +222,6 @@ def as_written(row: dict, key: str) -> str:
     return row.get(WRITTEN, {}).get(key, text(row, key))
 
 
-PLACEMENTS = ("colocated", "disaggregated")
-
-
-def placement(row: dict) -> str:
-    """The row's ``placement``; empty: disaggregated where it states a GPU pool (``gen_gpus`` or
-    ``train_gpus``) smaller than ``gpus_total`` (the rollout and the trainer on separate GPUs), else colocated."""
-    if text(row, "placement"):
-        return enum(row, "placement", PLACEMENTS)
-    total = count(row, "gpus_total", "the GPU count")
-    pools = (count(row, "gen_gpus"), count(row, "train_gpus"))
-    return "disaggregated" if any(pool is not None and pool < total for pool in pools) else "colocated"
-
-
 def enum(row: dict, key: str, choices, default: str = "") -> str:
     value = text(row, key).lower() or default
     if value not in choices:

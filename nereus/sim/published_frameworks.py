@@ -62,7 +62,7 @@ from dataclasses import dataclass, replace
 
 from nereus.cost.offload import OFFLOADS
 from nereus.sim.published_arch import is_moe, model_size_b
-from nereus.sim.published_cells import as_written, engine_named, enum, named_in, number, placement, squashed, text
+from nereus.sim.published_cells import as_written, count, engine_named, enum, named_in, number, squashed, text
 from nereus.sim.recipes import Recipe, moe_recipe
 from nereus.spec.engines import ENGINE_TRAITS, PRICING_ENGINE
 from nereus.spec.job import JobSpec
@@ -219,6 +219,21 @@ def named_framework(written: str) -> FrameworkDefaults | None:
 def framework_of(row: dict) -> FrameworkDefaults:
     """The row's framework's defaults; verl's for a framework not listed."""
     return named_framework(text(row, "framework")) or VERL
+
+
+PLACEMENTS = ("colocated", "disaggregated")
+
+
+def placement(row: dict) -> str:
+    """The row's ``placement``; empty: disaggregated where it states a GPU pool (``gen_gpus`` or
+    ``train_gpus``) smaller than ``gpus_total`` (the rollout and the trainer on separate GPUs) or where its
+    framework puts each model on GPUs of its own (OpenRLHF: ``FrameworkDefaults.pools``), else colocated."""
+    if text(row, "placement"):
+        return enum(row, "placement", PLACEMENTS)
+    total = count(row, "gpus_total", "the GPU count")
+    pools = (count(row, "gen_gpus"), count(row, "train_gpus"))
+    split = any(pool is not None and pool < total for pool in pools) or bool(framework_of(row).pools)
+    return "disaggregated" if split else "colocated"
 
 
 def is_verl(row: dict) -> bool:

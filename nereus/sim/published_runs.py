@@ -80,7 +80,6 @@ from nereus.sim.published_cells import (
     enum,
     is_bound,
     number,
-    placement,
     setting,
     text,
 )
@@ -93,6 +92,7 @@ from nereus.sim.published_frameworks import (
     framework_recompute,
     framework_rollout_tp,
     is_verl,
+    placement,
     priced_as_framework,
     unmodelled,
     update_prompts,

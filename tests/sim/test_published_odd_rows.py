@@ -261,11 +261,12 @@ def test_a_mean_longer_than_its_cap_skips_the_row_naming_both(column: str, writt
 
 
 @pytest.mark.parametrize(("run_id", "placement"), [("verl_oso_4", "disaggregated"), ("verl_fa_7", "disaggregated"),
-                                                   ("verl_fa_3", "colocated"), ("verl_oso_1", "colocated")])
+                                                   ("verl_fa_3", "colocated"), ("verl_oso_1", "colocated"),
+                                                   ("openrlhf_70B", "disaggregated"), ("dschat_13B", "colocated")])
 def test_an_empty_placement_is_read_from_the_pools_the_row_states(run_id: str, placement: str) -> None:
     """A rollout pool and a trainer pool each smaller than the run (verl_oso_4's 4 + 12 of 16 GPUs) are
-    separate GPUs: the row is priced as disaggregated, not every model on every GPU; no pool, or pools of
-    every GPU, is colocated."""
+    separate GPUs: the row is priced as disaggregated, not every model on every GPU; so is a row of a
+    framework that puts each model on GPUs of its own (OpenRLHF, no pools stated); otherwise colocated."""
     row = rows()[run_id]
     run = published_run({**row, "placement": ""})
     assert run.plan.strategy == placement == row["placement"]
