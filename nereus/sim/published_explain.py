@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from nereus.cost.hardware import Hardware
 from nereus.cost.plan_cost import estimate_plan
-from nereus.sim.published_cells import canonical
+from nereus.sim.published_cells import canonical, setting
 from nereus.sim.published_frameworks import framework_of, named_framework
 from nereus.sim.published_predict import StepTimes, driver_seconds, predicted_parts, priced
 from nereus.sim.published_runs import (
@@ -24,16 +24,19 @@ from nereus.sim.published_runs import (
 )
 from nereus.spec.layout import Layout
 
+# Optional yes/no columns, which a row's notes may state instead (``published_cells.setting``)
+OPTIONAL_SETTINGS = ("enforce_eager", "partial_rollout", "checkpoint_engine")
 # Cells a stated rule fills when a row leaves them empty (sim.published_runs' module docstring, and the
 # framework defaults of sim.published_frameworks): an explanation names the ones this row left empty.
 RULED_CELLS = ("framework", "algorithm", "critic", "reference", "arch", "params_b", "n_kv_heads", "head_dim",
                "shared_experts", "placement", "mean_prompt_len", "mean_response_len", "samples_per_prompt",
                "gpus_per_node", "gen_gpus", "train_gpus", "rollout_engine", "rollout_tp", "rollout_ep",
                "train_backend", "train_tp", "train_pp", "train_cp", "train_ep", "offload", "dynamic_bsz",
-               "gpu_memory_utilization", "sync_mode", "staleness")
-# Cells that shape the batch and the trainer's work, which a row timing the weight sync alone does not read
+               "gpu_memory_utilization", "sync_mode", "staleness", *OPTIONAL_SETTINGS)
+# Cells that shape the batch, the rollout and the trainer's work, which a row timing the weight sync alone
+# does not read
 BATCH_CELLS = ("algorithm", "critic", "reference", "mean_prompt_len", "mean_response_len", "samples_per_prompt",
-               "dynamic_bsz")
+               "dynamic_bsz", "staleness", "enforce_eager", "partial_rollout")
 TERMS_SHOWN = 4  # a stage's largest cost terms printed beside its seconds
 
 
@@ -67,12 +70,21 @@ def length_text(row: dict, run: PublishedRun) -> str:
 
 
 def relevant(cell: str, run: PublishedRun) -> bool:
-    """The cell bears on the run: expert parallelism on an MoE model, the staleness on a streaming one."""
+    """The cell bears on the run: expert parallelism on an MoE model, the staleness on a streaming one, the
+    checkpoint engine on a rollout of its own GPUs, the batch's cells on a row that times more than the
+    weight sync."""
     if cell in ("rollout_ep", "train_ep", "shared_experts"):
         return run.job.models["actor"].moe is not None
-    if cell == "staleness":
+    if cell in BATCH_CELLS and weight_sync_only(run.published):
+        return False
+    if cell in ("staleness", "partial_rollout"):
         return run.sync_mode in ("fully_async", "partial_rollout")
-    return not (cell in BATCH_CELLS and weight_sync_only(run.published))
+    return cell != "checkpoint_engine" or run.plan.strategy == "disaggregated"
+
+
+def left_empty(read: dict, cell: str) -> bool:
+    """The row gives the cell no value: empty, and for an optional setting not stated in its notes either."""
+    return not text(read, cell) and (cell not in OPTIONAL_SETTINGS or not setting(read, cell, ""))
 
 
 def framework_text(row: dict) -> str:
@@ -87,7 +99,7 @@ def header(row: dict, run: PublishedRun) -> list[str]:
     c = run.job.cluster
     source = text(row, "source").rstrip("/").rsplit("/", 1)[-1] or "no source given"
     read = canonical(row)  # cells written "N/A" or an offload written "yes" are read as empty
-    empty = [k for k in RULED_CELLS if not text(read, k) and relevant(k, run)]
+    empty = [k for k in RULED_CELLS if left_empty(read, k) and relevant(k, run)]
     algorithm = text(row, "algorithm") or run.job.algorithm.name
     return [f"{run.run_id} ({source}): {framework_text(row)} {algorithm}, {run.sync_mode}, "
             f"{run.plan.strategy}, {c.num_gpus} x {c.gpu.name} in {c.nodes} node(s) of {c.gpus_per_node}",

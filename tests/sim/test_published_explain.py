@@ -152,8 +152,25 @@ def test_every_empty_cell_a_rule_fills_is_named(cell: str) -> None:
     assert cell in filled.split(": ", 1)[1].split(", ")
 
 
+def filled_cells(row: dict) -> set[str]:
+    return set(explain(row, published_run(row), "cost").splitlines()[2].split(": ", 1)[1].split(", "))
+
+
 def test_a_weight_sync_row_names_no_batch_cells_among_those_filled() -> None:
-    row = rows()["verl_wsync_7"]
-    filled = explain(row, published_run(row), "cost").splitlines()[2].split(": ", 1)[1].split(", ")
-    assert "rollout_engine" in filled and "sync_mode" in filled
-    assert not {"algorithm", "critic", "mean_prompt_len", "mean_response_len", "dynamic_bsz"} & set(filled)
+    row = {**rows()["verl_wsync_7"], "checkpoint_engine": ""}
+    filled = filled_cells(row)
+    assert {"rollout_engine", "sync_mode", "checkpoint_engine"} <= filled
+    assert not {"algorithm", "critic", "mean_prompt_len", "mean_response_len", "dynamic_bsz", "enforce_eager"} & filled
+    assert not {"staleness", "partial_rollout", "enforce_eager"} & filled_cells(rows()["verl_wsync_1"])
+
+
+def test_an_optional_setting_is_filled_only_where_neither_its_column_nor_the_notes_state_it() -> None:
+    """verl_wsync_1's notes say ``checkpoint_engine=False``: stated, not filled; left out of both, verl's
+    default for its mode is a rule's."""
+    row = {**rows()["verl_wsync_1"], "checkpoint_engine": ""}  # the shared data set's row: no such column
+    assert "checkpoint_engine" not in filled_cells(row)
+    assert "checkpoint_engine" in filled_cells({**row, "notes": ""})
+    fully_async = rows()["verl_fa_6"]
+    assert {"partial_rollout", "checkpoint_engine", "enforce_eager"} <= filled_cells(
+        {**fully_async, "partial_rollout": "", "checkpoint_engine": "", "enforce_eager": ""})
+    assert "checkpoint_engine" not in filled_cells(rows()["verl_fa_3"])  # colocated: the hybrid engine's reshard
