@@ -55,9 +55,8 @@ def moe_arch_dict(row: dict, attention: dict) -> dict:
     total = number(row, "params_b")
     if total is None:
         raise RowSkipped("ffn_hidden is given (some layers dense) but params_b is empty (how many are dense)")
-    sizes = [ModelArch(**{**attention, "ffn_hidden": dense_ffn},
-                       moe=MoESpec(experts, top_k, width, shared_expert_ffn_hidden=shared * width,
-                                   dense_layers=tuple(range(k)))).params() for k in (0, 1)]
+    sizes = [model_arch({**attention, "ffn_hidden": dense_ffn, "moe": {**moe, "dense_layers": list(range(k))}}).params()
+             for k in (0, 1)]
     dense = round((total * 1e9 - sizes[0]) / (sizes[1] - sizes[0])) if sizes[1] != sizes[0] else 0
     dense = min(max(dense, 0), layers - 1)
     return {**attention, "ffn_hidden": dense_ffn, "moe": {**moe, "dense_layers": list(range(dense))}}
@@ -70,12 +69,15 @@ def model_size_b(row: dict) -> float | None:
     if stated:
         return stated
     try:
-        arch = arch_dict(row)
+        return model_arch(arch_dict(row)).params() / 1e9
     except RowSkipped:
         return None
-    moe = arch.pop("moe", None)
-    if moe is not None:
-        moe = MoESpec(moe["experts"], moe["top_k"], moe["expert_ffn_hidden"],
-                      shared_expert_ffn_hidden=moe.get("shared_expert_ffn_hidden", 0),
-                      dense_layers=tuple(moe.get("dense_layers", ())))
-    return ModelArch(**arch, moe=moe).params() / 1e9
+
+
+def model_arch(entry: dict) -> ModelArch:
+    """The architecture an ``arch_dict`` entry describes (as ``job_from_dict`` reads a job's ``models``)."""
+    moe = entry.get("moe")
+    spec = None if moe is None else MoESpec(moe["experts"], moe["top_k"], moe["expert_ffn_hidden"],
+                                            shared_expert_ffn_hidden=moe.get("shared_expert_ffn_hidden", 0),
+                                            dense_layers=tuple(moe.get("dense_layers", ())))
+    return ModelArch(**{k: v for k, v in entry.items() if k != "moe"}, moe=spec)

@@ -92,8 +92,8 @@ def offload_word(written: str) -> str:
     "optimizer" or "param+optimizer", "none", empty for offload on without its kind; a cell with a part that
     is not one of those is kept as written, lower case, and skips the row where it is read."""
     word = written.strip().lower()
-    if word in OFFLOAD_SYNONYMS or word == "none":
-        return OFFLOAD_SYNONYMS.get(word, word)
+    if word in OFFLOAD_SYNONYMS:
+        return OFFLOAD_SYNONYMS[word]
     parts = [re.sub(r"\s+", "_", part) for part in re.split(OFFLOAD_JOINS, word)]
     if not all(part in OFFLOAD_PARTS for part in parts):
         return word
