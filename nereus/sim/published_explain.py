@@ -19,6 +19,7 @@ from nereus.sim.published_runs import (
     UNSTATED_RESPONSE_TOKENS,
     PublishedRun,
     number,
+    prompt_cap,
     text,
     weight_sync_only,
 )
@@ -29,14 +30,14 @@ OPTIONAL_SETTINGS = ("enforce_eager", "partial_rollout", "checkpoint_engine")
 # Cells a stated rule fills when a row leaves them empty (sim.published_runs' module docstring, and the
 # framework defaults of sim.published_frameworks): an explanation names the ones this row left empty.
 RULED_CELLS = ("framework", "algorithm", "critic", "reference", "arch", "params_b", "n_kv_heads", "head_dim",
-               "shared_experts", "placement", "mean_prompt_len", "mean_response_len", "samples_per_prompt",
-               "gpus_per_node", "gen_gpus", "train_gpus", "rollout_engine", "rollout_tp", "rollout_ep",
-               "train_backend", "train_tp", "train_pp", "train_cp", "train_ep", "offload", "dynamic_bsz",
-               "gpu_memory_utilization", "sync_mode", "staleness", *OPTIONAL_SETTINGS)
+               "shared_experts", "placement", "max_prompt_len", "mean_prompt_len", "mean_response_len",
+               "samples_per_prompt", "gpus_per_node", "gen_gpus", "train_gpus", "rollout_engine", "rollout_tp",
+               "rollout_ep", "train_backend", "train_tp", "train_pp", "train_cp", "train_ep", "offload",
+               "dynamic_bsz", "gpu_memory_utilization", "sync_mode", "staleness", *OPTIONAL_SETTINGS)
 # Cells that shape the batch, the rollout and the trainer's work, which a row timing the weight sync alone
 # does not read
-BATCH_CELLS = ("algorithm", "critic", "reference", "mean_prompt_len", "mean_response_len", "samples_per_prompt",
-               "dynamic_bsz", "staleness", "enforce_eager", "partial_rollout")
+BATCH_CELLS = ("algorithm", "critic", "reference", "max_prompt_len", "mean_prompt_len", "mean_response_len",
+               "samples_per_prompt", "dynamic_bsz", "staleness", "enforce_eager", "partial_rollout")
 TERMS_SHOWN = 4  # a stage's largest cost terms printed beside its seconds
 
 
@@ -60,6 +61,9 @@ def length_text(row: dict, run: PublishedRun) -> str:
     framework = framework_of(row)
     prompt_rule = "" if number(row, "mean_prompt_len") is not None else \
         f" (mean_prompt_len empty: {UNSTATED_PROMPT_FRACTION:.3g} of the cap)"
+    if number(row, "max_prompt_len") is None:
+        prompt_rule = (f" of cap {prompt_cap(row):,} (max_prompt_len empty: the mean over "
+                       f"{UNSTATED_PROMPT_FRACTION:.3g})")
     if framework.prompt_at_cap:
         prompt_rule = f" (its cap: {framework.name} pads every prompt to it)"
     response_rule = "" if number(row, "mean_response_len") is not None else \

@@ -11,8 +11,8 @@ Rules for what the schema leaves out or a row leaves empty (docs/cost-model.md, 
 
 - lengths: the published mean prompt / response length; when only the cap is published, a prompt's mean
   is ``UNSTATED_PROMPT_FRACTION`` of its cap and a response's ``UNSTATED_RESPONSE_TOKENS`` (at most half
-  its cap). Responses are log-normal with ``RESPONSE_SIGMA``, clipped at the cap; a mean longer than its
-  cap skips the row.
+  its cap); when only a prompt's mean is, its cap is that mean over the same fraction. Responses are
+  log-normal with ``RESPONSE_SIGMA``, clipped at the cap; a mean longer than its cap skips the row.
 - rollout TP: the row's, else verl's example scripts' for a model of that size (``sim.recipes``; an MoE
   model's from verl's MoE scripts).
 - the framework's own defaults where the schema has no column (``sim.published_frameworks``; verl's for
@@ -212,15 +212,22 @@ def gpu_name(row: dict) -> str:
     return f"{family}-{sizes[0]}GB" if sizes else family
 
 
+def prompt_cap(row: dict) -> int | None:
+    """The prompts' cap: ``max_prompt_len``, else their published mean read through the prior for an unstated
+    mean the other way (mean / ``UNSTATED_PROMPT_FRACTION``); None where neither is given."""
+    cap, mean = count(row, "max_prompt_len"), number(row, "mean_prompt_len")
+    return max(1, round(mean / UNSTATED_PROMPT_FRACTION)) if cap is None and mean else cap
+
+
 def mean_length(row: dict, which: str) -> tuple[int, int]:
-    """(mean, cap) of prompts or responses: the published mean, else the stated fraction of the cap."""
-    cap = count(row, f"max_{which}_len")
+    """(mean, cap) of prompts or responses: the published mean, else the stated fraction of the cap; a
+    prompt's cap from its mean where only that is published (``prompt_cap``)."""
+    cap = prompt_cap(row) if which == "prompt" else count(row, f"max_{which}_len")
     mean = number(row, f"mean_{which}_len")
     if cap is None and mean is None:
         raise RowSkipped(f"max_{which}_len and mean_{which}_len are empty (lengths set every stage's time)")
     if cap is None:
-        why = "the longest response sets the rollout's tail" if which == "response" else "batches are padded to it"
-        raise RowSkipped(f"max_{which}_len is empty ({why})")
+        raise RowSkipped(f"max_{which}_len is empty (the longest response sets the rollout's tail)")
     if mean is None:
         mean = cap * UNSTATED_PROMPT_FRACTION if which == "prompt" else min(UNSTATED_RESPONSE_TOKENS, cap / 2)
     if mean > cap:  # a typo or a mean of something else (prompt + response): not a length this cap allows
@@ -304,7 +311,7 @@ def published_run(row: dict) -> PublishedRun:
         raise RowSkipped(f"{', '.join(bounds)}: a bound, not a value, and nothing else to compare" if bounds
                          else "no published time or throughput")
     job = job_of(row, published)
-    padded = (count(row, "max_prompt_len") or job.workload.prompt_length) + job.workload.response.max
+    padded = (prompt_cap(row) or job.workload.prompt_length) + job.workload.response.max
     plan = plan_of(row, job, weight_sync_only(published))
     actor, gen = plan.placement("actor/training").layout, plan.placement("actor/generation").layout
     calls = call_sequences(row, job.models["actor"].params() / 1e9, job.algorithm.samples_per_prompt, actor.dp, gen.dp)
@@ -370,7 +377,7 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
     wl = job.workload
     # a row's tokens in a micro-batch: its own length, or the step's longest where the framework pads
     seq = padded_width(job) if job.options.padded_batches else wl.prompt_length + round(wl.response.mean)
-    cap = (count(row, "max_prompt_len") or wl.prompt_length) + wl.response.max
+    cap = (prompt_cap(row) or wl.prompt_length) + wl.response.max
     per_update = job.sequences_per_step() // job.algorithm.mini_batches  # verl asserts one a rank at least
     if per_update < dp:
         raise RowSkipped(f"a mini-batch's {per_update} sequences leave some of the {dp} training ranks none")

@@ -143,11 +143,11 @@ def test_a_framework_the_rules_do_not_list_is_named_as_priced_with_verls_default
 
 
 @pytest.mark.parametrize("cell", ["algorithm", "critic", "placement", "rollout_engine", "train_backend",
-                                  "n_kv_heads", "head_dim", "arch", "params_b"])
+                                  "n_kv_heads", "head_dim", "arch", "params_b", "max_prompt_len"])
 def test_every_empty_cell_a_rule_fills_is_named(cell: str) -> None:
     """Leaving one of these empty prices the row by a stated rule (verl's defaults, the pools, a Hugging Face
     config's): the explanation says so rather than guessing silently."""
-    row = {**rows()["verl_oso_4"], cell: ""}
+    row = {**rows()["verl_oso_4"], "mean_prompt_len": "256", cell: ""}
     filled = explain(row, published_run(row), "cost").splitlines()[2]
     assert cell in filled.split(": ", 1)[1].split(", ")
 

@@ -313,9 +313,12 @@ def test_params_b_with_its_unit_is_the_number() -> None:
         predict(published_run(row), "cost")
 
 
-@pytest.mark.parametrize(("column", "why"), [("max_prompt_len", "batches are padded to it"),
-                                             ("max_response_len", "the longest response sets the rollout's tail")])
-def test_a_cap_left_empty_beside_its_mean_skips_with_its_own_reason(column: str, why: str) -> None:
-    row = {**rows()["verl_oso_2"], "mean_prompt_len": "300", "mean_response_len": "2000", column: ""}
-    with pytest.raises(RowSkipped, match=rf"^{column} is empty \({why}\)$"):
-        published_run(row)
+def test_a_prompt_cap_left_empty_beside_its_mean_is_the_mean_over_the_stated_fraction() -> None:
+    """The prior that reads an unstated mean prompt as 1/8 of its cap, read the other way: verl_oso_2 with a
+    mean prompt of 256 and no cap is priced as with its 2,048 cap; a response's cap is still required (it
+    sets the rollout's tail)."""
+    row = {**rows()["verl_oso_2"], "mean_prompt_len": "256", "mean_response_len": "2000"}
+    assert row["max_prompt_len"] == "2048"
+    assert predict(published_run({**row, "max_prompt_len": ""}), "cost") == predict(published_run(row), "cost")
+    with pytest.raises(RowSkipped, match=r"^max_response_len is empty \(the longest response sets the rollout"):
+        published_run({**row, "max_response_len": ""})
