@@ -227,7 +227,8 @@ def mean_length(row: dict, which: str) -> tuple[int, int]:
     if cap is None and mean is None:
         raise RowSkipped(f"max_{which}_len and mean_{which}_len are empty (lengths set every stage's time)")
     if cap is None:
-        raise RowSkipped(f"max_{which}_len is empty (the longest response sets the rollout's tail)")
+        why = "the longest response sets the rollout's tail" if which == "response" else "a mean of 0 gives no cap"
+        raise RowSkipped(f"max_{which}_len is empty ({why})")
     if mean is None:
         mean = cap * UNSTATED_PROMPT_FRACTION if which == "prompt" else min(UNSTATED_RESPONSE_TOKENS, cap / 2)
     if mean > cap:  # a typo or a mean of something else (prompt + response): not a length this cap allows

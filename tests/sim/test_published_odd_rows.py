@@ -322,3 +322,5 @@ def test_a_prompt_cap_left_empty_beside_its_mean_is_the_mean_over_the_stated_fra
     assert predict(published_run({**row, "max_prompt_len": ""}), "cost") == predict(published_run(row), "cost")
     with pytest.raises(RowSkipped, match=r"^max_response_len is empty \(the longest response sets the rollout"):
         published_run({**row, "max_response_len": ""})
+    with pytest.raises(RowSkipped, match=r"^max_prompt_len is empty \(a mean of 0 gives no cap\)$"):
+        published_run({**row, "max_prompt_len": "", "mean_prompt_len": "0"})
