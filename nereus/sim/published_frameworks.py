@@ -315,8 +315,8 @@ def padded(row: dict) -> bool:
 def verl_moe_recipe(row: dict) -> Recipe | None:
     """A verl MoE row's recipe, the nearest in size of verl's MoE scripts for the row's training backend
     (``sim.recipes``): what the row leaves empty of its rollout (TP, ``enforce_eager``) and of its offload,
-    and its PPO mini-batch, are what that script sets. None for any other row (or one whose ``params_b`` is
-    not a size)."""
+    and its PPO mini-batch, are what that script sets. None for any other row (or one whose size is neither
+    stated nor counted from its architecture, ``published_arch.model_size_b``)."""
     params_b = model_size_b(row)
     if not is_verl(row) or not is_moe(row) or params_b is None:
         return None
@@ -363,14 +363,15 @@ def with_calls(job: JobSpec, sequences: int) -> JobSpec:
 def unmodelled(row: dict) -> str:
     """Why the row's rollout engine or offload kind cannot be priced ("" when both can)."""
     if rollout_engine_name(row) is None:
-        return (f"rollout_engine={row.get('rollout_engine', '')!r} of framework {row.get('framework', '')!r} is not "
-                f"modelled (known: {', '.join(ENGINE_TRAITS)}; 'other' of DeepSpeed-Chat)")
+        return (f"rollout_engine={as_written(row, 'rollout_engine')!r} of framework "
+                f"{as_written(row, 'framework')!r} is not modelled (known: {', '.join(ENGINE_TRAITS)}; 'other' of "
+                "DeepSpeed-Chat)")
     if offload_of(row) is None:
         return (f"offload={as_written(row, 'offload')!r} is not modelled "
                 "(known: none, param, optimizer, param+optimizer)")
     share = memory_utilization(row)
     if share is not None and not 0 < share <= 1:
-        return (f"gpu_memory_utilization={row.get('gpu_memory_utilization', '')!r} is not a share of the GPU's "
+        return (f"gpu_memory_utilization={as_written(row, 'gpu_memory_utilization')!r} is not a share of the GPU's "
                 "memory: give a number above 0 and at most 1, or leave it empty")
     return ""
 
