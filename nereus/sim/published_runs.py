@@ -189,17 +189,19 @@ def published_values(row: dict) -> dict[str, float]:
 # Words a GPU's name may carry besides its kind and memory that do not make it another product: the vendor,
 # the SXM form factor every catalogue entry is, its memory's type, the board or rack it sits in (a GB200's
 # "NVL72" is the rack the catalogue's GB200 describes). Any other word ("PCIe", "NVL") names a product the
-# catalogue does not hold, and the row is skipped.
+# catalogue does not hold, and the row is skipped. A count written with the kind ("8xH100", "H100 x 8": a
+# node's or the run's GPUs) is not part of the kind either: the row's count columns say how many there are.
+GPU_COUNT = re.compile(r"^\d+\s*[X\u00d7*]\s*|\s*[X\u00d7*]\s*\d+$")
 GPU_NAME_NOISE = {"NVIDIA", "SXM", "SXM4", "SXM5", "SXM6", "HBM", "HBM2", "HBM2E", "HBM3", "HBM3E", "GPU", "GPUS",
                   "HGX", "DGX", "NVL72", "TENSOR", "CORE"}
 
 
 def gpu_name(row: dict) -> str:
     """The preset of the row's GPU kind and memory ('H20-96G': H20's 96 GB, 'A100-40G': A100's 40 GB one,
-    'NVIDIA H100 80GB HBM3' and 'H100 SXM' the catalogue's H100); skipped where the catalogue has no such
-    memory ('H100-94G') or the name holds a word of another product ('H100 PCIe')."""
+    'NVIDIA H100 80GB HBM3', 'H100 SXM' and '8xH100' the catalogue's H100); skipped where the catalogue has
+    no such memory ('H100-94G') or the name holds a word of another product ('H100 PCIe')."""
     kind, presets = as_written(row, "gpu"), gpu_presets()
-    spaced = re.sub(r"(\d+)\s+(GB?)\b", r"\1\2", kind.upper())  # "96 GB" as "96GB"
+    spaced = re.sub(r"(\d+)\s+(GB?)\b", r"\1\2", GPU_COUNT.sub("", kind.strip().upper()))  # "96 GB" as "96GB"
     words = [w for w in re.split(r"[^0-9A-Z]+", spaced) if w and w not in GPU_NAME_NOISE]
     families = [w for w in words if w in presets and w != "OTHER"]
     sizes = [m.group(1) for w in words if (m := re.fullmatch(r"(\d+)GB?", w))]

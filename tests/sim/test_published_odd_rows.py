@@ -100,10 +100,13 @@ def test_a_dense_row_whose_head_dim_is_not_hidden_over_heads_is_priced_with_it()
 @pytest.mark.parametrize(("gpu", "preset"), [("H100 SXM", "H100"), ("NVIDIA H100 80GB HBM3", "H100"),
                                              ("A100-SXM4-40GB", "A100-SXM-40GB"), ("H20 96 GB", "H20"),
                                              ("GB200 NVL72", "GB200"), ("H100 PCIe", None), ("H100 NVL", None),
-                                             ("H100/A100", None), ("L40S", None)])
+                                             ("H100/A100", None), ("L40S", None), ("8xH100", "H100"),
+                                             ("H20 96GB x 8", "H20"), ("4×GB200", "GB200"), ("MI300X", None),
+                                             ("H100 x 8 PCIe", None)])
 def test_a_gpu_named_as_datasheets_name_it_is_its_preset(gpu: str, preset: str | None) -> None:
-    """Vendor, SXM form factor, memory type and the NVL72 rack are not another product; a PCIe or NVL H100
-    (other clocks, memory and links) or two kinds at once are not in the catalogue and skip the row."""
+    """Vendor, SXM form factor, memory type, the NVL72 rack and a count written with the kind are not another
+    product; a PCIe or NVL H100 (other clocks, memory and links), two kinds at once or a kind the catalogue
+    does not hold skip the row."""
     row = {**rows()["verl_oso_3"], "gpu": gpu}
     if preset is None:
         with pytest.raises(RowSkipped, match="is not in the GPU catalogue"):
