@@ -242,6 +242,21 @@ def test_a_number_with_its_columns_unit_or_a_caps_k_is_read_as_the_number(column
             == predict(published_run({**row, column: plain}), "cost"))
 
 
+@pytest.mark.parametrize(("run_id", "column", "written"), [
+    ("verl_fa_6", "rollout_tp", "TP4"), ("verl_fa30_2", "train_tp", "tp=2"), ("verl_fa30_2", "train_ep", "EP 8"),
+    ("verl_fa30_2", "train_pp", "PP:1")])
+def test_a_degree_after_its_own_name_is_the_degree(run_id: str, column: str, written: str) -> None:
+    """"TP4" in ``rollout_tp`` is 4, as tables and launch flags write a degree."""
+    row = rows()[run_id]
+    assert (predict(published_run({**row, column: written}), "cost") == predict(published_run(row), "cost"))
+
+
+@pytest.mark.parametrize(("column", "written"), [("rollout_tp", "PP4"), ("train_ep", "TP8"), ("gpus_total", "TP4")])
+def test_a_degree_under_another_name_skips_the_row(column: str, written: str) -> None:
+    with pytest.raises(RowSkipped, match=re.escape(f"{column}={written!r} is not a number")):
+        published_run({**rows()["verl_fa30_2"], column: written})
+
+
 def test_a_staleness_in_percent_is_its_share() -> None:
     row = rows()["verl_fa_6"]
     assert published_run({**row, "staleness": "50%"}).staleness == 0.5 == float(row["staleness"])
