@@ -61,39 +61,6 @@ def check_engines_hold_trained_weights(rl: RLJob) -> None:
         assert compared >= 2 * cfg.arch.layers + 2  # norms and embeddings at least
 
 
-def test_ppo_with_vllm_recovers_a_worker_killed_mid_generation(ray_runtime, tmp_path, monkeypatch):
-    real_generate = RLStep.generate
-    armed = []
-
-    def generate_losing_a_worker(self, step, prompts, policy=None, levers=None):
-        if step == LOSE_AT and not armed:
-            armed.append(step)
-            # the loss under test comes after the step's snapshot is in (one lost while its images are
-            # still being taken falls back to the snapshot before and redoes one step more)
-            self.rt.settle_snapshot()
-            self.rt.inject(FaultPlan.kill(1, "generate"))  # SIGKILL while its engine generates
-        return real_generate(self, step, prompts, policy, levers)
-
-    monkeypatch.setattr(RLStep, "generate", generate_losing_a_worker)
-    # two steps: the second is killed, recovered and redone on engines rebuilt with the first's weights
-    rl = RLJob(vllm_job("ppo", str(tmp_path / "run"), steps=2), runtime=ray_runtime, quiet=True)
-    try:
-        summary = rl.execute()
-        check_engines_hold_trained_weights(rl)
-    finally:
-        rl.release()
-        ray_runtime.resize(4)
-    [rec] = summary["recoveries"]
-    assert rec["lost"] == [1] and rec["workers"] == 3 and rec["resume_step"] == LOSE_AT
-    metrics = rows(tmp_path / "run")
-    assert [r["step"] for r in metrics] == [1, 2]
-    assert metrics[LOSE_AT]["nereus/recovery_s"] > 0
-    # the survivor that held an engine kept it running (engines.pool): reloaded, not started again
-    assert metrics[LOSE_AT]["nereus/engines_reused"] >= 1
-    assert metrics[LOSE_AT]["nereus/engines_reused"] + metrics[LOSE_AT]["nereus/engines_started"] == 2
-    check_on_policy(metrics)
-
-
 class GenerationToTP2:
     """The held plan, moved once after the first step: the actor's generation stage from two engines of
     TP 1 to one engine of TP 2 on the same two workers (the transition the controller would command)."""
@@ -187,4 +154,40 @@ def test_ppo_with_vllm_moves_running_requests_between_engines(ray_runtime, tmp_p
         rl.release()
     metrics = rows(out)
     assert metrics[0]["midstep/moves"] == 1.0
+    check_on_policy(metrics)
+
+
+# Last in the file: the engines the tests above park on the session's workers (``engines.pool``) are reused
+# here rather than started again (each start is a process importing vLLM: ~14 s idle, 2-3x that in the
+# suite), and the worker this test loses takes its engines with it.
+def test_ppo_with_vllm_recovers_a_worker_killed_mid_generation(ray_runtime, tmp_path, monkeypatch):
+    real_generate = RLStep.generate
+    armed = []
+
+    def generate_losing_a_worker(self, step, prompts, policy=None, levers=None):
+        if step == LOSE_AT and not armed:
+            armed.append(step)
+            # the loss under test comes after the step's snapshot is in (one lost while its images are
+            # still being taken falls back to the snapshot before and redoes one step more)
+            self.rt.settle_snapshot()
+            self.rt.inject(FaultPlan.kill(1, "generate"))  # SIGKILL while its engine generates
+        return real_generate(self, step, prompts, policy, levers)
+
+    monkeypatch.setattr(RLStep, "generate", generate_losing_a_worker)
+    # two steps: the second is killed, recovered and redone on engines rebuilt with the first's weights
+    rl = RLJob(vllm_job("ppo", str(tmp_path / "run"), steps=2), runtime=ray_runtime, quiet=True)
+    try:
+        summary = rl.execute()
+        check_engines_hold_trained_weights(rl)
+    finally:
+        rl.release()
+        ray_runtime.resize(4)
+    [rec] = summary["recoveries"]
+    assert rec["lost"] == [1] and rec["workers"] == 3 and rec["resume_step"] == LOSE_AT
+    metrics = rows(tmp_path / "run")
+    assert [r["step"] for r in metrics] == [1, 2]
+    assert metrics[LOSE_AT]["nereus/recovery_s"] > 0
+    # the survivor that held an engine kept it running (engines.pool): reloaded, not started again
+    assert metrics[LOSE_AT]["nereus/engines_reused"] >= 1
+    assert metrics[LOSE_AT]["nereus/engines_reused"] + metrics[LOSE_AT]["nereus/engines_started"] == 2
     check_on_policy(metrics)
