@@ -10,9 +10,12 @@ nearest recipe or script of that size).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from nereus.sim.published_cells import RowSkipped, count, enum, layer_count, number
-from nereus.spec.model import ModelArch
-from nereus.spec.moe import MoESpec
+from nereus.spec.errors import SpecError
+from nereus.spec.fields import Fields
+from nereus.spec.model import ModelArch, read_arch
 
 
 def is_moe(row: dict) -> bool:
@@ -75,9 +78,9 @@ def model_size_b(row: dict) -> float | None:
 
 
 def model_arch(entry: dict) -> ModelArch:
-    """The architecture an ``arch_dict`` entry describes (as ``job_from_dict`` reads a job's ``models``)."""
-    moe = entry.get("moe")
-    spec = None if moe is None else MoESpec(moe["experts"], moe["top_k"], moe["expert_ffn_hidden"],
-                                            shared_expert_ffn_hidden=moe.get("shared_expert_ffn_hidden", 0),
-                                            dense_layers=tuple(moe.get("dense_layers", ())))
-    return ModelArch(**{k: v for k, v in entry.items() if k != "moe"}, moe=spec)
+    """The architecture an ``arch_dict`` entry describes, read as ``job_from_dict`` reads a job's ``models``
+    (``spec.model.read_arch``); one it refuses skips the row with its reason."""
+    try:
+        return read_arch(Fields(entry, "models.actor"), Path())
+    except SpecError as err:
+        raise RowSkipped(f"the row does not make a valid job: {err}") from None

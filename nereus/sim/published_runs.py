@@ -221,6 +221,12 @@ def prompt_cap(row: dict) -> int | None:
     return max(1, round(mean / UNSTATED_PROMPT_FRACTION)) if cap is None and mean else cap
 
 
+def padded_slots(row: dict, job: JobSpec) -> int:
+    """Token slots of a sequence padded to the caps: the prompt's cap (``prompt_cap``, else the job's prompt
+    length, as a weight-sync row that reads no lengths has) plus the response's."""
+    return (prompt_cap(row) or job.workload.prompt_length) + job.workload.response.max
+
+
 def mean_length(row: dict, which: str) -> tuple[int, int]:
     """(mean, cap) of prompts or responses: the published mean, else the stated fraction of the cap; a
     prompt's cap from its mean where only that is published (``prompt_cap``)."""
@@ -314,7 +320,7 @@ def published_run(row: dict) -> PublishedRun:
         raise RowSkipped(f"{', '.join(bounds)}: a bound, not a value, and nothing else to compare" if bounds
                          else "no published time or throughput")
     job = job_of(row, published)
-    padded = (prompt_cap(row) or job.workload.prompt_length) + job.workload.response.max
+    padded = padded_slots(row, job)
     plan = plan_of(row, job, weight_sync_only(published))
     actor, gen = plan.placement("actor/training").layout, plan.placement("actor/generation").layout
     calls = call_sequences(row, job.models["actor"].params() / 1e9, job.algorithm.samples_per_prompt, actor.dp, gen.dp)
@@ -380,7 +386,7 @@ def _trainer_layouts(row: dict, job: JobSpec, gpus: int) -> tuple[Layout, Layout
     wl = job.workload
     # a row's tokens in a micro-batch: its own length, or the step's longest where the framework pads
     seq = padded_width(job) if job.options.padded_batches else wl.prompt_length + round(wl.response.mean)
-    cap = (prompt_cap(row) or wl.prompt_length) + wl.response.max
+    cap = padded_slots(row, job)
     per_update = job.sequences_per_step() // job.algorithm.mini_batches  # verl asserts one a rank at least
     if per_update < dp:
         raise RowSkipped(f"a mini-batch's {per_update} sequences leave some of the {dp} training ranks none")
