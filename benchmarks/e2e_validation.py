@@ -16,6 +16,10 @@ bytes at the links' peak, ``published_predict.floors``) timed something other th
 printed as not compared, and a row left with nothing to compare is skipped with that reason. ``--plot``
 also draws predicted against published seconds, cell by cell.
 
+After the table it prints the mean absolute error per source document and column (the README's table),
+then the mean signed error per arrangement (a row's placement and sync mode) and column: which way the
+predictions lean, which an absolute mean does not show.
+
 Before the JSON line it also runs the simulator's verl baselines on verl's own published steps
 (``nereus.sim.published_baseline``: ``verl-like`` for a synchronous colocated row, ``verl-async-like`` for
 a one-step-off row, each choosing its own layouts for the row's job, as in every simulated comparison
@@ -155,6 +159,26 @@ def by_source(cells: list, rows: list[dict]) -> str:
     out = ["", f"{'source':<48} {'column':<18} {'cells':>5} {'mean |error|':>12}"]
     for (name, column), errs in sorted(errors.items(), key=lambda kv: (kv[0][0], COLUMNS.index(kv[0][1]))):
         out.append(f"{name:<48} {column:<18} {len(errs):>5} {sum(errs) / len(errs):>11.1f}%")
+    return "\n".join(out)
+
+
+def arrangement(run: PublishedRun) -> str:
+    """How a row runs its stages: its placement and, beside it, whether its steps wait for their rollout."""
+    mode = "synchronous" if run.sync_mode == "sync" else run.sync_mode.replace("_", "-")
+    return f"{run.plan.strategy}, {mode}"
+
+
+def by_arrangement(cells: list, parsed: Parsed) -> str:
+    """Mean signed and absolute error per arrangement (``arrangement``) and column: where the predictions
+    lean one way, which a mean absolute error alone does not show."""
+    ways = {run_id: arrangement(run) for run_id, _, run in parsed if not isinstance(run, RowSkipped)}
+    errors: dict[tuple[str, str], list[float]] = {}
+    for run_id, column, published, guess in cells:
+        errors.setdefault((ways[run_id], column), []).append(100 * (guess / published - 1))
+    out = ["", f"{'arrangement':<30} {'column':<18} {'cells':>5} {'mean error':>10} {'mean |error|':>12}"]
+    for (way, column), errs in sorted(errors.items(), key=lambda kv: (kv[0][0], COLUMNS.index(kv[0][1]))):
+        mean, spread = sum(errs) / len(errs), sum(map(abs, errs)) / len(errs)
+        out.append(f"{way:<30} {column:<18} {len(errs):>5} {mean:>+9.1f}% {spread:>11.1f}%")
     return "\n".join(out)
 
 
@@ -304,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print(table(cells, skipped, uncompared))
         print(by_source(cells, rows))
+        print(by_arrangement(cells, parsed))
         spread = same_inputs(parsed, cells)
         if spread:
             print(spread)

@@ -78,6 +78,24 @@ def test_sources_are_named_by_framework_and_document() -> None:
     assert "verl docs/advance/fully_async.md" in text and "15.0%" in text
 
 
+def test_errors_are_signed_by_placement_and_mode() -> None:
+    """The arrangement table keeps each error's sign, so a placement whose steps are all predicted short
+    shows as such; errors of one arrangement never mix with another's."""
+    rows = packaged_rows()
+    parsed = e2e_validation.parse_rows([rows["verl_oso_3"], rows["verl_oso_4"], rows["verl_fa_6"]])
+    assert [e2e_validation.arrangement(run) for _, _, run in parsed] == [
+        "colocated, synchronous", "disaggregated, one-step-off", "disaggregated, fully-async"]
+    cells = [("verl_oso_3", "t_step_s", 100.0, 80.0), ("verl_oso_3", "t_gen_s", 100.0, 90.0),
+             ("verl_oso_4", "t_step_s", 100.0, 110.0), ("verl_oso_4", "t_step_s", 100.0, 70.0),
+             ("verl_fa_6", "t_step_s", 200.0, 220.0)]
+    lines = e2e_validation.by_arrangement(cells, parsed).splitlines()[2:]
+    assert [line.split()[-3:] for line in lines] == [
+        ["1", "-10.0%", "10.0%"], ["1", "-20.0%", "20.0%"],  # colocated: gen first, in table order
+        ["1", "+10.0%", "10.0%"],  # fully-async
+        ["2", "-10.0%", "20.0%"]]  # one-step-off: +10% and -30%, signed mean -10%, absolute 20%
+    assert lines[0].startswith("colocated, synchronous") and "t_gen_s" in lines[0]
+
+
 def test_the_readme_quotes_what_the_validation_prints(capsys: pytest.CaptureFixture) -> None:
     """The README's validation table (its "all" row: cost / simulator per stage) is what the script gives
     on the packaged rows now: a model change that moves a figure must move the README with it."""
@@ -128,6 +146,29 @@ def test_every_held_out_row_is_modelled_and_the_readme_quotes_its_figures(capsys
     printed = [f"{cost['rows']} ({len(cost['skipped'])})", str(cost["cells"]),
                *(f"{cost['mean_abs_pct'][c]:.0f} / {sim['mean_abs_pct'][c]:.0f}" for c in columns)]
     assert quoted == printed
+
+
+def test_the_readme_quotes_which_way_the_steps_lean() -> None:
+    """The README's signed figures (colocated synchronous steps on the packaged rows and held out, and the
+    range of the disaggregated ones) are what the arrangement tables give now."""
+    import re
+
+    signed: dict[tuple[str, str], float] = {}
+    for name in ("e2e_runs.csv", "e2e_runs_nemo_rl.csv"):
+        rows = e2e_validation.read_rows(ROOT / "nereus" / "cost" / name)
+        parsed = e2e_validation.parse_rows(rows)
+        cells = e2e_validation.validate(rows, "cost", parsed)[0]
+        for line in e2e_validation.by_arrangement(cells, parsed).splitlines()[2:]:
+            way, rest = line[:30].strip(), line[30:].split()
+            if rest[0] == "t_step_s":
+                signed[(name, way)] = float(rest[2].rstrip("%"))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    quoted = re.search(r"colocated synchronous steps run (\d+)% short on these rows and (\d+)% held out, "
+                       r"disaggregated ones −(\d+)% to \+(\d+)%", readme)
+    assert quoted is not None
+    colocated = [-signed[(name, "colocated, synchronous")] for name in ("e2e_runs.csv", "e2e_runs_nemo_rl.csv")]
+    apart = [v for (_, way), v in signed.items() if way.startswith("disaggregated")]
+    assert [int(g) for g in quoted.groups()] == [round(v) for v in (*colocated, -min(apart), max(apart))]
 
 
 def test_the_best_single_value_is_one_of_the_values() -> None:
