@@ -72,11 +72,20 @@ def progress(done: int, total: int, what: str) -> None:
         print(f"\r{what}: row {done} of {total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
 
 
-def parse_rows(rows: list[dict]) -> Parsed:
-    """Each row's run id (or its position), the row, and its job and plan or why it has none."""
-    out: Parsed = []
+def run_ids(rows: list[dict]) -> list[str]:
+    """Each row's name in what is printed: its run id, its position where it has none, and both where an
+    earlier row has the same id (so that no table puts one row's cells under another's source or mode)."""
+    out: list[str] = []
     for i, row in enumerate(rows):
-        run_id = text(row, "run_id") or f"(row {i + 1})"
+        run_id = text(row, "run_id")
+        out.append(f"{run_id} (row {i + 1})" if run_id in out else run_id or f"(row {i + 1})")
+    return out
+
+
+def parse_rows(rows: list[dict]) -> Parsed:
+    """Each row's name (``run_ids``), the row, and its job and plan or why it has none."""
+    out: Parsed = []
+    for run_id, row in zip(run_ids(rows), rows, strict=True):
         try:
             out.append((run_id, row, published_run(row)))
         except RowSkipped as why:
@@ -152,7 +161,7 @@ def source_name(row: dict) -> str:
 
 def by_source(cells: list, rows: list[dict]) -> str:
     """Mean absolute error per source document and column (cells, error %), the README's table."""
-    names = {text(row, "run_id"): source_name(row) for row in rows}
+    names = dict(zip(run_ids(rows), map(source_name, rows), strict=True))
     errors: dict[tuple[str, str], list[float]] = {}
     for run_id, column, published, guess in cells:
         errors.setdefault((names.get(run_id, "?"), column), []).append(abs(100 * (guess / published - 1)))
@@ -230,7 +239,7 @@ def same_inputs(parsed: Parsed, cells: list) -> str:
 def baselines(parsed: Parsed) -> str:
     """The verl baselines' simulated steps against the verl rows' published ones, and their mean error."""
     out, errors = ["", f"{'run':<16} {'baseline':<18} {'published':>10} {'simulated':>10} {'error':>8}"], []
-    for i, (_, row, run) in enumerate(parsed):
+    for i, (run_id, row, run) in enumerate(parsed):
         progress(i + 1, len(parsed), "verl baselines")
         if isinstance(run, RowSkipped):
             continue
@@ -240,13 +249,13 @@ def baselines(parsed: Parsed) -> str:
         try:
             step = baseline_step(run, name)
         except InfeasibleError as why:
-            out.append(f"{run.run_id:<16} {name:<18} not simulated: {str(why).split(':')[0]} does not fit")
+            out.append(f"{run_id:<16} {name:<18} not simulated: {str(why).split(':')[0]} does not fit")
             continue
         except SpecError as why:  # the baseline's own plan for the row's job is not one it can run
-            out.append(f"{run.run_id:<16} {name:<18} not simulated: {why}")
+            out.append(f"{run_id:<16} {name:<18} not simulated: {why}")
             continue
         errors.append(abs(step.error_pct))
-        out.append(f"{run.run_id:<16} {name:<18} {step.published_s:>10.1f} {step.simulated_s:>10.1f} "
+        out.append(f"{run_id:<16} {name:<18} {step.published_s:>10.1f} {step.simulated_s:>10.1f} "
                    f"{step.error_pct:>+7.0f}%")
     if errors:
         mean = sum(errors) / len(errors)
@@ -262,7 +271,7 @@ def plot(path: Path, cells: list, rows: list[dict], source: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = {text(row, "run_id"): source_name(row) for row in rows}
+    names = dict(zip(run_ids(rows), map(source_name, rows), strict=True))
     documents = sorted({names.get(run_id, "?") for run_id, *_ in cells})
     colours = {d: plt.get_cmap("tab10")(i % 10) for i, d in enumerate(documents)}
     markers = dict(zip(COLUMNS, "o^sDv<P>X", strict=False))

@@ -148,6 +148,27 @@ def test_every_held_out_row_is_modelled_and_the_readme_quotes_its_figures(capsys
     assert quoted == printed
 
 
+def test_rows_sharing_a_run_id_keep_their_own_source_and_mode(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A CSV whose run ids repeat (or are empty) still puts each row's cells under its own source document and
+    arrangement: a repeated id is printed with its row number, an empty one as its position."""
+    rows = packaged_rows()
+    twin = {**rows["verl_fa_6"], "run_id": "verl_oso_3"}  # another table's row under the same id
+    unnamed = {**rows["verl_oso_3"], "run_id": ""}
+    path = write(tmp_path / "runs.csv", [rows["verl_oso_3"], twin, unnamed])
+    assert e2e_validation.main(["--rows", str(path)]) == 0
+    out = capsys.readouterr().out
+    tables = out.split("\n\n")
+    sources = next(t for t in tables if t.startswith("source")).splitlines()[1:]
+    ways = next(t for t in tables if t.startswith("arrangement")).splitlines()[1:]
+    cells = {line.split()[-2] for line in sources if "t_step_s" in line}  # cells per document
+    assert cells == {"1", "2"}  # fully_async.md: the twin; one_step_off.md: the first and the unnamed row
+    assert any(line.startswith("colocated, synchronous") and "t_step_s" in line and line.split()[-3] == "2"
+               for line in ways)
+    assert any(line.startswith("disaggregated, fully-async") and "t_step_s" in line and line.split()[-3] == "1"
+               for line in ways)
+    assert "verl_oso_3 (row 2)" in out and "(row 3)" in out
+
+
 def test_the_readme_quotes_which_way_the_steps_lean() -> None:
     """The README's signed figures (colocated synchronous steps on the packaged rows and held out, and the
     range of the disaggregated ones) are what the arrangement tables give now."""
