@@ -143,7 +143,7 @@ def below_floor(run: PublishedRun) -> dict[str, str]:
 def summary(cells: list, skipped: list[dict], modelled: int) -> dict:
     errors: dict[str, list[float]] = {}
     for _, column, published, guess in cells:
-        errors.setdefault(column, []).append(abs(100 * (guess / published - 1)))
+        errors.setdefault(column, []).append(abs(error_pct(published, guess)))
     every = [e for column in errors for e in errors[column]]
     return {"rows": modelled, "skipped": skipped, "cells": len(cells),
             "mean_abs_pct": {c: round(sum(errors[c]) / len(errors[c]), 1) for c in COLUMNS if c in errors},
@@ -159,15 +159,30 @@ def source_name(row: dict) -> str:
     return f"{text(row, 'framework') or '?'} {document}"
 
 
+def error_pct(published: float, guess: float) -> float:
+    """A prediction's signed error, % of the published value."""
+    return 100 * (guess / published - 1)
+
+
+def errors_by(cells: list, label: dict[str, str]) -> dict[tuple[str, str], list[float]]:
+    """The cells' signed errors (%) grouped by their row's ``label`` (by printed name) and their column, in
+    table order: label, then the columns' order."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for run_id, column, published, guess in cells:
+        groups.setdefault((label.get(run_id, "?"), column), []).append(error_pct(published, guess))
+    return dict(sorted(groups.items(), key=lambda kv: (kv[0][0], COLUMNS.index(kv[0][1]))))
+
+
+def source_names(rows: list[dict]) -> dict[str, str]:
+    """Each row's source document (``source_name``) by its printed name (``run_ids``)."""
+    return dict(zip(run_ids(rows), map(source_name, rows), strict=True))
+
+
 def by_source(cells: list, rows: list[dict]) -> str:
     """Mean absolute error per source document and column (cells, error %), the README's table."""
-    names = dict(zip(run_ids(rows), map(source_name, rows), strict=True))
-    errors: dict[tuple[str, str], list[float]] = {}
-    for run_id, column, published, guess in cells:
-        errors.setdefault((names.get(run_id, "?"), column), []).append(abs(100 * (guess / published - 1)))
     out = ["", f"{'source':<48} {'column':<18} {'cells':>5} {'mean |error|':>12}"]
-    for (name, column), errs in sorted(errors.items(), key=lambda kv: (kv[0][0], COLUMNS.index(kv[0][1]))):
-        out.append(f"{name:<48} {column:<18} {len(errs):>5} {sum(errs) / len(errs):>11.1f}%")
+    for (name, column), errs in errors_by(cells, source_names(rows)).items():
+        out.append(f"{name:<48} {column:<18} {len(errs):>5} {sum(map(abs, errs)) / len(errs):>11.1f}%")
     return "\n".join(out)
 
 
@@ -177,15 +192,16 @@ def arrangement(run: PublishedRun) -> str:
     return f"{run.plan.strategy}, {mode}"
 
 
+def arrangements(parsed: Parsed) -> dict[str, str]:
+    """Each modelled row's ``arrangement`` by its printed name."""
+    return {run_id: arrangement(run) for run_id, _, run in parsed if not isinstance(run, RowSkipped)}
+
+
 def by_arrangement(cells: list, parsed: Parsed) -> str:
     """Mean signed and absolute error per arrangement (``arrangement``) and column: where the predictions
     lean one way, which a mean absolute error alone does not show."""
-    ways = {run_id: arrangement(run) for run_id, _, run in parsed if not isinstance(run, RowSkipped)}
-    errors: dict[tuple[str, str], list[float]] = {}
-    for run_id, column, published, guess in cells:
-        errors.setdefault((ways[run_id], column), []).append(100 * (guess / published - 1))
     out = ["", f"{'arrangement':<30} {'column':<18} {'cells':>5} {'mean error':>10} {'mean |error|':>12}"]
-    for (way, column), errs in sorted(errors.items(), key=lambda kv: (kv[0][0], COLUMNS.index(kv[0][1]))):
+    for (way, column), errs in errors_by(cells, arrangements(parsed)).items():
         mean, spread = sum(errs) / len(errs), sum(map(abs, errs)) / len(errs)
         out.append(f"{way:<30} {column:<18} {len(errs):>5} {mean:>+9.1f}% {spread:>11.1f}%")
     return "\n".join(out)
@@ -194,7 +210,7 @@ def by_arrangement(cells: list, parsed: Parsed) -> str:
 def table(cells: list, skipped: list[dict], uncompared: list[str]) -> str:
     out = [f"{'run':<16} {'column':<18} {'published':>10} {'predicted':>10} {'error':>8}"]
     for run_id, column, published, guess in cells:
-        error = 100 * (guess / published - 1)
+        error = error_pct(published, guess)
         out.append(f"{run_id:<16} {column:<18} {published:>10.2f} {guess:>10.2f} {error:>+7.0f}%")
     out += [f"not compared {line}" for line in uncompared]
     out += [f"skipped {s['run_id']}: {s['why']}" for s in skipped]
@@ -271,7 +287,7 @@ def plot(path: Path, cells: list, rows: list[dict], source: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = dict(zip(run_ids(rows), map(source_name, rows), strict=True))
+    names = source_names(rows)
     documents = sorted({names.get(run_id, "?") for run_id, *_ in cells})
     colours = {d: plt.get_cmap("tab10")(i % 10) for i, d in enumerate(documents)}
     markers = dict(zip(COLUMNS, "o^sDv<P>X", strict=False))

@@ -164,16 +164,16 @@ CAP_COLUMNS = ("max_prompt_len", "max_response_len")
 SHARE_COLUMNS = ("staleness", "gpu_memory_utilization")
 # A parallel degree written after its own name ("TP4", "tp=4", "EP 8"), as tables and launch flags write
 # them (``train_cp`` is not read: the validation prices context parallelism as DP, e2e_runs.md).
-DEGREE_NAMES = {"_tp": ("tp",), "_pp": ("pp",), "_ep": ("ep",)}
+DEGREE_NAMES = ("tp", "pp", "ep")  # each the name a column ending "_<name>" holds the degree of
 
 
 def _without_unit(key: str, value: str) -> tuple[str, float]:
     """The cell's number text without the column's unit word or degree name, and the multiplier its K or %
     stands for."""
-    names = next((n for end, n in DEGREE_NAMES.items() if key.endswith(end)), ())
     degree = re.fullmatch(r"([a-z]+)\s*[=:]?\s*(\d+)", value, re.IGNORECASE)
-    if degree and degree.group(1).lower() in names:
-        return degree.group(2), 1.0
+    name, number = (degree.group(1).lower(), degree.group(2)) if degree else ("", "")
+    if name in DEGREE_NAMES and key.endswith(f"_{name}"):
+        return number, 1.0
     words = next((w for end, w in UNIT_WORDS if key.endswith(end)), ())
     unit = re.match(r"^(.*?[\dkK])\s*([a-z]+)$", value, re.IGNORECASE)  # "8K tokens": a cap's K, then its unit
     if unit and unit.group(2).lower() in words:
